@@ -1,0 +1,393 @@
+"""Graph -> the source of one generated module.
+
+Layout of the module: contract constants; scalar helpers; kernels; one compiled function per
+entry point that runs its kernels in schedule order (so a call crosses from Python into
+machine code once); the Python entry points, which check their arguments and call it; the
+Trainer, whose whole step (gradients, clipping, update) is one compiled call too.
+"""
+import textwrap
+
+import numpy as np
+import sympy as sp
+
+from gradc.ops import get_op
+from gradc.ops.elementwise import expr_of
+
+from .cpu import Kernels
+from .sympy_print import HELPERS
+
+INLINE_CONST_LIMIT = 256   # larger constant arrays go to NAME.data.npz beside the module
+
+
+def _shape_src(shape, dims):
+    parts = [dims[d] if isinstance(d, str) else str(d) for d in shape]
+    return f"({parts[0]},)" if len(parts) == 1 else f"({', '.join(parts)})"
+
+
+def _pattern(operand_shape, out_shape):
+    lead = len(out_shape) - len(operand_shape)
+    return tuple(-1 if (d == 1 and out_shape[lead + j] != 1) else lead + j for j, d in enumerate(operand_shape))
+
+
+class EntryWriter:
+    """Writes the compiled function of one entry point."""
+
+    def __init__(self, graph, kernels, names):
+        self.graph = graph
+        self.kernels = kernels
+        self.names = names           # node -> variable name for leaves
+        self.leaf_rank = {}          # leaf -> position in the argument list
+        self.scalar_roots = set()    # roots returned as plain numbers
+
+    def var(self, n):
+        g = self.graph
+        if g.op(n) == "const":
+            value = g.attrs(n)["value"]
+            if np.ndim(value) == 0:
+                return repr(float(value))
+            return f"c{n}"
+        if n in self.names:
+            return self.names[n] if g.shape(n) != () else f"{self.names[n]}[0]"
+        return f"t{n}"
+
+    def write(self, fname, roots, doc):
+        g = self.graph
+        needed = g.ancestors(roots)
+        order = g.topo_order(needed)
+        leaves = [n for n in order if g.op(n) in ("param", "input")]
+        leaves.sort(key=lambda n: self.leaf_rank[n])
+        consts = [n for n in order if g.op(n) == "const" and np.ndim(g.attrs(n)["value"]) > 0]
+        args = [self.names[n] for n in leaves] + [f"c{n}" for n in consts]
+        dims = self._dims(order, leaves)
+        body = [f"{dims[d]} = {src}" for d, src in self._dim_sources(order, leaves).items()]
+        for n in order:
+            if g.op(n) in ("param", "input", "const"):
+                continue
+            body += self.statement(n, dims)
+        returned, seen = [], set()
+        for r in roots:
+            v = self.var(r)
+            if g.shape(r) == ():
+                # the objective comes back as a number; other scalars as 1-element arrays
+                returned.append(v if r in self.scalar_roots else f"np.full(1, {v}, FLOAT)")
+            elif g.op(r) in ("reshape", "param", "input", "const") or r in seen:
+                returned.append(f"{v}.copy()")   # never hand out a view of another value
+            else:
+                returned.append(v)
+            seen.add(r)
+        body.append(f"return {', '.join(returned)}{',' if len(returned) == 1 else ''}")
+        lines = ["@kernel", f"def {fname}({', '.join(args)}):", f'    """{doc}"""']
+        lines += ["    " + b for b in body]
+        return "\n".join(lines), leaves, consts
+
+    def _dims(self, order, leaves):
+        names = {}
+        for n in order:
+            shapes = [self.graph.shape(n)] + [self.graph.attrs(n).get(k, ()) for k in ("dims",)]
+            for s in shapes:
+                for d in s:
+                    if isinstance(d, str):
+                        names[d] = f"d_{d}"
+            nc = self.graph.attrs(n).get("num_classes")
+            if isinstance(nc, str):
+                names[nc] = f"d_{nc}"
+        return names
+
+    def _dim_sources(self, order, leaves):
+        sources = {}
+        for n in leaves:
+            for axis, d in enumerate(self.graph.shape(n)):
+                if isinstance(d, str) and d not in sources:
+                    sources[d] = f"{self.names[n]}.shape[{axis}]"
+        missing = set(self._dims(order, leaves)) - set(sources)
+        if missing:
+            raise AssertionError(f"dims {missing} are not carried by any input of the entry point")
+        return sources
+
+    def statement(self, n, dims):
+        g = self.graph
+        node = g.node(n)
+        op, ins, attrs, shape = node["op"], node["inputs"], node["attrs"], node["shape"]
+        kind = get_op(op).kind
+        v, a = f"t{n}", [self.var(u) for u in ins]
+        note = f"  # {op} {node['src']}"
+        alloc = f"{v} = np.empty({_shape_src(shape, dims)}, FLOAT)"
+        if kind == "elementwise":
+            expr = expr_of(g, n)
+            if shape == ():
+                block = self.kernels.scalar_expression(expr, a, v)
+                return block[:-1] + [block[-1] + note]
+            patterns = [None if g.shape(u) == () else _pattern(g.shape(u), shape) for u in ins]
+            k = self.kernels.elementwise(expr, patterns, len(shape), _hint(g, n))
+            return [alloc, f"{k}({', '.join(a + [v])}){note}"]
+        if op == "matmul":
+            ta = ".T" if attrs.get("transpose_a") else ""
+            tb = ".T" if attrs.get("transpose_b") else ""
+            return [f"{v} = np.dot({a[0]}{ta}, {a[1]}{tb}){note}"]
+        if op == "transpose":
+            return [f"{v} = np.ascontiguousarray(np.transpose({a[0]}, {tuple(attrs['axes'])})){note}"]
+        if op == "reshape":
+            if g.shape(ins[0]) == ():
+                return [f"{v} = np.full({_shape_src(shape, dims)}, {a[0]}, FLOAT){note}"]
+            if shape == ():
+                return [f"{v} = {a[0]}.reshape(-1)[0]{note}"]
+            return [f"{v} = {a[0]}.reshape({_shape_src(shape, dims)}){note}"]
+        if op in ("sum", "mean", "max"):
+            k = self.kernels.reduction(op, len(g.shape(ins[0])), tuple(attrs["axes"]), attrs.get("keepdims", False))
+            if shape == () :
+                return [f"{v} = {k}({a[0]}){note}"]
+            return [alloc, f"{k}({a[0]}, {v}){note}"]
+        if op == "argmax_mask":
+            k = self.kernels.argmax_mask(len(shape), tuple(attrs["axes"]))
+            return [alloc, f"{k}({a[0]}, {v}){note}"]
+        if op == "count":
+            factors = [dims[d] if isinstance(d, str) else str(d) for d in attrs["dims"]]
+            return [f"{v} = float({' * '.join(factors) or '1'}){note}"]
+        if op in ("softmax", "log_softmax"):
+            k = self.kernels.softmax(op, len(shape), attrs["axis"])
+            return [alloc, f"{k}({a[0]}, {v}){note}"]
+        if op == "pick":
+            return [alloc, f"{self.kernels.pick()}({a[0]}, {a[1]}, {v}){note}"]
+        if op == "pick_grad":
+            if g.shape(ins[0]) == ():
+                raise AssertionError("pick_grad of a scalar adjoint")
+            return [alloc, f"{self.kernels.pick_grad()}({a[0]}, {a[1]}, {v}){note}"]
+        raise NotImplementedError(f"cpu codegen has no rule for op {op!r}")
+
+
+def _hint(graph, n):
+    """A short name for an elementwise kernel: the functions it applies, or the op."""
+    if graph.op(n) != "fused":
+        return graph.op(n)
+    funcs = sorted({type(f).__name__.lower() for f in graph.attrs(n)["expr"].atoms(sp.Function)})
+    return "_".join(funcs[:3]) or "arith"
+
+
+# ---- the whole module ------------------------------------------------------------------------
+HEADER = '''"""{name}: training code generated by gradc {version} from {source}.
+
+Do not edit: change the model and run `gradc compile` again.
+
+    params = init_params(seed=0)
+    loss, grads = loss_and_grad(params, {example})
+    trainer = Trainer(params, optimizer="sgd", lr=0.1, momentum=0.9); trainer.step({example})
+
+Kernels are Numba functions compiled once and cached beside this file; each entry point is one
+compiled function that runs its kernels in order. Float values are {dtype}.
+"""
+import math
+
+import numpy as np
+from numba import njit
+
+from gradc.runtime import Signature, TrainerBase, init_from, load_data
+from gradc.runtime.optim import adam_update, clip_scale, sgd_update, sum_squares
+
+kernel = njit(cache=True, error_model="numpy")   # float errors give inf/nan as in numpy, never raise
+FLOAT = np.{dtype}
+'''
+
+
+def _with_doc(source, doc):
+    """Put a one-line docstring under the def line."""
+    head, _, rest = source.partition("):\n")
+    doc = doc.replace("\\", "\\\\").replace('"', "'")
+    return f'{head}):\n    """{doc}"""\n{rest}'
+
+
+def _literal_array(value):
+    return f"np.array({np.asarray(value).tolist()!r}, dtype=FLOAT)"
+
+
+def generate(graph, info):
+    """Source of the module, the arrays for NAME.data.npz, and facts for the dumps and `inspect`.
+
+    info: name, source, dtype, version, fingerprint, param_info.
+    """
+    g = graph
+    kernels = Kernels()
+    names = {n: f"p_{p}" for p, n in g.params.items()} | {n: f"in_{i}" for i, n in g.inputs.items()}
+    writer = EntryWriter(g, kernels, names)
+    writer.leaf_rank = {n: i for i, n in enumerate(list(g.params.values()) + list(g.inputs.values()))}
+    leaf_name = {n: p for p, n in g.params.items()} | {n: i for i, n in g.inputs.items()}
+    param_info = info["param_info"]
+    trainable = [p for p in g.params if param_info[p]["trainable"]]
+    with_grad = [p for p in trainable if g.grads.get(p) is not None]
+    input_grads = [i for i, v in g.input_grads.items() if v is not None]
+    outputs = list(g.outputs)
+
+    entries = {}   # fname -> (roots, source, leaves, consts)
+
+    def entry(fname, roots, doc, scalar_roots=()):
+        writer.scalar_roots = set(scalar_roots)
+        source, leaves, consts = writer.write(fname, roots, doc)
+        entries[fname] = (roots, source, leaves, consts)
+
+    if outputs:
+        entry("_forward", [g.outputs[o] for o in outputs], "The declared outputs.")
+    entry("_forward_loss", [g.outputs[o] for o in outputs] + [g.objective],
+          "The declared outputs and the objective.", [g.objective])
+    entry("_loss_and_grad", [g.objective] + [g.grads[p] for p in with_grad],
+          "The objective and the gradients of the trainable params.", [g.objective])
+    if input_grads:
+        entry("_input_grads", [g.input_grads[i] for i in input_grads], "Gradients of the objective for the float inputs.")
+
+    data = {}
+    for fname, (_, _, _, consts) in entries.items():
+        for n in consts:
+            data[f"c{n}"] = np.asarray(g.attrs(n)["value"])
+    inits = {}
+    for p in g.params:
+        init = param_info[p]["init"]
+        if isinstance(init, np.ndarray):
+            data[f"init_{p}"] = init
+            inits[p] = f"data:init_{p}"
+        else:
+            inits[p] = init
+    inline = {k: v for k, v in data.items() if v.size <= INLINE_CONST_LIMIT}
+    stored = {k: v for k, v in data.items() if v.size > INLINE_CONST_LIMIT}
+
+    def call(fname, state=None):
+        roots, _, leaves, consts = entries[fname]
+        args = [f'p["{leaf_name[n]}"]' if g.op(n) == "param" else f'a["{leaf_name[n]}"]' for n in leaves]
+        if state is not None:
+            args = ([f'p["{leaf_name[n]}"]' for n in leaves if g.op(n) == "param"] +
+                    [f's["{slot}"]["{p}"]' for slot in state for p in with_grad] +
+                    [f'a["{leaf_name[n]}"]' for n in leaves if g.op(n) == "input"])
+        return args + [f'DATA["c{n}"]' for n in consts]
+
+    def inputs_of(fname):
+        return tuple(leaf_name[n] for n in entries[fname][2] if g.op(n) == "input")
+
+    def zero_or(value_src, shape):
+        return f"{value_src}.reshape(())" if shape == () else value_src
+
+    out = [HEADER.format(name=info["name"], version=info["version"], source=info["source"], dtype=info["dtype"],
+                         example=", ".join(f"{i}={i.upper()}" for i in g.inputs))]
+    out.append(f'MODEL_NAME = {info["name"]!r}')
+    out.append(f'GRADC_VERSION = {info["version"]!r}')
+    out.append('TARGET = "cpu"')
+    out.append(f'DTYPE = {info["dtype"]!r}')
+    out.append(f"PARAM_ORDER = {tuple(g.params)!r}")
+    out.append(f"PARAM_SHAPES = {{{', '.join(f'{p!r}: {tuple(g.shape(n))!r}' for p, n in g.params.items())}}}")
+    out.append(f"TRAINABLE = {tuple(trainable)!r}")
+    out.append("INPUTS = {" + ", ".join(f"{i!r}: ({tuple(g.shape(n))!r}, {g.dtype(n)!r})" for i, n in g.inputs.items()) + "}")
+    out.append(f"OUTPUTS = {tuple(outputs)!r}")
+    out.append("MEMORY_PLAN = None   # activation planning is not part of this build: buffers are allocated per call")
+    out.append("PARTITION = None")
+    out.append(f'FINGERPRINT = {info["fingerprint"]!r}')
+    out.append("")
+    out.append(f"DATA = load_data(__file__, {sorted(stored)!r})")
+    for k, v in inline.items():
+        out.append(f'DATA["{k}"] = {_literal_array(v)}.reshape({v.shape!r})')
+    out.append(f"_INITS = {inits!r}")
+    out.append(f"_LABELS = {info['labels']!r}   # int inputs used as class labels -> number of classes")
+    out.append("_SIGNATURE = Signature(MODEL_NAME, PARAM_SHAPES, INPUTS, FLOAT, _LABELS)")
+    out.append(f"_LOSS_INPUTS = {inputs_of('_forward_loss')!r}")
+    out.append(f"_OUTPUT_INPUTS = {inputs_of('_forward') if outputs else ()!r}")
+
+    helper_src = [f"@kernel\n{HELPERS[h]}" for h in sorted(kernels.helpers)]
+    kernel_src = [_with_doc(f"@kernel\n{src}", doc) for name, src, doc in kernels.sources]
+    body = []
+    for fname, (_, source, _, _) in entries.items():
+        body.append(source)
+
+    # the Trainer's compiled steps: gradients, global norm, clipping and the update in one call
+    lg_leaves = entries["_loss_and_grad"][2]
+    p_args = [names[n] for n in lg_leaves if g.op(n) == "param"]
+    i_args = [names[n] for n in lg_leaves if g.op(n) == "input"]
+    c_args = [f"c{n}" for n in entries["_loss_and_grad"][3]]
+    grads = [f"g_{p}" for p in with_grad]
+    inner = f"loss, {', '.join(grads)}{',' if len(grads) == 1 else ''} = _loss_and_grad({', '.join(p_args + i_args + c_args)})" \
+        if grads else f"(loss,) = _loss_and_grad({', '.join(p_args + i_args + c_args)})"
+    norm = " + ".join(f"sum_squares({x})" for x in grads) or "0.0"
+    check = ["    if not (math.isfinite(loss) and math.isfinite(sq)):",
+             "        return loss, sq   # the caller raises; nothing was updated"]
+    sgd = [f"def _sgd_step({', '.join(p_args + [f'm_{p}' for p in with_grad] + i_args + c_args + ['lr', 'momentum', 'clip_norm'])}):",
+           '    """One SGD step with momentum (v = momentum*v + g; p -= lr*v), in place."""',
+           f"    {inner}", f"    sq = {norm}"] + check + ["    scale = clip_scale(sq, clip_norm)"]
+    sgd += [f"    sgd_update(p_{p}, m_{p}, g_{p}, lr, momentum, scale)" for p in with_grad] + ["    return loss, sq"]
+    adam = [f"def _adam_step({', '.join(p_args + [f'm_{p}' for p in with_grad] + [f'v_{p}' for p in with_grad] + i_args + c_args + ['lr', 'beta1', 'beta2', 'eps', 'bias1', 'bias2', 'clip_norm'])}):",
+            '    """One Adam step (PyTorch\'s definition, bias-corrected), in place."""',
+            f"    {inner}", f"    sq = {norm}"] + check + ["    scale = clip_scale(sq, clip_norm)"]
+    adam += [f"    adam_update(p_{p}, m_{p}, v_{p}, g_{p}, lr, beta1, beta2, eps, bias1, bias2, scale)" for p in with_grad]
+    adam += ["    return loss, sq"]
+    body.append("@kernel\n" + "\n".join(sgd))
+    body.append("@kernel\n" + "\n".join(adam))
+
+    api = []
+    api.append(textwrap.dedent(f'''\
+        def init_params(seed=0):
+            """Fresh parameters (dict name -> array), drawn in PARAM_ORDER from numpy's default_rng(seed)."""
+            return init_from(_INITS, PARAM_SHAPES, FLOAT, seed, DATA)
+        '''))
+    fwd_out = ", ".join(f"o_{o}" for o in outputs)
+    fwd_dict = ", ".join(f'"{o}": {zero_or("o_" + o, g.shape(g.outputs[o]))}' for o in outputs)
+    lines = ["def forward(params, /, **inputs):",
+             '    """The outputs (dict); with every input the objective needs, also "loss": the objective."""',
+             "    p = _SIGNATURE.params(params)",
+             "    if _SIGNATURE.wants_loss(inputs, _LOSS_INPUTS, _OUTPUT_INPUTS):",
+             '        a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS + _OUTPUT_INPUTS, "forward")',
+             f"        {fwd_out + ', ' if outputs else ''}loss = _forward_loss({', '.join(call('_forward_loss'))})",
+             f"        return {{{fwd_dict + ', ' if outputs else ''}\"loss\": float(loss)}}"]
+    if outputs:
+        lines += ['    a = _SIGNATURE.inputs(inputs, _OUTPUT_INPUTS, "forward")',
+                  f"    {fwd_out}{',' if len(outputs) == 1 else ''} = _forward({', '.join(call('_forward'))})",
+                  f"    return {{{fwd_dict}}}"]
+    else:
+        lines += ['    _SIGNATURE.inputs(inputs, (), "forward")', "    return {}"]
+    api.append("\n".join(lines) + "\n")
+
+    gdict = ", ".join([f'"{p}": {zero_or("g_" + p, g.shape(g.params[p]))}' if p in with_grad
+                       else f'"{p}": np.zeros({tuple(g.shape(g.params[p]))!r}, FLOAT)' for p in trainable])
+    lhs = "loss" + "".join(f", g_{p}" for p in with_grad)
+    api.append("\n".join([
+        "def loss_and_grad(params, /, **inputs):",
+        '    """The objective (float) and its gradients for the trainable params (dict)."""',
+        "    p = _SIGNATURE.params(params)",
+        '    a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS, "loss_and_grad")',
+        f"    {lhs if with_grad else '(loss,)'} = _loss_and_grad({', '.join(call('_loss_and_grad'))})",
+        f"    return float(loss), {{{gdict}}}"]) + "\n")
+
+    float_inputs = [i for i, n in g.inputs.items() if g.dtype(n).startswith("float")]
+    idict = ", ".join([f'"{i}": {zero_or("gi_" + i, g.shape(g.inputs[i]))}' if i in input_grads
+                       else f'"{i}": np.zeros_like(a["{i}"])' for i in float_inputs])
+    lines = ["def input_grads(params, /, **inputs):",
+             '    """Gradients of the objective for the float inputs (dict)."""',
+             "    p = _SIGNATURE.params(params)",
+             '    a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS, "input_grads")']
+    if input_grads:
+        lines.append(f"    {', '.join('gi_' + i for i in input_grads)}{',' if len(input_grads) == 1 else ''} = "
+                     f"_input_grads({', '.join(call('_input_grads'))})")
+    lines.append(f"    return {{{idict}}}")
+    api.append("\n".join(lines) + "\n")
+
+    api.append("\n".join([
+        "def memory_stats():",
+        '    """Bytes held between calls. Without a memory plan each call allocates its own buffers."""',
+        '    return {"arena_bytes": {"cpu": 0}, "planned": False}']) + "\n")
+
+    api.append("\n".join([
+        "class Trainer(TrainerBase):",
+        "    __doc__ = TrainerBase.__doc__",
+        "    signature = _SIGNATURE",
+        "    fingerprint = FINGERPRINT",
+        "    model_name = MODEL_NAME",
+        "    param_order = PARAM_ORDER",
+        f"    trained = {tuple(with_grad)!r}   # trainable params the objective depends on",
+        "    loss_inputs = _LOSS_INPUTS",
+        "",
+        "    def _sgd(self, p, s, a):",
+        f"        return _sgd_step({', '.join(call('_loss_and_grad', ['momentum']) + ['self.lr', 'self.momentum', 'self.clip'])})",
+        "",
+        "    def _adam(self, p, s, a, bias1, bias2):",
+        f"        return _adam_step({', '.join(call('_loss_and_grad', ['m', 'v']) + ['self.lr', 'self.betas[0]', 'self.betas[1]', 'self.eps', 'bias1', 'bias2', 'self.clip'])})"]) + "\n")
+
+    sections = ["\n".join(out)] + (["# ---- scalar helpers " + "-" * 70, *helper_src] if helper_src else []) + [
+                "# ---- kernels " + "-" * 77, *kernel_src,
+                "# ---- compiled entry points " + "-" * 63, *body,
+                "# ---- Python entry points " + "-" * 65, *api]
+    source = "\n\n\n".join(s.rstrip("\n") for s in sections) + "\n"
+    meta = {"kernels": [{"name": name, "computes": doc} for name, _, doc in kernels.sources],
+            "entries": {f: {"roots": r, "nodes": len(g.ancestors(r))} for f, (r, _, _, _) in entries.items()}}
+    return source, stored, meta

@@ -1,0 +1,25 @@
+"""gradc: a symbolic graph compiler that derives backward passes and writes readable Numba code.
+
+    import gradc as gc
+    m = gc.Model("mlp"); x = m.input("x", ("B", 64)); ...
+    mod = gc.compile(m)          # or: gradc compile model.py
+"""
+from .version import __version__
+from .errors import GradcError
+from .dsl import (Model, Tensor, exp, log, tanh, sigmoid, relu, softplus, gelu, sin, cos, sqrt, square,
+                  abs, maximum, matmul, sum, mean, max, reshape, transpose, softmax, log_softmax,
+                  softmax_cross_entropy, mse, elementwise)
+
+
+def compile(model, **options):
+    """Compile a Model like `gradc compile` does and return the imported generated module.
+
+    Options: out="build", target="cpu", dtype="float32", order=1, bind={"B": 64}, warm=True.
+    """
+    from .compiler import compile_model
+    return compile_model(model, **options)
+
+
+__all__ = ["Model", "Tensor", "GradcError", "compile", "exp", "log", "tanh", "sigmoid", "relu", "softplus",
+           "gelu", "sin", "cos", "sqrt", "square", "abs", "maximum", "matmul", "sum", "mean", "max", "reshape",
+           "transpose", "softmax", "log_softmax", "softmax_cross_entropy", "mse", "elementwise", "__version__"]

@@ -1,0 +1,190 @@
+"""`gradc compile`: model -> passes -> generated module, written atomically into OUT and warmed."""
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from .errors import GradcError
+from .version import __version__
+
+UNSUPPORTED = {
+    "order": (1, "second order (hvp, hessian) is not built yet; compile with --order 1"),
+    "target": ("cpu", "only --target cpu is built so far (the CUDA backend is a later milestone)"),
+    "memory_budget": (None, "--memory-budget needs the memory planner, which is not built yet"),
+    "devices": (1, "--devices needs the partitioner, which is not built yet; use one device"),
+    "schedule": ("sequential", "--schedule needs the partitioner, which is not built yet"),
+    "microbatches": (1, "--microbatches needs the pipeline executor, which is not built yet"),
+    "device_memory": (None, "--device-memory needs the partitioner, which is not built yet"),
+    "batch_dim": (None, "--batch-dim applies to pipelines, which are not built yet"),
+}
+
+
+def check_options(options, src):
+    for key, value in options.items():
+        default, why = UNSUPPORTED[key]
+        if value is not None and value != default:
+            raise GradcError(why, src)
+
+
+def label_inputs(graph):
+    """int inputs read as class labels by `pick`, with their number of classes (for range checks)."""
+    labels = {}
+    for n in graph.nx.nodes:
+        if graph.op(n) == "pick":
+            x, lab = graph.operands(n)
+            while graph.op(lab) == "reshape":
+                (lab,) = graph.operands(lab)
+            name = graph.node(lab).get("name")
+            if graph.op(lab) == "input":
+                labels[name] = graph.shape(x)[1]
+    return labels
+
+
+def fingerprint(model, dtype, dims):
+    """Identifies the model's computation (not its source text) together with the gradc version."""
+    h = hashlib.sha256()
+    h.update(f"{__version__}|{dtype}|{sorted(dims.items())}|{model.weight_decay}".encode())
+    g = model.graph
+    for n in g.topo_order():
+        d = g.node(n)
+        attrs = {k: (v.tobytes().hex() if isinstance(v, np.ndarray) else v) for k, v in sorted(d["attrs"].items())}
+        h.update(f"{n}|{d['op']}|{d['inputs']}|{d['shape']}|{d['dtype']}|{d.get('name')}|{attrs}".encode())
+    for p, info in model.param_info.items():
+        h.update(f"{p}|{info['trainable']}|{info['decay']}".encode())
+    return h.hexdigest()
+
+
+def _synthetic_inputs(module, dims):
+    """Random inputs of the right types, to compile every entry point once."""
+    rng = np.random.default_rng(0)
+    values = {}
+    for name, (shape, dtype) in module.INPUTS.items():
+        concrete = tuple(dims.get(d, 3) if isinstance(d, str) else d for d in shape)
+        if dtype.startswith("int"):
+            classes = module._LABELS.get(name)
+            n = dims.get(classes, 3) if isinstance(classes, str) else (classes or 1)
+            values[name] = rng.integers(0, n, size=concrete).astype(dtype)
+        else:
+            values[name] = rng.uniform(0.5, 1.5, size=concrete).astype(dtype)
+    return values
+
+
+def warm(module, dims):
+    """Call every entry point once so that Numba compiles and caches it beside the module."""
+    params = module.init_params(0)
+    inputs = _synthetic_inputs(module, dims)
+    out_inputs = {k: v for k, v in inputs.items() if k in module._OUTPUT_INPUTS}
+    if module.OUTPUTS:
+        module.forward(params, **out_inputs)
+    module.forward(params, **inputs)
+    module.loss_and_grad(params, **inputs)
+    module.input_grads(params, **inputs)
+    for opt in ("sgd", "adam"):
+        try:
+            module.Trainer(params, optimizer=opt, lr=1e-3).step(**inputs)
+        except FloatingPointError:
+            pass   # synthetic data may give a non-finite loss; the step is compiled all the same
+
+
+def import_file(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def compile_model(model, out="build", target="cpu", dtype="float32", order=1, bind=None, warm_cache=True,
+                  timings=None, source=None, **later_options):
+    """Compile `model` into OUT/NAME.py (plus dumps) and return the imported module."""
+    from gradc.codegen.module import generate
+    from gradc.passes.analysis import flops, nbytes, saved_for_backward
+    from gradc.passes.pipeline import build_training_graph
+    from .dsl import Model
+
+    if not isinstance(model, Model):
+        raise GradcError(f"compile: expected a gradc.Model, got {type(model).__name__}")
+    check_options(dict(order=order, target=target, **later_options), model.src)
+    dims = dict(bind or {})
+    for d, v in dims.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise GradcError(f"--bind {d}={v}: a dim must be bound to an int >= 1", model.src)
+    timings = {} if timings is None else timings
+    t0 = time.perf_counter()
+    graph = build_training_graph(model, dtype, dims, timings)
+    name = model.name
+    info = {"name": name, "version": __version__, "dtype": dtype, "fingerprint": fingerprint(model, dtype, dims),
+            "param_info": model.param_info, "labels": label_inputs(graph),
+            "source": source or model.src.rsplit(":", 1)[0]}
+    t = time.perf_counter()
+    text, stored, meta = generate(graph, info)
+    timings["codegen"] = time.perf_counter() - t
+    timings["passes_total"] = time.perf_counter() - t0
+
+    lg_nodes = graph.ancestors(meta["entries"]["_loss_and_grad"]["roots"])
+    fwd_nodes = graph.ancestors(meta["entries"]["_forward_loss"]["roots"])
+    itemsize = np.dtype(dtype).itemsize
+    saved = saved_for_backward(graph, lg_nodes)
+    extra = {"model": name, "dtype": dtype, "gradc_version": __version__, "source": info["source"],
+             "params": {p: {"shape": list(graph.shape(n)), "trainable": model.param_info[p]["trainable"],
+                            "decay": model.param_info[p]["decay"]} for p, n in graph.params.items()},
+             "weight_decay": model.weight_decay,
+             "flops": {"forward": str(flops(graph, fwd_nodes)), "loss_and_grad": str(flops(graph, lg_nodes))},
+             "kernels": meta["kernels"],
+             "saved_for_backward": [{"node": n, "op": graph.op(n), "name": graph.node(n).get("name"),
+                                     "shape": [str(d) for d in graph.shape(n)], "bytes": str(nbytes(graph, n, itemsize)), "src": graph.node(n)["src"]} for n in saved],
+             "pass_seconds": {k: round(v, 4) for k, v in timings.items()}}
+    files = {f"{name}.py": text, f"{name}.graph.json": graph.to_json(extra), f"{name}.graph.dot": graph.to_dot()}
+    return write_outputs(out, name, files, stored, dims if warm_cache else None, timings)
+
+
+def write_outputs(out, name, files, stored, warm_dims, timings):
+    """Write into a temp dir inside OUT, warm Numba there, then move each file into place."""
+    made_out = not os.path.isdir(out)
+    os.makedirs(out, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".gradc-{name}-", dir=out)
+    try:
+        for fname, text in files.items():
+            with open(os.path.join(tmp, fname), "w") as f:
+                f.write(text)
+        if stored:
+            np.savez(os.path.join(tmp, f"{name}.data.npz"), **stored)
+        dot = shutil.which("dot")
+        if dot:
+            subprocess.run([dot, "-Tsvg", "-o", os.path.join(tmp, f"{name}.graph.svg"),
+                            os.path.join(tmp, f"{name}.graph.dot")], check=False, capture_output=True, timeout=120)
+        if warm_dims is not None:
+            t = time.perf_counter()
+            module = import_file(os.path.join(tmp, f"{name}.py"), f"_gradc_warm_{name}")
+            warm(module, warm_dims)
+            timings["numba_warm"] = time.perf_counter() - t
+        cache = os.path.join(out, "__pycache__")
+        if os.path.isdir(cache):
+            for f in os.listdir(cache):
+                if f.startswith(f"{name}."):
+                    os.unlink(os.path.join(cache, f))
+        for stale in (f"{name}.data.npz", f"{name}.graph.svg"):
+            if os.path.exists(os.path.join(out, stale)) and not os.path.exists(os.path.join(tmp, stale)):
+                os.unlink(os.path.join(out, stale))
+        tmp_cache = os.path.join(tmp, "__pycache__")
+        if os.path.isdir(tmp_cache):
+            os.makedirs(cache, exist_ok=True)
+            for f in os.listdir(tmp_cache):
+                if f.startswith(f"{name}."):
+                    os.replace(os.path.join(tmp_cache, f), os.path.join(cache, f))
+        # the module last: whoever sees NAME.py sees its cache and dumps too
+        for f in sorted(os.listdir(tmp), key=lambda f: f == f"{name}.py"):
+            if os.path.isfile(os.path.join(tmp, f)):
+                os.replace(os.path.join(tmp, f), os.path.join(out, f))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if made_out and not os.listdir(out):
+            os.rmdir(out)
+        raise
+    shutil.rmtree(tmp, ignore_errors=True)
+    return import_file(os.path.join(out, f"{name}.py"), name)

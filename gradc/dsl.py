@@ -1,0 +1,341 @@
+"""The DSL: `Model` declares inputs, params, outputs and the loss; `Tensor` records ops.
+
+Every call adds a node to the model's graph at once, so shape errors are raised on the
+user's own line, and every node keeps that `file:line`.
+"""
+import keyword
+import numbers
+
+import numpy as np
+
+from .errors import GradcError, ShapeError, user_src
+from .ir import FLOAT_DTYPES, INT_DTYPES, Graph
+from .ops.elementwise import ElementwiseDefinitionError, define_user_op
+from .shapes import check_shape, fmt, normalize_axes
+
+INITS = ("zeros", "ones", "normal", "uniform", "glorot_uniform", "he_normal")
+RESERVED_OUTPUTS = ("loss",)   # forward() reports the objective under this key
+
+
+def _check_name(what, name, src):
+    if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+        raise GradcError(f"{what} name {name!r} is not a Python identifier", src)
+
+
+class Model:
+    def __init__(self, name):
+        src = user_src()
+        _check_name("model", name, src)
+        self.name = name
+        self.src = src
+        self.graph = Graph(name)
+        self.param_info = {}       # name -> {"init", "decay", "trainable"}
+        self.weight_decay = 0.0
+        self.loss_tensor = None
+        self._minimize_src = None
+
+    def __repr__(self):
+        return f"<gradc.Model {self.name!r}: {len(self.graph.inputs)} inputs, {len(self.graph.params)} params>"
+
+    # ---- declarations --------------------------------------------------------------------
+    def _claim(self, what, name, src):
+        _check_name(what, name, src)
+        if name in self.graph.inputs or name in self.graph.params:
+            raise GradcError(f"duplicate name {name!r}: already an input or param of model {self.name!r}", src)
+
+    def input(self, name, shape, dtype=None):
+        src = user_src()
+        self._claim("input", name, src)
+        shape = _shape_or_fail("input", shape, src)
+        if dtype is not None and dtype not in FLOAT_DTYPES + INT_DTYPES:
+            raise GradcError(f"input {name!r}: unknown dtype {dtype!r} (use None, {', '.join(FLOAT_DTYPES + INT_DTYPES)})", src)
+        n = self.graph.apply("input", attrs={"shape": shape, "dtype": dtype or "float"}, src=src, name=name)
+        self.graph.inputs[name] = n
+        return Tensor(self, n)
+
+    def param(self, name, shape, init=None, decay=None, trainable=True):
+        src = user_src()
+        self._claim("param", name, src)
+        shape = _shape_or_fail("param", shape, src)
+        if any(isinstance(d, str) for d in shape):
+            raise GradcError(f"param {name!r}: shape {fmt(shape)} has a symbolic dim; params need int dims", src)
+        if init is None:
+            init = "glorot_uniform" if len(shape) >= 2 else "zeros"
+        if isinstance(init, np.ndarray):
+            if init.shape != shape:
+                raise GradcError(f"param {name!r}: init array has shape {init.shape}, expected {fmt(shape)}", src)
+            if init.dtype.kind not in "biuf":
+                raise GradcError(f"param {name!r}: init array has dtype {init.dtype}, expected a number type", src)
+            init = np.array(init, dtype=np.float64)
+        elif init not in INITS:
+            raise GradcError(f"param {name!r}: unknown init {init!r} (use one of {', '.join(INITS)} or an ndarray)", src)
+        if decay is not None and not isinstance(decay, bool):
+            raise GradcError(f"param {name!r}: decay must be None, True or False, not {decay!r}", src)
+        n = self.graph.apply("param", attrs={"shape": shape, "dtype": "float"}, src=src, name=name)
+        self.graph.params[name] = n
+        self.param_info[name] = {"init": init, "decay": len(shape) >= 2 if decay is None else decay,
+                                 "trainable": bool(trainable)}
+        return Tensor(self, n)
+
+    def output(self, name, tensor):
+        src = user_src()
+        _check_name("output", name, src)
+        if name in self.graph.outputs or name in RESERVED_OUTPUTS:
+            raise GradcError(f"duplicate output name {name!r}" + (" (reserved for the objective)" if name in RESERVED_OUTPUTS else ""), src)
+        self.graph.outputs[name] = self._node(tensor, "output", src)
+
+    def minimize(self, loss, weight_decay=0.0):
+        src = user_src()
+        if self.loss_tensor is not None:
+            raise GradcError(f"minimize() was already called for model {self.name!r} at {self._minimize_src}", src)
+        n = self._node(loss, "minimize", src)
+        if self.graph.shape(n) != ():
+            raise GradcError(f"minimize: the loss must be a scalar, got shape {fmt(self.graph.shape(n))} "
+                             f"(reduce it with .sum() or .mean())", src)
+        if not self.graph.dtype(n).startswith("float"):
+            raise GradcError(f"minimize: the loss must be a float, got {self.graph.dtype(n)}", src)
+        if not isinstance(weight_decay, numbers.Real) or isinstance(weight_decay, bool) or not weight_decay >= 0:
+            raise GradcError(f"minimize: weight_decay must be a number >= 0, got {weight_decay!r}", src)
+        self.loss_tensor = Tensor(self, n)
+        self.weight_decay = float(weight_decay)
+        self._minimize_src = src
+        self.graph.loss = n
+
+    # ---- building nodes -----------------------------------------------------------------
+    def _node(self, value, op, src):
+        """The node of a Tensor of this model, or a new const node for a number or array."""
+        if isinstance(value, Tensor):
+            if value.model is not self:
+                raise GradcError(f"{op}: a tensor of model {value.model.name!r} is used in model {self.name!r}", src)
+            return value.node
+        if isinstance(value, (bool, np.bool_)):
+            raise GradcError(f"{op}: a bool is not a tensor value", src)
+        if isinstance(value, numbers.Real):
+            return self.graph.apply("const", attrs={"value": float(value), "shape": (), "dtype": "float"}, src=src)
+        if isinstance(value, np.ndarray):
+            if value.dtype.kind not in "biuf":
+                raise GradcError(f"{op}: constant array of dtype {value.dtype} is not numeric", src)
+            return self.graph.apply("const", attrs={"value": np.array(value, dtype=np.float64),
+                                                    "shape": value.shape, "dtype": "float"}, src=src)
+        raise GradcError(f"{op}: cannot use a {type(value).__name__} as a tensor", src)
+
+    def _apply(self, op, operands, src, **attrs):
+        nodes = [self._node(v, op, src) for v in operands]
+        return Tensor(self, self.graph.apply(op, nodes, attrs, src=src))
+
+
+def _shape_or_fail(what, shape, src):
+    try:
+        return check_shape(shape)
+    except ShapeError as e:
+        raise GradcError(f"{what}: {e}", src) from None
+
+
+def _model_of(op, values, src):
+    for v in values:
+        if isinstance(v, Tensor):
+            return v.model
+    raise GradcError(f"{op}: needs at least one gradc Tensor operand", src)
+
+
+def _op(op, *operands, src=None, **attrs):
+    src = src or user_src()
+    return _model_of(op, operands, src)._apply(op, operands, src, **attrs)
+
+
+def _axes(op, x, axis, src):
+    try:
+        return normalize_axes(axis, len(x.shape))
+    except ShapeError as e:
+        raise GradcError(f"{op}: {e} (operand shape {fmt(x.shape)})", src) from None
+
+
+class Tensor:
+    """A value in a model's graph. Arithmetic records ops; numpy arrays and numbers are constants."""
+    __slots__ = ("model", "node")
+    __array_ufunc__ = None    # numpy defers to our reflected operators: ndarray + Tensor -> Tensor
+
+    def __init__(self, model, node):
+        self.model = model
+        self.node = node
+
+    @property
+    def shape(self):
+        return self.model.graph.shape(self.node)
+
+    @property
+    def dtype(self):
+        return self.model.graph.dtype(self.node)
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    def __repr__(self):
+        g = self.model.graph
+        return f"<Tensor {g.describe(self.node)} {fmt(self.shape)} {self.dtype}>"
+
+    def __bool__(self):
+        raise GradcError("a Tensor has no truth value while the model is being built", user_src())
+
+    def __add__(self, o): return _op("add", self, o)
+    def __radd__(self, o): return _op("add", o, self)
+    def __sub__(self, o): return _op("sub", self, o)
+    def __rsub__(self, o): return _op("sub", o, self)
+    def __mul__(self, o): return _op("mul", self, o)
+    def __rmul__(self, o): return _op("mul", o, self)
+    def __truediv__(self, o): return _op("div", self, o)
+    def __rtruediv__(self, o): return _op("div", o, self)
+    def __pow__(self, o): return _op("pow", self, o)
+    def __rpow__(self, o): return _op("pow", o, self)
+    def __neg__(self): return _op("neg", self)
+    def __matmul__(self, o): return matmul(self, o, src=user_src())
+    def __rmatmul__(self, o): return matmul(o, self, src=user_src())
+
+    @property
+    def T(self):
+        return transpose(self, src=user_src())
+
+    def sum(self, axis=None, keepdims=False):
+        return sum(self, axis, keepdims, src=user_src())
+
+    def mean(self, axis=None, keepdims=False):
+        return mean(self, axis, keepdims, src=user_src())
+
+    def max(self, axis=None, keepdims=False):
+        return max(self, axis, keepdims, src=user_src())
+
+    def reshape(self, *shape):
+        return reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape,
+                       src=user_src())
+
+
+# ---- functions ---------------------------------------------------------------------------
+def _unary(name):
+    def f(x):
+        return _op(name, x)
+    f.__name__ = name
+    f.__doc__ = f"Elementwise {name}; derivatives by sympy."
+    return f
+
+
+exp, log, tanh, sigmoid, relu, softplus, gelu, sin, cos, sqrt, square, abs = (
+    _unary(n) for n in ("exp", "log", "tanh", "sigmoid", "relu", "softplus", "gelu", "sin", "cos",
+                        "sqrt", "square", "abs"))
+
+
+def maximum(a, b):
+    """Elementwise max; a tie splits the gradient evenly."""
+    return _op("maximum", a, b)
+
+
+def matmul(a, b, src=None):
+    """numpy matmul for operands of rank 1 or 2 (1-D operands are promoted and squeezed back)."""
+    src = src or user_src()
+    model = _model_of("matmul", (a, b), src)
+    a, b = (v if isinstance(v, Tensor) else Tensor(model, model._node(v, "matmul", src)) for v in (a, b))
+    if not (1 <= a.ndim <= 2 and 1 <= b.ndim <= 2):
+        raise GradcError(f"matmul: operands must have rank 1 or 2, got {fmt(a.shape)} @ {fmt(b.shape)}", src)
+    if a.shape[-1] != b.shape[0]:
+        raise GradcError(f"matmul: inner dims differ: {fmt(a.shape)} @ {fmt(b.shape)} "
+                         f"({a.shape[-1]} != {b.shape[0]})", src)
+    a2 = a if a.ndim == 2 else reshape(a, (1, a.shape[0]), src=src)
+    b2 = b if b.ndim == 2 else reshape(b, (b.shape[0], 1), src=src)
+    out = model._apply("matmul", (a2, b2), src, transpose_a=False, transpose_b=False)
+    final = a.shape[:-1] + b.shape[1:]
+    return out if final == out.shape else reshape(out, final, src=src)
+
+
+def transpose(x, axes=None, src=None):
+    src = src or user_src()
+    rank = len(x.shape)
+    axes = tuple(reversed(range(rank))) if axes is None else tuple(axes)
+    if sorted(a % rank if isinstance(a, int) and -rank <= a < rank else a for a in axes) != list(range(rank)):
+        raise GradcError(f"transpose: axes {axes} are not a permutation of the {rank} axes of {fmt(x.shape)}", src)
+    return _op("transpose", x, src=src, axes=tuple(a % rank for a in axes))
+
+
+def reshape(x, shape, src=None):
+    src = src or user_src()
+    if isinstance(shape, (int, str)):
+        shape = (shape,)
+    return _op("reshape", x, src=src, shape=tuple(shape))
+
+
+def _reduction(name):
+    def f(x, axis=None, keepdims=False, src=None):
+        src = src or user_src()
+        if not isinstance(x, Tensor):
+            raise GradcError(f"{name}: needs a gradc Tensor", src)
+        return _op(name, x, src=src, axes=_axes(name, x, axis, src), keepdims=bool(keepdims))
+    f.__name__ = name
+    return f
+
+
+sum, mean, max = _reduction("sum"), _reduction("mean"), _reduction("max")
+
+
+def _axis_op(name):
+    def f(x, axis=-1):
+        src = user_src()
+        if not isinstance(x, Tensor):
+            raise GradcError(f"{name}: needs a gradc Tensor", src)
+        (a,) = _axes(name, x, axis, src)
+        return _op(name, x, src=src, axis=a)
+    f.__name__ = name
+    return f
+
+
+softmax, log_softmax = _axis_op("softmax"), _axis_op("log_softmax")
+
+
+def softmax_cross_entropy(logits, labels):
+    """Mean over rows of -log softmax(logits)[row, label]; labels are an int tensor."""
+    src = user_src()
+    if not isinstance(logits, Tensor) or not isinstance(labels, Tensor):
+        raise GradcError("softmax_cross_entropy: logits and labels must be gradc Tensors", src)
+    if logits.ndim != 2 or labels.ndim != 1:
+        raise GradcError(f"softmax_cross_entropy: needs logits (N, C) and labels (N,), got "
+                         f"{fmt(logits.shape)} and {fmt(labels.shape)}", src)
+    if not labels.dtype.startswith("int"):
+        raise GradcError(f"softmax_cross_entropy: labels must be an int input, got dtype {labels.dtype}", src)
+    if logits.shape[0] != labels.shape[0]:
+        raise GradcError(f"softmax_cross_entropy: logits have {logits.shape[0]} rows but labels {labels.shape[0]} "
+                         f"({fmt(logits.shape)} vs {fmt(labels.shape)})", src)
+    logp = _op("log_softmax", logits, src=src, axis=1)
+    picked = _op("pick", logp, labels, src=src)
+    return -_op("mean", picked, src=src, axes=(0,), keepdims=False)
+
+
+def mse(pred, target):
+    """Mean over all elements of (pred - target)**2; shapes must match exactly."""
+    src = user_src()
+    model = _model_of("mse", (pred, target), src)
+    shapes = [v.shape if isinstance(v, Tensor) else np.shape(v) for v in (pred, target)]
+    if tuple(shapes[0]) != tuple(shapes[1]):
+        raise GradcError(f"mse: pred {fmt(shapes[0])} and target {fmt(shapes[1])} must have the same shape", src)
+    diff = model._apply("sub", (pred, target), src)
+    sq = model._apply("square", (diff,), src)
+    return model._apply("mean", (sq,), src, axes=tuple(range(len(shapes[0]))), keepdims=False)
+
+
+def elementwise(name, fn):
+    """A user elementwise op: fn maps sympy symbols (one per operand) to a sympy expression.
+
+    Its first and second derivatives come from sympy; the returned function applies the op.
+    """
+    src = user_src()
+    try:
+        record = define_user_op(name, fn)
+    except ElementwiseDefinitionError as e:
+        raise GradcError(str(e), src) from None
+
+    def apply(*operands):
+        call_src = user_src()
+        if len(operands) != record.arity:
+            raise GradcError(f"{name}: takes {record.arity} operand{'s' * (record.arity != 1)}, got {len(operands)}",
+                             call_src)
+        return _op(name, *operands, src=call_src)
+    apply.__name__ = name
+    apply.expr = record.expr
+    return apply

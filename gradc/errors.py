@@ -1,0 +1,49 @@
+"""User-facing errors: one line that names the user's file:line, the op and the values involved."""
+import os
+import sys
+
+_PACKAGE_DIRS = None
+
+
+def _package_dirs():
+    # gradc.passes and gradc.codegen live outside gradc/ in a source checkout (package_dir).
+    global _PACKAGE_DIRS
+    if _PACKAGE_DIRS is None:
+        import gradc.passes
+        import gradc.codegen
+        mods = (sys.modules["gradc"], gradc.passes, gradc.codegen)
+        _PACKAGE_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in mods)
+    return _PACKAGE_DIRS
+
+
+def user_src():
+    """'file:line' of the innermost frame outside gradc: the line of the user's model source."""
+    dirs = _package_dirs()
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith(dirs):
+            return f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<gradc>"
+
+
+def _short(path):
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return path
+    return rel if not rel.startswith("..") else path
+
+
+class GradcError(Exception):
+    """A mistake in the user's model or call; `src` is the user's file:line when known."""
+
+    def __init__(self, message, src=None):
+        self.src = src
+        self.message = message
+        super().__init__(f"{src}: {message}" if src else message)
+
+
+class ShapeError(Exception):
+    """Raised by an op's shape rule; the graph adds the op name and the user's source line."""

@@ -1,0 +1,220 @@
+"""The IR: one graph of values over networkx.MultiDiGraph.
+
+A node is one value with attributes `op`, `inputs` (ordered operand ids), `attrs`, `shape`,
+`dtype`, `phase`, `device`, `src`. Each operand is also an edge whose key and `index` are the
+operand position, so `x * x` is two edges. The forward, backward and update parts of a model
+all live in the same graph; `phase` tells them apart.
+"""
+import heapq
+import json
+
+import networkx as nx
+
+from .errors import GradcError, ShapeError
+from .shapes import fmt
+
+PHASES = ("forward", "backward", "second", "transfer", "update")
+FLOAT_DTYPES = ("float32", "float64")
+INT_DTYPES = ("int32", "int64")
+
+
+class Graph:
+    def __init__(self, name):
+        self.name = name
+        self.nx = nx.MultiDiGraph(name=name)
+        self._next_id = 0
+        self.inputs = {}        # name -> node
+        self.params = {}        # name -> node
+        self.outputs = {}       # name -> node
+        self.loss = None        # the user's loss node
+        self.objective = None   # loss plus weight decay: what is minimised
+        self.weight_decay = 0.0
+        self.grads = {}         # trainable param name -> adjoint node, None when it is zero
+        self.input_grads = {}   # float input name -> adjoint node, None when it is zero
+
+    # ---- building -------------------------------------------------------------------------
+    def apply(self, op, inputs=(), attrs=None, *, phase="forward", src=None, name=None):
+        """Add a node of registered op `op`; its shape rule checks the operands."""
+        from .ops import get_op
+
+        record = get_op(op)
+        attrs = dict(attrs or {})
+        inputs = list(inputs)
+        shapes = [self.shape(i) for i in inputs]
+        dtypes = [self.dtype(i) for i in inputs]
+        if record.arity is not None and len(inputs) != record.arity:
+            raise GradcError(f"{op}: takes {record.arity} operands, got {len(inputs)}", src)
+        try:
+            shape, dtype = record.infer(attrs, shapes, dtypes)
+        except ShapeError as e:
+            operands = ", ".join(f"{self.describe(i)} {fmt(s)} {d}" for i, s, d in zip(inputs, shapes, dtypes))
+            raise GradcError(f"{op}: {e}" + (f" (operands: {operands})" if inputs else ""), src) from None
+        return self.add_node(op, inputs, attrs, shape, dtype, phase=phase, src=src, name=name)
+
+    def add_node(self, op, inputs, attrs, shape, dtype, *, phase="forward", src=None, name=None):
+        assert phase in PHASES, phase
+        n = self._next_id
+        self._next_id += 1
+        self.nx.add_node(n, op=op, inputs=list(inputs), attrs=dict(attrs), shape=tuple(shape), dtype=dtype,
+                         phase=phase, device="cpu", src=src or "<gradc>", name=name)
+        for index, u in enumerate(inputs):
+            self.nx.add_edge(u, n, key=index, index=index)
+        return n
+
+    def set_operands(self, n, inputs):
+        """Rewire node n to new operands (keeps its id, so roots that name it stay valid)."""
+        for u in set(self.nx.nodes[n]["inputs"]):
+            while self.nx.has_edge(u, n):
+                self.nx.remove_edge(u, n)
+        self.nx.nodes[n]["inputs"] = list(inputs)
+        for index, u in enumerate(inputs):
+            self.nx.add_edge(u, n, key=index, index=index)
+
+    def replace_uses(self, old, new):
+        """Every consumer of `old` (and every root) reads `new` instead."""
+        for user in list(self.users(old)):
+            self.set_operands(user, [new if u == old else u for u in self.operands(user)])
+        for table in (self.outputs, self.grads, self.input_grads):
+            for k, v in table.items():
+                if v == old:
+                    table[k] = new
+        if self.objective == old:
+            self.objective = new
+        if self.loss == old:
+            self.loss = new
+
+    def remove(self, nodes):
+        self.nx.remove_nodes_from(list(nodes))
+
+    # ---- reading --------------------------------------------------------------------------
+    def __contains__(self, n):
+        return n in self.nx
+
+    def __len__(self):
+        return self.nx.number_of_nodes()
+
+    def node(self, n):
+        return self.nx.nodes[n]
+
+    def op(self, n):
+        return self.nx.nodes[n]["op"]
+
+    def shape(self, n):
+        return self.nx.nodes[n]["shape"]
+
+    def dtype(self, n):
+        return self.nx.nodes[n]["dtype"]
+
+    def attrs(self, n):
+        return self.nx.nodes[n]["attrs"]
+
+    def operands(self, n):
+        return self.nx.nodes[n]["inputs"]
+
+    def users(self, n):
+        """Distinct consumers of n."""
+        return list(dict.fromkeys(self.nx.successors(n)))
+
+    def describe(self, n):
+        """How an error names a value: the user's name, or the op and node id."""
+        node = self.nx.nodes[n]
+        return repr(node["name"]) if node.get("name") else f"%{n} ({node['op']})"
+
+    def roots(self):
+        """Values some entry point returns: outputs, loss, objective, gradients."""
+        out = list(self.outputs.values())
+        out += [r for r in (self.loss, self.objective) if r is not None]
+        out += [v for v in self.grads.values() if v is not None]
+        out += [v for v in self.input_grads.values() if v is not None]
+        return list(dict.fromkeys(out))
+
+    def topo_order(self, nodes=None):
+        """Iterative topological order (no recursion limit), ties broken by node id."""
+        nodes = set(self.nx.nodes) if nodes is None else set(nodes)
+        waiting = {}
+        users = {}
+        for n in nodes:
+            ins = {u for u in self.nx.nodes[n]["inputs"] if u in nodes}
+            waiting[n] = len(ins)
+            for u in ins:
+                users.setdefault(u, []).append(n)
+        ready = [n for n, k in waiting.items() if k == 0]
+        heapq.heapify(ready)
+        order = []
+        while ready:
+            n = heapq.heappop(ready)
+            order.append(n)
+            for v in users.get(n, ()):
+                waiting[v] -= 1
+                if waiting[v] == 0:
+                    heapq.heappush(ready, v)
+        if len(order) != len(nodes):
+            raise AssertionError("graph has a cycle")
+        return order
+
+    def ancestors(self, roots):
+        """`roots` and everything they depend on."""
+        seen = set()
+        stack = list(roots)
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            stack.extend(self.nx.nodes[n]["inputs"])
+        return seen
+
+    def validate(self):
+        """Structural checks every pass must keep true."""
+        if not nx.is_directed_acyclic_graph(self.nx):
+            raise AssertionError("graph has a cycle")
+        for n, d in self.nx.nodes(data=True):
+            edges = sorted((k, u) for u, _, k in self.nx.in_edges(n, keys=True))
+            if [u for _, u in edges] != d["inputs"] or [k for k, _ in edges] != list(range(len(d["inputs"]))):
+                raise AssertionError(f"node {n}: edges {edges} disagree with inputs {d['inputs']}")
+            if d["phase"] not in PHASES:
+                raise AssertionError(f"node {n}: unknown phase {d['phase']}")
+
+    # ---- dumps ----------------------------------------------------------------------------
+    def to_json(self, extra=None):
+        """networkx node-link JSON; sympy expressions and arrays are written as text."""
+        g = nx.MultiDiGraph(name=self.name)
+        for n, d in self.nx.nodes(data=True):
+            g.add_node(n, op=d["op"], shape=[str(s) if isinstance(s, str) else s for s in d["shape"]],
+                       dtype=d["dtype"], phase=d["phase"], device=d["device"], src=d["src"],
+                       name=d.get("name"), attrs={k: _jsonable(v) for k, v in d["attrs"].items()})
+        g.add_edges_from(self.nx.edges(keys=True, data=True))
+        data = nx.node_link_data(g, edges="links")
+        data["graph"] = {"name": self.name, "inputs": self.inputs, "params": self.params,
+                         "outputs": self.outputs, "loss": self.loss, "objective": self.objective,
+                         "grads": self.grads, "input_grads": self.input_grads, **(extra or {})}
+        return json.dumps(data, indent=1, default=_jsonable)
+
+    def to_dot(self):
+        colors = {"forward": "#cfe2ff", "backward": "#ffd8b0", "second": "#e3c8ff",
+                  "transfer": "#d0f0c0", "update": "#f8d0d0"}
+        lines = [f'digraph "{self.name}" {{', "  rankdir=TB;", '  node [shape=box, style=filled, fontname="monospace"];']
+        for n in self.topo_order():
+            d = self.nx.nodes[n]
+            label = f"%{n} {d['op']}" + (f" {d['name']}" if d.get("name") else "") + f"\\n{fmt(d['shape'])} {d['dtype']}"
+            if "expr" in d["attrs"]:
+                label += "\\n" + str(d["attrs"]["expr"]).replace('"', "'")
+            lines.append(f'  n{n} [label="{label}", fillcolor="{colors[d["phase"]]}", tooltip="{d["src"]}"];')
+        for u, v, k in self.nx.edges(keys=True):
+            many = len(self.nx.nodes[v]["inputs"]) > 1
+            lines.append(f"  n{u} -> n{v}" + (f' [label="{k}"]' if many else "") + ";")
+        lines.append("}")
+        return "\n".join(lines) + "\n"
+
+
+def _jsonable(v):
+    import numpy as np
+    if isinstance(v, np.ndarray):
+        return {"array_shape": list(v.shape), "dtype": str(v.dtype)}
+    if isinstance(v, (np.integer, np.floating)):
+        return v.item()
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, (int, float, str, bool)) or v is None:
+        return v
+    return str(v)

@@ -1,0 +1,149 @@
+"""Elementwise ops: each is a sympy expression over its operand symbols X[0], X[1], ...
+
+Derivatives are never written by hand: `derivative` asks sympy, and rewrites the op's own
+value into the output symbol Y where it appears (tanh' = 1 - Y**2, exp' = Y), so a backward
+kernel reads the saved output instead of recomputing it. One generic VJP rule serves every
+elementwise op, built-in, fused or user-defined.
+"""
+import inspect
+from functools import lru_cache
+
+import numpy as np
+import sympy as sp
+
+from . import Op, REGISTRY, register
+from .scalar import (AbsF, Max2, NUMPY_FUNCTIONS, Relu, Sigmoid, Softplus, to_differentiable,
+                     unsupported_parts)
+from ..errors import ShapeError
+from ..shapes import broadcast, size
+
+X = sp.symbols("x0:64", real=True)
+Y = sp.Symbol("y", real=True)          # the op's own output, inside derivative expressions
+G = sp.Symbol("g", real=True)          # the incoming adjoint, inside VJP expressions
+
+
+def expr_of(graph, n):
+    """The sympy expression a node computes, over X[i] for its i-th operand."""
+    record = REGISTRY[graph.op(n)]
+    return graph.attrs(n)["expr"] if record.expr is None else record.expr
+
+
+@lru_cache(maxsize=None)
+def derivative(expr, i):
+    """d expr / d X[i], with expr itself replaced by Y where it occurs."""
+    d = sp.diff(expr, X[i])
+    return d if expr.is_Symbol or d.is_Number else d.subs(expr, Y)
+
+
+@lru_cache(maxsize=None)
+def numpy_function(expr, nargs):
+    return sp.lambdify(X[:nargs], expr, modules=[NUMPY_FUNCTIONS, "numpy"])
+
+
+def _infer(attrs, shapes, dtypes):
+    for d in dtypes:
+        if not d.startswith("float"):
+            raise ShapeError(f"operand of dtype {d}: elementwise ops take float operands")
+    shape = broadcast(*shapes)
+    target = attrs.get("shape")
+    if target is not None:
+        target = tuple(target)
+        if broadcast(shape, target) != target:
+            raise ShapeError(f"cannot broadcast {shape} to {target}")
+        shape = target
+    return shape, (dtypes[0] if dtypes else "float")
+
+
+def _evaluate_with(expr_getter):
+    def evaluate(attrs, values, out_shape, dims):
+        expr = expr_getter(attrs)
+        result = numpy_function(expr, len(values))(*values)
+        dtype = np.result_type(*[v.dtype for v in values if hasattr(v, "dtype")] or [np.float64])
+        return np.broadcast_to(np.asarray(result, dtype=dtype), out_shape).copy()
+    return evaluate
+
+
+def _flops_with(expr_getter):
+    def flops(attrs, in_shapes, out_shape):
+        return size(out_shape) * max(1, sp.count_ops(expr_getter(attrs)))
+    return flops
+
+
+def elementwise_vjp(ctx, n, g):
+    graph = ctx.graph
+    expr = expr_of(graph, n)
+    operands = graph.operands(n)
+    grads = []
+    for i, u in enumerate(operands):
+        if not ctx.needs(i):
+            grads.append(None)
+            continue
+        contribution = ctx.times(g, derivative(expr, i), operands, n)
+        grads.append(None if contribution is None else ctx.sum_to(contribution, graph.shape(u)))
+    return grads
+
+
+def make(name, expr, arity, doc=""):
+    return Op(name=name, kind="elementwise", infer=_infer, evaluate=_evaluate_with(lambda a: expr),
+              flops=_flops_with(lambda a: expr), vjp=elementwise_vjp, arity=arity, expr=expr, doc=doc)
+
+
+x0, x1 = X[0], X[1]
+BUILTINS = {
+    "neg": (-x0, 1), "add": (x0 + x1, 2), "sub": (x0 - x1, 2), "mul": (x0 * x1, 2), "div": (x0 / x1, 2),
+    "pow": (x0 ** x1, 2), "exp": (sp.exp(x0), 1), "log": (sp.log(x0), 1), "tanh": (sp.tanh(x0), 1),
+    "sigmoid": (Sigmoid(x0), 1), "relu": (Relu(x0), 1), "softplus": (Softplus(x0), 1),
+    "gelu": (x0 * (1 + sp.erf(x0 / sp.sqrt(2))) / 2, 1), "sin": (sp.sin(x0), 1), "cos": (sp.cos(x0), 1),
+    "sqrt": (sp.sqrt(x0), 1), "square": (x0 ** 2, 1), "abs": (AbsF(x0), 1), "maximum": (Max2(x0, x1), 2),
+}
+for _name, (_expr, _arity) in BUILTINS.items():
+    register(make(_name, _expr, _arity))
+
+# broadcast_to(x, shape): the identity, stretched to attrs["shape"].
+register(make("broadcast_to", x0, 1, doc="stretch to attrs['shape']"))
+
+# A fused chain of elementwise ops: attrs["expr"] over its operands (attrs["shape"] optional).
+register(Op(name="fused", kind="elementwise", infer=_infer, evaluate=_evaluate_with(lambda a: a["expr"]),
+            flops=_flops_with(lambda a: a["expr"]), vjp=elementwise_vjp, arity=None, expr=None))
+
+
+class ElementwiseDefinitionError(Exception):
+    pass
+
+
+def define_user_op(name, fn):
+    """Register `gc.elementwise(name, fn)`: fn maps one sympy symbol per operand to an expression."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ElementwiseDefinitionError(f"elementwise: name {name!r} is not an identifier")
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        raise ElementwiseDefinitionError(f"elementwise {name!r}: fn must be a function of sympy symbols") from None
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.KEYWORD_ONLY) for p in params):
+        raise ElementwiseDefinitionError(f"elementwise {name!r}: fn must take a fixed number of positional operands")
+    arity = len(params)
+    if not 1 <= arity <= 8:
+        raise ElementwiseDefinitionError(f"elementwise {name!r}: fn takes {arity} operands; 1 to 8 are supported")
+    try:
+        expr = sp.sympify(fn(*X[:arity]))
+    except Exception as e:
+        raise ElementwiseDefinitionError(f"elementwise {name!r}: fn failed on sympy symbols: {e}") from None
+    if not isinstance(expr, sp.Expr):
+        raise ElementwiseDefinitionError(f"elementwise {name!r}: fn returned {type(expr).__name__}, not a sympy expression")
+    expr = to_differentiable(expr)
+    stray = expr.free_symbols - set(X[:arity])
+    if stray:
+        raise ElementwiseDefinitionError(f"elementwise {name!r}: expression uses symbols {sorted(map(str, stray))} that are not operands")
+    first = [sp.diff(expr, X[i]) for i in range(arity)]
+    second = [sp.diff(d, X[j]) for d in first for j in range(arity)]
+    bad = sorted(set().union(*(unsupported_parts(e) for e in [expr, *first, *second])))
+    if bad:
+        raise ElementwiseDefinitionError(
+            f"elementwise {name!r}: sympy cannot differentiate {expr} into code gradc can run (unsupported: {', '.join(bad)})")
+    existing = REGISTRY.get(name)
+    if existing is not None:
+        if existing.expr == expr and existing.doc == "user":
+            return existing
+        what = "a built-in op" if existing.doc != "user" else f"another elementwise op ({existing.expr})"
+        raise ElementwiseDefinitionError(f"elementwise {name!r}: the name is taken by {what}")
+    return register(make(name, expr, arity, doc="user"))

@@ -1,0 +1,151 @@
+"""Scalar functions sympy differentiates, with derivatives stated in stable primitives.
+
+sympy's own Heaviside, sign, Abs and Max differentiate into DiracDelta, which has no value in
+generated code. These replacements follow PyTorch at kinks: relu'(0) = 0, abs'(0) = 0, a tie in
+`maximum` splits the gradient evenly; their own derivatives are 0 (second derivatives of
+piecewise-linear ops are 0). Sigmoid and Softplus are primitives so they are evaluated in
+stable forms, and Softplus' = Sigmoid keeps the chain rule stable too.
+"""
+import numpy as np
+import sympy as sp
+
+
+class _RealFunction(sp.Function):
+    is_real = True
+
+
+class Sigmoid(_RealFunction):
+    nargs = 1
+
+    def fdiff(self, argindex=1):
+        s = Sigmoid(self.args[0])
+        return s * (1 - s)
+
+
+class Softplus(_RealFunction):
+    nargs = 1
+
+    def fdiff(self, argindex=1):
+        return Sigmoid(self.args[0])
+
+
+class Step(_RealFunction):
+    """1 where x > 0, else 0 (also at 0 and for NaN): the derivative of relu."""
+    nargs = 1
+
+    def fdiff(self, argindex=1):
+        return sp.S.Zero
+
+
+class Relu(_RealFunction):
+    nargs = 1
+
+    def fdiff(self, argindex=1):
+        return Step(self.args[0])
+
+
+class Sign(_RealFunction):
+    nargs = 1
+
+    def fdiff(self, argindex=1):
+        return sp.S.Zero
+
+
+class AbsF(_RealFunction):
+    nargs = 1
+
+    def fdiff(self, argindex=1):
+        return Sign(self.args[0])
+
+
+class Tie(_RealFunction):
+    """d max(a, b) / da: 1 where a > b, 1/2 where a == b, else 0."""
+    nargs = 2
+
+    def fdiff(self, argindex=1):
+        return sp.S.Zero
+
+
+class Max2(_RealFunction):
+    nargs = 2
+
+    def fdiff(self, argindex=1):
+        a, b = self.args
+        return Tie(a, b) if argindex == 1 else Tie(b, a)
+
+
+class Min2(_RealFunction):
+    nargs = 2
+
+    def fdiff(self, argindex=1):
+        a, b = self.args
+        return Tie(b, a) if argindex == 1 else Tie(a, b)
+
+
+def _np_sigmoid(x):
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1 / (1 + e), e / (1 + e))
+
+
+def _np_erf(x):
+    from scipy.special import erf   # imported on first use: scipy.special takes 0.3 s to import
+    return erf(x)
+
+
+def _np_erfc(x):
+    from scipy.special import erfc
+    return erfc(x)
+
+
+# numpy implementations for the interpreter (sympy.lambdify's namespace)
+NUMPY_FUNCTIONS = {
+    "erf": _np_erf,
+    "erfc": _np_erfc,
+    "Sigmoid": _np_sigmoid,
+    "Softplus": lambda x: np.maximum(x, 0) + np.log1p(np.exp(-np.abs(x))),
+    "Step": lambda x: (np.asarray(x) > 0).astype(np.result_type(x, np.float32)),
+    "Relu": lambda x: np.where(np.asarray(x) > 0, x, np.where(np.isnan(x), x, 0 * x)),
+    "Sign": np.sign,
+    "AbsF": np.abs,
+    "Tie": lambda a, b: np.where(a > b, 1.0, np.where(a == b, 0.5, 0.0)),
+    "Max2": np.maximum,
+    "Min2": np.minimum,
+}
+
+GRADC_FUNCTIONS = (Sigmoid, Softplus, Step, Relu, Sign, AbsF, Tie, Max2, Min2)
+# sympy functions with a stable value and a derivative in this same set (plus the above)
+SYMPY_FUNCTIONS = (sp.exp, sp.log, sp.tanh, sp.sin, sp.cos, sp.tan, sp.erf, sp.atan, sp.sinh, sp.cosh,
+                   sp.asin, sp.acos, sp.asinh, sp.acosh, sp.atanh, sp.erfc)
+
+
+def to_differentiable(expr):
+    """Replace sympy functions whose derivatives hold DiracDelta by the ones above."""
+    return expr.replace(sp.Heaviside, lambda *a: Step(a[0])) \
+               .replace(sp.sign, Sign) \
+               .replace(sp.Abs, AbsF) \
+               .replace(sp.Max, lambda *a: _fold(Max2, a)) \
+               .replace(sp.Min, lambda *a: _fold(Min2, a))
+
+
+def _fold(f, args):
+    out = args[0]
+    for a in args[1:]:
+        out = f(out, a)
+    return out
+
+
+def unsupported_parts(expr):
+    """Names of the parts of `expr` that gradc cannot evaluate or differentiate."""
+    bad = []
+    for f in expr.atoms(sp.Function, sp.Derivative, sp.Subs):
+        if isinstance(f, (sp.Derivative, sp.Subs)):
+            bad.append(str(f))
+        elif isinstance(f, GRADC_FUNCTIONS) or f.func in SYMPY_FUNCTIONS:
+            continue
+        else:
+            bad.append(f.func.__name__)
+    if expr.has(sp.DiracDelta):
+        bad.append("DiracDelta")
+    if expr.has(sp.zoo, sp.nan):
+        bad.append("an undefined value (zoo/nan)")
+    return sorted(set(bad))

@@ -1,0 +1,53 @@
+"""Parameter initialisers and the module's stored arrays."""
+import os
+
+import numpy as np
+
+
+def _fans(shape):
+    if len(shape) == 0:
+        return 1, 1
+    if len(shape) == 1:
+        return shape[0], shape[0]
+    receptive = int(np.prod(shape[:-2])) if len(shape) > 2 else 1
+    return shape[-2] * receptive, shape[-1] * receptive
+
+
+def draw(init, shape, rng):
+    """One initial value in float64; fans follow (fan_in, fan_out) = (shape[-2], shape[-1])."""
+    fan_in, fan_out = _fans(shape)
+    if init == "zeros":
+        return np.zeros(shape)
+    if init == "ones":
+        return np.ones(shape)
+    if init == "normal":
+        return rng.standard_normal(shape)
+    if init == "uniform":
+        return rng.uniform(0.0, 1.0, shape)
+    if init == "glorot_uniform":
+        limit = np.sqrt(6.0 / (fan_in + fan_out))
+        return rng.uniform(-limit, limit, shape)
+    if init == "he_normal":
+        return rng.standard_normal(shape) * np.sqrt(2.0 / fan_in)
+    raise ValueError(f"unknown init {init!r}")
+
+
+def init_from(inits, shapes, float_dtype, seed, data):
+    rng = np.random.default_rng(seed)
+    params = {}
+    for name, init in inits.items():
+        if init.startswith("data:"):
+            value = data[init[5:]]
+        else:
+            value = draw(init, shapes[name], rng)
+        params[name] = np.ascontiguousarray(value, dtype=float_dtype).reshape(shapes[name])
+    return params
+
+
+def load_data(module_file, keys):
+    """Arrays too large to write into the module live in NAME.data.npz beside it."""
+    if not keys:
+        return {}
+    path = os.path.splitext(module_file)[0] + ".data.npz"
+    with np.load(path, allow_pickle=False) as f:
+        return {k: f[k] for k in keys}

@@ -1,0 +1,91 @@
+"""Argument checks of the generated entry points: names, shapes, dtypes, label ranges.
+
+Nothing is broadcast or cast: a wrong value raises ValueError naming the input, what was
+expected and what was given.
+"""
+import numpy as np
+
+
+def _fmt(shape):
+    inner = ", ".join(str(d) for d in shape)
+    return f"({inner},)" if len(shape) == 1 else f"({inner})"
+
+
+class Signature:
+    def __init__(self, model_name, param_shapes, inputs, float_dtype, labels):
+        self.model = model_name
+        self.param_shapes = param_shapes
+        self.inputs_spec = inputs
+        self.float = np.dtype(float_dtype)
+        self.labels = labels
+
+    def params(self, params, exact=False):
+        """Checked params, in call form (0-d arrays as 1-element views)."""
+        if not isinstance(params, dict):
+            raise ValueError(f"{self.model}: params must be a dict name -> array, got {type(params).__name__}")
+        missing = [k for k in self.param_shapes if k not in params]
+        unknown = [k for k in params if k not in self.param_shapes]
+        if missing or unknown:
+            raise ValueError(f"{self.model}: params " + "; ".join(
+                ([f"missing {missing}"] if missing else []) + ([f"unknown {unknown}"] if unknown else [])) +
+                f" (expected {list(self.param_shapes)})")
+        out = {}
+        for name, shape in self.param_shapes.items():
+            v = params[name]
+            if not isinstance(v, np.ndarray):
+                raise ValueError(f"{self.model}: param {name!r} must be a numpy array, got {type(v).__name__}")
+            if v.shape != shape:
+                raise ValueError(f"{self.model}: param {name!r} has shape {_fmt(v.shape)}, expected {_fmt(shape)}")
+            if v.dtype != self.float:
+                raise ValueError(f"{self.model}: param {name!r} has dtype {v.dtype}, expected {self.float}")
+            if not v.flags.c_contiguous:
+                if exact:
+                    raise ValueError(f"{self.model}: param {name!r} is not C-contiguous; the Trainer updates it in place")
+                v = np.ascontiguousarray(v)
+            out[name] = v.reshape(1) if v.ndim == 0 else v
+        return out
+
+    def wants_loss(self, given, loss_inputs, output_inputs):
+        """forward(): the objective is computed when every input it needs is given."""
+        return all(k in given for k in loss_inputs) or any(k not in output_inputs for k in given)
+
+    def inputs(self, given, needed, entry):
+        """Checked inputs for `entry`, in call form; symbolic dims must agree across inputs."""
+        unknown = [k for k in given if k not in self.inputs_spec]
+        if unknown:
+            raise ValueError(f"{self.model}.{entry}: unknown input {', '.join(map(repr, unknown))} "
+                             f"(inputs are {', '.join(map(repr, self.inputs_spec))})")
+        missing = [k for k in dict.fromkeys(needed) if k not in given]
+        if missing:
+            raise ValueError(f"{self.model}.{entry}: missing input {', '.join(map(repr, missing))}")
+        dims, out = {}, {}
+        for name in dict.fromkeys(needed):
+            shape, dtype = self.inputs_spec[name]
+            v = given[name]
+            if not isinstance(v, np.ndarray):
+                v = np.asarray(v)
+            if v.dtype != np.dtype(dtype):
+                raise ValueError(f"{self.model}.{entry}: input {name!r} has dtype {v.dtype}, expected {dtype} "
+                                 f"(gradc never casts inputs)")
+            if v.ndim != len(shape):
+                raise ValueError(f"{self.model}.{entry}: input {name!r} has shape {_fmt(v.shape)}, expected {_fmt(shape)}")
+            for d, actual in zip(shape, v.shape):
+                if isinstance(d, str):
+                    seen = dims.setdefault(d, (actual, name))
+                    if seen[0] != actual:
+                        raise ValueError(f"{self.model}.{entry}: input {name!r} has shape {_fmt(v.shape)}, but dim {d} "
+                                         f"is {seen[0]} in input {seen[1]!r}")
+                elif d != actual:
+                    raise ValueError(f"{self.model}.{entry}: input {name!r} has shape {_fmt(v.shape)}, expected {_fmt(shape)}")
+            if not v.flags.c_contiguous:
+                v = np.ascontiguousarray(v)
+            out[name] = v.reshape(1) if v.ndim == 0 else v
+        for name, classes in self.labels.items():
+            if name in out and out[name].size:
+                n = dims[classes][0] if isinstance(classes, str) else classes
+                lo, hi = int(out[name].min()), int(out[name].max())
+                if lo < 0 or hi >= n:
+                    bad = lo if lo < 0 else hi
+                    raise ValueError(f"{self.model}.{entry}: input {name!r} holds label {bad}, outside 0..{n - 1} "
+                                     f"for {n} classes")
+        return out

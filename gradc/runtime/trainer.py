@@ -1,0 +1,117 @@
+"""The Trainer every generated module subclasses: optimizer state, steps, atomic checkpoints."""
+import json
+import math
+import os
+import tempfile
+
+import numpy as np
+
+OPTIMIZERS = ("sgd", "adam")
+
+
+class TrainerBase:
+    """Trains a copy of the parameters in place; `tr.params` is the live dict.
+
+    Trainer(params, /, optimizer="sgd", lr=0.01, momentum=0.0, betas=(0.9, 0.999), eps=1e-8, clip_norm=None)
+    tr.step(**inputs) -> loss (float); tr.save(path); Trainer.load(path).
+    SGD: v = momentum*v + g; p -= lr*v. Adam: PyTorch's, bias-corrected. clip_norm scales the
+    gradients when their global norm exceeds it. A step whose loss or gradient is not finite
+    raises FloatingPointError and leaves parameters and optimizer state as they were.
+    """
+    # set by the generated subclass
+    signature = fingerprint = model_name = None
+    param_order = trained = loss_inputs = ()
+
+    def __init__(self, params, /, optimizer="sgd", lr=0.01, momentum=0.0, betas=(0.9, 0.999), eps=1e-8,
+                 clip_norm=None):
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"{self.model_name}.Trainer: unknown optimizer {optimizer!r} (use 'sgd' or 'adam')")
+        checked = self.signature.params(params)
+        self.params = {k: np.array(checked[k], copy=True).reshape(params[k].shape) for k in self.param_order}
+        self.optimizer = optimizer
+        self.lr = _positive("lr", lr, self.model_name)
+        self.momentum = _fraction("momentum", momentum, self.model_name)
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"{self.model_name}.Trainer: betas must be a pair, got {betas!r}")
+        self.betas = (_fraction("betas[0]", betas[0], self.model_name), _fraction("betas[1]", betas[1], self.model_name))
+        self.eps = _positive("eps", eps, self.model_name)
+        self.clip_norm = None if clip_norm is None else _positive("clip_norm", clip_norm, self.model_name)
+        self.steps = 0
+        slots = ("momentum",) if optimizer == "sgd" else ("m", "v")
+        self.state = {s: {k: np.zeros_like(self.params[k]) for k in self.trained} for s in slots}
+
+    @property
+    def clip(self):
+        return math.inf if self.clip_norm is None else self.clip_norm
+
+    def step(self, **inputs):
+        a = self.signature.inputs(inputs, self.loss_inputs, "Trainer.step")
+        p = self.signature.params(self.params, exact=True)
+        s = {slot: {k: v.reshape(1) if v.ndim == 0 else v for k, v in arrays.items()}
+             for slot, arrays in self.state.items()}
+        if self.optimizer == "sgd":
+            loss, sq = self._sgd(p, s, a)
+        else:
+            t = self.steps + 1
+            loss, sq = self._adam(p, s, a, 1.0 - self.betas[0] ** t, 1.0 - self.betas[1] ** t)
+        if not (math.isfinite(loss) and math.isfinite(sq)):
+            what = f"the loss is {loss}" if not math.isfinite(loss) else "the gradient is not finite"
+            raise FloatingPointError(f"{self.model_name}.Trainer.step {self.steps + 1}: {what}; parameters and "
+                                     f"optimizer state are left as they were before this step")
+        self.steps += 1
+        return float(loss)
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def save(self, path):
+        """Write params and optimizer state to `path` (.npz) atomically: a crash leaves the old file."""
+        meta = {"model": self.model_name, "fingerprint": self.fingerprint, "optimizer": self.optimizer,
+                "lr": self.lr, "momentum": self.momentum, "betas": list(self.betas), "eps": self.eps,
+                "clip_norm": self.clip_norm, "steps": self.steps}
+        arrays = {"meta": np.array(json.dumps(meta))}
+        arrays |= {f"param/{k}": v for k, v in self.params.items()}
+        arrays |= {f"state/{slot}/{k}": v for slot, d in self.state.items() for k, v in d.items()}
+        path = os.fspath(path)
+        folder = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".ckpt-", suffix=".npz")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **arrays)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def load(cls, path):
+        """A Trainer restored from `save`; refuses a checkpoint of another model or gradc build."""
+        with np.load(os.fspath(path), allow_pickle=False) as f:
+            if "meta" not in f.files:
+                raise ValueError(f"{path}: not a gradc checkpoint (no meta record)")
+            meta = json.loads(str(f["meta"]))
+            if meta.get("fingerprint") != cls.fingerprint:
+                raise ValueError(f"{path}: checkpoint of model {meta.get('model')!r} (fingerprint "
+                                 f"{str(meta.get('fingerprint'))[:12]}) does not match model {cls.model_name!r} "
+                                 f"(fingerprint {cls.fingerprint[:12]}): it was written by another model or gradc version")
+            params = {k: f[f"param/{k}"] for k in cls.param_order}
+            tr = cls(params, optimizer=meta["optimizer"], lr=meta["lr"], momentum=meta["momentum"],
+                     betas=tuple(meta["betas"]), eps=meta["eps"], clip_norm=meta["clip_norm"])
+            for slot, d in tr.state.items():
+                for k in d:
+                    d[k][...] = f[f"state/{slot}/{k}"]
+            tr.steps = meta["steps"]
+        return tr
+
+
+def _positive(name, value, model):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+        raise ValueError(f"{model}.Trainer: {name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def _fraction(name, value, model):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"{model}.Trainer: {name} must be a number in [0, 1), got {value!r}")
+    return float(value)

@@ -1,0 +1,30 @@
+"""Facts about a compiled graph for `gradc inspect`: FLOPs, and what the backward keeps."""
+import sympy as sp
+
+from gradc.ops import get_op
+from gradc.shapes import size
+
+
+def flops(graph, nodes):
+    """Total FLOPs of `nodes`; a sympy expression in the symbolic dims."""
+    total = sp.Integer(0)
+    for n in nodes:
+        node = graph.node(n)
+        shapes = [graph.shape(u) for u in node["inputs"]]
+        total += sp.sympify(get_op(node["op"]).flops(node["attrs"], shapes, node["shape"]))
+    return sp.expand(total)
+
+
+def saved_for_backward(graph, nodes):
+    """Forward values (and inputs) that backward nodes among `nodes` read: what training keeps."""
+    saved = []
+    for n in graph.topo_order(nodes):
+        if graph.node(n)["phase"] != "forward" or graph.op(n) in ("param", "const"):
+            continue
+        if any(graph.node(u)["phase"] == "backward" for u in graph.users(n) if u in nodes):
+            saved.append(n)
+    return saved
+
+
+def nbytes(graph, n, itemsize):
+    return sp.sympify(size(graph.shape(n))) * itemsize

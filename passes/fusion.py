@@ -1,0 +1,65 @@
+"""Elementwise fusion: chains of elementwise ops become one `fused` node, one loop.
+
+A producer is inlined into its consumer when the consumer is its only user and no entry
+point returns it; scalar constants become literals. The fused expression is the sympy
+composition of the pieces, so `tanh(x @ W + b)` is one loop and so is its backward
+`g * (1 - y**2)`.
+"""
+import numpy as np
+import sympy as sp
+
+from gradc.ops import get_op
+from gradc.ops.elementwise import X, expr_of
+
+
+MAX_OPERANDS = 24   # a kernel with more arguments reads badly and gains nothing
+
+
+def _elementwise(graph, n):
+    return get_op(graph.op(n)).kind == "elementwise"
+
+
+def _literal(value):
+    value = float(value)
+    return sp.Integer(int(value)) if value.is_integer() and abs(value) < 2**53 else sp.Float(value)
+
+
+def _inline(graph, n, roots):
+    """Compose n's expression with its fusable operands; True when anything changed."""
+    expr, operands = expr_of(graph, n), list(graph.operands(n))
+    changed = False
+    progress = True
+    while progress:
+        progress = False
+        for i, u in enumerate(operands):
+            op = graph.op(u)
+            if op == "const" and all(d == 1 for d in graph.shape(u)) and len(graph.shape(u)) <= len(graph.shape(n)):
+                piece, pieces = _literal(np.asarray(graph.attrs(u)["value"]).reshape(())), []
+            elif _elementwise(graph, u) and u not in roots and graph.users(u) == [n] and u != n:
+                piece, pieces = expr_of(graph, u), list(graph.operands(u))
+            else:
+                continue
+            rest = operands[:i] + operands[i + 1:]
+            new = list(dict.fromkeys(rest + pieces))
+            if len(new) > MAX_OPERANDS:
+                continue
+            outer = {X[j]: X[new.index(v)] for j, v in enumerate(operands) if j != i}
+            outer[X[i]] = piece.xreplace({X[m]: X[new.index(v)] for m, v in enumerate(pieces)})
+            expr, operands = expr.xreplace(outer), new
+            changed = progress = True
+            break
+    if changed:
+        node = graph.node(n)
+        node["op"] = "fused"
+        node["attrs"] = {"expr": expr, "shape": node["shape"]}
+        graph.set_operands(n, operands)
+    return changed
+
+
+def fuse_elementwise(graph):
+    roots = set(graph.roots())
+    changed = False
+    for n in graph.topo_order():
+        if n in graph and _elementwise(graph, n):
+            changed |= _inline(graph, n, roots)
+    return changed
