@@ -38,6 +38,8 @@ class EntryWriter:
         self.names = names           # node -> variable name for leaves
         self.leaf_rank = {}          # leaf -> position in the argument list
         self.scalar_roots = set()    # roots returned as plain numbers
+        self.flat = {}               # root -> (offset, size) in the flat `grads` buffer it is written to
+        self.placed = set()          # flat roots whose kernel wrote straight into the buffer
 
     def var(self, n):
         g = self.graph
@@ -50,8 +52,16 @@ class EntryWriter:
             return self.names[n] if g.shape(n) != () else f"{self.names[n]}[0]"
         return f"t{n}"
 
-    def write(self, fname, roots, doc):
+    def write(self, fname, roots, doc, flat_roots=None):
+        """The compiled function; `flat_roots` are returned together as one flat `grads` buffer."""
         g = self.graph
+        self.flat, self.placed, offset = {}, set(), 0
+        layout = []
+        for r in flat_roots or ():
+            size = int(np.prod(g.shape(r)))
+            layout.append((r, offset, size))
+            self.flat.setdefault(r, (offset, size))
+            offset += size
         needed = g.ancestors(roots)
         order = g.topo_order(needed)
         leaves = [n for n in order if g.op(n) in ("param", "input")]
@@ -60,11 +70,21 @@ class EntryWriter:
         args = [self.names[n] for n in leaves] + [f"c{n}" for n in consts]
         dims = self._dims(order, leaves)
         body = [f"{dims[d]} = {src}" for d, src in self._dim_sources(order, leaves).items()]
+        if flat_roots is not None:
+            body.append(f"grads = np.empty({offset}, FLOAT)   # every gradient, one after another")
         for n in order:
             if g.op(n) in ("param", "input", "const"):
                 continue
             body += self.statement(n, dims)
+        for r, start, size in layout:
+            if r in self.placed and self.flat[r][0] == start:
+                continue
+            v = self.var(r)
+            body.append(f"grads[{start}] = {v}" if g.shape(r) == () else
+                        f"grads[{start}:{start + size}] = {v}.reshape({size})")
         returned, seen = [], set()
+        if flat_roots is not None:
+            roots = [r for r in roots if r not in set(flat_roots)]
         for r in roots:
             v = self.var(r)
             if g.shape(r) == ():
@@ -75,10 +95,21 @@ class EntryWriter:
             else:
                 returned.append(v)
             seen.add(r)
+        if flat_roots is not None:
+            returned.append("grads")
         body.append(f"return {', '.join(returned)}{',' if len(returned) == 1 else ''}")
         lines = ["@kernel", f"def {fname}({', '.join(args)}):", f'    """{doc}"""']
         lines += ["    " + b for b in body]
         return "\n".join(lines), leaves, consts
+
+    def new_array(self, n, dims):
+        """Where node n's kernel writes: its slot in `grads`, or a new array."""
+        shape = self.graph.shape(n)
+        if n in self.flat and shape != ():
+            self.placed.add(n)
+            start, size = self.flat[n]
+            return f"grads[{start}:{start + size}].reshape({_shape_src(shape, dims)})"
+        return f"np.empty({_shape_src(shape, dims)}, FLOAT)"
 
     def _dims(self, order, leaves):
         names = {}
@@ -111,7 +142,7 @@ class EntryWriter:
         kind = get_op(op).kind
         v, a = f"t{n}", [self.var(u) for u in ins]
         note = f"  # {op} {node['src']}"
-        alloc = f"{v} = np.empty({_shape_src(shape, dims)}, FLOAT)"
+        alloc = f"{v} = {self.new_array(n, dims)}"
         if kind == "elementwise":
             expr = expr_of(g, n)
             if shape == ():
@@ -123,6 +154,8 @@ class EntryWriter:
         if op == "matmul":
             ta = ".T" if attrs.get("transpose_a") else ""
             tb = ".T" if attrs.get("transpose_b") else ""
+            if n in self.flat:
+                return [alloc, f"np.dot({a[0]}{ta}, {a[1]}{tb}, {v}){note}"]
             return [f"{v} = np.dot({a[0]}{ta}, {a[1]}{tb}){note}"]
         if op == "transpose":
             return [f"{v} = np.ascontiguousarray(np.transpose({a[0]}, {tuple(attrs['axes'])})){note}"]
@@ -181,7 +214,6 @@ import numpy as np
 from numba import njit
 
 from gradc.runtime import Signature, TrainerBase, init_from, load_data
-from gradc.runtime.optim import adam_update, clip_scale, sgd_update, sum_squares
 
 kernel = njit(cache=True, error_model="numpy")   # float errors give inf/nan as in numpy, never raise
 FLOAT = np.{dtype}
@@ -205,7 +237,7 @@ def generate(graph, info):
     info: name, source, dtype, version, fingerprint, param_info.
     """
     g = graph
-    kernels = Kernels()
+    kernels = Kernels(fast_tanh=info["dtype"] == "float32")
     names = {n: f"p_{p}" for p, n in g.params.items()} | {n: f"in_{i}" for i, n in g.inputs.items()}
     writer = EntryWriter(g, kernels, names)
     writer.leaf_rank = {n: i for i, n in enumerate(list(g.params.values()) + list(g.inputs.values()))}
@@ -218,9 +250,9 @@ def generate(graph, info):
 
     entries = {}   # fname -> (roots, source, leaves, consts)
 
-    def entry(fname, roots, doc, scalar_roots=()):
+    def entry(fname, roots, doc, scalar_roots=(), flat_roots=None):
         writer.scalar_roots = set(scalar_roots)
-        source, leaves, consts = writer.write(fname, roots, doc)
+        source, leaves, consts = writer.write(fname, roots, doc, flat_roots)
         entries[fname] = (roots, source, leaves, consts)
 
     if outputs:
@@ -228,7 +260,13 @@ def generate(graph, info):
     entry("_forward_loss", [g.outputs[o] for o in outputs] + [g.objective],
           "The declared outputs and the objective.", [g.objective])
     entry("_loss_and_grad", [g.objective] + [g.grads[p] for p in with_grad],
-          "The objective and the gradients of the trainable params.", [g.objective])
+          "The objective, and the gradients of the trainable params in one flat buffer (GRAD_SLICES).",
+          [g.objective], [g.grads[p] for p in with_grad])
+    grad_slices, offset = {}, 0
+    for p in with_grad:
+        size = int(np.prod(g.shape(g.params[p])))
+        grad_slices[p] = (offset, offset + size)
+        offset += size
     if input_grads:
         entry("_input_grads", [g.input_grads[i] for i in input_grads], "Gradients of the objective for the float inputs.")
 
@@ -247,13 +285,9 @@ def generate(graph, info):
     inline = {k: v for k, v in data.items() if v.size <= INLINE_CONST_LIMIT}
     stored = {k: v for k, v in data.items() if v.size > INLINE_CONST_LIMIT}
 
-    def call(fname, state=None):
+    def call(fname):
         roots, _, leaves, consts = entries[fname]
         args = [f'p["{leaf_name[n]}"]' if g.op(n) == "param" else f'a["{leaf_name[n]}"]' for n in leaves]
-        if state is not None:
-            args = ([f'p["{leaf_name[n]}"]' for n in leaves if g.op(n) == "param"] +
-                    [f's["{slot}"]["{p}"]' for slot in state for p in with_grad] +
-                    [f'a["{leaf_name[n]}"]' for n in leaves if g.op(n) == "input"])
         return args + [f'DATA["c{n}"]' for n in consts]
 
     def inputs_of(fname):
@@ -271,6 +305,7 @@ def generate(graph, info):
     out.append(f"PARAM_ORDER = {tuple(g.params)!r}")
     out.append(f"PARAM_SHAPES = {{{', '.join(f'{p!r}: {tuple(g.shape(n))!r}' for p, n in g.params.items())}}}")
     out.append(f"TRAINABLE = {tuple(trainable)!r}")
+    out.append(f"GRAD_SLICES = {grad_slices!r}   # where each gradient lies in the flat buffer _loss_and_grad returns")
     out.append("INPUTS = {" + ", ".join(f"{i!r}: ({tuple(g.shape(n))!r}, {g.dtype(n)!r})" for i, n in g.inputs.items()) + "}")
     out.append(f"OUTPUTS = {tuple(outputs)!r}")
     out.append("MEMORY_PLAN = None   # activation planning is not part of this build: buffers are allocated per call")
@@ -292,29 +327,6 @@ def generate(graph, info):
     for fname, (_, source, _, _) in entries.items():
         body.append(source)
 
-    # the Trainer's compiled steps: gradients, global norm, clipping and the update in one call
-    lg_leaves = entries["_loss_and_grad"][2]
-    p_args = [names[n] for n in lg_leaves if g.op(n) == "param"]
-    i_args = [names[n] for n in lg_leaves if g.op(n) == "input"]
-    c_args = [f"c{n}" for n in entries["_loss_and_grad"][3]]
-    grads = [f"g_{p}" for p in with_grad]
-    inner = f"loss, {', '.join(grads)}{',' if len(grads) == 1 else ''} = _loss_and_grad({', '.join(p_args + i_args + c_args)})" \
-        if grads else f"(loss,) = _loss_and_grad({', '.join(p_args + i_args + c_args)})"
-    norm = " + ".join(f"sum_squares({x})" for x in grads) or "0.0"
-    check = ["    if not (math.isfinite(loss) and math.isfinite(sq)):",
-             "        return loss, sq   # the caller raises; nothing was updated"]
-    sgd = [f"def _sgd_step({', '.join(p_args + [f'm_{p}' for p in with_grad] + i_args + c_args + ['lr', 'momentum', 'clip_norm'])}):",
-           '    """One SGD step with momentum (v = momentum*v + g; p -= lr*v), in place."""',
-           f"    {inner}", f"    sq = {norm}"] + check + ["    scale = clip_scale(sq, clip_norm)"]
-    sgd += [f"    sgd_update(p_{p}, m_{p}, g_{p}, lr, momentum, scale)" for p in with_grad] + ["    return loss, sq"]
-    adam = [f"def _adam_step({', '.join(p_args + [f'm_{p}' for p in with_grad] + [f'v_{p}' for p in with_grad] + i_args + c_args + ['lr', 'beta1', 'beta2', 'eps', 'bias1', 'bias2', 'clip_norm'])}):",
-            '    """One Adam step (PyTorch\'s definition, bias-corrected), in place."""',
-            f"    {inner}", f"    sq = {norm}"] + check + ["    scale = clip_scale(sq, clip_norm)"]
-    adam += [f"    adam_update(p_{p}, m_{p}, v_{p}, g_{p}, lr, beta1, beta2, eps, bias1, bias2, scale)" for p in with_grad]
-    adam += ["    return loss, sq"]
-    body.append("@kernel\n" + "\n".join(sgd))
-    body.append("@kernel\n" + "\n".join(adam))
-
     api = []
     api.append(textwrap.dedent(f'''\
         def init_params(seed=0):
@@ -328,7 +340,7 @@ def generate(graph, info):
              "    p = _SIGNATURE.params(params)",
              "    if _SIGNATURE.wants_loss(inputs, _LOSS_INPUTS, _OUTPUT_INPUTS):",
              '        a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS + _OUTPUT_INPUTS, "forward")',
-             f"        {fwd_out + ', ' if outputs else ''}loss = _forward_loss({', '.join(call('_forward_loss'))})",
+             f"        {fwd_out + ', ' if outputs else ''}loss{'' if outputs else ','} = _forward_loss({', '.join(call('_forward_loss'))})",
              f"        return {{{fwd_dict + ', ' if outputs else ''}\"loss\": float(loss)}}"]
     if outputs:
         lines += ['    a = _SIGNATURE.inputs(inputs, _OUTPUT_INPUTS, "forward")',
@@ -338,15 +350,14 @@ def generate(graph, info):
         lines += ['    _SIGNATURE.inputs(inputs, (), "forward")', "    return {}"]
     api.append("\n".join(lines) + "\n")
 
-    gdict = ", ".join([f'"{p}": {zero_or("g_" + p, g.shape(g.params[p]))}' if p in with_grad
-                       else f'"{p}": np.zeros({tuple(g.shape(g.params[p]))!r}, FLOAT)' for p in trainable])
-    lhs = "loss" + "".join(f", g_{p}" for p in with_grad)
+    gdict = ", ".join([f'"{p}": grads[{grad_slices[p][0]}:{grad_slices[p][1]}].reshape({tuple(g.shape(g.params[p]))!r})'
+                       if p in with_grad else f'"{p}": np.zeros({tuple(g.shape(g.params[p]))!r}, FLOAT)' for p in trainable])
     api.append("\n".join([
         "def loss_and_grad(params, /, **inputs):",
-        '    """The objective (float) and its gradients for the trainable params (dict)."""',
+        '    """The objective (float) and its gradients for the trainable params (dict of views of one buffer)."""',
         "    p = _SIGNATURE.params(params)",
         '    a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS, "loss_and_grad")',
-        f"    {lhs if with_grad else '(loss,)'} = _loss_and_grad({', '.join(call('_loss_and_grad'))})",
+        f"    loss, grads = _loss_and_grad({', '.join(call('_loss_and_grad'))})",
         f"    return float(loss), {{{gdict}}}"]) + "\n")
 
     float_inputs = [i for i, n in g.inputs.items() if g.dtype(n).startswith("float")]
@@ -374,14 +385,12 @@ def generate(graph, info):
         "    fingerprint = FINGERPRINT",
         "    model_name = MODEL_NAME",
         "    param_order = PARAM_ORDER",
-        f"    trained = {tuple(with_grad)!r}   # trainable params the objective depends on",
         "    loss_inputs = _LOSS_INPUTS",
         "",
-        "    def _sgd(self, p, s, a):",
-        f"        return _sgd_step({', '.join(call('_loss_and_grad', ['momentum']) + ['self.lr', 'self.momentum', 'self.clip'])})",
+        "    grad_slices = GRAD_SLICES",
         "",
-        "    def _adam(self, p, s, a, bias1, bias2):",
-        f"        return _adam_step({', '.join(call('_loss_and_grad', ['m', 'v']) + ['self.lr', 'self.betas[0]', 'self.betas[1]', 'self.eps', 'bias1', 'bias2', 'self.clip'])})"]) + "\n")
+        "    def _gradients(self, p, a):",
+        f"        return _loss_and_grad({', '.join(call('_loss_and_grad'))})"]) + "\n")
 
     sections = ["\n".join(out)] + (["# ---- scalar helpers " + "-" * 70, *helper_src] if helper_src else []) + [
                 "# ---- kernels " + "-" * 77, *kernel_src,

@@ -93,9 +93,23 @@ def warm(module, dims):
 
 
 def import_file(path, name):
+    """Import a generated module under its own name.
+
+    Numba's cache records the module name of each compiled function and imports it when the
+    cache is loaded, so the module must be in sys.modules under the name a user imports it by.
+    """
+    current = sys.modules.get(name)
+    if current is not None and not hasattr(current, "GRADC_VERSION"):
+        raise GradcError(f"model name {name!r} is also the name of an imported module ({getattr(current, '__file__', current)}); "
+                         f"give the Model another name")
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
     return module
 
 
@@ -160,7 +174,7 @@ def write_outputs(out, name, files, stored, warm_dims, timings):
                             os.path.join(tmp, f"{name}.graph.dot")], check=False, capture_output=True, timeout=120)
         if warm_dims is not None:
             t = time.perf_counter()
-            module = import_file(os.path.join(tmp, f"{name}.py"), f"_gradc_warm_{name}")
+            module = import_file(os.path.join(tmp, f"{name}.py"), name)
             warm(module, warm_dims)
             timings["numba_warm"] = time.perf_counter() - t
         cache = os.path.join(out, "__pycache__")

@@ -1,4 +1,9 @@
-"""Optimizer kernels the generated Trainer steps call (in place, PyTorch's definitions)."""
+"""Optimizer steps the Trainer runs after the gradients (in place, PyTorch's definitions).
+
+Params, optimizer state and gradients arrive as flat 1-D buffers (the Trainer keeps its trained
+params in one, and `_loss_and_grad` writes every gradient into one), so one loop updates a model
+of any depth and compiles once.
+"""
 import math
 
 from numba import njit
@@ -8,11 +13,17 @@ kernel = njit(cache=True, error_model="numpy")
 
 @kernel
 def sum_squares(g):
-    flat = g.reshape(g.size)
-    acc = 0.0
-    for i in range(flat.size):
-        acc += flat[i] * flat[i]
-    return acc
+    """Sum of g*g in float64; four partial sums break the add latency chain (no fastmath needed)."""
+    a0 = a1 = a2 = a3 = 0.0
+    n4 = g.size - g.size % 4
+    for i in range(0, n4, 4):
+        a0 += g[i] * g[i]
+        a1 += g[i + 1] * g[i + 1]
+        a2 += g[i + 2] * g[i + 2]
+        a3 += g[i + 3] * g[i + 3]
+    for i in range(n4, g.size):
+        a0 += g[i] * g[i]
+    return (a0 + a1) + (a2 + a3)
 
 
 @kernel
@@ -23,25 +34,33 @@ def clip_scale(sum_sq, clip_norm):
 
 
 @kernel
-def sgd_update(p, v, g, lr, momentum, scale):
-    """v = momentum*v + g; p -= lr*v (g scaled by the clip factor first)."""
-    pf, vf, gf = p.reshape(p.size), v.reshape(v.size), g.reshape(g.size)
-    for i in range(pf.size):
-        vi = momentum * vf[i] + scale * gf[i]
-        vf[i] = vi
-        pf[i] -= lr * vi
+def sgd_step(p, v, g, loss, lr, momentum, clip_norm):
+    """v = momentum*v + g; p -= lr*v. Returns |g|^2; updates nothing when loss or |g|^2 is not finite."""
+    sq = sum_squares(g)
+    if not (math.isfinite(loss) and math.isfinite(sq)):
+        return sq
+    scale = clip_scale(sq, clip_norm)
+    for i in range(p.size):
+        vi = momentum * v[i] + scale * g[i]
+        v[i] = vi
+        p[i] -= lr * vi
+    return sq
 
 
 @kernel
-def adam_update(p, m, v, g, lr, beta1, beta2, eps, bias1, bias2, scale):
-    """Adam with bias correction: p -= (lr/bias1) * m / (sqrt(v)/sqrt(bias2) + eps)."""
-    pf, mf, vf, gf = p.reshape(p.size), m.reshape(m.size), v.reshape(v.size), g.reshape(g.size)
+def adam_step(p, m, v, g, loss, lr, beta1, beta2, eps, bias1, bias2, clip_norm):
+    """Adam with bias correction: p -= (lr/bias1) * m / (sqrt(v)/sqrt(bias2) + eps). Returns |g|^2."""
+    sq = sum_squares(g)
+    if not (math.isfinite(loss) and math.isfinite(sq)):
+        return sq
+    scale = clip_scale(sq, clip_norm)
     step = lr / bias1
     root2 = math.sqrt(bias2)
-    for i in range(pf.size):
-        gi = scale * gf[i]
-        mi = beta1 * mf[i] + (1.0 - beta1) * gi
-        vi = beta2 * vf[i] + (1.0 - beta2) * gi * gi
-        mf[i] = mi
-        vf[i] = vi
-        pf[i] -= step * mi / (math.sqrt(vi) / root2 + eps)
+    for i in range(p.size):
+        gi = scale * g[i]
+        mi = beta1 * m[i] + (1.0 - beta1) * gi
+        vi = beta2 * v[i] + (1.0 - beta2) * gi * gi
+        m[i] = mi
+        v[i] = vi
+        p[i] -= step * mi / (math.sqrt(vi) / root2 + eps)
+    return sq

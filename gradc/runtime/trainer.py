@@ -6,6 +6,8 @@ import tempfile
 
 import numpy as np
 
+from .optim import adam_step, sgd_step
+
 OPTIMIZERS = ("sgd", "adam")
 
 
@@ -20,14 +22,14 @@ class TrainerBase:
     """
     # set by the generated subclass
     signature = fingerprint = model_name = None
-    param_order = trained = loss_inputs = ()
+    param_order = loss_inputs = ()
+    grad_slices = {}
 
     def __init__(self, params, /, optimizer="sgd", lr=0.01, momentum=0.0, betas=(0.9, 0.999), eps=1e-8,
                  clip_norm=None):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"{self.model_name}.Trainer: unknown optimizer {optimizer!r} (use 'sgd' or 'adam')")
         checked = self.signature.params(params)
-        self.params = {k: np.array(checked[k], copy=True).reshape(params[k].shape) for k in self.param_order}
         self.optimizer = optimizer
         self.lr = _positive("lr", lr, self.model_name)
         self.momentum = _fraction("momentum", momentum, self.model_name)
@@ -37,23 +39,49 @@ class TrainerBase:
         self.eps = _positive("eps", eps, self.model_name)
         self.clip_norm = None if clip_norm is None else _positive("clip_norm", clip_norm, self.model_name)
         self.steps = 0
+        # The trained params live in one flat buffer (laid out as GRAD_SLICES), so that one loop
+        # updates them all; tr.params holds views of it, and copies of the other params.
+        size = max((end for _, end in self.grad_slices.values()), default=0)
+        self._flat = np.empty(size, dtype=self.signature.float)
+        self._views = {}
+        self.params = {}
+        for k, shape in self.signature.param_shapes.items():
+            if k in self.grad_slices:
+                start, end = self.grad_slices[k]
+                view = self._flat[start:end].reshape(shape)
+                view[...] = checked[k].reshape(shape)
+                self._views[k] = self.params[k] = view
+            else:
+                self.params[k] = np.array(checked[k], copy=True).reshape(shape)
         slots = ("momentum",) if optimizer == "sgd" else ("m", "v")
-        self.state = {s: {k: np.zeros_like(self.params[k]) for k in self.trained} for s in slots}
+        self.state = {slot: np.zeros(size, dtype=self.signature.float) for slot in slots}   # flat, like _flat
 
     @property
     def clip(self):
         return math.inf if self.clip_norm is None else self.clip_norm
 
+    def _adopt(self):
+        """An array assigned into tr.params replaces the values, not the trainer's buffer."""
+        for k, view in self._views.items():
+            new = self.params.get(k)
+            if new is not view:
+                if not isinstance(new, np.ndarray) or new.shape != view.shape or new.dtype != view.dtype:
+                    raise ValueError(f"{self.model_name}.Trainer: params[{k!r}] must stay a {view.dtype} array of "
+                                     f"shape {view.shape}")
+                view[...] = new
+                self.params[k] = view
+
     def step(self, **inputs):
         a = self.signature.inputs(inputs, self.loss_inputs, "Trainer.step")
+        self._adopt()
         p = self.signature.params(self.params, exact=True)
-        s = {slot: {k: v.reshape(1) if v.ndim == 0 else v for k, v in arrays.items()}
-             for slot, arrays in self.state.items()}
+        loss, grads = self._gradients(p, a)
         if self.optimizer == "sgd":
-            loss, sq = self._sgd(p, s, a)
+            sq = sgd_step(self._flat, self.state["momentum"], grads, loss, self.lr, self.momentum, self.clip)
         else:
             t = self.steps + 1
-            loss, sq = self._adam(p, s, a, 1.0 - self.betas[0] ** t, 1.0 - self.betas[1] ** t)
+            sq = adam_step(self._flat, self.state["m"], self.state["v"], grads, loss, self.lr, self.betas[0],
+                           self.betas[1], self.eps, 1.0 - self.betas[0] ** t, 1.0 - self.betas[1] ** t, self.clip)
         if not (math.isfinite(loss) and math.isfinite(sq)):
             what = f"the loss is {loss}" if not math.isfinite(loss) else "the gradient is not finite"
             raise FloatingPointError(f"{self.model_name}.Trainer.step {self.steps + 1}: {what}; parameters and "
@@ -69,7 +97,7 @@ class TrainerBase:
                 "clip_norm": self.clip_norm, "steps": self.steps}
         arrays = {"meta": np.array(json.dumps(meta))}
         arrays |= {f"param/{k}": v for k, v in self.params.items()}
-        arrays |= {f"state/{slot}/{k}": v for slot, d in self.state.items() for k, v in d.items()}
+        arrays |= {f"state/{slot}": v for slot, v in self.state.items()}
         path = os.fspath(path)
         folder = os.path.dirname(os.path.abspath(path))
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".ckpt-", suffix=".npz")
@@ -98,9 +126,11 @@ class TrainerBase:
             params = {k: f[f"param/{k}"] for k in cls.param_order}
             tr = cls(params, optimizer=meta["optimizer"], lr=meta["lr"], momentum=meta["momentum"],
                      betas=tuple(meta["betas"]), eps=meta["eps"], clip_norm=meta["clip_norm"])
-            for slot, d in tr.state.items():
-                for k in d:
-                    d[k][...] = f[f"state/{slot}/{k}"]
+            for slot, v in tr.state.items():
+                saved = f[f"state/{slot}"]
+                if saved.shape != v.shape:
+                    raise ValueError(f"{path}: optimizer state {slot!r} has {saved.size} values, expected {v.size}")
+                v[...] = saved
             tr.steps = meta["steps"]
         return tr
 
