@@ -142,7 +142,6 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=1, bi
 
     lg_nodes = graph.ancestors(meta["entries"]["_loss_and_grad"]["roots"])
     fwd_nodes = graph.ancestors(meta["entries"]["_forward_loss"]["roots"])
-    itemsize = np.dtype(dtype).itemsize
     saved = saved_for_backward(graph, lg_nodes)
     extra = {"model": name, "dtype": dtype, "gradc_version": __version__, "source": info["source"],
              "params": {p: {"shape": list(graph.shape(n)), "trainable": model.param_info[p]["trainable"],
@@ -151,7 +150,7 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=1, bi
              "flops": {"forward": str(flops(graph, fwd_nodes)), "loss_and_grad": str(flops(graph, lg_nodes))},
              "kernels": meta["kernels"],
              "saved_for_backward": [{"node": n, "op": graph.op(n), "name": graph.node(n).get("name"),
-                                     "shape": [str(d) for d in graph.shape(n)], "bytes": str(nbytes(graph, n, itemsize)), "src": graph.node(n)["src"]} for n in saved],
+                                     "shape": [str(d) for d in graph.shape(n)], "bytes": str(nbytes(graph, n)), "src": graph.node(n)["src"]} for n in saved],
              "pass_seconds": {k: round(v, 4) for k, v in timings.items()}}
     files = {f"{name}.py": text, f"{name}.graph.json": graph.to_json(extra), f"{name}.graph.dot": graph.to_dot()}
     return write_outputs(out, name, files, stored, dims if warm_cache else None, timings)

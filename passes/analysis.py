@@ -1,4 +1,5 @@
 """Facts about a compiled graph for `gradc inspect`: FLOPs, and what the backward keeps."""
+import numpy as np
 import sympy as sp
 
 from gradc.ops import get_op
@@ -26,5 +27,5 @@ def saved_for_backward(graph, nodes):
     return saved
 
 
-def nbytes(graph, n, itemsize):
-    return sp.sympify(size(graph.shape(n))) * itemsize
+def nbytes(graph, n):
+    return sp.sympify(size(graph.shape(n))) * np.dtype(graph.dtype(n)).itemsize

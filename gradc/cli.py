@@ -1,0 +1,160 @@
+"""The `gradc` command: compile a model file; inspect what a compile wrote."""
+import argparse
+import json
+import os
+import runpy
+import sys
+import traceback
+
+from .errors import GradcError
+
+SIZE_UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+
+
+class UsageError(Exception):
+    """A bad command line or model file: one line on stderr, exit 2."""
+
+
+def parse_size(text):
+    if text == "auto":
+        return "auto"
+    t = text.strip().upper().replace(" ", "")
+    num = t.rstrip("KMGIB")
+    unit = t[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or with KiB/MiB/GiB)") from None
+    if unit not in SIZE_UNITS or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or with KiB/MiB/GiB)")
+    return int(value * SIZE_UNITS[unit])
+
+
+def parse_bind(items):
+    dims = {}
+    for item in items or ():
+        name, sep, value = item.partition("=")
+        if not sep or not name.isidentifier():
+            raise UsageError(f"--bind {item!r}: expected DIM=INT, e.g. --bind B=256")
+        try:
+            dims[name] = int(value)
+        except ValueError:
+            raise UsageError(f"--bind {item!r}: {value!r} is not an int") from None
+        if dims[name] < 1:
+            raise UsageError(f"--bind {item!r}: a dim must be >= 1")
+    return dims
+
+
+def load_models(path):
+    """Run the model file and return its module-level gradc.Model objects by name."""
+    from .dsl import Model
+    if not os.path.isfile(path):
+        raise UsageError(f"{path}: no such file")
+    folder = os.path.dirname(os.path.abspath(path))
+    sys.path.insert(0, folder)
+    try:
+        namespace = runpy.run_path(path, run_name="__gradc_model__")
+    except GradcError:
+        raise
+    except SystemExit as e:
+        raise UsageError(f"{path}: the model file called exit({e.code})") from None
+    except BaseException as e:
+        tb = traceback.TracebackException.from_exception(e)
+        # the user's frames only: drop runpy's and ours
+        tb.stack = traceback.StackSummary.from_list(
+            [f for f in tb.stack if not f.filename.startswith("<frozen") and
+             os.path.abspath(f.filename) != os.path.abspath(runpy.__file__) and
+             os.path.abspath(f.filename) != os.path.abspath(__file__)])
+        sys.stderr.write("".join(tb.format()))
+        raise UsageError(f"{path}: the model file raised {type(e).__name__}: {e}") from None
+    finally:
+        sys.path.remove(folder)
+    models = {}
+    for value in namespace.values():
+        if isinstance(value, Model):
+            models.setdefault(value.name, value)
+    return models
+
+
+def cmd_compile(args):
+    from .compiler import compile_model
+    models = load_models(args.model_file)
+    if not models:
+        raise UsageError(f"{args.model_file}: defines no gradc.Model at module level")
+    if args.model is not None:
+        if args.model not in models:
+            raise UsageError(f"{args.model_file}: no model named {args.model!r} (models: {', '.join(sorted(models))})")
+        model = models[args.model]
+    elif len(models) > 1:
+        raise UsageError(f"{args.model_file}: defines models {', '.join(sorted(models))}; pick one with --model")
+    else:
+        (model,) = models.values()
+    timings = {}
+    compile_model(model, out=args.out, target=args.target, dtype=args.dtype, order=args.order,
+                  bind=parse_bind(args.bind), warm_cache=not args.no_warm, timings=timings, source=args.model_file,
+                  memory_budget=args.memory_budget, devices=args.devices, schedule=args.schedule,
+                  microbatches=args.microbatches, device_memory=args.device_memory, batch_dim=args.batch_dim)
+    secs = f"passes {timings.get('passes_total', 0):.2f}s" + (
+        f", Numba warm-up {timings['numba_warm']:.1f}s" if "numba_warm" in timings else "")
+    print(f"gradc: wrote {os.path.join(args.out, model.name + '.py')} ({secs})")
+    return 0
+
+
+def cmd_inspect(args):
+    from .inspect_build import report
+    print(report(args.build, graph=args.graph, memory=args.memory, partition=args.partition, kernels=args.kernels))
+    return 0
+
+
+def build_parser():
+    ap = argparse.ArgumentParser(prog="gradc", description="Symbolic graph compiler for training code.")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = ap.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("compile", help="compile a model file into a Python module")
+    c.add_argument("model_file")
+    c.add_argument("-o", "--out", default="build", help="output folder (default: build)")
+    c.add_argument("--model", help="which Model of the file (when it defines several)")
+    c.add_argument("--target", choices=["cpu", "cuda"], default="cpu")
+    c.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    c.add_argument("--order", type=int, choices=[1, 2], default=None,
+                   help="1: gradients; 2: also hvp and hessian (not built yet; default 1 until it is)")
+    c.add_argument("--bind", action="append", metavar="DIM=INT", help="bind a symbolic dim at compile time")
+    c.add_argument("--memory-budget", type=parse_size, metavar="SIZE|auto")
+    c.add_argument("--devices", type=int)
+    c.add_argument("--schedule", choices=["sequential", "gpipe", "1f1b"])
+    c.add_argument("--microbatches", type=int)
+    c.add_argument("--device-memory", type=parse_size, metavar="SIZE")
+    c.add_argument("--batch-dim")
+    c.add_argument("--no-warm", action="store_true", help="skip compiling the kernels now (first call compiles)")
+    c.add_argument("--debug", action="store_true", help="show tracebacks")
+    i = sub.add_parser("inspect", help="summarise what `compile` wrote for OUT/NAME")
+    i.add_argument("build", metavar="OUT/NAME")
+    i.add_argument("--graph", action="store_true", help="every node, by phase")
+    i.add_argument("--memory", action="store_true", help="values kept for the backward, with bytes")
+    i.add_argument("--partition", action="store_true", help="stages (single device until partitioning lands)")
+    i.add_argument("--kernels", action="store_true", help="the generated kernels")
+    i.add_argument("--debug", action="store_true", help="show tracebacks")
+    return ap
+
+
+def main(argv=None):
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.command == "compile" and args.order is None:
+        args.order = 1
+    try:
+        return cmd_compile(args) if args.command == "compile" else cmd_inspect(args)
+    except (GradcError, UsageError) as e:
+        if args.debug:
+            raise
+        print(f"gradc: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        if args.debug:
+            raise
+        print(f"gradc: internal error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
