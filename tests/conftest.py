@@ -1,0 +1,59 @@
+"""Shared helpers: float64 central finite differences through the IR interpreter."""
+import itertools
+import os
+
+import numpy as np
+import pytest
+
+from gradc.interpret import evaluate
+from gradc.passes.pipeline import build_training_graph
+
+EPS = 1e-6
+
+
+def objective(graph, params, inputs):
+    return float(evaluate(graph, params, inputs, [graph.objective])[graph.objective])
+
+
+def numeric_grad(graph, params, inputs, which, name):
+    """Central differences of the objective for one param or input, element by element."""
+    source = params if which == "param" else inputs
+    base = source[name]
+    grad = np.zeros_like(base, dtype=np.float64)
+    for idx in itertools.product(*(range(d) for d in base.shape)):
+        old = base[idx]
+        base[idx] = old + EPS
+        up = objective(graph, params, inputs)
+        base[idx] = old - EPS
+        down = objective(graph, params, inputs)
+        base[idx] = old
+        grad[idx] = (up - down) / (2 * EPS)
+    return grad
+
+
+def assert_grads_match_fd(model, params, inputs, rtol=1e-5, atol=1e-7):
+    """Symbolic gradients (interpreter, float64) of every trainable param and float input vs FD."""
+    graph = build_training_graph(model, "float64")
+    roots = [n for n in list(graph.grads.values()) + list(graph.input_grads.values()) if n is not None]
+    values = evaluate(graph, params, inputs, roots) if roots else {}
+    checked = 0
+    for which, table in (("param", graph.grads), ("input", graph.input_grads)):
+        for name, node in table.items():
+            source = params if which == "param" else inputs
+            fd = numeric_grad(graph, params, inputs, which, name)
+            got = values[node] if node is not None else np.zeros_like(fd)
+            np.testing.assert_allclose(got, fd, rtol=rtol, atol=atol, err_msg=f"gradient of {which} {name!r}")
+            assert np.shape(got) == np.shape(source[name])
+            checked += 1
+    assert checked, "nothing was differentiated"
+    return graph
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(12345)
+
+
+@pytest.fixture(scope="session")
+def build_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("build"))
