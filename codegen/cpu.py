@@ -103,10 +103,10 @@ class Kernels:
                 lines.append(f"    return acc{' / (' + count + ')' if op == 'mean' else ''}")
             else:
                 # memory order: the innermost loop runs along contiguous data
-                lines.append("    out[...] = 0.0")
+                lines.append("    out[:] = 0.0")
                 lines += _loops(range(rank), [f"out[{out_idx}] += {read}"])
                 if op == "mean":
-                    lines.append(f"    out[...] *= 1.0 / ({count})")
+                    lines.append(f"    out *= 1.0 / ({count})")
             return "\n".join(lines), f"{op} over axes {tuple(axes)}"
         # max: kept dims outside, reduced dims inside; NaN wins, as in numpy and PyTorch
         update = [f"v = {read}", "if v > m or v != v:", "    m = v"]
@@ -128,7 +128,7 @@ class Kernels:
         kept = [d for d in range(rank) if d not in axes]
         pad = "    " * (1 + len(kept))
         read = f"x0[{_index([f'i{d}' for d in range(rank)])}]"
-        lines = [f"def {name}(x0, out):"] + _dims_line("x0", rank) + ["    out[...] = 0.0"]
+        lines = [f"def {name}(x0, out):"] + _dims_line("x0", rank) + ["    out[:] = 0.0"]
         lines += _loops(kept, ["m = -math.inf", "found = False"] + [f"b{d} = 0" for d in axes])
         body = [f"v = {read}", "if not found or v > m:", "    m = v", "    found = True"] + \
                [f"    b{d} = i{d}" for d in axes]
@@ -168,6 +168,6 @@ class Kernels:
     def pick_grad(self):
         return self._get(("pick_grad",), "pick_grad", lambda name: (
             f"def {name}(g, labels, out):\n"
-            "    out[...] = 0.0\n"
+            "    out[:] = 0.0\n"
             "    for i in range(out.shape[0]):\n"
             "        out[i, labels[i]] = g[i]", "out[i, labels[i]] = g[i], zeros elsewhere"))

@@ -99,7 +99,8 @@ def reshape_target(src, new):
         rest = size([d for d in new if d != -1])
         fill = sp.sympify(src_size) / rest if rest != 0 else None
         if fill is None or not (fill.is_Integer and fill >= 0):
-            raise ShapeError(f"cannot reshape {fmt(src)} to {fmt(new)}")
+            why = f": the -1 would be {fill}, not an int" if fill is not None and not fill.is_Integer else ""
+            raise ShapeError(f"cannot reshape {fmt(src)} to {fmt(tuple(new))}{why} (a dim is an int or one dim name)")
         new[holes[0]] = int(fill)
     if sp.expand(size(new) - src_size) != 0:
         raise ShapeError(f"cannot reshape {fmt(src)} to {fmt(tuple(new))}: element counts differ")

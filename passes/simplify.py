@@ -72,6 +72,9 @@ def apply_identities(graph):
 
 
 def _bigger_than_operands(graph, n, ins):
+    """Folding would materialise a broadcast (or a shape only known at run time)."""
+    if any(isinstance(d, str) for d in graph.shape(n)):
+        return True
     size = int(np.prod(graph.shape(n)))
     return size > 1 and size > max((int(np.prod(graph.shape(u))) for u in ins), default=1)
 

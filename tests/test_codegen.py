@@ -1,0 +1,274 @@
+"""The generated module against the interpreter on composite DAGs (float64), and float32 behaviour."""
+import numpy as np
+import pytest
+import sympy as sp
+
+import gradc as gc
+from gradc.interpret import evaluate
+from gradc.passes.pipeline import build_training_graph
+
+pytestmark = pytest.mark.slow   # each model is compiled by Numba
+
+
+def mlp_weight_decay():
+    m = gc.Model("cg_mlp")
+    x = m.input("x", ("B", 5))
+    y = m.input("y", ("B",), dtype="int64")
+    h = gc.tanh(x @ m.param("W0", (5, 7)) + m.param("b0", (7,)))
+    h = h @ m.param("W1", (7, 3)) + m.param("b1", (3,))
+    m.output("logits", h)
+    m.minimize(gc.softmax_cross_entropy(h, y), weight_decay=0.01)
+    return m
+
+
+def shared_weights():
+    m = gc.Model("cg_shared")
+    x = m.input("x", ("B", 4))
+    w = m.param("W", (4, 4))
+    h = gc.tanh(x @ w)
+    h = gc.sigmoid(h @ w) + h          # W used twice, h fans out
+    m.output("h", h)
+    m.minimize(gc.mse(h, x))
+    return m
+
+
+def reused_input():
+    m = gc.Model("cg_reuse")
+    x = m.input("x", ("B", 3))
+    w = m.param("w", (3,))
+    out = x * x * w + gc.exp(-x) * x + (x @ w.reshape((3, 1))).sum()
+    m.minimize(out.mean())
+    return m
+
+
+def residual():
+    m = gc.Model("cg_residual")
+    x = m.input("x", ("B", 6))
+    t = m.input("t", ("B", 6))
+    h = x
+    skips = []
+    for i in range(3):
+        f = gc.relu(h @ m.param(f"W{i}", (6, 6)) + m.param(f"b{i}", (6,)))
+        h = h + f                        # skip connection
+        skips.append(h)
+    out = h + skips[0] * 0.5             # a long skip
+    m.output("out", out)
+    m.minimize(gc.mse(out, t))
+    return m
+
+
+def frozen_and_unused():
+    m = gc.Model("cg_frozen")
+    x = m.input("x", ("B", 3))
+    frozen = m.param("E", (3, 3), init="normal", trainable=False)
+    w = m.param("w", (3, 2))
+    m.param("unused", (2,), init="ones")
+    m.minimize(gc.softplus(x @ frozen @ w).sum(), weight_decay=0.1)
+    return m
+
+
+def reductions_and_attention():
+    m = gc.Model("cg_attention")
+    x = m.input("x", ("T", 4))
+    wq = m.param("Wq", (4, 4))
+    wk = m.param("Wk", (4, 4))
+    scores = (x @ wq) @ (x @ wk).T / 2.0
+    att = gc.softmax(scores, axis=-1) @ x
+    pooled = gc.max(att, axis=0) + att.mean(axis=0) - gc.log_softmax(att, axis=0).sum(axis=0, keepdims=True).reshape((4,))
+    m.output("pooled", pooled)
+    m.minimize(gc.sum(pooled * pooled))
+    return m
+
+
+def user_ops():
+    mish = gc.elementwise("cg_mish", lambda u: u * sp.tanh(sp.log(1 + sp.exp(u))))
+    m = gc.Model("cg_user")
+    x = m.input("x", ("B", 4))
+    w = m.param("w", (4, 4))
+    h = mish(x @ w)
+    out = gc.maximum(h, -h * 0.3) + gc.abs(h) + gc.gelu(h) + gc.sqrt(gc.square(h) + 1.0)
+    m.minimize(gc.mean(out) + gc.mean(gc.sin(x) * gc.cos(out)))
+    return m
+
+
+def layout_ops():
+    m = gc.Model("cg_layout")
+    x = m.input("x", ("B", 2, 3))
+    w = m.param("w", (6, 4))
+    h = gc.transpose(x, (0, 2, 1)).reshape(("B", 6))       # (B, 6)
+    g = x.reshape(("B", -1)) @ w                            # (B, 4)
+    out = h.sum(axis=1, keepdims=True) * g
+    m.minimize((out ** 2).mean())
+    return m
+
+
+def scalars():
+    m = gc.Model("cg_scalars")
+    x = m.input("x", ("B", 3))
+    temp = m.input("temp", ())
+    s = m.param("s", (), init="ones")
+    w = m.param("w", (3,), init="uniform")
+    logits = x * w / (temp * s)
+    m.output("scale", s * 2.0)
+    m.minimize(gc.log_softmax(logits, axis=1).mean() * -1.0 + s * s)
+    return m
+
+
+def constants_and_array_init():
+    big = np.linspace(-1.0, 1.0, 600).reshape(20, 30)
+    m = gc.Model("cg_consts")
+    x = m.input("x", ("B", 20))
+    w = m.param("w", (30,), init=np.linspace(0.1, 0.3, 30))
+    out = (x @ big) * w + big.sum(axis=0)
+    m.output("out", out)
+    m.minimize(gc.mean(gc.tanh(out)))
+    return m
+
+
+def integer_labels_int32():
+    m = gc.Model("cg_int32")
+    x = m.input("x", ("B", 3))
+    y = m.input("y", ("B",), dtype="int32")
+    w = m.param("w", (3, 5))
+    logits = x @ w
+    m.minimize(gc.softmax_cross_entropy(logits, y) + gc.softmax_cross_entropy(logits * 2.0, y))
+    return m
+
+
+def deep_chain():
+    m = gc.Model("cg_deep")
+    x = m.input("x", ("B", 4))
+    h = x
+    for i in range(12):
+        h = gc.tanh(h @ m.param(f"W{i}", (4, 4))) + h * 0.1
+    m.minimize(gc.mean(h * h))
+    return m
+
+
+MODELS = [mlp_weight_decay, shared_weights, reused_input, residual, frozen_and_unused, reductions_and_attention,
+          user_ops, layout_ops, scalars, constants_and_array_init, integer_labels_int32, deep_chain]
+
+
+def _inputs(module, rng, batch=5):
+    out = {}
+    for name, (shape, dtype) in module.INPUTS.items():
+        concrete = tuple(batch if isinstance(d, str) else d for d in shape)
+        if dtype.startswith("int"):
+            out[name] = rng.integers(0, module._LABELS[name], concrete).astype(dtype)
+        else:
+            out[name] = np.asarray(rng.uniform(0.5, 1.5, concrete) * rng.choice([-1, 1], concrete), dtype=dtype)
+    if "temp" in out:
+        out["temp"] = np.array(1.7)
+    return out
+
+
+@pytest.mark.parametrize("make", MODELS, ids=lambda f: f.__name__)
+def test_generated_matches_interpreter(make, build_dir, rng):
+    model = make()
+    mod = gc.compile(model, out=build_dir, dtype="float64", warm_cache=False)
+    graph = build_training_graph(model, "float64")
+    params = mod.init_params(seed=3)
+    inputs = _inputs(mod, rng)
+
+    loss, grads = mod.loss_and_grad(params, **inputs)
+    trainable = [p for p in mod.PARAM_ORDER if model.param_info[p]["trainable"]]
+    assert sorted(grads) == sorted(trainable)
+    want = [graph.objective] + [n for n in graph.grads.values() if n is not None] + \
+           [n for n in graph.input_grads.values() if n is not None] + list(graph.outputs.values())
+    ref = evaluate(graph, params, inputs, want)
+    np.testing.assert_allclose(loss, ref[graph.objective], rtol=1e-10)
+    for p in trainable:
+        node = graph.grads[p]
+        expected = ref[node] if node is not None else np.zeros(mod.PARAM_SHAPES[p])
+        np.testing.assert_allclose(grads[p], expected, rtol=1e-9, atol=1e-12, err_msg=p)
+        assert grads[p].shape == mod.PARAM_SHAPES[p] and grads[p].dtype == np.float64
+
+    gi = mod.input_grads(params, **inputs)
+    for name, node in graph.input_grads.items():
+        expected = ref[node] if node is not None else np.zeros_like(inputs[name])
+        np.testing.assert_allclose(gi[name], expected, rtol=1e-9, atol=1e-12, err_msg=name)
+
+    out = mod.forward(params, **inputs)
+    assert out["loss"] == pytest.approx(loss, rel=1e-12)
+    for name, node in graph.outputs.items():
+        np.testing.assert_allclose(out[name], ref[node], rtol=1e-10, atol=1e-12, err_msg=name)
+    out_only = mod.forward(params, **{k: v for k, v in inputs.items() if k in mod._OUTPUT_INPUTS})
+    assert ("loss" in out_only) == set(mod._LOSS_INPUTS).issubset(mod._OUTPUT_INPUTS)
+
+
+def test_float32_build_matches_float64_reference(build_dir, rng):
+    model = mlp_weight_decay()
+    mod = gc.compile(model, out=build_dir, warm_cache=False)
+    assert mod.DTYPE == "float32"
+    graph = build_training_graph(model, "float64")
+    params = mod.init_params(1)
+    x = rng.standard_normal((8, 5)).astype(np.float32)
+    y = rng.integers(0, 3, 8)
+    loss, grads = mod.loss_and_grad(params, x=x, y=y)
+    assert all(g.dtype == np.float32 for g in grads.values())
+    ref = evaluate(graph, params, {"x": x, "y": y}, [graph.objective] + list(graph.grads.values()))
+    np.testing.assert_allclose(loss, ref[graph.objective], rtol=1e-5)
+    for p, node in graph.grads.items():
+        np.testing.assert_allclose(grads[p], ref[node], rtol=1e-4, atol=1e-6, err_msg=p)
+
+
+def test_extreme_inputs_stay_finite_in_float32(build_dir):
+    """|x| = 100 in float32: stable forms of sigmoid, softplus, log_softmax, cross-entropy, gelu, tanh."""
+    m = gc.Model("cg_extreme")
+    x = m.input("x", ("B", 4))
+    y = m.input("y", ("B",), dtype="int64")
+    s = gc.sigmoid(x) + gc.softplus(x) + gc.softplus(-x) + gc.gelu(x) + gc.tanh(x) + gc.log_softmax(x, axis=1)
+    s = s + gc.softmax(x, axis=0) + gc.relu(x) + gc.abs(x)
+    m.output("s", s)
+    m.minimize(gc.softmax_cross_entropy(x, y) + gc.mean(s))
+    mod = gc.compile(m, out=build_dir, warm_cache=False)
+    x_val = np.array([[100, -100, 100, -100], [-100, -100, -100, 100], [100, 100, 100, 100]], np.float32)
+    y_val = np.array([1, 0, 2])
+    loss, grads = mod.loss_and_grad({}, x=x_val, y=y_val)
+    gi = mod.input_grads({}, x=x_val, y=y_val)["x"]
+    out = mod.forward({}, x=x_val)["s"]
+    assert np.isfinite(loss) and np.all(np.isfinite(gi)) and np.all(np.isfinite(out))
+    assert loss == pytest.approx(np.mean([200.0 + np.log(2.0), 200.0, np.log(4.0)]) + float(np.mean(out.astype(np.float64))),
+                                 rel=1e-4)
+
+
+def test_trainer_matches_reference_optimizers(build_dir, rng):
+    """SGD momentum, Adam and clip_norm against straightforward numpy versions of PyTorch's rules."""
+    mod = gc.compile(mlp_weight_decay(), out=build_dir, dtype="float64", warm_cache=False)
+    params = mod.init_params(5)
+    x, y = rng.standard_normal((6, 5)), rng.integers(0, 3, 6)
+    for opt, kw in (("sgd", dict(lr=0.1, momentum=0.9)), ("sgd", dict(lr=0.3, momentum=0.0, clip_norm=0.05)),
+                    ("adam", dict(lr=0.01, betas=(0.8, 0.99), eps=1e-6)), ("adam", dict(lr=0.01, clip_norm=0.1))):
+        tr = mod.Trainer(params, optimizer=opt, **kw)
+        ref = {k: v.copy() for k, v in params.items()}
+        state = {k: [np.zeros_like(v), np.zeros_like(v)] for k, v in params.items()}
+        for t in range(1, 5):
+            loss = tr.step(x=x, y=y)
+            ref_loss, g = mod.loss_and_grad(ref, x=x, y=y)
+            assert loss == pytest.approx(ref_loss, rel=1e-12)
+            norm = np.sqrt(sum((v ** 2).sum() for v in g.values()))
+            scale = min(1.0, kw["clip_norm"] / (norm + 1e-6)) if "clip_norm" in kw else 1.0
+            for k in ref:
+                gk = g[k] * scale
+                if opt == "sgd":
+                    state[k][0] = kw["momentum"] * state[k][0] + gk
+                    ref[k] -= kw["lr"] * state[k][0]
+                else:
+                    b1, b2 = kw.get("betas", (0.9, 0.999))
+                    eps = kw.get("eps", 1e-8)
+                    state[k][0] = b1 * state[k][0] + (1 - b1) * gk
+                    state[k][1] = b2 * state[k][1] + (1 - b2) * gk * gk
+                    denom = np.sqrt(state[k][1]) / np.sqrt(1 - b2 ** t) + eps
+                    ref[k] -= kw["lr"] / (1 - b1 ** t) * state[k][0] / denom
+        for k in ref:
+            np.testing.assert_allclose(tr.params[k], ref[k], rtol=1e-10, atol=1e-13, err_msg=f"{opt} {kw} {k}")
+        assert all(np.array_equal(params[k], mod.init_params(5)[k]) for k in params), "caller's params changed"
+
+
+def test_fused_kernels_in_generated_source(build_dir):
+    """tanh(x @ W + b) is one loop, and so is its backward g * (1 - y*y)."""
+    mod = gc.compile(mlp_weight_decay(), out=build_dir, warm_cache=False)
+    source = open(mod.__file__).read()
+    assert "_tanh(a0 + a1)" in source                    # forward: bias add and tanh in one loop
+    assert "(1.0 - a1 * a1)" in source                   # backward: g * (1 - y*y) from the saved output
+    assert "np.dot(" in source and ".T" in source        # transposed products, no transpose copies
