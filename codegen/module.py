@@ -65,6 +65,12 @@ class EntryWriter:
         needed = g.ancestors(roots)
         order = g.topo_order(needed)
         leaves = [n for n in order if g.op(n) in ("param", "input")]
+        # a dim the code needs but no argument carries (a value that depends on an input's shape
+        # only): take the input that declares it as an argument too
+        carried = {d for n in leaves for d in g.shape(n) if isinstance(d, str)}
+        for d in sorted(set(self._dims(order, leaves)) - carried):
+            leaves.append(next(n for n in g.inputs.values() if d in g.shape(n)))
+            carried |= {x for x in g.shape(leaves[-1]) if isinstance(x, str)}
         leaves.sort(key=lambda n: self.leaf_rank[n])
         consts = [n for n in order if g.op(n) == "const" and np.ndim(g.attrs(n)["value"]) > 0]
         args = [self.names[n] for n in leaves] + [f"c{n}" for n in consts]

@@ -1,0 +1,223 @@
+"""Bad input: one clear error naming the user's file:line, the op, and the names and shapes involved."""
+import os
+
+import numpy as np
+import pytest
+import sympy as sp
+
+import gradc as gc
+from gradc import GradcError
+
+HERE = os.path.basename(__file__)
+
+
+def _line_of(marker):
+    with open(__file__) as f:
+        for i, line in enumerate(f, 1):
+            if marker in line and "_line_of" not in line:
+                return i
+    raise AssertionError(marker)
+
+
+def test_shape_mismatch_names_file_line_op_and_shapes():
+    m = gc.Model("e1")
+    x = m.input("x", ("B", 64))
+    w = m.param("W", (32, 10))
+    with pytest.raises(GradcError) as e:
+        x @ w   # MARK-matmul
+    msg = str(e.value)
+    assert f"{HERE}:{_line_of('MARK-matmul')}" in msg and "matmul" in msg and "(B, 64)" in msg and "(32, 10)" in msg
+    with pytest.raises(GradcError, match=r"add: shapes \(B, 64\) and \(63,\) do not broadcast.*'x'"):
+        x + m.param("b", (63,))
+    with pytest.raises(GradcError, match="do not broadcast"):
+        x + m.input("z", ("C", 64))          # a symbolic dim only matches the same name
+    with pytest.raises(GradcError, match="do not broadcast"):
+        x * m.input("q", (5, 64))            # ... and never equals an int
+
+
+@pytest.mark.parametrize("build,match", [
+    (lambda m, x: x.sum(axis=2), "sum: axis 2 is out of range"),
+    (lambda m, x: x.mean(axis=(0, 0)), "repeats an axis"),
+    (lambda m, x: gc.transpose(x, (0, 0)), "not a permutation"),
+    (lambda m, x: x.reshape((5, 7)), "cannot reshape"),
+    (lambda m, x: gc.softmax(x, axis=3), "softmax: axis 3 is out of range"),
+    (lambda m, x: gc.mse(x, m.input("t", ("B", 3))), r"mse: pred \(B, 4\) and target \(B, 3\)"),
+    (lambda m, x: gc.softmax_cross_entropy(x, m.input("y", ("C",), dtype="int64")), "logits have B rows but labels C"),
+    (lambda m, x: gc.softmax_cross_entropy(x, m.input("y2", ("B",))), "labels must be an int input"),
+    (lambda m, x: gc.exp(m.input("i", ("B",), dtype="int64")), "elementwise ops take float operands"),
+    (lambda m, x: gc.matmul(x, m.param("w3", (4, 2, 2))), "rank 1 or 2"),
+    (lambda m, x: x + "text", "cannot use a str as a tensor"),
+    (lambda m, x: x + gc.Model("other").input("x", (4,)), "a tensor of model 'other' is used in model 'e2'"),
+])
+def test_op_errors(build, match):
+    m = gc.Model("e2")
+    x = m.input("x", ("B", 4))
+    with pytest.raises(GradcError, match=match) as e:
+        build(m, x)
+    assert os.path.basename(e.value.src).startswith(HERE + ":")
+
+
+def test_declaration_errors():
+    m = gc.Model("e3")
+    m.input("x", (3,))
+    with pytest.raises(GradcError, match="duplicate name 'x'"):
+        m.param("x", (3,))
+    with pytest.raises(GradcError, match="unknown dtype 'float16'"):
+        m.input("h", (3,), dtype="float16")
+    with pytest.raises(GradcError, match="unknown init 'xavier'"):
+        m.param("w", (3, 3), init="xavier")
+    with pytest.raises(GradcError, match="init array has shape"):
+        m.param("w", (3, 3), init=np.zeros((2, 2)))
+    with pytest.raises(GradcError, match="symbolic dim"):
+        m.param("w", ("B", 3))
+    with pytest.raises(GradcError, match="not a Python identifier"):
+        m.input("bad name", (3,))
+    with pytest.raises(GradcError, match="not a Python identifier"):
+        gc.Model("1model")
+    t = m.input("t", (3,))
+    m.output("o", t)
+    with pytest.raises(GradcError, match="duplicate output name 'o'"):
+        m.output("o", t)
+    with pytest.raises(GradcError, match="reserved"):
+        m.output("loss", t)
+
+
+def test_loss_errors():
+    m = gc.Model("e4")
+    x = m.input("x", ("B", 3))
+    with pytest.raises(GradcError, match=r"the loss must be a scalar, got shape \(B, 3\)"):
+        m.minimize(x * 2)
+    with pytest.raises(GradcError, match="weight_decay"):
+        m.minimize(x.sum(), weight_decay=-1)
+    m.minimize(x.sum())
+    with pytest.raises(GradcError, match="already called"):
+        m.minimize(x.sum())
+
+
+def test_model_without_minimize_is_refused(tmp_path):
+    m = gc.Model("e5")
+    m.output("o", m.input("x", (3,)) * 2)
+    with pytest.raises(GradcError, match="has no minimize"):
+        gc.compile(m, out=str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_elementwise_definition_errors():
+    with pytest.raises(GradcError, match="fixed number of positional operands"):
+        gc.elementwise("e_var", lambda *u: u[0])
+    with pytest.raises(GradcError, match="sympy cannot differentiate"):
+        gc.elementwise("e_floor", lambda u: sp.floor(u))
+    with pytest.raises(GradcError, match="sympy cannot differentiate"):
+        gc.elementwise("e_undef", lambda u: sp.Function("f")(u))
+    with pytest.raises(GradcError, match="not operands"):
+        gc.elementwise("e_stray", lambda u: u * sp.Symbol("k"))
+    with pytest.raises(GradcError, match="taken by a built-in op"):
+        gc.elementwise("tanh", lambda u: u)
+    with pytest.raises(GradcError, match="fn failed on sympy symbols"):
+        gc.elementwise("e_fail", lambda u: 1 / 0)
+    two = gc.elementwise("e_two", lambda a, b: a * b)
+    m = gc.Model("e6")
+    x = m.input("x", (3,))
+    with pytest.raises(GradcError, match="e_two: takes 2 operands, got 1"):
+        two(x)
+    with pytest.raises(GradcError, match="another elementwise op"):
+        gc.elementwise("e_two", lambda a, b: a + b)
+
+
+def test_compile_option_errors(tmp_path):
+    m = gc.Model("e7")
+    x = m.input("x", ("B", 3))
+    m.minimize(x.sum())
+    out = str(tmp_path / "o")
+    with pytest.raises(GradcError, match="--bind names dim N"):
+        gc.compile(m, out=out, bind={"N": 4})
+    with pytest.raises(GradcError, match="unknown dtype"):
+        gc.compile(m, out=out, dtype="float16")
+    with pytest.raises(GradcError, match="second order"):
+        gc.compile(m, out=out, order=2)
+    with pytest.raises(GradcError, match="--memory-budget"):
+        gc.compile(m, out=out, memory_budget=1000)
+    with pytest.raises(GradcError, match="--devices"):
+        gc.compile(m, out=out, devices=2)
+    assert not os.path.exists(out)
+
+
+# ---- run time ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    m = gc.Model("e_small")
+    x = m.input("x", ("B", 3))
+    y = m.input("y", ("B",), dtype="int64")
+    w = m.param("w", (3, 4))
+    logits = gc.log(x) @ w           # NaN for negative x: lets a test provoke a NaN loss
+    m.output("logits", logits)
+    m.minimize(gc.softmax_cross_entropy(logits, y))
+    return gc.compile(m, out=str(tmp_path_factory.mktemp("err")), warm_cache=False)
+
+
+def _xy(n=4):
+    return np.full((n, 3), 1.5, np.float32), np.arange(n) % 4
+
+
+def test_runtime_input_errors(small):
+    p = small.init_params(0)
+    x, y = _xy()
+    with pytest.raises(ValueError, match="missing input 'y'"):
+        small.loss_and_grad(p, x=x)
+    with pytest.raises(ValueError, match="unknown input 'z'"):
+        small.loss_and_grad(p, x=x, y=y, z=x)
+    with pytest.raises(ValueError, match=r"input 'x' has shape \(4, 2\), expected \(B, 3\)"):
+        small.loss_and_grad(p, x=x[:, :2].copy(), y=y)
+    with pytest.raises(ValueError, match="input 'x' has dtype float64, expected float32"):
+        small.loss_and_grad(p, x=x.astype(np.float64), y=y)
+    with pytest.raises(ValueError, match="input 'y' has dtype int32, expected int64"):
+        small.loss_and_grad(p, x=x, y=y.astype(np.int32))
+    with pytest.raises(ValueError, match="dim B is 4 in input 'x'"):
+        small.loss_and_grad(p, x=x, y=y[:3])
+    with pytest.raises(ValueError, match=r"label 4, outside 0..3"):
+        small.loss_and_grad(p, x=x, y=np.array([0, 1, 2, 4]))
+    with pytest.raises(ValueError, match=r"label -1, outside 0..3"):
+        small.forward(p, x=x, y=np.array([0, -1, 2, 3]))
+    with pytest.raises(ValueError, match=r"params missing \['w'\]"):
+        small.loss_and_grad({}, x=x, y=y)
+    with pytest.raises(ValueError, match=r"param 'w' has shape \(4, 3\), expected \(3, 4\)"):
+        small.loss_and_grad({"w": np.zeros((4, 3), np.float32)}, x=x, y=y)
+    with pytest.raises(ValueError, match="param 'w' has dtype float64"):
+        small.loss_and_grad({"w": np.zeros((3, 4))}, x=x, y=y)
+    with pytest.raises(ValueError, match="lr must be a finite number > 0"):
+        small.Trainer(p, lr=-1.0)
+    with pytest.raises(ValueError, match="unknown optimizer 'rmsprop'"):
+        small.Trainer(p, optimizer="rmsprop")
+
+
+def test_nan_loss_raises_with_step_number_and_keeps_params(small):
+    tr = small.Trainer(small.init_params(0), optimizer="adam", lr=0.1)
+    x, y = _xy()
+    tr.step(x=x, y=y)
+    tr.step(x=x, y=y)
+    before = {k: v.copy() for k, v in tr.params.items()}
+    state = {k: v.copy() for k, v in tr.state.items()}
+    with pytest.raises(FloatingPointError, match=r"Trainer.step 3: the loss is nan"):
+        tr.step(x=-x, y=y)
+    assert tr.steps == 2
+    for k in before:
+        np.testing.assert_array_equal(tr.params[k], before[k])
+    for k in state:
+        np.testing.assert_array_equal(tr.state[k], state[k])
+    tr.step(x=x, y=y)   # and training goes on
+    assert tr.steps == 3
+
+
+def test_checkpoint_of_another_model_is_refused(small, tmp_path):
+    m = gc.Model("e_other")
+    x = m.input("x", ("B", 3))
+    m.param("w", (3, 4))
+    m.minimize((x @ m.param("v", (3, 1))).sum())
+    other = gc.compile(m, out=str(tmp_path), warm_cache=False)
+    path = str(tmp_path / "ckpt.npz")
+    other.Trainer(other.init_params(0)).save(path)
+    with pytest.raises(ValueError, match="checkpoint of model 'e_other'.*does not match model 'e_small'"):
+        small.Trainer.load(path)
+    np.savez(str(tmp_path / "junk.npz"), a=np.zeros(3))
+    with pytest.raises(ValueError, match="not a gradc checkpoint"):
+        small.Trainer.load(str(tmp_path / "junk.npz"))
