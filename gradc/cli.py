@@ -126,14 +126,14 @@ def build_parser():
     c.add_argument("--device-memory", type=parse_size, metavar="SIZE")
     c.add_argument("--batch-dim")
     c.add_argument("--no-warm", action="store_true", help="skip compiling the kernels now (first call compiles)")
-    c.add_argument("--debug", action="store_true", help="show tracebacks")
+    c.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     i = sub.add_parser("inspect", help="summarise what `compile` wrote for OUT/NAME")
     i.add_argument("build", metavar="OUT/NAME")
     i.add_argument("--graph", action="store_true", help="every node, by phase")
     i.add_argument("--memory", action="store_true", help="values kept for the backward, with bytes")
     i.add_argument("--partition", action="store_true", help="stages (single device until partitioning lands)")
     i.add_argument("--kernels", action="store_true", help="the generated kernels")
-    i.add_argument("--debug", action="store_true", help="show tracebacks")
+    i.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     return ap
 
 

@@ -34,7 +34,7 @@ def _sum_vjp(ctx, n, g):
 def _mean_vjp(ctx, n, g):
     (x,) = ctx.graph.operands(n)
     axes = ctx.graph.attrs(n)["axes"]
-    count = ctx.emit("count", [], dims=tuple(ctx.graph.shape(x)[a] for a in axes))
+    count = ctx.emit("count", [], dims=tuple(ctx.graph.shape(x)[a] for a in axes), dtype=ctx.graph.dtype(x))
     scaled = ctx.emit("div", [_spread(ctx, n, g), count])
     return [ctx.emit("broadcast_to", [scaled], shape=ctx.graph.shape(x))]
 
@@ -82,7 +82,7 @@ register(Op("argmax_mask", "reduce", _mask_infer,
 
 
 def _count_infer(attrs, shapes, dtypes):
-    return (), "float"
+    return (), attrs.get("dtype", "float")
 
 
 register(Op("count", "reduce", _count_infer,

@@ -1,0 +1,143 @@
+"""`gradc compile` / `gradc inspect` end to end, in subprocesses, as a user runs them."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow
+
+
+def gradc(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "gradc.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600)
+
+
+MODEL = textwrap.dedent("""
+    import gradc as gc
+    m = gc.Model("tiny")
+    x = m.input("x", ("B", 6))
+    y = m.input("y", ("B",), dtype="int64")
+    h = gc.tanh(x @ m.param("W0", (6, 16)) + m.param("b0", (16,)))
+    logits = h @ m.param("W1", (16, 3)) + m.param("b1", (3,))
+    m.output("logits", logits)
+    m.minimize(gc.softmax_cross_entropy(logits, y), weight_decay=1e-3)
+""")
+
+TRAIN = textwrap.dedent("""
+    import sys, numpy as np
+    sys.path.insert(0, sys.argv[1])
+    import tiny
+    assert tiny.MODEL_NAME == "tiny" and tiny.DTYPE == "float32" and tiny.TARGET == "cpu"
+    assert tiny.PARAM_ORDER == ("W0", "b0", "W1", "b1") and tiny.OUTPUTS == ("logits",)
+    assert tiny.INPUTS == {"x": (("B", 6), "float32"), "y": (("B",), "int64")}
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 6)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64) + (x[:, 1] > 1).astype(np.int64)
+    tr = tiny.Trainer(tiny.init_params(seed=0), optimizer=sys.argv[2], lr=0.05, momentum=0.9)
+    losses = [tr.step(x=x, y=y) for _ in range(20)]
+    assert losses[-1] < 0.8 * losses[0], losses
+    tr.save(sys.argv[3])
+    more = [tr.step(x=x, y=y) for _ in range(5)]
+    back = tiny.Trainer.load(sys.argv[3])
+    again = [back.step(x=x, y=y) for _ in range(5)]
+    assert more == again, (more, again)                       # resumes exactly
+    for k in tr.params:
+        assert np.array_equal(tr.params[k], back.params[k]), k
+    print("ok", losses[0], losses[-1])
+""")
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    work = tmp_path_factory.mktemp("cli")
+    (work / "model.py").write_text(MODEL)
+    r = gradc("compile", "model.py", "-o", "out", cwd=work)
+    assert r.returncode == 0, r.stderr
+    return work
+
+
+def test_compile_writes_the_contract_files(compiled):
+    out = compiled / "out"
+    for name in ("tiny.py", "tiny.graph.json", "tiny.graph.dot"):
+        assert (out / name).is_file(), name
+    assert not [f for f in os.listdir(out) if f.startswith(".gradc-")], "temp dir left behind"
+    assert any(f.startswith("tiny.") for f in os.listdir(out / "__pycache__")), "Numba cache was not warmed"
+    data = json.loads((out / "tiny.graph.json").read_text())
+    for node in data["nodes"]:
+        for key in ("op", "shape", "dtype", "phase", "device", "src"):
+            assert key in node
+    phases = {n["phase"] for n in data["nodes"]}
+    assert {"forward", "backward"} <= phases
+    assert any(n["src"].startswith("model.py:") for n in data["nodes"])
+    assert "digraph" in (out / "tiny.graph.dot").read_text()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_import_train_checkpoint_resume(compiled, optimizer):
+    script = compiled / "train.py"
+    script.write_text(TRAIN)
+    r = subprocess.run([sys.executable, str(script), str(compiled / "out"), optimizer, str(compiled / f"c_{optimizer}.npz")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("ok")
+
+
+def test_inspect(compiled):
+    r = gradc("inspect", "out/tiny", "--graph", "--memory", "--kernels", "--partition", cwd=compiled)
+    assert r.returncode == 0, r.stderr
+    text = r.stdout
+    for needle in ("model tiny", "nodes per phase: forward", "W0", "(6, 16)", "FLOPs per call", "values saved for the backward",
+                   "model.py:", "kernels (", "def k0_", "backward (", "partition: one device"):
+        assert needle in text, needle
+
+
+@pytest.mark.parametrize("source,args,message", [
+    ("import gradc as gc\nm = gc.Model('b1')\nx = m.input('x', ('B', 3))\nm.minimize((x @ m.param('w', (4, 2))).sum())\n",
+     [], "model.py:4: matmul: inner dims differ"),
+    ("import gradc as gc\nm = gc.Model('b2')\nx = m.input('x', ('B', 3))\nm.minimize(x * 2)\n",
+     [], "model.py:4: minimize: the loss must be a scalar"),
+    ("import gradc as gc\nm = gc.Model('b3')\nm.output('o', m.input('x', (3,)) * 2)\n", [], "has no minimize"),
+    ("x = 1\n", [], "defines no gradc.Model"),
+    ("import gradc as gc\nm = gc.Model('b4')\nn = gc.Model('b5')\n", [], "pick one with --model"),
+    ("import gradc as gc\nm = gc.Model('b6')\nm.minimize(m.input('x', ('B',)).sum())\n", ["--bind", "N=3"], "--bind names dim N"),
+    ("import gradc as gc\nm = gc.Model('b7')\nm.minimize(m.input('x', ('B',)).sum())\n", ["--target", "cuda"], "--target cpu"),
+    ("import gradc as gc\nm = gc.Model('b8')\nm.minimize(m.input('x', ('B',)).sum())\n", ["--order", "2"], "--order 1"),
+    ("import gradc as gc\nm = gc.Model('b9')\nm.minimize(m.input('x', ('B',)).sum())\n", ["--bind", "B"], "expected DIM=INT"),
+])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, source, args, message):
+    (tmp_path / "model.py").write_text(source)
+    r = gradc("compile", "model.py", "-o", "out", *args, cwd=tmp_path)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_model_file_that_raises_shows_its_traceback_once(tmp_path):
+    (tmp_path / "model.py").write_text("import gradc\n\ndef build():\n    raise KeyError('oops')\n\nbuild()\n")
+    r = gradc("compile", "model.py", "-o", "out", cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.count("Traceback") == 1 and 'model.py", line 4' in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == "gradc: error: model.py: the model file raised KeyError: 'oops'"
+    assert not (tmp_path / "out").exists()
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    (tmp_path / "model.py").write_text("x = 1\n")
+    r = gradc("--debug", "compile", "model.py", cwd=tmp_path)
+    assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_compile_float64_with_bind(tmp_path):
+    (tmp_path / "model.py").write_text(MODEL)
+    r = gradc("compile", "model.py", "-o", "out", "--dtype", "float64", "--bind", "B=8", "--no-warm", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    code = "import sys; sys.path.insert(0, 'out'); import tiny; print(tiny.DTYPE, tiny.INPUTS['x'])"
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert r.stdout.strip() == "float64 ((8, 6), 'float64')", r.stderr
