@@ -1,7 +1,9 @@
 """One SGD-momentum training step: gradc's generated module vs PyTorch eager vs JAX jit.
 
 Same model (tanh MLP, softmax cross-entropy), same batch, same initial params, float32, in one
-run; rounds interleave the three so that machine noise hits them alike. Reports medians per
+run. Each framework runs in its own worker process (their thread pools spin-wait, and on two
+cores one framework's idle threads slow another's); the parent interleaves rounds so that
+machine noise hits them alike, and only one worker computes at a time. Reports medians per
 step and ratios. Also times `gradc compile` of a 100-layer MLP (passes alone, and with Numba's
 warm-up).
 
@@ -39,6 +41,7 @@ def mlp(name, sizes):
 
 def gradc_stepper(sizes, params, out):
     mod = gc.compile(mlp("bench_" + "_".join(map(str, sizes)), sizes), out=out)
+    print(f"# gradc module: {mod.__file__}", flush=True)
     tr = mod.Trainer(params, optimizer="sgd", lr=LR, momentum=MOMENTUM)
     return lambda x, y: tr.step(x=x, y=y)
 
@@ -100,31 +103,56 @@ def time_steps(step, x, y, n):
     return (time.perf_counter() - t) / n
 
 
+def worker(name, sizes, batch, params, out, conn):
+    """One framework in its own process: build, then time `n` steps whenever asked."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, sizes[0])).astype(np.float32)
+    y = rng.integers(0, sizes[-1], batch).astype(np.int64)
+    try:
+        if name == "gradc":
+            step, convert = gradc_stepper(sizes, params, out), (lambda a: a)
+        else:
+            step, convert = (torch_stepper if name == "torch eager" else jax_stepper)(sizes, params)
+    except ImportError as e:
+        conn.send(("missing", str(e)))
+        return
+    x, y = convert(x), convert(y)
+    first = step(x, y)            # same params everywhere: the same first loss
+    for _ in range(20):           # warm-up (JIT, caches, allocator)
+        step(x, y)
+    conn.send(("ready", first))
+    while (n := conn.recv()) is not None:
+        conn.send(time_steps(step, x, y, n))
+
+
 def bench_step(rounds, steps_per_round):
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
     rows = []
     with tempfile.TemporaryDirectory() as out:
         for label, sizes, batch in MODELS:
-            rng = np.random.default_rng(0)
-            x = rng.standard_normal((batch, sizes[0])).astype(np.float32)
-            y = rng.integers(0, sizes[-1], batch).astype(np.int64)
-            params = gc.compile(mlp("init_" + "_".join(map(str, sizes)), sizes), out=out, warm_cache=False).init_params(0)
-            steppers = {"gradc": (gradc_stepper(sizes, params, out), lambda a: a)}
-            for name, make in (("torch eager", torch_stepper), ("jax jit", jax_stepper)):
-                try:
-                    steppers[name] = make(sizes, params)
-                except ImportError:
-                    print(f"# {name} not installed: pip install -e '.[bench]'")
-            data = {k: (conv(x), conv(y)) for k, (_, conv) in steppers.items()}
-            first = {k: s(*data[k]) for k, (s, _) in steppers.items()}   # same params: same first loss
-            for k in steppers:
-                for _ in range(20):   # warm-up (JIT, caches, allocator)
-                    steppers[k][0](*data[k])
-            times = {k: [] for k in steppers}
+            params = gc.compile(mlp("init_" + "_".join(map(str, sizes)), sizes), out=out,
+                                warm_cache=False).init_params(0)
+            workers, first = {}, {}
+            for name in ("gradc", "torch eager", "jax jit"):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=worker, args=(name, sizes, batch, params, out, child), daemon=True)
+                proc.start()
+                status, value = parent.recv()     # one at a time: a worker builds while the others wait
+                if status == "missing":
+                    print(f"# {name} not installed ({value}): pip install -e '.[bench]'")
+                    proc.join()
+                    continue
+                workers[name], first[name] = (proc, parent), value
+            times = {k: [] for k in workers}
             for _ in range(rounds):
-                for k, (s, _) in steppers.items():
-                    times[k].append(time_steps(s, *data[k], steps_per_round))
-            med = {k: statistics.median(v) for k, v in times.items()}
-            rows.append((label, batch, med, first))
+                for k, (_, conn) in workers.items():
+                    conn.send(steps_per_round)
+                    times[k].append(conn.recv())
+            for proc, conn in workers.values():
+                conn.send(None)
+                proc.join()
+            rows.append((label, batch, {k: statistics.median(v) for k, v in times.items()}, first))
     return rows
 
 

@@ -73,11 +73,9 @@ class EntryWriter:
             carried |= {x for x in g.shape(leaves[-1]) if isinstance(x, str)}
         leaves.sort(key=lambda n: self.leaf_rank[n])
         consts = [n for n in order if g.op(n) == "const" and np.ndim(g.attrs(n)["value"]) > 0]
-        args = [self.names[n] for n in leaves] + [f"c{n}" for n in consts]
+        args = [self.names[n] for n in leaves] + [f"c{n}" for n in consts] + (["grads"] if flat_roots is not None else [])
         dims = self._dims(order, leaves)
         body = [f"{dims[d]} = {src}" for d, src in self._dim_sources(order, leaves).items()]
-        if flat_roots is not None:
-            body.append(f"grads = np.empty({offset}, FLOAT)   # every gradient, one after another")
         for n in order:
             if g.op(n) in ("param", "input", "const"):
                 continue
@@ -101,8 +99,6 @@ class EntryWriter:
             else:
                 returned.append(v)
             seen.add(r)
-        if flat_roots is not None:
-            returned.append("grads")
         body.append(f"return {', '.join(returned)}{',' if len(returned) == 1 else ''}")
         lines = ["@kernel", f"def {fname}({', '.join(args)}):", f'    """{doc}"""']
         lines += ["    " + b for b in body]
@@ -266,7 +262,7 @@ def generate(graph, info):
     entry("_forward_loss", [g.outputs[o] for o in outputs] + [g.objective],
           "The declared outputs and the objective.", [g.objective])
     entry("_loss_and_grad", [g.objective] + [g.grads[p] for p in with_grad],
-          "The objective, and the gradients of the trainable params in one flat buffer (GRAD_SLICES).",
+          "The objective; the gradients of the trainable params go into `grads` (laid out as GRAD_SLICES).",
           [g.objective], [g.grads[p] for p in with_grad])
     grad_slices, offset = {}, 0
     for p in with_grad:
@@ -311,7 +307,8 @@ def generate(graph, info):
     out.append(f"PARAM_ORDER = {tuple(g.params)!r}")
     out.append(f"PARAM_SHAPES = {{{', '.join(f'{p!r}: {tuple(g.shape(n))!r}' for p, n in g.params.items())}}}")
     out.append(f"TRAINABLE = {tuple(trainable)!r}")
-    out.append(f"GRAD_SLICES = {grad_slices!r}   # where each gradient lies in the flat buffer _loss_and_grad returns")
+    out.append(f"GRAD_SLICES = {grad_slices!r}   # where each gradient lies in the flat buffer _loss_and_grad fills")
+    out.append(f"GRAD_SIZE = {offset}")
     out.append("INPUTS = {" + ", ".join(f"{i!r}: ({tuple(g.shape(n))!r}, {g.dtype(n)!r})" for i, n in g.inputs.items()) + "}")
     out.append(f"OUTPUTS = {tuple(outputs)!r}")
     out.append("MEMORY_PLAN = None   # activation planning is not part of this build: buffers are allocated per call")
@@ -363,7 +360,8 @@ def generate(graph, info):
         '    """The objective (float) and its gradients for the trainable params (dict of views of one buffer)."""',
         "    p = _SIGNATURE.params(params)",
         '    a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS, "loss_and_grad")',
-        f"    loss, grads = _loss_and_grad({', '.join(call('_loss_and_grad'))})",
+        "    grads = np.empty(GRAD_SIZE, FLOAT)",
+        f"    (loss,) = _loss_and_grad({', '.join(call('_loss_and_grad') + ['grads'])})",
         f"    return float(loss), {{{gdict}}}"]) + "\n")
 
     float_inputs = [i for i, n in g.inputs.items() if g.dtype(n).startswith("float")]
@@ -395,8 +393,9 @@ def generate(graph, info):
         "",
         "    grad_slices = GRAD_SLICES",
         "",
-        "    def _gradients(self, p, a):",
-        f"        return _loss_and_grad({', '.join(call('_loss_and_grad'))})"]) + "\n")
+        "    def _gradients(self, p, a, grads):",
+        f"        (loss,) = _loss_and_grad({', '.join(call('_loss_and_grad') + ['grads'])})",
+        "        return loss"]) + "\n")
 
     sections = ["\n".join(out)] + (["# ---- scalar helpers " + "-" * 70, *helper_src] if helper_src else []) + [
                 "# ---- kernels " + "-" * 77, *kernel_src,

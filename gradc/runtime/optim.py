@@ -1,29 +1,27 @@
 """Optimizer steps the Trainer runs after the gradients (in place, PyTorch's definitions).
 
-Params, optimizer state and gradients arrive as flat 1-D buffers (the Trainer keeps its trained
+Hyperparameters arrive in the params' dtype, so float32 updates are float32 arithmetic
+that vectorises (as PyTorch computes them). Params, optimizer state and gradients arrive as flat 1-D buffers (the Trainer keeps its trained
 params in one, and `_loss_and_grad` writes every gradient into one), so one loop updates a model
 of any depth and compiles once.
 """
 import math
 
+import numpy as np
 from numba import njit
 
 kernel = njit(cache=True, error_model="numpy")
 
 
-@kernel
+@njit(cache=True, error_model="numpy", fastmath={"reassoc", "contract"})
 def sum_squares(g):
-    """Sum of g*g in float64; four partial sums break the add latency chain (no fastmath needed)."""
-    a0 = a1 = a2 = a3 = 0.0
-    n4 = g.size - g.size % 4
-    for i in range(0, n4, 4):
-        a0 += g[i] * g[i]
-        a1 += g[i + 1] * g[i + 1]
-        a2 += g[i + 2] * g[i + 2]
-        a3 += g[i + 3] * g[i + 3]
-    for i in range(n4, g.size):
-        a0 += g[i] * g[i]
-    return (a0 + a1) + (a2 + a3)
+    """Sum of g*g, accumulated in float64. Reassociation lets LLVM vectorise the sum; no flag
+    that assumes finite values is set, so a NaN or Inf still shows in the result."""
+    acc = 0.0
+    for i in range(g.size):
+        gi = np.float64(g[i])
+        acc += gi * gi
+    return acc
 
 
 @kernel
@@ -39,7 +37,7 @@ def sgd_step(p, v, g, loss, lr, momentum, clip_norm):
     sq = sum_squares(g)
     if not (math.isfinite(loss) and math.isfinite(sq)):
         return sq
-    scale = clip_scale(sq, clip_norm)
+    scale = p.dtype.type(clip_scale(sq, clip_norm))
     for i in range(p.size):
         vi = momentum * v[i] + scale * g[i]
         v[i] = vi
@@ -53,13 +51,14 @@ def adam_step(p, m, v, g, loss, lr, beta1, beta2, eps, bias1, bias2, clip_norm):
     sq = sum_squares(g)
     if not (math.isfinite(loss) and math.isfinite(sq)):
         return sq
-    scale = clip_scale(sq, clip_norm)
+    scale = p.dtype.type(clip_scale(sq, clip_norm))
     step = lr / bias1
     root2 = math.sqrt(bias2)
+    one = p.dtype.type(1.0)
     for i in range(p.size):
         gi = scale * g[i]
-        mi = beta1 * m[i] + (1.0 - beta1) * gi
-        vi = beta2 * v[i] + (1.0 - beta2) * gi * gi
+        mi = beta1 * m[i] + (one - beta1) * gi
+        vi = beta2 * v[i] + (one - beta2) * gi * gi
         m[i] = mi
         v[i] = vi
         p[i] -= step * mi / (math.sqrt(vi) / root2 + eps)

@@ -53,6 +53,7 @@ class TrainerBase:
                 self._views[k] = self.params[k] = view
             else:
                 self.params[k] = np.array(checked[k], copy=True).reshape(shape)
+        self._grads = np.empty(size, dtype=self.signature.float)   # reused by every step
         slots = ("momentum",) if optimizer == "sgd" else ("m", "v")
         self.state = {slot: np.zeros(size, dtype=self.signature.float) for slot in slots}   # flat, like _flat
 
@@ -75,13 +76,16 @@ class TrainerBase:
         a = self.signature.inputs(inputs, self.loss_inputs, "Trainer.step")
         self._adopt()
         p = self.signature.params(self.params, exact=True)
-        loss, grads = self._gradients(p, a)
+        loss = self._gradients(p, a, self._grads)
+        grads = self._grads
+        f = self.signature.float.type   # hyperparameters in the params' dtype
         if self.optimizer == "sgd":
-            sq = sgd_step(self._flat, self.state["momentum"], grads, loss, self.lr, self.momentum, self.clip)
+            sq = sgd_step(self._flat, self.state["momentum"], grads, loss, f(self.lr), f(self.momentum), self.clip)
         else:
             t = self.steps + 1
-            sq = adam_step(self._flat, self.state["m"], self.state["v"], grads, loss, self.lr, self.betas[0],
-                           self.betas[1], self.eps, 1.0 - self.betas[0] ** t, 1.0 - self.betas[1] ** t, self.clip)
+            sq = adam_step(self._flat, self.state["m"], self.state["v"], grads, loss, f(self.lr), f(self.betas[0]),
+                           f(self.betas[1]), f(self.eps), f(1.0 - self.betas[0] ** t), f(1.0 - self.betas[1] ** t),
+                           self.clip)
         if not (math.isfinite(loss) and math.isfinite(sq)):
             what = f"the loss is {loss}" if not math.isfinite(loss) else "the gradient is not finite"
             raise FloatingPointError(f"{self.model_name}.Trainer.step {self.steps + 1}: {what}; parameters and "
