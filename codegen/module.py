@@ -326,12 +326,10 @@ def generate(graph, info):
 
     helper_src = [f"@kernel\n{HELPERS[h]}" for h in sorted(kernels.helpers)]
     kernel_src = [_with_doc(f"@kernel\n{src}", doc) for name, src, doc in kernels.sources]
-    body = []
-    for fname, (_, source, _, _) in entries.items():
-        body.append(source)
+    body = [source for _, source, _, _ in entries.values()]
 
     api = []
-    api.append(textwrap.dedent(f'''\
+    api.append(textwrap.dedent('''\
         def init_params(seed=0):
             """Fresh parameters (dict name -> array), drawn in PARAM_ORDER from numpy's default_rng(seed)."""
             return init_from(_INITS, PARAM_SHAPES, FLOAT, seed, DATA)
@@ -353,7 +351,7 @@ def generate(graph, info):
         lines += ['    _SIGNATURE.inputs(inputs, (), "forward")', "    return {}"]
     api.append("\n".join(lines) + "\n")
 
-    gdict = ", ".join([f'"{p}": grads[{grad_slices[p][0]}:{grad_slices[p][1]}].reshape({tuple(g.shape(g.params[p]))!r})'
+    gdict = ",\n        ".join([f'"{p}": grads[{grad_slices[p][0]}:{grad_slices[p][1]}].reshape({tuple(g.shape(g.params[p]))!r})'
                        if p in with_grad else f'"{p}": np.zeros({tuple(g.shape(g.params[p]))!r}, FLOAT)' for p in trainable])
     api.append("\n".join([
         "def loss_and_grad(params, /, **inputs):",
@@ -362,7 +360,7 @@ def generate(graph, info):
         '    a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS, "loss_and_grad")',
         "    grads = np.empty(GRAD_SIZE, FLOAT)",
         f"    (loss,) = _loss_and_grad({', '.join(call('_loss_and_grad') + ['grads'])})",
-        f"    return float(loss), {{{gdict}}}"]) + "\n")
+        f"    return float(loss), {{\n        {gdict},\n    }}" if gdict else "    return float(loss), {}"]) + "\n")
 
     float_inputs = [i for i, n in g.inputs.items() if g.dtype(n).startswith("float")]
     idict = ", ".join([f'"{i}": {zero_or("gi_" + i, g.shape(g.inputs[i]))}' if i in input_grads

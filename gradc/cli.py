@@ -1,6 +1,5 @@
 """The `gradc` command: compile a model file; inspect what a compile wrote."""
 import argparse
-import json
 import os
 import runpy
 import sys

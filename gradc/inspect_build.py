@@ -35,7 +35,7 @@ def report(build, graph=False, memory=False, partition=False, kernels=False):
     for name, p in params.items():
         flags = ("trainable" if p["trainable"] else "frozen") + (", decay" if p["decay"] else "")
         lines.append(f"  {name:<16} {_shape(p['shape']):<16} {flags}")
-    lines.append(f"inputs: " + ", ".join(f"{k} {_shape(nodes[v]['shape'])} {nodes[v]['dtype']}"
+    lines.append("inputs: " + ", ".join(f"{k} {_shape(nodes[v]['shape'])} {nodes[v]['dtype']}"
                                          for k, v in meta["inputs"].items()))
     lines.append(f"FLOPs per call: forward {meta['flops']['forward']}; loss_and_grad (one training step) "
                  f"{meta['flops']['loss_and_grad']}")

@@ -1,5 +1,4 @@
 """Shapes with symbolic dims: ints broadcast as in numpy; a str dim matches only the same name."""
-import math
 import sympy as sp
 
 from .errors import ShapeError
@@ -105,8 +104,3 @@ def reshape_target(src, new):
     if sp.expand(size(new) - src_size) != 0:
         raise ShapeError(f"cannot reshape {fmt(src)} to {fmt(tuple(new))}: element counts differ")
     return tuple(new)
-
-
-def numel(shape, dims):
-    """Concrete element count, given the values of symbolic dims."""
-    return math.prod(dims[d] if isinstance(d, str) else d for d in shape)

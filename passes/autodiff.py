@@ -4,7 +4,6 @@ Walks the values between the differentiated leaves and the objective in reverse 
 order. A value used several times gets the sum of its contributions (fan-out); a contribution
 to a broadcast operand is summed back to the operand's shape; zeros stay symbolic (absent).
 """
-import sympy as sp
 
 from gradc.ops import get_op
 from gradc.ops.elementwise import G, X, Y

@@ -8,7 +8,7 @@ from gradc.ir import FLOAT_DTYPES
 from .autodiff import build_backward
 from .fusion import fuse_elementwise
 from .objective import add_objective
-from .simplify import eliminate_dead, simplify
+from .simplify import simplify
 
 
 def _bind_shape(shape, dims):
@@ -69,9 +69,3 @@ def build_training_graph(model, dtype="float32", dims=None, timings=None):
     timed("validate", graph.validate)
     return graph
 
-
-def forward_only(graph):
-    """The forward values the outputs and the objective need (for dumps and tests)."""
-    g = copy.deepcopy(graph)
-    eliminate_dead(g, list(g.outputs.values()) + [g.objective])
-    return g

@@ -1,6 +1,5 @@
 """Shared helpers: float64 central finite differences through the IR interpreter."""
 import itertools
-import os
 
 import numpy as np
 import pytest
