@@ -145,7 +145,33 @@ def deep_chain():
     return m
 
 
-MODELS = [mlp_weight_decay, shared_weights, reused_input, residual, frozen_and_unused, reductions_and_attention,
+def broadcast_patterns():
+    m = gc.Model("cg_broadcast")
+    x = m.input("x", ("B", 3, 4))
+    a = m.param("a", (1, 4), init="normal")
+    b = m.param("b", (3, 1), init="normal")
+    c = m.param("c", (4,), init="normal")
+    s = m.param("s", (), init="ones")
+    out = gc.tanh(x * a + b) - x / (c * c + 1.0) * s + (a + b)      # (B,3,4), (1,4), (3,1), (4,), ()
+    m.output("out", out)
+    m.minimize(gc.mean(out * out) + gc.sum(a * b))
+    return m
+
+
+def reductions_rank3():
+    m = gc.Model("cg_reduce3")
+    x = m.input("x", ("B", 3, 4))
+    w = m.param("w", (3, 4), init="normal")
+    h = x * w
+    r = gc.sum(h, axis=(0, 2), keepdims=True) * gc.max(h, axis=(0, 2), keepdims=True)   # (1, 3, 1)
+    q = gc.max(h, axis=1) + gc.mean(h, axis=(1,))                                          # (B, 4)
+    z = gc.softmax(h, axis=1) * r + gc.log_softmax(h, axis=0)
+    m.output("q", q)
+    m.minimize(gc.mean(z) + gc.mean(q * q) + gc.max(h) * 0.1)
+    return m
+
+
+MODELS = [broadcast_patterns, reductions_rank3, mlp_weight_decay, shared_weights, reused_input, residual, frozen_and_unused, reductions_and_attention,
           user_ops, layout_ops, scalars, constants_and_array_init, integer_labels_int32, deep_chain]
 
 

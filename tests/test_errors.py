@@ -57,6 +57,12 @@ def test_op_errors(build, match):
     assert os.path.basename(e.value.src).startswith(HERE + ":")
 
 
+def test_unknown_op_is_refused():
+    from gradc.ir import Graph
+    with pytest.raises(GradcError, match="unknown op 'conv9d'"):
+        Graph("g").apply("conv9d", [])
+
+
 def test_declaration_errors():
     m = gc.Model("e3")
     m.input("x", (3,))
