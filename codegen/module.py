@@ -57,11 +57,13 @@ class EntryWriter:
         g = self.graph
         self.flat, self.placed, offset = {}, set(), 0
         layout = []
-        for r in flat_roots or ():
-            size = int(np.prod(g.shape(r)))
+        for r, shape in flat_roots or ():
+            size = int(np.prod(shape))
             layout.append((r, offset, size))
-            self.flat.setdefault(r, (offset, size))
+            if r is not None:
+                self.flat.setdefault(r, (offset, size))
             offset += size
+        roots = [r for r in roots if r is not None]
         needed = g.ancestors(roots)
         order = g.topo_order(needed)
         leaves = [n for n in order if g.op(n) in ("param", "input")]
@@ -80,15 +82,10 @@ class EntryWriter:
             if g.op(n) in ("param", "input", "const"):
                 continue
             body += self.statement(n, dims)
-        for r, start, size in layout:
-            if r in self.placed and self.flat[r][0] == start:
-                continue
-            v = self.var(r)
-            body.append(f"grads[{start}] = {v}" if g.shape(r) == () else
-                        f"grads[{start}:{start + size}] = {v}.reshape({size})")
+        body += self._fill_flat(layout)
         returned, seen = [], set()
         if flat_roots is not None:
-            roots = [r for r in roots if r not in set(flat_roots)]
+            roots = [r for r in roots if r not in {f for f, _ in flat_roots}]
         for r in roots:
             v = self.var(r)
             if g.shape(r) == ():
@@ -102,6 +99,65 @@ class EntryWriter:
         body.append(f"return {', '.join(returned)}{',' if len(returned) == 1 else ''}")
         lines = ["@kernel", f"def {fname}({', '.join(args)}):", f'    """{doc}"""']
         lines += ["    " + b for b in body]
+        return "\n".join(lines), leaves, consts
+
+    def _fill_flat(self, layout):
+        """Copies into the flat buffer for roots no kernel wrote there; zeros where a root is zero."""
+        lines = []
+        for r, start, size in layout:
+            if r is None:
+                lines.append(f"grads[{start}:{start + size}] = 0.0")
+            elif not (r in self.placed and self.flat[r][0] == start):
+                v = self.var(r)
+                lines.append(f"grads[{start}] = {v}" if self.graph.shape(r) == () else
+                             f"grads[{start}:{start + size}] = {v}.reshape({size})")
+        return lines
+
+    def write_hessian(self, fname, flat_roots, tangents, doc):
+        """Rows of the Hessian: the forward and backward once, then per basis vector e_col only the
+        nodes that depend on the tangents, each row written straight into H."""
+        g = self.graph
+        self.flat, self.placed, offset, layout = {}, set(), 0, []
+        for r, shape in flat_roots:
+            size = int(np.prod(shape))
+            layout.append((r, offset, size))
+            if r is not None:
+                self.flat.setdefault(r, (offset, size))
+            offset += size
+        roots = [r for r, _ in flat_roots if r is not None]
+        order = g.topo_order(g.ancestors(roots))
+        tangent_nodes = set(tangents.values())
+        varying = set(tangent_nodes)
+        for n in order:
+            if any(u in varying for u in g.operands(n)):
+                varying.add(n)
+        leaves = [n for n in order if g.op(n) in ("param", "input") and n not in tangent_nodes]
+        carried = {d for n in leaves for d in g.shape(n) if isinstance(d, str)}
+        for d in sorted(set(self._dims(order, leaves)) - carried):
+            leaves.append(next(n for n in g.inputs.values() if d in g.shape(n)))
+            carried |= {x for x in g.shape(leaves[-1]) if isinstance(x, str)}
+        leaves.sort(key=lambda n: self.leaf_rank[n])
+        consts = [n for n in order if g.op(n) == "const" and np.ndim(g.attrs(n)["value"]) > 0]
+        dims = self._dims(order, leaves)
+        body = [f"{dims[d]} = {src}" for d, src in self._dim_sources(order, leaves).items()]
+        for n in order:
+            if n not in varying and g.op(n) not in ("param", "input", "const"):
+                body += self.statement(n, dims)
+        body.append(f"tangent = np.zeros({offset}, FLOAT)   # e_col, laid out as GRAD_SLICES")
+        for p, v in tangents.items():
+            start, size = self.tangent_slices[p]
+            body.append(f"{self.names[v]} = tangent[{start}:{start + size}]" +
+                        (f".reshape({_shape_src(g.shape(v), dims)})" if g.shape(v) != () else ""))
+        loop = []
+        for n in order:
+            if n in varying and n not in tangent_nodes:
+                loop += self.statement(n, dims)
+        loop += self._fill_flat(layout)
+        body += ["for row in range(H.shape[0]):", "    col = first_row + row", "    tangent[col] = 1.0",
+                 "    grads = H[row]   # this row of the Hessian: H e_col"]
+        body += ["    " + line for line in loop] + ["    tangent[col] = 0.0"]
+        args = [self.names[n] for n in leaves] + [f"c{n}" for n in consts] + ["H", "first_row"]
+        lines = ["@kernel", f"def {fname}({', '.join(args)}):", f'    """{doc}"""'] + ["    " + b for b in body]
         return "\n".join(lines), leaves, consts
 
     def new_array(self, n, dims):
@@ -216,6 +272,7 @@ import numpy as np
 from numba import njit
 
 from gradc.runtime import Signature, TrainerBase, init_from, load_data
+from gradc.runtime.hessian import hessian_buffer, second_order_missing, symmetrize
 
 kernel = njit(cache=True, error_model="numpy")   # float errors give inf/nan as in numpy, never raise
 FLOAT = np.{dtype}
@@ -241,14 +298,26 @@ def generate(graph, info):
     g = graph
     kernels = Kernels(fast_tanh=info["dtype"] == "float32")
     names = {n: f"p_{p}" for p, n in g.params.items()} | {n: f"in_{i}" for i, n in g.inputs.items()}
+    names |= {n: f"v_{p}" for p, n in g.tangents.items()}
     writer = EntryWriter(g, kernels, names)
-    writer.leaf_rank = {n: i for i, n in enumerate(list(g.params.values()) + list(g.inputs.values()))}
+    leaves_in_order = list(g.params.values()) + list(g.inputs.values()) + list(g.tangents.values())
+    writer.leaf_rank = {n: i for i, n in enumerate(leaves_in_order)}
     leaf_name = {n: p for p, n in g.params.items()} | {n: i for i, n in g.inputs.items()}
+    leaf_name |= {n: p for p, n in g.tangents.items()}
     param_info = info["param_info"]
+    order = info.get("order", 1)
     trainable = [p for p in g.params if param_info[p]["trainable"]]
-    with_grad = [p for p in trainable if g.grads.get(p) is not None]
     input_grads = [i for i, v in g.input_grads.items() if v is not None]
     outputs = list(g.outputs)
+
+    # every trainable param has a slot in the flat gradient (and HVP) buffer; unreached ones hold zeros
+    grad_slices, offset = {}, 0
+    for p in trainable:
+        size = int(np.prod(g.shape(g.params[p])))
+        grad_slices[p] = (offset, offset + size)
+        offset += size
+    writer.tangent_slices = {p: (a, b - a) for p, (a, b) in grad_slices.items()}
+    shapes = {p: g.shape(g.params[p]) for p in trainable}
 
     entries = {}   # fname -> (roots, source, leaves, consts)
 
@@ -261,16 +330,19 @@ def generate(graph, info):
         entry("_forward", [g.outputs[o] for o in outputs], "The declared outputs.")
     entry("_forward_loss", [g.outputs[o] for o in outputs] + [g.objective],
           "The declared outputs and the objective.", [g.objective])
-    entry("_loss_and_grad", [g.objective] + [g.grads[p] for p in with_grad],
+    entry("_loss_and_grad", [g.objective] + [g.grads[p] for p in trainable],
           "The objective; the gradients of the trainable params go into `grads` (laid out as GRAD_SLICES).",
-          [g.objective], [g.grads[p] for p in with_grad])
-    grad_slices, offset = {}, 0
-    for p in with_grad:
-        size = int(np.prod(g.shape(g.params[p])))
-        grad_slices[p] = (offset, offset + size)
-        offset += size
+          [g.objective], [(g.grads[p], shapes[p]) for p in trainable])
     if input_grads:
         entry("_input_grads", [g.input_grads[i] for i in input_grads], "Gradients of the objective for the float inputs.")
+    if order == 2:
+        entry("_hvp", [g.hvps[p] for p in trainable],
+              "Hessian-vector product H v into `grads` (laid out as GRAD_SLICES); v_* are the tangents.",
+              flat_roots=[(g.hvps[p], shapes[p]) for p in trainable])
+        source, leaves, consts = writer.write_hessian(
+            "_hessian_rows", [(g.hvps[p], shapes[p]) for p in trainable], g.tangents,
+            "Rows first_row .. first_row + len(H) of the Hessian, into H.")
+        entries["_hessian_rows"] = ([g.hvps[p] for p in trainable], source, leaves, consts)
 
     data = {}
     for fname, (_, _, _, consts) in entries.items():
@@ -287,13 +359,16 @@ def generate(graph, info):
     inline = {k: v for k, v in data.items() if v.size <= INLINE_CONST_LIMIT}
     stored = {k: v for k, v in data.items() if v.size > INLINE_CONST_LIMIT}
 
+    tangent_nodes = set(g.tangents.values())
+
     def call(fname):
         roots, _, leaves, consts = entries[fname]
-        args = [f'p["{leaf_name[n]}"]' if g.op(n) == "param" else f'a["{leaf_name[n]}"]' for n in leaves]
+        args = [f'{"t" if n in tangent_nodes else "p" if g.op(n) == "param" else "a"}["{leaf_name[n]}"]'
+                for n in leaves]
         return args + [f'DATA["c{n}"]' for n in consts]
 
     def inputs_of(fname):
-        return tuple(leaf_name[n] for n in entries[fname][2] if g.op(n) == "input")
+        return tuple(leaf_name[n] for n in entries[fname][2] if g.op(n) == "input" and n not in tangent_nodes)
 
     def zero_or(value_src, shape):
         return f"{value_src}.reshape(())" if shape == () else value_src
@@ -307,6 +382,7 @@ def generate(graph, info):
     out.append(f"PARAM_ORDER = {tuple(g.params)!r}")
     out.append(f"PARAM_SHAPES = {{{', '.join(f'{p!r}: {tuple(g.shape(n))!r}' for p, n in g.params.items())}}}")
     out.append(f"TRAINABLE = {tuple(trainable)!r}")
+    out.append(f"ORDER = {order}   # 2: hvp and hessian are built")
     out.append(f"GRAD_SLICES = {grad_slices!r}   # where each gradient lies in the flat buffer _loss_and_grad fills")
     out.append(f"GRAD_SIZE = {offset}")
     out.append("INPUTS = {" + ", ".join(f"{i!r}: ({tuple(g.shape(n))!r}, {g.dtype(n)!r})" for i, n in g.inputs.items()) + "}")
@@ -323,6 +399,9 @@ def generate(graph, info):
     out.append("_SIGNATURE = Signature(MODEL_NAME, PARAM_SHAPES, INPUTS, FLOAT, _LABELS)")
     out.append(f"_LOSS_INPUTS = {inputs_of('_forward_loss')!r}")
     out.append(f"_OUTPUT_INPUTS = {inputs_of('_forward') if outputs else ()!r}")
+    if order == 2:
+        out.append(f"_HVP_INPUTS = {inputs_of('_hvp')!r}")
+        out.append(f"_HESSIAN_INPUTS = {inputs_of('_hessian_rows')!r}")
 
     helper_src = [f"@kernel\n{HELPERS[h]}" for h in sorted(kernels.helpers)]
     kernel_src = [_with_doc(f"@kernel\n{src}", doc) for name, src, doc in kernels.sources]
@@ -351,8 +430,7 @@ def generate(graph, info):
         lines += ['    _SIGNATURE.inputs(inputs, (), "forward")', "    return {}"]
     api.append("\n".join(lines) + "\n")
 
-    gdict = ",\n        ".join([f'"{p}": grads[{grad_slices[p][0]}:{grad_slices[p][1]}].reshape({tuple(g.shape(g.params[p]))!r})'
-                       if p in with_grad else f'"{p}": np.zeros({tuple(g.shape(g.params[p]))!r}, FLOAT)' for p in trainable])
+    gdict = ",\n        ".join(f'"{p}": grads[{a}:{b}].reshape({shapes[p]!r})' for p, (a, b) in grad_slices.items())
     api.append("\n".join([
         "def loss_and_grad(params, /, **inputs):",
         '    """The objective (float) and its gradients for the trainable params (dict of views of one buffer)."""',
@@ -374,6 +452,46 @@ def generate(graph, info):
                      f"_input_grads({', '.join(call('_input_grads'))})")
     lines.append(f"    return {{{idict}}}")
     api.append("\n".join(lines) + "\n")
+
+    if order == 2:
+        hdict = ",\n        ".join(f'"{p}": grads[{a}:{b}].reshape({shapes[p]!r})' for p, (a, b) in grad_slices.items())
+        api.append("\n".join([
+            "def hvp(params, v, /, **inputs):",
+            '    """Hessian-vector product of the objective: H v, with v and the result dicts shaped like the trainable params."""',
+            "    p = _SIGNATURE.params(params)",
+            "    t = _SIGNATURE.tangents(v, TRAINABLE)",
+            '    a = _SIGNATURE.inputs(inputs, _HVP_INPUTS, "hvp")',
+            "    grads = np.empty(GRAD_SIZE, FLOAT)",
+            f"    _hvp({', '.join(call('_hvp') + ['grads'])})",
+            f"    return {{\n        {hdict},\n    }}" if hdict else "    return {}"]) + "\n")
+        api.append("\n".join([
+            "def hessian_rows(params, start, stop, /, **inputs):",
+            '    """Rows start..stop of the Hessian, as a (stop - start, GRAD_SIZE) array: one compiled call for the block."""',
+            "    if not 0 <= start <= stop <= GRAD_SIZE:",
+            '        raise ValueError(f"{MODEL_NAME}.hessian_rows: rows {start}..{stop} are outside 0..{GRAD_SIZE}")',
+            "    p = _SIGNATURE.params(params)",
+            '    a = _SIGNATURE.inputs(inputs, _HESSIAN_INPUTS, "hessian")',
+            "    H = hessian_buffer(MODEL_NAME, stop - start, GRAD_SIZE, FLOAT)",
+            f"    _hessian_rows({', '.join(call('_hessian_rows') + ['H', 'start'])})",
+            "    return H",
+            "",
+            "",
+            "def hessian(params, /, **inputs):",
+            '    """The symmetric (P, P) Hessian of the objective; rows and columns are the trainable params in',
+            '    PARAM_ORDER, each flattened in C order (GRAD_SLICES). Refuses when P*P does not fit in memory."""',
+            "    H = hessian_rows(params, 0, GRAD_SIZE, **inputs)",
+            "    symmetrize(H)",
+            "    return H"]) + "\n")
+    else:
+        api.append("\n".join([
+            "def hvp(params, v, /, **inputs):",
+            '    """Not in this build: it was compiled with --order 1."""',
+            "    second_order_missing(MODEL_NAME)",
+            "",
+            "",
+            "def hessian(params, /, **inputs):",
+            '    """Not in this build: it was compiled with --order 1."""',
+            "    second_order_missing(MODEL_NAME)"]) + "\n")
 
     api.append("\n".join([
         "def memory_stats():",

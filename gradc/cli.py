@@ -115,8 +115,8 @@ def build_parser():
     c.add_argument("--model", help="which Model of the file (when it defines several)")
     c.add_argument("--target", choices=["cpu", "cuda"], default="cpu")
     c.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    c.add_argument("--order", type=int, choices=[1, 2], default=None,
-                   help="1: gradients; 2: also hvp and hessian (not built yet; default 1 until it is)")
+    c.add_argument("--order", type=int, choices=[1, 2], default=2,
+                   help="1: gradients only; 2 (default): also hvp and hessian")
     c.add_argument("--bind", action="append", metavar="DIM=INT", help="bind a symbolic dim at compile time")
     c.add_argument("--memory-budget", type=parse_size, metavar="SIZE|auto")
     c.add_argument("--devices", type=int)
@@ -139,8 +139,6 @@ def build_parser():
 def main(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
-    if args.command == "compile" and args.order is None:
-        args.order = 1
     try:
         return cmd_compile(args) if args.command == "compile" else cmd_inspect(args)
     except (GradcError, UsageError) as e:

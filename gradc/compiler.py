@@ -14,7 +14,6 @@ from .errors import GradcError
 from .version import __version__
 
 UNSUPPORTED = {
-    "order": (1, "second order (hvp, hessian) is not built yet; compile with --order 1"),
     "target": ("cpu", "only --target cpu is built so far (the CUDA backend is a later milestone)"),
     "memory_budget": (None, "--memory-budget needs the memory planner, which is not built yet"),
     "devices": (1, "--devices needs the partitioner, which is not built yet; use one device"),
@@ -85,6 +84,10 @@ def warm(module, dims):
     module.forward(params, **inputs)
     module.loss_and_grad(params, **inputs)
     module.input_grads(params, **inputs)
+    if module.ORDER == 2:
+        v = {k: np.ones_like(params[k]) for k in module.TRAINABLE}
+        module.hvp(params, v, **inputs)
+        module.hessian_rows(params, 0, min(1, module.GRAD_SIZE), **inputs)
     for opt in ("sgd", "adam"):
         try:
             module.Trainer(params, optimizer=opt, lr=1e-3).step(**inputs)
@@ -113,7 +116,7 @@ def import_file(path, name):
     return module
 
 
-def compile_model(model, out="build", target="cpu", dtype="float32", order=1, bind=None, warm_cache=True,
+def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bind=None, warm_cache=True,
                   timings=None, source=None, **later_options):
     """Compile `model` into OUT/NAME.py (plus dumps) and return the imported module."""
     from gradc.codegen.module import generate
@@ -123,17 +126,19 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=1, bi
 
     if not isinstance(model, Model):
         raise GradcError(f"compile: expected a gradc.Model, got {type(model).__name__}")
-    check_options(dict(order=order, target=target, **later_options), model.src)
+    check_options(dict(target=target, **later_options), model.src)
+    if order not in (1, 2):
+        raise GradcError(f"--order {order}: use 1 (gradients) or 2 (also hvp and hessian)", model.src)
     dims = dict(bind or {})
     for d, v in dims.items():
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise GradcError(f"--bind {d}={v}: a dim must be bound to an int >= 1", model.src)
     timings = {} if timings is None else timings
     t0 = time.perf_counter()
-    graph = build_training_graph(model, dtype, dims, timings)
+    graph = build_training_graph(model, dtype, dims, timings, order=order)
     name = model.name
     info = {"name": name, "version": __version__, "dtype": dtype, "fingerprint": fingerprint(model, dtype, dims),
-            "param_info": model.param_info, "labels": label_inputs(graph),
+            "param_info": model.param_info, "labels": label_inputs(graph), "order": order,
             "source": source or model.src.rsplit(":", 1)[0]}
     t = time.perf_counter()
     text, stored, meta = generate(graph, info)

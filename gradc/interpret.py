@@ -17,17 +17,22 @@ def bind_dims(graph, inputs):
     return dims
 
 
-def evaluate(graph, params, inputs, nodes, dtype=np.float64):
-    """Values of `nodes` (ids), computing only what they depend on. Floats are computed in `dtype`."""
+def evaluate(graph, params, inputs, nodes, dtype=np.float64, tangents=None):
+    """Values of `nodes` (ids), computing only what they depend on. Floats are computed in `dtype`.
+
+    `tangents` (param name -> array) binds the tangent leaves of a second-order graph."""
     dims = bind_dims(graph, inputs)
     names = {n: name for name, n in graph.params.items()} | {n: name for name, n in graph.inputs.items()}
+    tangent_of = {n: p for p, n in graph.tangents.items()}
     values = {}
     for n in graph.topo_order(graph.ancestors(nodes)):
         node = graph.node(n)
         op = node["op"]
         if op in ("param", "input"):
-            source = params if op == "param" else inputs
-            v = np.asarray(source[names[n]])
+            if n in tangent_of:
+                v = np.asarray(tangents[tangent_of[n]])
+            else:
+                v = np.asarray((params if op == "param" else inputs)[names[n]])
             values[n] = v.astype(dtype) if v.dtype.kind == "f" else v
             continue
         shape = tuple(dims[d] if isinstance(d, str) else d for d in node["shape"])

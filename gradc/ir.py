@@ -31,6 +31,8 @@ class Graph:
         self.weight_decay = 0.0
         self.grads = {}         # trainable param name -> adjoint node, None when it is zero
         self.input_grads = {}   # float input name -> adjoint node, None when it is zero
+        self.tangents = {}      # trainable param name -> its tangent leaf v_p (second order)
+        self.hvps = {}          # trainable param name -> (H v)_p node, None when it is zero
 
     # ---- building -------------------------------------------------------------------------
     def apply(self, op, inputs=(), attrs=None, *, phase="forward", src=None, name=None):
@@ -74,7 +76,7 @@ class Graph:
         """Every consumer of `old` (and every root) reads `new` instead."""
         for user in list(self.users(old)):
             self.set_operands(user, [new if u == old else u for u in self.operands(user)])
-        for table in (self.outputs, self.grads, self.input_grads):
+        for table in (self.outputs, self.grads, self.input_grads, self.hvps):
             for k, v in table.items():
                 if v == old:
                     table[k] = new
@@ -126,6 +128,7 @@ class Graph:
         out += [r for r in (self.loss, self.objective) if r is not None]
         out += [v for v in self.grads.values() if v is not None]
         out += [v for v in self.input_grads.values() if v is not None]
+        out += [v for v in self.hvps.values() if v is not None]
         return list(dict.fromkeys(out))
 
     def topo_order(self, nodes=None):
@@ -187,7 +190,8 @@ class Graph:
         data = nx.node_link_data(g, edges="links")
         data["graph"] = {"name": self.name, "inputs": self.inputs, "params": self.params,
                          "outputs": self.outputs, "loss": self.loss, "objective": self.objective,
-                         "grads": self.grads, "input_grads": self.input_grads, **(extra or {})}
+                         "grads": self.grads, "input_grads": self.input_grads, "tangents": self.tangents,
+                         "hvps": self.hvps, **(extra or {})}
         return json.dumps(data, indent=1, default=_jsonable)
 
     def to_dot(self):

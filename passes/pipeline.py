@@ -8,6 +8,7 @@ from gradc.ir import FLOAT_DTYPES
 from .autodiff import build_backward
 from .fusion import fuse_elementwise
 from .objective import add_objective
+from .second_order import build_hvp
 from .simplify import simplify
 
 
@@ -44,8 +45,10 @@ def bind(graph, dtype, dims, src):
             attrs["dtype"] = dtype
 
 
-def build_training_graph(model, dtype="float32", dims=None, timings=None):
-    """Copy the model's graph and run every pass over it; `timings` collects seconds per pass."""
+def build_training_graph(model, dtype="float32", dims=None, timings=None, order=1):
+    """Copy the model's graph and run every pass over it; `timings` collects seconds per pass.
+
+    order 2 adds the Hessian-vector product nodes (phase `second`)."""
     timings = {} if timings is None else timings
     if model.graph.loss is None:
         raise GradcError(f"model {model.name!r} has no minimize(loss): nothing to differentiate", model.src)
@@ -63,6 +66,8 @@ def build_training_graph(model, dtype="float32", dims=None, timings=None):
     decayed = [p for p in trainable if info[p]["decay"]]
     timed("objective", add_objective, graph, decayed, model.weight_decay)
     timed("autodiff", build_backward, graph, trainable)
+    if order == 2:
+        timed("second_order", build_hvp, graph, trainable)
     timed("simplify", simplify, graph)
     timed("fusion", fuse_elementwise, graph)
     timed("simplify", simplify, graph)

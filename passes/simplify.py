@@ -132,7 +132,7 @@ def eliminate_common(graph):
 def eliminate_dead(graph, roots=None):
     """DCE: keep what the roots need, and every input and param (they are the module's API)."""
     keep = graph.ancestors(graph.roots() if roots is None else roots)
-    keep |= set(graph.inputs.values()) | set(graph.params.values())
+    keep |= set(graph.inputs.values()) | set(graph.params.values()) | set(graph.tangents.values())
     dead = [n for n in graph.nx.nodes if n not in keep]
     graph.remove(dead)
     return bool(dead)

@@ -45,6 +45,29 @@ class Signature:
             out[name] = v.reshape(1) if v.ndim == 0 else v
         return out
 
+    def tangents(self, v, trainable):
+        """hvp's v: exactly the trainable params' names, shapes and dtype; in call form."""
+        if not isinstance(v, dict):
+            raise ValueError(f"{self.model}.hvp: v must be a dict name -> array, got {type(v).__name__}")
+        missing = [k for k in trainable if k not in v]
+        unknown = [k for k in v if k not in trainable]
+        if missing or unknown:
+            raise ValueError(f"{self.model}.hvp: v " + "; ".join(
+                ([f"missing {missing}"] if missing else []) + ([f"unknown or not trainable {unknown}"] if unknown else [])) +
+                f" (v has one array per trainable param: {list(trainable)})")
+        out = {}
+        for name in trainable:
+            shape, t = self.param_shapes[name], v[name]
+            if not isinstance(t, np.ndarray):
+                raise ValueError(f"{self.model}.hvp: v[{name!r}] must be a numpy array, got {type(t).__name__}")
+            if t.shape != shape:
+                raise ValueError(f"{self.model}.hvp: v[{name!r}] has shape {_fmt(t.shape)}, expected {_fmt(shape)}")
+            if t.dtype != self.float:
+                raise ValueError(f"{self.model}.hvp: v[{name!r}] has dtype {t.dtype}, expected {self.float}")
+            t = np.ascontiguousarray(t)
+            out[name] = t.reshape(1) if t.ndim == 0 else t
+        return out
+
     def wants_loss(self, given, loss_inputs, output_inputs):
         """forward(): the objective is computed when every input it needs is given."""
         return all(k in given for k in loss_inputs) or any(k not in output_inputs for k in given)
