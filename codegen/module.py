@@ -519,5 +519,6 @@ def generate(graph, info):
                 "# ---- Python entry points " + "-" * 65, *api]
     source = "\n\n\n".join(s.rstrip("\n") for s in sections) + "\n"
     meta = {"kernels": [{"name": name, "computes": doc} for name, _, doc in kernels.sources],
-            "entries": {f: {"roots": r, "nodes": len(g.ancestors(r))} for f, (r, _, _, _) in entries.items()}}
+            "entries": {f: {"roots": [n for n in r if n is not None], "nodes": len(g.ancestors([n for n in r if n is not None]))}
+                        for f, (r, _, _, _) in entries.items()}}
     return source, stored, meta

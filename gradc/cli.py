@@ -105,8 +105,14 @@ def cmd_inspect(args):
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """A bad command line: one line and exit 2, like every other user error."""
+        self.exit(2, f"gradc: error: {message} (gradc {self.prog.split()[-1]} --help for usage)\n")
+
+
 def build_parser():
-    ap = argparse.ArgumentParser(prog="gradc", description="Symbolic graph compiler for training code.")
+    ap = _Parser(prog="gradc", description="Symbolic graph compiler for training code.")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = ap.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compile", help="compile a model file into a Python module")

@@ -105,7 +105,7 @@ def test_inspect(compiled):
     ("import gradc as gc\nm = gc.Model('b4')\nn = gc.Model('b5')\n", [], "pick one with --model"),
     ("import gradc as gc\nm = gc.Model('b6')\nm.minimize(m.input('x', ('B',)).sum())\n", ["--bind", "N=3"], "--bind names dim N"),
     ("import gradc as gc\nm = gc.Model('b7')\nm.minimize(m.input('x', ('B',)).sum())\n", ["--target", "cuda"], "--target cpu"),
-    ("import gradc as gc\nm = gc.Model('b8')\nm.minimize(m.input('x', ('B',)).sum())\n", ["--order", "2"], "--order 1"),
+    ("import gradc as gc\nm = gc.Model('b8')\nm.minimize(m.input('x', ('B',)).sum())\n", ["--order", "3"], "invalid choice: 3"),
     ("import gradc as gc\nm = gc.Model('b9')\nm.minimize(m.input('x', ('B',)).sum())\n", ["--bind", "B"], "expected DIM=INT"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, source, args, message):
