@@ -1,10 +1,8 @@
 """One SGD-momentum training step: gradc's generated module vs PyTorch eager vs JAX jit.
 
 Same model (tanh MLP, softmax cross-entropy), same batch, same initial params, float32, in one
-run. Each framework runs in its own worker process (their thread pools spin-wait, and on two
-cores one framework's idle threads slow another's); the parent interleaves rounds so that
-machine noise hits them alike, and only one worker computes at a time. Reports medians per
-step and ratios. Also times `gradc compile` of a 100-layer MLP (passes alone, and with Numba's
+run; each framework in its own worker process, rounds interleaved (bench/harness.py). Reports
+medians per step and ratios. Also times `gradc compile` of a 100-layer MLP (passes alone, and with Numba's
 warm-up).
 
     python bench/cpu_step.py            # full run
@@ -12,7 +10,6 @@ warm-up).
 """
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -20,6 +17,9 @@ import time
 import numpy as np
 
 import gradc as gc
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import interleaved  # noqa: E402
 
 LR, MOMENTUM = 0.05, 0.9
 MODELS = [("64-128-128-10", [64, 128, 128, 10], 64), ("784-512-512-10", [784, 512, 512, 10], 128)]
@@ -40,8 +40,7 @@ def mlp(name, sizes):
 
 
 def gradc_stepper(sizes, params, out):
-    mod = gc.compile(mlp("bench_" + "_".join(map(str, sizes)), sizes), out=out)
-    print(f"# gradc module: {mod.__file__}", flush=True)
+    mod = gc.compile(mlp("bench_" + "_".join(map(str, sizes)), sizes), out=out, order=1)
     tr = mod.Trainer(params, optimizer="sgd", lr=LR, momentum=MOMENTUM)
     return lambda x, y: tr.step(x=x, y=y)
 
@@ -96,63 +95,29 @@ def jax_stepper(sizes, params):
     return step, jnp.asarray
 
 
-def time_steps(step, x, y, n):
-    t = time.perf_counter()
-    for _ in range(n):
-        step(x, y)
-    return (time.perf_counter() - t) / n
-
-
-def worker(name, sizes, batch, params, out, conn):
-    """One framework in its own process: build, then time `n` steps whenever asked."""
+def build(name, sizes, batch, params, out):
+    """In a worker: the framework's training step on the shared batch and params."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch, sizes[0])).astype(np.float32)
     y = rng.integers(0, sizes[-1], batch).astype(np.int64)
-    try:
-        if name == "gradc":
-            step, convert = gradc_stepper(sizes, params, out), (lambda a: a)
-        else:
-            step, convert = (torch_stepper if name == "torch eager" else jax_stepper)(sizes, params)
-    except ImportError as e:
-        conn.send(("missing", str(e)))
-        return
+    if name == "gradc":
+        step, convert = gradc_stepper(sizes, params, out), (lambda a: a)
+    else:
+        step, convert = (torch_stepper if name == "torch eager" else jax_stepper)(sizes, params)
     x, y = convert(x), convert(y)
     first = step(x, y)            # same params everywhere: the same first loss
-    for _ in range(20):           # warm-up (JIT, caches, allocator)
-        step(x, y)
-    conn.send(("ready", first))
-    while (n := conn.recv()) is not None:
-        conn.send(time_steps(step, x, y, n))
+    return {"step": lambda: step(x, y)}, first
 
 
 def bench_step(rounds, steps_per_round):
-    import multiprocessing as mp
-    ctx = mp.get_context("spawn")
     rows = []
     with tempfile.TemporaryDirectory() as out:
         for label, sizes, batch in MODELS:
             params = gc.compile(mlp("init_" + "_".join(map(str, sizes)), sizes), out=out,
                                 warm_cache=False).init_params(0)
-            workers, first = {}, {}
-            for name in ("gradc", "torch eager", "jax jit"):
-                parent, child = ctx.Pipe()
-                proc = ctx.Process(target=worker, args=(name, sizes, batch, params, out, child), daemon=True)
-                proc.start()
-                status, value = parent.recv()     # one at a time: a worker builds while the others wait
-                if status == "missing":
-                    print(f"# {name} not installed ({value}): pip install -e '.[bench]'")
-                    proc.join()
-                    continue
-                workers[name], first[name] = (proc, parent), value
-            times = {k: [] for k in workers}
-            for _ in range(rounds):
-                for k, (_, conn) in workers.items():
-                    conn.send(steps_per_round)
-                    times[k].append(conn.recv())
-            for proc, conn in workers.values():
-                conn.send(None)
-                proc.join()
-            rows.append((label, batch, {k: statistics.median(v) for k, v in times.items()}, first))
+            builders = {name: (build, (name, sizes, batch, params, out)) for name in ("gradc", "torch eager", "jax jit")}
+            med, first = interleaved(builders, rounds, {"step": steps_per_round}, warmup=20)
+            rows.append((label, batch, {k: v["step"] for k, v in med.items()}, first))
     return rows
 
 

@@ -38,7 +38,7 @@ def report(build, graph=False, memory=False, partition=False, kernels=False):
     lines.append("inputs: " + ", ".join(f"{k} {_shape(nodes[v]['shape'])} {nodes[v]['dtype']}"
                                          for k, v in meta["inputs"].items()))
     lines.append(f"FLOPs per call: forward {meta['flops']['forward']}; loss_and_grad (one training step) "
-                 f"{meta['flops']['loss_and_grad']}")
+                 f"{meta['flops']['loss_and_grad']}" + (f"; hvp {meta['flops']['hvp']}" if "hvp" in meta["flops"] else ""))
     lines.append(f"kernels: {len(meta['kernels'])} (gradc inspect --kernels lists them)")
     saved = meta["saved_for_backward"]
     lines.append(f"values saved for the backward: {len(saved)} (gradc inspect --memory for bytes)")

@@ -26,3 +26,10 @@ def test_residual_quick(tmp_path):
     r = run("residual.py", tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "validation objective" in r.stdout
+
+
+def test_curvature_digits_quick(tmp_path):
+    pytest.importorskip("sklearn", reason="the digits examples need the 'examples' extra")
+    r = run("curvature_digits.py", tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "largest relative difference" in r.stdout
