@@ -143,21 +143,20 @@ class EntryWriter:
         for n in order:
             if n not in varying and g.op(n) not in ("param", "input", "const"):
                 body += self.statement(n, dims)
-        body.append(f"tangent = np.zeros({offset}, FLOAT)   # e_col, laid out as GRAD_SLICES")
+        loop = [f"tangent = np.zeros({offset}, FLOAT)   # e_col, laid out as GRAD_SLICES", "tangent[col] = 1.0"]
         for p, v in tangents.items():
             start, size = self.tangent_slices[p]
-            body.append(f"{self.names[v]} = tangent[{start}:{start + size}]" +
+            loop.append(f"{self.names[v]} = tangent[{start}:{start + size}]" +
                         (f".reshape({_shape_src(g.shape(v), dims)})" if g.shape(v) != () else ""))
-        loop = []
+        loop.append("grads = H[row]   # this row of the Hessian: H e_col")
         for n in order:
             if n in varying and n not in tangent_nodes:
                 loop += self.statement(n, dims)
         loop += self._fill_flat(layout)
-        body += ["for row in range(H.shape[0]):", "    col = first_row + row", "    tangent[col] = 1.0",
-                 "    grads = H[row]   # this row of the Hessian: H e_col"]
-        body += ["    " + line for line in loop] + ["    tangent[col] = 0.0"]
+        body += ["for row in prange(H.shape[0]):   # rows are independent: they run on every core",
+                 "    col = first_row + row"] + ["    " + line for line in loop]
         args = [self.names[n] for n in leaves] + [f"c{n}" for n in consts] + ["H", "first_row"]
-        lines = ["@kernel", f"def {fname}({', '.join(args)}):", f'    """{doc}"""'] + ["    " + b for b in body]
+        lines = ["@parallel_kernel", f"def {fname}({', '.join(args)}):", f'    """{doc}"""'] + ["    " + b for b in body]
         return "\n".join(lines), leaves, consts
 
     def new_array(self, n, dims):
@@ -269,12 +268,13 @@ compiled function that runs its kernels in order. Float values are {dtype}.
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from gradc.runtime import Signature, TrainerBase, init_from, load_data
 from gradc.runtime.hessian import hessian_buffer, second_order_missing, symmetrize
 
 kernel = njit(cache=True, error_model="numpy")   # float errors give inf/nan as in numpy, never raise
+parallel_kernel = njit(cache=True, error_model="numpy", parallel=True)
 FLOAT = np.{dtype}
 '''
 
