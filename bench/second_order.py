@@ -16,22 +16,10 @@ import numpy as np
 import gradc as gc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cpu_step import mlp  # noqa: E402  (the same tanh MLP)
 from harness import interleaved  # noqa: E402
 
 SIZES, BATCH = [16, 32, 32, 10], 64
-
-
-def mlp(name, sizes):
-    m = gc.Model(name)
-    x = m.input("x", ("B", sizes[0]))
-    y = m.input("y", ("B",), dtype="int64")
-    h = x
-    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-        h = h @ m.param(f"W{i}", (a, b)) + m.param(f"b{i}", (b,))
-        if i < len(sizes) - 2:
-            h = gc.tanh(h)
-    m.minimize(gc.softmax_cross_entropy(h, y))
-    return m
 
 
 def data():

@@ -55,26 +55,10 @@ class EntryWriter:
     def write(self, fname, roots, doc, flat_roots=None):
         """The compiled function; `flat_roots` are returned together as one flat `grads` buffer."""
         g = self.graph
-        self.flat, self.placed, offset = {}, set(), 0
-        layout = []
-        for r, shape in flat_roots or ():
-            size = int(np.prod(shape))
-            layout.append((r, offset, size))
-            if r is not None:
-                self.flat.setdefault(r, (offset, size))
-            offset += size
+        layout, _ = self._layout(flat_roots or ())
         roots = [r for r in roots if r is not None]
-        needed = g.ancestors(roots)
-        order = g.topo_order(needed)
-        leaves = [n for n in order if g.op(n) in ("param", "input")]
-        # a dim the code needs but no argument carries (a value that depends on an input's shape
-        # only): take the input that declares it as an argument too
-        carried = {d for n in leaves for d in g.shape(n) if isinstance(d, str)}
-        for d in sorted(set(self._dims(order, leaves)) - carried):
-            leaves.append(next(n for n in g.inputs.values() if d in g.shape(n)))
-            carried |= {x for x in g.shape(leaves[-1]) if isinstance(x, str)}
-        leaves.sort(key=lambda n: self.leaf_rank[n])
-        consts = [n for n in order if g.op(n) == "const" and np.ndim(g.attrs(n)["value"]) > 0]
+        order = g.topo_order(g.ancestors(roots))
+        leaves, consts = self._arguments(order, exclude=())
         args = [self.names[n] for n in leaves] + [f"c{n}" for n in consts] + (["grads"] if flat_roots is not None else [])
         dims = self._dims(order, leaves)
         body = [f"{dims[d]} = {src}" for d, src in self._dim_sources(order, leaves).items()]
@@ -101,6 +85,31 @@ class EntryWriter:
         lines += ["    " + b for b in body]
         return "\n".join(lines), leaves, consts
 
+    def _layout(self, flat_roots):
+        """Offsets of (root, shape) pairs in the flat buffer, one after another; resets placement."""
+        self.flat, self.placed, offset, layout = {}, set(), 0, []
+        for r, shape in flat_roots:
+            size = int(np.prod(shape))
+            layout.append((r, offset, size))
+            if r is not None:
+                self.flat.setdefault(r, (offset, size))
+            offset += size
+        return layout, offset
+
+    def _arguments(self, order, exclude):
+        """The leaves and constant arrays a compiled function takes, in argument order."""
+        g = self.graph
+        leaves = [n for n in order if g.op(n) in ("param", "input") and n not in exclude]
+        # a dim the code needs but no argument carries (a value that depends on an input's shape
+        # only): take the input that declares it as an argument too
+        carried = {d for n in leaves for d in g.shape(n) if isinstance(d, str)}
+        for d in sorted(set(self._dims(order, leaves)) - carried):
+            leaves.append(next(n for n in g.inputs.values() if d in g.shape(n)))
+            carried |= {x for x in g.shape(leaves[-1]) if isinstance(x, str)}
+        leaves.sort(key=lambda n: self.leaf_rank[n])
+        consts = [n for n in order if g.op(n) == "const" and np.ndim(g.attrs(n)["value"]) > 0]
+        return leaves, consts
+
     def _fill_flat(self, layout):
         """Copies into the flat buffer for roots no kernel wrote there; zeros where a root is zero."""
         lines = []
@@ -117,13 +126,7 @@ class EntryWriter:
         """Rows of the Hessian: the forward and backward once, then per basis vector e_col only the
         nodes that depend on the tangents, each row written straight into H."""
         g = self.graph
-        self.flat, self.placed, offset, layout = {}, set(), 0, []
-        for r, shape in flat_roots:
-            size = int(np.prod(shape))
-            layout.append((r, offset, size))
-            if r is not None:
-                self.flat.setdefault(r, (offset, size))
-            offset += size
+        layout, offset = self._layout(flat_roots)
         roots = [r for r, _ in flat_roots if r is not None]
         order = g.topo_order(g.ancestors(roots))
         tangent_nodes = set(tangents.values())
@@ -131,13 +134,7 @@ class EntryWriter:
         for n in order:
             if any(u in varying for u in g.operands(n)):
                 varying.add(n)
-        leaves = [n for n in order if g.op(n) in ("param", "input") and n not in tangent_nodes]
-        carried = {d for n in leaves for d in g.shape(n) if isinstance(d, str)}
-        for d in sorted(set(self._dims(order, leaves)) - carried):
-            leaves.append(next(n for n in g.inputs.values() if d in g.shape(n)))
-            carried |= {x for x in g.shape(leaves[-1]) if isinstance(x, str)}
-        leaves.sort(key=lambda n: self.leaf_rank[n])
-        consts = [n for n in order if g.op(n) == "const" and np.ndim(g.attrs(n)["value"]) > 0]
+        leaves, consts = self._arguments(order, exclude=tangent_nodes)
         dims = self._dims(order, leaves)
         body = [f"{dims[d]} = {src}" for d, src in self._dim_sources(order, leaves).items()]
         for n in order:

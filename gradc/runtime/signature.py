@@ -31,13 +31,7 @@ class Signature:
                 f" (expected {list(self.param_shapes)})")
         out = {}
         for name, shape in self.param_shapes.items():
-            v = params[name]
-            if not isinstance(v, np.ndarray):
-                raise ValueError(f"{self.model}: param {name!r} must be a numpy array, got {type(v).__name__}")
-            if v.shape != shape:
-                raise ValueError(f"{self.model}: param {name!r} has shape {_fmt(v.shape)}, expected {_fmt(shape)}")
-            if v.dtype != self.float:
-                raise ValueError(f"{self.model}: param {name!r} has dtype {v.dtype}, expected {self.float}")
+            v = self._float_array(f"{self.model}: param {name!r}", params[name], shape)
             if not v.flags.c_contiguous:
                 if exact:
                     raise ValueError(f"{self.model}: param {name!r} is not C-contiguous; the Trainer updates it in place")
@@ -57,16 +51,19 @@ class Signature:
                 f" (v has one array per trainable param: {list(trainable)})")
         out = {}
         for name in trainable:
-            shape, t = self.param_shapes[name], v[name]
-            if not isinstance(t, np.ndarray):
-                raise ValueError(f"{self.model}.hvp: v[{name!r}] must be a numpy array, got {type(t).__name__}")
-            if t.shape != shape:
-                raise ValueError(f"{self.model}.hvp: v[{name!r}] has shape {_fmt(t.shape)}, expected {_fmt(shape)}")
-            if t.dtype != self.float:
-                raise ValueError(f"{self.model}.hvp: v[{name!r}] has dtype {t.dtype}, expected {self.float}")
+            t = self._float_array(f"{self.model}.hvp: v[{name!r}]", v[name], self.param_shapes[name])
             t = np.ascontiguousarray(t)
             out[name] = t.reshape(1) if t.ndim == 0 else t
         return out
+
+    def _float_array(self, what, v, shape):
+        if not isinstance(v, np.ndarray):
+            raise ValueError(f"{what} must be a numpy array, got {type(v).__name__}")
+        if v.shape != shape:
+            raise ValueError(f"{what} has shape {_fmt(v.shape)}, expected {_fmt(shape)}")
+        if v.dtype != self.float:
+            raise ValueError(f"{what} has dtype {v.dtype}, expected {self.float}")
+        return v
 
     def wants_loss(self, given, loss_inputs, output_inputs):
         """forward(): the objective is computed when every input it needs is given."""
