@@ -132,7 +132,7 @@ def bench_compile(layers=100, width=64):
     with tempfile.TemporaryDirectory() as out:
         timings = {}
         t = time.perf_counter()
-        gc.compile(m, out=out, timings=timings)
+        gc.compile(m, out=out, timings=timings, order=1)   # first order; bench/second_order.py times --order 2
         total = time.perf_counter() - t
     return timings, total
 
@@ -156,7 +156,7 @@ def main():
         losses = ", ".join(f"{k} {v:.6f}" for k, v in first.items())
         print(f"#   first-step loss (same params): {losses}")
     timings, total = bench_compile()
-    print("\n| gradc compile, 100-layer MLP (width 64) | seconds |")
+    print("\n| gradc compile --order 1, 100-layer MLP (width 64) | seconds |")
     print("|---|---|")
     print(f"| graph passes + codegen | {timings['passes_total']:.3f} |")
     for k in ("autodiff", "simplify", "fusion", "codegen"):

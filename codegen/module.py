@@ -122,11 +122,11 @@ class EntryWriter:
                              f"grads[{start}:{start + size}] = {v}.reshape({size})")
         return lines
 
-    def write_hessian(self, fname, flat_roots, tangents, doc):
-        """Rows of the Hessian: the forward and backward once, then per basis vector e_col only the
-        nodes that depend on the tangents, each row written straight into H."""
+    def write_hvp_block(self, fname, flat_roots, tangents, doc):
+        """H V[r] into OUT[r] for every row r of V: the forward and backward once, then per row only
+        the nodes that depend on the tangents (v_* are views of V[r], laid out as GRAD_SLICES)."""
         g = self.graph
-        layout, offset = self._layout(flat_roots)
+        layout, _ = self._layout(flat_roots)
         roots = [r for r, _ in flat_roots if r is not None]
         order = g.topo_order(g.ancestors(roots))
         tangent_nodes = set(tangents.values())
@@ -140,20 +140,18 @@ class EntryWriter:
         for n in order:
             if n not in varying and g.op(n) not in ("param", "input", "const"):
                 body += self.statement(n, dims)
-        loop = [f"tangent = np.zeros({offset}, FLOAT)   # e_col, laid out as GRAD_SLICES", "tangent[col] = 1.0"]
+        loop = ["tangent = V[row]", "grads = OUT[row]"]
         for p, v in tangents.items():
             start, size = self.tangent_slices[p]
             loop.append(f"{self.names[v]} = tangent[{start}:{start + size}]" +
                         (f".reshape({_shape_src(g.shape(v), dims)})" if g.shape(v) != () else ""))
-        loop.append("grads = H[row]   # this row of the Hessian: H e_col")
         for n in order:
             if n in varying and n not in tangent_nodes:
                 loop += self.statement(n, dims)
         loop += self._fill_flat(layout)
-        body += ["for row in prange(H.shape[0]):   # rows are independent: they run on every core",
-                 "    col = first_row + row"] + ["    " + line for line in loop]
-        args = [self.names[n] for n in leaves] + [f"c{n}" for n in consts] + ["H", "first_row"]
-        lines = ["@parallel_kernel", f"def {fname}({', '.join(args)}):", f'    """{doc}"""'] + ["    " + b for b in body]
+        body += ["for row in range(V.shape[0]):"] + ["    " + line for line in loop]
+        args = [self.names[n] for n in leaves] + [f"c{n}" for n in consts] + ["V", "OUT"]
+        lines = ["@kernel", f"def {fname}({', '.join(args)}):", f'    """{doc}"""'] + ["    " + b for b in body]
         return "\n".join(lines), leaves, consts
 
     def new_array(self, n, dims):
@@ -265,13 +263,13 @@ compiled function that runs its kernels in order. Float values are {dtype}.
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from gradc.runtime import Signature, TrainerBase, init_from, load_data
-from gradc.runtime.hessian import hessian_buffer, second_order_missing, symmetrize
+from gradc.runtime.hessian import hessian_buffer, in_blocks, second_order_missing, symmetrize
 
-kernel = njit(cache=True, error_model="numpy")   # float errors give inf/nan as in numpy, never raise
-parallel_kernel = njit(cache=True, error_model="numpy", parallel=True)
+# float errors give inf/nan as in numpy, never raise; nogil lets Hessian blocks run on every core
+kernel = njit(cache=True, error_model="numpy", nogil=True)
 FLOAT = np.{dtype}
 '''
 
@@ -333,13 +331,10 @@ def generate(graph, info):
     if input_grads:
         entry("_input_grads", [g.input_grads[i] for i in input_grads], "Gradients of the objective for the float inputs.")
     if order == 2:
-        entry("_hvp", [g.hvps[p] for p in trainable],
-              "Hessian-vector product H v into `grads` (laid out as GRAD_SLICES); v_* are the tangents.",
-              flat_roots=[(g.hvps[p], shapes[p]) for p in trainable])
-        source, leaves, consts = writer.write_hessian(
-            "_hessian_rows", [(g.hvps[p], shapes[p]) for p in trainable], g.tangents,
-            "Rows first_row .. first_row + len(H) of the Hessian, into H.")
-        entries["_hessian_rows"] = ([g.hvps[p] for p in trainable], source, leaves, consts)
+        source, leaves, consts = writer.write_hvp_block(
+            "_hvp_block", [(g.hvps[p], shapes[p]) for p in trainable], g.tangents,
+            "Hessian-vector products: OUT[r] = H V[r] for each row of V (rows laid out as GRAD_SLICES).")
+        entries["_hvp_block"] = ([g.hvps[p] for p in trainable], source, leaves, consts)
 
     data = {}
     for fname, (_, _, _, consts) in entries.items():
@@ -397,8 +392,7 @@ def generate(graph, info):
     out.append(f"_LOSS_INPUTS = {inputs_of('_forward_loss')!r}")
     out.append(f"_OUTPUT_INPUTS = {inputs_of('_forward') if outputs else ()!r}")
     if order == 2:
-        out.append(f"_HVP_INPUTS = {inputs_of('_hvp')!r}")
-        out.append(f"_HESSIAN_INPUTS = {inputs_of('_hessian_rows')!r}")
+        out.append(f"_HVP_INPUTS = {inputs_of('_hvp_block')!r}")
 
     helper_src = [f"@kernel\n{HELPERS[h]}" for h in sorted(kernels.helpers)]
     kernel_src = [_with_doc(f"@kernel\n{src}", doc) for name, src, doc in kernels.sources]
@@ -451,25 +445,29 @@ def generate(graph, info):
     api.append("\n".join(lines) + "\n")
 
     if order == 2:
-        hdict = ",\n        ".join(f'"{p}": grads[{a}:{b}].reshape({shapes[p]!r})' for p, (a, b) in grad_slices.items())
+        hdict = ",\n        ".join(f'"{p}": out[0, {a}:{b}].reshape({shapes[p]!r})' for p, (a, b) in grad_slices.items())
         api.append("\n".join([
             "def hvp(params, v, /, **inputs):",
             '    """Hessian-vector product of the objective: H v, with v and the result dicts shaped like the trainable params."""',
             "    p = _SIGNATURE.params(params)",
             "    t = _SIGNATURE.tangents(v, TRAINABLE)",
             '    a = _SIGNATURE.inputs(inputs, _HVP_INPUTS, "hvp")',
-            "    grads = np.empty(GRAD_SIZE, FLOAT)",
-            f"    _hvp({', '.join(call('_hvp') + ['grads'])})",
+            "    V = np.empty((1, GRAD_SIZE), FLOAT)",
+            "    for name, (start, stop) in GRAD_SLICES.items():",
+            "        V[0, start:stop] = t[name].reshape(-1)",
+            "    out = np.empty((1, GRAD_SIZE), FLOAT)",
+            f"    _hvp_block({', '.join(call('_hvp_block') + ['V', 'out'])})",
             f"    return {{\n        {hdict},\n    }}" if hdict else "    return {}"]) + "\n")
         api.append("\n".join([
             "def hessian_rows(params, start, stop, /, **inputs):",
-            '    """Rows start..stop of the Hessian, as a (stop - start, GRAD_SIZE) array: one compiled call for the block."""',
+            '    """Rows start..stop of the Hessian as a (stop - start, GRAD_SIZE) array: blocks of basis vectors,',
+            '    each block one compiled call, the blocks spread over the cores."""',
             "    if not 0 <= start <= stop <= GRAD_SIZE:",
             '        raise ValueError(f"{MODEL_NAME}.hessian_rows: rows {start}..{stop} are outside 0..{GRAD_SIZE}")',
             "    p = _SIGNATURE.params(params)",
-            '    a = _SIGNATURE.inputs(inputs, _HESSIAN_INPUTS, "hessian")',
+            '    a = _SIGNATURE.inputs(inputs, _HVP_INPUTS, "hessian")',
             "    H = hessian_buffer(MODEL_NAME, stop - start, GRAD_SIZE, FLOAT)",
-            f"    _hessian_rows({', '.join(call('_hessian_rows') + ['H', 'start'])})",
+            f"    in_blocks(lambda V, rows: _hvp_block({', '.join(call('_hvp_block') + ['V', 'rows'])}), H, start)",
             "    return H",
             "",
             "",

@@ -153,7 +153,7 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
                             "decay": model.param_info[p]["decay"]} for p, n in graph.params.items()},
              "weight_decay": model.weight_decay,
              "flops": {"forward": str(flops(graph, fwd_nodes)), "loss_and_grad": str(flops(graph, lg_nodes))} | (
-                 {"hvp": str(flops(graph, graph.ancestors(meta["entries"]["_hvp"]["roots"])))} if order == 2 else {}),
+                 {"hvp": str(flops(graph, graph.ancestors(meta["entries"]["_hvp_block"]["roots"])))} if order == 2 else {}),
              "kernels": meta["kernels"],
              "saved_for_backward": [{"node": n, "op": graph.op(n), "name": graph.node(n).get("name"),
                                      "shape": [str(d) for d in graph.shape(n)], "bytes": str(nbytes(graph, n)), "src": graph.node(n)["src"]} for n in saved],

@@ -1,5 +1,6 @@
 """Run-time helpers of the generated hvp/hessian: memory check, symmetry, order-1 stubs."""
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from numba import njit
@@ -23,6 +24,32 @@ def hessian_buffer(model, rows, size, dtype):
                           f"but only {free / 2**30:.1f} GiB of memory is available; use hvp(), or hessian_rows() "
                           f"for a block of rows")
     return np.empty((rows, size), dtype=dtype)
+
+
+BLOCK_ROWS = 32
+
+
+def in_blocks(hvp_block, H, first_row):
+    """Fill H with rows first_row.. of the Hessian: hvp_block(V, OUT) on blocks of basis vectors.
+
+    Each block is one compiled call that runs the forward and backward once and then one tangent
+    per row; the generated kernels release the GIL, so the blocks run on every core."""
+    rows, size = H.shape
+
+    def block(start):
+        stop = min(start + BLOCK_ROWS, rows)
+        V = np.zeros((stop - start, size), dtype=H.dtype)
+        V[np.arange(stop - start), first_row + np.arange(start, stop)] = 1.0
+        hvp_block(V, H[start:stop])
+
+    starts = range(0, rows, BLOCK_ROWS)
+    workers = min(os.cpu_count() or 1, len(starts))
+    if workers <= 1:
+        for s in starts:
+            block(s)
+        return
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(block, starts))
 
 
 @njit(cache=True)
