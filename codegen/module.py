@@ -3,7 +3,8 @@
 Layout of the module: contract constants; scalar helpers; kernels; one compiled function per
 entry point that runs its kernels in schedule order (so a call crosses from Python into
 machine code once); the Python entry points, which check their arguments and call it; the
-Trainer, whose whole step (gradients, clipping, update) is one compiled call too.
+Trainer, which gets the gradients in one flat buffer and updates every param in one loop
+(gradc/runtime/optim.py). With --order 2, hvp and hessian share one compiled block function.
 """
 import textwrap
 
