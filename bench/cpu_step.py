@@ -65,7 +65,8 @@ def torch_stepper(sizes, params):
     return step, torch.from_numpy
 
 
-def jax_stepper(sizes, params):
+def jax_loss(sizes):
+    """The same MLP and loss in JAX."""
     import jax
     import jax.numpy as jnp
 
@@ -78,6 +79,13 @@ def jax_stepper(sizes, params):
                 h = jnp.tanh(h)
         logp = jax.nn.log_softmax(h)
         return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
+    return loss_fn
+
+
+def jax_stepper(sizes, params):
+    import jax
+    import jax.numpy as jnp
+    loss_fn = jax_loss(sizes)
 
     @jax.jit
     def update(p, v, x, y):
@@ -121,14 +129,20 @@ def bench_step(rounds, steps_per_round):
     return rows
 
 
-def bench_compile(layers=100, width=64):
-    m = gc.Model("deep")
+def deep_mlp(name, layers=100, width=64):
+    """The compile-time benchmark's model: `layers` tanh layers of `width`."""
+    m = gc.Model(name)
     x = m.input("x", ("B", width))
     y = m.input("y", ("B",), dtype="int64")
     h = x
     for i in range(layers):
         h = gc.tanh(h @ m.param(f"W{i}", (width, width)) + m.param(f"b{i}", (width,)))
     m.minimize(gc.softmax_cross_entropy(h, y))
+    return m
+
+
+def bench_compile():
+    m = deep_mlp("deep")
     with tempfile.TemporaryDirectory() as out:
         timings = {}
         t = time.perf_counter()

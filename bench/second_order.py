@@ -16,7 +16,7 @@ import numpy as np
 import gradc as gc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cpu_step import mlp  # noqa: E402  (the same tanh MLP)
+from cpu_step import deep_mlp, jax_loss, mlp  # noqa: E402  (the same models and JAX loss)
 from harness import interleaved  # noqa: E402
 
 SIZES, BATCH = [16, 32, 32, 10], 64
@@ -38,23 +38,10 @@ def build_gradc(params, out):
     return tasks, mod.hessian(params, x=x, y=y)
 
 
-def _jax_loss():
+def build_jax(params, out):
     import jax
     import jax.numpy as jnp
-
-    def loss(p, x, y):
-        h = x
-        n = len(SIZES) - 1
-        for i in range(n):
-            h = h @ p[f"W{i}"] + p[f"b{i}"]
-            if i < n - 1:
-                h = jnp.tanh(h)
-        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(h), y[:, None], axis=1))
-    return jax, jnp, loss
-
-
-def build_jax(params, out):
-    jax, jnp, loss = _jax_loss()
+    loss = jax_loss(SIZES)
     x, y = map(jnp.asarray, data())
     p = {k: jnp.asarray(a) for k, a in params.items()}
     hess = jax.jit(jax.hessian(loss))
@@ -89,17 +76,11 @@ def _flatten(blocks, names, params):
     return np.block([[np.asarray(blocks[p][q]).reshape(size[p], size[q]) for q in names] for p in names])
 
 
-def compile_times(layers=100, width=64):
-    """gradc compile's graph passes and codegen for a deep MLP, first order and second order."""
+def compile_times():
+    """gradc compile's graph passes and codegen for the 100-layer MLP, first order and second order."""
     out = {}
     for order in (1, 2):
-        m = gc.Model(f"deep_o{order}")
-        x = m.input("x", ("B", width))
-        y = m.input("y", ("B",), dtype="int64")
-        h = x
-        for i in range(layers):
-            h = gc.tanh(h @ m.param(f"W{i}", (width, width)) + m.param(f"b{i}", (width,)))
-        m.minimize(gc.softmax_cross_entropy(h, y))
+        m = deep_mlp(f"deep_o{order}")
         timings = {}
         with tempfile.TemporaryDirectory() as folder:
             gc.compile(m, out=folder, order=order, warm_cache=False, timings=timings)

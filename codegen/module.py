@@ -422,7 +422,11 @@ def generate(graph, info):
         lines += ['    _SIGNATURE.inputs(inputs, (), "forward")', "    return {}"]
     api.append("\n".join(lines) + "\n")
 
-    gdict = ",\n        ".join(f'"{p}": grads[{a}:{b}].reshape({shapes[p]!r})' for p, (a, b) in grad_slices.items())
+    def views(buffer):
+        """Source of a dict of one view per trainable param into a flat buffer laid out as GRAD_SLICES."""
+        return ",\n        ".join(f'"{p}": {buffer}[{a}:{b}].reshape({shapes[p]!r})' for p, (a, b) in grad_slices.items())
+
+    gdict = views("grads")
     api.append("\n".join([
         "def loss_and_grad(params, /, **inputs):",
         '    """The objective (float) and its gradients for the trainable params (dict of views of one buffer)."""',
@@ -446,7 +450,7 @@ def generate(graph, info):
     api.append("\n".join(lines) + "\n")
 
     if order == 2:
-        hdict = ",\n        ".join(f'"{p}": out[0, {a}:{b}].reshape({shapes[p]!r})' for p, (a, b) in grad_slices.items())
+        hdict = views("out[0]")
         api.append("\n".join([
             "def hvp(params, v, /, **inputs):",
             '    """Hessian-vector product of the objective: H v, with v and the result dicts shaped like the trainable params."""',
