@@ -84,10 +84,8 @@ def warm(module, dims):
     module.forward(params, **inputs)
     module.loss_and_grad(params, **inputs)
     module.input_grads(params, **inputs)
-    if module.ORDER == 2:
-        v = {k: np.ones_like(params[k]) for k in module.TRAINABLE}
-        module.hvp(params, v, **inputs)
-        module.hessian_rows(params, 0, min(1, module.GRAD_SIZE), **inputs)
+    if module.ORDER == 2:   # hvp and hessian share one compiled function: one call warms both
+        module.hvp(params, {k: np.ones_like(params[k]) for k in module.TRAINABLE}, **inputs)
     for opt in ("sgd", "adam"):
         try:
             module.Trainer(params, optimizer=opt, lr=1e-3).step(**inputs)
