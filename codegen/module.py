@@ -53,20 +53,23 @@ class EntryWriter:
             return self.names[n] if g.shape(n) != () else f"{self.names[n]}[0]"
         return f"t{n}"
 
-    def write(self, fname, roots, doc, flat_roots=None):
-        """The compiled function; `flat_roots` are returned together as one flat `grads` buffer."""
+    def write(self, fname, plan, doc, flat_roots=None):
+        """The compiled function, running `plan`'s steps; `flat_roots` are returned together as one
+        flat `grads` buffer; intermediates are views of `arena` at the plan's offsets `offs`."""
         g = self.graph
         layout, _ = self._layout(flat_roots or ())
-        roots = [r for r in roots if r is not None]
-        order = g.topo_order(g.ancestors(roots))
+        roots = plan["roots"]
+        order = plan["steps"]
+        self._start_plan(plan)
         leaves, consts = self._arguments(order, exclude=())
         args = [self.names[n] for n in leaves] + [f"c{n}" for n in consts] + (["grads"] if flat_roots is not None else [])
+        args += ["arena", "offs"]
         dims = self._dims(order, leaves)
         body = [f"{dims[d]} = {src}" for d, src in self._dim_sources(order, leaves).items()]
-        for n in order:
+        for step, n in enumerate(order):
             if g.op(n) in ("param", "input", "const"):
                 continue
-            body += self.statement(n, dims)
+            body += self.statement(n, dims, step)
         body += self._fill_flat(layout)
         returned, seen = [], set()
         if flat_roots is not None:
@@ -123,45 +126,52 @@ class EntryWriter:
                              f"grads[{start}:{start + size}] = {v}.reshape({size})")
         return lines
 
-    def write_hvp_block(self, fname, flat_roots, tangents, doc):
+    def write_hvp_block(self, fname, plan, flat_roots, tangents, doc):
         """H V[r] into OUT[r] for every row r of V: the forward and backward once, then per row only
         the nodes that depend on the tangents (v_* are views of V[r], laid out as GRAD_SLICES)."""
         g = self.graph
         layout, _ = self._layout(flat_roots)
-        roots = [r for r, _ in flat_roots if r is not None]
-        order = g.topo_order(g.ancestors(roots))
+        order, loop_from = plan["steps"], plan["loop_from"]
+        self._start_plan(plan)
         tangent_nodes = set(tangents.values())
-        varying = set(tangent_nodes)
-        for n in order:
-            if any(u in varying for u in g.operands(n)):
-                varying.add(n)
         leaves, consts = self._arguments(order, exclude=tangent_nodes)
         dims = self._dims(order, leaves)
         body = [f"{dims[d]} = {src}" for d, src in self._dim_sources(order, leaves).items()]
-        for n in order:
-            if n not in varying and g.op(n) not in ("param", "input", "const"):
-                body += self.statement(n, dims)
+        for step, n in enumerate(order[:loop_from]):
+            if g.op(n) not in ("param", "input", "const"):
+                body += self.statement(n, dims, step)
         loop = ["tangent = V[row]", "grads = OUT[row]"]
         for p, v in tangents.items():
             start, size = self.tangent_slices[p]
             loop.append(f"{self.names[v]} = tangent[{start}:{start + size}]" +
                         (f".reshape({_shape_src(g.shape(v), dims)})" if g.shape(v) != () else ""))
-        for n in order:
-            if n in varying and n not in tangent_nodes:
-                loop += self.statement(n, dims)
+        for step, n in enumerate(order[loop_from:], loop_from):
+            if n not in tangent_nodes and g.op(n) not in ("param", "input", "const"):
+                loop += self.statement(n, dims, step)
         loop += self._fill_flat(layout)
         body += ["for row in range(V.shape[0]):"] + ["    " + line for line in loop]
-        args = [self.names[n] for n in leaves] + [f"c{n}" for n in consts] + ["V", "OUT"]
+        args = [self.names[n] for n in leaves] + [f"c{n}" for n in consts] + ["V", "OUT", "arena", "offs"]
         lines = ["@kernel", f"def {fname}({', '.join(args)}):", f'    """{doc}"""'] + ["    " + b for b in body]
         return "\n".join(lines), leaves, consts
 
-    def new_array(self, n, dims):
-        """Where node n's kernel writes: its slot in `grads`, or a new array."""
+    def _start_plan(self, plan):
+        """Which step creates which arena buffer (the k-th tensor of the plan reads offs[k])."""
+        self.slot_of_step = {t["start"]: k for k, t in enumerate(plan["tensors"])}
+
+    def new_array(self, n, dims, step):
+        """Where node n's kernel writes: its slot in `grads`, its arena buffer, or (a returned value) a new array."""
         shape = self.graph.shape(n)
         if n in self.flat and shape != ():
             self.placed.add(n)
             start, size = self.flat[n]
             return f"grads[{start}:{start + size}].reshape({_shape_src(shape, dims)})"
+        k = self.slot_of_step.get(step)
+        if k is not None:
+            count = " * ".join(dims[d] if isinstance(d, str) else str(d) for d in shape if d != 1) or "1"
+            if all(isinstance(d, int) for d in shape):
+                count = str(int(np.prod(shape)))
+            view = f"arena[offs[{k}]:offs[{k}] + {count}]"
+            return view if len(shape) == 1 else f"{view}.reshape({_shape_src(shape, dims)})"
         return f"np.empty({_shape_src(shape, dims)}, FLOAT)"
 
     def _dims(self, order, leaves):
@@ -188,14 +198,15 @@ class EntryWriter:
             raise AssertionError(f"dims {missing} are not carried by any input of the entry point")
         return sources
 
-    def statement(self, n, dims):
+    def statement(self, n, dims, step):
         g = self.graph
         node = g.node(n)
         op, ins, attrs, shape = node["op"], node["inputs"], node["attrs"], node["shape"]
         kind = get_op(op).kind
         v, a = f"t{n}", [self.var(u) for u in ins]
         note = f"  # {op} {node['src']}"
-        alloc = f"{v} = {self.new_array(n, dims)}"
+        alloc = f"{v} = {self.new_array(n, dims, step)}"
+        fresh = step not in self.slot_of_step and n not in self.flat   # a returned value: numpy allocates it
         if kind == "elementwise":
             expr = expr_of(g, n)
             if shape == ():
@@ -207,14 +218,14 @@ class EntryWriter:
         if op == "matmul":
             ta = ".T" if attrs.get("transpose_a") else ""
             tb = ".T" if attrs.get("transpose_b") else ""
-            if n in self.flat:
-                return [alloc, f"np.dot({a[0]}{ta}, {a[1]}{tb}, {v}){note}"]
-            return [f"{v} = np.dot({a[0]}{ta}, {a[1]}{tb}){note}"]
+            if fresh or shape == ():
+                return [f"{v} = np.dot({a[0]}{ta}, {a[1]}{tb}){note}"]
+            return [alloc, f"np.dot({a[0]}{ta}, {a[1]}{tb}, {v}){note}"]
         if op == "transpose":
-            return [f"{v} = np.ascontiguousarray(np.transpose({a[0]}, {tuple(attrs['axes'])})){note}"]
+            return [alloc, f"{v}[:] = np.transpose({a[0]}, {tuple(attrs['axes'])}){note}"]
         if op == "reshape":
             if g.shape(ins[0]) == ():
-                return [f"{v} = np.full({_shape_src(shape, dims)}, {a[0]}, FLOAT){note}"]
+                return [alloc, f"{v}[:] = {a[0]}{note}"]
             if shape == ():
                 return [f"{v} = {a[0]}.reshape(-1)[0]{note}"]
             return [f"{v} = {a[0]}.reshape({_shape_src(shape, dims)}){note}"]
@@ -267,6 +278,7 @@ import numpy as np
 from numba import njit
 
 from gradc.runtime import Signature, TrainerBase, init_from, load_data
+from gradc.runtime.arena import Arena
 from gradc.runtime.hessian import hessian_buffer, in_blocks, second_order_missing, symmetrize
 
 # float errors give inf/nan as in numpy, never raise; nogil lets Hessian blocks run on every core
@@ -286,10 +298,11 @@ def _literal_array(value):
     return f"np.array({np.asarray(value).tolist()!r}, dtype=FLOAT)"
 
 
-def generate(graph, info):
+def generate(graph, plans, info):
     """Source of the module, the arrays for NAME.data.npz, and facts for the dumps and `inspect`.
 
-    info: name, source, dtype, version, fingerprint, param_info.
+    plans: fname -> memory plan of that entry point (passes/memory.py), whose steps the entry runs.
+    info: name, source, dtype, version, fingerprint, param_info, memory_plan (the summary).
     """
     g = graph
     kernels = Kernels(fast_tanh=info["dtype"] == "float32")
@@ -319,7 +332,9 @@ def generate(graph, info):
 
     def entry(fname, roots, doc, scalar_roots=(), flat_roots=None):
         writer.scalar_roots = set(scalar_roots)
-        source, leaves, consts = writer.write(fname, roots, doc, flat_roots)
+        if plans[fname]["roots"] != [r for r in roots if r is not None]:
+            raise AssertionError(f"{fname}: the memory plan was made for other roots")
+        source, leaves, consts = writer.write(fname, plans[fname], doc, flat_roots)
         entries[fname] = (roots, source, leaves, consts)
 
     if outputs:
@@ -333,7 +348,7 @@ def generate(graph, info):
         entry("_input_grads", [g.input_grads[i] for i in input_grads], "Gradients of the objective for the float inputs.")
     if order == 2:
         source, leaves, consts = writer.write_hvp_block(
-            "_hvp_block", [(g.hvps[p], shapes[p]) for p in trainable], g.tangents,
+            "_hvp_block", plans["_hvp_block"], [(g.hvps[p], shapes[p]) for p in trainable], g.tangents,
             "Hessian-vector products: OUT[r] = H V[r] for each row of V (rows laid out as GRAD_SLICES).")
         entries["_hvp_block"] = ([g.hvps[p] for p in trainable], source, leaves, consts)
 
@@ -360,6 +375,9 @@ def generate(graph, info):
                 for n in leaves]
         return args + [f'DATA["c{n}"]' for n in consts]
 
+    def arena(fname):
+        return f'*_ARENA.get("{fname}", a)'
+
     def inputs_of(fname):
         return tuple(leaf_name[n] for n in entries[fname][2] if g.op(n) == "input" and n not in tangent_nodes)
 
@@ -380,7 +398,7 @@ def generate(graph, info):
     out.append(f"GRAD_SIZE = {offset}")
     out.append("INPUTS = {" + ", ".join(f"{i!r}: ({tuple(g.shape(n))!r}, {g.dtype(n)!r})" for i, n in g.inputs.items()) + "}")
     out.append(f"OUTPUTS = {tuple(outputs)!r}")
-    out.append("MEMORY_PLAN = None   # activation planning is not part of this build: buffers are allocated per call")
+    out.append(f"MEMORY_PLAN = {info['memory_plan']!r}")
     out.append("PARTITION = None")
     out.append(f'FINGERPRINT = {info["fingerprint"]!r}')
     out.append("")
@@ -390,6 +408,17 @@ def generate(graph, info):
     out.append(f"_INITS = {inits!r}")
     out.append(f"_LABELS = {info['labels']!r}   # int inputs used as class labels -> number of classes")
     out.append("_SIGNATURE = Signature(MODEL_NAME, PARAM_SHAPES, INPUTS, FLOAT, _LABELS)")
+    out.append("# the arena buffers of each compiled entry point, in the order of its `offs`: (shape, first step, last step)")
+    out.append("_ARENA = Arena(FLOAT, {")
+    for fname, plan in plans.items():
+        rows = [f"({tuple(g.shape(t['node']))!r}, {t['start']}, {t['end']})" for t in plan["tensors"]]
+        out.append(f'    "{fname}": (' + "".join(f"\n        {r}," for r in rows) + ("\n    )," if rows else "),"))
+    dim_sources = {}
+    for i, n in g.inputs.items():
+        for axis, d in enumerate(g.shape(n)):
+            if isinstance(d, str):
+                dim_sources.setdefault(d, []).append((i, axis))
+    out.append(f"}}, dim_sources={dim_sources!r})")
     out.append(f"_LOSS_INPUTS = {inputs_of('_forward_loss')!r}")
     out.append(f"_OUTPUT_INPUTS = {inputs_of('_forward') if outputs else ()!r}")
     if order == 2:
@@ -412,11 +441,11 @@ def generate(graph, info):
              "    p = _SIGNATURE.params(params)",
              "    if _SIGNATURE.wants_loss(inputs, _LOSS_INPUTS, _OUTPUT_INPUTS):",
              '        a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS + _OUTPUT_INPUTS, "forward")',
-             f"        {fwd_out + ', ' if outputs else ''}loss{'' if outputs else ','} = _forward_loss({', '.join(call('_forward_loss'))})",
+             f"        {fwd_out + ', ' if outputs else ''}loss{'' if outputs else ','} = _forward_loss({', '.join(call('_forward_loss') + [arena('_forward_loss')])})",
              f"        return {{{fwd_dict + ', ' if outputs else ''}\"loss\": float(loss)}}"]
     if outputs:
         lines += ['    a = _SIGNATURE.inputs(inputs, _OUTPUT_INPUTS, "forward")',
-                  f"    {fwd_out}{',' if len(outputs) == 1 else ''} = _forward({', '.join(call('_forward'))})",
+                  f"    {fwd_out}{',' if len(outputs) == 1 else ''} = _forward({', '.join(call('_forward') + [arena('_forward')])})",
                   f"    return {{{fwd_dict}}}"]
     else:
         lines += ['    _SIGNATURE.inputs(inputs, (), "forward")', "    return {}"]
@@ -433,7 +462,7 @@ def generate(graph, info):
         "    p = _SIGNATURE.params(params)",
         '    a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS, "loss_and_grad")',
         "    grads = np.empty(GRAD_SIZE, FLOAT)",
-        f"    (loss,) = _loss_and_grad({', '.join(call('_loss_and_grad') + ['grads'])})",
+        f"    (loss,) = _loss_and_grad({', '.join(call('_loss_and_grad') + ['grads', arena('_loss_and_grad')])})",
         f"    return float(loss), {{\n        {gdict},\n    }}" if gdict else "    return float(loss), {}"]) + "\n")
 
     float_inputs = [i for i, n in g.inputs.items() if g.dtype(n).startswith("float")]
@@ -445,7 +474,7 @@ def generate(graph, info):
              '    a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS, "input_grads")']
     if input_grads:
         lines.append(f"    {', '.join('gi_' + i for i in input_grads)}{',' if len(input_grads) == 1 else ''} = "
-                     f"_input_grads({', '.join(call('_input_grads'))})")
+                     f"_input_grads({', '.join(call('_input_grads') + [arena('_input_grads')])})")
     lines.append(f"    return {{{idict}}}")
     api.append("\n".join(lines) + "\n")
 
@@ -461,7 +490,7 @@ def generate(graph, info):
             "    for name, (start, stop) in GRAD_SLICES.items():",
             "        V[0, start:stop] = t[name].reshape(-1)",
             "    out = np.empty((1, GRAD_SIZE), FLOAT)",
-            f"    _hvp_block({', '.join(call('_hvp_block') + ['V', 'out'])})",
+            f"    _hvp_block({', '.join(call('_hvp_block') + ['V', 'out', arena('_hvp_block')])})",
             f"    return {{\n        {hdict},\n    }}" if hdict else "    return {}"]) + "\n")
         api.append("\n".join([
             "def hessian_rows(params, start, stop, /, **inputs):",
@@ -472,7 +501,7 @@ def generate(graph, info):
             "    p = _SIGNATURE.params(params)",
             '    a = _SIGNATURE.inputs(inputs, _HVP_INPUTS, "hessian")',
             "    H = hessian_buffer(MODEL_NAME, stop - start, GRAD_SIZE, FLOAT)",
-            f"    in_blocks(lambda V, rows: _hvp_block({', '.join(call('_hvp_block') + ['V', 'rows'])}), H, start)",
+            f"    in_blocks(lambda V, rows: _hvp_block({', '.join(call('_hvp_block') + ['V', 'rows', arena('_hvp_block')])}), H, start)",
             "    return H",
             "",
             "",
@@ -495,8 +524,8 @@ def generate(graph, info):
 
     api.append("\n".join([
         "def memory_stats():",
-        '    """Bytes held between calls. Without a memory plan each call allocates its own buffers."""',
-        '    return {"arena_bytes": {"cpu": 0}, "planned": False}']) + "\n")
+        '    """Bytes the arena holds between calls (one buffer per thread that ran an entry point)."""',
+        '    return {"arena_bytes": {_ARENA.device: _ARENA.held_bytes()}}']) + "\n")
 
     api.append("\n".join([
         "class Trainer(TrainerBase):",
@@ -510,7 +539,7 @@ def generate(graph, info):
         "    grad_slices = GRAD_SLICES",
         "",
         "    def _gradients(self, p, a, grads):",
-        f"        (loss,) = _loss_and_grad({', '.join(call('_loss_and_grad') + ['grads'])})",
+        f"        (loss,) = _loss_and_grad({', '.join(call('_loss_and_grad') + ['grads', arena('_loss_and_grad')])})",
         "        return loss"]) + "\n")
 
     sections = ["\n".join(out)] + (["# ---- scalar helpers " + "-" * 70, *helper_src] if helper_src else []) + [

@@ -1,6 +1,7 @@
 """`gradc compile`: model -> passes -> generated module, written atomically into OUT and warmed."""
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -119,6 +120,7 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     """Compile `model` into OUT/NAME.py (plus dumps) and return the imported module."""
     from gradc.codegen.module import generate
     from gradc.passes.analysis import flops, nbytes, saved_for_backward
+    from gradc.passes.memory import memplan_document, plan_memory, summary
     from gradc.passes.pipeline import build_training_graph
     from .dsl import Model
 
@@ -139,7 +141,12 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
             "param_info": model.param_info, "labels": label_inputs(graph), "order": order,
             "source": source or model.src.rsplit(":", 1)[0]}
     t = time.perf_counter()
-    text, stored, meta = generate(graph, info)
+    plans = plan_memory(graph, dims, order)
+    timings["memory"] = time.perf_counter() - t
+    memplan = memplan_document(graph, plans)
+    info["memory_plan"] = summary(memplan)
+    t = time.perf_counter()
+    text, stored, meta = generate(graph, plans, info)
     timings["codegen"] = time.perf_counter() - t
     timings["passes_total"] = time.perf_counter() - t0
 
@@ -156,7 +163,8 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
              "saved_for_backward": [{"node": n, "op": graph.op(n), "name": graph.node(n).get("name"),
                                      "shape": [str(d) for d in graph.shape(n)], "bytes": str(nbytes(graph, n)), "src": graph.node(n)["src"]} for n in saved],
              "pass_seconds": {k: round(v, 4) for k, v in timings.items()}}
-    files = {f"{name}.py": text, f"{name}.graph.json": graph.to_json(extra), f"{name}.graph.dot": graph.to_dot()}
+    files = {f"{name}.py": text, f"{name}.graph.json": graph.to_json(extra), f"{name}.graph.dot": graph.to_dot(),
+             f"{name}.memplan.json": json.dumps(memplan, indent=1)}
     return write_outputs(out, name, files, stored, dims if warm_cache else None, timings)
 
 

@@ -1,0 +1,109 @@
+"""One arena per device: every intermediate of an entry point is a view at a planned offset.
+
+`best_fit` places buffers with known live intervals, largest first, each into the smallest gap
+left by the buffers it overlaps in time (as XLA's heap simulator does). The compiler uses it to
+write the plan; the generated module uses the same function when a dim was left symbolic, so a
+bound build and a module laid out at run time agree offset for offset.
+"""
+import threading
+
+import numpy as np
+
+ALIGN_BYTES = 64   # a cache line: every buffer starts on one
+
+
+def best_fit(sizes, intervals, align=1):
+    """Offsets for buffers of `sizes` (elements) live over inclusive [start, end] `intervals`.
+
+    Returns (offsets, total). Two buffers whose intervals intersect never overlap in memory."""
+    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], intervals[i][0], i))
+    offsets = [0] * len(sizes)
+    placed = []   # (offset, size, start, end)
+    total = 0
+    for i in order:
+        size = -(-sizes[i] // align) * align
+        start, end = intervals[i]
+        busy = sorted((o, s) for o, s, a, b in placed if a <= end and start <= b)
+        best, cursor = None, 0
+        for o, s in busy:
+            gap = o - cursor
+            if gap >= size and (best is None or gap < best[1]):
+                best = (cursor, gap)
+            cursor = max(cursor, o + s)
+        offset = best[0] if best is not None else cursor
+        offsets[i] = offset
+        placed.append((offset, size, start, end))
+        total = max(total, offset + size)
+    return offsets, total
+
+
+def elements(shape, dims):
+    """Number of elements of a planned shape whose symbolic entries are looked up in `dims`."""
+    count = 1
+    for d in shape:
+        count *= dims[d] if isinstance(d, str) else d
+    return count
+
+
+class Arena:
+    """The arena of one device for a generated module.
+
+    tables: entry -> tuple of (shape, start, end), one per buffer, in the order the compiled
+    function reads its offsets. Offsets are computed once per entry and shape (cached); the
+    buffer grows to the largest entry seen and is then reused by every call. Each thread has its
+    own buffer, so concurrent calls (Hessian blocks) never share one.
+    """
+
+    def __init__(self, dtype, tables, dim_sources, device="cpu"):
+        self.dtype = np.dtype(dtype)
+        self.align = max(1, ALIGN_BYTES // self.dtype.itemsize)
+        self.tables = tables
+        self.dim_sources = dim_sources   # dim -> [(input name, axis) that carry it]
+        self.device = device
+        self._layouts = {}
+        self._local = threading.local()
+        self._buffers = {}               # thread id -> buffer, for memory_stats
+        self._lock = threading.Lock()
+
+    def dims_of(self, inputs):
+        dims = {}
+        for d, sources in self.dim_sources.items():
+            for name, axis in sources:
+                if name in inputs:
+                    dims[d] = inputs[name].shape[axis]
+                    break
+        return dims
+
+    def layout(self, entry, dims):
+        """(offsets as an int64 array, elements needed) for `entry` at these dims."""
+        table = self.tables[entry]
+        key = (entry, tuple(sorted((d, dims[d]) for d in {x for s, _, _ in table for x in s if isinstance(x, str)})))
+        found = self._layouts.get(key)
+        if found is None:
+            sizes = [elements(shape, dims) for shape, _, _ in table]
+            offsets, total = best_fit(sizes, [(a, b) for _, a, b in table], self.align)
+            found = self._layouts[key] = (np.array(offsets, dtype=np.int64), total)
+        return found
+
+    def get(self, entry, inputs):
+        """This thread's buffer (grown if needed) and the offsets of `entry` for these inputs."""
+        offsets, total = self.layout(entry, self.dims_of(inputs))
+        buffer = getattr(self._local, "buffer", None)
+        if buffer is None or buffer.size < total:
+            buffer = np.empty(max(total, 1), dtype=self.dtype)
+            self._local.buffer = buffer
+            with self._lock:
+                self._forget_finished_threads()
+                self._buffers[threading.get_ident()] = buffer
+        return buffer, offsets
+
+    def _forget_finished_threads(self):
+        alive = {t.ident for t in threading.enumerate()}
+        for ident in [i for i in self._buffers if i not in alive]:
+            del self._buffers[ident]
+
+    def held_bytes(self):
+        """Bytes of the buffers held for live threads (those of finished threads are released)."""
+        with self._lock:
+            self._forget_finished_threads()
+            return sum(b.nbytes for b in self._buffers.values())

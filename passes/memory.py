@@ -1,0 +1,184 @@
+"""Liveness and buffer assignment of one entry point, and the plan the codegen follows.
+
+An entry's `steps` are node ids in execution order; a node may appear more than once when the
+retention plan recomputes it. Each computation of a value that owns a buffer is one tensor with
+an inclusive live interval [start, end] over the steps: from the step that writes it to the last
+step that reads that computation. Values the entry returns (or writes into a caller's buffer)
+are its outputs and get no arena buffer; a view of an arena buffer that is returned keeps that
+buffer to the end. In an hvp block the steps from `loop_from` on run once per tangent row, so a
+value made before the loop and read inside it lives to the end.
+"""
+import numpy as np
+
+from gradc.runtime.arena import ALIGN_BYTES, best_fit
+
+from .schedule import memory_order
+from .storage import base, buffer_bytes, owns_buffer
+
+
+def liveness(graph, steps, returned, loop_from=None):
+    """Tensors [{"node", "start", "end", "recomputed"}] in the order the steps create them."""
+    current = {}   # value -> index of the tensor holding its latest computation
+    tensors, computed = [], set()
+    for t, n in enumerate(steps):
+        for u in graph.operands(n):
+            i = current.get(u)
+            if i is not None:
+                tensors[i]["end"] = max(tensors[i]["end"], t)
+        if base(graph, n) != n:
+            i = current.get(graph.operands(n)[0])
+            if i is not None:
+                current[n] = i
+        elif owns_buffer(graph, n) and n not in returned:
+            current[n] = len(tensors)
+            tensors.append({"node": n, "start": t, "end": t, "recomputed": n in computed})
+        computed.add(n)
+    last = len(steps) - 1
+    for r in returned:
+        i = current.get(r)
+        if i is not None:
+            tensors[i]["end"] = last
+    if loop_from is not None:
+        for tensor in tensors:
+            if tensor["start"] < loop_from <= tensor["end"]:
+                tensor["end"] = last
+    return tensors
+
+
+def live_bytes(tensors, steps):
+    """Bytes live at each step."""
+    live = np.zeros(max(len(steps), 1), dtype=np.int64)
+    for t in tensors:
+        live[t["start"]:t["end"] + 1] += t["bytes"]
+    return live
+
+
+def plan_entry(graph, entry, steps, returned, dims, loop_from=None, device="cpu"):
+    """The plan of one entry point: its steps, tensors with offsets, peak and arena bytes.
+
+    With a symbolic dim left unbound, byte counts are expressions (strings) and offsets are laid
+    out by the module on its first call with each shape."""
+    tensors = liveness(graph, steps, set(returned), loop_from)
+    dtypes = {graph.dtype(t["node"]) for t in tensors}
+    if len(dtypes) > 1:
+        raise AssertionError(f"{entry}: buffers of several dtypes {dtypes}; the arena holds one")
+    for t in tensors:
+        n = t["node"]
+        t["bytes"] = buffer_bytes(graph, n, dims)
+        t["shape"] = tuple(dims.get(d, d) if isinstance(d, str) else d for d in graph.shape(n))
+        t["device"] = device
+    plan = {"entry": entry, "steps": list(steps), "tensors": tensors, "loop_from": loop_from, "device": device}
+    if all(isinstance(t["bytes"], int) for t in tensors):
+        itemsize = np.dtype(dtypes.pop()).itemsize if dtypes else 1
+        offsets, total = best_fit([t["bytes"] // itemsize for t in tensors], [(t["start"], t["end"]) for t in tensors],
+                                  max(1, ALIGN_BYTES // itemsize))
+        for t, o in zip(tensors, offsets):
+            t["offset"] = o * itemsize
+        live = live_bytes(tensors, steps)
+        plan["live_bytes"] = live.tolist()
+        plan["peak_bytes"] = int(live.max())
+        plan["peak_step"] = int(live.argmax())
+        plan["arena_bytes"] = {device: total * itemsize}
+    else:
+        for t in tensors:
+            t["offset"] = None
+            t["bytes"] = str(t["bytes"])
+        plan["live_bytes"] = None
+        plan["peak_bytes"] = plan["peak_step"] = None
+        plan["arena_bytes"] = {device: None}
+    return plan
+
+
+def entry_roots(graph, order):
+    """The compiled entry points and the values each returns: fname -> (roots, returned into caller buffers)."""
+    g = graph
+    trainable = list(g.grads)
+    entries = {}
+    if g.outputs:
+        entries["_forward"] = list(g.outputs.values())
+    entries["_forward_loss"] = list(g.outputs.values()) + [g.objective]
+    entries["_loss_and_grad"] = [g.objective] + [g.grads[p] for p in trainable]
+    if any(v is not None for v in g.input_grads.values()):
+        entries["_input_grads"] = [v for v in g.input_grads.values() if v is not None]
+    if order == 2:
+        entries["_hvp_block"] = [g.hvps[p] for p in trainable]
+    return {f: [r for r in roots if r is not None] for f, roots in entries.items()}
+
+
+def store_all_steps(graph, roots, sizes):
+    return memory_order(graph, graph.ancestors(roots), keep=roots, sizes=sizes)
+
+
+def hvp_steps(graph, roots, sizes):
+    """The hvp block's steps: what does not depend on the tangents once, then (from loop_from) the rest."""
+    nodes = graph.ancestors(roots)
+    varying = set(graph.tangents.values())
+    for n in graph.topo_order(nodes):
+        if any(u in varying for u in graph.operands(n)):
+            varying.add(n)
+    fixed = memory_order(graph, nodes - varying, keep=roots, sizes=sizes)
+    return fixed + memory_order(graph, nodes & varying, keep=roots, sizes=sizes), len(fixed)
+
+
+def representative_sizes(graph, dims, guess=64):
+    """Bytes per node for ordering decisions: unbound dims count as `guess`."""
+    declared = {d for n in graph.nx.nodes for d in graph.shape(n) if isinstance(d, str)}
+    filled = {d: dims.get(d, guess) for d in declared} | dict(dims)
+    return {n: buffer_bytes(graph, n, filled) for n in graph.nx.nodes}
+
+
+def plan_memory(graph, dims, order, retention=None):
+    """Plans of every entry point (fname -> plan). `retention(graph, roots, sizes)` gives the steps
+    of _loss_and_grad under a budget; without it every value the backward needs is kept."""
+    sizes = representative_sizes(graph, dims)
+    plans = {}
+    for fname, roots in entry_roots(graph, order).items():
+        loop_from = None
+        if fname == "_hvp_block":
+            steps, loop_from = hvp_steps(graph, roots, sizes)
+        elif fname == "_loss_and_grad" and retention is not None:
+            steps = retention(graph, roots, sizes)
+        else:
+            steps = store_all_steps(graph, roots, sizes)
+        plans[fname] = plan_entry(graph, fname, steps, roots, dims, loop_from)
+        plans[fname]["roots"] = roots
+    return plans
+
+
+PUBLIC_NAMES = {"_forward": "forward", "_forward_loss": "forward_loss", "_loss_and_grad": "loss_and_grad",
+                "_input_grads": "input_grads", "_hvp_block": "hvp"}
+
+
+def _entry_document(graph, plan):
+    tensors = [{"node": t["node"], "op": graph.op(t["node"]), "shape": [str(d) if isinstance(d, str) else d for d in t["shape"]],
+                "bytes": t["bytes"], "start": t["start"], "end": t["end"], "device": t["device"], "offset": t["offset"],
+                "retained": t.get("retained", False), "recomputed": t["recomputed"], "src": graph.node(t["node"])["src"]}
+               for t in plan["tensors"]]
+    doc = {"entry": PUBLIC_NAMES[plan["entry"]], "schedule": plan["steps"], "peak_bytes": plan["peak_bytes"],
+           "peak_step": plan["peak_step"], "store_all_peak_bytes": plan.get("store_all_peak_bytes", plan["peak_bytes"]),
+           "lower_bound_bytes": plan.get("lower_bound_bytes"), "budget_bytes": plan.get("budget_bytes"),
+           "recompute_flops": plan.get("recompute_flops", 0), "method": plan.get("method", "store-all"),
+           "arena_bytes": plan["arena_bytes"], "live_bytes": plan["live_bytes"], "tensors": tensors}
+    if plan["loop_from"] is not None:
+        doc["loop_from"] = plan["loop_from"]
+    return doc
+
+
+def memplan_document(graph, plans):
+    """NAME.memplan.json: the loss_and_grad plan at the top (DESIGN.md §1.5), every entry under "entries"
+    (Trainer.step runs loss_and_grad into its own flat buffers, then an update that allocates nothing)."""
+    doc = _entry_document(graph, plans["_loss_and_grad"])
+    doc["entries"] = {PUBLIC_NAMES[f]: _entry_document(graph, p) for f, p in plans.items()}
+    doc["entries"]["Trainer.step"] = dict(doc["entries"]["loss_and_grad"], entry="Trainer.step")
+    return doc
+
+
+def summary(doc):
+    """MEMORY_PLAN in the module: the numbers of the plan, without the per-tensor tables."""
+    keys = ("entry", "peak_bytes", "store_all_peak_bytes", "lower_bound_bytes", "budget_bytes", "recompute_flops",
+            "method", "arena_bytes")
+    out = {k: doc[k] for k in keys}
+    out["retained"] = sorted({t["node"] for t in doc["tensors"] if t["retained"]})
+    out["recomputed"] = sorted({t["node"] for t in doc["tensors"] if t["recomputed"]})
+    out["entries"] = {e: {k: d[k] for k in ("peak_bytes", "arena_bytes")} for e, d in doc["entries"].items()}
+    return out

@@ -1,0 +1,31 @@
+"""Which values own a buffer, and how many bytes it has (the bytes of DESIGN.md §1.5).
+
+Params, inputs and constants belong to the caller; scalars are locals of the compiled code;
+a reshape of an array is a view of its operand's buffer. Every other value owns a buffer.
+"""
+import numpy as np
+
+from gradc.shapes import size
+
+LEAVES = ("param", "input", "const")
+
+
+def base(graph, n):
+    """The value whose buffer n lives in: n itself, or the value a chain of reshapes views."""
+    while graph.op(n) == "reshape" and graph.shape(n) != () and graph.shape(graph.operands(n)[0]) != ():
+        n = graph.operands(n)[0]
+    return n
+
+
+def owns_buffer(graph, n):
+    return graph.op(n) not in LEAVES and graph.shape(n) != () and base(graph, n) == n
+
+
+def buffer_bytes(graph, n, dims=None):
+    """Bytes of n's own buffer (0 when it has none); an int when every dim is bound or in `dims`."""
+    if not owns_buffer(graph, n):
+        return 0
+    dims = dims or {}
+    shape = tuple(dims.get(d, d) if isinstance(d, str) else d for d in graph.shape(n))
+    count = size(shape) * np.dtype(graph.dtype(n)).itemsize
+    return int(count) if isinstance(count, int) or count.is_Integer else count
