@@ -5,9 +5,9 @@ import runpy
 import sys
 import traceback
 
+from . import sizes
 from .errors import GradcError
 
-SIZE_UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 
 
 class UsageError(Exception):
@@ -15,18 +15,10 @@ class UsageError(Exception):
 
 
 def parse_size(text):
-    if text == "auto":
-        return "auto"
-    t = text.strip().upper().replace(" ", "")
-    num = t.rstrip("KMGIB")
-    unit = t[len(num):]
     try:
-        value = float(num)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or with KiB/MiB/GiB)") from None
-    if unit not in SIZE_UNITS or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or with KiB/MiB/GiB)")
-    return int(value * SIZE_UNITS[unit])
+        return sizes.parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_bind(items):

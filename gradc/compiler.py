@@ -16,7 +16,6 @@ from .version import __version__
 
 UNSUPPORTED = {
     "target": ("cpu", "only --target cpu is built so far (the CUDA backend is a later milestone)"),
-    "memory_budget": (None, "--memory-budget needs the memory planner, which is not built yet"),
     "devices": (1, "--devices needs the partitioner, which is not built yet; use one device"),
     "schedule": ("sequential", "--schedule needs the partitioner, which is not built yet"),
     "microbatches": (1, "--microbatches needs the pipeline executor, which is not built yet"),
@@ -115,12 +114,39 @@ def import_file(path, name):
     return module
 
 
+def resolve_budget(graph, memory_budget, src):
+    """--memory-budget as bytes (None when not given); `auto`: what this machine has free."""
+    from .runtime.hessian import MEMORY_SHARE, available_bytes
+    from .sizes import parse_size
+
+    if memory_budget is None:
+        return None
+    try:
+        budget = parse_size(memory_budget)
+    except ValueError as e:
+        raise GradcError(f"--memory-budget: {e}", src) from None
+    unbound = sorted({d for n in graph.nx.nodes for d in graph.shape(n) if isinstance(d, str)})
+    if unbound:
+        raise GradcError(f"--memory-budget needs every symbolic dim bound with --bind (unbound: {', '.join(unbound)}; "
+                         f"e.g. --bind {unbound[0]}=256)", src)
+    if budget == "auto":
+        free = available_bytes()
+        if free is None:
+            raise GradcError("--memory-budget auto: this system does not report its free memory; give a size", src)
+        held = sum(int(np.prod(graph.shape(n))) * np.dtype(graph.dtype(n)).itemsize
+                   for n in list(graph.params.values()) + list(graph.inputs.values()))
+        budget = max(0, int(MEMORY_SHARE * free) - 3 * held)   # params, their gradients, the optimizer state
+    return budget
+
+
 def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bind=None, warm_cache=True,
-                  timings=None, source=None, **later_options):
+                  timings=None, source=None, memory_budget=None, **later_options):
     """Compile `model` into OUT/NAME.py (plus dumps) and return the imported module."""
     from gradc.codegen.module import generate
     from gradc.passes.analysis import flops, nbytes, saved_for_backward
+    from gradc.passes.checkpoint import BudgetError
     from gradc.passes.memory import memplan_document, plan_memory, summary
+    from .sizes import format_size
     from gradc.passes.pipeline import build_training_graph
     from .dsl import Model
 
@@ -141,7 +167,13 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
             "param_info": model.param_info, "labels": label_inputs(graph), "order": order,
             "source": source or model.src.rsplit(":", 1)[0]}
     t = time.perf_counter()
-    plans = plan_memory(graph, dims, order)
+    budget = resolve_budget(graph, memory_budget, model.src)
+    try:
+        plans = plan_memory(graph, dims, order, budget)
+    except BudgetError as e:
+        raise GradcError(f"budget {format_size(budget)} is below the minimum {format_size(e.minimum)} for this model "
+                         f"(loss_and_grad; keeping every activation needs "
+                         f"{format_size(e.store_all)})", model.src) from None
     timings["memory"] = time.perf_counter() - t
     memplan = memplan_document(graph, plans)
     info["memory_plan"] = summary(memplan)

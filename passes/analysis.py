@@ -29,3 +29,11 @@ def saved_for_backward(graph, nodes):
 
 def nbytes(graph, n):
     return sp.sympify(size(graph.shape(n))) * np.dtype(graph.dtype(n)).itemsize
+
+
+def node_flops(graph, n, dims):
+    """FLOPs of one node as an int, with the symbolic dims bound by `dims`."""
+    node = graph.node(n)
+    bind = lambda shape: tuple(dims.get(d, d) if isinstance(d, str) else d for d in shape)
+    shapes = [bind(graph.shape(u)) for u in node["inputs"]]
+    return int(sp.sympify(get_op(node["op"]).flops(node["attrs"], shapes, bind(node["shape"]))))

@@ -17,21 +17,24 @@ from .storage import base, buffer_bytes, owns_buffer
 
 
 def liveness(graph, steps, returned, loop_from=None):
-    """Tensors [{"node", "start", "end", "recomputed"}] in the order the steps create them."""
+    """Tensors [{"node", "start", "end", "recomputed", "retained"}] in the order the steps create them;
+    `retained`: a forward value the backward reads."""
     current = {}   # value -> index of the tensor holding its latest computation
     tensors, computed = [], set()
     for t, n in enumerate(steps):
+        backward = graph.node(n)["phase"] != "forward"
         for u in graph.operands(n):
             i = current.get(u)
             if i is not None:
                 tensors[i]["end"] = max(tensors[i]["end"], t)
+                tensors[i]["retained"] |= backward and graph.node(tensors[i]["node"])["phase"] == "forward"
         if base(graph, n) != n:
             i = current.get(graph.operands(n)[0])
             if i is not None:
                 current[n] = i
         elif owns_buffer(graph, n) and n not in returned:
             current[n] = len(tensors)
-            tensors.append({"node": n, "start": t, "end": t, "recomputed": n in computed})
+            tensors.append({"node": n, "start": t, "end": t, "recomputed": n in computed, "retained": False})
         computed.add(n)
     last = len(steps) - 1
     for r in returned:
@@ -51,6 +54,27 @@ def live_bytes(tensors, steps):
     for t in tensors:
         live[t["start"]:t["end"] + 1] += t["bytes"]
     return live
+
+
+def step_floor(graph, steps, tensors):
+    """The most bytes one step needs at once: its output and the buffers it reads. No plan of these
+    steps, with any recomputation, can have a smaller peak."""
+    made = {t["start"]: t for t in tensors}
+    owner_bytes = {t["node"]: t["bytes"] for t in tensors}
+    floor = 0
+    for t, n in enumerate(steps):
+        reads = {base(graph, u) for u in graph.operands(n)}
+        need = sum(owner_bytes.get(u, 0) for u in reads) + (made[t]["bytes"] if t in made else 0)
+        floor = max(floor, need)
+    return floor
+
+
+def peak_bytes(graph, steps, returned, dims):
+    """The true peak of `steps` (what the arena cannot go below)."""
+    tensors = liveness(graph, steps, set(returned))
+    for t in tensors:
+        t["bytes"] = buffer_bytes(graph, t["node"], dims)
+    return int(live_bytes(tensors, steps).max())
 
 
 def plan_entry(graph, entry, steps, returned, dims, loop_from=None, device="cpu"):
@@ -75,6 +99,7 @@ def plan_entry(graph, entry, steps, returned, dims, loop_from=None, device="cpu"
         for t, o in zip(tensors, offsets):
             t["offset"] = o * itemsize
         live = live_bytes(tensors, steps)
+        plan["lower_bound_bytes"] = step_floor(graph, steps, tensors)
         plan["live_bytes"] = live.tolist()
         plan["peak_bytes"] = int(live.max())
         plan["peak_step"] = int(live.argmax())
@@ -84,7 +109,7 @@ def plan_entry(graph, entry, steps, returned, dims, loop_from=None, device="cpu"
             t["offset"] = None
             t["bytes"] = str(t["bytes"])
         plan["live_bytes"] = None
-        plan["peak_bytes"] = plan["peak_step"] = None
+        plan["peak_bytes"] = plan["peak_step"] = plan["lower_bound_bytes"] = None
         plan["arena_bytes"] = {device: None}
     return plan
 
@@ -127,22 +152,42 @@ def representative_sizes(graph, dims, guess=64):
     return {n: buffer_bytes(graph, n, filled) for n in graph.nx.nodes}
 
 
-def plan_memory(graph, dims, order, retention=None):
-    """Plans of every entry point (fname -> plan). `retention(graph, roots, sizes)` gives the steps
-    of _loss_and_grad under a budget; without it every value the backward needs is kept."""
+def plan_memory(graph, dims, order, budget=None):
+    """Plans of every entry point (fname -> plan). Under a `budget` (bytes, with every dim bound)
+    loss_and_grad keeps or recomputes activations (passes/checkpoint.py); raises BudgetError when
+    the budget is below what any plan needs. Other entry points keep every value they need."""
     sizes = representative_sizes(graph, dims)
     plans = {}
     for fname, roots in entry_roots(graph, order).items():
         loop_from = None
         if fname == "_hvp_block":
             steps, loop_from = hvp_steps(graph, roots, sizes)
-        elif fname == "_loss_and_grad" and retention is not None:
-            steps = retention(graph, roots, sizes)
         else:
             steps = store_all_steps(graph, roots, sizes)
-        plans[fname] = plan_entry(graph, fname, steps, roots, dims, loop_from)
-        plans[fname]["roots"] = roots
+        plan = plan_entry(graph, fname, steps, roots, dims, loop_from)
+        if fname == "_loss_and_grad":
+            plan.update(store_all_peak_bytes=plan["peak_bytes"], budget_bytes=budget, recompute_flops=0,
+                        method="store-all")
+            if budget is not None and budget < plan["peak_bytes"]:
+                plan = _within_budget(graph, steps, roots, dims, sizes, budget, plan)
+        plan["roots"] = roots
+        plans[fname] = plan
     return plans
+
+
+def _within_budget(graph, order, roots, dims, sizes, budget, store_all):
+    from .analysis import node_flops
+    from .checkpoint import plan_retention
+
+    flops_of = lambda n: node_flops(graph, n, dims)
+    steps, info = plan_retention(graph, order, sizes, flops_of, budget,
+                                 lambda s: peak_bytes(graph, s, roots, dims), store_all["peak_bytes"])
+    plan = plan_entry(graph, "_loss_and_grad", steps, roots, dims)
+    recompute = sum(flops_of(t["node"]) for t in plan["tensors"] if t["recomputed"])
+    plan.update(store_all_peak_bytes=store_all["peak_bytes"], budget_bytes=budget, recompute_flops=int(recompute),
+                method=f"dp-chain over {info['layers']} layers (Revolve-style, heterogeneous)", retention=info,
+                lower_bound_bytes=min(store_all["lower_bound_bytes"], plan["lower_bound_bytes"]))
+    return plan
 
 
 PUBLIC_NAMES = {"_forward": "forward", "_forward_loss": "forward_loss", "_loss_and_grad": "loss_and_grad",
@@ -152,7 +197,7 @@ PUBLIC_NAMES = {"_forward": "forward", "_forward_loss": "forward_loss", "_loss_a
 def _entry_document(graph, plan):
     tensors = [{"node": t["node"], "op": graph.op(t["node"]), "shape": [str(d) if isinstance(d, str) else d for d in t["shape"]],
                 "bytes": t["bytes"], "start": t["start"], "end": t["end"], "device": t["device"], "offset": t["offset"],
-                "retained": t.get("retained", False), "recomputed": t["recomputed"], "src": graph.node(t["node"])["src"]}
+                "retained": t["retained"] and not t["recomputed"], "recomputed": t["recomputed"], "src": graph.node(t["node"])["src"]}
                for t in plan["tensors"]]
     doc = {"entry": PUBLIC_NAMES[plan["entry"]], "schedule": plan["steps"], "peak_bytes": plan["peak_bytes"],
            "peak_step": plan["peak_step"], "store_all_peak_bytes": plan.get("store_all_peak_bytes", plan["peak_bytes"]),
