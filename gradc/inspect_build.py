@@ -5,6 +5,7 @@ import re
 from collections import Counter
 
 from .errors import GradcError
+from .sizes import format_size
 
 
 def _load(build):
@@ -53,16 +54,75 @@ def report(build, graph=False, memory=False, partition=False, kernels=False):
         lines += _kernel_listing(base, meta["kernels"])
     if memory:
         lines.append("")
-        lines.append("values the backward keeps (bytes per call; dims as declared):")
-        for s in saved:
-            label = s["name"] or f"%{s['node']} {s['op']}"
-            lines.append(f"  {label:<24} {_shape(s['shape']):<16} {s['bytes']:>14} B   {s['src']}")
-        lines.append("no memory plan in this build: every value is allocated per call, and all of the above are kept"
-                     " (--memory-budget is a later milestone)")
+        lines += memory_report(base)
     if partition:
         lines.append("")
         lines.append("partition: one device (cpu); --devices K is a later milestone")
     return "\n".join(lines)
+
+
+def memory_report(base):
+    """The loss_and_grad plan: peak and when, the largest live values there, kept vs recomputed;
+    a PNG of live bytes over the schedule (with matplotlib)."""
+    path = base + ".memplan.json"
+    if not os.path.isfile(path):
+        return [f"{path}: not found (compiled by an older gradc?)"]
+    with open(path) as f:
+        plan = json.load(f)
+    if plan["peak_bytes"] is None:
+        return [f"memory plan of {plan['entry']}: dims are symbolic, so bytes are formulas; "
+                f"compile with --bind DIM=INT for byte counts"] + [
+                f"  %{t['node']:<6} {t['op']:<12} {t['bytes']:>16} B  steps {t['start']}..{t['end']}" for t in plan["tensors"]]
+    steps = plan["schedule"]
+    at = plan["peak_step"]
+    lines = [f"memory plan of {plan['entry']} ({plan['method']}), per call, dims bound:",
+             f"  peak {format_size(plan['peak_bytes'])} at step {at} of {len(steps)} (%{steps[at]})",
+             f"  arena {format_size(plan['arena_bytes']['cpu'])}: {plan['arena_bytes']['cpu'] / max(plan['peak_bytes'], 1):.3f}"
+             f" x the peak of live bytes (the least any buffer assignment needs)",
+             f"  keeping every activation: {format_size(plan['store_all_peak_bytes'])}; one step alone needs "
+             f"{format_size(plan['lower_bound_bytes'])}"]
+    if plan["budget_bytes"] is not None:
+        lines.append(f"  budget {format_size(plan['budget_bytes'])}; recomputed {plan['recompute_flops']:,} FLOPs")
+    live = [t for t in plan["tensors"] if t["start"] <= at <= t["end"]]
+    lines.append(f"  largest values live at the peak ({len(live)} in all):")
+    for t in sorted(live, key=lambda t: -t["bytes"])[:8]:
+        what = "kept for the backward" if t["retained"] else "recomputed" if t["recomputed"] else "temporary"
+        lines.append(f"    %{t['node']:<6} {t['op']:<12} {_shape(t['shape']):<14} {format_size(t['bytes']):<28} {what:<22} {t['src']}")
+    kept = [t for t in plan["tensors"] if t["retained"]]
+    again = [t for t in plan["tensors"] if t["recomputed"]]
+    lines.append(f"  kept for the backward: {len(kept)} values, {format_size(sum(t['bytes'] for t in kept))}; "
+                 f"recomputed: {len(again)} computations, {format_size(sum(t['bytes'] for t in again))}")
+    lines.append("  other entry points: " + "; ".join(
+        f"{e} peak {format_size(d['peak_bytes'])}" for e, d in plan["entries"].items() if d["peak_bytes"] is not None))
+    png = _live_bytes_png(base, plan)
+    lines.append(f"  live bytes over the schedule: {png}" if png else
+                 "  (install the viz extra, pip install 'gradc[viz]', for a PNG of live bytes over the schedule)")
+    return lines
+
+
+def _live_bytes_png(base, plan):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    store_all = plan.get("store_all_live_bytes", plan["live_bytes"])
+    ax.plot(range(len(store_all)), [b / 2**20 for b in store_all], label="keep every activation", color="#999")
+    if "store_all_live_bytes" in plan:
+        ax.plot(range(len(plan["live_bytes"])), [b / 2**20 for b in plan["live_bytes"]],
+                label=f"this plan ({format_size(plan['budget_bytes']).split(' (')[0]} budget)", color="#c33")
+        ax.axhline(plan["budget_bytes"] / 2**20, ls="--", color="#c33", lw=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("live MiB")
+    ax.set_title(f"{plan['entry']}: live bytes over the schedule")
+    ax.legend()
+    fig.tight_layout()
+    path = base + ".memory.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _numel(shape):

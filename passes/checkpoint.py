@@ -11,7 +11,8 @@ unequal cost and size (Beaumont et al. 2019), finds the cheapest schedule for ev
     split at k      run layers s..k-1 keeping only their outputs, keep x_k (b_k), then
                     Opt(k, t, m - b_k), drop x_k, then Opt(s, k, m) recomputes from x_s.
 
-With equal layers this is Revolve's binomial schedule; with every layer kept it is store-all.
+A kept layer keeps its input until its backward (which reads it). With equal layers this is
+Revolve's binomial schedule; with every layer kept it is store-all.
 A DAG that is not a chain is the same chain of layers whose cuts carry several values (skip
 connections); the plan is then optimal for that chain. The DP's byte counts are a model: the
 plan is turned into steps, its true peak comes from liveness, and the budget search keeps the

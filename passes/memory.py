@@ -186,7 +186,8 @@ def _within_budget(graph, order, roots, dims, sizes, budget, store_all):
     recompute = sum(flops_of(t["node"]) for t in plan["tensors"] if t["recomputed"])
     plan.update(store_all_peak_bytes=store_all["peak_bytes"], budget_bytes=budget, recompute_flops=int(recompute),
                 method=f"dp-chain over {info['layers']} layers (Revolve-style, heterogeneous)", retention=info,
-                lower_bound_bytes=min(store_all["lower_bound_bytes"], plan["lower_bound_bytes"]))
+                lower_bound_bytes=min(store_all["lower_bound_bytes"], plan["lower_bound_bytes"]),
+                store_all_live_bytes=store_all["live_bytes"])
     return plan
 
 
@@ -206,6 +207,9 @@ def _entry_document(graph, plan):
            "arena_bytes": plan["arena_bytes"], "live_bytes": plan["live_bytes"], "tensors": tensors}
     if plan["loop_from"] is not None:
         doc["loop_from"] = plan["loop_from"]
+    if "store_all_live_bytes" in plan:
+        doc["store_all_live_bytes"] = plan["store_all_live_bytes"]
+        doc["retention"] = plan["retention"]
     return doc
 
 

@@ -15,13 +15,28 @@ ALIGN_BYTES = 64   # a cache line: every buffer starts on one
 def best_fit(sizes, intervals, align=1):
     """Offsets for buffers of `sizes` (elements) live over inclusive [start, end] `intervals`.
 
-    Returns (offsets, total). Two buffers whose intervals intersect never overlap in memory."""
-    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], intervals[i][0], i))
+    Returns (offsets, total). Two buffers whose intervals intersect never overlap in memory.
+    Like XLA's heap simulator, it places the buffers in a few orders (largest first, longest
+    lived first, earliest first) and keeps the smallest arena."""
+    sizes = [-(-s // align) * align for s in sizes]
+    orders = [lambda i: (-sizes[i], intervals[i][0], i),
+              lambda i: (intervals[i][0] - intervals[i][1], -sizes[i], i),
+              lambda i: (intervals[i][0], -sizes[i], i)]
+    best = None
+    for key in orders:
+        offsets, total = _place(sorted(range(len(sizes)), key=key), sizes, intervals)
+        if best is None or total < best[1]:
+            best = (offsets, total)
+    return best
+
+
+def _place(order, sizes, intervals):
+    """Each buffer in `order` goes into the smallest gap among the buffers it overlaps in time."""
     offsets = [0] * len(sizes)
     placed = []   # (offset, size, start, end)
     total = 0
     for i in order:
-        size = -(-sizes[i] // align) * align
+        size = sizes[i]
         start, end = intervals[i]
         busy = sorted((o, s) for o, s, a, b in placed if a <= end and start <= b)
         best, cursor = None, 0

@@ -1,0 +1,287 @@
+"""Memory planning: buffer assignment, liveness, retention under a budget, and the code that follows it."""
+import heapq
+import itertools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gradc as gc
+from gradc.compiler import compile_model
+from gradc.runtime.arena import best_fit
+from gradc.passes.checkpoint import Solution
+
+
+# ---- buffer assignment ------------------------------------------------------------------------
+def _overlapping_pairs(offsets, sizes, intervals):
+    bad = []
+    for i, j in itertools.combinations(range(len(sizes)), 2):
+        (a0, a1), (b0, b1) = intervals[i], intervals[j]
+        in_time = a0 <= b1 and b0 <= a1
+        in_memory = offsets[i] < offsets[j] + sizes[j] and offsets[j] < offsets[i] + sizes[i]
+        if in_time and in_memory and sizes[i] and sizes[j]:
+            bad.append((i, j))
+    return bad
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 500), st.integers(0, 30), st.integers(0, 10)), min_size=1, max_size=40))
+def test_best_fit_never_overlaps_live_buffers(items):
+    sizes = [s for s, _, _ in items]
+    intervals = [(a, a + d) for _, a, d in items]
+    offsets, total = best_fit(sizes, intervals, align=1)
+    assert not _overlapping_pairs(offsets, sizes, intervals)
+    assert total == max(o + s for o, s in zip(offsets, sizes))
+    live = max(sum(s for s, (a, b) in zip(sizes, intervals) if a <= t <= b) for t in range(41))
+    assert total >= live
+
+
+def test_best_fit_reuses_freed_memory():
+    # a chain where each value dies when the next is made: two slots are enough
+    sizes = [100] * 10
+    intervals = [(i, i + 1) for i in range(10)]
+    _, total = best_fit(sizes, intervals)
+    assert total == 200
+
+
+# ---- the chain DP against brute force ------------------------------------------------------------
+def brute_force(f, b, K, T, M):
+    """Least forward work to backprop the chain in memory M, by Dijkstra over every play of the
+    game the DP models. Memory holds stored inputs x_j (b_j) and kept layers (K_j, which also hold
+    x_{j+1}). As in Revolve, checkpoints persist: a stored x_j is dropped once the backward is
+    past layer j, or after a single use (a value passed along a forward sweep); a kept layer is
+    dropped by its backward, and keeps its input until then (the backward reads it)."""
+    L = len(f)
+
+    def mem(X, Kept):
+        return sum(b[j] for j, _ in X) + sum(K[j] for j in Kept)
+
+    def available(j, X, Kept):
+        return j == 0 or j in dict(X) or (j - 1) in Kept
+
+    def used(X, j):
+        return frozenset((i, min(u + 1, 2) if i == j else u) for i, u in X)
+
+    start = (L, frozenset(), frozenset())
+    dist = {start: 0}
+    heap = [(0, 0, start)]
+    counter = itertools.count(1)
+    while heap:
+        d, _, state = heapq.heappop(heap)
+        if d > dist[state]:
+            continue
+        pos, X, Kept = state
+        if pos == 0:
+            return d
+        moves = []
+        stored = dict(X)
+        for j in range(pos):
+            if available(j, X, Kept):
+                if j + 1 < pos and j + 1 not in stored:
+                    moves.append((f[j], (pos, used(X, j) | {(j + 1, 0)}, Kept)))
+                if j not in Kept:
+                    moves.append((f[j], (pos, used(X, j), Kept | {j})))
+        j = pos - 1
+        if j in Kept and available(j, X, Kept) and mem(X, Kept) + T[j] <= M:
+            moves.append((0, (j, X, Kept - {j})))
+        moves += [(0, (pos, X - {(i, u)}, Kept)) for i, u in X if i >= pos or u == 1]
+        for cost, nxt in moves:
+            if mem(nxt[1], nxt[2]) > M or not all(available(k, nxt[1], nxt[2]) for k in nxt[2]):
+                continue
+            if d + cost < dist.get(nxt, np.inf):
+                dist[nxt] = d + cost
+                heapq.heappush(heap, (d + cost, next(counter), nxt))
+    return np.inf
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_chain_dp_is_optimal_against_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    L = int(rng.integers(1, 6))
+    f = rng.integers(1, 9, L).tolist()
+    b = [0] + rng.integers(1, 5, L - 1).tolist() + [0]
+    K = rng.integers(1, 6, L).tolist()
+    T = rng.integers(0, 4, L).tolist()
+    Q = 30
+    sol = Solution(f, b, K, T, Q)
+    for M in range(Q + 1):
+        assert sol.cost(M) == brute_force(f, b, K, T, M), (f, b, K, T, M)
+
+
+def test_uniform_chain_recompute_falls_with_memory():
+    """Equal layers: ample memory runs one forward; about 2 sqrt(L) slots cost at most one extra
+    forward (Chen et al.); less memory costs more sweeps; no memory, no schedule."""
+    L = 16
+    sol = Solution([1] * L, [0] + [1] * (L - 1) + [0], [1] * L, [0] * L, 40)
+    costs = [sol.cost(m) for m in range(1, L + 2)]
+    assert all(a >= b for a, b in zip(costs, costs[1:]))
+    assert sol.cost(L) == L
+    assert sol.cost(2 * 4) <= 2 * L
+    assert sol.cost(3) > 2 * L
+    assert np.isinf(sol.cost(0))
+
+
+# ---- compiled plans ------------------------------------------------------------------------------
+def _mlp(layers=8, width=16):
+    m = gc.Model("plan_mlp")
+    x = m.input("x", ("B", width))
+    y = m.input("y", ("B",), dtype="int64")
+    h = x
+    for i in range(layers):
+        h = gc.tanh(h @ m.param(f"W{i}", (width, width)) + m.param(f"b{i}", (width,)))
+    m.minimize(gc.softmax_cross_entropy(h @ m.param("Wo", (width, 5)), y))
+    return m
+
+
+def _dag(blocks=4, width=12):
+    """Skip connections, fan-out of the input, one weight shared by two blocks, a max."""
+    m = gc.Model("plan_dag")
+    x = m.input("x", ("B", 3))
+    t = m.input("t", ("B", 1))
+    h = gc.tanh(x @ m.param("We", (3, width)))
+    shared = m.param("Ws", (width, width))
+    for i in range(blocks):
+        w = shared if i % 2 else m.param(f"W{i}", (width, width))
+        blk = gc.sigmoid(h @ w + x @ m.param(f"U{i}", (3, width)))
+        h = h + 0.5 * gc.maximum(blk, 0.3 * h)
+    m.minimize(gc.mse(h @ m.param("Wo", (width, 1)), t), weight_decay=1e-3)
+    return m
+
+
+def _inputs(module, batch, rng):
+    out = {}
+    for name, (shape, dtype) in module.INPUTS.items():
+        concrete = tuple(batch if isinstance(d, str) else d for d in shape)
+        if dtype.startswith("int"):
+            out[name] = rng.integers(0, module._LABELS[name], size=concrete).astype(dtype)
+        else:
+            out[name] = rng.standard_normal(concrete).astype(dtype)
+    return out
+
+
+def _check_plan_buffers(plan):
+    tensors = plan["tensors"]
+    offsets = [t["offset"] for t in tensors]
+    sizes = [t["bytes"] for t in tensors]
+    intervals = [(t["start"], t["end"]) for t in tensors]
+    assert not _overlapping_pairs(offsets, sizes, intervals)
+    assert max((o + s for o, s in zip(offsets, sizes)), default=0) <= plan["arena_bytes"]["cpu"]
+    live = np.zeros(len(plan["schedule"]), dtype=np.int64)
+    for t in tensors:
+        live[t["start"]:t["end"] + 1] += t["bytes"]
+    assert int(live.max(initial=0)) == plan["peak_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make", [_mlp, _dag], ids=["mlp", "dag"])
+def test_budgeted_plans_give_store_all_gradients_within_budget(tmp_path, make):
+    model = make()
+    batch = 8
+    full = compile_model(model, out=str(tmp_path / "full"), order=1, bind={"B": batch}, warm_cache=False,
+                         dtype="float64")
+    with open(tmp_path / "full" / f"{model.name}.memplan.json") as f:
+        doc = json.load(f)
+    for entry in doc["entries"].values():
+        _check_plan_buffers(entry)
+    store_all = full.MEMORY_PLAN["peak_bytes"]
+    assert full.MEMORY_PLAN["method"] == "store-all"
+    assert full.MEMORY_PLAN["arena_bytes"]["cpu"] <= 1.05 * store_all   # the assignment's goal
+    rng = np.random.default_rng(3)
+    params = full.init_params(1)
+    inputs = _inputs(full, batch, rng)
+    loss0, grads0 = full.loss_and_grad(params, **inputs)
+    tried = 0
+    for share in (0.75, 0.5):
+        budget = int(share * store_all)
+        out = tmp_path / f"b{share}"
+        try:
+            mod = compile_model(model, out=str(out), order=1, bind={"B": batch}, warm_cache=False, dtype="float64",
+                                memory_budget=budget)
+        except gc.GradcError as e:
+            assert "is below the minimum" in str(e)
+            continue
+        tried += 1
+        plan = mod.MEMORY_PLAN
+        assert plan["peak_bytes"] <= budget and plan["budget_bytes"] == budget
+        assert plan["recompute_flops"] > 0 and plan["recomputed"]
+        with open(out / f"{model.name}.memplan.json") as f:
+            _check_plan_buffers(json.load(f))
+        loss1, grads1 = mod.loss_and_grad(params, **inputs)
+        assert loss1 == loss0
+        for k in grads0:   # recomputation repeats the same arithmetic: bit-identical
+            assert np.array_equal(grads1[k], grads0[k]), k
+        tr = mod.Trainer(params, optimizer="sgd", lr=0.1)
+        tr.step(**inputs)
+        assert mod.memory_stats()["arena_bytes"]["cpu"] == plan["arena_bytes"]["cpu"]
+    assert tried >= 1
+
+
+@pytest.mark.slow
+def test_budget_below_minimum_is_refused_and_writes_nothing(tmp_path):
+    model = _mlp(layers=4)
+    out = tmp_path / "out"
+    with pytest.raises(gc.GradcError, match=r"budget 64 bytes is below the minimum .* for this model"):
+        compile_model(model, out=str(out), order=1, bind={"B": 4}, warm_cache=False, memory_budget=64)
+    assert not out.exists()
+    with pytest.raises(gc.GradcError, match=r"needs every symbolic dim bound with --bind \(unbound: B"):
+        compile_model(model, out=str(out), order=1, warm_cache=False, memory_budget="1MiB")
+    with pytest.raises(gc.GradcError, match="is not a size"):
+        compile_model(model, out=str(out), order=1, bind={"B": 4}, warm_cache=False, memory_budget="12 apples")
+
+
+ALLOCATION_PROBE = textwrap.dedent('''
+    import sys, tracemalloc
+    import numpy as np
+    from numba.core.runtime import rtsys
+    sys.path.insert(0, sys.argv[1])
+    import {name} as m
+    rng = np.random.default_rng(0)
+    params = m.init_params(0)
+    x = rng.standard_normal((64, 32)).astype(np.float32)
+    y = rng.integers(0, 5, 64)
+    tr = m.Trainer(params, optimizer="adam", lr=1e-3)
+    tr.step(x=x, y=y)                     # compile, lay out the arena
+    compiled, captured = m._loss_and_grad, []
+    m._loss_and_grad = lambda *args: captured.append(args) or compiled(*args)
+    tracemalloc.start()
+    for _ in range(3):
+        tr.step(x=x, y=y)
+    step_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.reset_peak()
+    loss, grads = m.loss_and_grad(params, x=x, y=y)
+    call_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    # inside the compiled entry: Numba's allocator, less one allocation per array argument unboxed
+    args = captured[-1]
+    before = rtsys.get_allocation_stats().alloc
+    for _ in range(5):
+        compiled(*args)
+    inside = (rtsys.get_allocation_stats().alloc - before) / 5 - sum(isinstance(a, np.ndarray) for a in args)
+    print(step_peak, call_peak, m.GRAD_SIZE * 4, int(inside), m.memory_stats()["arena_bytes"]["cpu"])
+''')
+
+
+@pytest.mark.slow
+def test_a_call_allocates_nothing_beyond_its_outputs(tmp_path):
+    """Numba's own allocator (NRT statistics) makes nothing during steps; Python-side, a step
+    allocates a few small objects and loss_and_grad its gradient buffer, never an activation."""
+    model = _mlp(layers=6, width=32)
+    compile_model(model, out=str(tmp_path), order=1, warm_cache=False)
+    probe = tmp_path / "probe.py"
+    probe.write_text(ALLOCATION_PROBE.format(name=model.name))
+    env = dict(os.environ, NUMBA_NRT_STATS="1")
+    out = subprocess.run([sys.executable, str(probe), str(tmp_path)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr
+    step_peak, call_peak, grad_bytes, nrt_allocs, activations = map(int, out.stdout.split())
+    assert nrt_allocs == 0
+    activation = 64 * 32 * 4
+    assert activations >= 6 * activation      # the plan holds real activations ...
+    assert step_peak < activation // 2         # ... yet a step allocates none of them
+    assert call_peak < grad_bytes + activation // 2
