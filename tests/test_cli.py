@@ -91,7 +91,8 @@ def test_inspect(compiled):
     assert r.returncode == 0, r.stderr
     text = r.stdout
     for needle in ("model tiny", "nodes per phase: forward", "W0", "(6, 16)", "FLOPs per call", "values saved for the backward",
-                   "model.py:", "kernels (", "def k0_", "backward (", "partition: one device"):
+                   "model.py:", "kernels (", "def k0_", "backward (", "partition: one device",
+                   "memory plan of loss_and_grad: dims are symbolic"):
         assert needle in text, needle
 
 
@@ -107,6 +108,9 @@ def test_inspect(compiled):
     ("import gradc as gc\nm = gc.Model('b7')\nm.minimize(m.input('x', ('B',)).sum())\n", ["--target", "cuda"], "--target cpu"),
     ("import gradc as gc\nm = gc.Model('b8')\nm.minimize(m.input('x', ('B',)).sum())\n", ["--order", "3"], "invalid choice: 3"),
     ("import gradc as gc\nm = gc.Model('b9')\nm.minimize(m.input('x', ('B',)).sum())\n", ["--bind", "B"], "expected DIM=INT"),
+    (MODEL, ["--memory-budget", "1KiB"], "--memory-budget needs every symbolic dim bound with --bind (unbound: B"),
+    (MODEL, ["--memory-budget", "100", "--bind", "B=64"], "model.py:3: budget 100 bytes is below the minimum"),
+    (MODEL, ["--memory-budget", "lots"], "'lots' is not a size"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, source, args, message):
     (tmp_path / "model.py").write_text(source)
@@ -140,3 +144,24 @@ def test_compile_float64_with_bind(tmp_path):
     code = "import sys; sys.path.insert(0, 'out'); import tiny; print(tiny.DTYPE, tiny.INPUTS['x'])"
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert r.stdout.strip() == "float64 ((8, 6), 'float64')", r.stderr
+
+
+def test_budgeted_compile_and_memory_report(tmp_path):
+    deep = MODEL.replace('h = gc.tanh(x @ m.param("W0", (6, 16)) + m.param("b0", (16,)))',
+                         'h = gc.tanh(x @ m.param("W0", (6, 16)) + m.param("b0", (16,)))\n'
+                         'for i in range(6):\n    h = gc.tanh(h @ m.param(f"V{i}", (16, 16)))')
+    (tmp_path / "model.py").write_text(deep)
+    r = gradc("compile", "model.py", "-o", "out", "--bind", "B=32", "--memory-budget", "12KiB", "--order", "1",
+              "--no-warm", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads((tmp_path / "out" / "tiny.memplan.json").read_text())
+    for key in ("entry", "schedule", "peak_bytes", "store_all_peak_bytes", "lower_bound_bytes", "budget_bytes",
+                "recompute_flops", "method", "arena_bytes", "tensors"):
+        assert key in plan, key
+    assert plan["budget_bytes"] == 12 * 1024 and plan["peak_bytes"] <= 12 * 1024 < plan["store_all_peak_bytes"]
+    assert set(plan["tensors"][0]) >= {"node", "bytes", "start", "end", "device", "offset", "retained", "recomputed"}
+    r = gradc("inspect", "out/tiny", "--memory", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    for needle in ("memory plan of loss_and_grad (dp-chain", "peak ", "at step", "budget 12.00 KiB", "recomputed",
+                   "largest values live at the peak", "kept for the backward:"):
+        assert needle in r.stdout, needle
