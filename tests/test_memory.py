@@ -285,3 +285,11 @@ def test_a_call_allocates_nothing_beyond_its_outputs(tmp_path):
     assert activations >= 6 * activation      # the plan holds real activations ...
     assert step_peak < activation // 2         # ... yet a step allocates none of them
     assert call_peak < grad_bytes + activation // 2
+
+
+def test_auto_budget_keeps_everything_when_memory_allows(tmp_path):
+    mod = compile_model(_mlp(layers=3), out=str(tmp_path), order=1, bind={"B": 4}, warm_cache=False,
+                        memory_budget="auto")
+    plan = mod.MEMORY_PLAN
+    assert plan["method"] == "store-all" and plan["budget_bytes"] > plan["store_all_peak_bytes"]
+    assert plan["recompute_flops"] == 0 and not plan["recomputed"]
