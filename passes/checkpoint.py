@@ -118,7 +118,7 @@ def _shifted(row, by):
 
 
 # ---- from the graph to a chain ---------------------------------------------------------------
-def build_chain(graph, roots, order, sizes, flops_of, max_layers=MAX_LAYERS):
+def build_chain(graph, order, sizes, flops_of, max_layers=MAX_LAYERS):
     """Cut the forward part of `order` (a store-all schedule) into layers and group the backward."""
     nodes = set(order)
     forward = [n for n in order if graph.node(n)["phase"] == "forward" and graph.op(n) not in LEAVES]
@@ -268,7 +268,7 @@ def plan_retention(graph, order, sizes, flops_of, budget, peak_of, store_all_pea
     """Steps of loss_and_grad whose true peak (`peak_of(steps)`) fits `budget` with the least recompute.
 
     Returns (steps, info) where info has the chain's size and the DP's choice; raises BudgetError."""
-    chain = build_chain(graph, None, order, sizes, flops_of)
+    chain = build_chain(graph, order, sizes, flops_of)
     unit = max(1, -(-store_all_peak // MEMORY_UNITS))
     units = lambda xs: [-(-int(x) // unit) for x in xs]
     Q = 2 * MEMORY_UNITS

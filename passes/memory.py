@@ -12,6 +12,8 @@ import numpy as np
 
 from gradc.runtime.arena import ALIGN_BYTES, best_fit
 
+from .analysis import node_flops
+from .checkpoint import plan_retention
 from .schedule import memory_order
 from .storage import base, buffer_bytes, owns_buffer
 
@@ -176,9 +178,6 @@ def plan_memory(graph, dims, order, budget=None):
 
 
 def _within_budget(graph, order, roots, dims, sizes, budget, store_all):
-    from .analysis import node_flops
-    from .checkpoint import plan_retention
-
     flops_of = lambda n: node_flops(graph, n, dims)
     steps, info = plan_retention(graph, order, sizes, flops_of, budget,
                                  lambda s: peak_bytes(graph, s, roots, dims), store_all["peak_bytes"])
