@@ -152,7 +152,6 @@ def build_chain(graph, order, sizes, flops_of, max_layers=MAX_LAYERS):
             break
         lo, hi = bad   # layers lo..hi must be one layer for some backward node to find its values
         starts = [p for p in starts if not (starts[lo] < p <= starts[hi])]
-    layer_of = _layer_index(forward, starts)
     bounds = starts + [len(forward)]
     layers = [forward[bounds[j]:bounds[j + 1]] for j in range(len(starts))]
     L = len(layers)

@@ -73,6 +73,8 @@ class Arena:
         self.dtype = np.dtype(dtype)
         self.align = max(1, ALIGN_BYTES // self.dtype.itemsize)
         self.tables = tables
+        # the dims each entry's sizes depend on: the cache key of its layout (computed once, not per call)
+        self._dims_used = {e: sorted({d for shape, _, _ in t for d in shape if isinstance(d, str)}) for e, t in tables.items()}
         self.dim_sources = dim_sources   # dim -> [(input name, axis) that carry it]
         self.device = device
         self._layouts = {}
@@ -91,10 +93,10 @@ class Arena:
 
     def layout(self, entry, dims):
         """(offsets as an int64 array, elements needed) for `entry` at these dims."""
-        table = self.tables[entry]
-        key = (entry, tuple(sorted((d, dims[d]) for d in {x for s, _, _ in table for x in s if isinstance(x, str)})))
+        key = (entry, tuple(dims[d] for d in self._dims_used[entry]))
         found = self._layouts.get(key)
         if found is None:
+            table = self.tables[entry]
             sizes = [elements(shape, dims) for shape, _, _ in table]
             offsets, total = best_fit(sizes, [(a, b) for _, a, b in table], self.align)
             found = self._layouts[key] = (np.array(offsets, dtype=np.int64), total)
