@@ -14,7 +14,8 @@ unequal cost and size (Beaumont et al. 2019), finds the cheapest schedule for ev
 A kept layer keeps its input until its backward (which reads it). With equal layers this is
 Revolve's binomial schedule; with every layer kept it is store-all.
 A DAG that is not a chain is the same chain of layers whose cuts carry several values (skip
-connections); the plan is then optimal for that chain. The DP's byte counts are a model: the
+connections); the plan is then optimal for that chain only, and passes/checkmate.py plans the
+graph as a DAG as well (passes/memory.py keeps the better plan). The DP's byte counts are a model: the
 plan is turned into steps, its true peak comes from liveness, and the budget search keeps the
 largest DP memory whose true peak fits.
 """
@@ -37,6 +38,7 @@ class Chain:
     keep: list            # K_j: bytes layer j leaves for its backward and for layer j+1
     transient: list       # T_j: bytes of layer j's backward values
     needed: list = field(default_factory=list)   # forward nodes of layer j needed for x_{j+1} alone
+    skips: int = 0        # forward values read more than one layer after their own: the graph is not a chain
 
 
 # ---- the dynamic program ---------------------------------------------------------------------
@@ -118,8 +120,11 @@ def _shifted(row, by):
 
 
 # ---- from the graph to a chain ---------------------------------------------------------------
-def build_chain(graph, order, sizes, flops_of, max_layers=MAX_LAYERS):
-    """Cut the forward part of `order` (a store-all schedule) into layers and group the backward."""
+def build_chain(graph, order, sizes, flops_of, max_layers=MAX_LAYERS, even_work=False):
+    """Cut the forward part of `order` (a store-all schedule) into layers and group the backward.
+
+    Boundaries are the cheapest cuts (fewest crossing bytes); with `even_work`, the cheapest cut
+    near each of max_layers - 1 points that split the forward work evenly (a coarse graph)."""
     nodes = set(order)
     forward = [n for n in order if graph.node(n)["phase"] == "forward" and graph.op(n) not in LEAVES]
     backward = [n for n in order if graph.node(n)["phase"] != "forward" and graph.op(n) not in LEAVES]
@@ -143,7 +148,8 @@ def build_chain(graph, order, sizes, flops_of, max_layers=MAX_LAYERS):
         if owns_buffer(graph, v) and last_read.get(v, -1) > pos[v]:
             crossing[pos[v] + 1:last_read[v] + 1] += sizes[v]
     cum_flops = np.concatenate([[0], np.cumsum([flops_of(n) for n in forward])])
-    starts = _choose_boundaries(graph, forward, crossing, cum_flops, max_layers)
+    choose = _even_work_boundaries if even_work else _choose_boundaries
+    starts = choose(graph, forward, crossing, cum_flops, max_layers)
     while True:
         layer_of = _layer_index(forward, starts)
         last_layer = {v: layer_of[forward[p]] for v, p in last_fwd.items()}
@@ -163,8 +169,9 @@ def build_chain(graph, order, sizes, flops_of, max_layers=MAX_LAYERS):
         keep.append(sum(sizes[v] for v in kept if owns_buffer(graph, v)))
         transient.append(sum(sizes.get(n, 0) for n in groups[j]))
         needed.append(_ancestors_within(graph, crosses, set(members)))
+    skips = sum(1 for v, last in last_layer.items() if last > layer_of[v] + 1)
     return Chain(layers, groups, [int(cum_flops[bounds[j + 1]] - cum_flops[bounds[j]]) for j in range(L)],
-                 cut, keep, transient, needed)
+                 cut, keep, transient, needed, skips)
 
 
 def _choose_boundaries(graph, forward, crossing, cum_flops, max_layers):
@@ -188,6 +195,21 @@ def _choose_boundaries(graph, forward, crossing, cum_flops, max_layers):
         chosen += sorted(picked)
         break
     return [0] + sorted(set(chosen))
+
+
+def _even_work_boundaries(graph, forward, crossing, cum_flops, max_layers):
+    """In each window of forward work around a point k/max_layers of the total, the cut fewest bytes cross."""
+    candidates = np.array([p for p in range(1, len(forward)) if base(graph, forward[p]) == forward[p]], dtype=np.int64)
+    if len(candidates) + 1 <= max_layers:
+        return [0] + candidates.tolist()
+    edges = np.linspace(0, cum_flops[-1], 2 * max_layers + 1)[1::2]   # windows centred on k/max_layers
+    at = cum_flops[candidates]
+    chosen = set()
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        inside = candidates[(at > lo) & (at <= hi)]
+        if inside.size:
+            chosen.add(int(inside[np.argmin(crossing[inside])]))
+    return [0] + sorted(chosen)
 
 
 def _layer_index(forward, starts):
@@ -263,19 +285,19 @@ class BudgetError(Exception):
         self.store_all = store_all
 
 
-def plan_retention(graph, order, sizes, flops_of, budget, peak_of, store_all_peak):
-    """Steps of loss_and_grad whose true peak (`peak_of(steps)`) fits `budget` with the least recompute.
+def plan_retention(graph, chain, order, budget, peak_of, store_all_peak):
+    """Steps of loss_and_grad whose true peak (`peak_of(steps)`) fits `budget` with the least recompute,
+    by the DP over `chain` (build_chain of `order`).
 
     Returns (steps, info) where info has the chain's size and the DP's choice; raises BudgetError."""
-    chain = build_chain(graph, order, sizes, flops_of)
     unit = max(1, -(-store_all_peak // MEMORY_UNITS))
     units = lambda xs: [-(-int(x) // unit) for x in xs]
     Q = 2 * MEMORY_UNITS
     solution = Solution(chain.flops, units(chain.cut), units(chain.keep), units(chain.transient), Q)
     leaves = [n for n in order if graph.op(n) in LEAVES]
     m_min = solution.smallest_memory()
-    if m_min is None:
-        raise AssertionError("the DP found no schedule at twice the store-all memory")
+    if m_min is None:   # the chain's byte model overcounts this graph badly: store-all is the least it knows
+        raise BudgetError(store_all_peak, store_all_peak)
     tried = {}
 
     def peak(m):
@@ -287,7 +309,7 @@ def plan_retention(graph, order, sizes, flops_of, budget, peak_of, store_all_pea
     lo, hi = m_min, Q   # the largest m whose true peak fits (true peaks grow with m, up to noise)
     if peak(lo) > budget:
         low = min(peak(m) for m in range(m_min, min(Q, m_min + 8) + 1))
-        raise BudgetError(low, store_all_peak)
+        raise BudgetError(min(low, store_all_peak), store_all_peak)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if peak(mid) <= budget:
@@ -296,6 +318,6 @@ def plan_retention(graph, order, sizes, flops_of, budget, peak_of, store_all_pea
             hi = mid - 1
     fitting = [m for m, (p, _) in tried.items() if p <= budget]
     best = min(fitting, key=lambda m: (solution.cost(m), tried[m][0]))
-    info = {"layers": len(chain.layers), "dp_units": int(best), "unit_bytes": int(unit),
+    info = {"layers": len(chain.layers), "skips": chain.skips, "dp_units": int(best), "unit_bytes": int(unit),
             "dp_forward_work": float(solution.cost(best)), "minimum_peak_bytes": min(p for p, _ in tried.values())}
     return tried[best][1], info

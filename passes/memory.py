@@ -13,7 +13,8 @@ import numpy as np
 from gradc.runtime.arena import ALIGN_BYTES, best_fit
 
 from .analysis import node_flops
-from .checkpoint import plan_retention
+from . import checkmate
+from .checkpoint import BudgetError, build_chain, plan_retention
 from .schedule import memory_order
 from .storage import base, buffer_bytes, owns_buffer
 
@@ -178,13 +179,40 @@ def plan_memory(graph, dims, order, budget=None):
 
 
 def _within_budget(graph, order, roots, dims, sizes, budget, store_all):
-    flops_of = lambda n: node_flops(graph, n, dims)
-    steps, info = plan_retention(graph, order, sizes, flops_of, budget,
-                                 lambda s: peak_bytes(graph, s, roots, dims), store_all["peak_bytes"])
+    """The least-recompute plan whose true peak fits: the chain DP, and on a graph with skips
+    also the MILP over its coarse DAG; the better of the two, or BudgetError when neither fits."""
+    work = {}
+    flops_of = lambda n: work[n] if n in work else work.setdefault(n, node_flops(graph, n, dims))
+    peak_of = lambda s, returned=roots: peak_bytes(graph, s, returned, dims)
+    extra_work = lambda s: sum(map(flops_of, s)) - sum(map(flops_of, set(s)))
+    chain = build_chain(graph, order, sizes, flops_of)
+    candidates, refusal = [], None
+    try:
+        steps, info = plan_retention(graph, chain, order, budget, peak_of, store_all["peak_bytes"])
+        info["method"] = f"dp-chain over {info['layers']} layers (Revolve-style, heterogeneous)"
+        candidates.append((extra_work(steps), peak_of(steps), steps, info))
+    except BudgetError as e:
+        refusal = e
+    milp_info = None
+    if chain.skips:
+        steps, milp_info = checkmate.plan(graph, order, sizes, flops_of, budget, peak_of, roots)
+        if steps is not None:
+            gap = milp_info["gap"]
+            milp_info["method"] = (f"checkmate-milp over {milp_info['coarse_nodes']} coarse nodes "
+                                   f"({milp_info['status']}, gap {100 * gap:.1f}%)")
+            candidates.append((extra_work(steps), peak_of(steps), steps, milp_info))
+    if not candidates:
+        least = milp_info.get("least_peak", refusal.minimum) if milp_info else refusal.minimum
+        raise BudgetError(min(refusal.minimum, least), refusal.store_all)
+    _, _, steps, chosen = min(candidates, key=lambda c: c[:2])
+    info = dict(chosen, candidates=[{"method": c[3]["method"], "extra_flops": int(c[0]), "peak_bytes": int(c[1])}
+                                    for c in candidates])
+    if milp_info is not None and chosen is not milp_info:
+        info["milp"] = milp_info   # what the MILP did (no plan in time, or a worse one): the DP is the fallback
     plan = plan_entry(graph, "_loss_and_grad", steps, roots, dims)
     recompute = sum(flops_of(t["node"]) for t in plan["tensors"] if t["recomputed"])
     plan.update(store_all_peak_bytes=store_all["peak_bytes"], budget_bytes=budget, recompute_flops=int(recompute),
-                method=f"dp-chain over {info['layers']} layers (Revolve-style, heterogeneous)", retention=info,
+                method=info["method"], retention=info,
                 lower_bound_bytes=min(store_all["lower_bound_bytes"], plan["lower_bound_bytes"]),
                 store_all_live_bytes=store_all["live_bytes"])
     return plan

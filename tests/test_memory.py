@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import gradc as gc
 from gradc.compiler import compile_model
 from gradc.runtime.arena import best_fit
+from gradc.passes import checkmate
 from gradc.passes.checkpoint import Solution
 
 
@@ -127,6 +128,83 @@ def test_uniform_chain_recompute_falls_with_memory():
     assert np.isinf(sol.cost(0))
 
 
+# ---- the Checkmate MILP against brute force -----------------------------------------------------
+def _model_cost_and_peak(coarse, R):
+    """Recompute work and model peak of one choice of runs R[t][i]: a value is held into stage t
+    only while a later stage reads it before its maker runs again, and freed after its last use."""
+    n, values = len(coarse.members), coarse.values
+
+    def held(t, v):
+        maker, readers, _ = values[v]
+        if maker >= t:
+            return False
+        for later in range(t, n):
+            if R[later][maker]:
+                return False
+            if any(R[later][k] for k in readers):
+                return True
+        return False
+
+    peak = 0
+    for t in range(n):
+        live = sum(b for v, (_, _, b) in enumerate(values) if held(t, v))
+        for k in range(t + 1):
+            if not R[t][k]:
+                continue
+            live += coarse.made[k]
+            peak = max(peak, live + coarse.scratch[k])
+            for v, (maker, readers, b) in enumerate(values):
+                users = [maker] + readers
+                if k in users and not any(R[t][j] for j in users if k < j <= t) and not (t + 1 < n and held(t + 1, v)):
+                    live -= b
+    cost = sum(coarse.work[i] + 1 for t in range(n) for i in range(t) if R[t][i])
+    return cost, peak
+
+
+def _random_coarse(rng):
+    forward, backward = int(rng.integers(2, 4)), int(rng.integers(1, 4))
+    n = forward + backward
+    values = []
+    for i in range(n - 1):
+        for _ in range(int(rng.integers(1, 3))):
+            later = rng.permutation(np.arange(i + 1, n))[:int(rng.integers(1, n - i))]
+            values.append((i, sorted(int(k) for k in later), int(rng.integers(1, 6))))
+    return checkmate.Coarse([[f"n{i}"] for i in range(n)], set(range(forward, n)), rng.integers(1, 9, n).tolist(),
+                            values, rng.integers(0, 3, n).tolist())
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_checkmate_milp_is_optimal_against_brute_force(seed):
+    """On small random coarse DAGs, at every budget, the MILP's least recompute equals the least
+    over every choice of which earlier forward nodes each stage runs again (or both find none)."""
+    rng = np.random.default_rng(seed)
+    coarse = _random_coarse(rng)
+    n = len(coarse.members)
+    choices = [(t, i) for t in range(n) for i in range(t) if i not in coarse.backward]
+    best = {}
+    for bits in itertools.product((False, True), repeat=len(choices)):
+        R = [[i == t for i in range(n)] for t in range(n)]
+        for (t, i), b in zip(choices, bits):
+            R[t][i] = b
+        cost, peak = _model_cost_and_peak(coarse, R)
+        best[peak] = min(best.get(peak, np.inf), cost)
+    store_all = coarse.store_all_bytes()
+    assert _model_cost_and_peak(coarse, np.eye(n, dtype=bool).tolist()) == (0, store_all)
+    for budget in range(min(best) - 1, store_all + 1):
+        expected = min((c for p, c in best.items() if p <= budget), default=None)
+        stages, report = checkmate.solve_stages(coarse, budget, 30)
+        if expected is None:
+            assert stages is None and report["status"] == "infeasible"
+            continue
+        assert report["status"] == "optimal"
+        assert round(report["objective"]) == expected, (budget, report)
+        R = [[i in stages[t] for i in range(n)] for t in range(n)]
+        assert _model_cost_and_peak(coarse, R)[1] <= budget   # the MILP's plan keeps its own budget
+    stages, report = checkmate.solve_stages(coarse, None, 30)   # least memory
+    R = [[i in stages[t] for i in range(n)] for t in range(n)]
+    assert _model_cost_and_peak(coarse, R)[1] == min(best)
+
+
 # ---- compiled plans ------------------------------------------------------------------------------
 def _mlp(layers=8, width=16):
     m = gc.Model("plan_mlp")
@@ -196,7 +274,7 @@ def test_budgeted_plans_give_store_all_gradients_within_budget(tmp_path, make):
     params = full.init_params(1)
     inputs = _inputs(full, batch, rng)
     loss0, grads0 = full.loss_and_grad(params, **inputs)
-    tried = 0
+    tried, methods = 0, set()
     for share in (0.75, 0.5):
         budget = int(share * store_all)
         out = tmp_path / f"b{share}"
@@ -211,7 +289,10 @@ def test_budgeted_plans_give_store_all_gradients_within_budget(tmp_path, make):
         assert plan["peak_bytes"] <= budget and plan["budget_bytes"] == budget
         assert plan["recompute_flops"] > 0 and plan["recomputed"]
         with open(out / f"{model.name}.memplan.json") as f:
-            _check_plan_buffers(json.load(f))
+            doc = json.load(f)
+        _check_plan_buffers(doc)
+        methods.update(c["method"].split()[0] for c in doc["retention"]["candidates"])
+        assert doc["method"] == min(doc["retention"]["candidates"], key=lambda c: (c["extra_flops"], c["peak_bytes"]))["method"]
         loss1, grads1 = mod.loss_and_grad(params, **inputs)
         assert loss1 == loss0
         for k in grads0:   # recomputation repeats the same arithmetic: bit-identical
@@ -220,6 +301,22 @@ def test_budgeted_plans_give_store_all_gradients_within_budget(tmp_path, make):
         tr.step(**inputs)
         assert mod.memory_stats()["arena_bytes"]["cpu"] == plan["arena_bytes"]["cpu"]
     assert tried >= 1
+    # a chain is the DP's alone; a graph with skips is also planned by the MILP over its coarse DAG
+    assert methods == ({"dp-chain"} if make is _mlp else {"dp-chain", "checkmate-milp"})
+
+
+@pytest.mark.slow
+def test_dag_plan_falls_back_to_the_chain_dp_when_the_milp_finds_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkmate, "TIME_LIMIT_S", 0.0)
+    model = _dag()
+    full = compile_model(model, out=str(tmp_path / "full"), order=1, bind={"B": 8}, warm_cache=False)
+    budget = int(0.75 * full.MEMORY_PLAN["peak_bytes"])
+    mod = compile_model(model, out=str(tmp_path / "b"), order=1, bind={"B": 8}, warm_cache=False, memory_budget=budget)
+    with open(tmp_path / "b" / f"{model.name}.memplan.json") as f:
+        doc = json.load(f)
+    assert doc["method"].startswith("dp-chain") and doc["peak_bytes"] <= budget
+    assert doc["retention"]["milp"]["coarse_nodes"] > 0 and doc["retention"]["milp"]["solves"] == []
+    assert mod.MEMORY_PLAN["method"] == doc["method"]
 
 
 @pytest.mark.slow
