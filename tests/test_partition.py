@@ -1,0 +1,90 @@
+"""Device partitioning: the stage DP against brute force, by the same cost model written directly."""
+import itertools
+
+import numpy as np
+import pytest
+
+from gradc.passes.partition import Infeasible, Problem, partition
+
+
+def _stage_cost(problem, a, b):
+    """Seconds and bytes of the stage holding positions a..b-1, straight from the definitions."""
+    work = sum(problem.work[a:b])
+    moved, params = 0, 0
+    for made, readers, nbytes in problem.values:
+        reads_here = any(a <= r < b for r in readers)
+        if made < 0:
+            params += nbytes if reads_here else 0
+        elif made < a and reads_here:
+            moved += nbytes                     # received
+        elif a <= made < b and any(r >= b for r in readers):
+            moved += nbytes                     # sent
+    return work + 2 * problem.seconds_per_byte * moved, sum(problem.kept[a:b]) + 2 * params
+
+
+def _brute_force(problem, K, limit):
+    best = np.inf
+    for cuts in itertools.combinations(range(1, problem.n), K - 1):
+        starts = [0, *cuts]
+        bounds = starts + [problem.n]
+        slowest = 0.0
+        for k in range(K):
+            a, b = bounds[k], bounds[k + 1]
+            seconds, memory = _stage_cost(problem, a, b)
+            pins = problem.pins or [None] * problem.n
+            if memory > limit or any(p is not None and p != k for p in pins[a:b]):
+                slowest = np.inf
+                break
+            slowest = max(slowest, seconds)
+        best = min(best, slowest)
+    return best
+
+
+def _random_problem(rng, n):
+    values = []
+    for p in range(n):
+        later = sorted(set(rng.integers(p + 1, n + 1, int(rng.integers(1, 3))).tolist()) - {n})
+        if later:
+            values.append((p, later, int(rng.integers(1, 50))))
+    for _ in range(int(rng.integers(1, 4))):   # params, one maybe shared by several positions
+        values.append((-1, sorted(set(rng.integers(0, n, int(rng.integers(1, 3))).tolist())), int(rng.integers(1, 30))))
+    pins = [None] * n
+    if rng.random() < 0.5:
+        p = int(rng.integers(0, n))
+        pins[p] = int(rng.integers(0, 3))
+    return Problem(rng.uniform(0.5, 5.0, n).tolist(), values, rng.integers(0, 40, n).tolist(),
+                   float(rng.uniform(0.0, 0.2)), pins)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_partition_is_optimal_against_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 9))
+    problem = _random_problem(rng, n)
+    K = int(rng.integers(1, min(n, 4) + 1))
+    limit = float(rng.choice([np.inf, rng.uniform(20, 200)]))
+    expected = _brute_force(problem, K, limit)
+    if not np.isfinite(expected):
+        with pytest.raises(Infeasible):
+            partition(problem, K, limit)
+        return
+    starts, slowest = partition(problem, K, limit)
+    assert slowest == pytest.approx(expected)
+    bounds = starts + [n]
+    assert starts[0] == 0 and len(starts) == K and all(a < b for a, b in zip(bounds, bounds[1:]))
+    assert max(_stage_cost(problem, a, b)[0] for a, b in zip(bounds, bounds[1:])) == pytest.approx(slowest)
+
+
+def test_balanced_chain_splits_evenly():
+    problem = Problem([1.0] * 12, [(p, [p + 1], 8) for p in range(11)], [0] * 12, 0.0)
+    starts, slowest = partition(problem, 4)
+    assert starts == [0, 3, 6, 9] and slowest == 3.0
+
+
+def test_too_many_stages_or_too_little_memory_is_infeasible():
+    problem = Problem([1.0] * 3, [(0, [1], 8), (1, [2], 8)], [10, 10, 10], 0.0)
+    with pytest.raises(Infeasible):
+        partition(problem, 4)
+    with pytest.raises(Infeasible):
+        partition(problem, 2, memory_limit=15)
+    assert partition(problem, 3, memory_limit=10)[0] == [0, 1, 2]
