@@ -223,6 +223,9 @@ class EntryWriter:
             return [alloc, f"np.dot({a[0]}{ta}, {a[1]}{tb}, {v}){note}"]
         if op == "transpose":
             return [alloc, f"{v}[:] = np.transpose({a[0]}, {tuple(attrs['axes'])}){note}"]
+        if op == "transfer":   # devices are regions of one host arena: the copy is the transfer
+            note = f"  # transfer {attrs['source']} -> {attrs['target']}, {node['src']}"
+            return [f"{v} = {a[0]}{note}"] if shape == () else [alloc, f"{v}[:] = {a[0]}{note}"]
         if op == "reshape":
             if g.shape(ins[0]) == ():
                 return [alloc, f"{v}[:] = {a[0]}{note}"]
@@ -399,7 +402,7 @@ def generate(graph, plans, info):
     out.append("INPUTS = {" + ", ".join(f"{i!r}: ({tuple(g.shape(n))!r}, {g.dtype(n)!r})" for i, n in g.inputs.items()) + "}")
     out.append(f"OUTPUTS = {tuple(outputs)!r}")
     out.append(f"MEMORY_PLAN = {info['memory_plan']!r}")
-    out.append("PARTITION = None")
+    out.append(f"PARTITION = {info.get('partition')!r}")
     out.append(f'FINGERPRINT = {info["fingerprint"]!r}')
     out.append("")
     out.append(f"DATA = load_data(__file__, {sorted(stored)!r})")
@@ -408,10 +411,13 @@ def generate(graph, plans, info):
     out.append(f"_INITS = {inits!r}")
     out.append(f"_LABELS = {info['labels']!r}   # int inputs used as class labels -> number of classes")
     out.append("_SIGNATURE = Signature(MODEL_NAME, PARAM_SHAPES, INPUTS, FLOAT, _LABELS)")
-    out.append("# the arena buffers of each compiled entry point, in the order of its `offs`: (shape, first step, last step)")
+    several = len({t["device"] for plan in plans.values() for t in plan["tensors"]}) > 1
+    out.append("# the arena buffers of each compiled entry point, in the order of its `offs`: (shape, first step, last step"
+               + (", device)" if several else ")"))
     out.append("_ARENA = Arena(FLOAT, {")
     for fname, plan in plans.items():
-        rows = [f"({tuple(g.shape(t['node']))!r}, {t['start']}, {t['end']})" for t in plan["tensors"]]
+        rows = [f"({tuple(g.shape(t['node']))!r}, {t['start']}, {t['end']}" + (f", {t['device']!r})" if several else ")")
+                for t in plan["tensors"]]
         out.append(f'    "{fname}": (' + "".join(f"\n        {r}," for r in rows) + ("\n    )," if rows else "),"))
     dim_sources = {}
     for i, n in g.inputs.items():
@@ -524,8 +530,8 @@ def generate(graph, plans, info):
 
     api.append("\n".join([
         "def memory_stats():",
-        '    """Bytes the arena holds between calls (one buffer per thread that ran an entry point)."""',
-        '    return {"arena_bytes": {_ARENA.device: _ARENA.held_bytes()}}']) + "\n")
+        '    """Bytes the arena holds between calls (one buffer per thread that ran an entry point), per device."""',
+        '    return {"arena_bytes": _ARENA.held_by_device()}']) + "\n")
 
     api.append("\n".join([
         "class Trainer(TrainerBase):",

@@ -128,7 +128,7 @@ def build_parser():
     i.add_argument("build", metavar="OUT/NAME")
     i.add_argument("--graph", action="store_true", help="every node, by phase")
     i.add_argument("--memory", action="store_true", help="values kept for the backward, with bytes")
-    i.add_argument("--partition", action="store_true", help="stages (single device until partitioning lands)")
+    i.add_argument("--partition", action="store_true", help="stages, transfers and the pipeline schedule (with --devices K)")
     i.add_argument("--kernels", action="store_true", help="the generated kernels")
     i.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     return ap

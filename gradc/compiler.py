@@ -16,12 +16,10 @@ from .version import __version__
 
 UNSUPPORTED = {
     "target": ("cpu", "only --target cpu is built so far (the CUDA backend is a later milestone)"),
-    "devices": (1, "--devices needs the partitioner, which is not built yet; use one device"),
-    "schedule": ("sequential", "--schedule needs the partitioner, which is not built yet"),
-    "microbatches": (1, "--microbatches needs the pipeline executor, which is not built yet"),
-    "device_memory": (None, "--device-memory needs the partitioner, which is not built yet"),
-    "batch_dim": (None, "--batch-dim applies to pipelines, which are not built yet"),
+    "microbatches": (1, "--microbatches > 1 needs the pipeline executor, which is not built yet"),
+    "batch_dim": (None, "--batch-dim applies to microbatched pipelines, which are not built yet"),
 }
+DEVICE_OPTIONS = ("devices", "schedule", "device_memory")
 
 
 def check_options(options, src):
@@ -29,6 +27,39 @@ def check_options(options, src):
         default, why = UNSUPPORTED[key]
         if value is not None and value != default:
             raise GradcError(why, src)
+
+
+def device_options(options, graph, memory_budget, src):
+    """--devices, --schedule, --device-memory, checked: (K, schedule, device memory bytes or None)."""
+    from gradc.passes.pipeline_schedule import SCHEDULES
+    from .sizes import parse_size
+
+    K = options.get("devices") or 1
+    schedule = options.get("schedule") or "sequential"
+    memory = options.get("device_memory")
+    if isinstance(K, bool) or not isinstance(K, int) or K < 1:
+        raise GradcError(f"--devices {K!r}: give a number of devices >= 1", src)
+    if schedule not in SCHEDULES:
+        raise GradcError(f"--schedule {schedule!r}: use one of {', '.join(SCHEDULES)}", src)
+    if memory is not None:
+        try:
+            memory = parse_size(memory)
+        except ValueError as e:
+            raise GradcError(f"--device-memory: {e}", src) from None
+        if memory == "auto":
+            raise GradcError("--device-memory takes a size (auto is for --memory-budget)", src)
+    if K == 1:
+        if memory is not None or schedule != "sequential":
+            raise GradcError("--schedule and --device-memory apply to --devices K with K > 1", src)
+        return 1, schedule, None
+    unbound = sorted({d for n in graph.nx.nodes for d in graph.shape(n) if isinstance(d, str)})
+    if unbound:
+        raise GradcError(f"--devices needs every symbolic dim bound with --bind (unbound: {', '.join(unbound)}; "
+                         f"e.g. --bind {unbound[0]}=256)", src)
+    if memory_budget is not None:
+        raise GradcError("--memory-budget with --devices K > 1 is not built yet: each stage keeps every activation "
+                         "(use --device-memory to bound each device)", src)
+    return K, schedule, memory
 
 
 def label_inputs(graph):
@@ -139,6 +170,20 @@ def resolve_budget(graph, memory_budget, src):
     return budget
 
 
+def plan_stages(graph, dims, K, target, device_memory, schedule, src):
+    """Cut the graph into K stages and place it (passes/devices.py); the PARTITION document."""
+    from gradc.passes.devices import DevicePlanError, plan_devices
+    from gradc.passes.memory import entry_roots, representative_sizes, store_all_steps
+
+    order = store_all_steps(graph, entry_roots(graph, 1)["_loss_and_grad"], representative_sizes(graph, dims))
+    try:
+        doc = plan_devices(graph, order, dims, K, target, device_memory, schedule, microbatches=1)
+    except DevicePlanError as e:
+        raise GradcError(str(e), src) from None
+    graph.validate()
+    return doc
+
+
 def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bind=None, warm_cache=True,
                   timings=None, source=None, memory_budget=None, **later_options):
     """Compile `model` into OUT/NAME.py (plus dumps) and return the imported module."""
@@ -152,6 +197,7 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
 
     if not isinstance(model, Model):
         raise GradcError(f"compile: expected a gradc.Model, got {type(model).__name__}")
+    devices = {k: later_options.pop(k, None) for k in DEVICE_OPTIONS}
     check_options(dict(target=target, **later_options), model.src)
     if order not in (1, 2):
         raise GradcError(f"--order {order}: use 1 (gradients) or 2 (also hvp and hessian)", model.src)
@@ -166,6 +212,13 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     info = {"name": name, "version": __version__, "dtype": dtype, "fingerprint": fingerprint(model, dtype, dims),
             "param_info": model.param_info, "labels": label_inputs(graph), "order": order,
             "source": source or model.src.rsplit(":", 1)[0]}
+    K, schedule, device_memory = device_options(devices, graph, memory_budget, model.src)
+    partition = None
+    if K > 1:
+        t = time.perf_counter()
+        partition = plan_stages(graph, dims, K, target, device_memory, schedule, model.src)
+        timings["partition"] = time.perf_counter() - t
+    info["partition"] = partition
     t = time.perf_counter()
     budget = resolve_budget(graph, memory_budget, model.src)
     try:
@@ -197,6 +250,8 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
              "pass_seconds": {k: round(v, 4) for k, v in timings.items()}}
     files = {f"{name}.py": text, f"{name}.graph.json": graph.to_json(extra), f"{name}.graph.dot": graph.to_dot(),
              f"{name}.memplan.json": json.dumps(memplan, indent=1)}
+    if partition is not None:
+        files[f"{name}.partition.json"] = json.dumps(partition, indent=1)
     return write_outputs(out, name, files, stored, dims if warm_cache else None, timings)
 
 
@@ -225,7 +280,7 @@ def write_outputs(out, name, files, stored, warm_dims, timings):
             for f in os.listdir(cache):
                 if f.startswith(f"{name}."):
                     os.unlink(os.path.join(cache, f))
-        for stale in (f"{name}.data.npz", f"{name}.graph.svg"):
+        for stale in (f"{name}.data.npz", f"{name}.graph.svg", f"{name}.partition.json"):
             if os.path.exists(os.path.join(out, stale)) and not os.path.exists(os.path.join(tmp, stale)):
                 os.unlink(os.path.join(out, stale))
         tmp_cache = os.path.join(tmp, "__pycache__")

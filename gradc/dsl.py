@@ -3,6 +3,7 @@
 Every call adds a node to the model's graph at once, so shape errors are raised on the
 user's own line, and every node keeps that `file:line`.
 """
+import contextlib
 import keyword
 import numbers
 
@@ -100,6 +101,19 @@ class Model:
         self.weight_decay = float(weight_decay)
         self._minimize_src = src
         self.graph.loss = n
+
+    @contextlib.contextmanager
+    def stage(self, index):
+        """Pin the ops made inside the block (and the params declared there) to pipeline stage `index`."""
+        src = user_src()
+        if isinstance(index, bool) or not isinstance(index, numbers.Integral) or index < 0:
+            raise GradcError(f"stage: the stage index must be an int >= 0, got {index!r}", src)
+        outer = self.graph.pin
+        self.graph.pin = (int(index), src)
+        try:
+            yield
+        finally:
+            self.graph.pin = outer
 
     # ---- building nodes -----------------------------------------------------------------
     def _node(self, value, op, src):

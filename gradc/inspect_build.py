@@ -5,6 +5,7 @@ import re
 from collections import Counter
 
 from .errors import GradcError
+from .inspect_partition import partition_report
 from .sizes import format_size
 
 
@@ -57,7 +58,7 @@ def report(build, graph=False, memory=False, partition=False, kernels=False):
         lines += memory_report(base)
     if partition:
         lines.append("")
-        lines.append("partition: one device (cpu); --devices K is a later milestone")
+        lines += partition_report(base)
     return "\n".join(lines)
 
 
@@ -75,10 +76,13 @@ def memory_report(base):
                 f"  %{t['node']:<6} {t['op']:<12} {t['bytes']:>16} B  steps {t['start']}..{t['end']}" for t in plan["tensors"]]
     steps = plan["schedule"]
     at = plan["peak_step"]
+    arena = sum(plan["arena_bytes"].values())
     lines = [f"memory plan of {plan['entry']} ({plan['method']}), per call, dims bound:",
              f"  peak {format_size(plan['peak_bytes'])} at step {at} of {len(steps)} (%{steps[at]})",
-             f"  arena {format_size(plan['arena_bytes']['cpu'])}: {plan['arena_bytes']['cpu'] / max(plan['peak_bytes'], 1):.3f}"
-             f" x the peak of live bytes (the least any buffer assignment needs)",
+             f"  arena {format_size(arena)}: {arena / max(plan['peak_bytes'], 1):.3f}"
+             f" x the peak of live bytes (the least any buffer assignment needs)"
+             + ("" if len(plan["arena_bytes"]) == 1 else
+                "; per device " + ", ".join(f"{d} {format_size(b).split(' (')[0]}" for d, b in plan["arena_bytes"].items())),
              f"  keeping every activation: {format_size(plan['store_all_peak_bytes'])}; one step alone needs "
              f"{format_size(plan['lower_bound_bytes'])}"]
     if plan["budget_bytes"] is not None:

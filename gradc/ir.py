@@ -1,7 +1,8 @@
 """The IR: one graph of values over networkx.MultiDiGraph.
 
 A node is one value with attributes `op`, `inputs` (ordered operand ids), `attrs`, `shape`,
-`dtype`, `phase`, `device`, `src`. Each operand is also an edge whose key and `index` are the
+`dtype`, `phase`, `device`, `src`, and `of`: for a derivative node, the node whose derivative
+it helps build (it runs on that node's device). Each operand is also an edge whose key and `index` are the
 operand position, so `x * x` is two edges. The forward, backward and update parts of a model
 all live in the same graph; `phase` tells them apart.
 """
@@ -33,9 +34,11 @@ class Graph:
         self.input_grads = {}   # float input name -> adjoint node, None when it is zero
         self.tangents = {}      # trainable param name -> its tangent leaf v_p (second order)
         self.hvps = {}          # trainable param name -> (H v)_p node, None when it is zero
+        self.pin = None         # (stage, src) the DSL's `with m.stage(i):` gives the nodes it makes
+        self.merged = {}        # node -> the node that took its value over (CSE, fusion): where its `of` lands
 
     # ---- building -------------------------------------------------------------------------
-    def apply(self, op, inputs=(), attrs=None, *, phase="forward", src=None, name=None):
+    def apply(self, op, inputs=(), attrs=None, *, phase="forward", src=None, name=None, of=None):
         """Add a node of registered op `op`; its shape rule checks the operands."""
         from .ops import get_op
 
@@ -51,14 +54,15 @@ class Graph:
         except ShapeError as e:
             operands = ", ".join(f"{self.describe(i)} {fmt(s)} {d}" for i, s, d in zip(inputs, shapes, dtypes))
             raise GradcError(f"{op}: {e}" + (f" (operands: {operands})" if inputs else ""), src) from None
-        return self.add_node(op, inputs, attrs, shape, dtype, phase=phase, src=src, name=name)
+        return self.add_node(op, inputs, attrs, shape, dtype, phase=phase, src=src, name=name, of=of)
 
-    def add_node(self, op, inputs, attrs, shape, dtype, *, phase="forward", src=None, name=None):
+    def add_node(self, op, inputs, attrs, shape, dtype, *, phase="forward", src=None, name=None, of=None):
         assert phase in PHASES, phase
         n = self._next_id
         self._next_id += 1
         self.nx.add_node(n, op=op, inputs=list(inputs), attrs=dict(attrs), shape=tuple(shape), dtype=dtype,
-                         phase=phase, device="cpu", src=src or "<gradc>", name=name)
+                         phase=phase, device="cpu", src=src or "<gradc>", name=name, of=of,
+                         stage=self.pin[0] if self.pin and phase == "forward" else None)
         for index, u in enumerate(inputs):
             self.nx.add_edge(u, n, key=index, index=index)
         return n
@@ -74,6 +78,7 @@ class Graph:
 
     def replace_uses(self, old, new):
         """Every consumer of `old` (and every root) reads `new` instead."""
+        self.merged[old] = new
         for user in list(self.users(old)):
             self.set_operands(user, [new if u == old else u for u in self.operands(user)])
         for table in (self.outputs, self.grads, self.input_grads, self.hvps):
@@ -87,6 +92,12 @@ class Graph:
 
     def remove(self, nodes):
         self.nx.remove_nodes_from(list(nodes))
+
+    def survivor(self, n):
+        """n, or the node that took its value over when n was merged away (None if it just died)."""
+        while n not in self.nx and n in self.merged:
+            n = self.merged[n]
+        return n if n in self.nx else None
 
     # ---- reading --------------------------------------------------------------------------
     def __contains__(self, n):
@@ -185,7 +196,8 @@ class Graph:
         for n, d in self.nx.nodes(data=True):
             g.add_node(n, op=d["op"], shape=[str(s) if isinstance(s, str) else s for s in d["shape"]],
                        dtype=d["dtype"], phase=d["phase"], device=d["device"], src=d["src"],
-                       name=d.get("name"), attrs={k: _jsonable(v) for k, v in d["attrs"].items()})
+                       name=d.get("name"), of=self.survivor(d["of"]) if d.get("of") is not None else None,
+                       stage=d.get("stage"), attrs={k: _jsonable(v) for k, v in d["attrs"].items()})
         g.add_edges_from(self.nx.edges(keys=True, data=True))
         data = nx.node_link_data(g, edges="links")
         data["graph"] = {"name": self.name, "inputs": self.inputs, "params": self.params,

@@ -24,7 +24,7 @@ class VJPContext:
         return self.graph.operands(self.node)[i] in self.active
 
     def emit(self, op, inputs, **attrs):
-        return self.graph.apply(op, inputs, attrs, phase=self.phase, src=self.src)
+        return self.graph.apply(op, inputs, attrs, phase=self.phase, src=self.src, of=self.node)
 
     def times(self, g, d, operands, y):
         """g * d as one fused node; d is over the operand symbols X[i] and the output symbol Y."""
@@ -52,11 +52,11 @@ class VJPContext:
         return c
 
 
-def accumulate(graph, contributions, phase, src):
-    """Fan-out sum; fusion later turns the chain of adds into one loop."""
+def accumulate(graph, contributions, phase, src, of=None):
+    """Fan-out sum (of the adjoint of node `of`); fusion later turns the chain of adds into one loop."""
     total = contributions[0]
     for c in contributions[1:]:
-        total = graph.apply("add", [total, c], phase=phase, src=src)
+        total = graph.apply("add", [total, c], phase=phase, src=src, of=of)
     return total
 
 
@@ -69,14 +69,14 @@ def differentiate(graph, objective, wrt, phase="backward"):
         if n in wrt or any(u in active for u in graph.operands(n)):
             active.add(n)
     adjoints = {objective: [graph.apply("const", attrs={"value": 1.0, "shape": (), "dtype": graph.dtype(objective)},
-                                        phase=phase, src=graph.node(objective)["src"])]}
+                                        phase=phase, src=graph.node(objective)["src"], of=objective)]}
     result = {}
     for n in reversed(graph.topo_order(active)):
         contributions = adjoints.pop(n, None)
         if not contributions:
             continue
         src = graph.node(n)["src"]
-        g = accumulate(graph, contributions, phase, src)
+        g = accumulate(graph, contributions, phase, src, of=n)
         if n in wrt:
             result[n] = g
         record = get_op(graph.op(n))

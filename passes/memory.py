@@ -10,7 +10,7 @@ value made before the loop and read inside it lives to the end.
 """
 import numpy as np
 
-from gradc.runtime.arena import ALIGN_BYTES, best_fit
+from gradc.runtime.arena import ALIGN_BYTES, layout_by_device
 
 from .analysis import node_flops
 from . import checkmate
@@ -80,8 +80,9 @@ def peak_bytes(graph, steps, returned, dims):
     return int(live_bytes(tensors, steps).max())
 
 
-def plan_entry(graph, entry, steps, returned, dims, loop_from=None, device="cpu"):
-    """The plan of one entry point: its steps, tensors with offsets, peak and arena bytes.
+def plan_entry(graph, entry, steps, returned, dims, loop_from=None):
+    """The plan of one entry point: its steps, tensors with offsets, peak and arena bytes (per
+    device: each node's buffer lives on its device, in that device's region).
 
     With a symbolic dim left unbound, byte counts are expressions (strings) and offsets are laid
     out by the module on its first call with each shape."""
@@ -93,12 +94,14 @@ def plan_entry(graph, entry, steps, returned, dims, loop_from=None, device="cpu"
         n = t["node"]
         t["bytes"] = buffer_bytes(graph, n, dims)
         t["shape"] = tuple(dims.get(d, d) if isinstance(d, str) else d for d in graph.shape(n))
-        t["device"] = device
-    plan = {"entry": entry, "steps": list(steps), "tensors": tensors, "loop_from": loop_from, "device": device}
+        t["device"] = graph.node(n)["device"]
+    devices = sorted({graph.node(n)["device"] for n in steps})
+    plan = {"entry": entry, "steps": list(steps), "tensors": tensors, "loop_from": loop_from}
     if all(isinstance(t["bytes"], int) for t in tensors):
         itemsize = np.dtype(dtypes.pop()).itemsize if dtypes else 1
-        offsets, total = best_fit([t["bytes"] // itemsize for t in tensors], [(t["start"], t["end"]) for t in tensors],
-                                  max(1, ALIGN_BYTES // itemsize))
+        offsets, regions = layout_by_device([t["bytes"] // itemsize for t in tensors],
+                                            [(t["start"], t["end"]) for t in tensors],
+                                            [t["device"] for t in tensors], max(1, ALIGN_BYTES // itemsize))
         for t, o in zip(tensors, offsets):
             t["offset"] = o * itemsize
         live = live_bytes(tensors, steps)
@@ -106,14 +109,14 @@ def plan_entry(graph, entry, steps, returned, dims, loop_from=None, device="cpu"
         plan["live_bytes"] = live.tolist()
         plan["peak_bytes"] = int(live.max())
         plan["peak_step"] = int(live.argmax())
-        plan["arena_bytes"] = {device: total * itemsize}
+        plan["arena_bytes"] = {d: regions.get(d, 0) * itemsize for d in devices}
     else:
         for t in tensors:
             t["offset"] = None
             t["bytes"] = str(t["bytes"])
         plan["live_bytes"] = None
         plan["peak_bytes"] = plan["peak_step"] = plan["lower_bound_bytes"] = None
-        plan["arena_bytes"] = {device: None}
+        plan["arena_bytes"] = {d: None for d in devices}
     return plan
 
 

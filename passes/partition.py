@@ -58,7 +58,8 @@ def _sent_out(table, made, readers, weight):
 
 
 def stage_tables(problem):
-    """seconds[a, b] and memory[a, b] of a stage holding positions a..b-1 (a < b)."""
+    """seconds[a, b], kept[a, b] and params[a, b] (bytes, with their gradients) of a stage
+    holding positions a..b-1 (a < b)."""
     n = problem.n
     diff_bytes = np.zeros((n + 2, n + 2))   # activation bytes in and out
     diff_params = np.zeros((n + 2, n + 2))  # param bytes read
@@ -75,8 +76,7 @@ def stage_tables(problem):
     work = np.concatenate([[0.0], np.cumsum(problem.work)])
     kept = np.concatenate([[0.0], np.cumsum(problem.kept)])
     seconds = work[None, :] - work[:, None] + 2 * problem.seconds_per_byte * moved
-    memory = kept[None, :] - kept[:, None] + 2 * params
-    return seconds, memory
+    return seconds, kept[None, :] - kept[:, None], 2 * params
 
 
 def _pin_ok(problem, K):
@@ -91,13 +91,15 @@ def _pin_ok(problem, K):
     return ok
 
 
-def partition(problem, K, memory_limit=np.inf):
-    """Stage starts [0, s_1, ..., s_{K-1}] and the slowest stage's seconds; raises Infeasible."""
+def partition(problem, K, memory_limit=np.inf, in_flight=None):
+    """Stage starts [0, s_1, ..., s_{K-1}] and the slowest stage's seconds; raises Infeasible.
+
+    in_flight[k]: how many microbatches' kept activations stage k holds at once (the schedule's)."""
     n = problem.n
     if not 1 <= K <= n:
         raise Infeasible(f"{K} stages of {n} positions")
-    seconds, memory = stage_tables(problem)
-    allowed = memory <= memory_limit
+    in_flight = in_flight or [1] * K
+    seconds, kept, params = stage_tables(problem)
     pinned = _pin_ok(problem, K)
     INF = np.inf
     best = np.full((K + 1, n + 1), INF)    # best[k, b]: k stages over positions 0..b-1
@@ -107,7 +109,8 @@ def partition(problem, K, memory_limit=np.inf):
     for k in range(1, K + 1):
         for b in range(k, n + 1):
             cost = np.maximum(best[k - 1, :b], seconds[:b, b])
-            cost = np.where(allowed[:b, b] & pinned[k - 1][:b, b] & (a[:b] < b), cost, INF)
+            fits = kept[:b, b] * in_flight[k - 1] + params[:b, b] <= memory_limit
+            cost = np.where(fits & pinned[k - 1][:b, b] & (a[:b] < b), cost, INF)
             i = int(np.argmin(cost))
             best[k, b], start[k, b] = cost[i], i
     if not np.isfinite(best[K, n]):

@@ -20,14 +20,14 @@ def build_hvp(graph, trainable):
         node = graph.params[p]
         src = graph.node(node)["src"]
         v = graph.apply("input", attrs={"shape": graph.shape(node), "dtype": graph.dtype(node)}, phase="second",
-                        src=src, name=f"v[{p}]")
+                        src=src, name=f"v[{p}]", of=node)
         graph.tangents[p] = v
-        prod = graph.apply("mul", [graph.grads[p], v], phase="second", src=src)
+        prod = graph.apply("mul", [graph.grads[p], v], phase="second", src=src, of=node)
         terms.append(graph.apply("sum", [prod], {"axes": tuple(range(len(graph.shape(node)))), "keepdims": False},
-                                 phase="second", src=src))
+                                 phase="second", src=src, of=node))
     graph.hvps = {p: None for p in trainable}
     if not terms:
         return
-    seed = accumulate(graph, terms, "second", graph.node(graph.objective)["src"])
+    seed = accumulate(graph, terms, "second", graph.node(graph.objective)["src"], of=graph.objective)
     adj = differentiate(graph, seed, [graph.params[p] for p in trainable], phase="second")
     graph.hvps = {p: adj[graph.params[p]] for p in trainable}

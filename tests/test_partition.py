@@ -19,10 +19,11 @@ def _stage_cost(problem, a, b):
             moved += nbytes                     # received
         elif a <= made < b and any(r >= b for r in readers):
             moved += nbytes                     # sent
-    return work + 2 * problem.seconds_per_byte * moved, sum(problem.kept[a:b]) + 2 * params
+    return work + 2 * problem.seconds_per_byte * moved, sum(problem.kept[a:b]), 2 * params
 
 
-def _brute_force(problem, K, limit):
+def _brute_force(problem, K, limit, in_flight=None):
+    in_flight = in_flight or [1] * K
     best = np.inf
     for cuts in itertools.combinations(range(1, problem.n), K - 1):
         starts = [0, *cuts]
@@ -30,7 +31,8 @@ def _brute_force(problem, K, limit):
         slowest = 0.0
         for k in range(K):
             a, b = bounds[k], bounds[k + 1]
-            seconds, memory = _stage_cost(problem, a, b)
+            seconds, kept, params = _stage_cost(problem, a, b)
+            memory = kept * in_flight[k] + params
             pins = problem.pins or [None] * problem.n
             if memory > limit or any(p is not None and p != k for p in pins[a:b]):
                 slowest = np.inf
@@ -63,12 +65,13 @@ def test_partition_is_optimal_against_brute_force(seed):
     problem = _random_problem(rng, n)
     K = int(rng.integers(1, min(n, 4) + 1))
     limit = float(rng.choice([np.inf, rng.uniform(20, 200)]))
-    expected = _brute_force(problem, K, limit)
+    in_flight = rng.integers(1, 4, K).tolist()
+    expected = _brute_force(problem, K, limit, in_flight)
     if not np.isfinite(expected):
         with pytest.raises(Infeasible):
-            partition(problem, K, limit)
+            partition(problem, K, limit, in_flight)
         return
-    starts, slowest = partition(problem, K, limit)
+    starts, slowest = partition(problem, K, limit, in_flight)
     assert slowest == pytest.approx(expected)
     bounds = starts + [n]
     assert starts[0] == 0 and len(starts) == K and all(a < b for a, b in zip(bounds, bounds[1:]))

@@ -84,3 +84,14 @@ def _reshape_vjp(ctx, n, g):
 register(Op("reshape", "layout", _reshape_infer,
             lambda attrs, values, out_shape, dims: np.reshape(values[0], out_shape),
             lambda attrs, in_shapes, out_shape: 0, vjp=_reshape_vjp, arity=1))
+
+
+def _transfer_vjp(ctx, n, g):
+    attrs = ctx.graph.attrs(n)
+    return [ctx.emit("transfer", [g], source=attrs["target"], target=attrs["source"])]
+
+
+register(Op("transfer", "layout", lambda attrs, shapes, dtypes: (shapes[0], dtypes[0]),
+            lambda attrs, values, out_shape, dims: np.array(values[0], copy=True),
+            lambda attrs, in_shapes, out_shape: 0, vjp=_transfer_vjp, arity=1,
+            doc="the operand's value copied from device `source` to device `target`"))

@@ -30,6 +30,20 @@ def best_fit(sizes, intervals, align=1):
     return best
 
 
+def layout_by_device(sizes, intervals, devices, align=1):
+    """best_fit per device, each device's buffers in a region of its own after the previous
+    device's (virtual devices share one host buffer). Returns (offsets, {device: region size})."""
+    offsets, regions, base = [0] * len(sizes), {}, 0
+    for device in sorted(set(devices)):
+        idx = [i for i, d in enumerate(devices) if d == device]
+        offs, total = best_fit([sizes[i] for i in idx], [intervals[i] for i in idx], align)
+        for i, o in zip(idx, offs):
+            offsets[i] = base + o
+        regions[device] = total
+        base += total
+    return offsets, regions
+
+
 def _place(order, sizes, intervals):
     """Each buffer in `order` goes into the smallest gap among the buffers it overlaps in time."""
     offsets = [0] * len(sizes)
@@ -63,8 +77,8 @@ def elements(shape, dims):
 class Arena:
     """The arena of one device for a generated module.
 
-    tables: entry -> tuple of (shape, start, end), one per buffer, in the order the compiled
-    function reads its offsets. Offsets are computed once per entry and shape (cached); the
+    tables: entry -> tuple of (shape, start, end) or (shape, start, end, device), one per buffer,
+    in the order the compiled function reads its offsets; with devices, each has its own region. Offsets are computed once per entry and shape (cached); the
     buffer grows to the largest entry seen and is then reused by every call. Each thread has its
     own buffer, so concurrent calls (Hessian blocks) never share one.
     """
@@ -74,10 +88,11 @@ class Arena:
         self.align = max(1, ALIGN_BYTES // self.dtype.itemsize)
         self.tables = tables
         # the dims each entry's sizes depend on: the cache key of its layout (computed once, not per call)
-        self._dims_used = {e: sorted({d for shape, _, _ in t for d in shape if isinstance(d, str)}) for e, t in tables.items()}
+        self._dims_used = {e: sorted({d for row in t for d in row[0] if isinstance(d, str)}) for e, t in tables.items()}
         self.dim_sources = dim_sources   # dim -> [(input name, axis) that carry it]
         self.device = device
         self._layouts = {}
+        self._regions = {}               # device -> the largest region any layout gave it
         self._local = threading.local()
         self._buffers = {}               # thread id -> buffer, for memory_stats
         self._lock = threading.Lock()
@@ -97,9 +112,12 @@ class Arena:
         found = self._layouts.get(key)
         if found is None:
             table = self.tables[entry]
-            sizes = [elements(shape, dims) for shape, _, _ in table]
-            offsets, total = best_fit(sizes, [(a, b) for _, a, b in table], self.align)
-            found = self._layouts[key] = (np.array(offsets, dtype=np.int64), total)
+            sizes = [elements(row[0], dims) for row in table]
+            devices = [row[3] if len(row) > 3 else self.device for row in table]
+            offsets, regions = layout_by_device(sizes, [row[1:3] for row in table], devices, self.align)
+            for device, size in regions.items():
+                self._regions[device] = max(self._regions.get(device, 0), size)
+            found = self._layouts[key] = (np.array(offsets, dtype=np.int64), sum(regions.values()))
         return found
 
     def get(self, entry, inputs):
@@ -124,3 +142,13 @@ class Arena:
         with self._lock:
             self._forget_finished_threads()
             return sum(b.nbytes for b in self._buffers.values())
+
+    def held_by_device(self):
+        """{device: bytes}: with one device, what held_bytes says; with several, each device's
+        largest region times the buffers held."""
+        if len(self._regions) <= 1:
+            return {self.device if not self._regions else next(iter(self._regions)): self.held_bytes()}
+        with self._lock:
+            self._forget_finished_threads()
+            buffers = len(self._buffers)
+        return {d: r * self.dtype.itemsize * buffers for d, r in sorted(self._regions.items())}

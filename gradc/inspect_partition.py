@@ -1,0 +1,80 @@
+"""`gradc inspect --partition`: the stages, their FLOPs, memory and transfers, and the pipeline
+schedule as a text Gantt chart (a PNG too with the viz extra)."""
+import json
+import os
+
+from .sizes import format_size
+
+WIDTH = 72   # columns of the Gantt chart
+
+
+def partition_report(base):
+    path = base + ".partition.json"
+    if not os.path.isfile(path):
+        return ["partition: one device (compiled without --devices K)"]
+    with open(path) as f:
+        plan = json.load(f)
+    K, M = plan["stages"], plan["microbatches"]
+    cost = plan["cost_model"]
+    lines = [f"partition: {K} stages on {plan['target']}, schedule {plan['schedule']}, {M} microbatch"
+             + ("es" if M != 1 else "") + f"; cost model {cost['flop_rate']:.3g} FLOP/s per device, "
+             f"{format_size(int(cost['link_bytes_per_s'])).split(' (')[0]}/s between devices",
+             f"  {'stage':<6}{'device':<9}{'nodes':>6}{'fwd FLOPs':>14}{'bwd FLOPs':>14}{'memory':>12}"
+             f"{'sent':>11}{'received':>11}  params"]
+    for s in plan["stage"]:
+        short = lambda b: format_size(b).split(" (")[0]
+        lines.append(f"  {s['stage']:<6}{s['device']:<9}{len(s['nodes']):>6}{s['forward_flops']:>14,}"
+                     f"{s['backward_flops']:>14,}{short(s['memory_bytes']):>12}{short(s['sent_bytes']):>11}"
+                     f"{short(s['received_bytes']):>11}  {', '.join(s['params']) or '-'}")
+    moved = plan["transfers"]
+    lines.append(f"  transfers: {len(moved)} nodes, {format_size(sum(t['bytes'] for t in moved))} per step"
+                 + (f" (e.g. %{moved[0]['value']} {moved[0]['from']} -> {moved[0]['to']})" if moved else ""))
+    if plan["device_memory"] is not None:
+        lines.append(f"  device memory limit {format_size(plan['device_memory'])}: params, their gradients, and the "
+                     f"kept activations of the microbatches in flight")
+    lines.append(f"  schedule ({plan['makespan_s'] * 1e3:.3g} ms modelled; idle {100 * plan['bubble']:.1f}% of "
+                 f"stage time; GPipe's (K-1)/(M+K-1) = {100 * plan['bubble_formula']:.1f}%):")
+    lines += ["    " + row for row in gantt(plan["timeline"], K, plan["makespan_s"])]
+    lines.append("    digits: forward of microbatch 0-9, letters: backward of microbatch a=0, b=1, ...; '.' idle")
+    png = _gantt_png(base, plan)
+    lines.append(f"  chart: {png}" if png else "  (install the viz extra for a PNG of the schedule)")
+    return lines
+
+
+def gantt(rows, K, makespan):
+    """One text row per stage: each op fills the columns of its time span."""
+    chart = [["."] * WIDTH for _ in range(K)]
+    scale = WIDTH / makespan if makespan > 0 else 0.0
+    for r in rows:
+        mark = str(r["microbatch"] % 10) if r["op"] == "F" else chr(ord("a") + r["microbatch"] % 26)
+        lo = int(r["start"] * scale)
+        hi = max(lo + 1, int(round(r["end"] * scale)))
+        for c in range(lo, min(hi, WIDTH)):
+            chart[r["stage"]][c] = mark
+    return [f"stage {k} |{''.join(row)}|" for k, row in enumerate(chart)]
+
+
+def _gantt_png(base, plan):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    K = plan["stages"]
+    fig, ax = plt.subplots(figsize=(9, 0.6 * K + 1.5))
+    for r in plan["timeline"]:
+        color = "#4c8bd6" if r["op"] == "F" else "#e8913a"
+        ax.broken_barh([(r["start"] * 1e3, (r["end"] - r["start"]) * 1e3)], (r["stage"] - 0.4, 0.8), color=color,
+                       edgecolor="white")
+        ax.text((r["start"] + r["end"]) / 2 * 1e3, r["stage"], f"{r['op']}{r['microbatch']}", ha="center",
+                va="center", fontsize=7, color="white")
+    ax.set_yticks(range(K), [s["device"] for s in plan["stage"]])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms (cost model)")
+    ax.set_title(f"{plan['schedule']}, {K} stages, {plan['microbatches']} microbatches")
+    fig.tight_layout()
+    path = base + ".partition.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

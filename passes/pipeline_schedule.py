@@ -1,0 +1,103 @@
+"""Pipeline schedules: the order each stage runs its microbatches' forwards and backwards in,
+and their times under the cost model.
+
+  sequential  one microbatch at a time through every stage and back (no overlap)
+  gpipe       every forward, then every backward (GPipe); stage k holds M microbatches' activations
+  1f1b        stage k runs min(K-k, M) forwards, then alternates one backward and one forward, then
+              the remaining backwards (PipeDream-Flush); it holds at most K-k microbatches
+
+Timing is an event simulation: an op starts when its stage is free and its input has arrived
+(the previous stage's forward, or the next stage's backward, plus the transfer). With equal
+stages and no transfer time, GPipe and 1F1B idle a share (K-1)/(M+K-1) of the time (the bubble).
+"""
+
+SCHEDULES = ("sequential", "gpipe", "1f1b")
+
+
+def stage_orders(schedule, K, M):
+    """Per stage, the ops ("F"|"B", microbatch) in the order that stage runs them."""
+    if schedule == "sequential":
+        return [[(op, m) for m in range(M) for op in ("F", "B")] for _ in range(K)]
+    if schedule == "gpipe":
+        return [[("F", m) for m in range(M)] + [("B", m) for m in range(M)] for _ in range(K)]
+    if schedule == "1f1b":
+        orders = []
+        for k in range(K):
+            warm = min(K - k, M)
+            ops = [("F", m) for m in range(warm)]
+            for m in range(M - warm):
+                ops += [("B", m), ("F", warm + m)]
+            ops += [("B", m) for m in range(M - warm, M)]
+            orders.append(ops)
+        return orders
+    raise ValueError(f"unknown schedule {schedule!r} (use {', '.join(SCHEDULES)})")
+
+
+def in_flight(schedule, K, M):
+    """Most microbatches whose activations stage k holds at once."""
+    if schedule == "sequential":
+        return [1] * K
+    if schedule == "gpipe":
+        return [M] * K
+    return [min(K - k, M) for k in range(K)]
+
+
+def simulate(schedule, forward, backward, transfer, M):
+    """Rows {"stage", "op", "microbatch", "start", "end"} in start order, and the makespan.
+
+    forward[k], backward[k]: seconds of one microbatch's forward / backward on stage k;
+    transfer[k]: seconds to send one microbatch's boundary values from stage k to k+1 (and its
+    gradients back)."""
+    K = len(forward)
+    orders = stage_orders(schedule, K, M)
+    done, rows = {}, []
+    free = [0.0] * K
+    position = [0] * K
+    if schedule == "sequential":   # one microbatch at a time through the whole pipeline
+        t = 0.0
+        for m in range(M):
+            for op, stages in (("F", range(K)), ("B", range(K - 1, -1, -1))):
+                for k in stages:
+                    seconds = forward[k] if op == "F" else backward[k]
+                    rows.append({"stage": k, "op": op, "microbatch": m, "start": t, "end": t + seconds})
+                    t += seconds
+                    if op == "F" and k < K - 1:
+                        t += transfer[k]
+                    elif op == "B" and k > 0:
+                        t += transfer[k - 1]
+        return rows, t
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for k in range(K):
+            if position[k] == len(orders[k]):
+                continue
+            op, m = orders[k][position[k]]
+            if op == "F":
+                need = None if k == 0 else ("F", k - 1, m)
+                arrival = 0.0 if need is None else done.get(need)
+                arrival = arrival if need is None or arrival is None else arrival + transfer[k - 1]
+            else:
+                need = ("F", k, m) if k == K - 1 else ("B", k + 1, m)
+                arrival = done.get(need)
+                if arrival is not None and k < K - 1:
+                    arrival += transfer[k]
+            if arrival is None or ("F", k, m) not in done and op == "B":
+                continue
+            start = max(free[k], arrival)
+            end = start + (forward[k] if op == "F" else backward[k])
+            done[(op, k, m)] = free[k] = end
+            rows.append({"stage": k, "op": op, "microbatch": m, "start": start, "end": end})
+            position[k] += 1
+            remaining -= 1
+            progressed = True
+        if not progressed:
+            raise AssertionError(f"{schedule}: the stage orders deadlock")
+    rows.sort(key=lambda r: (r["start"], r["stage"]))
+    return rows, max(free)
+
+
+def bubble(rows, K, makespan):
+    """The share of stage-time spent idle."""
+    busy = sum(r["end"] - r["start"] for r in rows)
+    return 1.0 - busy / (K * makespan) if makespan > 0 else 0.0

@@ -1,0 +1,87 @@
+"""Placement: the device of every node, and a transfer node on every edge between devices.
+
+Forward nodes take the stage the partitioner gave them. A derivative node runs where the node it
+differentiates runs (`of`, followed back to a forward node or a param). A param lives with its
+pin, or else with its first forward reader. Inputs and constants are handed to every device by
+the caller, so they never travel. A value read on another device gets one transfer node per
+reading device (phase `transfer`), which every reader there shares.
+"""
+from .storage import LEAVES
+
+REPLICATED = ("input", "const")
+
+
+def device_name(target, stage, stages):
+    return target if stages == 1 else f"{target}:{stage}"
+
+
+def home(graph, n):
+    """The forward node or param whose device a derivative node runs on (n itself for those)."""
+    seen = set()
+    while graph.node(n)["phase"] != "forward" and graph.op(n) != "param":
+        of = graph.node(n).get("of")
+        of = None if of is None else graph.survivor(of)
+        if of is None or of in seen:
+            return None
+        seen.add(n)
+        n = of
+    return n
+
+
+def assign_stages(graph, stage_of, stages):
+    """stage per node from `stage_of` (forward nodes the partitioner placed). The rest: params by
+    pin or first reader; derivatives by home; other forward nodes (outputs the loss does not need)
+    with their latest operand. Replicated leaves get the stage of their first reader (a label)."""
+    stage = dict(stage_of)
+    order = graph.topo_order()
+    rank = {n: i for i, n in enumerate(order)}
+    for n in order:
+        if n in stage or graph.op(n) in LEAVES or graph.node(n)["phase"] != "forward":
+            continue
+        stage[n] = max((stage[u] for u in graph.operands(n) if u in stage), default=0)
+    for name, p in graph.params.items():
+        pin = graph.node(p).get("stage")
+        readers = sorted((u for u in graph.users(p) if u in stage), key=rank.get)
+        stage[p] = pin if pin is not None else (stage[readers[0]] if readers else 0)
+        if stage[p] >= stages:
+            raise ValueError(f"param {name!r} is pinned to stage {stage[p]} of {stages}")
+    for n in graph.inputs.values():   # an input is labelled with its first forward reader's stage
+        readers = [stage[u] for u in graph.users(n) if u in stage]
+        if readers:
+            stage[n] = min(readers)
+    for n in order:
+        if n in stage or graph.op(n) in REPLICATED:
+            continue
+        h = home(graph, n)
+        if h is not None and h in stage:
+            stage[n] = stage[h]
+        else:
+            stage[n] = max((stage[u] for u in graph.operands(n) if u in stage), default=stages - 1)
+    for n in order:   # the other replicated leaves: where they are first read
+        if n not in stage:
+            stage[n] = min((stage[u] for u in graph.users(n) if u in stage), default=0)
+    return stage
+
+
+def insert_transfers(graph, stage, target, stages):
+    """Set every node's device; add the transfer nodes. Returns [(transfer node, value, from, to)]."""
+    made = {}
+    for n in graph.topo_order():
+        graph.node(n)["device"] = device_name(target, stage[n], stages)
+    for n in graph.topo_order():
+        operands = graph.operands(n)
+        moved = list(operands)
+        for i, u in enumerate(operands):
+            if graph.op(u) in REPLICATED or stage[u] == stage[n]:
+                continue
+            key = (u, stage[n])
+            if key not in made:
+                t = graph.apply("transfer", [u], {"source": graph.node(u)["device"], "target": graph.node(n)["device"]},
+                                phase="transfer", src=graph.node(u)["src"], of=u)
+                graph.node(t)["device"] = graph.node(n)["device"]
+                stage[t] = stage[n]
+                made[key] = t
+            moved[i] = made[key]
+        if moved != operands:
+            graph.set_operands(n, moved)
+    return [(t, u, stage[u], to) for (u, to), t in made.items()]

@@ -1,0 +1,164 @@
+"""--devices K: stages, placement and transfers in the graph, and the built module against one device."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import gradc as gc
+from gradc.compiler import compile_model
+
+from test_memory import _dag, _inputs, _mlp
+
+
+def _load(out, name):
+    with open(out / f"{name}.graph.json") as f:
+        graph = json.load(f)
+    with open(out / f"{name}.partition.json") as f:
+        return graph, json.load(f)
+
+
+def _check_placement(graph, plan, K):
+    nodes = {n["id"]: n for n in graph["nodes"]}
+    devices = {f"cpu:{k}" for k in range(K)}
+    assert {n["device"] for n in nodes.values()} <= devices
+    for link in graph["links"]:   # a value read on another device always arrives by a transfer node
+        u, v = nodes[link["source"]], nodes[link["target"]]
+        if v["op"] == "transfer":
+            assert (u["device"], v["device"]) == (v["attrs"]["source"], v["attrs"]["target"]) != (u["device"],) * 2
+        elif u["op"] not in ("input", "const") and u["device"] != v["device"]:
+            raise AssertionError(f"%{u['id']} on {u['device']} is read by %{v['id']} on {v['device']}")
+    transfers = [n for n in nodes.values() if n["op"] == "transfer"]
+    assert transfers and all(n["phase"] == "transfer" for n in transfers)
+    assert {t["node"] for t in plan["transfers"]} == {n["id"] for n in transfers}
+    for n in nodes.values():   # every derivative runs where the node it differentiates runs
+        of = n.get("of")
+        if n["phase"] in ("backward", "second") and n["op"] not in ("input", "const") and of in nodes \
+                and nodes[of]["phase"] == "forward":
+            assert n["device"] == nodes[of]["device"], (n, nodes[of])
+    # the forward is cut into K non-empty contiguous stages of its order
+    stage_of = {n: s["stage"] for s in plan["stage"] for n in s["nodes"]}
+    forward = [n for n in plan["order"] if n in stage_of]
+    stages = [stage_of[n] for n in forward]
+    assert stages == sorted(stages) and set(stages) == set(range(K))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make,K", [(_mlp, 2), (_dag, 3)], ids=["mlp-2", "dag-3"])
+def test_devices_give_the_one_device_gradients(tmp_path, make, K):
+    model = make()
+    one = compile_model(model, out=str(tmp_path / "one"), order=2, bind={"B": 8}, warm_cache=False, dtype="float64")
+    many = compile_model(model, out=str(tmp_path / "many"), order=2, bind={"B": 8}, warm_cache=False,
+                         dtype="float64", devices=K, schedule="1f1b")
+    graph, plan = _load(tmp_path / "many", model.name)
+    _check_placement(graph, plan, K)
+    assert many.PARTITION == plan and one.PARTITION is None
+    assert set(many.MEMORY_PLAN["arena_bytes"]) == {f"cpu:{k}" for k in range(K)}
+    rng = np.random.default_rng(5)
+    params = one.init_params(2)
+    inputs = _inputs(one, 8, rng)
+    loss1, grads1 = one.loss_and_grad(params, **inputs)
+    lossK, gradsK = many.loss_and_grad(params, **inputs)
+    assert lossK == pytest.approx(loss1, abs=1e-10)
+    for k in grads1:
+        np.testing.assert_allclose(gradsK[k], grads1[k], rtol=0, atol=1e-10)
+    v = {k: rng.standard_normal(p.shape) for k, p in params.items()}
+    hv1, hvK = one.hvp(params, v, **inputs), many.hvp(params, v, **inputs)
+    for k in hv1:
+        np.testing.assert_allclose(hvK[k], hv1[k], rtol=0, atol=1e-10)
+    t1, tK = one.Trainer(params, optimizer="adam", lr=1e-2), many.Trainer(params, optimizer="adam", lr=1e-2)
+    for _ in range(3):
+        assert tK.step(**inputs) == pytest.approx(t1.step(**inputs), abs=1e-10)
+    stats = many.memory_stats()["arena_bytes"]
+    assert set(stats) == {f"cpu:{k}" for k in range(K)} and all(b > 0 for b in stats.values())
+
+
+def _pinned():
+    """Pins out of order: no contiguous cut can honour them."""
+    m = gc.Model("pinned")
+    x = m.input("x", ("B", 4))
+    with m.stage(1):
+        h = gc.tanh(x @ m.param("W0", (4, 8)))
+    h = gc.tanh(h @ m.param("W1", (8, 8)))
+    with m.stage(0):
+        h = gc.tanh(h @ m.param("W2", (8, 8)))
+    m.minimize(gc.mean(h * h))
+    return m
+
+
+def test_pins_hold_and_bad_pins_are_refused(tmp_path):
+    model = _pinned()
+    with pytest.raises(gc.GradcError, match=r"no cut of the model into 2 contiguous stages keeps every pinned op "
+                                            r"on its stage \(%\d+ \(matmul\) \[tests/test_devices.py:\d+\] -> stage 1"):
+        compile_model(model, out=str(tmp_path / "a"), order=1, bind={"B": 4}, warm_cache=False, devices=2)
+    m = gc.Model("late")
+    x = m.input("x", ("B", 4))
+    with m.stage(3):
+        y = gc.tanh(x @ m.param("W", (4, 4)))
+    m.minimize(gc.mean(y))
+    with pytest.raises(gc.GradcError, match=r"pinned to stage 3 but --devices is 2 \(stages 0..1\)"):
+        compile_model(m, out=str(tmp_path / "b"), order=1, bind={"B": 4}, warm_cache=False, devices=2)
+    with pytest.raises(gc.GradcError, match="stage index must be an int"):
+        with m.stage(-1):
+            pass
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_pin_moves_the_cut(tmp_path):
+    m = gc.Model("pin_cut")
+    x = m.input("x", ("B", 16))
+    h = x
+    for i in range(6):
+        if i == 1:
+            with m.stage(1):
+                h = gc.tanh(h @ m.param(f"W{i}", (16, 16)))
+        else:
+            h = gc.tanh(h @ m.param(f"W{i}", (16, 16)))
+    m.minimize(gc.mean(h * h))
+    compile_model(m, out=str(tmp_path), order=1, bind={"B": 8}, warm_cache=False, devices=2)
+    graph, plan = _load(tmp_path, "pin_cut")
+    assert "W1" in plan["stage"][1]["params"] and "W0" in plan["stage"][0]["params"]
+    _check_placement(graph, plan, 2)
+
+
+def test_device_option_errors(tmp_path):
+    model = _mlp(layers=2, width=4)
+    cases = [
+        (dict(devices=2), r"--devices needs every symbolic dim bound with --bind \(unbound: B"),
+        (dict(devices=2, bind={"B": 4}, device_memory=16), r"no cut of the model into 2 contiguous stages fits --device-memory 16 bytes"),
+        (dict(devices=500, bind={"B": 4}), r"--devices 500: the model has \d+ forward ops, fewer than 500 stages"),
+        (dict(devices=2, bind={"B": 4}, schedule="zigzag"), r"--schedule 'zigzag': use one of sequential, gpipe, 1f1b"),
+        (dict(devices=2, bind={"B": 4}, microbatches=4), r"--microbatches > 1 needs the pipeline executor"),
+        (dict(devices=2, bind={"B": 4}, memory_budget="1MiB"), r"--memory-budget with --devices K > 1 is not built yet"),
+        (dict(schedule="gpipe"), r"apply to --devices K with K > 1"),
+    ]
+    for options, message in cases:
+        with pytest.raises(gc.GradcError, match=message):
+            compile_model(model, out=str(tmp_path / "out"), order=1, warm_cache=False, **options)
+        assert not (tmp_path / "out").exists()
+
+
+CLI_MODEL = '''
+import gradc as gc
+m = gc.Model("chain")
+x = m.input("x", ("B", 8))
+h = x
+for i in range(4):
+    h = gc.tanh(h @ m.param(f"W{i}", (8, 8)))
+m.minimize(gc.mean(h * h))
+'''
+
+
+def test_cli_compile_with_devices_and_inspect_partition(tmp_path):
+    (tmp_path / "model.py").write_text(CLI_MODEL)
+    run = lambda *a: subprocess.run([sys.executable, "-m", "gradc.cli", *a], cwd=tmp_path, capture_output=True, text=True)
+    r = run("compile", "model.py", "-o", "out", "--bind", "B=16", "--devices", "2", "--schedule", "gpipe",
+            "--order", "1", "--no-warm")
+    assert r.returncode == 0, r.stderr
+    r = run("inspect", "out/chain", "--partition")
+    assert r.returncode == 0, r.stderr
+    for needle in ("partition: 2 stages on cpu, schedule gpipe", "stage 0 |", "stage 1 |", "transfers:", "W0", "W3"):
+        assert needle in r.stdout, needle
+    r = run("compile", "model.py", "-o", "out2", "--devices", "2", "--no-warm")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--bind" in r.stderr
