@@ -53,19 +53,20 @@ class EntryWriter:
             return self.names[n] if g.shape(n) != () else f"{self.names[n]}[0]"
         return f"t{n}"
 
-    def write(self, fname, plan, doc, flat_roots=None):
+    def write(self, fname, plan, doc, flat_roots=None, received=()):
         """The compiled function, running `plan`'s steps; `flat_roots` are returned together as one
-        flat `grads` buffer; intermediates are views of `arena` at the plan's offsets `offs`."""
+        flat `grads` buffer; intermediates are views of `arena` at the plan's offsets `offs`.
+        `received`: values computed elsewhere (another stage) that come in as arguments r<id>."""
         g = self.graph
         layout, _ = self._layout(flat_roots or ())
         roots = plan["roots"]
         order = plan["steps"]
         self._start_plan(plan)
-        leaves, consts = self._arguments(order, exclude=())
-        args = [self.names[n] for n in leaves] + [f"c{n}" for n in consts] + (["grads"] if flat_roots is not None else [])
-        args += ["arena", "offs"]
+        leaves, consts = self._arguments(order, exclude=(), received=received)
+        args = [self.names[n] for n in leaves] + [self.names[n] for n in received] + [f"c{n}" for n in consts]
+        args += (["grads"] if flat_roots is not None else []) + ["arena", "offs"]
         dims = self._dims(order, leaves)
-        body = [f"{dims[d]} = {src}" for d, src in self._dim_sources(order, leaves).items()]
+        body = [f"{dims[d]} = {src}" for d, src in self._dim_sources(order, list(leaves) + list(received)).items()]
         for step, n in enumerate(order):
             if g.op(n) in ("param", "input", "const"):
                 continue
@@ -100,13 +101,13 @@ class EntryWriter:
             offset += size
         return layout, offset
 
-    def _arguments(self, order, exclude):
+    def _arguments(self, order, exclude, received=()):
         """The leaves and constant arrays a compiled function takes, in argument order."""
         g = self.graph
         leaves = [n for n in order if g.op(n) in ("param", "input") and n not in exclude]
         # a dim the code needs but no argument carries (a value that depends on an input's shape
         # only): take the input that declares it as an argument too
-        carried = {d for n in leaves for d in g.shape(n) if isinstance(d, str)}
+        carried = {d for n in list(leaves) + list(received) for d in g.shape(n) if isinstance(d, str)}
         for d in sorted(set(self._dims(order, leaves)) - carried):
             leaves.append(next(n for n in g.inputs.values() if d in g.shape(n)))
             carried |= {x for x in g.shape(leaves[-1]) if isinstance(x, str)}
@@ -283,6 +284,7 @@ from numba import njit
 from gradc.runtime import Signature, TrainerBase, init_from, load_data
 from gradc.runtime.arena import Arena
 from gradc.runtime.hessian import hessian_buffer, in_blocks, second_order_missing, symmetrize
+from gradc.runtime.pipeline import Pipeline
 
 # float errors give inf/nan as in numpy, never raise; nogil lets Hessian blocks run on every core
 kernel = njit(cache=True, error_model="numpy", nogil=True)
@@ -354,6 +356,27 @@ def generate(graph, plans, info):
             "_hvp_block", plans["_hvp_block"], [(g.hvps[p], shapes[p]) for p in trainable], g.tangents,
             "Hessian-vector products: OUT[r] = H V[r] for each row of V (rows laid out as GRAD_SLICES).")
         entries["_hvp_block"] = ([g.hvps[p] for p in trainable], source, leaves, consts)
+
+    pipeline = info.get("pipeline")
+    stage_specs = {}   # (stage, kind) -> (fname, argument spec, roots)
+    for f in (pipeline or {}).get("functions", ()):
+        for r in f["received"]:
+            writer.names[r] = f"r{r}"
+        writer.scalar_roots = {f["objective"]} if f["objective"] is not None else set()
+        what = "forward" if f["kind"] == "F" else "backward"
+        doc = (f"Stage {f['stage']}'s {what} of one microbatch: returns " +
+               ", ".join(f"%{r}" for r in f["roots"]) + " (the objective, values other stages read, "
+               "the gradients here, and what this stage's backward reads).")
+        source, leaves, consts = writer.write(f["fname"], plans[f["fname"]], doc, None, f["received"])
+        for r in f["received"]:
+            del writer.names[r]
+        entries[f["fname"]] = (f["roots"], source, leaves, consts)
+        spec = [("p", leaf_name[n]) if g.op(n) == "param" else ("a", leaf_name[n]) for n in leaves]
+        for r in f["received"]:
+            u = g.operands(r)[0] if g.op(r) == "transfer" else None
+            spec.append(("p", leaf_name[u]) if u is not None and g.op(u) == "param" else ("v", r))
+        spec += [("c", f"c{n}") for n in consts]
+        stage_specs[(f["stage"], f["kind"])] = (f["fname"], tuple(spec), tuple(f["roots"]))
 
     data = {}
     for fname, (_, _, _, consts) in entries.items():
@@ -462,13 +485,30 @@ def generate(graph, plans, info):
         return ",\n        ".join(f'"{p}": {buffer}[{a}:{b}].reshape({shapes[p]!r})' for p, (a, b) in grad_slices.items())
 
     gdict = views("grads")
+    run_loss_and_grad = f"(loss,) = _loss_and_grad({', '.join(call('_loss_and_grad') + ['grads', arena('_loss_and_grad')])})"
+    if pipeline:
+        run_loss_and_grad = "loss = _PIPELINE.loss_and_grad(p, a, grads)"
+        functions = ",\n    ".join(f"({k}, {kind!r}): ({fname}, {fname!r}, {spec!r}, {roots!r})"
+                                    for (k, kind), (fname, spec, roots) in sorted(stage_specs.items()))
+        grad_nodes = {g.grads[p]: p for p in trainable if g.grads.get(p) is not None}
+        api.append("\n".join([
+            f"# loss_and_grad runs as {pipeline['stages']} stage(s) x (forward, backward) over {pipeline['microbatches']} "
+            f"microbatch(es), {pipeline['schedule']} schedule",
+            "_PIPELINE = Pipeline({",
+            f"    {functions},",
+            "}, transfers=" + repr(tuple(pipeline["transfers"])) + ",",
+            f"    objective={g.objective}, grad_nodes={grad_nodes!r}, grad_slices=GRAD_SLICES,",
+            f"    stages={pipeline['stages']}, schedule={pipeline['schedule']!r}, microbatches={pipeline['microbatches']},",
+            f"    reduction={pipeline['reduction']!r}, batch_inputs={pipeline['batch_inputs']!r},",
+            f"    weight_decay={pipeline['weight_decay']!r}, decayed={pipeline['decayed']!r}, arena=_ARENA, data=DATA)"])
+            + "\n")
     api.append("\n".join([
         "def loss_and_grad(params, /, **inputs):",
         '    """The objective (float) and its gradients for the trainable params (dict of views of one buffer)."""',
         "    p = _SIGNATURE.params(params)",
         '    a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS, "loss_and_grad")',
         "    grads = np.empty(GRAD_SIZE, FLOAT)",
-        f"    (loss,) = _loss_and_grad({', '.join(call('_loss_and_grad') + ['grads', arena('_loss_and_grad')])})",
+        f"    {run_loss_and_grad}",
         f"    return float(loss), {{\n        {gdict},\n    }}" if gdict else "    return float(loss), {}"]) + "\n")
 
     float_inputs = [i for i, n in g.inputs.items() if g.dtype(n).startswith("float")]
@@ -545,7 +585,7 @@ def generate(graph, plans, info):
         "    grad_slices = GRAD_SLICES",
         "",
         "    def _gradients(self, p, a, grads):",
-        f"        (loss,) = _loss_and_grad({', '.join(call('_loss_and_grad') + ['grads', arena('_loss_and_grad')])})",
+        f"        {run_loss_and_grad}",
         "        return loss"]) + "\n")
 
     sections = ["\n".join(out)] + (["# ---- scalar helpers " + "-" * 70, *helper_src] if helper_src else []) + [

@@ -16,10 +16,8 @@ from .version import __version__
 
 UNSUPPORTED = {
     "target": ("cpu", "only --target cpu is built so far (the CUDA backend is a later milestone)"),
-    "microbatches": (1, "--microbatches > 1 needs the pipeline executor, which is not built yet"),
-    "batch_dim": (None, "--batch-dim applies to microbatched pipelines, which are not built yet"),
 }
-DEVICE_OPTIONS = ("devices", "schedule", "device_memory")
+DEVICE_OPTIONS = ("devices", "schedule", "device_memory", "microbatches", "batch_dim")
 
 
 def check_options(options, src):
@@ -29,16 +27,20 @@ def check_options(options, src):
             raise GradcError(why, src)
 
 
-def device_options(options, graph, memory_budget, src):
-    """--devices, --schedule, --device-memory, checked: (K, schedule, device memory bytes or None)."""
+def device_options(options, model, dims, memory_budget, src):
+    """--devices, --schedule, --device-memory, --microbatches, --batch-dim, checked: a dict with
+    K, schedule, device_memory (bytes or None), M, batch (the batch dim when M > 1), reduction."""
+    from gradc.passes.rows import RowsError, batch_dim, loss_reduction
     from gradc.passes.pipeline_schedule import SCHEDULES
     from .sizes import parse_size
 
-    K = options.get("devices") or 1
+    K = 1 if options.get("devices") is None else options["devices"]
+    M = 1 if options.get("microbatches") is None else options["microbatches"]
     schedule = options.get("schedule") or "sequential"
     memory = options.get("device_memory")
-    if isinstance(K, bool) or not isinstance(K, int) or K < 1:
-        raise GradcError(f"--devices {K!r}: give a number of devices >= 1", src)
+    for flag, value in (("--devices", K), ("--microbatches", M)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise GradcError(f"{flag} {value!r}: give a whole number >= 1", src)
     if schedule not in SCHEDULES:
         raise GradcError(f"--schedule {schedule!r}: use one of {', '.join(SCHEDULES)}", src)
     if memory is not None:
@@ -48,18 +50,28 @@ def device_options(options, graph, memory_budget, src):
             raise GradcError(f"--device-memory: {e}", src) from None
         if memory == "auto":
             raise GradcError("--device-memory takes a size (auto is for --memory-budget)", src)
-    if K == 1:
-        if memory is not None or schedule != "sequential":
-            raise GradcError("--schedule and --device-memory apply to --devices K with K > 1", src)
-        return 1, schedule, None
-    unbound = sorted({d for n in graph.nx.nodes for d in graph.shape(n) if isinstance(d, str)})
-    if unbound:
-        raise GradcError(f"--devices needs every symbolic dim bound with --bind (unbound: {', '.join(unbound)}; "
-                         f"e.g. --bind {unbound[0]}=256)", src)
-    if memory_budget is not None:
-        raise GradcError("--memory-budget with --devices K > 1 is not built yet: each stage keeps every activation "
-                         "(use --device-memory to bound each device)", src)
-    return K, schedule, memory
+    if K == 1 and memory is not None:
+        raise GradcError("--device-memory applies to --devices K with K > 1", src)
+    if options.get("batch_dim") is not None and M == 1:
+        raise GradcError("--batch-dim names the dim --microbatches splits; give --microbatches M > 1 too", src)
+    if K > 1:
+        declared = {d for n in model.graph.nx.nodes for d in model.graph.shape(n) if isinstance(d, str)}
+        unbound = sorted(declared - set(dims))
+        if unbound:
+            raise GradcError(f"--devices needs every symbolic dim bound with --bind (unbound: {', '.join(unbound)}; "
+                             f"e.g. --bind {unbound[0]}=256)", src)
+    if (K > 1 or M > 1) and memory_budget is not None:
+        raise GradcError("--memory-budget with --devices K > 1 or --microbatches M > 1 is not built yet: each stage "
+                         "keeps every activation (use --device-memory to bound each device)", src)
+    batch = reduction = None
+    if M > 1:
+        try:
+            batch = batch_dim(model.graph, options.get("batch_dim"))
+            if model.graph.loss is not None:
+                reduction = loss_reduction(model.graph, batch)
+        except RowsError as e:
+            raise GradcError(f"--microbatches {M}: {e}", e.src or src) from None
+    return {"K": K, "M": M, "schedule": schedule, "device_memory": memory, "batch": batch, "reduction": reduction}
 
 
 def label_inputs(graph):
@@ -170,18 +182,44 @@ def resolve_budget(graph, memory_budget, src):
     return budget
 
 
-def plan_stages(graph, dims, K, target, device_memory, schedule, src):
-    """Cut the graph into K stages and place it (passes/devices.py); the PARTITION document."""
+def plan_stages(graph, dims, pipe, target, src):
+    """Cut the graph into K stages and place it (passes/devices.py); the PARTITION document (None for
+    one device)."""
     from gradc.passes.devices import DevicePlanError, plan_devices
     from gradc.passes.memory import entry_roots, representative_sizes, store_all_steps
 
+    if pipe["K"] == 1:
+        return None
     order = store_all_steps(graph, entry_roots(graph, 1)["_loss_and_grad"], representative_sizes(graph, dims))
     try:
-        doc = plan_devices(graph, order, dims, K, target, device_memory, schedule, microbatches=1)
+        doc = plan_devices(graph, order, dims, pipe["K"], target, pipe["device_memory"], pipe["schedule"], pipe["M"])
     except DevicePlanError as e:
         raise GradcError(str(e), src) from None
     graph.validate()
     return doc
+
+
+def plan_pipeline(graph, dims, pipe, model):
+    """The stage functions of loss_and_grad and what the executor needs (None without a pipeline):
+    (the executor's description, the stage functions' memory plans)."""
+    from gradc.passes.memory import entry_roots, plan_entry, representative_sizes, store_all_steps
+    from gradc.passes.stage_split import split_stages, transfers
+
+    if pipe["K"] == 1 and pipe["M"] == 1:
+        return None, {}
+    trainable = [p for p in graph.params if model.param_info[p]["trainable"]]
+    order = store_all_steps(graph, entry_roots(graph, 1)["_loss_and_grad"], representative_sizes(graph, dims))
+    functions = split_stages(graph, order, pipe["K"], trainable)
+    plans = {}
+    for f in functions:
+        plans[f["fname"]] = plan_entry(graph, f["fname"], f["steps"], f["roots"], dims)
+        plans[f["fname"]]["roots"] = f["roots"]
+    batch_inputs = tuple(name for name, n in graph.inputs.items()
+                         if pipe["batch"] is not None and graph.shape(n)[:1] == (pipe["batch"],))
+    decayed = tuple(p for p in trainable if model.param_info[p]["decay"]) if model.weight_decay else ()
+    return {"functions": functions, "transfers": transfers(graph), "schedule": pipe["schedule"],
+            "stages": pipe["K"], "microbatches": pipe["M"], "reduction": pipe["reduction"] or "mean",
+            "batch_inputs": batch_inputs, "weight_decay": model.weight_decay, "decayed": decayed}, plans
 
 
 def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bind=None, warm_cache=True,
@@ -199,6 +237,8 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
         raise GradcError(f"compile: expected a gradc.Model, got {type(model).__name__}")
     devices = {k: later_options.pop(k, None) for k in DEVICE_OPTIONS}
     check_options(dict(target=target, **later_options), model.src)
+    if model.graph.loss is None:
+        raise GradcError(f"model {model.name!r} has no minimize(loss): nothing to differentiate", model.src)
     if order not in (1, 2):
         raise GradcError(f"--order {order}: use 1 (gradients) or 2 (also hvp and hessian)", model.src)
     dims = dict(bind or {})
@@ -207,18 +247,19 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
             raise GradcError(f"--bind {d}={v}: a dim must be bound to an int >= 1", model.src)
     timings = {} if timings is None else timings
     t0 = time.perf_counter()
-    graph = build_training_graph(model, dtype, dims, timings, order=order)
+    pipe = device_options(devices, model, dims, memory_budget, model.src)
+    # microbatches run the code at other batch sizes: the batch dim stays symbolic in it (the plans bind it)
+    code_dims = {d: v for d, v in dims.items() if d != pipe["batch"]}
+    graph = build_training_graph(model, dtype, code_dims, timings, order=order)
     name = model.name
     info = {"name": name, "version": __version__, "dtype": dtype, "fingerprint": fingerprint(model, dtype, dims),
             "param_info": model.param_info, "labels": label_inputs(graph), "order": order,
             "source": source or model.src.rsplit(":", 1)[0]}
-    K, schedule, device_memory = device_options(devices, graph, memory_budget, model.src)
-    partition = None
-    if K > 1:
-        t = time.perf_counter()
-        partition = plan_stages(graph, dims, K, target, device_memory, schedule, model.src)
-        timings["partition"] = time.perf_counter() - t
+    t = time.perf_counter()
+    partition = plan_stages(graph, dims, pipe, target, model.src)
     info["partition"] = partition
+    info["pipeline"], stage_plans = plan_pipeline(graph, dims, pipe, model)
+    timings["partition"] = time.perf_counter() - t
     t = time.perf_counter()
     budget = resolve_budget(graph, memory_budget, model.src)
     try:
@@ -230,6 +271,7 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     timings["memory"] = time.perf_counter() - t
     memplan = memplan_document(graph, plans)
     info["memory_plan"] = summary(memplan)
+    plans.update(stage_plans)
     t = time.perf_counter()
     text, stored, meta = generate(graph, plans, info)
     timings["codegen"] = time.perf_counter() - t

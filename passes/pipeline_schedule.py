@@ -1,45 +1,11 @@
-"""Pipeline schedules: the order each stage runs its microbatches' forwards and backwards in,
-and their times under the cost model.
-
-  sequential  one microbatch at a time through every stage and back (no overlap)
-  gpipe       every forward, then every backward (GPipe); stage k holds M microbatches' activations
-  1f1b        stage k runs min(K-k, M) forwards, then alternates one backward and one forward, then
-              the remaining backwards (PipeDream-Flush); it holds at most K-k microbatches
+"""Pipeline schedules timed under the cost model (the orders are gradc/runtime/schedules.py).
 
 Timing is an event simulation: an op starts when its stage is free and its input has arrived
 (the previous stage's forward, or the next stage's backward, plus the transfer). With equal
 stages and no transfer time, GPipe and 1F1B idle a share (K-1)/(M+K-1) of the time (the bubble).
 """
 
-SCHEDULES = ("sequential", "gpipe", "1f1b")
-
-
-def stage_orders(schedule, K, M):
-    """Per stage, the ops ("F"|"B", microbatch) in the order that stage runs them."""
-    if schedule == "sequential":
-        return [[(op, m) for m in range(M) for op in ("F", "B")] for _ in range(K)]
-    if schedule == "gpipe":
-        return [[("F", m) for m in range(M)] + [("B", m) for m in range(M)] for _ in range(K)]
-    if schedule == "1f1b":
-        orders = []
-        for k in range(K):
-            warm = min(K - k, M)
-            ops = [("F", m) for m in range(warm)]
-            for m in range(M - warm):
-                ops += [("B", m), ("F", warm + m)]
-            ops += [("B", m) for m in range(M - warm, M)]
-            orders.append(ops)
-        return orders
-    raise ValueError(f"unknown schedule {schedule!r} (use {', '.join(SCHEDULES)})")
-
-
-def in_flight(schedule, K, M):
-    """Most microbatches whose activations stage k holds at once."""
-    if schedule == "sequential":
-        return [1] * K
-    if schedule == "gpipe":
-        return [M] * K
-    return [min(K - k, M) for k in range(K)]
+from gradc.runtime.schedules import SCHEDULES, in_flight, ready, stage_orders  # noqa: F401 (re-exported)
 
 
 def simulate(schedule, forward, backward, transfer, M):

@@ -1,0 +1,66 @@
+"""loss_and_grad split into one forward and one backward function per stage, for pipelines.
+
+Stage k's forward runs its forward nodes for one microbatch. It returns what other stages read
+(the sources of transfer nodes), what its own backward reads (the stash), and the objective
+when it is on k. Stage k's backward runs its backward nodes: it receives its stash and the
+transfers into k, and returns what other stages read and the gradients of the params on k.
+Transfer nodes run in neither: the executor hands a transfer node the value of its source
+(a copy between virtual devices, a message between MPI ranks).
+"""
+from .storage import LEAVES
+
+
+def stage_index(graph, n):
+    device = graph.node(n)["device"]
+    return int(device.rsplit(":", 1)[1]) if ":" in device else 0
+
+
+def split_stages(graph, order, K, trainable):
+    """[{"fname", "stage", "kind" ("F"|"B"), "steps", "received", "roots", "sends", "grads", "objective"}]
+    for every stage and kind; `order` is loss_and_grad's store-all order."""
+    transfer_of = {}   # source value -> transfer nodes that carry it
+    for n in graph.nx.nodes:
+        if graph.op(n) == "transfer":
+            transfer_of.setdefault(graph.operands(n)[0], []).append(n)
+    grad_root = {graph.grads[p]: p for p in trainable if graph.grads.get(p) is not None}
+    functions = []
+    for k in range(K):
+        mine = [n for n in order if stage_index(graph, n) == k and graph.op(n) not in LEAVES + ("transfer",)]
+        forward = [n for n in mine if graph.node(n)["phase"] == "forward"]
+        backward = [n for n in mine if graph.node(n)["phase"] != "forward"]
+        stash = [n for n in forward if any(u in backward for u in graph.users(n))]
+        for kind, nodes in (("F", forward), ("B", backward)):
+            members = set(nodes)
+            leaves, received = [], []
+            for n in nodes:
+                for u in graph.operands(n):
+                    if u in members:
+                        continue
+                    if graph.op(u) in LEAVES:
+                        leaves.append(u)
+                    elif graph.op(u) == "transfer" or (kind == "B" and u in stash):
+                        received.append(u)
+                    else:
+                        raise AssertionError(f"stage {k} {kind}: reads %{u} on {graph.node(u)['device']} without a transfer")
+            sends = [n for n in nodes if n in transfer_of]
+            grads = [n for n in nodes if n in grad_root]
+            objective = graph.objective if graph.objective in members else None
+            roots = list(dict.fromkeys(([objective] if objective is not None else []) + sends + grads
+                                       + (stash if kind == "F" else [])))
+            functions.append({"fname": f"_stage{k}_{'forward' if kind == 'F' else 'backward'}", "stage": k,
+                              "kind": kind, "steps": list(dict.fromkeys(leaves)) + nodes,
+                              "received": list(dict.fromkeys(received)), "roots": roots, "sends": sends,
+                              "grads": {n: grad_root[n] for n in grads}, "objective": objective})
+    return functions
+
+
+def transfers(graph):
+    """[(transfer node, source value, from stage, to stage, "F"|"B"|"param")]: when the source is made."""
+    out = []
+    for n in graph.nx.nodes:
+        if graph.op(n) != "transfer":
+            continue
+        u = graph.operands(n)[0]
+        when = "param" if graph.op(u) == "param" else "F" if graph.node(u)["phase"] == "forward" else "B"
+        out.append((n, u, stage_index(graph, u), stage_index(graph, n), when))
+    return sorted(out)
