@@ -85,7 +85,7 @@ class EntryWriter:
             else:
                 returned.append(v)
             seen.add(r)
-        body.append(f"return {', '.join(returned)}{',' if len(returned) == 1 else ''}")
+        body.append(f"return {', '.join(returned)}{',' if len(returned) == 1 else ''}" if returned else "return ()")
         lines = ["@kernel", f"def {fname}({', '.join(args)}):", f'    """{doc}"""']
         lines += ["    " + b for b in body]
         return "\n".join(lines), leaves, consts

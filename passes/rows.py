@@ -117,7 +117,7 @@ def _elementwise(graph, n, ins, shape):
     if reduced:
         kinds = {ins[i] for i in reduced}
         if len(kinds) > 1 or any(w is not NONE and not isinstance(w, tuple) for w in ins):
-            _fail(graph, n, "mixes a loss reduced over rows with other batch values")
+            _fail(graph, n, "mixes a value reduced over rows with other batch values")
         t = sp.Symbol("t", positive=True)
         expr = expr_of(graph, n)
         scaled = expr.xreplace({X[i]: t * X[i] for i in reduced})

@@ -41,6 +41,12 @@ class Pipeline:
         for node, key in last.items():
             self.drop_after.setdefault(key, []).append(node)
 
+    def reschedule(self, schedule, microbatches):
+        """Run later calls under another schedule or microbatch count (the compiled stage functions
+        depend on neither: the batch dim is symbolic in them)."""
+        self.schedule, self.M = schedule, microbatches
+        self.order = interleave(schedule, self.K, microbatches)
+
     def split(self, inputs):
         """M microbatches of the inputs, and their weights."""
         if self.M == 1:
