@@ -13,6 +13,7 @@ import sympy as sp
 
 from gradc.ops import get_op
 from gradc.ops.elementwise import expr_of
+from gradc.passes.stage_split import stage_index
 
 from .cpu import Kernels
 from .sympy_print import HELPERS
@@ -500,7 +501,9 @@ def generate(graph, plans, info):
             f"    objective={g.objective}, grad_nodes={grad_nodes!r}, grad_slices=GRAD_SLICES,",
             f"    stages={pipeline['stages']}, schedule={pipeline['schedule']!r}, microbatches={pipeline['microbatches']},",
             f"    reduction={pipeline['reduction']!r}, batch_inputs={pipeline['batch_inputs']!r},",
-            f"    weight_decay={pipeline['weight_decay']!r}, decayed={pipeline['decayed']!r}, arena=_ARENA, data=DATA)"])
+            f"    weight_decay={pipeline['weight_decay']!r}, decayed={pipeline['decayed']!r}, arena=_ARENA, data=DATA,",
+            f"    param_names={ {n: p for p, n in g.params.items()}!r}, objective_stage={stage_index(g, g.objective)},",
+            f"    grad_stages={ {p: stage_index(g, n) for n, p in grad_nodes.items()}!r})"])
             + "\n")
     api.append("\n".join([
         "def loss_and_grad(params, /, **inputs):",
@@ -509,7 +512,8 @@ def generate(graph, plans, info):
         '    a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS, "loss_and_grad")',
         "    grads = np.empty(GRAD_SIZE, FLOAT)",
         f"    {run_loss_and_grad}",
-        f"    return float(loss), {{\n        {gdict},\n    }}" if gdict else "    return float(loss), {}"]) + "\n")
+        (f"    return float(loss), _PIPELINE.owned({{\n        {gdict},\n    }})" if pipeline else
+         f"    return float(loss), {{\n        {gdict},\n    }}") if gdict else "    return float(loss), {}"]) + "\n")
 
     float_inputs = [i for i, n in g.inputs.items() if g.dtype(n).startswith("float")]
     idict = ", ".join([f'"{i}": {zero_or("gi_" + i, g.shape(g.inputs[i]))}' if i in input_grads
@@ -583,6 +587,7 @@ def generate(graph, plans, info):
         "    loss_inputs = _LOSS_INPUTS",
         "",
         "    grad_slices = GRAD_SLICES",
+        f"    pipeline = {'_PIPELINE' if pipeline else 'None'}",
         "",
         "    def _gradients(self, p, a, grads):",
         f"        {run_loss_and_grad}",

@@ -52,6 +52,8 @@ def device_options(options, model, dims, memory_budget, src):
             raise GradcError("--device-memory takes a size (auto is for --memory-budget)", src)
     if K == 1 and memory is not None:
         raise GradcError("--device-memory applies to --devices K with K > 1", src)
+    if K == 1 and M == 1 and schedule != "sequential":
+        raise GradcError("--schedule applies to pipelines: --devices K > 1 or --microbatches M > 1", src)
     if options.get("batch_dim") is not None and M == 1:
         raise GradcError("--batch-dim names the dim --microbatches splits; give --microbatches M > 1 too", src)
     if K > 1:

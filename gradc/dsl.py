@@ -104,7 +104,8 @@ class Model:
 
     @contextlib.contextmanager
     def stage(self, index):
-        """Pin the ops made inside the block (and the params declared there) to pipeline stage `index`."""
+        """Pin the ops made inside the block to pipeline stage `index` (--devices K); a param lives with
+        the first op that reads it."""
         src = user_src()
         if isinstance(index, bool) or not isinstance(index, numbers.Integral) or index < 0:
             raise GradcError(f"stage: the stage index must be an int >= 0, got {index!r}", src)

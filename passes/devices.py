@@ -104,10 +104,7 @@ def plan_devices(graph, order, dims, K, target="cpu", device_memory=None, schedu
         raise DevicePlanError(f"no cut of the model into {K} contiguous stages " + " and ".join(why)) from None
     bounds = starts + [len(groups)]
     stage_of = {n: k for k in range(K) for g in groups[bounds[k]:bounds[k + 1]] for n in g}
-    try:
-        stage = assign_stages(graph, stage_of, K)
-    except ValueError as e:
-        raise DevicePlanError(str(e)) from None
+    stage = assign_stages(graph, stage_of, K)
     transfers = insert_transfers(graph, stage, target, K)
     return _document(graph, problem, bounds, stage, transfers, costs, dims, target, K, schedule, microbatches,
                      flight, rate, link, slowest, device_memory, forward)

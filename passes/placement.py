@@ -2,7 +2,8 @@
 
 Forward nodes take the stage the partitioner gave them. A derivative node runs where the node it
 differentiates runs (`of`, followed back to a forward node or a param). A param lives with its
-pin, or else with its first forward reader. Inputs and constants are handed to every device by
+first forward reader: its gradient is made there (one reader) or summed there (the sum's `of`
+is the param), so the stage that owns a param also owns its gradient. Inputs and constants are handed to every device by
 the caller, so they never travel. A value read on another device gets one transfer node per
 reading device (phase `transfer`), which every reader there shares.
 """
@@ -29,8 +30,8 @@ def home(graph, n):
 
 
 def assign_stages(graph, stage_of, stages):
-    """stage per node from `stage_of` (forward nodes the partitioner placed). The rest: params by
-    pin or first reader; derivatives by home; other forward nodes (outputs the loss does not need)
+    """stage per node from `stage_of` (forward nodes the partitioner placed). The rest: params with
+    their first reader; derivatives by home; other forward nodes (outputs the loss does not need)
     with their latest operand. Replicated leaves get the stage of their first reader (a label)."""
     stage = dict(stage_of)
     order = graph.topo_order()
@@ -39,12 +40,9 @@ def assign_stages(graph, stage_of, stages):
         if n in stage or graph.op(n) in LEAVES or graph.node(n)["phase"] != "forward":
             continue
         stage[n] = max((stage[u] for u in graph.operands(n) if u in stage), default=0)
-    for name, p in graph.params.items():
-        pin = graph.node(p).get("stage")
+    for p in graph.params.values():   # with its first reader, which is where its gradient adds up
         readers = sorted((u for u in graph.users(p) if u in stage), key=rank.get)
-        stage[p] = pin if pin is not None else (stage[readers[0]] if readers else 0)
-        if stage[p] >= stages:
-            raise ValueError(f"param {name!r} is pinned to stage {stage[p]} of {stages}")
+        stage[p] = stage[readers[0]] if readers else 0
     for n in graph.inputs.values():   # an input is labelled with its first forward reader's stage
         readers = [stage[u] for u in graph.users(n) if u in stage]
         if readers:

@@ -23,6 +23,10 @@ def split_stages(graph, order, K, trainable):
         if graph.op(n) == "transfer":
             transfer_of.setdefault(graph.operands(n)[0], []).append(n)
     grad_root = {graph.grads[p]: p for p in trainable if graph.grads.get(p) is not None}
+    for r, p in grad_root.items():   # the stage that owns (and updates) a param makes its gradient
+        if stage_index(graph, r) != stage_index(graph, graph.params[p]):
+            raise AssertionError(f"the gradient of {p!r} is made on {graph.node(r)['device']}, "
+                                 f"but {p!r} lives on {graph.node(graph.params[p])['device']}")
     functions = []
     for k in range(K):
         mine = [n for n in order if stage_index(graph, n) == k and graph.op(n) not in LEAVES + ("transfer",)]

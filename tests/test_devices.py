@@ -129,9 +129,12 @@ def test_device_option_errors(tmp_path):
         (dict(devices=2, bind={"B": 4}, device_memory=16), r"no cut of the model into 2 contiguous stages fits --device-memory 16 bytes"),
         (dict(devices=500, bind={"B": 4}), r"--devices 500: the model has \d+ forward ops, fewer than 500 stages"),
         (dict(devices=2, bind={"B": 4}, schedule="zigzag"), r"--schedule 'zigzag': use one of sequential, gpipe, 1f1b"),
-        (dict(devices=2, bind={"B": 4}, microbatches=4), r"--microbatches > 1 needs the pipeline executor"),
-        (dict(devices=2, bind={"B": 4}, memory_budget="1MiB"), r"--memory-budget with --devices K > 1 is not built yet"),
-        (dict(schedule="gpipe"), r"apply to --devices K with K > 1"),
+        (dict(devices=2, bind={"B": 4}, microbatches=0), r"--microbatches 0: give a whole number >= 1"),
+        (dict(batch_dim="B"), r"--batch-dim names the dim --microbatches splits"),
+        (dict(microbatches=2, batch_dim="C"), r"--batch-dim C: no input has that dim"),
+        (dict(devices=2, bind={"B": 4}, memory_budget="1MiB"), r"--memory-budget with --devices K > 1 .* is not built yet"),
+        (dict(schedule="gpipe"), r"--schedule applies to pipelines"),
+        (dict(device_memory="1MiB"), r"--device-memory applies to --devices K with K > 1"),
     ]
     for options, message in cases:
         with pytest.raises(gc.GradcError, match=message):

@@ -5,10 +5,32 @@ batch split along its batch dim, sizes differing by at most one), in the schedul
 transfer node gets the value of its source when the source's function has run. Gradients and
 the loss add up over microbatches with weights B_m / B (a mean loss) or 1 (a sum); the weight
 decay term, which every microbatch's objective holds, is then corrected to count once.
+
+In one process every stage runs here, interleaved. Under `mpiexec -n K`, rank r runs stage r in
+its own order and exchanges transfers with mpi4py (through host memory): a value goes out as
+soon as it is made, and is received when a function first needs it. Messages of one transfer
+keep their order (MPI does not overtake between a pair of ranks on one tag), so the tag is the
+transfer's index. Every rank gets the loss; each rank's gradients are those of its own params.
 """
+import os
+
 import numpy as np
 
-from .schedules import interleave
+from .schedules import interleave, stage_orders
+
+MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+
+
+def mpi_world():
+    """COMM_WORLD under mpiexec with more than one process, else None."""
+    if not any(k in os.environ for k in MPI_ENV):
+        return None
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise RuntimeError("this process runs under mpiexec, which needs mpi4py: pip install 'gradc[mpi]'") from None
+    comm = MPI.COMM_WORLD
+    return comm if comm.Get_size() > 1 else None
 
 
 class Pipeline:
@@ -16,12 +38,19 @@ class Pipeline:
     an argument is ("p", param) | ("a", input) | ("v", node) | ("c", data key)."""
 
     def __init__(self, functions, transfers, objective, grad_nodes, grad_slices, *, stages, schedule, microbatches,
-                 reduction, batch_inputs, weight_decay, decayed, arena, data):
+                 reduction, batch_inputs, weight_decay, decayed, arena, data, param_names, objective_stage,
+                 grad_stages):
         self.functions = functions
+        self.transfers = transfers            # (transfer node, source, from stage, to stage, when made)
         self.sources = {}                     # (stage, kind) -> [(source node, transfer node)]
         for t, u, src, _, when in transfers:
             if when != "param":
                 self.sources.setdefault((src, when), []).append((u, t))
+        self.route = {t: (src, dst, i + 1) for i, (t, _, src, dst, _) in enumerate(transfers)}   # tag = index + 1
+        self.param_names = param_names        # param node -> name
+        self.objective_stage = objective_stage
+        self.grad_stages = grad_stages        # param -> the stage its gradient is made on
+        self._comm = False                    # not looked up yet
         self.objective = objective
         self.grad_nodes = grad_nodes          # node -> param
         self.grad_slices = grad_slices
@@ -40,6 +69,28 @@ class Pipeline:
         self.drop_after = {}
         for node, key in last.items():
             self.drop_after.setdefault(key, []).append(node)
+
+    @property
+    def comm(self):
+        """mpi4py's COMM_WORLD when this process is one rank of a pipeline run, else None."""
+        if self._comm is False:
+            comm = mpi_world()
+            if comm is not None and comm.Get_size() != self.K:
+                raise RuntimeError(f"this module was compiled for {self.K} stages, but mpiexec started "
+                                   f"{comm.Get_size()} processes; run mpiexec -n {self.K}")
+            self._comm = comm
+        return self._comm
+
+    def owned(self, grads):
+        """The gradients this process answers for: all of them, or under MPI its own params'."""
+        comm = self.comm
+        if comm is None:
+            return grads
+        return {k: v for k, v in grads.items() if self.grad_stages.get(k, 0) == comm.Get_rank()}
+
+    def allreduce(self, x):
+        comm = self.comm
+        return x if comm is None else comm.allreduce(x)
 
     def reschedule(self, schedule, microbatches):
         """Run later calls under another schedule or microbatch count (the compiled stage functions
@@ -67,11 +118,56 @@ class Pipeline:
         """The objective; its gradients are added into the flat `grads` (zeroed here)."""
         micro, weights = self.split(inputs)
         grads[:] = 0.0
-        values, loss = {}, 0.0
-        for k, kind, m in self.order:
+        comm = self.comm
+        if comm is None:
+            loss = self._run(self.order, params, micro, weights, grads, None)
+        else:
+            rank = comm.Get_rank()
+            params, sent = self._exchange_params(comm, rank, params)
+            order = [(rank, op, m) for op, m in stage_orders(self.schedule, self.K, self.M)[rank]]
+            loss = self._run(order, params, micro, weights, grads, comm)
+            loss = comm.bcast(loss, root=self.objective_stage)
+            for request in sent:
+                request.wait()
+        return loss + self._decay_once(params, weights, grads)
+
+    def _exchange_params(self, comm, rank, params):
+        """Params read on other stages go there from the stage that owns (and updates) them."""
+        params, sent = dict(params), []
+        for t, u, src, dst, when in self.transfers:
+            if when == "param":
+                name, tag = self.param_names[u], self.route[t][2]
+                if src == rank:
+                    sent.append(comm.isend(params[name], dest=dst, tag=tag))
+                elif dst == rank:
+                    params[name] = comm.recv(source=src, tag=tag)
+        return params, sent
+
+    def _decay_once(self, params, weights, grads):
+        """Every microbatch's objective held the weight decay term: leave it counted once."""
+        extra = 1.0 - sum(weights)
+        if not (self.weight_decay and extra):
+            return 0.0
+        comm = self.comm
+        mine = [n for n in self.decayed if comm is None or self.grad_stages.get(n, 0) == comm.Get_rank()]
+        squares = 0.0
+        for name in mine:
+            a, b = self.grad_slices[name]
+            p = params[name].reshape(-1)
+            grads[a:b] += extra * self.weight_decay * p
+            squares += float(p @ p)
+        return extra * 0.5 * self.weight_decay * self.allreduce(squares)
+
+    def _run(self, order, params, micro, weights, grads, comm):
+        """Run `order`'s (stage, op, microbatch) and return this process's share of the loss."""
+        values, loss, sent = {}, 0.0, []
+        for k, kind, m in order:
             fn, fname, spec, roots = self.functions[(k, kind)]
             args = []
             for what, key in spec:
+                if what == "v" and (key, m) not in values:   # only under MPI: a transfer from another rank
+                    src, _, tag = self.route[key]
+                    values[(key, m)] = comm.recv(source=src, tag=tag)
                 args.append(params[key] if what == "p" else micro[m][key] if what == "a" else
                             values[(key, m)] if what == "v" else self.data[key])
             results = fn(*args, *self.arena.get(fname, micro[m]))
@@ -83,18 +179,18 @@ class Pipeline:
                     grads[a:b] += weights[m] * np.asarray(value).reshape(-1)
                 values[(node, m)] = value
             for u, t in self.sources.get((k, kind), ()):
-                if (u, m) in values:   # (transfers that only hvp or input_grads read are not made here)
+                if (u, m) not in values:
+                    continue   # (transfers that only hvp or input_grads read are not made here)
+                if comm is None:
                     values[(t, m)] = values[(u, m)]   # virtual devices: the transfer hands the array over
+                else:
+                    _, dst, tag = self.route[t]
+                    sent.append(comm.isend(values[(u, m)], dest=dst, tag=tag))
             for node in roots:
                 if node not in self.read:
                     values.pop((node, m), None)
             for node in self.drop_after.get((k, kind), ()):
                 values.pop((node, m), None)
-        extra = 1.0 - sum(weights)   # every microbatch's objective held the weight decay term once
-        if self.weight_decay and extra:
-            for name in self.decayed:
-                a, b = self.grad_slices[name]
-                p = params[name].reshape(-1)
-                grads[a:b] += extra * self.weight_decay * p
-                loss += extra * 0.5 * self.weight_decay * float(p @ p)
+        for request in sent:
+            request.wait()
         return loss

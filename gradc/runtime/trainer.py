@@ -6,7 +6,7 @@ import tempfile
 
 import numpy as np
 
-from .optim import adam_step, sgd_step
+from .optim import adam_step, clip_scale, sgd_step, sum_squares
 
 OPTIMIZERS = ("sgd", "adam")
 
@@ -24,6 +24,7 @@ class TrainerBase:
     signature = fingerprint = model_name = None
     param_order = loss_inputs = ()
     grad_slices = {}
+    pipeline = None        # the pipeline executor of a --devices / --microbatches build
 
     def __init__(self, params, /, optimizer="sgd", lr=0.01, momentum=0.0, betas=(0.9, 0.999), eps=1e-8,
                  clip_norm=None):
@@ -78,14 +79,23 @@ class TrainerBase:
         p = self.signature.params(self.params, exact=True)
         loss = self._gradients(p, a, self._grads)
         grads = self._grads
+        clip = self.clip
+        if self.pipeline is not None and self.pipeline.comm is not None:
+            # each rank holds its own params' gradients: the norm (for clipping and the finite check) is global
+            sq = self.pipeline.allreduce(sum_squares(grads))
+            if not math.isfinite(sq):
+                raise FloatingPointError(f"{self.model_name}.Trainer.step {self.steps + 1}: the gradient is not "
+                                         f"finite; parameters and optimizer state are left as they were")
+            grads *= grads.dtype.type(clip_scale(sq, clip))
+            clip = math.inf
         f = self.signature.float.type   # hyperparameters in the params' dtype
         if self.optimizer == "sgd":
-            sq = sgd_step(self._flat, self.state["momentum"], grads, loss, f(self.lr), f(self.momentum), self.clip)
+            sq = sgd_step(self._flat, self.state["momentum"], grads, loss, f(self.lr), f(self.momentum), clip)
         else:
             t = self.steps + 1
             sq = adam_step(self._flat, self.state["m"], self.state["v"], grads, loss, f(self.lr), f(self.betas[0]),
                            f(self.betas[1]), f(self.eps), f(1.0 - self.betas[0] ** t), f(1.0 - self.betas[1] ** t),
-                           self.clip)
+                           clip)
         if not (math.isfinite(loss) and math.isfinite(sq)):
             what = f"the loss is {loss}" if not math.isfinite(loss) else "the gradient is not finite"
             raise FloatingPointError(f"{self.model_name}.Trainer.step {self.steps + 1}: {what}; parameters and "
