@@ -96,7 +96,8 @@ def launch(out, ms, calls, ranks):
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     if r.returncode != 0:
         raise SystemExit(f"worker failed ({ranks} ranks):\n{r.stdout}\n{r.stderr}")
-    return {k if k == "one-device" else int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
+    line = [x for x in r.stdout.splitlines() if x.startswith("{")][-1]   # (mpiexec adds terminal codes after it)
+    return {k if k == "one-device" else int(k): v for k, v in json.loads(line).items()}
 
 
 def main():

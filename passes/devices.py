@@ -124,6 +124,8 @@ def _document(graph, problem, bounds, stage, transfers, costs, dims, target, K, 
         param_bytes = sum(_value_bytes(graph, graph.params[p], dims) for p in params)
         stages.append({"stage": k, "device": device_name(target, k, K), "nodes": nodes, "params": params,
                        "forward_flops": int(fwd), "backward_flops": int(bwd), "second_order_flops": int(second),
+                       "bytes_read": int(sum(costs[n]["read"] for n in nodes if n in costs)),
+                       "bytes_written": int(sum(costs[n]["written"] for n in nodes if n in costs)),
                        "kept_bytes_per_microbatch": int(kept), "in_flight": flight[k],
                        "memory_bytes": int(kept * flight[k] + 2 * param_bytes),
                        "sent_bytes": 0, "received_bytes": 0})
