@@ -261,6 +261,10 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     partition = plan_stages(graph, dims, pipe, target, model.src)
     info["partition"] = partition
     info["pipeline"], stage_plans = plan_pipeline(graph, dims, pipe, model)
+    for stage in (partition or {}).get("stage", ()):   # what the stage functions' own plans hold at their peak
+        k = stage["stage"]
+        stage["function_peak_bytes"] = {kind: stage_plans[f"_stage{k}_{kind}"]["peak_bytes"]
+                                        for kind in ("forward", "backward")}
     timings["partition"] = time.perf_counter() - t
     t = time.perf_counter()
     budget = resolve_budget(graph, memory_budget, model.src)

@@ -48,8 +48,9 @@ def _check_placement(graph, plan, K):
 @pytest.mark.parametrize("make,K", [(_mlp, 2), (_dag, 3)], ids=["mlp-2", "dag-3"])
 def test_devices_give_the_one_device_gradients(tmp_path, make, K):
     model = make()
-    one = compile_model(model, out=str(tmp_path / "one"), order=2, bind={"B": 8}, warm_cache=False, dtype="float64")
-    many = compile_model(model, out=str(tmp_path / "many"), order=2, bind={"B": 8}, warm_cache=False,
+    order = 2 if K == 3 else 1   # hvp through transfers once (it compiles slowly)
+    one = compile_model(model, out=str(tmp_path / "one"), order=order, bind={"B": 8}, warm_cache=False, dtype="float64")
+    many = compile_model(model, out=str(tmp_path / "many"), order=order, bind={"B": 8}, warm_cache=False,
                          dtype="float64", devices=K, schedule="1f1b")
     graph, plan = _load(tmp_path / "many", model.name)
     _check_placement(graph, plan, K)
@@ -63,10 +64,11 @@ def test_devices_give_the_one_device_gradients(tmp_path, make, K):
     assert lossK == pytest.approx(loss1, abs=1e-10)
     for k in grads1:
         np.testing.assert_allclose(gradsK[k], grads1[k], rtol=0, atol=1e-10)
-    v = {k: rng.standard_normal(p.shape) for k, p in params.items()}
-    hv1, hvK = one.hvp(params, v, **inputs), many.hvp(params, v, **inputs)
-    for k in hv1:
-        np.testing.assert_allclose(hvK[k], hv1[k], rtol=0, atol=1e-10)
+    if order == 2:
+        v = {k: rng.standard_normal(p.shape) for k, p in params.items()}
+        hv1, hvK = one.hvp(params, v, **inputs), many.hvp(params, v, **inputs)
+        for k in hv1:
+            np.testing.assert_allclose(hvK[k], hv1[k], rtol=0, atol=1e-10)
     t1, tK = one.Trainer(params, optimizer="adam", lr=1e-2), many.Trainer(params, optimizer="adam", lr=1e-2)
     for _ in range(3):
         assert tK.step(**inputs) == pytest.approx(t1.step(**inputs), abs=1e-10)
