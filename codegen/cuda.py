@@ -1,0 +1,223 @@
+"""Numba CUDA kernels for `--target cuda`: one source per distinct computation, as codegen/cpu.py.
+
+Every kernel writes into an `out` device array. Elementwise kernels, transposes and copies run one
+thread per output element (the flat index unravelled over `out`'s shape); reductions, softmax and
+the label ops run one thread per kept index; the GEMM runs a 16x16 thread block per 16x16 tile of
+`out`, staging both operands through shared memory, with the transposes read in place (the
+backward's dX = dZ W^T and dW = X^T dZ need no copy). A scalar value is a one-element array.
+`launch` says each kernel's grid, over one of its arguments (by position; -1 is `out`):
+("flat", arg) covers that array's elements; ("rows", arg, axes) its index over the axes not
+reduced; ("tiles", -1) the GEMM's tiles of `out`.
+
+The host code that launches them in the memory plan's order (and captures that in a CUDA graph)
+is not written yet; tests run these kernels under numba-cuda's simulator against numpy.
+"""
+import sympy as sp
+
+from gradc.ops.elementwise import X
+from gradc.runtime.cuda import TILE
+
+from .sympy_print import print_block
+
+
+
+def _index(names):
+    return ", ".join(names) if names else "0"
+
+
+def _unravel(rank, flat="i", shape="out.shape", pad="    "):
+    """Lines that turn a flat index into i0..i{rank-1} over `shape` (C order)."""
+    lines = [f"{pad}r = {flat}"]
+    for d in reversed(range(rank)):
+        lines.append(f"{pad}i{d} = r % {shape}[{d}]")
+        if d:
+            lines.append(f"{pad}r //= {shape}[{d}]")
+    return lines
+
+
+class CudaKernels:
+    """CUDA kernel sources for one module, deduplicated by key; `launch[name]` is its grid."""
+
+    def __init__(self):
+        self._by_key = {}
+        self.sources = []     # (name, source, doc)
+        self.helpers = set()  # scalar helpers (device functions) the kernels call
+        self.launch = {}
+
+    def _get(self, key, hint, make):
+        if key not in self._by_key:
+            name = f"g{len(self.sources)}_{hint}"
+            source, doc, grid = make(name)
+            self._by_key[key] = name
+            self.sources.append((name, source, doc))
+            self.launch[name] = grid
+        return self._by_key[key]
+
+    # ---- elementwise ----------------------------------------------------------------------
+    def elementwise(self, expr, patterns, out_rank, hint):
+        """patterns[j]: None for a scalar operand (a one-element array), else per operand dim the
+        out dim it runs along (-1 where the operand has size 1 and is broadcast)."""
+        key = ("ew", sp.srepr(expr), tuple(patterns), out_rank)
+        return self._get(key, hint, lambda name: self._elementwise_source(name, expr, patterns, out_rank))
+
+    def _elementwise_source(self, name, expr, patterns, out_rank):
+        args = [f"x{j}" for j in range(len(patterns))]
+        loads, names = [], {}
+        for j, pat in enumerate(patterns):
+            if pat is None or not pat:
+                loads.append(f"    a{j} = x{j}[0]" if pat is None else f"    a{j} = x{j}[()]")
+            else:
+                loads.append(f"    a{j} = x{j}[{_index(['0' if d < 0 else f'i{d}' for d in pat])}]")
+            names[X[j]] = sp.Symbol(f"a{j}", real=True)
+        target = f"out[{_index([f'i{d}' for d in range(out_rank)])}]" if out_rank else "out[0]"
+        block, helpers = print_block(expr, names, target)
+        self.helpers |= helpers
+        lines = [f"def {name}({', '.join(args + ['out'])}):", "    i = cuda.grid(1)", "    if i >= out.size:",
+                 "        return"]
+        lines += _unravel(out_rank) if out_rank else []
+        lines += loads + ["    " + b for b in block]
+        return "\n".join(lines), f"out = {expr}", ("flat", -1)
+
+    # ---- matmul ---------------------------------------------------------------------------
+    def matmul(self, transpose_a, transpose_b):
+        """out = op(a) @ op(b), op a transpose where asked, read in place."""
+        key = ("matmul", transpose_a, transpose_b)
+        return self._get(key, "gemm", lambda name: self._matmul_source(name, transpose_a, transpose_b))
+
+    def _matmul_source(self, name, ta, tb):
+        a_at = "a[k, row]" if ta else "a[row, k]"
+        b_at = "b[col, k]" if tb else "b[k, col]"
+        lines = [
+            f"def {name}(a, b, out):",
+            f"    sa = cuda.shared.array(({TILE}, {TILE}), FLOAT_T)",
+            f"    sb = cuda.shared.array(({TILE}, {TILE}), FLOAT_T)",   # its own line: the simulator keys shared arrays by line
+            "    tx = cuda.threadIdx.x",
+            "    ty = cuda.threadIdx.y",
+            f"    row = cuda.blockIdx.y * {TILE} + ty",
+            f"    col = cuda.blockIdx.x * {TILE} + tx",
+            "    m = out.shape[0]",
+            "    n = out.shape[1]",
+            f"    depth = a.shape[{0 if ta else 1}]",
+            "    acc = 0.0",
+            f"    for t in range((depth + {TILE - 1}) // {TILE}):",
+            f"        k = t * {TILE} + tx",
+            f"        sa[ty, tx] = {a_at} if row < m and k < depth else 0.0",
+            f"        k = t * {TILE} + ty",
+            f"        sb[ty, tx] = {b_at} if k < depth and col < n else 0.0",
+            "        cuda.syncthreads()",
+            f"        for j in range({TILE}):",
+            "            acc += sa[ty, j] * sb[j, tx]",
+            "        cuda.syncthreads()",
+            "    if row < m and col < n:",
+            "        out[row, col] = acc"]
+        doc = f"out = {'a.T' if ta else 'a'} @ {'b.T' if tb else 'b'} ({TILE}x{TILE} tiles through shared memory)"
+        return "\n".join(lines), doc, ("tiles", -1)
+
+    # ---- reductions -----------------------------------------------------------------------
+    def reduction(self, op, rank, axes, keepdims):
+        """sum / mean / max over `axes`; a full reduction without keepdims writes out[0]."""
+        key = ("reduce", op, rank, tuple(axes), keepdims)
+        return self._get(key, op, lambda name: self._reduction_source(name, op, rank, axes, keepdims))
+
+    def _reduction_source(self, name, op, rank, axes, keepdims):
+        kept = [d for d in range(rank) if d not in axes]
+        lines = [f"def {name}(x0, out):", "    i = cuda.grid(1)"]
+        lines += [f"    count = {' * '.join(f'x0.shape[{d}]' for d in kept) or '1'}", "    if i >= count:", "        return"]
+        # unravel i over the kept dims of x0
+        lines.append("    r = i")
+        for d in reversed(kept):
+            lines += [f"    i{d} = r % x0.shape[{d}]", f"    r //= x0.shape[{d}]"]
+        acc = "-math.inf" if op == "max" else "0.0"
+        lines.append(f"    acc = {acc}")
+        pad = "    "
+        for depth, d in enumerate(axes):
+            lines.append(f"{pad * (1 + depth)}for i{d} in range(x0.shape[{d}]):")
+        inner = pad * (1 + len(axes))
+        read = f"x0[{_index([f'i{d}' for d in range(rank)])}]"
+        if op == "max":   # NaN wins, as in numpy
+            lines += [f"{inner}v = {read}", f"{inner}if v > acc or v != v:", f"{inner}    acc = v"]
+        else:
+            lines.append(f"{inner}acc += {read}")
+        if op == "mean":
+            lines.append(f"    acc /= {' * '.join(f'x0.shape[{d}]' for d in axes) or '1'}")
+        if keepdims:
+            target = _index(["0" if d in axes else f"i{d}" for d in range(rank)])
+        else:
+            target = _index([f"i{d}" for d in kept])
+        lines.append(f"    out[{target}] = acc")
+        return "\n".join(lines), f"{op} over axes {tuple(axes)}", ("rows", 0, tuple(axes))
+
+    # ---- softmax family and labels -----------------------------------------------------------
+    def softmax(self, op, rank, axis):
+        key = (op, rank, axis)
+        return self._get(key, op, lambda name: self._softmax_source(name, op, rank, axis))
+
+    def _softmax_source(self, name, op, rank, axis):
+        kept = [d for d in range(rank) if d != axis]
+        lines = [f"def {name}(x0, out):", "    i = cuda.grid(1)",
+                 f"    count = {' * '.join(f'x0.shape[{d}]' for d in kept) or '1'}", "    if i >= count:", "        return",
+                 "    r = i"]
+        for d in reversed(kept):
+            lines += [f"    i{d} = r % x0.shape[{d}]", f"    r //= x0.shape[{d}]"]
+        idx = _index([f"i{d}" for d in range(rank)])
+        lines += ["    m = -math.inf", f"    for i{axis} in range(x0.shape[{axis}]):", f"        v = x0[{idx}]",
+                  "        if v > m or v != v:", "            m = v", "    total = 0.0",
+                  f"    for i{axis} in range(x0.shape[{axis}]):", f"        total += math.exp(x0[{idx}] - m)"]
+        if op == "log_softmax":
+            lines += ["    shift = m + math.log(total)", f"    for i{axis} in range(x0.shape[{axis}]):",
+                      f"        out[{idx}] = x0[{idx}] - shift"]
+        else:
+            lines += ["    scale = 1.0 / total", f"    for i{axis} in range(x0.shape[{axis}]):",
+                      f"        out[{idx}] = math.exp(x0[{idx}] - m) * scale"]
+        return "\n".join(lines), f"{op} along axis {axis} (max subtracted first)", ("rows", 0, (axis,))
+
+    def pick(self):
+        return self._get(("pick",), "pick", lambda name: (
+            f"def {name}(x0, labels, out):\n"
+            "    i = cuda.grid(1)\n"
+            "    if i < out.shape[0]:\n"
+            "        out[i] = x0[i, labels[i]]", "out[i] = x0[i, labels[i]]", ("flat", -1)))
+
+    def pick_grad(self):
+        return self._get(("pick_grad",), "pick_grad", lambda name: (
+            f"def {name}(g, labels, out):\n"
+            "    i = cuda.grid(1)\n"
+            "    if i < out.shape[0]:\n"
+            "        for c in range(out.shape[1]):\n"
+            "            out[i, c] = g[i] if c == labels[i] else 0.0", "out[i, labels[i]] = g[i], zeros elsewhere",
+            ("rows", -1, (1,))))
+
+    def argmax_mask(self, rank, axes):
+        """1 at the first maximum over `axes`, 0 elsewhere (one thread per kept index)."""
+        key = ("argmax_mask", rank, tuple(axes))
+
+        def make(name):
+            kept = [d for d in range(rank) if d not in axes]
+            idx = _index([f"i{d}" for d in range(rank)])
+            src = [f"def {name}(x0, out):", "    i = cuda.grid(1)",
+                   f"    count = {' * '.join(f'x0.shape[{d}]' for d in kept) or '1'}", "    if i >= count:",
+                   "        return", "    r = i"]
+            for d in reversed(kept):
+                src += [f"    i{d} = r % x0.shape[{d}]", f"    r //= x0.shape[{d}]"]
+            src += ["    m = -math.inf", "    found = False"] + [f"    b{d} = 0" for d in axes]
+            loops = [("    " * (1 + k)) + f"for i{d} in range(x0.shape[{d}]):" for k, d in enumerate(axes)]
+            inner = "    " * (1 + len(axes))
+            src += loops + [f"{inner}out[{idx}] = 0.0", f"{inner}v = x0[{idx}]", f"{inner}if not found or v > m:",
+                            f"{inner}    m = v", f"{inner}    found = True"] + [f"{inner}    b{d} = i{d}" for d in axes]
+            src.append(f"    out[{_index([f'b{d}' if d in axes else f'i{d}' for d in range(rank)])}] = 1.0")
+            return "\n".join(src), f"1 at the first maximum over axes {tuple(axes)}", ("rows", 0, tuple(axes))
+        return self._get(key, "argmax_mask", make)
+
+    def transpose(self, axes):
+        """out = x0 transposed by `axes` (one thread per output element)."""
+        axes = tuple(axes)
+        key = ("transpose", axes)
+
+        def make(name):
+            rank = len(axes)
+            source = [f"def {name}(x0, out):", "    i = cuda.grid(1)", "    if i >= out.size:", "        return"]
+            source += _unravel(rank)
+            source.append(f"    out[{_index([f'i{d}' for d in range(rank)])}] = "
+                          f"x0[{_index([f'i{axes.index(d)}' for d in range(rank)])}]")
+            return "\n".join(source), f"out = x0.transpose{axes}", ("flat", -1)
+        return self._get(key, "transpose", make)

@@ -1,0 +1,62 @@
+"""Kernels of codegen/cuda.py and the numpy each must match (tests/test_cuda_kernels.py)."""
+import sympy as sp
+
+from gradc.ops.elementwise import X
+from gradc.ops import get_op
+from codegen.cuda import CudaKernels
+from codegen.sympy_print import HELPERS
+
+_K = CudaKernels()
+CASES = []
+
+
+def _case(id, kernel, args, inputs, out, numpy, classes=None):
+    CASES.append({"id": id, "kernel": kernel, "args": args, "inputs": inputs, "out": out, "numpy": numpy,
+                  "classes": classes})
+
+
+# GEMM with every transpose, sizes off the 16x16 tile
+for ta in (False, True):
+    for tb in (False, True):
+        a = (33, 17) if ta else (17, 33)
+        b = (5, 33) if tb else (33, 5)
+        _case(f"gemm{int(ta)}{int(tb)}", _K.matmul(ta, tb), ["a", "b"], {"a": [a, "f"], "b": [b, "f"]}, [17, 5],
+              f"{'a.T' if ta else 'a'} @ {'b.T' if tb else 'b'}")
+# fused elementwise: a derived backward prologue g * tanh'(z) with a broadcast bias, and a scalar operand
+expr = X[0] * (1 - sp.tanh(X[1] + X[2]) ** 2) * X[3]
+_case("fused_tanh_grad", _K.elementwise(expr, [(0, 1), (0, 1), (-1, 1), None], 2, "tanh_grad"),
+      ["g", "z", "b", "s"], {"g": [[6, 7], "f"], "z": [[6, 7], "f"], "b": [[1, 7], "f"], "s": [[1], "f"]}, [6, 7],
+      "g * (1 - np.tanh(z + b) ** 2) * s[0]")
+sig = get_op("sigmoid").expr
+_case("sigmoid_rank1", _K.elementwise(sig, [(0,)], 1, "sigmoid"), ["x"], {"x": [[9], "f"]}, [9],
+      "1 / (1 + np.exp(-x))")
+# reductions over various axes
+_case("sum_rows", _K.reduction("sum", 2, (0,), False), ["x"], {"x": [[7, 5], "f"]}, [5], "x.sum(0)")
+_case("mean_keep", _K.reduction("mean", 3, (1, 2), True), ["x"], {"x": [[3, 4, 5], "f"]}, [3, 1, 1],
+      "x.mean((1, 2), keepdims=True)")
+_case("max_all", _K.reduction("max", 2, (0, 1), False), ["x"], {"x": [[4, 6], "f"]}, [1], "x.max()")
+_case("argmax_cols", _K.argmax_mask(2, (1,)), ["x"], {"x": [[5, 4], "f"]}, [5, 4],
+      "(np.arange(4)[None, :] == x.argmax(1)[:, None]).astype(float)")
+# softmax family along the last and the first axis
+_case("log_softmax", _K.softmax("log_softmax", 2, 1), ["x"], {"x": [[5, 7], "f"]}, [5, 7],
+      "x - x.max(1, keepdims=True) - np.log(np.exp(x - x.max(1, keepdims=True)).sum(1, keepdims=True))")
+_case("softmax_axis0", _K.softmax("softmax", 2, 0), ["x"], {"x": [[4, 3], "f"]}, [4, 3],
+      "np.exp(x - x.max(0)) / np.exp(x - x.max(0)).sum(0)")
+# labels
+_case("pick", _K.pick(), ["x", "y"], {"x": [[6, 4], "f"], "y": [[6], "labels"]}, [6],
+      "x[np.arange(6), y]", classes=4)
+_case("pick_grad", _K.pick_grad(), ["g", "y"], {"g": [[6], "f"], "y": [[6], "labels"]}, [6, 4],
+      "np.eye(4)[y] * g[:, None]", classes=4)
+_case("transpose", _K.transpose((1, 0, 2)), ["x"], {"x": [[2, 3, 4], "f"]}, [3, 2, 4], "x.transpose(1, 0, 2)")
+
+
+def build_module():
+    """The kernels as a module, as the CUDA target will write them (float64 shared tiles)."""
+    lines = ["import math", "from numba import float64 as FLOAT_T", "from gradc.runtime.cuda import load_cuda",
+             "cuda = load_cuda()", ""]
+    for h in sorted(_K.helpers):
+        lines += ["@cuda.jit(device=True)", HELPERS[h], ""]
+    for name, source, _ in _K.sources:
+        lines += ["@cuda.jit", source, ""]
+    lines.append(f"LAUNCH = {_K.launch!r}")
+    return "\n".join(lines) + "\n"
