@@ -25,6 +25,12 @@ def _index(names):
     return ", ".join(names) if names else "0"
 
 
+def _arity(expr):
+    """How many operands X[0..] an expression reads (the highest one it names, plus one)."""
+    used = [j for j in range(len(X)) if X[j] in expr.free_symbols]
+    return max(used) + 1 if used else 1
+
+
 def _unravel(rank, flat="i", shape="out.shape", pad="    "):
     """Lines that turn a flat index into i0..i{rank-1} over `shape` (C order)."""
     lines = [f"{pad}r = {flat}"]
@@ -79,16 +85,39 @@ class CudaKernels:
         return "\n".join(lines), f"out = {expr}", ("flat", -1)
 
     # ---- matmul ---------------------------------------------------------------------------
-    def matmul(self, transpose_a, transpose_b):
-        """out = op(a) @ op(b), op a transpose where asked, read in place."""
-        key = ("matmul", transpose_a, transpose_b)
-        return self._get(key, "gemm", lambda name: self._matmul_source(name, transpose_a, transpose_b))
+    def matmul(self, transpose_a, transpose_b, a_prologue=None, b_prologue=None, epilogue=None, epilogue_patterns=()):
+        """out = epilogue(op(A) @ op(B), e1, ...), op a transpose where asked, read in place.
 
-    def _matmul_source(self, name, ta, tb):
-        a_at = "a[k, row]" if ta else "a[row, k]"
-        b_at = "b[col, k]" if tb else "b[k, col]"
+        A (likewise B) is one array, or with a prologue an elementwise expression over X[0..] of
+        several arrays of A's shape, computed as the tile is loaded: the backward's g * f'(z) fused
+        into dX = (g * f'(z)) W^T. The epilogue is an expression over X[0] (the product) and X[1..]
+        (arrays broadcast against `out` by `epilogue_patterns`): a bias and an activation fused into
+        the forward's store."""
+        a_prologue = a_prologue if a_prologue is not None else X[0]
+        b_prologue = b_prologue if b_prologue is not None else X[0]
+        epilogue = epilogue if epilogue is not None else X[0]
+        key = ("matmul", transpose_a, transpose_b, sp.srepr(a_prologue), sp.srepr(b_prologue), sp.srepr(epilogue),
+               tuple(epilogue_patterns))
+        hint = "gemm" if (a_prologue, b_prologue, epilogue) == (X[0], X[0], X[0]) else "gemm_fused"
+        return self._get(key, hint, lambda name: self._matmul_source(name, transpose_a, transpose_b, a_prologue,
+                                                                     b_prologue, epilogue, epilogue_patterns))
+
+    def _operand_load(self, expr, prefix, at, keep, tile, result):
+        """Lines that load operand `prefix` (an expression over arrays prefix0, prefix1, ... at `at`)
+        into the shared tile, zero outside the matrix."""
+        count = _arity(expr)
+        names = {X[j]: sp.Symbol(f"l{prefix}{j}", real=True) for j in range(count)}
+        block, helpers = print_block(expr, names, result)
+        self.helpers |= helpers
+        pad = " " * 12
+        return ([f"        if {keep}:"] + [f"{pad}l{prefix}{j} = {prefix}{j}[{at}]" for j in range(count)]
+                + [pad + b for b in block] + [f"{pad}{tile} = {result}", "        else:", f"{pad}{tile} = 0.0"])
+
+    def _matmul_source(self, name, ta, tb, a_expr, b_expr, epilogue, patterns):
+        na, nb, ne = _arity(a_expr), _arity(b_expr), _arity(epilogue) - 1
+        args = [f"a{j}" for j in range(na)] + [f"b{j}" for j in range(nb)] + [f"e{j + 1}" for j in range(ne)] + ["out"]
         lines = [
-            f"def {name}(a, b, out):",
+            f"def {name}({', '.join(args)}):",
             f"    sa = cuda.shared.array(({TILE}, {TILE}), FLOAT_T)",
             f"    sb = cuda.shared.array(({TILE}, {TILE}), FLOAT_T)",   # its own line: the simulator keys shared arrays by line
             "    tx = cuda.threadIdx.x",
@@ -97,21 +126,90 @@ class CudaKernels:
             f"    col = cuda.blockIdx.x * {TILE} + tx",
             "    m = out.shape[0]",
             "    n = out.shape[1]",
-            f"    depth = a.shape[{0 if ta else 1}]",
+            f"    depth = a0.shape[{0 if ta else 1}]",
             "    acc = 0.0",
             f"    for t in range((depth + {TILE - 1}) // {TILE}):",
-            f"        k = t * {TILE} + tx",
-            f"        sa[ty, tx] = {a_at} if row < m and k < depth else 0.0",
-            f"        k = t * {TILE} + ty",
-            f"        sb[ty, tx] = {b_at} if k < depth and col < n else 0.0",
-            "        cuda.syncthreads()",
-            f"        for j in range({TILE}):",
-            "            acc += sa[ty, j] * sb[j, tx]",
-            "        cuda.syncthreads()",
-            "    if row < m and col < n:",
-            "        out[row, col] = acc"]
-        doc = f"out = {'a.T' if ta else 'a'} @ {'b.T' if tb else 'b'} ({TILE}x{TILE} tiles through shared memory)"
+            f"        k = t * {TILE} + tx"]
+        lines += self._operand_load(a_expr, "a", "k, row" if ta else "row, k", "row < m and k < depth", "sa[ty, tx]", "va")
+        lines.append(f"        k = t * {TILE} + ty")
+        lines += self._operand_load(b_expr, "b", "col, k" if tb else "k, col", "k < depth and col < n", "sb[ty, tx]", "vb")
+        lines += ["        cuda.syncthreads()", f"        for j in range({TILE}):", "            acc += sa[ty, j] * sb[j, tx]",
+                  "        cuda.syncthreads()", "    if row < m and col < n:"]
+        names = {X[0]: sp.Symbol("acc", real=True)}
+        for j, pat in enumerate(patterns, start=1):
+            idx = _index(["0" if d < 0 else ("row", "col")[d] for d in pat]) if pat else "0"
+            lines.append(f"        l{j} = e{j}[{idx}]")
+            names[X[j]] = sp.Symbol(f"l{j}", real=True)
+        block, helpers = print_block(epilogue, names, "out[row, col]")
+        self.helpers |= helpers
+        lines += ["        " + b for b in block]
+        doc = (f"out = {epilogue} with x0 = A @ B, A = {a_expr}{'^T' if ta else ''}, B = {b_expr}{'^T' if tb else ''} "
+               f"({TILE}x{TILE} tiles through shared memory)")
         return "\n".join(lines), doc, ("tiles", -1)
+
+    # ---- softmax cross-entropy ------------------------------------------------------------
+    def softmax_xent_rows(self):
+        """Per row i: logsumexp(x[i]) - x[i, labels[i]] (the mean over rows is one more reduction)."""
+        return self._get(("xent_rows",), "xent_rows", lambda name: ("\n".join([
+            f"def {name}(x0, labels, out):",
+            "    i = cuda.grid(1)",
+            "    if i >= x0.shape[0]:",
+            "        return",
+            "    m = -math.inf",
+            "    for c in range(x0.shape[1]):",
+            "        v = x0[i, c]",
+            "        if v > m or v != v:",
+            "            m = v",
+            "    total = 0.0",
+            "    for c in range(x0.shape[1]):",
+            "        total += math.exp(x0[i, c] - m)",
+            "    out[i] = m + math.log(total) - x0[i, labels[i]]"]),
+            "out[i] = logsumexp(x[i]) - x[i, labels[i]]", ("flat", -1)))
+
+    def softmax_xent_grad(self):
+        """d mean_i(logsumexp(x[i]) - x[i, y_i]) / dx, times the upstream scalar g: (softmax - onehot) g / rows."""
+        return self._get(("xent_grad",), "xent_grad", lambda name: ("\n".join([
+            f"def {name}(x0, labels, g, out):",
+            "    i = cuda.grid(1)",
+            "    if i >= x0.shape[0]:",
+            "        return",
+            "    m = -math.inf",
+            "    for c in range(x0.shape[1]):",
+            "        v = x0[i, c]",
+            "        if v > m or v != v:",
+            "            m = v",
+            "    total = 0.0",
+            "    for c in range(x0.shape[1]):",
+            "        total += math.exp(x0[i, c] - m)",
+            "    scale = g[0] / (total * x0.shape[0])",
+            "    for c in range(x0.shape[1]):",
+            "        out[i, c] = math.exp(x0[i, c] - m) * scale - (g[0] / x0.shape[0] if c == labels[i] else 0.0)"]),
+            "out = (softmax(x) - onehot(labels)) * g / rows", ("flat", 0)))
+
+    # ---- optimizer updates ----------------------------------------------------------------
+    def sgd_update(self):
+        """v = momentum v + scale g; p -= lr v (scale: the clip coefficient), one thread per element."""
+        return self._get(("sgd",), "sgd", lambda name: ("\n".join([
+            f"def {name}(p, v, g, lr, momentum, scale):",
+            "    i = cuda.grid(1)",
+            "    if i < p.size:",
+            "        vi = momentum * v[i] + scale * g[i]",
+            "        v[i] = vi",
+            "        p[i] -= lr * vi"]), "SGD with momentum (PyTorch's)", ("flat", 0)))
+
+    def adam_update(self):
+        """Adam with bias correction (PyTorch's), one thread per element."""
+        return self._get(("adam",), "adam", lambda name: ("\n".join([
+            f"def {name}(p, m, v, g, lr, beta1, beta2, eps, bias1, bias2, scale):",
+            "    i = cuda.grid(1)",
+            "    if i < p.size:",
+            "        gi = scale * g[i]",
+            "        mi = beta1 * m[i] + (1.0 - beta1) * gi",
+            "        vi = beta2 * v[i] + (1.0 - beta2) * gi * gi",
+            "        m[i] = mi",
+            "        v[i] = vi",
+            "        p[i] -= (lr / bias1) * mi / (math.sqrt(vi) / math.sqrt(bias2) + eps)"]),
+            "Adam with bias correction (PyTorch's)", ("flat", 0)))
 
     # ---- reductions -----------------------------------------------------------------------
     def reduction(self, op, rank, axes, keepdims):

@@ -22,6 +22,20 @@ for ta in (False, True):
         b = (5, 33) if tb else (33, 5)
         _case(f"gemm{int(ta)}{int(tb)}", _K.matmul(ta, tb), ["a", "b"], {"a": [a, "f"], "b": [b, "f"]}, [17, 5],
               f"{'a.T' if ta else 'a'} @ {'b.T' if tb else 'b'}")
+# the forward's GEMM with its bias and activation in the epilogue
+_case("gemm_bias_tanh", _K.matmul(False, False, epilogue=sp.tanh(X[0] + X[1]), epilogue_patterns=[(-1, 1)]),
+      ["x", "w", "b"], {"x": [[19, 18], "f"], "w": [[18, 21], "f"], "b": [[1, 21], "f"]}, [19, 21], "np.tanh(x @ w + b)")
+# the backward's dX = (g * tanh'(z)) W^T and dW = X^T (g * tanh'(z)), the prologue in the tile load
+prologue = X[0] * (1 - sp.tanh(X[1]) ** 2)
+_case("gemm_dx_prologue", _K.matmul(False, True, a_prologue=prologue), ["g", "z", "w"],
+      {"g": [[19, 21], "f"], "z": [[19, 21], "f"], "w": [[18, 21], "f"]}, [19, 18], "(g * (1 - np.tanh(z) ** 2)) @ w.T")
+_case("gemm_dw_prologue", _K.matmul(True, False, b_prologue=prologue), ["x", "g", "z"],
+      {"x": [[19, 18], "f"], "g": [[19, 21], "f"], "z": [[19, 21], "f"]}, [18, 21], "x.T @ (g * (1 - np.tanh(z) ** 2))")
+# softmax cross-entropy, fused: per-row losses and the gradient of their mean
+_case("xent_rows", _K.softmax_xent_rows(), ["x", "y"], {"x": [[6, 5], "f"], "y": [[6], "labels"]}, [6],
+      "np.log(np.exp(x).sum(1)) - x[np.arange(6), y]", classes=5)
+_case("xent_grad", _K.softmax_xent_grad(), ["x", "y", "g"], {"x": [[6, 5], "f"], "y": [[6], "labels"], "g": [[1], "f"]},
+      [6, 5], "(np.exp(x) / np.exp(x).sum(1, keepdims=True) - np.eye(5)[y]) * g[0] / 6", classes=5)
 # fused elementwise: a derived backward prologue g * tanh'(z) with a broadcast bias, and a scalar operand
 expr = X[0] * (1 - sp.tanh(X[1] + X[2]) ** 2) * X[3]
 _case("fused_tanh_grad", _K.elementwise(expr, [(0, 1), (0, 1), (-1, 1), None], 2, "tanh_grad"),
@@ -48,6 +62,9 @@ _case("pick", _K.pick(), ["x", "y"], {"x": [[6, 4], "f"], "y": [[6], "labels"]},
 _case("pick_grad", _K.pick_grad(), ["g", "y"], {"g": [[6], "f"], "y": [[6], "labels"]}, [6, 4],
       "np.eye(4)[y] * g[:, None]", classes=4)
 _case("transpose", _K.transpose((1, 0, 2)), ["x"], {"x": [[2, 3, 4], "f"]}, [3, 2, 4], "x.transpose(1, 0, 2)")
+
+
+UPDATES = {"sgd": _K.sgd_update(), "adam": _K.adam_update()}
 
 
 def build_module():

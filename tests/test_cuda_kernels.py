@@ -8,11 +8,9 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
-import sympy as sp
 
-from codegen_cuda_cases import CASES, build_module
+from codegen_cuda_cases import CASES, UPDATES, build_module
 
 pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
 
@@ -40,6 +38,22 @@ RUNNER = textwrap.dedent('''
         grid, threads = launch_config(k.LAUNCH[case["kernel"]], args)
         fn[grid, threads](*args)
         errors[case["id"]] = float(np.max(np.abs(arrays["out"] - np.reshape(expected, case["out"]))))
+    # the optimizer updates against the CPU target's (gradc/runtime/optim.py), a clip scale of 0.7
+    from gradc.runtime.optim import adam_step, sgd_step
+    names = json.loads(sys.argv[3])
+    p, g = rng.standard_normal(37), rng.standard_normal(37)
+    state = [rng.standard_normal(37), np.abs(rng.standard_normal(37))]
+    sq = float(g @ g)
+    clip = 0.7 * np.sqrt(sq) + 0.7e-6   # clip_scale: clip / (norm + 1e-6) = 0.7
+    p_cpu, v_cpu, p_dev, v_dev = p.copy(), state[0].copy(), p.copy(), state[0].copy()
+    sgd_step(p_cpu, v_cpu, g, 1.0, 0.1, 0.9, clip)
+    getattr(k, names["sgd"])[1, 64](p_dev, v_dev, g, 0.1, 0.9, 0.7)
+    errors["sgd"] = float(max(np.abs(p_cpu - p_dev).max(), np.abs(v_cpu - v_dev).max()))
+    p_cpu, m_cpu, w_cpu = p.copy(), state[0].copy(), state[1].copy()
+    p_dev, m_dev, w_dev = p.copy(), state[0].copy(), state[1].copy()
+    adam_step(p_cpu, m_cpu, w_cpu, g, 1.0, 1e-2, 0.9, 0.999, 1e-8, 1 - 0.9 ** 3, 1 - 0.999 ** 3, clip)
+    getattr(k, names["adam"])[1, 64](p_dev, m_dev, w_dev, g, 1e-2, 0.9, 0.999, 1e-8, 1 - 0.9 ** 3, 1 - 0.999 ** 3, 0.7)
+    errors["adam"] = float(max(np.abs(p_cpu - p_dev).max(), np.abs(m_cpu - m_dev).max(), np.abs(w_cpu - w_dev).max()))
     print(json.dumps(errors))
 ''')
 
@@ -50,10 +64,11 @@ def test_cuda_kernels_match_numpy_under_the_simulator(tmp_path):
     (tmp_path / "cases.json").write_text(json.dumps(CASES))
     (tmp_path / "runner.py").write_text(RUNNER)
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    out = subprocess.run([sys.executable, str(tmp_path / "runner.py"), str(tmp_path), str(tmp_path / "cases.json")],
+    out = subprocess.run([sys.executable, str(tmp_path / "runner.py"), str(tmp_path), str(tmp_path / "cases.json"),
+                          json.dumps(UPDATES)],
                          env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     errors = json.loads(out.stdout.strip().splitlines()[-1])
-    assert set(errors) == {c["id"] for c in CASES}
+    assert set(errors) == {c["id"] for c in CASES} | {"sgd", "adam"}
     bad = {k: e for k, e in errors.items() if not e <= 1e-12}
     assert not bad, bad
