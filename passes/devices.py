@@ -41,7 +41,7 @@ def _value_bytes(graph, n, dims):
 def _positions(graph, forward):
     """Consecutive forward nodes grouped into at most MAX_POSITIONS positions; a pin change
     always starts a new one."""
-    per = max(1, -(-len(forward) // MAX_POSITIONS))
+    per = max(1, len(forward) // MAX_POSITIONS)   # so that there are at least min(len, MAX_POSITIONS) groups
     groups, pin_of = [], []
     for n in forward:
         pin = graph.node(n).get("stage")
