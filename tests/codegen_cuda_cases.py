@@ -3,8 +3,8 @@ import sympy as sp
 
 from gradc.ops.elementwise import X
 from gradc.ops import get_op
-from codegen.cuda import CudaKernels
-from codegen.sympy_print import HELPERS
+from gradc.codegen.cuda import CudaKernels
+from gradc.codegen.sympy_print import HELPERS
 
 _K = CudaKernels()
 CASES = []
