@@ -72,6 +72,8 @@ def test_devices_give_the_one_device_gradients(tmp_path, make, K):
     t1, tK = one.Trainer(params, optimizer="adam", lr=1e-2), many.Trainer(params, optimizer="adam", lr=1e-2)
     for _ in range(3):
         assert tK.step(**inputs) == pytest.approx(t1.step(**inputs), abs=1e-10)
+    with pytest.raises(ValueError, match="batch dim bound"):   # a --microbatches 1 build cannot split batches
+        many._PIPELINE.reschedule("gpipe", 2)
     stats = many.memory_stats()["arena_bytes"]
     assert set(stats) == {f"cpu:{k}" for k in range(K)} and all(b > 0 for b in stats.values())
 

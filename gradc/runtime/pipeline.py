@@ -94,7 +94,10 @@ class Pipeline:
 
     def reschedule(self, schedule, microbatches):
         """Run later calls under another schedule or microbatch count (the compiled stage functions
-        depend on neither: the batch dim is symbolic in them)."""
+        depend on neither when the batch dim is symbolic in them: a --microbatches build)."""
+        if microbatches > 1 and not self.batch_inputs:
+            raise ValueError("this build's code has its batch dim bound (it was compiled with --microbatches 1): "
+                             "recompile with --microbatches M > 1 to split batches")
         self.schedule, self.M = schedule, microbatches
         self.order = interleave(schedule, self.K, microbatches)
 
