@@ -25,6 +25,22 @@ def _index(names):
     return ", ".join(names) if names else "0"
 
 
+# one thread per row i of x0: its max m (NaN wins) and total = sum_c exp(x0[i, c] - m)
+ROW_MAX_AND_SUM_EXP = [
+    "    i = cuda.grid(1)",
+    "    if i >= x0.shape[0]:",
+    "        return",
+    "    m = -math.inf",
+    "    for c in range(x0.shape[1]):",
+    "        v = x0[i, c]",
+    "        if v > m or v != v:",
+    "            m = v",
+    "    total = 0.0",
+    "    for c in range(x0.shape[1]):",
+    "        total += math.exp(x0[i, c] - m)",
+]
+
+
 def _arity(expr):
     """How many operands X[0..] an expression reads (the highest one it names, plus one)."""
     used = [j for j in range(len(X)) if X[j] in expr.free_symbols]
@@ -151,36 +167,14 @@ class CudaKernels:
     def softmax_xent_rows(self):
         """Per row i: logsumexp(x[i]) - x[i, labels[i]] (the mean over rows is one more reduction)."""
         return self._get(("xent_rows",), "xent_rows", lambda name: ("\n".join([
-            f"def {name}(x0, labels, out):",
-            "    i = cuda.grid(1)",
-            "    if i >= x0.shape[0]:",
-            "        return",
-            "    m = -math.inf",
-            "    for c in range(x0.shape[1]):",
-            "        v = x0[i, c]",
-            "        if v > m or v != v:",
-            "            m = v",
-            "    total = 0.0",
-            "    for c in range(x0.shape[1]):",
-            "        total += math.exp(x0[i, c] - m)",
+            f"def {name}(x0, labels, out):", *ROW_MAX_AND_SUM_EXP,
             "    out[i] = m + math.log(total) - x0[i, labels[i]]"]),
             "out[i] = logsumexp(x[i]) - x[i, labels[i]]", ("flat", -1)))
 
     def softmax_xent_grad(self):
         """d mean_i(logsumexp(x[i]) - x[i, y_i]) / dx, times the upstream scalar g: (softmax - onehot) g / rows."""
         return self._get(("xent_grad",), "xent_grad", lambda name: ("\n".join([
-            f"def {name}(x0, labels, g, out):",
-            "    i = cuda.grid(1)",
-            "    if i >= x0.shape[0]:",
-            "        return",
-            "    m = -math.inf",
-            "    for c in range(x0.shape[1]):",
-            "        v = x0[i, c]",
-            "        if v > m or v != v:",
-            "            m = v",
-            "    total = 0.0",
-            "    for c in range(x0.shape[1]):",
-            "        total += math.exp(x0[i, c] - m)",
+            f"def {name}(x0, labels, g, out):", *ROW_MAX_AND_SUM_EXP,
             "    scale = g[0] / (total * x0.shape[0])",
             "    for c in range(x0.shape[1]):",
             "        out[i, c] = math.exp(x0[i, c] - m) * scale - (g[0] / x0.shape[0] if c == labels[i] else 0.0)"]),
