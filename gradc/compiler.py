@@ -31,7 +31,7 @@ def device_options(options, model, dims, memory_budget, src):
     """--devices, --schedule, --device-memory, --microbatches, --batch-dim, checked: a dict with
     K, schedule, device_memory (bytes or None), M, batch (the batch dim when M > 1), reduction."""
     from gradc.passes.rows import RowsError, batch_dim, loss_reduction
-    from gradc.passes.pipeline_schedule import SCHEDULES
+    from gradc.runtime.schedules import SCHEDULES
     from .sizes import parse_size
 
     K = 1 if options.get("devices") is None else options["devices"]

@@ -6,9 +6,11 @@ reads and writes, and its output bytes (what a transfer moves). Seconds come fro
 """
 import numpy as np
 
+from gradc.runtime.schedules import in_flight
+
 from .analysis import node_flops
 from .partition import Infeasible, Problem, partition
-from .pipeline_schedule import bubble, in_flight, simulate
+from .pipeline_schedule import bubble, simulate
 from .placement import assign_stages, device_name, home, insert_transfers
 from .storage import LEAVES, buffer_bytes
 
