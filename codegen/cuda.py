@@ -15,7 +15,7 @@ is not written yet; tests run these kernels under numba-cuda's simulator against
 import sympy as sp
 
 from gradc.ops.elementwise import X
-from gradc.runtime.cuda import TILE
+from gradc.runtime.cuda import THREADS, TILE
 
 from .sympy_print import print_block
 
@@ -39,6 +39,24 @@ ROW_MAX_AND_SUM_EXP = [
     "    for c in range(x0.shape[1]):",
     "        total += math.exp(x0[i, c] - m)",
 ]
+
+
+def _block_sum(body, start="0.0", combine=None):
+    """Lines of a one-block reduction over every element j of x0 (THREADS threads, each a strided
+    partial, then a tree in shared memory); the result is left in partial[0]. `body`: the loop's
+    lines (unindented) that read element j and fold it into acc."""
+    combine = combine or ["            partial[t] += partial[t + step]"]
+    return [f"    partial = cuda.shared.array({THREADS}, float64)",
+            "    t = cuda.threadIdx.x",
+            f"    acc = {start}",
+            f"    for j in range(t, x0.size, {THREADS}):", *["        " + line for line in body],
+            "    partial[t] = acc",
+            "    cuda.syncthreads()",
+            f"    step = {THREADS // 2}",
+            "    while step > 0:",
+            "        if t < step:", *combine,
+            "        cuda.syncthreads()",
+            "        step //= 2"]
 
 
 def _arity(expr):
@@ -181,29 +199,64 @@ class CudaKernels:
             "out = (softmax(x) - onehot(labels)) * g / rows", ("flat", 0)))
 
     # ---- optimizer updates ----------------------------------------------------------------
+    # They read the loss and the gradient's squared norm from device memory and the
+    # hyperparameters from a small device array the Trainer refreshes before each step, so one
+    # captured CUDA graph serves every step. A step whose loss or norm is not finite changes nothing.
+    STEP_PREAMBLE = [
+        "    i = cuda.grid(1)",
+        "    if i >= p.size:",
+        "        return",
+        "    loss = status[0]",
+        "    sq = status[1]",
+        "    if not (math.isfinite(loss) and math.isfinite(sq)):",
+        "        return",
+        "    scale = clip / (math.sqrt(sq) + 1e-6)   # clip_grad_norm_'s coefficient, at most 1",
+        "    if not scale < 1.0:",
+        "        scale = 1.0",
+    ]
+
     def sgd_update(self):
-        """v = momentum v + scale g; p -= lr v (scale: the clip coefficient), one thread per element."""
+        """v = momentum v + scale g; p -= lr v; hyper = (lr, momentum, clip), status = (loss, |g|^2)."""
         return self._get(("sgd",), "sgd", lambda name: ("\n".join([
-            f"def {name}(p, v, g, lr, momentum, scale):",
-            "    i = cuda.grid(1)",
-            "    if i < p.size:",
-            "        vi = momentum * v[i] + scale * g[i]",
-            "        v[i] = vi",
-            "        p[i] -= lr * vi"]), "SGD with momentum (PyTorch's)", ("flat", 0)))
+            f"def {name}(p, v, g, hyper, status):",
+            "    lr = hyper[0]",
+            "    momentum = hyper[1]",
+            "    clip = hyper[2]", *self.STEP_PREAMBLE,
+            "    vi = momentum * v[i] + scale * g[i]",
+            "    v[i] = vi",
+            "    p[i] -= lr * vi"]), "SGD with momentum (PyTorch's)", ("flat", 0)))
 
     def adam_update(self):
-        """Adam with bias correction (PyTorch's), one thread per element."""
+        """Adam with bias correction (PyTorch's); hyper = (lr, beta1, beta2, eps, bias1, bias2, clip)."""
         return self._get(("adam",), "adam", lambda name: ("\n".join([
-            f"def {name}(p, m, v, g, lr, beta1, beta2, eps, bias1, bias2, scale):",
-            "    i = cuda.grid(1)",
-            "    if i < p.size:",
-            "        gi = scale * g[i]",
-            "        mi = beta1 * m[i] + (1.0 - beta1) * gi",
-            "        vi = beta2 * v[i] + (1.0 - beta2) * gi * gi",
-            "        m[i] = mi",
-            "        v[i] = vi",
-            "        p[i] -= (lr / bias1) * mi / (math.sqrt(vi) / math.sqrt(bias2) + eps)"]),
+            f"def {name}(p, m, v, g, hyper, status):",
+            "    lr = hyper[0]",
+            "    beta1 = hyper[1]",
+            "    beta2 = hyper[2]",
+            "    eps = hyper[3]",
+            "    bias1 = hyper[4]",
+            "    bias2 = hyper[5]",
+            "    clip = hyper[6]", *self.STEP_PREAMBLE,
+            "    gi = scale * g[i]",
+            "    mi = beta1 * m[i] + (1.0 - beta1) * gi",
+            "    vi = beta2 * v[i] + (1.0 - beta2) * gi * gi",
+            "    m[i] = mi",
+            "    v[i] = vi",
+            "    p[i] -= (lr / bias1) * mi / (math.sqrt(vi) / math.sqrt(bias2) + eps)"]),
             "Adam with bias correction (PyTorch's)", ("flat", 0)))
+
+    def sum_squares(self):
+        """out[0] = sum of x*x over a flat array, in one block (float64 partial sums in shared memory)."""
+        return self._get(("sum_squares",), "sum_squares", lambda name: ("\n".join([
+            f"def {name}(x0, out):", *_block_sum(["xi = float64(x0[j])", "acc += xi * xi"]),
+            "    if t == 0:", "        out[0] = partial[0]"]), "out[0] = sum(x * x)", ("block",)))
+
+    # ---- copies ---------------------------------------------------------------------------
+    def fill(self):
+        """out[...] = value (a number the host passes)."""
+        return self._get(("fill",), "fill", lambda name: ("\n".join([
+            f"def {name}(out, value):", "    i = cuda.grid(1)", "    if i < out.size:", "        out[i] = value"]),
+            "out = value (a flat array)", ("flat", 0)))
 
     # ---- reductions -----------------------------------------------------------------------
     def reduction(self, op, rank, axes, keepdims):
@@ -213,6 +266,8 @@ class CudaKernels:
 
     def _reduction_source(self, name, op, rank, axes, keepdims):
         kept = [d for d in range(rank) if d not in axes]
+        if not kept:
+            return self._full_reduction_source(name, op, rank, keepdims)
         lines = [f"def {name}(x0, out):", "    i = cuda.grid(1)"]
         lines += [f"    count = {' * '.join(f'x0.shape[{d}]' for d in kept) or '1'}", "    if i >= count:", "        return"]
         # unravel i over the kept dims of x0
@@ -238,6 +293,22 @@ class CudaKernels:
             target = _index([f"i{d}" for d in kept])
         lines.append(f"    out[{target}] = acc")
         return "\n".join(lines), f"{op} over axes {tuple(axes)}", ("rows", 0, tuple(axes))
+
+    def _full_reduction_source(self, name, op, rank, keepdims):
+        """Every axis reduced (a loss): one block of THREADS threads instead of one thread."""
+        if rank > 1:
+            load = _unravel(rank, "j", "x0.shape", "") + [f"xi = x0[{_index([f'i{d}' for d in range(rank)])}]"]
+        else:
+            load = ["xi = x0[j]" if rank else "xi = x0[0]"]
+        if op == "max":   # NaN wins, as in numpy
+            lines = _block_sum(load + ["if xi > acc or xi != xi:", "    acc = xi"], "-math.inf",
+                               ["            b = partial[t + step]", "            if b > partial[t] or b != b:",
+                                "                partial[t] = b"])
+        else:
+            lines = _block_sum(load + ["acc += xi"])
+        result = "partial[0]" + (" / x0.size" if op == "mean" else "")
+        lines = [f"def {name}(x0, out):"] + lines + ["    if t == 0:", f"        out[{_index(['0'] * rank) if keepdims else '0'}] = {result}"]
+        return "\n".join(lines), f"{op} of every element (one block)", ("block",)
 
     # ---- softmax family and labels -----------------------------------------------------------
     def softmax(self, op, rank, axis):

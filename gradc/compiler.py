@@ -14,17 +14,13 @@ import numpy as np
 from .errors import GradcError
 from .version import __version__
 
-UNSUPPORTED = {
-    "target": ("cpu", "only --target cpu is built so far (the CUDA backend is a later milestone)"),
-}
+TARGETS = ("cpu", "cuda")
 DEVICE_OPTIONS = ("devices", "schedule", "device_memory", "microbatches", "batch_dim")
 
 
 def check_options(options, src):
-    for key, value in options.items():
-        default, why = UNSUPPORTED[key]
-        if value is not None and value != default:
-            raise GradcError(why, src)
+    for key in options:
+        raise GradcError(f"compile: unknown option {key!r}", src)
 
 
 def device_options(options, model, dims, memory_budget, src):
@@ -238,7 +234,9 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     if not isinstance(model, Model):
         raise GradcError(f"compile: expected a gradc.Model, got {type(model).__name__}")
     devices = {k: later_options.pop(k, None) for k in DEVICE_OPTIONS}
-    check_options(dict(target=target, **later_options), model.src)
+    check_options(later_options, model.src)
+    if target not in TARGETS:
+        raise GradcError(f"--target {target!r}: use one of {', '.join(TARGETS)}", model.src)
     if model.graph.loss is None:
         raise GradcError(f"model {model.name!r} has no minimize(loss): nothing to differentiate", model.src)
     if order not in (1, 2):
@@ -250,12 +248,15 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     timings = {} if timings is None else timings
     t0 = time.perf_counter()
     pipe = device_options(devices, model, dims, memory_budget, model.src)
+    if target == "cuda" and (pipe["K"] > 1 or pipe["M"] > 1):
+        raise GradcError("--target cuda with --devices K > 1 or --microbatches M > 1 is not built yet: pipelines run "
+                         "on --target cpu (and over MPI ranks)", model.src)
     # microbatches run the code at other batch sizes: the batch dim stays symbolic in it (the plans bind it)
     code_dims = {d: v for d, v in dims.items() if d != pipe["batch"]}
     graph = build_training_graph(model, dtype, code_dims, timings, order=order)
     name = model.name
     info = {"name": name, "version": __version__, "dtype": dtype, "fingerprint": fingerprint(model, dtype, dims),
-            "param_info": model.param_info, "labels": label_inputs(graph), "order": order,
+            "param_info": model.param_info, "labels": label_inputs(graph), "order": order, "target": target,
             "source": source or model.src.rsplit(":", 1)[0]}
     t = time.perf_counter()
     partition = plan_stages(graph, dims, pipe, target, model.src)
@@ -300,7 +301,8 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
              f"{name}.memplan.json": json.dumps(memplan, indent=1)}
     if partition is not None:
         files[f"{name}.partition.json"] = json.dumps(partition, indent=1)
-    return write_outputs(out, name, files, stored, dims if warm_cache else None, timings)
+    # a CUDA module compiles its kernels on the GPU, at its first call with each set of shapes
+    return write_outputs(out, name, files, stored, dims if warm_cache and target == "cpu" else None, timings)
 
 
 def write_outputs(out, name, files, stored, warm_dims, timings):

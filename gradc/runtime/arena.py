@@ -83,7 +83,7 @@ class Arena:
     own buffer, so concurrent calls (Hessian blocks) never share one.
     """
 
-    def __init__(self, dtype, tables, dim_sources, device="cpu"):
+    def __init__(self, dtype, tables, dim_sources, device="cpu", allocate=np.empty):
         self.dtype = np.dtype(dtype)
         self.align = max(1, ALIGN_BYTES // self.dtype.itemsize)
         self.tables = tables
@@ -91,6 +91,7 @@ class Arena:
         self._dims_used = {e: sorted({d for row in t for d in row[0] if isinstance(d, str)}) for e, t in tables.items()}
         self.dim_sources = dim_sources   # dim -> [(input name, axis) that carry it]
         self.device = device
+        self.allocate = allocate         # (elements, dtype) -> a flat buffer: host memory, or a device's
         self._layouts = {}
         self._regions = {}               # device -> the largest region any layout gave it
         self._local = threading.local()
@@ -125,7 +126,7 @@ class Arena:
         offsets, total = self.layout(entry, self.dims_of(inputs))
         buffer = getattr(self._local, "buffer", None)
         if buffer is None or buffer.size < total:
-            buffer = np.empty(max(total, 1), dtype=self.dtype)
+            buffer = self.allocate(max(total, 1), self.dtype)
             self._local.buffer = buffer
             with self._lock:
                 self._forget_finished_threads()

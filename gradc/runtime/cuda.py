@@ -14,7 +14,7 @@ TILE = 16       # the GEMM's tile edge (codegen/cuda.py)
 
 def load_cuda():
     """The `cuda` module kernels are compiled with."""
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    if simulated():
         from numba import cuda
         return cuda
     try:
@@ -27,22 +27,59 @@ def load_cuda():
     return cuda
 
 
+def simulated():
+    return os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+
+
+def is_device_array(x):
+    """A CUDA array: anything with __cuda_array_interface__ (numba, torch, cupy), or the simulator's."""
+    return hasattr(x, "__cuda_array_interface__") or type(x).__name__ == "FakeCUDAArray"
+
+
+def to_numpy(x):
+    """A host copy of a CUDA array (numba's, or any other through __cuda_array_interface__)."""
+    if hasattr(x, "copy_to_host"):
+        return x.copy_to_host()
+    return load_cuda().as_cuda_array(x).copy_to_host()
+
+
 def blocks(n, threads=THREADS):
     """Blocks of `threads` that cover n items (at least one)."""
     return max(1, -(-n // threads))
 
 
-def launch_config(grid, args):
-    """(blocks, threads) of a kernel's launch: grid is codegen/cuda.py's ("flat", i),
-    ("rows", i, reduced axes) or ("tiles", i), over args[i] of the kernel's arguments."""
-    kind, at = grid[0], grid[1]
-    shape = args[at].shape
+# Launch configurations [blocks, threads, stream] the generated host code indexes kernels with:
+def flat(out, stream=0):
+    """One thread per element of `out`."""
+    return blocks(max(1, int(np.prod(out.shape)))), THREADS, stream
+
+
+def rows(x, axes, stream=0):
+    """One thread per index of `x` over the axes not in `axes` (a reduction's kept index)."""
+    return blocks(max(1, int(np.prod([n for d, n in enumerate(x.shape) if d not in axes])))), THREADS, stream
+
+
+def tiles(out, stream=0):
+    """One TILE x TILE block per tile of the matrix `out` (the GEMM)."""
+    m, n = out.shape
+    return (-(-n // TILE), -(-m // TILE)), (TILE, TILE), stream
+
+
+def block(stream=0):
+    """One block of THREADS threads (a reduction to one value, in shared memory)."""
+    return 1, THREADS, stream
+
+
+def launch_config(grid, args, stream=0):
+    """A kernel's launch from codegen/cuda.py's `launch` entry: ("flat", i), ("rows", i, reduced
+    axes), ("tiles", i) or ("block",), over args[i] of the kernel's arguments."""
+    kind = grid[0]
     if kind == "flat":
-        return blocks(max(1, int(np.prod(shape)))), THREADS
+        return flat(args[grid[1]], stream)
     if kind == "rows":
-        kept = [n for d, n in enumerate(shape) if d not in grid[2]]
-        return blocks(max(1, int(np.prod(kept)))), THREADS
+        return rows(args[grid[1]], grid[2], stream)
     if kind == "tiles":
-        m, n = shape
-        return (-(-n // TILE), -(-m // TILE)), (TILE, TILE)
+        return tiles(args[grid[1]], stream)
+    if kind == "block":
+        return block(stream)
     raise ValueError(f"unknown launch grid {grid!r}")

@@ -29,11 +29,12 @@ def hessian_buffer(model, rows, size, dtype):
 BLOCK_ROWS = 32
 
 
-def in_blocks(hvp_block, H, first_row):
+def in_blocks(hvp_block, H, first_row, workers=None):
     """Fill H with rows first_row.. of the Hessian: hvp_block(V, OUT) on blocks of basis vectors.
 
     Each block is one compiled call that runs the forward and backward once and then one tangent
-    per row; the generated kernels release the GIL, so the blocks run on every core."""
+    per row; the generated kernels release the GIL, so the blocks run on every core (`workers`
+    threads; default: one per core)."""
     rows, size = H.shape
 
     def block(start):
@@ -43,7 +44,7 @@ def in_blocks(hvp_block, H, first_row):
         hvp_block(V, H[start:stop])
 
     starts = range(0, rows, BLOCK_ROWS)
-    workers = min(os.cpu_count() or 1, len(starts))
+    workers = min(workers or os.cpu_count() or 1, len(starts))
     if workers <= 1:
         for s in starts:
             block(s)

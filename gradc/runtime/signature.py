@@ -5,6 +5,8 @@ expected and what was given.
 """
 import numpy as np
 
+from .cuda import is_device_array, to_numpy
+
 
 def _fmt(shape):
     inner = ", ".join(str(d) for d in shape)
@@ -12,8 +14,9 @@ def _fmt(shape):
 
 
 class Signature:
-    def __init__(self, model_name, param_shapes, inputs, float_dtype, labels):
+    def __init__(self, model_name, param_shapes, inputs, float_dtype, labels, devices=False):
         self.model = model_name
+        self.devices = devices    # a --target cuda module: CUDA arrays are accepted where they are
         self.param_shapes = param_shapes
         self.inputs_spec = inputs
         self.float = np.dtype(float_dtype)
@@ -32,6 +35,9 @@ class Signature:
         out = {}
         for name, shape in self.param_shapes.items():
             v = self._float_array(f"{self.model}: param {name!r}", params[name], shape)
+            if self._on_device(v):
+                out[name] = v.reshape(1) if len(shape) == 0 else v
+                continue
             if not v.flags.c_contiguous:
                 if exact:
                     raise ValueError(f"{self.model}: param {name!r} is not C-contiguous; the Trainer updates it in place")
@@ -52,13 +58,29 @@ class Signature:
         out = {}
         for name in trainable:
             t = self._float_array(f"{self.model}.hvp: v[{name!r}]", v[name], self.param_shapes[name])
-            t = np.ascontiguousarray(t)
+            t = np.ascontiguousarray(to_numpy(t) if self._on_device(t) else t)
             out[name] = t.reshape(1) if t.ndim == 0 else t
         return out
 
+    def _on_device(self, v):
+        if not (self.devices and is_device_array(v)):
+            return False
+        strides = getattr(v, "__cuda_array_interface__", {}).get("strides")
+        if strides is not None and strides != _c_strides(v.shape, np.dtype(v.dtype).itemsize):
+            raise ValueError(f"{self.model}: a CUDA array argument must be C-contiguous (got strides {strides} "
+                             f"for shape {_fmt(tuple(v.shape))})")
+        return True
+
     def _float_array(self, what, v, shape):
+        if self._on_device(v):
+            if tuple(v.shape) != tuple(shape):
+                raise ValueError(f"{what} has shape {_fmt(tuple(v.shape))}, expected {_fmt(shape)}")
+            if np.dtype(v.dtype) != self.float:
+                raise ValueError(f"{what} has dtype {np.dtype(v.dtype)}, expected {self.float}")
+            return v
         if not isinstance(v, np.ndarray):
-            raise ValueError(f"{what} must be a numpy array, got {type(v).__name__}")
+            raise ValueError(f"{what} must be a numpy array{' or a CUDA array' if self.devices else ''}, "
+                             f"got {type(v).__name__}")
         if v.shape != shape:
             raise ValueError(f"{what} has shape {_fmt(v.shape)}, expected {_fmt(shape)}")
         if v.dtype != self.float:
@@ -82,12 +104,13 @@ class Signature:
         for name in dict.fromkeys(needed):
             shape, dtype = self.inputs_spec[name]
             v = given[name]
-            if not isinstance(v, np.ndarray):
+            device = self._on_device(v)
+            if not device and not isinstance(v, np.ndarray):
                 v = np.asarray(v)
-            if v.dtype != np.dtype(dtype):
-                raise ValueError(f"{self.model}.{entry}: input {name!r} has dtype {v.dtype}, expected {dtype} "
+            if np.dtype(v.dtype) != np.dtype(dtype):
+                raise ValueError(f"{self.model}.{entry}: input {name!r} has dtype {np.dtype(v.dtype)}, expected {dtype} "
                                  f"(gradc never casts inputs)")
-            if v.ndim != len(shape):
+            if len(v.shape) != len(shape):
                 raise ValueError(f"{self.model}.{entry}: input {name!r} has shape {_fmt(v.shape)}, expected {_fmt(shape)}")
             for d, actual in zip(shape, v.shape):
                 if isinstance(d, str):
@@ -97,15 +120,25 @@ class Signature:
                                          f"is {seen[0]} in input {seen[1]!r}")
                 elif d != actual:
                     raise ValueError(f"{self.model}.{entry}: input {name!r} has shape {_fmt(v.shape)}, expected {_fmt(shape)}")
-            if not v.flags.c_contiguous:
+            if not device and not v.flags.c_contiguous:
                 v = np.ascontiguousarray(v)
-            out[name] = v.reshape(1) if v.ndim == 0 else v
+            out[name] = v.reshape(1) if len(shape) == 0 else v
         for name, classes in self.labels.items():
             if name in out and out[name].size:
                 n = dims[classes][0] if isinstance(classes, str) else classes
-                lo, hi = int(out[name].min()), int(out[name].max())
+                # labels on a device are checked on the host too: an index out of range would read wild memory
+                labels = to_numpy(out[name]) if self._on_device(out[name]) else out[name]
+                lo, hi = int(labels.min()), int(labels.max())
                 if lo < 0 or hi >= n:
                     bad = lo if lo < 0 else hi
                     raise ValueError(f"{self.model}.{entry}: input {name!r} holds label {bad}, outside 0..{n - 1} "
                                      f"for {n} classes")
         return out
+
+
+def _c_strides(shape, itemsize):
+    strides, step = [], itemsize
+    for n in reversed(tuple(shape)):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))

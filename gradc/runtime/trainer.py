@@ -40,9 +40,13 @@ class TrainerBase:
         self.eps = _positive("eps", eps, self.model_name)
         self.clip_norm = None if clip_norm is None else _positive("clip_norm", clip_norm, self.model_name)
         self.steps = 0
-        # The trained params live in one flat buffer (laid out as GRAD_SLICES), so that one loop
-        # updates them all; tr.params holds views of it, and copies of the other params.
         size = max((end for _, end in self.grad_slices.values()), default=0)
+        slots = ("momentum",) if optimizer == "sgd" else ("m", "v")
+        self._store(checked, size, slots)
+
+    def _store(self, checked, size, slots):
+        """The trained params live in one flat buffer (laid out as GRAD_SLICES), so that one loop
+        updates them all; tr.params holds views of it, and copies of the other params."""
         self._flat = np.empty(size, dtype=self.signature.float)
         self._views = {}
         self.params = {}
@@ -55,8 +59,14 @@ class TrainerBase:
             else:
                 self.params[k] = np.array(checked[k], copy=True).reshape(shape)
         self._grads = np.empty(size, dtype=self.signature.float)   # reused by every step
-        slots = ("momentum",) if optimizer == "sgd" else ("m", "v")
         self.state = {slot: np.zeros(size, dtype=self.signature.float) for slot in slots}   # flat, like _flat
+
+    def _host(self, array):
+        """A numpy array of a param or state buffer (for checkpoints)."""
+        return array
+
+    def _restore(self, slot, saved):
+        self.state[slot][...] = saved
 
     @property
     def clip(self):
@@ -110,8 +120,8 @@ class TrainerBase:
                 "lr": self.lr, "momentum": self.momentum, "betas": list(self.betas), "eps": self.eps,
                 "clip_norm": self.clip_norm, "steps": self.steps}
         arrays = {"meta": np.array(json.dumps(meta))}
-        arrays |= {f"param/{k}": v for k, v in self.params.items()}
-        arrays |= {f"state/{slot}": v for slot, v in self.state.items()}
+        arrays |= {f"param/{k}": self._host(v) for k, v in self.params.items()}
+        arrays |= {f"state/{slot}": self._host(v) for slot, v in self.state.items()}
         path = os.fspath(path)
         folder = os.path.dirname(os.path.abspath(path))
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".ckpt-", suffix=".npz")
@@ -144,7 +154,7 @@ class TrainerBase:
                 saved = f[f"state/{slot}"]
                 if saved.shape != v.shape:
                     raise ValueError(f"{path}: optimizer state {slot!r} has {saved.size} values, expected {v.size}")
-                v[...] = saved
+                tr._restore(slot, saved)
             tr.steps = meta["steps"]
         return tr
 

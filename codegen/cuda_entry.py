@@ -1,0 +1,144 @@
+"""The host function of one entry point on the CUDA target: its kernel launches in plan order.
+
+The function is plain Python (a launch is a Python call either way); it is run once directly and
+then, where the driver allows, captured into a CUDA graph and replayed (gradc/runtime/cuda_host.py).
+Every value lives in device memory: the arena (a view per planned buffer), `scal` (one slot per
+scalar the entry computes: a scalar is a one-element array, never a host number, so nothing waits
+for the device mid-step), or a fresh array for a value it returns. Scalar constants are folded into
+the elementwise kernels that read them.
+"""
+import numpy as np
+import sympy as sp
+
+from gradc.ops import get_op
+from gradc.ops.elementwise import X, expr_of
+
+from .entry import EntryWriter, _hint, _pattern, _shape_src
+
+
+def _fold_constants(expr, operands, is_scalar_const, value_of):
+    """expr over X[0..] with the scalar-constant operands substituted; the rest renumbered."""
+    kept, subs = [], {}
+    for j, u in enumerate(operands):
+        if is_scalar_const(u):
+            subs[X[j]] = sp.Float(value_of(u)) if not float(value_of(u)).is_integer() else sp.Integer(int(value_of(u)))
+        else:
+            subs[X[j]] = X[len(kept)]
+            kept.append(u)
+    return expr.xreplace(subs), kept
+
+
+class CudaEntryWriter(EntryWriter):
+    decorator = None                     # a host function, not a compiled one
+    tail_args = ("arena", "offs", "scal", "stream")
+
+    def _start_plan(self, plan):
+        super()._start_plan(plan)
+        self.scalar_slot = {}            # scalar node -> its index in `scal`
+
+    def scalar_count(self):
+        return len(self.scalar_slot)
+
+    def var(self, n):
+        g = self.graph
+        if g.op(n) == "const":
+            return f"c{n}"               # a one-element device array for a scalar const
+        return self.names.get(n, f"t{n}")
+
+    def const_argument(self, n, order):
+        """Array constants, and the scalar ones a kernel other than an elementwise one reads."""
+        g = self.graph
+        return np.ndim(g.attrs(n)["value"]) > 0 or any(
+            n in g.operands(m) and get_op(g.op(m)).kind != "elementwise" for m in order)
+
+    def new_array(self, n, dims, step):
+        if self.graph.shape(n) != ():
+            return super().new_array(n, dims, step)
+        if n in self.flat:
+            self.placed.add(n)
+            start, _ = self.flat[n]
+            return f"grads[{start}:{start + 1}]"
+        k = self.scalar_slot.setdefault(n, len(self.scalar_slot))
+        return f"scal[{k}:{k + 1}]"
+
+    def fresh_array(self, shape_src):
+        return f"cuda.device_array({shape_src}, FLOAT)"
+
+    def launch(self, kernel, args):
+        """`kernel[config](args)`: the launch configuration its grid (codegen/cuda.py) asks for."""
+        grid = self.kernels.launch[kernel]
+        if grid[0] == "flat":
+            config = f"flat({args[grid[1]]}, stream)"
+        elif grid[0] == "rows":
+            config = f"rows({args[grid[1]]}, {tuple(grid[2])!r}, stream)"
+        elif grid[0] == "tiles":
+            config = f"tiles({args[grid[1]]}, stream)"
+        else:
+            config = "block(stream)"
+        return f"{kernel}[{config}]({', '.join(args)})"
+
+    def _fill_flat(self, layout):
+        lines = []
+        for r, start, size in layout:
+            view = f"grads[{start}:{start + size}]"
+            if r is None:
+                lines.append(self.launch(self.kernels.fill(), [view, "0.0"]))
+            elif not (r in self.placed and self.flat[r][0] == start):
+                v = self.var(r)
+                source = v if self.graph.shape(r) == () else f"{v}.reshape({size})"
+                lines.append(self.launch(self.kernels.elementwise(X[0], [(0,)], 1, "copy"), [source, view]))
+        return lines
+
+    def returned(self, r, seen):
+        """Every returned value is a device array; the caller copies it out before the next call."""
+        return self.var(r)
+
+    def statement(self, n, dims, step):
+        g = self.graph
+        node = g.node(n)
+        op, ins, attrs, shape = node["op"], node["inputs"], node["attrs"], node["shape"]
+        kind = get_op(op).kind
+        v, a = f"t{n}", [self.var(u) for u in ins]
+        note = f"  # {op} {node['src']}"
+        alloc = f"{v} = {self.new_array(n, dims, step)}"
+        k = self.kernels
+        if kind == "elementwise":
+            expr, operands = _fold_constants(
+                expr_of(g, n), ins, lambda u: g.op(u) == "const" and np.ndim(g.attrs(u)["value"]) == 0,
+                lambda u: g.attrs(u)["value"])
+            patterns = [None if g.shape(u) == () else _pattern(g.shape(u), shape) for u in operands]
+            kernel = k.elementwise(expr, patterns, len(shape), _hint(g, n))
+            return [alloc, self.launch(kernel, [self.var(u) for u in operands] + [v]) + note]
+        if op == "matmul":
+            kernel = k.matmul(bool(attrs.get("transpose_a")), bool(attrs.get("transpose_b")))
+            return [alloc, self.launch(kernel, a + [v]) + note]
+        if op == "transpose":
+            return [alloc, self.launch(k.transpose(tuple(attrs["axes"])), a + [v]) + note]
+        if op == "transfer":   # virtual devices share one device's memory: the copy is the transfer
+            note = f"  # transfer {attrs['source']} -> {attrs['target']}, {node['src']}"
+            pattern = [None] if shape == () else [tuple(range(len(shape)))]
+            return [alloc, self.launch(k.elementwise(X[0], pattern, max(len(shape), 1), "copy"), a + [v]) + note]
+        if op == "reshape":
+            if g.shape(ins[0]) == ():
+                return [alloc, self.launch(k.elementwise(X[0], [None], len(shape), "copy"), a + [v]) + note]
+            if shape == ():
+                return [f"{v} = {a[0]}.reshape(1){note}"]
+            return [f"{v} = {a[0]}.reshape({_shape_src(shape, dims)}){note}"]
+        if op in ("sum", "mean", "max"):
+            rank = len(g.shape(ins[0]))
+            kernel = k.reduction(op, rank, tuple(attrs["axes"]), attrs.get("keepdims", False))
+            return [alloc, self.launch(kernel, a + [v]) + note]
+        if op == "argmax_mask":
+            return [alloc, self.launch(k.argmax_mask(len(shape), tuple(attrs["axes"])), a + [v]) + note]
+        if op == "count":
+            factors = [dims[d] if isinstance(d, str) else str(d) for d in attrs["dims"]]
+            return [alloc, self.launch(k.fill(), [v, f"float({' * '.join(factors) or '1'})"]) + note]
+        if op in ("softmax", "log_softmax"):
+            return [alloc, self.launch(k.softmax(op, len(shape), attrs["axis"]), a + [v]) + note]
+        if op == "pick":
+            return [alloc, self.launch(k.pick(), a + [v]) + note]
+        if op == "pick_grad":
+            if g.shape(ins[0]) == ():
+                raise AssertionError("pick_grad of a scalar adjoint")
+            return [alloc, self.launch(k.pick_grad(), a + [v]) + note]
+        raise NotImplementedError(f"cuda codegen has no rule for op {op!r}")

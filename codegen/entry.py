@@ -1,0 +1,273 @@
+"""The compiled function of one entry point on the CPU target: its kernels in plan order.
+
+The function is one Numba function (a call crosses from Python into machine code once) over
+buffers carved from the arena at the memory plan's offsets; codegen/cuda_entry.py writes the CUDA
+target's host function by overriding how values are stored and computed.
+"""
+import numpy as np
+import sympy as sp
+
+from gradc.ops import get_op
+from gradc.ops.elementwise import expr_of
+
+
+def _shape_src(shape, dims):
+    parts = [dims[d] if isinstance(d, str) else str(d) for d in shape]
+    return f"({parts[0]},)" if len(parts) == 1 else f"({', '.join(parts)})"
+
+
+def _pattern(operand_shape, out_shape):
+    lead = len(out_shape) - len(operand_shape)
+    return tuple(-1 if (d == 1 and out_shape[lead + j] != 1) else lead + j for j, d in enumerate(operand_shape))
+
+
+class EntryWriter:
+    """Writes the compiled function of one entry point."""
+    decorator = "@kernel"            # the entry is one compiled Numba function
+    tail_args = ("arena", "offs")    # what every entry takes after its values
+
+    def __init__(self, graph, kernels, names):
+        self.graph = graph
+        self.kernels = kernels
+        self.names = names           # node -> variable name for leaves
+        self.leaf_rank = {}          # leaf -> position in the argument list
+        self.scalar_roots = set()    # roots returned as plain numbers
+        self.flat = {}               # root -> (offset, size) in the flat `grads` buffer it is written to
+        self.placed = set()          # flat roots whose kernel wrote straight into the buffer
+
+    def var(self, n):
+        g = self.graph
+        if g.op(n) == "const":
+            value = g.attrs(n)["value"]
+            if np.ndim(value) == 0:
+                return repr(float(value))
+            return f"c{n}"
+        if n in self.names:
+            return self.names[n] if g.shape(n) != () else f"{self.names[n]}[0]"
+        return f"t{n}"
+
+    def write(self, fname, plan, doc, flat_roots=None, received=()):
+        """The compiled function, running `plan`'s steps; `flat_roots` are returned together as one
+        flat `grads` buffer; intermediates are views of `arena` at the plan's offsets `offs`.
+        `received`: values computed elsewhere (another stage) that come in as arguments r<id>."""
+        g = self.graph
+        layout, _ = self._layout(flat_roots or ())
+        roots = plan["roots"]
+        order = plan["steps"]
+        self._start_plan(plan)
+        leaves, consts = self._arguments(order, exclude=(), received=received)
+        args = [self.names[n] for n in leaves] + [self.names[n] for n in received] + [f"c{n}" for n in consts]
+        args += (["grads"] if flat_roots is not None else []) + list(self.tail_args)
+        dims = self._dims(order, leaves)
+        body = [f"{dims[d]} = {src}" for d, src in self._dim_sources(order, list(leaves) + list(received)).items()]
+        for step, n in enumerate(order):
+            if g.op(n) in ("param", "input", "const"):
+                continue
+            body += self.statement(n, dims, step)
+        body += self._fill_flat(layout)
+        returned, seen = [], set()
+        if flat_roots is not None:
+            roots = [r for r in roots if r not in {f for f, _ in flat_roots}]
+        for r in roots:
+            returned.append(self.returned(r, seen))
+            seen.add(r)
+        body.append(f"return {', '.join(returned)}{',' if len(returned) == 1 else ''}" if returned else "return ()")
+        lines = self._def(fname, args, doc) + ["    " + b for b in body]
+        return "\n".join(lines), leaves, consts
+
+    def _def(self, fname, args, doc):
+        return ([self.decorator] if self.decorator else []) + [f"def {fname}({', '.join(args)}):", f'    """{doc}"""']
+
+    def returned(self, r, seen):
+        """How root r is handed back."""
+        v = self.var(r)
+        if self.graph.shape(r) == ():
+            # the objective comes back as a number; other scalars as 1-element arrays
+            return v if r in self.scalar_roots else f"np.full(1, {v}, FLOAT)"
+        if self.graph.op(r) in ("reshape", "param", "input", "const") or r in seen:
+            return f"{v}.copy()"   # never hand out a view of another value
+        return v
+
+    def _layout(self, flat_roots):
+        """Offsets of (root, shape) pairs in the flat buffer, one after another; resets placement."""
+        self.flat, self.placed, offset, layout = {}, set(), 0, []
+        for r, shape in flat_roots:
+            size = int(np.prod(shape))
+            layout.append((r, offset, size))
+            if r is not None:
+                self.flat.setdefault(r, (offset, size))
+            offset += size
+        return layout, offset
+
+    def _arguments(self, order, exclude, received=()):
+        """The leaves and constant arrays a compiled function takes, in argument order."""
+        g = self.graph
+        leaves = [n for n in order if g.op(n) in ("param", "input") and n not in exclude]
+        # a dim the code needs but no argument carries (a value that depends on an input's shape
+        # only): take the input that declares it as an argument too
+        carried = {d for n in list(leaves) + list(received) for d in g.shape(n) if isinstance(d, str)}
+        for d in sorted(set(self._dims(order, leaves)) - carried):
+            leaves.append(next(n for n in g.inputs.values() if d in g.shape(n)))
+            carried |= {x for x in g.shape(leaves[-1]) if isinstance(x, str)}
+        leaves.sort(key=lambda n: self.leaf_rank[n])
+        consts = [n for n in dict.fromkeys(order) if g.op(n) == "const" and self.const_argument(n, order)]
+        return leaves, consts
+
+    def const_argument(self, n, order):
+        """Whether constant n comes in as an array argument (scalars are written into the code)."""
+        return np.ndim(self.graph.attrs(n)["value"]) > 0
+
+    def scalar_count(self):
+        """Scalars the entry keeps in device memory (none here: they are locals of the compiled code)."""
+        return 0
+
+    def _fill_flat(self, layout):
+        """Copies into the flat buffer for roots no kernel wrote there; zeros where a root is zero."""
+        lines = []
+        for r, start, size in layout:
+            if r is None:
+                lines.append(f"grads[{start}:{start + size}] = 0.0")
+            elif not (r in self.placed and self.flat[r][0] == start):
+                v = self.var(r)
+                lines.append(f"grads[{start}] = {v}" if self.graph.shape(r) == () else
+                             f"grads[{start}:{start + size}] = {v}.reshape({size})")
+        return lines
+
+    def write_hvp_block(self, fname, plan, flat_roots, tangents, doc):
+        """H V[r] into OUT[r] for every row r of V: the forward and backward once, then per row only
+        the nodes that depend on the tangents (v_* are views of V[r], laid out as GRAD_SLICES)."""
+        g = self.graph
+        layout, _ = self._layout(flat_roots)
+        order, loop_from = plan["steps"], plan["loop_from"]
+        self._start_plan(plan)
+        tangent_nodes = set(tangents.values())
+        leaves, consts = self._arguments(order, exclude=tangent_nodes)
+        dims = self._dims(order, leaves)
+        body = [f"{dims[d]} = {src}" for d, src in self._dim_sources(order, leaves).items()]
+        for step, n in enumerate(order[:loop_from]):
+            if g.op(n) not in ("param", "input", "const"):
+                body += self.statement(n, dims, step)
+        loop = ["tangent = V[row]", "grads = OUT[row]"]
+        for p, v in tangents.items():
+            start, size = self.tangent_slices[p]
+            loop.append(f"{self.names[v]} = tangent[{start}:{start + size}]" +
+                        (f".reshape({_shape_src(g.shape(v), dims)})" if g.shape(v) != () else ""))
+        for step, n in enumerate(order[loop_from:], loop_from):
+            if n not in tangent_nodes and g.op(n) not in ("param", "input", "const"):
+                loop += self.statement(n, dims, step)
+        loop += self._fill_flat(layout)
+        body += ["for row in range(V.shape[0]):"] + ["    " + line for line in loop]
+        args = [self.names[n] for n in leaves] + [f"c{n}" for n in consts] + ["V", "OUT", *self.tail_args]
+        lines = self._def(fname, args, doc) + ["    " + b for b in body]
+        return "\n".join(lines), leaves, consts
+
+    def _start_plan(self, plan):
+        """Which step creates which arena buffer (the k-th tensor of the plan reads offs[k])."""
+        self.slot_of_step = {t["start"]: k for k, t in enumerate(plan["tensors"])}
+
+    def new_array(self, n, dims, step):
+        """Where node n's kernel writes: its slot in `grads`, its arena buffer, or (a returned value) a new array."""
+        shape = self.graph.shape(n)
+        if n in self.flat and shape != ():
+            self.placed.add(n)
+            start, size = self.flat[n]
+            return f"grads[{start}:{start + size}].reshape({_shape_src(shape, dims)})"
+        k = self.slot_of_step.get(step)
+        if k is not None:
+            count = " * ".join(dims[d] if isinstance(d, str) else str(d) for d in shape if d != 1) or "1"
+            if all(isinstance(d, int) for d in shape):
+                count = str(int(np.prod(shape)))
+            view = f"arena[offs[{k}]:offs[{k}] + {count}]"
+            return view if len(shape) == 1 else f"{view}.reshape({_shape_src(shape, dims)})"
+        return self.fresh_array(_shape_src(shape, dims))
+
+    def fresh_array(self, shape_src):
+        return f"np.empty({shape_src}, FLOAT)"
+
+    def _dims(self, order, leaves):
+        names = {}
+        for n in order:
+            shapes = [self.graph.shape(n)] + [self.graph.attrs(n).get(k, ()) for k in ("dims",)]
+            for s in shapes:
+                for d in s:
+                    if isinstance(d, str):
+                        names[d] = f"d_{d}"
+            nc = self.graph.attrs(n).get("num_classes")
+            if isinstance(nc, str):
+                names[nc] = f"d_{nc}"
+        return names
+
+    def _dim_sources(self, order, leaves):
+        sources = {}
+        for n in leaves:
+            for axis, d in enumerate(self.graph.shape(n)):
+                if isinstance(d, str) and d not in sources:
+                    sources[d] = f"{self.names[n]}.shape[{axis}]"
+        missing = set(self._dims(order, leaves)) - set(sources)
+        if missing:
+            raise AssertionError(f"dims {missing} are not carried by any input of the entry point")
+        return sources
+
+    def statement(self, n, dims, step):
+        g = self.graph
+        node = g.node(n)
+        op, ins, attrs, shape = node["op"], node["inputs"], node["attrs"], node["shape"]
+        kind = get_op(op).kind
+        v, a = f"t{n}", [self.var(u) for u in ins]
+        note = f"  # {op} {node['src']}"
+        alloc = f"{v} = {self.new_array(n, dims, step)}"
+        fresh = step not in self.slot_of_step and n not in self.flat   # a returned value: numpy allocates it
+        if kind == "elementwise":
+            expr = expr_of(g, n)
+            if shape == ():
+                block = self.kernels.scalar_expression(expr, a, v)
+                return block[:-1] + [block[-1] + note]
+            patterns = [None if g.shape(u) == () else _pattern(g.shape(u), shape) for u in ins]
+            k = self.kernels.elementwise(expr, patterns, len(shape), _hint(g, n))
+            return [alloc, f"{k}({', '.join(a + [v])}){note}"]
+        if op == "matmul":
+            ta = ".T" if attrs.get("transpose_a") else ""
+            tb = ".T" if attrs.get("transpose_b") else ""
+            if fresh or shape == ():
+                return [f"{v} = np.dot({a[0]}{ta}, {a[1]}{tb}){note}"]
+            return [alloc, f"np.dot({a[0]}{ta}, {a[1]}{tb}, {v}){note}"]
+        if op == "transpose":
+            return [alloc, f"{v}[:] = np.transpose({a[0]}, {tuple(attrs['axes'])}){note}"]
+        if op == "transfer":   # devices are regions of one host arena: the copy is the transfer
+            note = f"  # transfer {attrs['source']} -> {attrs['target']}, {node['src']}"
+            return [f"{v} = {a[0]}{note}"] if shape == () else [alloc, f"{v}[:] = {a[0]}{note}"]
+        if op == "reshape":
+            if g.shape(ins[0]) == ():
+                return [alloc, f"{v}[:] = {a[0]}{note}"]
+            if shape == ():
+                return [f"{v} = {a[0]}.reshape(-1)[0]{note}"]
+            return [f"{v} = {a[0]}.reshape({_shape_src(shape, dims)}){note}"]
+        if op in ("sum", "mean", "max"):
+            k = self.kernels.reduction(op, len(g.shape(ins[0])), tuple(attrs["axes"]), attrs.get("keepdims", False))
+            if shape == () :
+                return [f"{v} = {k}({a[0]}){note}"]
+            return [alloc, f"{k}({a[0]}, {v}){note}"]
+        if op == "argmax_mask":
+            k = self.kernels.argmax_mask(len(shape), tuple(attrs["axes"]))
+            return [alloc, f"{k}({a[0]}, {v}){note}"]
+        if op == "count":
+            factors = [dims[d] if isinstance(d, str) else str(d) for d in attrs["dims"]]
+            return [f"{v} = float({' * '.join(factors) or '1'}){note}"]
+        if op in ("softmax", "log_softmax"):
+            k = self.kernels.softmax(op, len(shape), attrs["axis"])
+            return [alloc, f"{k}({a[0]}, {v}){note}"]
+        if op == "pick":
+            return [alloc, f"{self.kernels.pick()}({a[0]}, {a[1]}, {v}){note}"]
+        if op == "pick_grad":
+            if g.shape(ins[0]) == ():
+                raise AssertionError("pick_grad of a scalar adjoint")
+            return [alloc, f"{self.kernels.pick_grad()}({a[0]}, {a[1]}, {v}){note}"]
+        raise NotImplementedError(f"cpu codegen has no rule for op {op!r}")
+
+
+def _hint(graph, n):
+    """A short name for an elementwise kernel: the functions it applies, or the op."""
+    if graph.op(n) != "fused":
+        return graph.op(n)
+    funcs = sorted({type(f).__name__.lower() for f in graph.attrs(n)["expr"].atoms(sp.Function)})
+    return "_".join(funcs[:3]) or "arith"

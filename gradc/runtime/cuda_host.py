@@ -1,0 +1,188 @@
+"""What a `--target cuda` module runs its host functions with: device memory, CUDA graphs, copies.
+
+`CudaRunner.run(fn, args, inputs)` runs one host function (codegen/cuda_entry.py) on the device:
+- arguments: numpy arrays are copied to the device; device arrays (anything with
+  `__cuda_array_interface__`: numba, torch, cupy) are read where they are, no host round trip;
+- the arena is one device buffer per thread laid out by the memory plan (gradc/runtime/arena.py);
+- with CUDA graphs (a real GPU, `cuda.core` importable), the first call with a new set of shapes
+  runs the launches directly (compiling every kernel), then captures them into a graph through a
+  `cuda.core` GraphBuilder; later calls copy their arguments into the buffers the graph was
+  captured with and replay it (about 1 us a kernel instead of about 20). Arrays the runner made
+  itself (constants, a Trainer's params and state) are captured in place and never copied. Where
+  capture is not available (the simulator) or fails, every call launches directly.
+Results are the device arrays the host function returned; `host()` copies one out.
+"""
+import threading
+
+import numpy as np
+
+from .arena import Arena
+from .cuda import is_device_array, load_cuda, simulated
+
+
+class CudaRunner:
+    def __init__(self, model, dtype, tables, dim_sources, scalars, data, graphs=True):
+        self.model = model
+        self.dtype = np.dtype(dtype)
+        self.tables, self.dim_sources, self.scalars = tables, dim_sources, scalars
+        self.host_data = data
+        self.use_graphs = graphs and not simulated()
+        self.outputs_on_device = False   # device_outputs(True): results stay on the device
+        self.graph_error = None        # why graphs are off, when capture failed
+        self._ready = False
+        self._lock = threading.RLock()
+
+    # ---- set-up, on first use (importing the module needs no GPU) ------------------------
+    def _start(self):
+        if self._ready:
+            return
+        cuda = load_cuda()
+        try:
+            cuda.get_current_device()
+        except Exception as e:
+            raise RuntimeError(f"{self.model} was compiled with --target cuda and needs an NVIDIA GPU with a working "
+                               f"driver ({type(e).__name__}: {e}); set NUMBA_ENABLE_CUDASIM=1 before importing "
+                               f"numba to run it under numba-cuda's simulator, or compile with --target cpu") from None
+        self.cuda = cuda
+        self.arena = Arena(self.dtype, self.tables, self.dim_sources, device="cuda:0",
+                           allocate=lambda n, dtype: cuda.device_array(n, dtype))
+        self.stream = 0
+        self._graphs = {}              # (fn, shapes, places) -> _Captured
+        self._owned = set()            # device pointers of the arrays this runner allocated
+        self._scal = {}
+        if self.use_graphs:
+            try:
+                from cuda.core import Device
+                self._device = Device()
+                self._device.set_current()
+                self.stream = self._device.create_stream()
+            except Exception as e:     # no cuda.core: launch directly
+                self.use_graphs, self.graph_error = False, f"cuda.core unavailable: {e}"
+        self.data = {k: self.adopt(v.reshape(1) if v.ndim == 0 else v) for k, v in self.host_data.items()}
+        self._ready = True
+
+    # ---- device memory -------------------------------------------------------------------
+    def empty(self, shape, dtype=None):
+        """A device array the runner owns (captured in place by graphs)."""
+        self._start()
+        a = self.cuda.device_array(shape, dtype or self.dtype)
+        self._owned.add(_pointer(a))
+        return a
+
+    def own(self, a):
+        """Mark a view of an owned array as owned too (a Trainer's per-param views); returns it."""
+        self._owned.add(_pointer(a))
+        return a
+
+    def adopt(self, host_array):
+        """A device copy of a numpy array that the runner owns."""
+        a = self.empty(host_array.shape, host_array.dtype)
+        a.copy_to_device(np.ascontiguousarray(host_array), stream=self.stream)
+        return a
+
+    def buffer(self, name, shape):
+        """An owned device array kept under `name` (the same one for every call with this shape)."""
+        self._start()
+        key = (name, tuple(shape))
+        if key not in self._scal:
+            self._scal[key] = self.empty(shape)
+        return self._scal[key]
+
+    def device(self, x):
+        """x on the device: a device array as it is, a numpy array copied there."""
+        self._start()
+        if is_device_array(x):
+            return x if type(x).__name__ in ("DeviceNDArray", "FakeCUDAArray") else self.cuda.as_cuda_array(x)
+        return self.cuda.to_device(np.ascontiguousarray(x), stream=self.stream)
+
+    def host(self, x):
+        """A numpy copy of device array x (waits for the work that writes it)."""
+        out = x.copy_to_host(stream=self.stream)
+        self.sync()
+        return out
+
+    def out(self, x, shape=None):
+        """A result for the caller: a numpy copy, or a device copy with device_outputs(True)."""
+        shape = tuple(x.shape) if shape is None else shape
+        if not self.outputs_on_device:
+            return self.host(x).reshape(shape)
+        copy = self.cuda.device_array(x.shape, x.dtype)
+        copy.copy_to_device(x, stream=self.stream)
+        self.sync()
+        return copy.reshape(shape) if shape != () else copy
+
+    def scalar(self, x):
+        """A one-element device array as a Python float."""
+        return float(self.host(x)[0])
+
+    def zeros_like(self, x):
+        return self.out(self.cuda.to_device(np.zeros(x.shape, x.dtype)))
+
+    def sync(self):
+        if self.stream == 0:
+            self.cuda.synchronize()
+        else:
+            self.stream.sync()
+
+    def held_bytes(self):
+        return self.arena.held_by_device() if self._ready else {"cuda:0": 0}
+
+    # ---- running a host function ---------------------------------------------------------
+    def run(self, fn, args, inputs, entry=None):
+        """fn(*args, arena, offs, scal, stream) on the device; `inputs` (name -> array) give the dims
+        the arena is laid out for; `entry` names the arena table (default: fn's name)."""
+        self._start()
+        entry = entry or fn.__name__
+        with self._lock:
+            arena, offs = self.arena.get(entry, inputs)
+            offs = offs.tolist()
+            scal = self.buffer(f"{entry}/scalars", (max(1, self.scalars.get(entry, 0)),))
+            if not self.use_graphs:
+                return fn(*[self.device(a) for a in args], arena, offs, scal, self.stream)
+            key = (fn, tuple((np.shape(a), np.dtype(a.dtype).str, self._place(a)) for a in args))
+            captured = self._graphs.get(key)
+            if captured is None:
+                return self._first_call(key, fn, args, arena, offs, scal)
+            for buffer, a in zip(captured.buffers, args):
+                if buffer is not a and self._place(a) is None:
+                    buffer.copy_to_device(a if not is_device_array(a) else self.device(a), stream=self.stream)
+            captured.graph.launch(self.stream)
+            return captured.results
+
+    def _place(self, a):
+        """The pointer of an array the runner owns (used in place), else None (copied in)."""
+        if is_device_array(a):
+            p = _pointer(a)
+            if p in self._owned:
+                return p
+        return None
+
+    def _first_call(self, key, fn, args, arena, offs, scal):
+        buffers = [a if self._place(a) is not None else self.empty(np.shape(a), a.dtype) for a in args]
+        for buffer, a in zip(buffers, args):
+            if buffer is not a:
+                buffer.copy_to_device(a if not is_device_array(a) else self.device(a), stream=self.stream)
+        results = fn(*buffers, arena, offs, scal, self.stream)   # compiles every kernel first
+        try:
+            builder = self._device.create_graph_builder()
+            builder.begin_building()
+            captured_results = fn(*buffers, arena, offs, scal, builder)
+            graph = builder.end_building().complete()
+        except Exception as e:
+            self.use_graphs, self.graph_error = False, f"{type(e).__name__}: {e}"
+            return results
+        self._graphs[key] = _Captured(buffers, graph, captured_results, (arena, scal))
+        return results
+
+
+class _Captured:
+    """A captured graph with the buffers it reads and writes (kept alive while it may replay)."""
+
+    def __init__(self, buffers, graph, results, keep):
+        self.buffers, self.graph, self.results, self.keep = buffers, graph, results, keep
+
+
+def _pointer(a):
+    if hasattr(a, "__cuda_array_interface__"):
+        return a.__cuda_array_interface__["data"][0]
+    return id(a._ary) if hasattr(a, "_ary") else id(a)   # the simulator's arrays

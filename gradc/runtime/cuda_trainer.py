@@ -1,0 +1,108 @@
+"""The Trainer of a `--target cuda` module: params, gradients and optimizer state stay on the device.
+
+One step is one launch sequence (captured once in a CUDA graph where graphs work): the entry's
+kernels write the gradients into a flat device buffer, a one-block kernel sums their squares, and
+the fused update kernel reads the loss and that sum from device memory, so clipping and the
+"not finite: change nothing" rule need no host round trip mid-step. The host reads the loss and the
+squared norm (two numbers) after the step, as the CPU Trainer does. Hyperparameters go to the
+device in a small array before each step, so changing `tr.lr` between steps needs no recapture.
+"""
+import math
+
+import numpy as np
+
+from .cuda import flat, block, is_device_array
+from .trainer import TrainerBase
+
+
+class CudaTrainerBase(TrainerBase):
+    __doc__ = TrainerBase.__doc__.replace("`tr.params` is the live dict.",
+                                          "`tr.params` is the live dict of device arrays.")
+    runner = None            # the module's CudaRunner
+    kernels = {}             # "sgd", "adam", "sum_squares", "copy" -> the module's kernels
+    entry = None             # the host function of loss_and_grad
+
+    def loss_args(self, p, a):
+        """The entry's arguments before `grads` (set by the generated subclass)."""
+        raise NotImplementedError
+
+    def _store(self, checked, size, slots):
+        run = self.runner
+        self._flat = run.empty((max(size, 1),))
+        self._views, self.params = {}, {}
+        for k, shape in self.signature.param_shapes.items():
+            if k in self.grad_slices:
+                start, end = self.grad_slices[k]
+                view = self._flat[start:end].reshape(shape if shape else (1,))
+                view.copy_to_device(np.ascontiguousarray(checked[k]).reshape(view.shape), stream=run.stream)
+                self._views[k] = self.params[k] = run.own(view)
+            else:
+                self.params[k] = run.adopt(checked[k])
+        self._grads = run.empty((max(size, 1),))
+        zeros = np.zeros(max(size, 1), dtype=self.signature.float)
+        self.state = {slot: run.adopt(zeros) for slot in slots}
+        self._hyper = run.empty((7,))
+        self._status = run.empty((2,))            # the loss and |g|^2 of the last step
+        self._launch = self._launch_step          # one bound method: the captured graph's key
+        run.sync()
+
+    def _host(self, array):
+        return self.runner.host(array).reshape(array.shape)
+
+    def _restore(self, slot, saved):
+        self.state[slot].copy_to_device(np.ascontiguousarray(saved, dtype=self.signature.float),
+                                        stream=self.runner.stream)
+        self.runner.sync()
+
+    def _adopt(self):
+        """An array assigned into tr.params replaces the values, not the trainer's buffer."""
+        for k, view in self._views.items():
+            new = self.params.get(k)
+            if new is view:
+                continue
+            shape = self.signature.param_shapes[k]
+            if not (isinstance(new, np.ndarray) or is_device_array(new)) or tuple(new.shape) != tuple(shape) \
+                    or np.dtype(new.dtype) != self.signature.float:
+                raise ValueError(f"{self.model_name}.Trainer: params[{k!r}] must stay a {self.signature.float} array "
+                                 f"of shape {tuple(shape)}")
+            source = new if not isinstance(new, np.ndarray) else np.ascontiguousarray(new)
+            view.copy_to_device(self.runner.device(source).reshape(view.shape) if not isinstance(new, np.ndarray)
+                                else source.reshape(view.shape), stream=self.runner.stream)
+            self.params[k] = view
+
+    def _launch_step(self, *args):
+        """The whole step's launches: gradients, their squared norm, the update."""
+        *loss_args, grads, params, s1, s2, hyper, status, arena, offs, scal, stream = args
+        (loss,) = self.entry(*loss_args, grads, arena, offs, scal, stream)
+        copy = self.kernels["copy"]
+        copy[flat(loss, stream)](loss, status[0:1])
+        self.kernels["sum_squares"][block(stream)](grads, status[1:2])
+        if self.optimizer == "sgd":
+            self.kernels["sgd"][flat(params, stream)](params, s1, grads, hyper, status)
+        else:
+            self.kernels["adam"][flat(params, stream)](params, s1, s2, grads, hyper, status)
+        return ()
+
+    def step(self, **inputs):
+        run = self.runner
+        a = self.signature.inputs(inputs, self.loss_inputs, "Trainer.step")
+        self._adopt()
+        t = self.steps + 1
+        if self.optimizer == "sgd":
+            hyper = [self.lr, self.momentum, self.clip, 0, 0, 0, 0]
+            state = [self.state["momentum"], self.state["momentum"]]
+        else:
+            b1, b2 = self.betas
+            hyper = [self.lr, b1, b2, self.eps, 1.0 - b1 ** t, 1.0 - b2 ** t, self.clip]
+            state = [self.state["m"], self.state["v"]]
+        self._hyper.copy_to_device(np.array(hyper, dtype=self.signature.float), stream=run.stream)
+        p = dict(self.params)
+        args = self.loss_args(p, a) + [self._grads, self._flat, *state, self._hyper, self._status]
+        run.run(self._launch, args, a, entry="_loss_and_grad")
+        loss, sq = (float(x) for x in run.host(self._status))
+        if not (math.isfinite(loss) and math.isfinite(sq)):
+            what = f"the loss is {loss}" if not math.isfinite(loss) else "the gradient is not finite"
+            raise FloatingPointError(f"{self.model_name}.Trainer.step {self.steps + 1}: {what}; parameters and "
+                                     f"optimizer state are left as they were before this step")
+        self.steps += 1
+        return loss
