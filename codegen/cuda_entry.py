@@ -20,7 +20,7 @@ def _fold_constants(expr, operands, is_scalar_const, value_of):
     """expr over X[0..] with the scalar-constant operands substituted; the rest renumbered."""
     kept, subs = [], {}
     for j, u in enumerate(operands):
-        if is_scalar_const(u):
+        if u is not None and is_scalar_const(u):
             subs[X[j]] = sp.Float(value_of(u)) if not float(value_of(u)).is_integer() else sp.Integer(int(value_of(u)))
         else:
             subs[X[j]] = X[len(kept)]
@@ -64,6 +64,12 @@ class CudaEntryWriter(EntryWriter):
     def fresh_array(self, shape_src):
         return f"cuda.device_array({shape_src}, FLOAT)"
 
+    def _fold(self, expr, operands):
+        """expr with its scalar-constant operands written in; the operands left (None: not a node)."""
+        g = self.graph
+        return _fold_constants(expr, operands, lambda u: g.op(u) == "const" and np.ndim(g.attrs(u)["value"]) == 0,
+                               lambda u: g.attrs(u)["value"])
+
     def launch(self, kernel, args):
         """`kernel[config](args)`: the launch configuration its grid (codegen/cuda.py) asks for."""
         grid = self.kernels.launch[kernel]
@@ -103,15 +109,21 @@ class CudaEntryWriter(EntryWriter):
         alloc = f"{v} = {self.new_array(n, dims, step)}"
         k = self.kernels
         if kind == "elementwise":
-            expr, operands = _fold_constants(
-                expr_of(g, n), ins, lambda u: g.op(u) == "const" and np.ndim(g.attrs(u)["value"]) == 0,
-                lambda u: g.attrs(u)["value"])
+            expr, operands = self._fold(expr_of(g, n), ins)
             patterns = [None if g.shape(u) == () else _pattern(g.shape(u), shape) for u in operands]
             kernel = k.elementwise(expr, patterns, len(shape), _hint(g, n))
             return [alloc, self.launch(kernel, [self.var(u) for u in operands] + [v]) + note]
         if op == "matmul":
             kernel = k.matmul(bool(attrs.get("transpose_a")), bool(attrs.get("transpose_b")))
             return [alloc, self.launch(kernel, a + [v]) + note]
+        if op == "gemm":   # passes/gemm_fusion.py: prologues in the tile loads, the epilogue in the store
+            na, nb = attrs["a_count"], attrs["b_count"]
+            epilogue, rest = self._fold(attrs["epilogue"], [None] + ins[na + nb:])
+            rest = rest[1:]
+            patterns = [() if g.shape(u) == () else _pattern(g.shape(u), shape) for u in rest]
+            kernel = k.matmul(bool(attrs.get("transpose_a")), bool(attrs.get("transpose_b")), attrs["a_expr"],
+                              attrs["b_expr"], epilogue, patterns)
+            return [alloc, self.launch(kernel, a[:na + nb] + [self.var(u) for u in rest] + [v]) + note]
         if op == "transpose":
             return [alloc, self.launch(k.transpose(tuple(attrs["axes"])), a + [v]) + note]
         if op == "transfer":   # virtual devices share one device's memory: the copy is the transfer

@@ -268,6 +268,11 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
                                         for kind in ("forward", "backward")}
     timings["partition"] = time.perf_counter() - t
     t = time.perf_counter()
+    if target == "cuda":   # before the memory plan: a fused product never gets a buffer
+        from gradc.passes.gemm_fusion import fuse_gemms
+        t = time.perf_counter()
+        fuse_gemms(graph)
+        timings["gemm_fusion"] = time.perf_counter() - t
     budget = resolve_budget(graph, memory_budget, model.src)
     try:
         plans = plan_memory(graph, dims, order, budget)

@@ -61,6 +61,11 @@ _case("pick", _K.pick(), ["x", "y"], {"x": [[6, 4], "f"], "y": [[6], "labels"]},
       "x[np.arange(6), y]", classes=4)
 _case("pick_grad", _K.pick_grad(), ["g", "y"], {"g": [[6], "f"], "y": [[6], "labels"]}, [6, 4],
       "np.eye(4)[y] * g[:, None]", classes=4)
+# every axis reduced (a loss): one block, more elements than threads, so both the strided loop and the tree run
+_case("sum_all", _K.reduction("sum", 2, (0, 1), False), ["x"], {"x": [[23, 29], "f"]}, [1], "x.sum()")
+_case("mean_all_keep", _K.reduction("mean", 2, (0, 1), True), ["x"], {"x": [[23, 29], "f"]}, [1, 1], "x.mean()")
+_case("max_all", _K.reduction("max", 1, (0,), False), ["x"], {"x": [[301], "f"]}, [1], "x.max()")
+_case("sum_squares", _K.sum_squares(), ["x"], {"x": [[517], "f"]}, [1], "(x * x).sum()")
 _case("transpose", _K.transpose((1, 0, 2)), ["x"], {"x": [[2, 3, 4], "f"]}, [3, 2, 4], "x.transpose(1, 0, 2)")
 
 
@@ -69,7 +74,7 @@ UPDATES = {"sgd": _K.sgd_update(), "adam": _K.adam_update()}
 
 def build_module():
     """The kernels as a module, as the CUDA target will write them (float64 shared tiles)."""
-    lines = ["import math", "from numba import float64 as FLOAT_T", "from gradc.runtime.cuda import load_cuda",
+    lines = ["import math", "from numba import float64 as FLOAT_T, float64", "from gradc.runtime.cuda import load_cuda",
              "cuda = load_cuda()", ""]
     for h in sorted(_K.helpers):
         lines += ["@cuda.jit(device=True)", HELPERS[h], ""]

@@ -53,6 +53,39 @@ register(Op("matmul", "matmul", _matmul_infer, _matmul_evaluate, _matmul_flops, 
             doc="2-D matrix product; attrs transpose_a / transpose_b"))
 
 
+def _gemm_split(attrs, items):
+    """The A operands, B operands and epilogue operands of a gemm, from its flat operand list."""
+    na, nb = attrs["a_count"], attrs["b_count"]
+    return items[:na], items[na:na + nb], items[na + nb:]
+
+
+def _gemm_infer(attrs, shapes, dtypes):
+    _float_only("gemm", dtypes)
+    a, b, _ = _gemm_split(attrs, shapes)
+    return _matmul_infer(attrs, [a[0], b[0]], dtypes)
+
+
+def _gemm_evaluate(attrs, values, out_shape, dims):
+    from .elementwise import numpy_function
+    a, b, rest = _gemm_split(attrs, values)
+    a = numpy_function(attrs["a_expr"], len(a))(*a)
+    b = numpy_function(attrs["b_expr"], len(b))(*b)
+    product = _matmul_evaluate(attrs, [a, b], out_shape, dims)
+    return np.broadcast_to(numpy_function(attrs["epilogue"], 1 + len(rest))(product, *rest), out_shape)
+
+
+def _gemm_flops(attrs, in_shapes, out_shape):
+    a, b, _ = _gemm_split(attrs, in_shapes)
+    return _matmul_flops(attrs, [a[0], b[0]], out_shape)
+
+
+# Made by passes/gemm_fusion.py for the CUDA target after differentiation, so it has no VJP.
+register(Op("gemm", "matmul", _gemm_infer, _gemm_evaluate, _gemm_flops,
+            doc="epilogue(op(a_expr(A...)) @ op(b_expr(B...)), E...): a matmul with its elementwise neighbours "
+                "fused into the operand loads and the store; attrs transpose_a/b, a_count, b_count, a_expr, b_expr, "
+                "epilogue (over x0 = the product, x1.. = E)"))
+
+
 def _transpose_infer(attrs, shapes, dtypes):
     (shape,) = shapes
     axes = tuple(attrs["axes"])
