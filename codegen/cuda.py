@@ -42,17 +42,17 @@ ROW_MAX_AND_SUM_EXP = [
 
 
 def _block_sum(body, start="0.0", combine=None):
-    """Lines of a one-block reduction over every element j of x0 (THREADS threads, each a strided
-    partial, then a tree in shared memory); the result is left in partial[0]. `body`: the loop's
-    lines (unindented) that read element j and fold it into acc."""
+    """Lines of a one-block reduction over every element j of x0 (a power of two threads, at most
+    THREADS: each a strided partial, then a tree in shared memory); the result is left in
+    partial[0]. `body`: the loop's lines (unindented) that read element j and fold it into acc."""
     combine = combine or ["            partial[t] += partial[t + step]"]
     return [f"    partial = cuda.shared.array({THREADS}, float64)",
             "    t = cuda.threadIdx.x",
             f"    acc = {start}",
-            f"    for j in range(t, x0.size, {THREADS}):", *["        " + line for line in body],
+            "    for j in range(t, x0.size, cuda.blockDim.x):", *["        " + line for line in body],
             "    partial[t] = acc",
             "    cuda.syncthreads()",
-            f"    step = {THREADS // 2}",
+            "    step = cuda.blockDim.x // 2",
             "    while step > 0:",
             "        if t < step:", *combine,
             "        cuda.syncthreads()",

@@ -48,15 +48,25 @@ def blocks(n, threads=THREADS):
     return max(1, -(-n // threads))
 
 
+# The simulator runs every thread of a block as a Python thread: one-thread-per-item kernels (which
+# check their bounds, so any block size is right) get small blocks there, which also runs more blocks.
+SIMULATED_THREADS = 8
+
+
+def _per_item(n, stream):
+    threads = SIMULATED_THREADS if simulated() else THREADS
+    return blocks(max(1, n), threads), threads, stream
+
+
 # Launch configurations [blocks, threads, stream] the generated host code indexes kernels with:
 def flat(out, stream=0):
     """One thread per element of `out`."""
-    return blocks(max(1, int(np.prod(out.shape)))), THREADS, stream
+    return _per_item(int(np.prod(out.shape)), stream)
 
 
 def rows(x, axes, stream=0):
     """One thread per index of `x` over the axes not in `axes` (a reduction's kept index)."""
-    return blocks(max(1, int(np.prod([n for d, n in enumerate(x.shape) if d not in axes])))), THREADS, stream
+    return _per_item(int(np.prod([n for d, n in enumerate(x.shape) if d not in axes])), stream)
 
 
 def tiles(out, stream=0):
@@ -67,7 +77,7 @@ def tiles(out, stream=0):
 
 def block(stream=0):
     """One block of THREADS threads (a reduction to one value, in shared memory)."""
-    return 1, THREADS, stream
+    return 1, SIMULATED_THREADS if simulated() else THREADS, stream
 
 
 def launch_config(grid, args, stream=0):

@@ -58,8 +58,14 @@ class CudaRunner:
                 self.stream = self._device.create_stream()
             except Exception as e:     # no cuda.core: launch directly
                 self.use_graphs, self.graph_error = False, f"cuda.core unavailable: {e}"
-        self.data = {k: self.adopt(v.reshape(1) if v.ndim == 0 else v) for k, v in self.host_data.items()}
         self._ready = True
+        self._data = {k: self.adopt(v.reshape(1) if v.ndim == 0 else v) for k, v in self.host_data.items()}
+
+    @property
+    def data(self):
+        """The module's constant arrays, on the device (copied there once)."""
+        self._start()
+        return self._data
 
     # ---- device memory -------------------------------------------------------------------
     def empty(self, shape, dtype=None):

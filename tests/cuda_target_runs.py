@@ -1,0 +1,137 @@
+"""Runs generated `--target cuda` modules under numba-cuda's simulator (tests/test_cuda_target.py).
+
+    NUMBA_ENABLE_CUDASIM=1 python tests/cuda_target_runs.py models|trainer BUILD_DIR
+
+Prints one JSON line of errors: every entry point of the CUDA module against the CPU target's
+(float64, same params and inputs), a finite-difference check of the CUDA gradients, and the CUDA
+Trainer against the CPU Trainer, with device-array inputs and outputs and the refusals.
+"""
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run under numba-cuda's simulator"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import gradc as gc  # noqa: E402
+import test_codegen as zoo  # noqa: E402
+
+# the models the CUDA backend must run: softmax cross-entropy, max, user elementwise ops, shared
+# weights, scalars, layout ops, broadcasting, frozen params, constant arrays, int32 labels
+MODELS = [zoo.mlp_weight_decay, zoo.shared_weights, zoo.reductions_rank3, zoo.user_ops, zoo.scalars, zoo.layout_ops,
+          zoo.broadcast_patterns, zoo.frozen_and_unused, zoo.constants_and_array_init, zoo.integer_labels_int32]
+WITH_HVP = {"cg_mlp", "cg_shared", "cg_reduce3", "cg_scalars"}
+
+
+def both(make, build, order=1):
+    model = make()
+    cpu = gc.compile(model, out=os.path.join(build, "cpu"), dtype="float64", order=order, warm_cache=False)
+    dev = gc.compile(model, out=os.path.join(build, "cuda"), target="cuda", dtype="float64", order=order)
+    return model, cpu, dev
+
+
+def err(a, b):
+    """Largest |a - b| relative to the largest |a| (at least 1), over dicts or arrays."""
+    if isinstance(a, dict):
+        assert set(a) == set(b), (sorted(a), sorted(b))
+        return max([err(a[k], b[k]) for k in a], default=0.0)
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float(np.max(np.abs(a - b), initial=0.0) / max(1.0, float(np.max(np.abs(a), initial=0.0))))
+
+
+def run_models(build):
+    rng = np.random.default_rng(0)
+    errors = {}
+    for make in MODELS:
+        t0 = time.perf_counter()
+        model, cpu, dev = both(make, build, order=2 if make().name in WITH_HVP else 1)
+        print(model.name, "compile", round(time.perf_counter() - t0, 1), file=sys.stderr)
+        params, inputs = cpu.init_params(seed=3), zoo._inputs(cpu, rng)
+        e = errors[model.name] = {}
+        e["forward"] = err(cpu.forward(params, **inputs), dev.forward(params, **inputs))
+        l1, g1 = cpu.loss_and_grad(params, **inputs)
+        l2, g2 = dev.loss_and_grad(params, **inputs)
+        e["loss"], e["grads"] = err(l1, l2), err(g1, g2)
+        e["input_grads"] = err(cpu.input_grads(params, **inputs), dev.input_grads(params, **inputs))
+        if model.name in WITH_HVP:
+            v = {k: rng.standard_normal(g.shape) for k, g in g1.items()}
+            e["hvp"] = err(cpu.hvp(params, v, **inputs), dev.hvp(params, v, **inputs))
+        if model.name == "cg_scalars":
+            e["hessian"] = err(cpu.hessian(params, **inputs), dev.hessian(params, **inputs))
+        print(model.name, "total", round(time.perf_counter() - t0, 1), file=sys.stderr)
+    return errors
+
+
+def finite_differences(dev, params, inputs, rng, probes=4, h=1e-6):
+    """The CUDA gradients against central differences of the CUDA forward's loss."""
+    _, grads = dev.loss_and_grad(params, **inputs)
+    worst = 0.0
+    for name, g in grads.items():
+        for _ in range(probes):
+            i = tuple(int(rng.integers(0, n)) for n in g.shape)
+            up, down = {k: v.copy() for k, v in params.items()}, {k: v.copy() for k, v in params.items()}
+            up[name][i] += h
+            down[name][i] -= h
+            numeric = (dev.forward(up, **inputs)["loss"] - dev.forward(down, **inputs)["loss"]) / (2 * h)
+            worst = max(worst, abs(numeric - g[i]) / max(1.0, abs(numeric)))
+    return worst
+
+
+def run_trainer(build):
+    from numba import cuda
+    rng = np.random.default_rng(1)
+    model, cpu, dev = both(zoo.mlp_weight_decay, build)
+    params, inputs = cpu.init_params(seed=5), zoo._inputs(cpu, rng, batch=6)
+    out = {"fd": finite_differences(dev, params, inputs, rng)}
+    for optimizer, options in (("sgd", dict(lr=0.2, momentum=0.9, clip_norm=0.3)), ("adam", dict(lr=0.05))):
+        t1, t2 = cpu.Trainer(params, optimizer=optimizer, **options), dev.Trainer(params, optimizer=optimizer, **options)
+        losses = [(t1.step(**inputs), t2.step(**inputs)) for _ in range(3)]
+        out[f"{optimizer}_losses"] = max(abs(a - b) for a, b in losses)
+        out[f"{optimizer}_params"] = err(t1.params, {k: v.copy_to_host() for k, v in t2.params.items()})
+        # a checkpoint round trip continues the same trajectory
+        path = os.path.join(build, f"{optimizer}.npz")
+        t2.save(path)
+        t3 = dev.Trainer.load(path)
+        out[f"{optimizer}_resumed"] = abs(t1.step(**inputs) - t3.step(**inputs))
+    # inputs already on the device are read there; results can stay there too
+    device_inputs = {k: cuda.to_device(v) for k, v in inputs.items()}
+    l1, g1 = dev.loss_and_grad(params, **inputs)
+    l2, g2 = dev.loss_and_grad({k: cuda.to_device(v) for k, v in params.items()}, **device_inputs)
+    out["device_inputs"] = max(abs(l1 - l2), err(g1, g2))
+    dev.device_outputs(True)
+    _, g3 = dev.loss_and_grad(params, **inputs)
+    out["device_outputs_type"] = sorted({type(v).__name__ for v in g3.values()})
+    out["device_outputs"] = err(g1, {k: v.copy_to_host() for k, v in g3.items()})
+    dev.device_outputs(False)
+    # a step whose loss is not finite raises and changes nothing
+    tr = dev.Trainer(params, optimizer="adam", lr=0.1)
+    before = {k: v.copy_to_host() for k, v in tr.params.items()}
+    bad = dict(inputs, x=np.full_like(inputs["x"], np.nan))
+    try:
+        tr.step(**bad)
+        out["nonfinite"] = "no error"
+    except FloatingPointError as e:
+        out["nonfinite"] = "raised" if "left as they were" in str(e) else str(e)
+    out["nonfinite_unchanged"] = err(before, {k: v.copy_to_host() for k, v in tr.params.items()})
+    out["nonfinite_steps"] = tr.steps
+    # wrong shapes and labels on the device are refused by name, as on the host
+    refusals = []
+    for given in (dict(device_inputs, x=cuda.to_device(np.ones((6, 4)))), dict(device_inputs, y=cuda.to_device(
+            np.full(6, 7, dtype=np.int64)))):
+        try:
+            dev.loss_and_grad(params, **given)
+            refusals.append("accepted")
+        except ValueError as e:
+            refusals.append(str(e))
+    out["refusals"] = refusals
+    return out
+
+
+if __name__ == "__main__":
+    what, build = sys.argv[1], sys.argv[2]
+    result = run_models(build) if what == "models" else run_trainer(build)
+    print(json.dumps(result))

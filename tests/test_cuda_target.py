@@ -1,0 +1,70 @@
+"""`--target cuda` modules under numba-cuda's simulator, against the CPU target (float64).
+
+The simulator must be on before numba is imported, so tests/cuda_target_runs.py runs in two
+subprocesses at once (the model zoo; the Trainer and device arrays); shapes are tiny because the
+simulator runs every GPU thread in Python. CUDA graphs are not exercised here: the simulator has
+none, so the runner launches directly (the same host functions a graph captures)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
+pytestmark = pytest.mark.slow
+
+RUNS = os.path.join(os.path.dirname(__file__), "cuda_target_runs.py")
+TOLERANCE = 1e-12   # relative: the same float64 arithmetic in another order
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    procs = {what: subprocess.Popen([sys.executable, RUNS, what, str(tmp_path_factory.mktemp(what))], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for what in ("models", "trainer")}
+    out = {}
+    for what, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=1200)
+        assert proc.returncode == 0, stderr[-4000:]
+        out[what] = json.loads(stdout.strip().splitlines()[-1])
+    return out
+
+
+def test_every_entry_point_matches_the_cpu_target(results):
+    models = results["models"]
+    assert {"cg_mlp", "cg_shared", "cg_reduce3", "cg_user", "cg_scalars", "cg_layout"} <= set(models)
+    assert all({"forward", "loss", "grads", "input_grads"} <= set(e) for e in models.values())
+    assert {m for m, e in models.items() if "hvp" in e} == {"cg_mlp", "cg_shared", "cg_reduce3", "cg_scalars"}
+    assert "hessian" in models["cg_scalars"]
+    bad = {(m, k): v for m, e in models.items() for k, v in e.items() if not v <= TOLERANCE}
+    assert not bad, bad
+
+
+def test_cuda_gradients_match_finite_differences(results):
+    assert results["trainer"]["fd"] < 1e-7
+
+
+def test_cuda_trainer_matches_the_cpu_trainer_and_resumes(results):
+    r = results["trainer"]
+    for optimizer in ("sgd", "adam"):
+        assert r[f"{optimizer}_losses"] <= 1e-12 and r[f"{optimizer}_params"] <= TOLERANCE
+        assert r[f"{optimizer}_resumed"] <= 1e-12
+
+
+def test_device_arrays_in_and_out(results):
+    r = results["trainer"]
+    assert r["device_inputs"] <= TOLERANCE
+    assert r["device_outputs_type"] == ["FakeCUDAArray"] and r["device_outputs"] == 0.0
+
+
+def test_a_step_that_is_not_finite_changes_nothing(results):
+    r = results["trainer"]
+    assert r["nonfinite"] == "raised" and r["nonfinite_unchanged"] == 0.0 and r["nonfinite_steps"] == 0
+
+
+def test_device_inputs_are_checked_by_name(results):
+    shape, label = results["trainer"]["refusals"]
+    assert "input 'x' has shape (6, 4), expected (B, 5)" in shape
+    assert "input 'y' holds label 7, outside 0..2" in label
