@@ -12,6 +12,7 @@ import numpy as np
 
 from gradc.ops.elementwise import X
 from gradc.passes.stage_split import stage_index
+from gradc.runtime.cuda import THREADS, TILE
 
 from .cpu import Kernels
 from .cuda import CudaKernels
@@ -371,6 +372,12 @@ def generate(graph, plans, info):
     return _assemble(info, out, helper_src, kernel_src, body, api, kernels, g, entries, stored)
 
 
+LAUNCH_WORDS = {"flat": f"one thread per output element, {THREADS} a block",
+                "rows": f"one thread per kept index, {THREADS} a block",
+                "tiles": f"one {TILE}x{TILE} block per {TILE}x{TILE} tile of the output",
+                "block": f"one block of {THREADS} threads (a tree in shared memory)"}
+
+
 def _assemble(info, out, helper_src, kernel_src, body, api, kernels, g, entries, stored):
     """The module's sections in order, and the facts for the dumps."""
     sections = ["\n".join(out)] + (["# ---- scalar helpers " + "-" * 70, *helper_src] if helper_src else []) + [
@@ -378,7 +385,12 @@ def _assemble(info, out, helper_src, kernel_src, body, api, kernels, g, entries,
                 "# ---- compiled entry points " + "-" * 63, *body,
                 "# ---- Python entry points " + "-" * 65, *api]
     source = "\n\n\n".join(s.rstrip("\n") for s in sections) + "\n"
-    meta = {"kernels": [{"name": name, "computes": doc} for name, _, doc in kernels.sources],
+    kernel_meta = [{"name": name, "computes": doc} for name, _, doc in kernels.sources]
+    if info.get("target") == "cuda":   # its launch grid, and which host functions launch it
+        for k in kernel_meta:
+            k["launch"] = LAUNCH_WORDS[kernels.launch[k["name"]][0]]
+            k["entries"] = [f for f, (_, source, _, _) in entries.items() if f"{k['name']}[" in source]
+    meta = {"kernels": kernel_meta,
             "entries": {f: {"roots": [n for n in r if n is not None], "nodes": len(g.ancestors([n for n in r if n is not None]))}
                         for f, (r, _, _, _) in entries.items()}}
     return source, stored, meta

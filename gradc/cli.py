@@ -93,7 +93,8 @@ def cmd_compile(args):
 
 def cmd_inspect(args):
     from .inspect_build import report
-    print(report(args.build, graph=args.graph, memory=args.memory, partition=args.partition, kernels=args.kernels))
+    print(report(args.build, graph=args.graph, memory=args.memory, partition=args.partition, kernels=args.kernels,
+                 ptx_of=args.ptx))
     return 0
 
 
@@ -129,7 +130,9 @@ def build_parser():
     i.add_argument("--graph", action="store_true", help="every node, by phase")
     i.add_argument("--memory", action="store_true", help="values kept for the backward, with bytes")
     i.add_argument("--partition", action="store_true", help="stages, transfers and the pipeline schedule (with --devices K)")
-    i.add_argument("--kernels", action="store_true", help="the generated kernels")
+    i.add_argument("--kernels", action="store_true", help="the generated kernels (CUDA: launch grids; registers and "
+                   "shared memory where a GPU is present)")
+    i.add_argument("--ptx", metavar="KERNEL", help="print one kernel's PTX (a --target cuda build, on a GPU)")
     i.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     return ap
 

@@ -272,6 +272,8 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
         from gradc.passes.gemm_fusion import fuse_gemms
         t = time.perf_counter()
         fuse_gemms(graph)
+        for n in graph.nx.nodes:
+            graph.node(n)["device"] = "cuda:0"
         timings["gemm_fusion"] = time.perf_counter() - t
     budget = resolve_budget(graph, memory_budget, model.src)
     try:

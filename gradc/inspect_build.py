@@ -5,6 +5,7 @@ import re
 from collections import Counter
 
 from .errors import GradcError
+from .inspect_kernels import kernel_listing, ptx
 from .inspect_partition import partition_report
 from .sizes import format_size
 
@@ -23,9 +24,11 @@ def _shape(s):
     return f"({inner},)" if len(s) == 1 else f"({inner})"
 
 
-def report(build, graph=False, memory=False, partition=False, kernels=False):
+def report(build, graph=False, memory=False, partition=False, kernels=False, ptx_of=None):
     base, data = _load(build)
     meta = data["graph"]
+    if ptx_of is not None:
+        return ptx(base, ptx_of, meta["kernels"])
     nodes = {n["id"]: n for n in data["nodes"]}
     lines = [f"model {meta['model']} ({meta['dtype']}, gradc {meta['gradc_version']}) from {meta['source']}"]
     phases = Counter(n["phase"] for n in nodes.values())
@@ -52,7 +55,7 @@ def report(build, graph=False, memory=False, partition=False, kernels=False):
         lines += _graph_table(nodes)
     if kernels:
         lines.append("")
-        lines += _kernel_listing(base, meta["kernels"])
+        lines += kernel_listing(base, meta["kernels"])
     if memory:
         lines.append("")
         lines += memory_report(base)
@@ -150,15 +153,3 @@ def _graph_table(nodes):
     return lines
 
 
-def _kernel_listing(base, kernels):
-    source = ""
-    if os.path.isfile(base + ".py"):
-        with open(base + ".py") as f:
-            source = f.read()
-    lines = [f"kernels ({len(kernels)}):"]
-    for k in kernels:
-        lines.append(f"  {k['name']}: {k['computes']}")
-        m = re.search(rf"^def {re.escape(k['name'])}\(.*?(?=^@|\Z)", source, re.S | re.M)
-        if m:
-            lines += ["      " + line for line in m.group(0).rstrip().splitlines()]
-    return lines

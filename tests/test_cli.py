@@ -105,7 +105,8 @@ def test_inspect(compiled):
     ("x = 1\n", [], "defines no gradc.Model"),
     ("import gradc as gc\nm = gc.Model('b4')\nn = gc.Model('b5')\n", [], "pick one with --model"),
     ("import gradc as gc\nm = gc.Model('b6')\nm.minimize(m.input('x', ('B',)).sum())\n", ["--bind", "N=3"], "--bind names dim N"),
-    ("import gradc as gc\nm = gc.Model('b7')\nm.minimize(m.input('x', ('B',)).sum())\n", ["--target", "cuda"], "--target cpu"),
+    ("import gradc as gc\nm = gc.Model('b7')\nm.minimize(m.input('x', ('B',)).sum())\n",
+     ["--target", "cuda", "--devices", "2", "--bind", "B=4"], "--target cuda with --devices K > 1"),
     ("import gradc as gc\nm = gc.Model('b8')\nm.minimize(m.input('x', ('B',)).sum())\n", ["--order", "3"], "invalid choice: 3"),
     ("import gradc as gc\nm = gc.Model('b9')\nm.minimize(m.input('x', ('B',)).sum())\n", ["--bind", "B"], "expected DIM=INT"),
     (MODEL, ["--memory-budget", "1KiB"], "--memory-budget needs every symbolic dim bound with --bind (unbound: B"),
@@ -165,3 +166,21 @@ def test_budgeted_compile_and_memory_report(tmp_path):
     for needle in (f"memory plan of loss_and_grad ({plan['method']})", "peak ", "at step", "budget 12.00 KiB", "recomputed",
                    "largest values live at the peak", "kept for the backward:"):
         assert needle in r.stdout, needle
+
+
+def test_cuda_build_compiles_and_inspects_without_a_gpu(tmp_path):
+    """--target cuda writes the module without touching a GPU; inspect lists each kernel's launch."""
+    (tmp_path / "model.py").write_text(MODEL)
+    r = gradc("compile", "model.py", "-o", "out", "--target", "cuda", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    name = next(p.stem for p in (tmp_path / "out").glob("*.py"))
+    text = (tmp_path / "out" / f"{name}.py").read_text()
+    assert "TARGET = 'cuda'" in text and "@kernel\ndef g0_gemm" in text and "_CUDA = CudaRunner(" in text
+    graph = json.loads((tmp_path / "out" / f"{name}.graph.json").read_text())
+    assert {n["device"] for n in graph["nodes"]} == {"cuda:0"}
+    r = gradc("inspect", f"out/{name}", "--kernels", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "launch: one 16x16 block per 16x16 tile of the output; from _forward" in r.stdout
+    assert "registers and shared memory: reported by the driver" in r.stdout
+    r = gradc("inspect", f"out/{name}", "--ptx", "no_such_kernel", cwd=tmp_path)
+    assert r.returncode == 2 and "--ptx no_such_kernel: no kernel of that name" in r.stderr
