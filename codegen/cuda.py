@@ -15,7 +15,7 @@ is not written yet; tests run these kernels under numba-cuda's simulator against
 import sympy as sp
 
 from gradc.ops.elementwise import X
-from gradc.runtime.cuda import THREADS, TILE
+from gradc.runtime.cuda import BIG, BK, PER, THREADS, TILE
 
 from .sympy_print import print_block
 
@@ -180,6 +180,89 @@ class CudaKernels:
         doc = (f"out = {epilogue} with x0 = A @ B, A = {a_expr}{'^T' if ta else ''}, B = {b_expr}{'^T' if tb else ''} "
                f"({TILE}x{TILE} tiles through shared memory)")
         return "\n".join(lines), doc, ("tiles", -1)
+
+    # ---- register-tiled GEMM (large products) ----------------------------------------------
+    def matmul_tiled(self, transpose_a, transpose_b, a_prologue=None, b_prologue=None, epilogue=None,
+                     epilogue_patterns=()):
+        """The same product as `matmul`, for large outputs: a BIG x BIG block tile, each of the
+        16x16 threads keeps a PER x PER tile of `out` in scalar locals (registers; a local array
+        would spill), and the K dim goes through two shared buffers, so loading the next slice
+        overlaps computing on this one (one barrier per slice)."""
+        a_prologue = a_prologue if a_prologue is not None else X[0]
+        b_prologue = b_prologue if b_prologue is not None else X[0]
+        epilogue = epilogue if epilogue is not None else X[0]
+        key = ("matmul_tiled", transpose_a, transpose_b, sp.srepr(a_prologue), sp.srepr(b_prologue),
+               sp.srepr(epilogue), tuple(epilogue_patterns))
+        return self._get(key, "gemm_tiled", lambda name: self._matmul_tiled_source(
+            name, transpose_a, transpose_b, a_prologue, b_prologue, epilogue, epilogue_patterns))
+
+    def _tiled_load(self, expr, prefix, transposed, side):
+        """Lines that load this thread's share of operand `prefix`'s next BK-deep slice into
+        shared buffer `nxt`, zero outside the matrix, reading consecutive memory in consecutive threads."""
+        count = _arity(expr)
+        names = {X[j]: sp.Symbol(f"l{prefix}{j}", real=True) for j in range(count)}
+        block, helpers = print_block(expr, names, "v")
+        self.helpers |= helpers
+        edge, extent = ("row", "m") if side == "a" else ("col", "n")
+        # A is (m, k), or (k, m) when transposed; B is (k, n), or (n, k) when transposed
+        along_k = (side == "a" and not transposed) or (side == "b" and transposed)
+        if along_k:   # memory runs along k: threads sweep k fastest
+            place = [f"            kk = l % {BK}", f"            {edge} = base_{side} + l // {BK}"]
+        else:         # memory runs along m (or n)
+            place = [f"            kk = l // {BIG}", f"            {edge} = base_{side} + l % {BIG}"]
+        at = f"{edge}, k0 + kk" if along_k else f"k0 + kk, {edge}"
+        lines = [f"        for q in range({BIG * BK // (TILE * TILE)}):", f"            l = tid + {TILE * TILE} * q"] + place
+        lines += [f"            if {edge} < {extent} and k0 + kk < depth:"]
+        lines += [f"                l{prefix}{j} = {prefix}{j}[{at}]" for j in range(count)]
+        lines += ["                " + b for b in block]
+        lines += ["            else:", "                v = 0.0", f"            s{side}[nxt, kk, {edge} - base_{side}] = v"]
+        return lines
+
+    def _matmul_tiled_source(self, name, ta, tb, a_expr, b_expr, epilogue, patterns):
+        na, nb, ne = _arity(a_expr), _arity(b_expr), _arity(epilogue) - 1
+        args = [f"a{j}" for j in range(na)] + [f"b{j}" for j in range(nb)] + [f"e{j + 1}" for j in range(ne)] + ["out"]
+        lines = [
+            f"def {name}({', '.join(args)}):",
+            f"    sa = cuda.shared.array((2, {BK}, {BIG}), FLOAT_T)",
+            f"    sb = cuda.shared.array((2, {BK}, {BIG}), FLOAT_T)",   # its own line: the simulator keys shared arrays by line
+            "    tx = cuda.threadIdx.x",
+            "    ty = cuda.threadIdx.y",
+            f"    tid = ty * {TILE} + tx",
+            f"    base_a = cuda.blockIdx.y * {BIG}",
+            f"    base_b = cuda.blockIdx.x * {BIG}",
+            "    m = out.shape[0]",
+            "    n = out.shape[1]",
+            f"    depth = a0.shape[{0 if ta else 1}]",
+            f"    slices = (depth + {BK - 1}) // {BK}"]
+        lines += [f"    c{i}{j} = 0.0" for i in range(PER) for j in range(PER)]
+        load = (["    for t in range(slices + 1):", f"        k0 = t * {BK}", "        nxt = t % 2",
+                 "        if t < slices:   # the next slice, into the buffer nobody reads now"]
+                + ["    " + x for x in self._tiled_load(a_expr, "a", ta, "a")]
+                + ["    " + x for x in self._tiled_load(b_expr, "b", tb, "b")])
+        lines += load
+        lines += ["        if t > 0:   # this slice, loaded in the step before", "            cur = (t - 1) % 2",
+                  f"            for kk in range({BK}):"]
+        lines += [f"                x{i} = sa[cur, kk, ty + {TILE * i}]" for i in range(PER)]
+        lines += [f"                y{j} = sb[cur, kk, tx + {TILE * j}]" for j in range(PER)]
+        lines += [f"                c{i}{j} += x{i} * y{j}" for i in range(PER) for j in range(PER)]
+        lines.append("        cuda.syncthreads()")
+        # the store: thread (ty, tx) owns rows ty + 16 i and columns tx + 16 j of the block tile
+        names = {X[0]: sp.Symbol("acc", real=True)}
+        loads = []
+        for j, pat in enumerate(patterns, start=1):
+            idx = _index(["0" if d < 0 else ("row", "col")[d] for d in pat]) if pat else "0"
+            loads.append(f"l{j} = e{j}[{idx}]")
+            names[X[j]] = sp.Symbol(f"l{j}", real=True)
+        block, helpers = print_block(epilogue, names, "out[row, col]")
+        self.helpers |= helpers
+        for i in range(PER):
+            lines += [f"    row = base_a + ty + {TILE * i}", "    if row < m:"]
+            for j in range(PER):
+                lines += [f"        col = base_b + tx + {TILE * j}", "        if col < n:", f"            acc = c{i}{j}"]
+                lines += ["            " + x for x in loads + block]
+        doc = (f"out = {epilogue} with x0 = A @ B, A = {a_expr}{'^T' if ta else ''}, B = {b_expr}{'^T' if tb else ''} "
+               f"({BIG}x{BIG} block tiles, {PER}x{PER} per thread in registers, {BK}-deep slices double-buffered)")
+        return "\n".join(lines), doc, ("big_tiles", -1)
 
     # ---- softmax cross-entropy ------------------------------------------------------------
     def softmax_xent_rows(self):

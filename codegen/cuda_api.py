@@ -26,7 +26,7 @@ import numpy as np
 from numba import {dtype} as FLOAT_T, float64
 
 from gradc.runtime import Signature, init_from, load_data
-from gradc.runtime.cuda import block, flat, load_cuda, rows, tiles
+from gradc.runtime.cuda import block, flat, load_cuda, pick_gemm, rows
 from gradc.runtime.cuda_host import CudaRunner
 from gradc.runtime.cuda_trainer import CudaTrainerBase
 from gradc.runtime.hessian import hessian_buffer, in_blocks, second_order_missing, symmetrize

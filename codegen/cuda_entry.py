@@ -77,8 +77,6 @@ class CudaEntryWriter(EntryWriter):
             config = f"flat({args[grid[1]]}, stream)"
         elif grid[0] == "rows":
             config = f"rows({args[grid[1]]}, {tuple(grid[2])!r}, stream)"
-        elif grid[0] == "tiles":
-            config = f"tiles({args[grid[1]]}, stream)"
         else:
             config = "block(stream)"
         return f"{kernel}[{config}]({', '.join(args)})"
@@ -113,17 +111,18 @@ class CudaEntryWriter(EntryWriter):
             patterns = [None if g.shape(u) == () else _pattern(g.shape(u), shape) for u in operands]
             kernel = k.elementwise(expr, patterns, len(shape), _hint(g, n))
             return [alloc, self.launch(kernel, [self.var(u) for u in operands] + [v]) + note]
-        if op == "matmul":
-            kernel = k.matmul(bool(attrs.get("transpose_a")), bool(attrs.get("transpose_b")))
-            return [alloc, self.launch(kernel, a + [v]) + note]
-        if op == "gemm":   # passes/gemm_fusion.py: prologues in the tile loads, the epilogue in the store
-            na, nb = attrs["a_count"], attrs["b_count"]
-            epilogue, rest = self._fold(attrs["epilogue"], [None] + ins[na + nb:])
-            rest = rest[1:]
-            patterns = [() if g.shape(u) == () else _pattern(g.shape(u), shape) for u in rest]
-            kernel = k.matmul(bool(attrs.get("transpose_a")), bool(attrs.get("transpose_b")), attrs["a_expr"],
-                              attrs["b_expr"], epilogue, patterns)
-            return [alloc, self.launch(kernel, a[:na + nb] + [self.var(u) for u in rest] + [v]) + note]
+        if op in ("matmul", "gemm"):   # gemm: passes/gemm_fusion.py's prologues and epilogue
+            ta, tb = bool(attrs.get("transpose_a")), bool(attrs.get("transpose_b"))
+            if op == "matmul":
+                fused, args = (X[0], X[0], X[0], ()), a
+            else:
+                na, nb = attrs["a_count"], attrs["b_count"]
+                epilogue, rest = self._fold(attrs["epilogue"], [None] + ins[na + nb:])
+                patterns = tuple(() if g.shape(u) == () else _pattern(g.shape(u), shape) for u in rest[1:])
+                fused, args = (attrs["a_expr"], attrs["b_expr"], epilogue, patterns), a[:na + nb] + [self.var(u) for u in rest[1:]]
+            # the 16x16 kernel for small products, the register-tiled one where its tiles fill the GPU
+            small, large = k.matmul(ta, tb, *fused), k.matmul_tiled(ta, tb, *fused)
+            return [alloc, f"pick_gemm({small}, {large}, {v}, stream)({', '.join(args + [v])}){note}"]
         if op == "transpose":
             return [alloc, self.launch(k.transpose(tuple(attrs["axes"])), a + [v]) + note]
         if op == "transfer":   # virtual devices share one device's memory: the copy is the transfer

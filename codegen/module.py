@@ -6,13 +6,14 @@ machine code once); the Python entry points, which check their arguments and cal
 Trainer, which gets the gradients in one flat buffer and updates every param in one loop
 (gradc/runtime/optim.py). With --order 2, hvp and hessian share one compiled block function.
 """
+import re
 import textwrap
 
 import numpy as np
 
 from gradc.ops.elementwise import X
 from gradc.passes.stage_split import stage_index
-from gradc.runtime.cuda import THREADS, TILE
+from gradc.runtime.cuda import BIG, THREADS, TILE
 
 from .cpu import Kernels
 from .cuda import CudaKernels
@@ -375,6 +376,7 @@ def generate(graph, plans, info):
 LAUNCH_WORDS = {"flat": f"one thread per output element, {THREADS} a block",
                 "rows": f"one thread per kept index, {THREADS} a block",
                 "tiles": f"one {TILE}x{TILE} block per {TILE}x{TILE} tile of the output",
+                "big_tiles": f"one {TILE}x{TILE}-thread block per {BIG}x{BIG} tile of the output",
                 "block": f"one block of {THREADS} threads (a tree in shared memory)"}
 
 
@@ -389,7 +391,7 @@ def _assemble(info, out, helper_src, kernel_src, body, api, kernels, g, entries,
     if info.get("target") == "cuda":   # its launch grid, and which host functions launch it
         for k in kernel_meta:
             k["launch"] = LAUNCH_WORDS[kernels.launch[k["name"]][0]]
-            k["entries"] = [f for f, (_, source, _, _) in entries.items() if f"{k['name']}[" in source]
+            k["entries"] = [f for f, (_, source, _, _) in entries.items() if re.search(rf"\b{k['name']}\b", source)]
     meta = {"kernels": kernel_meta,
             "entries": {f: {"roots": [n for n in r if n is not None], "nodes": len(g.ancestors([n for n in r if n is not None]))}
                         for f, (r, _, _, _) in entries.items()}}

@@ -22,6 +22,17 @@ for ta in (False, True):
         b = (5, 33) if tb else (33, 5)
         _case(f"gemm{int(ta)}{int(tb)}", _K.matmul(ta, tb), ["a", "b"], {"a": [a, "f"], "b": [b, "f"]}, [17, 5],
               f"{'a.T' if ta else 'a'} @ {'b.T' if tb else 'b'}")
+# the register-tiled GEMM: two block rows (one partial), a partial block column, three K slices
+for ta in (False, True):
+    for tb in (False, True):
+        a = (19, 130) if ta else (130, 19)
+        b = (21, 19) if tb else (19, 21)
+        _case(f"gemm_tiled{int(ta)}{int(tb)}", _K.matmul_tiled(ta, tb), ["a", "b"], {"a": [a, "f"], "b": [b, "f"]},
+              [130, 21], f"{'a.T' if ta else 'a'} @ {'b.T' if tb else 'b'}")
+_case("gemm_tiled_fused", _K.matmul_tiled(False, True, a_prologue=X[0] * (1 - sp.tanh(X[1]) ** 2),
+                                          epilogue=sp.tanh(X[0] + X[1]), epilogue_patterns=[(-1, 1)]),
+      ["g", "z", "w", "c"], {"g": [[130, 19], "f"], "z": [[130, 19], "f"], "w": [[21, 19], "f"], "c": [[1, 21], "f"]},
+      [130, 21], "np.tanh((g * (1 - np.tanh(z) ** 2)) @ w.T + c)")
 # the forward's GEMM with its bias and activation in the epilogue
 _case("gemm_bias_tanh", _K.matmul(False, False, epilogue=sp.tanh(X[0] + X[1]), epilogue_patterns=[(-1, 1)]),
       ["x", "w", "b"], {"x": [[19, 18], "f"], "w": [[18, 21], "f"], "b": [[1, 21], "f"]}, [19, 21], "np.tanh(x @ w + b)")

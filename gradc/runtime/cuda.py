@@ -9,7 +9,10 @@ import os
 import numpy as np
 
 THREADS = 256   # threads per block of a one-dimensional launch
-TILE = 16       # the GEMM's tile edge (codegen/cuda.py)
+TILE = 16       # the GEMM's tile edge, and its thread block's (codegen/cuda.py)
+BIG = 128       # the register-tiled GEMM's block tile edge: TILE x TILE threads, PER x PER outputs each
+PER = BIG // TILE
+BK = 8          # the depth of the K slices it stages through shared memory
 
 
 def load_cuda():
@@ -75,6 +78,27 @@ def tiles(out, stream=0):
     return (-(-n // TILE), -(-m // TILE)), (TILE, TILE), stream
 
 
+def big_tiles(out, stream=0):
+    """One TILE x TILE block per BIG x BIG tile of the matrix `out` (the register-tiled GEMM)."""
+    m, n = out.shape
+    return (-(-n // BIG), -(-m // BIG)), (TILE, TILE), stream
+
+
+_SM_COUNT = []
+
+
+def pick_gemm(small, large, out, stream=0):
+    """The GEMM kernel for `out`, configured: the register-tiled one when its BIG x BIG tiles
+    fill every multiprocessor at least once, else the TILE x TILE one (more, smaller blocks)."""
+    m, n = out.shape
+    if not _SM_COUNT:
+        device = load_cuda().get_current_device()
+        _SM_COUNT.append(getattr(device, "MULTIPROCESSOR_COUNT", 1))
+    if -(-m // BIG) * -(-n // BIG) >= _SM_COUNT[0] and m >= BIG and n >= BIG:
+        return large[big_tiles(out, stream)]
+    return small[tiles(out, stream)]
+
+
 def block(stream=0):
     """One block of THREADS threads (a reduction to one value, in shared memory)."""
     return 1, SIMULATED_THREADS if simulated() else THREADS, stream
@@ -90,6 +114,8 @@ def launch_config(grid, args, stream=0):
         return rows(args[grid[1]], grid[2], stream)
     if kind == "tiles":
         return tiles(args[grid[1]], stream)
+    if kind == "big_tiles":
+        return big_tiles(args[grid[1]], stream)
     if kind == "block":
         return block(stream)
     raise ValueError(f"unknown launch grid {grid!r}")
