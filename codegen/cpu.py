@@ -8,6 +8,7 @@ import sympy as sp
 
 from gradc.ops.elementwise import X
 
+from .kernel_lines import row_max_and_sum_exp, xent_grad_row
 from .sympy_print import print_block
 
 DECORATOR = "@kernel"
@@ -164,6 +165,16 @@ class Kernels:
             f"def {name}(x0, labels, out):\n"
             "    for i in range(out.shape[0]):\n"
             "        out[i] = x0[i, labels[i]]", "out[i] = x0[i, labels[i]]"))
+
+    def softmax_xent_rows(self):
+        return self._get(("xent_rows",), "xent_rows", lambda name: ("\n".join([
+            f"def {name}(x0, labels, out):", "    for i in range(x0.shape[0]):", *row_max_and_sum_exp("        "),
+            "        out[i] = m + math.log(total) - x0[i, labels[i]]"]), "out[i] = logsumexp(x[i]) - x[i, labels[i]]"))
+
+    def softmax_xent_grad(self):
+        return self._get(("xent_grad",), "xent_grad", lambda name: ("\n".join([
+            f"def {name}(x0, labels, g, out):", "    for i in range(x0.shape[0]):", *row_max_and_sum_exp("        "),
+            *xent_grad_row("        ")]), "out[i] = (softmax(x[i]) - onehot(labels[i])) * g[i]"))
 
     def pick_grad(self):
         return self._get(("pick_grad",), "pick_grad", lambda name: (

@@ -17,6 +17,7 @@ import sympy as sp
 from gradc.ops.elementwise import X
 from gradc.runtime.cuda import BIG, BK, PER, THREADS, TILE
 
+from .kernel_lines import row_max_and_sum_exp, xent_grad_row
 from .sympy_print import print_block
 
 
@@ -25,20 +26,8 @@ def _index(names):
     return ", ".join(names) if names else "0"
 
 
-# one thread per row i of x0: its max m (NaN wins) and total = sum_c exp(x0[i, c] - m)
-ROW_MAX_AND_SUM_EXP = [
-    "    i = cuda.grid(1)",
-    "    if i >= x0.shape[0]:",
-    "        return",
-    "    m = -math.inf",
-    "    for c in range(x0.shape[1]):",
-    "        v = x0[i, c]",
-    "        if v > m or v != v:",
-    "            m = v",
-    "    total = 0.0",
-    "    for c in range(x0.shape[1]):",
-    "        total += math.exp(x0[i, c] - m)",
-]
+# one thread per row i of x0
+ROW_HEADER = ["    i = cuda.grid(1)", "    if i >= x0.shape[0]:", "        return"]
 
 
 def _block_sum(body, start="0.0", combine=None):
@@ -268,18 +257,15 @@ class CudaKernels:
     def softmax_xent_rows(self):
         """Per row i: logsumexp(x[i]) - x[i, labels[i]] (the mean over rows is one more reduction)."""
         return self._get(("xent_rows",), "xent_rows", lambda name: ("\n".join([
-            f"def {name}(x0, labels, out):", *ROW_MAX_AND_SUM_EXP,
+            f"def {name}(x0, labels, out):", *ROW_HEADER, *row_max_and_sum_exp("    "),
             "    out[i] = m + math.log(total) - x0[i, labels[i]]"]),
             "out[i] = logsumexp(x[i]) - x[i, labels[i]]", ("flat", -1)))
 
     def softmax_xent_grad(self):
-        """d mean_i(logsumexp(x[i]) - x[i, y_i]) / dx, times the upstream scalar g: (softmax - onehot) g / rows."""
+        """The rows' adjoint: (softmax(x[i]) - onehot(labels[i])) * g[i], one thread per row."""
         return self._get(("xent_grad",), "xent_grad", lambda name: ("\n".join([
-            f"def {name}(x0, labels, g, out):", *ROW_MAX_AND_SUM_EXP,
-            "    scale = g[0] / (total * x0.shape[0])",
-            "    for c in range(x0.shape[1]):",
-            "        out[i, c] = math.exp(x0[i, c] - m) * scale - (g[0] / x0.shape[0] if c == labels[i] else 0.0)"]),
-            "out = (softmax(x) - onehot(labels)) * g / rows", ("flat", 0)))
+            f"def {name}(x0, labels, g, out):", *ROW_HEADER, *row_max_and_sum_exp("    "), *xent_grad_row("    ")]),
+            "out[i] = (softmax(x[i]) - onehot(labels[i])) * g[i]", ("rows", 0, (1,))))
 
     # ---- optimizer updates ----------------------------------------------------------------
     # They read the loss and the gradient's squared norm from device memory and the

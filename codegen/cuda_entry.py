@@ -148,6 +148,10 @@ class CudaEntryWriter(EntryWriter):
             return [alloc, self.launch(k.softmax(op, len(shape), attrs["axis"]), a + [v]) + note]
         if op == "pick":
             return [alloc, self.launch(k.pick(), a + [v]) + note]
+        if op == "softmax_xent":
+            return [alloc, self.launch(k.softmax_xent_rows(), a + [v]) + note]
+        if op == "softmax_xent_grad":
+            return [alloc, self.launch(k.softmax_xent_grad(), a + [v]) + note]
         if op == "pick_grad":
             if g.shape(ins[0]) == ():
                 raise AssertionError("pick_grad of a scalar adjoint")

@@ -258,6 +258,10 @@ class EntryWriter:
             return [alloc, f"{k}({a[0]}, {v}){note}"]
         if op == "pick":
             return [alloc, f"{self.kernels.pick()}({a[0]}, {a[1]}, {v}){note}"]
+        if op == "softmax_xent":
+            return [alloc, f"{self.kernels.softmax_xent_rows()}({a[0]}, {a[1]}, {v}){note}"]
+        if op == "softmax_xent_grad":
+            return [alloc, f"{self.kernels.softmax_xent_grad()}({a[0]}, {a[1]}, {a[2]}, {v}){note}"]
         if op == "pick_grad":
             if g.shape(ins[0]) == ():
                 raise AssertionError("pick_grad of a scalar adjoint")

@@ -73,11 +73,11 @@ def device_options(options, model, dims, memory_budget, src):
 
 
 def label_inputs(graph):
-    """int inputs read as class labels by `pick`, with their number of classes (for range checks)."""
+    """int inputs read as class labels (by `pick` or `softmax_xent`), with their number of classes (for range checks)."""
     labels = {}
     for n in graph.nx.nodes:
-        if graph.op(n) == "pick":
-            x, lab = graph.operands(n)
+        if graph.op(n) in ("pick", "softmax_xent", "softmax_xent_grad"):
+            x, lab = graph.operands(n)[:2]
             while graph.op(lab) == "reshape":
                 (lab,) = graph.operands(lab)
             name = graph.node(lab).get("name")

@@ -317,9 +317,8 @@ def softmax_cross_entropy(logits, labels):
     if logits.shape[0] != labels.shape[0]:
         raise GradcError(f"softmax_cross_entropy: logits have {logits.shape[0]} rows but labels {labels.shape[0]} "
                          f"({fmt(logits.shape)} vs {fmt(labels.shape)})", src)
-    logp = _op("log_softmax", logits, src=src, axis=1)
-    picked = _op("pick", logp, labels, src=src)
-    return -_op("mean", picked, src=src, axes=(0,), keepdims=False)
+    rows = _op("softmax_xent", logits, labels, src=src)   # one fused kernel each way
+    return _op("mean", rows, src=src, axes=(0,), keepdims=False)
 
 
 def mse(pred, target):

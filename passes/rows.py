@@ -101,7 +101,7 @@ def _track(graph, n, dim, where):
         if node["attrs"]["axis"] % len(shape) == ins[0]:
             _fail(graph, n, "normalises over rows")
         return ins[0]
-    if op == "pick":
+    if op in ("pick", "softmax_xent"):   # row i reads row i of the values and label i
         x, labels = ins
         if x == 0 and labels in (0, NONE):
             return 0

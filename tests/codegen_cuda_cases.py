@@ -45,8 +45,8 @@ _case("gemm_dw_prologue", _K.matmul(True, False, b_prologue=prologue), ["x", "g"
 # softmax cross-entropy, fused: per-row losses and the gradient of their mean
 _case("xent_rows", _K.softmax_xent_rows(), ["x", "y"], {"x": [[6, 5], "f"], "y": [[6], "labels"]}, [6],
       "np.log(np.exp(x).sum(1)) - x[np.arange(6), y]", classes=5)
-_case("xent_grad", _K.softmax_xent_grad(), ["x", "y", "g"], {"x": [[6, 5], "f"], "y": [[6], "labels"], "g": [[1], "f"]},
-      [6, 5], "(np.exp(x) / np.exp(x).sum(1, keepdims=True) - np.eye(5)[y]) * g[0] / 6", classes=5)
+_case("xent_grad", _K.softmax_xent_grad(), ["x", "y", "g"], {"x": [[6, 5], "f"], "y": [[6], "labels"], "g": [[6], "f"]},
+      [6, 5], "(np.exp(x) / np.exp(x).sum(1, keepdims=True) - np.eye(5)[y]) * g[:, None]", classes=5)
 # fused elementwise: a derived backward prologue g * tanh'(z) with a broadcast bias, and a scalar operand
 expr = X[0] * (1 - sp.tanh(X[1] + X[2]) ** 2) * X[3]
 _case("fused_tanh_grad", _K.elementwise(expr, [(0, 1), (0, 1), (-1, 1), None], 2, "tanh_grad"),

@@ -89,3 +89,62 @@ def _pick_grad_vjp(ctx, n, g):
 register(Op("pick_grad", "nn", _pick_grad_infer, _pick_grad_evaluate,
             lambda attrs, in_shapes, out_shape: size(out_shape), vjp=_pick_grad_vjp, arity=2,
             doc="out[i, labels[i]] = g[i], zeros elsewhere"))
+
+
+# ---- softmax cross-entropy: one op per direction, so each target runs one fused kernel ----------
+def _xent_infer(attrs, shapes, dtypes):
+    (x, labels), (dx, dl) = shapes[:2], dtypes[:2]
+    _pick_infer(attrs, [x, labels], [dx, dl])
+    if not dx.startswith("float"):
+        raise ShapeError(f"logits of dtype {dx} are not float")
+    return (x[0],), dx
+
+
+def _xent_evaluate(attrs, values, out_shape, dims):
+    x, labels = values
+    shifted = x - np.max(x, axis=1, keepdims=True)
+    logsumexp = np.log(np.sum(np.exp(shifted), axis=1)) + np.max(x, axis=1)
+    return logsumexp - np.take_along_axis(x, labels[:, None], 1)[:, 0]
+
+
+def _xent_vjp(ctx, n, g):
+    x, labels = ctx.graph.operands(n)
+    return [ctx.emit("softmax_xent_grad", [x, labels, g]), None]
+
+
+register(Op("softmax_xent", "nn", _xent_infer, _xent_evaluate,
+            lambda attrs, in_shapes, out_shape: 5 * size(in_shapes[0]), vjp=_xent_vjp, arity=2,
+            doc="out[i] = logsumexp(x[i]) - x[i, labels[i]]: the rows' cross-entropy losses"))
+
+
+def _xent_grad_infer(attrs, shapes, dtypes):
+    x, labels, g = shapes
+    _xent_infer(attrs, [x, labels], dtypes[:2])
+    if tuple(g) != (x[0],):
+        raise ShapeError(f"the rows' adjoint has shape {g}, expected ({x[0]},)")
+    return tuple(x), dtypes[0]
+
+
+def _xent_grad_evaluate(attrs, values, out_shape, dims):
+    x, labels, g = values
+    s = np.exp(_np_log_softmax(x, 1))
+    s[np.arange(len(labels)), labels] -= 1.0
+    return s * g[:, None]
+
+
+def _xent_grad_vjp(ctx, n, u):
+    """out = (s - onehot) g with s = softmax(x): dx = g s (u - sum(s u)), dg = sum(s u) - u[labels]."""
+    x, labels, g = ctx.graph.operands(n)
+    s = ctx.emit("softmax", [x], axis=1)
+    su = ctx.emit("mul", [s, u])
+    row = ctx.emit("sum", [su], axes=(1,), keepdims=True)
+    dx = ctx.emit("mul", [ctx.emit("reshape", [g], shape=(ctx.graph.shape(g)[0], 1)),
+                          ctx.emit("sub", [su, ctx.emit("mul", [s, row])])]) if ctx.needs(0) else None
+    dg = ctx.emit("sub", [ctx.emit("sum", [su], axes=(1,), keepdims=False), ctx.emit("pick", [u, labels])]) \
+        if ctx.needs(2) else None
+    return [dx, None, dg]
+
+
+register(Op("softmax_xent_grad", "nn", _xent_grad_infer, _xent_grad_evaluate,
+            lambda attrs, in_shapes, out_shape: 6 * size(out_shape), vjp=_xent_grad_vjp, arity=3,
+            doc="out[i] = (softmax(x[i]) - onehot(labels[i])) * g[i]: softmax_xent's adjoint"))
