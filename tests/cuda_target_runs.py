@@ -131,7 +131,94 @@ def run_trainer(build):
     return out
 
 
+class FakeGraphs:
+    """Stream capture as the driver does it, for the simulator: launches whose stream is a builder
+    being built are recorded (arrays by reference, numbers by value) and replayed by launch()."""
+
+    def __init__(self):
+        from numba.cuda.simulator.kernel import FakeCUDAKernel
+        self.captures = self.replays = 0
+        original_getitem, original_call = FakeCUDAKernel.__getitem__, FakeCUDAKernel.__call__
+        fakes = self
+
+        def getitem(kernel, configuration):
+            kernel._gradc_config = configuration
+            return original_getitem(kernel, configuration)
+
+        def call(kernel, *args):
+            config = kernel._gradc_config
+            if len(config) > 2 and isinstance(config[2], Builder) and config[2].building:
+                config[2].launches.append((kernel, config[:2], args))
+                return None      # captured, not run
+            return original_call(kernel, *args)
+
+        class Builder:
+            def __init__(self):
+                self.launches, self.building = [], False
+
+            def begin_building(self):
+                self.building = True
+
+            def end_building(self):
+                self.building = False
+                return self
+
+            def complete(self):
+                fakes.captures += 1
+                return Graph(self.launches)
+
+        class Graph:
+            def __init__(self, launches):
+                self.launches = launches
+
+            def launch(self, stream):
+                fakes.replays += 1
+                for kernel, config, args in self.launches:
+                    kernel[config](*args)
+
+        FakeCUDAKernel.__getitem__, FakeCUDAKernel.__call__ = getitem, call
+        self.Builder = Builder
+
+    def create_graph_builder(self):
+        return self.Builder()
+
+
+def run_graphs(build):
+    """The runner's CUDA-graph path (capture once per shapes, copy arguments into the captured
+    buffers, replay), with the driver's capture simulated by FakeGraphs."""
+    rng = np.random.default_rng(2)
+    model, cpu, dev = both(zoo.mlp_weight_decay, build)
+    fakes = FakeGraphs()
+    dev._CUDA._start()
+    dev._CUDA.use_graphs, dev._CUDA._device = True, fakes
+    params = cpu.init_params(seed=7)
+    out, worst = {}, 0.0
+    for batch in (6, 6, 6, 4, 6):   # a new batch size is a new capture; the same one replays
+        inputs = zoo._inputs(cpu, rng, batch=batch)
+        l1, g1 = cpu.loss_and_grad(params, **inputs)
+        l2, g2 = dev.loss_and_grad(params, **inputs)
+        worst = max(worst, abs(l1 - l2), err(g1, g2))
+    out["loss_and_grad"], out["captures"], out["replays"] = worst, fakes.captures, fakes.replays
+    inputs = zoo._inputs(cpu, rng, batch=6)
+    t1 = cpu.Trainer(params, optimizer="adam", lr=0.05, clip_norm=0.5)
+    t2 = dev.Trainer(params, optimizer="adam", lr=0.05, clip_norm=0.5)
+    before = fakes.replays
+    losses = []
+    for step in range(4):
+        if step == 2:   # hyperparameters reach the captured step without a new capture
+            t1.lr = t2.lr = 0.01
+        batch = zoo._inputs(cpu, rng, batch=6)
+        losses.append(abs(t1.step(**batch) - t2.step(**batch)))
+    out["trainer_losses"], out["trainer_replays"] = max(losses), fakes.replays - before
+    out["trainer_params"] = err(t1.params, {k: v.copy_to_host() for k, v in t2.params.items()})
+    out["graph_error"] = dev._CUDA.graph_error
+    return out
+
+
 if __name__ == "__main__":
     what, build = sys.argv[1], sys.argv[2]
-    result = run_models(build) if what == "models" else run_trainer(build)
+    if what == "models":
+        result = run_models(build)
+    else:   # the Trainer, device arrays, refusals; then the graph path (it patches the simulator)
+        result = run_trainer(build) | {"graphs": run_graphs(os.path.join(build, "graphs"))}
     print(json.dumps(result))

@@ -1,9 +1,9 @@
 """`--target cuda` modules under numba-cuda's simulator, against the CPU target (float64).
 
 The simulator must be on before numba is imported, so tests/cuda_target_runs.py runs in two
-subprocesses at once (the model zoo; the Trainer and device arrays); shapes are tiny because the
-simulator runs every GPU thread in Python. CUDA graphs are not exercised here: the simulator has
-none, so the runner launches directly (the same host functions a graph captures)."""
+subprocesses at once: the model zoo; and the Trainer, device arrays and the CUDA-graph path. The
+simulator has no graphs, so that path runs with the driver's stream capture simulated (recorded
+launches, replayed). Shapes are tiny: the simulator runs every GPU thread in Python."""
 import json
 import os
 import subprocess
@@ -68,3 +68,12 @@ def test_device_inputs_are_checked_by_name(results):
     shape, label = results["trainer"]["refusals"]
     assert "input 'x' has shape (6, 4), expected (B, 5)" in shape
     assert "input 'y' holds label 7, outside 0..2" in label
+
+
+def test_graph_path_captures_once_per_shape_and_replays(results):
+    """The runner's CUDA-graph path, the driver's stream capture simulated (FakeGraphs)."""
+    r = results["trainer"]["graphs"]
+    assert r["graph_error"] is None
+    assert r["captures"] == 2 + 1 and r["replays"] == 3    # batches 6, 6, 6, 4, 6; then the Trainer's step
+    assert r["loss_and_grad"] <= TOLERANCE                  # new inputs reach the captured buffers
+    assert r["trainer_replays"] == 3 and r["trainer_losses"] <= 1e-12 and r["trainer_params"] <= TOLERANCE

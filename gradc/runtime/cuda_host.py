@@ -169,12 +169,18 @@ class CudaRunner:
             if buffer is not a:
                 buffer.copy_to_device(a if not is_device_array(a) else self.device(a), stream=self.stream)
         results = fn(*buffers, arena, offs, scal, self.stream)   # compiles every kernel first
+        self.sync()
         try:
-            builder = self._device.create_graph_builder()
-            builder.begin_building()
-            captured_results = fn(*buffers, arena, offs, scal, builder)
-            graph = builder.end_building().complete()
-        except Exception as e:
+            # no frees while capturing: a free synchronises, which would break the capture
+            with self.cuda.defer_cleanup():
+                builder = self._device.create_graph_builder()
+                builder.begin_building()
+                try:
+                    captured_results = fn(*buffers, arena, offs, scal, builder)
+                finally:
+                    built = builder.end_building()   # ends the capture even when a launch failed
+                graph = built.complete()
+        except Exception as e:   # a driver or build without graph capture: launch directly from now on
             self.use_graphs, self.graph_error = False, f"{type(e).__name__}: {e}"
             return results
         self._graphs[key] = _Captured(buffers, graph, captured_results, (arena, scal))
