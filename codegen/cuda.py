@@ -258,7 +258,9 @@ class CudaKernels:
         """Per row i: logsumexp(x[i]) - x[i, labels[i]] (the mean over rows is one more reduction)."""
         return self._get(("xent_rows",), "xent_rows", lambda name: ("\n".join([
             f"def {name}(x0, labels, out):", *ROW_HEADER, *row_max_and_sum_exp("    "),
-            "    out[i] = m + math.log(total) - x0[i, labels[i]]"]),
+            "    label = labels[i]",
+            "    # a label out of range (only device labels reach here unchecked) gives NaN, never a wild read",
+            "    out[i] = m + math.log(total) - x0[i, label] if 0 <= label < x0.shape[1] else math.nan"]),
             "out[i] = logsumexp(x[i]) - x[i, labels[i]]", ("flat", -1)))
 
     def softmax_xent_grad(self):
@@ -408,7 +410,9 @@ class CudaKernels:
             f"def {name}(x0, labels, out):\n"
             "    i = cuda.grid(1)\n"
             "    if i < out.shape[0]:\n"
-            "        out[i] = x0[i, labels[i]]", "out[i] = x0[i, labels[i]]", ("flat", -1)))
+            "        label = labels[i]\n"
+            "        out[i] = x0[i, label] if 0 <= label < x0.shape[1] else math.nan   # never a wild read",
+            "out[i] = x0[i, labels[i]]", ("flat", -1)))
 
     def pick_grad(self):
         return self._get(("pick_grad",), "pick_grad", lambda name: (

@@ -46,6 +46,15 @@ def cuda_api(g, trainable, outputs, input_grads, order, grad_slices, shapes, cal
             return init_from(_INITS, PARAM_SHAPES, FLOAT, seed, DATA)
 
 
+        def _loss_value(loss, a, entry):
+            """The objective as a float. Labels on the device are checked only when it is NaN (a label
+            out of range makes it NaN in the kernels): then the ValueError names the label."""
+            value = _CUDA.scalar(loss)
+            if value != value:
+                _SIGNATURE.check_labels(a, entry)
+            return value
+
+
         def device_outputs(on=True):
             """Return results as device arrays (numba's; torch and cupy read them through
             __cuda_array_interface__) instead of numpy arrays. Either way they are copies."""
@@ -64,9 +73,9 @@ def cuda_api(g, trainable, outputs, input_grads, order, grad_slices, shapes, cal
              '    """The outputs (dict); with every input the objective needs, also "loss": the objective."""',
              "    p = _SIGNATURE.params(params)",
              "    if _SIGNATURE.wants_loss(inputs, _LOSS_INPUTS, _OUTPUT_INPUTS):",
-             '        a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS + _OUTPUT_INPUTS, "forward")',
+             '        a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS + _OUTPUT_INPUTS, "forward", device_labels_later=True)',
              f"        {fwd_out + ', ' if outputs else ''}loss{'' if outputs else ','} = {run('_forward_loss')}",
-             f"        return {{{fwd_dict + ', ' if outputs else ''}\"loss\": _CUDA.scalar(loss)}}"]
+             f"        return {{{fwd_dict + ', ' if outputs else ''}\"loss\": _loss_value(loss, a, \"forward\")}}"]
     if outputs:
         lines += ['    a = _SIGNATURE.inputs(inputs, _OUTPUT_INPUTS, "forward")',
                   f"    {fwd_out}{',' if len(outputs) == 1 else ''} = {run('_forward')}",
@@ -82,12 +91,12 @@ def cuda_api(g, trainable, outputs, input_grads, order, grad_slices, shapes, cal
         "def loss_and_grad(params, /, **inputs):",
         '    """The objective (float) and its gradients for the trainable params (dict of views of one buffer)."""',
         "    p = _SIGNATURE.params(params)",
-        '    a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS, "loss_and_grad")',
+        '    a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS, "loss_and_grad", device_labels_later=True)',
         "    grads = _CUDA.buffer(\"grads\", (max(GRAD_SIZE, 1),))",
         f"    (loss,) = {run('_loss_and_grad', ['grads'])}",
+        '    loss = _loss_value(loss, a, "loss_and_grad")',
         "    grads = _CUDA.out(grads)",
-        f"    return _CUDA.scalar(loss), {{\n        {views('grads')},\n    }}" if grad_slices else
-        "    return _CUDA.scalar(loss), {}"]) + "\n")
+        f"    return loss, {{\n        {views('grads')},\n    }}" if grad_slices else "    return loss, {}"]) + "\n")
 
     float_inputs = [i for i, n in g.inputs.items() if g.dtype(n).startswith("float")]
     idict = ", ".join([f'"{i}": {out("gi_" + i, g.inputs[i])}' if i in input_grads

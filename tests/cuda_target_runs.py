@@ -127,6 +127,13 @@ def run_trainer(build):
             refusals.append("accepted")
         except ValueError as e:
             refusals.append(str(e))
+    tr = dev.Trainer(params, optimizer="sgd", lr=0.1)
+    try:
+        tr.step(**dict(device_inputs, y=cuda.to_device(np.full(6, -1, dtype=np.int64))))
+        refusals.append("accepted")
+    except ValueError as e:
+        refusals.append(str(e))
+    out["label_step_unchanged"] = err(before, {k: v.copy_to_host() for k, v in tr.params.items()})
     out["refusals"] = refusals
     return out
 

@@ -65,9 +65,12 @@ def test_a_step_that_is_not_finite_changes_nothing(results):
 
 
 def test_device_inputs_are_checked_by_name(results):
-    shape, label = results["trainer"]["refusals"]
+    shape, label, step = results["trainer"]["refusals"]
     assert "input 'x' has shape (6, 4), expected (B, 5)" in shape
-    assert "input 'y' holds label 7, outside 0..2" in label
+    # device labels are checked when the kernels' guard turns a bad one into a NaN loss
+    assert "loss_and_grad: input 'y' holds label 7, outside 0..2" in label
+    assert "Trainer.step: input 'y' holds label -1, outside 0..2" in step
+    assert results["trainer"]["label_step_unchanged"] == 0.0
 
 
 def test_graph_path_captures_once_per_shape_and_replays(results):

@@ -85,7 +85,7 @@ class CudaTrainerBase(TrainerBase):
 
     def step(self, **inputs):
         run = self.runner
-        a = self.signature.inputs(inputs, self.loss_inputs, "Trainer.step")
+        a = self.signature.inputs(inputs, self.loss_inputs, "Trainer.step", device_labels_later=True)
         self._adopt()
         t = self.steps + 1
         if self.optimizer == "sgd":
@@ -101,6 +101,8 @@ class CudaTrainerBase(TrainerBase):
         run.run(self._launch, args, a, entry="_loss_and_grad")
         loss, sq = (float(x) for x in run.host(self._status))
         if not (math.isfinite(loss) and math.isfinite(sq)):
+            if loss != loss:   # a device label out of range gives NaN: name it (nothing was updated)
+                self.signature.check_labels(a, "Trainer.step")
             what = f"the loss is {loss}" if not math.isfinite(loss) else "the gradient is not finite"
             raise FloatingPointError(f"{self.model_name}.Trainer.step {self.steps + 1}: {what}; parameters and "
                                      f"optimizer state are left as they were before this step")

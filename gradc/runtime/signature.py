@@ -91,8 +91,11 @@ class Signature:
         """forward(): the objective is computed when every input it needs is given."""
         return all(k in given for k in loss_inputs) or any(k not in output_inputs for k in given)
 
-    def inputs(self, given, needed, entry):
-        """Checked inputs for `entry`, in call form; symbolic dims must agree across inputs."""
+    def inputs(self, given, needed, entry, device_labels_later=False):
+        """Checked inputs for `entry`, in call form; symbolic dims must agree across inputs.
+
+        device_labels_later: labels already on a device are not copied to the host here; the
+        kernels turn a label out of range into a NaN loss, and the caller runs check_labels then."""
         unknown = [k for k in given if k not in self.inputs_spec]
         if unknown:
             raise ValueError(f"{self.model}.{entry}: unknown input {', '.join(map(repr, unknown))} "
@@ -123,17 +126,29 @@ class Signature:
             if not device and not v.flags.c_contiguous:
                 v = np.ascontiguousarray(v)
             out[name] = v.reshape(1) if len(shape) == 0 else v
-        for name, classes in self.labels.items():
-            if name in out and out[name].size:
-                n = dims[classes][0] if isinstance(classes, str) else classes
-                # labels on a device are checked on the host too: an index out of range would read wild memory
-                labels = to_numpy(out[name]) if self._on_device(out[name]) else out[name]
-                lo, hi = int(labels.min()), int(labels.max())
-                if lo < 0 or hi >= n:
-                    bad = lo if lo < 0 else hi
-                    raise ValueError(f"{self.model}.{entry}: input {name!r} holds label {bad}, outside 0..{n - 1} "
-                                     f"for {n} classes")
+        self.check_labels(out, entry, skip_device=device_labels_later)
         return out
+
+    def check_labels(self, inputs, entry, skip_device=False):
+        """ValueError naming the first label input that holds a class out of range."""
+        for name, classes in self.labels.items():
+            v = inputs.get(name)
+            if v is None or not v.size or (skip_device and self._on_device(v)):
+                continue
+            n = classes if not isinstance(classes, str) else self._dim_of(inputs, classes)
+            labels = to_numpy(v) if self._on_device(v) else v
+            lo, hi = int(labels.min()), int(labels.max())
+            if lo < 0 or hi >= n:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"{self.model}.{entry}: input {name!r} holds label {bad}, outside 0..{n - 1} "
+                                 f"for {n} classes")
+
+    def _dim_of(self, inputs, dim):
+        for name, v in inputs.items():
+            shape = self.inputs_spec[name][0]
+            if dim in shape:
+                return v.shape[shape.index(dim)]
+        raise AssertionError(f"no input carries dim {dim}")
 
 
 def _c_strides(shape, itemsize):
