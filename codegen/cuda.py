@@ -322,6 +322,12 @@ class CudaKernels:
             f"def {name}(x0, out):", *_block_sum(["xi = float64(x0[j])", "acc += xi * xi"]),
             "    if t == 0:", "        out[0] = partial[0]"]), "out[0] = sum(x * x)", ("block",)))
 
+    def axpy(self):
+        """out += a x over flat arrays, a a number the host passes (microbatch gradients adding up)."""
+        return self._get(("axpy",), "axpy", lambda name: ("\n".join([
+            f"def {name}(x0, a, out):", "    i = cuda.grid(1)", "    if i < out.size:", "        out[i] += a * x0[i]"]),
+            "out += a * x0 (flat arrays)", ("flat", -1)))
+
     # ---- copies ---------------------------------------------------------------------------
     def fill(self):
         """out[...] = value (a number the host passes)."""

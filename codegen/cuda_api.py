@@ -27,7 +27,8 @@ from numba import {dtype} as FLOAT_T, float64
 
 from gradc.runtime import Signature, init_from, load_data
 from gradc.runtime.cuda import block, flat, load_cuda, pick_gemm, rows
-from gradc.runtime.cuda_host import CudaRunner
+from gradc.runtime.cuda_host import CudaRunner, DeviceMemory
+from gradc.runtime.pipeline import Pipeline
 from gradc.runtime.cuda_trainer import CudaTrainerBase
 from gradc.runtime.hessian import hessian_buffer, in_blocks, second_order_missing, symmetrize
 
@@ -38,8 +39,10 @@ FLOAT = np.{dtype}
 '''
 
 
-def cuda_api(g, trainable, outputs, input_grads, order, grad_slices, shapes, call, inputs_of, trainer_kernels):
-    """Source of the entry points, in the order of the CPU target's."""
+def cuda_api(g, trainable, outputs, input_grads, order, grad_slices, shapes, call, inputs_of, trainer_kernels,
+             pipeline_src=None):
+    """Source of the entry points, in the order of the CPU target's; with `pipeline_src` (a
+    --devices / --microbatches build) loss_and_grad and the Trainer run the stage functions."""
     api = [textwrap.dedent('''\
         def init_params(seed=0):
             """Fresh parameters (dict name -> numpy array), drawn in PARAM_ORDER from numpy's default_rng(seed)."""
@@ -87,14 +90,20 @@ def cuda_api(g, trainable, outputs, input_grads, order, grad_slices, shapes, cal
     def views(buffer):
         return ",\n        ".join(f'"{p}": {buffer}[{a}:{b}].reshape({shapes[p]!r})' for p, (a, b) in grad_slices.items())
 
+    api.append("# kernels the Trainer (and the pipeline executor) launch between entry points\n_TRAINER_KERNELS = {"
+               + ", ".join(f"{k!r}: {v}" for k, v in trainer_kernels.items()) + "}\n")
+    if pipeline_src:
+        api.append(pipeline_src)
+    run_loss_and_grad = ("loss = _PIPELINE.loss_and_grad(p, a, grads)" if pipeline_src else
+                         f"(loss,) = {run('_loss_and_grad', ['grads'])}\n"
+                         '    loss = _loss_value(loss, a, "loss_and_grad")')
     api.append("\n".join([
         "def loss_and_grad(params, /, **inputs):",
         '    """The objective (float) and its gradients for the trainable params (dict of views of one buffer)."""',
         "    p = _SIGNATURE.params(params)",
         '    a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS, "loss_and_grad", device_labels_later=True)',
         "    grads = _CUDA.buffer(\"grads\", (max(GRAD_SIZE, 1),))",
-        f"    (loss,) = {run('_loss_and_grad', ['grads'])}",
-        '    loss = _loss_value(loss, a, "loss_and_grad")',
+        f"    {run_loss_and_grad}",
         "    grads = _CUDA.out(grads)",
         f"    return loss, {{\n        {views('grads')},\n    }}" if grad_slices else "    return loss, {}"]) + "\n")
 
@@ -179,7 +188,8 @@ def cuda_api(g, trainable, outputs, input_grads, order, grad_slices, shapes, cal
         "    grad_slices = GRAD_SLICES",
         "    runner = _CUDA",
         "    entry = staticmethod(_loss_and_grad)",
-        "    kernels = {" + ", ".join(f"{k!r}: {v}" for k, v in trainer_kernels.items()) + "}",
+        "    kernels = _TRAINER_KERNELS",
+        f"    pipeline = {'_PIPELINE' if pipeline_src else 'None'}",
         "",
         "    def loss_args(self, p, a):",
         f"        return [{', '.join(call('_loss_and_grad', '_CUDA.data'))}]"]) + "\n")

@@ -45,7 +45,7 @@ from numba import njit
 from gradc.runtime import Signature, TrainerBase, init_from, load_data
 from gradc.runtime.arena import Arena
 from gradc.runtime.hessian import hessian_buffer, in_blocks, second_order_missing, symmetrize
-from gradc.runtime.pipeline import Pipeline
+from gradc.runtime.pipeline import HostMemory, Pipeline
 
 # float errors give inf/nan as in numpy, never raise; nogil lets Hessian blocks run on every core
 kernel = njit(cache=True, error_model="numpy", nogil=True)
@@ -133,6 +133,7 @@ def generate(graph, plans, info):
                ", ".join(f"%{r}" for r in f["roots"]) + " (the objective, values other stages read, "
                "the gradients here, and what this stage's backward reads).")
         source, leaves, consts = writer.write(f["fname"], plans[f["fname"]], doc, None, f["received"])
+        scalar_slots[f["fname"]] = writer.scalar_count()
         for r in f["received"]:
             del writer.names[r]
         entries[f["fname"]] = (f["roots"], source, leaves, consts)
@@ -228,12 +229,17 @@ def generate(graph, plans, info):
     if cuda:   # what the Trainer launches after the gradients
         trainer_kernels = {"sgd": kernels.sgd_update(), "adam": kernels.adam_update(),
                            "sum_squares": kernels.sum_squares(), "copy": kernels.elementwise(X[0], [(0,)], 1, "copy")}
+        if pipeline:   # what the pipeline executor launches between stage functions
+            trainer_kernels |= {"fill": kernels.fill(), "axpy": kernels.axpy()}
     helper_src = [f"{'@device_function' if cuda else '@kernel'}\n{HELPERS[h]}" for h in sorted(kernels.helpers)]
     kernel_src = [_with_doc(f"@kernel\n{src}", doc) for name, src, doc in kernels.sources]
     body = [source for _, source, _, _ in entries.values()]
 
     if cuda:
-        api = cuda_api(g, trainable, outputs, input_grads, order, grad_slices, shapes, call, inputs_of, trainer_kernels)
+        pipeline_src = pipeline_source(g, pipeline, stage_specs, trainable, f"DeviceMemory(_CUDA, _TRAINER_KERNELS)") \
+            if pipeline else None
+        api = cuda_api(g, trainable, outputs, input_grads, order, grad_slices, shapes, call, inputs_of, trainer_kernels,
+                       pipeline_src)
         return _assemble(info, out, helper_src, kernel_src, body, api, kernels, g, entries, stored)
     api = []
     api.append(textwrap.dedent('''\
@@ -266,22 +272,7 @@ def generate(graph, plans, info):
     run_loss_and_grad = f"(loss,) = _loss_and_grad({', '.join(call('_loss_and_grad') + ['grads', arena('_loss_and_grad')])})"
     if pipeline:
         run_loss_and_grad = "loss = _PIPELINE.loss_and_grad(p, a, grads)"
-        functions = ",\n    ".join(f"({k}, {kind!r}): ({fname}, {fname!r}, {spec!r}, {roots!r})"
-                                    for (k, kind), (fname, spec, roots) in sorted(stage_specs.items()))
-        grad_nodes = {g.grads[p]: p for p in trainable if g.grads.get(p) is not None}
-        api.append("\n".join([
-            f"# loss_and_grad runs as {pipeline['stages']} stage(s) x (forward, backward) over {pipeline['microbatches']} "
-            f"microbatch(es), {pipeline['schedule']} schedule",
-            "_PIPELINE = Pipeline({",
-            f"    {functions},",
-            "}, transfers=" + repr(tuple(pipeline["transfers"])) + ",",
-            f"    objective={g.objective}, grad_nodes={grad_nodes!r}, grad_slices=GRAD_SLICES,",
-            f"    stages={pipeline['stages']}, schedule={pipeline['schedule']!r}, microbatches={pipeline['microbatches']},",
-            f"    reduction={pipeline['reduction']!r}, batch_inputs={pipeline['batch_inputs']!r},",
-            f"    weight_decay={pipeline['weight_decay']!r}, decayed={pipeline['decayed']!r}, arena=_ARENA, data=DATA,",
-            f"    param_names={ {n: p for p, n in g.params.items()}!r}, objective_stage={stage_index(g, g.objective)},",
-            f"    grad_stages={ {p: stage_index(g, n) for n, p in grad_nodes.items()}!r})"])
-            + "\n")
+        api.append(pipeline_source(g, pipeline, stage_specs, trainable, "HostMemory(_ARENA, DATA)"))
     api.append("\n".join([
         "def loss_and_grad(params, /, **inputs):",
         '    """The objective (float) and its gradients for the trainable params (dict of views of one buffer)."""',
@@ -371,6 +362,25 @@ def generate(graph, plans, info):
         "        return loss"]) + "\n")
 
     return _assemble(info, out, helper_src, kernel_src, body, api, kernels, g, entries, stored)
+
+
+def pipeline_source(g, pipeline, stage_specs, trainable, memory):
+    """`_PIPELINE = Pipeline(...)`: the executor of a --devices / --microbatches build."""
+    functions = ",\n    ".join(f"({k}, {kind!r}): ({fname}, {fname!r}, {spec!r}, {roots!r})"
+                                for (k, kind), (fname, spec, roots) in sorted(stage_specs.items()))
+    grad_nodes = {g.grads[p]: p for p in trainable if g.grads.get(p) is not None}
+    return "\n".join([
+        f"# loss_and_grad runs as {pipeline['stages']} stage(s) x (forward, backward) over {pipeline['microbatches']} "
+        f"microbatch(es), {pipeline['schedule']} schedule",
+        "_PIPELINE = Pipeline({",
+        f"    {functions},",
+        "}, transfers=" + repr(tuple(pipeline["transfers"])) + ",",
+        f"    objective={g.objective}, grad_nodes={grad_nodes!r}, grad_slices=GRAD_SLICES,",
+        f"    stages={pipeline['stages']}, schedule={pipeline['schedule']!r}, microbatches={pipeline['microbatches']},",
+        f"    reduction={pipeline['reduction']!r}, batch_inputs={pipeline['batch_inputs']!r},",
+        f"    weight_decay={pipeline['weight_decay']!r}, decayed={pipeline['decayed']!r}, memory={memory},",
+        f"    param_names={ {n: p for p, n in g.params.items()}!r}, objective_stage={stage_index(g, g.objective)},",
+        f"    grad_stages={ {p: stage_index(g, n) for n, p in grad_nodes.items()}!r})"]) + "\n"
 
 
 LAUNCH_WORDS = {"flat": f"one thread per output element, {THREADS} a block",

@@ -248,9 +248,6 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     timings = {} if timings is None else timings
     t0 = time.perf_counter()
     pipe = device_options(devices, model, dims, memory_budget, model.src)
-    if target == "cuda" and (pipe["K"] > 1 or pipe["M"] > 1):
-        raise GradcError("--target cuda with --devices K > 1 or --microbatches M > 1 is not built yet: pipelines run "
-                         "on --target cpu (and over MPI ranks)", model.src)
     # microbatches run the code at other batch sizes: the batch dim stays symbolic in it (the plans bind it)
     code_dims = {d: v for d, v in dims.items() if d != pipe["batch"]}
     graph = build_training_graph(model, dtype, code_dims, timings, order=order)
@@ -258,6 +255,13 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     info = {"name": name, "version": __version__, "dtype": dtype, "fingerprint": fingerprint(model, dtype, dims),
             "param_info": model.param_info, "labels": label_inputs(graph), "order": order, "target": target,
             "source": source or model.src.rsplit(":", 1)[0]}
+    if target == "cuda":   # before any plan: a fused product never gets a buffer or a stage
+        from gradc.passes.gemm_fusion import fuse_gemms
+        t = time.perf_counter()
+        fuse_gemms(graph)
+        for n in graph.nx.nodes:
+            graph.node(n)["device"] = "cuda:0"
+        timings["gemm_fusion"] = time.perf_counter() - t
     t = time.perf_counter()
     partition = plan_stages(graph, dims, pipe, target, model.src)
     info["partition"] = partition
@@ -268,13 +272,6 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
                                         for kind in ("forward", "backward")}
     timings["partition"] = time.perf_counter() - t
     t = time.perf_counter()
-    if target == "cuda":   # before the memory plan: a fused product never gets a buffer
-        from gradc.passes.gemm_fusion import fuse_gemms
-        t = time.perf_counter()
-        fuse_gemms(graph)
-        for n in graph.nx.nodes:
-            graph.node(n)["device"] = "cuda:0"
-        timings["gemm_fusion"] = time.perf_counter() - t
     budget = resolve_budget(graph, memory_budget, model.src)
     try:
         plans = plan_memory(graph, dims, order, budget)

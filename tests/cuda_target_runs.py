@@ -222,10 +222,34 @@ def run_graphs(build):
     return out
 
 
+def run_pipelines(build):
+    """--target cuda with --devices K and --microbatches M (virtual devices on one GPU) against the
+    one-device CPU build: batch 7, so the microbatches differ in size; weight decay counts once."""
+    rng = np.random.default_rng(3)
+    model = zoo.mlp_weight_decay()
+    cpu = gc.compile(model, out=os.path.join(build, "cpu"), dtype="float64", order=1, warm_cache=False)
+    params, inputs = cpu.init_params(seed=4), zoo._inputs(cpu, rng, batch=7)
+    l1, g1 = cpu.loss_and_grad(params, **inputs)
+    out = {}
+    for K, schedule, M in ((2, "gpipe", 3), (2, "1f1b", 2), (3, "sequential", 2)):
+        dev = gc.compile(model, out=os.path.join(build, f"k{K}{schedule}"), target="cuda", dtype="float64", order=1,
+                         devices=K, schedule=schedule, microbatches=M, bind={"B": 7})
+        l2, g2 = dev.loss_and_grad(params, **inputs)
+        key = f"K{K} {schedule} M{M}"
+        out[key] = max(abs(l1 - l2), err(g1, g2))
+        out[key + " devices"] = sorted(dev.memory_stats()["arena_bytes"])
+    t1, t2 = cpu.Trainer(params, optimizer="sgd", lr=0.1, momentum=0.9), dev.Trainer(params, optimizer="sgd", lr=0.1,
+                                                                                       momentum=0.9)
+    out["trainer"] = max(abs(t1.step(**inputs) - t2.step(**inputs)) for _ in range(2))
+    out["trainer_params"] = err(t1.params, {k: v.copy_to_host() for k, v in t2.params.items()})
+    return out
+
+
 if __name__ == "__main__":
     what, build = sys.argv[1], sys.argv[2]
     if what == "models":
         result = run_models(build)
     else:   # the Trainer, device arrays, refusals; then the graph path (it patches the simulator)
-        result = run_trainer(build) | {"graphs": run_graphs(os.path.join(build, "graphs"))}
+        result = run_trainer(build) | {"pipelines": run_pipelines(os.path.join(build, "pipelines")),
+                                       "graphs": run_graphs(os.path.join(build, "graphs"))}
     print(json.dumps(result))

@@ -80,3 +80,12 @@ def test_graph_path_captures_once_per_shape_and_replays(results):
     assert r["captures"] == 2 + 1 and r["replays"] == 3    # batches 6, 6, 6, 4, 6; then the Trainer's step
     assert r["loss_and_grad"] <= TOLERANCE                  # new inputs reach the captured buffers
     assert r["trainer_replays"] == 3 and r["trainer_losses"] <= 1e-12 and r["trainer_params"] <= TOLERANCE
+
+
+def test_pipelines_on_virtual_devices_match_one_device(results):
+    """--devices K --microbatches M on one GPU: every schedule, unequal microbatches, weight decay."""
+    r = results["trainer"]["pipelines"]
+    for key in ("K2 gpipe M3", "K2 1f1b M2", "K3 sequential M2"):
+        assert r[key] <= 1e-12, (key, r[key])
+    assert r["K3 sequential M2 devices"] == ["cuda:0", "cuda:1", "cuda:2"]
+    assert r["trainer"] <= 1e-12 and r["trainer_params"] <= TOLERANCE

@@ -17,7 +17,7 @@ import threading
 import numpy as np
 
 from .arena import Arena
-from .cuda import is_device_array, load_cuda, simulated
+from .cuda import block, flat as flat_config, is_device_array, load_cuda, simulated
 
 
 class CudaRunner:
@@ -198,3 +198,41 @@ def _pointer(a):
     if hasattr(a, "__cuda_array_interface__"):
         return a.__cuda_array_interface__["data"][0]
     return id(a._ary) if hasattr(a, "_ary") else id(a)   # the simulator's arrays
+
+
+class DeviceMemory:
+    """The pipeline executor's operations (gradc/runtime/pipeline.py, HostMemory's methods) for a
+    --target cuda module: K virtual devices on one GPU, the stages' values in its memory. A stage
+    function's results are copied out at once, because the next call (a graph replay, or the next
+    scalar in `scal`) writes the same buffers."""
+    host = False
+
+    def __init__(self, runner, kernels):
+        self.runner, self.kernels = runner, kernels
+
+    def data(self, key):
+        return self.runner.data[key]
+
+    def call(self, fn, fname, args, inputs):
+        return [self._copy(r) for r in self.runner.run(fn, args, inputs, entry=fname)]
+
+    def _copy(self, x):
+        out = self.runner.cuda.device_array(x.shape, x.dtype)
+        out.copy_to_device(x, stream=self.runner.stream)
+        return out
+
+    def number(self, value):
+        return self.runner.scalar(value)
+
+    def zero(self, flat):
+        self.kernels["fill"][flat_config(flat, self.runner.stream)](flat, 0.0)
+
+    def add(self, flat, start, stop, weight, value):
+        view = flat[start:stop]
+        self.kernels["axpy"][flat_config(view, self.runner.stream)](self.runner.device(value).reshape(stop - start),
+                                                                    float(weight), view)
+
+    def squares(self, value):
+        total = self.runner.buffer("pipeline/squares", (1,))
+        self.kernels["sum_squares"][block(self.runner.stream)](self.runner.device(value).reshape(value.size), total)
+        return self.runner.scalar(total)

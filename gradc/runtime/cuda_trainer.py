@@ -74,14 +74,17 @@ class CudaTrainerBase(TrainerBase):
         """The whole step's launches: gradients, their squared norm, the update."""
         *loss_args, grads, params, s1, s2, hyper, status, arena, offs, scal, stream = args
         (loss,) = self.entry(*loss_args, grads, arena, offs, scal, stream)
-        copy = self.kernels["copy"]
-        copy[flat(loss, stream)](loss, status[0:1])
+        self.kernels["copy"][flat(loss, stream)](loss, status[0:1])
+        self._launch_update(grads, params, s1, s2, hyper, status, stream)
+        return ()
+
+    def _launch_update(self, grads, params, s1, s2, hyper, status, stream):
+        """|g|^2 into status[1], then the update (which reads the loss from status[0])."""
         self.kernels["sum_squares"][block(stream)](grads, status[1:2])
         if self.optimizer == "sgd":
             self.kernels["sgd"][flat(params, stream)](params, s1, grads, hyper, status)
         else:
             self.kernels["adam"][flat(params, stream)](params, s1, s2, grads, hyper, status)
-        return ()
 
     def step(self, **inputs):
         run = self.runner
@@ -97,8 +100,13 @@ class CudaTrainerBase(TrainerBase):
             state = [self.state["m"], self.state["v"]]
         self._hyper.copy_to_device(np.array(hyper, dtype=self.signature.float), stream=run.stream)
         p = dict(self.params)
-        args = self.loss_args(p, a) + [self._grads, self._flat, *state, self._hyper, self._status]
-        run.run(self._launch, args, a, entry="_loss_and_grad")
+        if self.pipeline is None:
+            args = self.loss_args(p, a) + [self._grads, self._flat, *state, self._hyper, self._status]
+            run.run(self._launch, args, a, entry="_loss_and_grad")
+        else:   # stage functions over microbatches, then the update launched directly
+            loss = self.pipeline.loss_and_grad(p, a, self._grads)   # p: device views, scalars as one-element arrays
+            self._status.copy_to_device(np.array([loss, 0.0], dtype=self.signature.float), stream=run.stream)
+            self._launch_update(self._grads, self._flat, *state, self._hyper, self._status, run.stream)
         loss, sq = (float(x) for x in run.host(self._status))
         if not (math.isfinite(loss) and math.isfinite(sq)):
             if loss != loss:   # a device label out of range gives NaN: name it (nothing was updated)

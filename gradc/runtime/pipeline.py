@@ -33,12 +33,42 @@ def mpi_world():
     return comm if comm.Get_size() > 1 else None
 
 
+class HostMemory:
+    """How the executor calls stage functions and adds up their results on the CPU target (a
+    --target cuda module passes gradc.runtime.cuda_host.DeviceMemory, with the same methods)."""
+
+    host = True   # values are numpy arrays (MPI sends them as they are)
+
+    def __init__(self, arena, data):
+        self.arena, self._data = arena, data
+
+    def data(self, key):
+        return self._data[key]
+
+    def call(self, fn, fname, args, inputs):
+        return fn(*args, *self.arena.get(fname, inputs))
+
+    def number(self, value):
+        return float(value)
+
+    def zero(self, flat):
+        flat[:] = 0.0
+
+    def add(self, flat, start, stop, weight, value):
+        """flat[start:stop] += weight * value (flattened)."""
+        flat[start:stop] += weight * np.asarray(value).reshape(-1)
+
+    def squares(self, value):
+        value = np.asarray(value).reshape(-1)
+        return float(value @ value)
+
+
 class Pipeline:
     """functions: (stage, "F"|"B") -> (compiled function, fname, argument spec, roots);
     an argument is ("p", param) | ("a", input) | ("v", node) | ("c", data key)."""
 
     def __init__(self, functions, transfers, objective, grad_nodes, grad_slices, *, stages, schedule, microbatches,
-                 reduction, batch_inputs, weight_decay, decayed, arena, data, param_names, objective_stage,
+                 reduction, batch_inputs, weight_decay, decayed, memory, param_names, objective_stage,
                  grad_stages):
         self.functions = functions
         self.transfers = transfers            # (transfer node, source, from stage, to stage, when made)
@@ -58,7 +88,7 @@ class Pipeline:
         self.reduction = reduction
         self.batch_inputs = batch_inputs
         self.weight_decay, self.decayed = weight_decay, decayed
-        self.arena, self.data = arena, data
+        self.memory = memory                  # HostMemory, or a CUDA module's DeviceMemory
         self.order = interleave(schedule, stages, microbatches)
         last = {}                             # value node -> the last function that reads it
         for key in sorted(functions, key=lambda key: (key[0], key[1] != "F")):
@@ -75,6 +105,9 @@ class Pipeline:
         """mpi4py's COMM_WORLD when this process is one rank of a pipeline run, else None."""
         if self._comm is False:
             comm = mpi_world()
+            if comm is not None and not self.memory.host:
+                raise RuntimeError("a --target cuda pipeline runs its stages in one process (virtual devices on "
+                                   "one GPU); under mpiexec, compile with --target cpu")
             if comm is not None and comm.Get_size() != self.K:
                 raise RuntimeError(f"this module was compiled for {self.K} stages, but mpiexec started "
                                    f"{comm.Get_size()} processes; run mpiexec -n {self.K}")
@@ -120,7 +153,7 @@ class Pipeline:
     def loss_and_grad(self, params, inputs, grads):
         """The objective; its gradients are added into the flat `grads` (zeroed here)."""
         micro, weights = self.split(inputs)
-        grads[:] = 0.0
+        self.memory.zero(grads)
         comm = self.comm
         if comm is None:
             loss = self._run(self.order, params, micro, weights, grads, None)
@@ -156,9 +189,8 @@ class Pipeline:
         squares = 0.0
         for name in mine:
             a, b = self.grad_slices[name]
-            p = params[name].reshape(-1)
-            grads[a:b] += extra * self.weight_decay * p
-            squares += float(p @ p)
+            self.memory.add(grads, a, b, extra * self.weight_decay, params[name])
+            squares += self.memory.squares(params[name])
         return extra * 0.5 * self.weight_decay * self.allreduce(squares)
 
     def _run(self, order, params, micro, weights, grads, comm):
@@ -172,14 +204,14 @@ class Pipeline:
                     src, _, tag = self.route[key]
                     values[(key, m)] = comm.recv(source=src, tag=tag)
                 args.append(params[key] if what == "p" else micro[m][key] if what == "a" else
-                            values[(key, m)] if what == "v" else self.data[key])
-            results = fn(*args, *self.arena.get(fname, micro[m]))
+                            values[(key, m)] if what == "v" else self.memory.data(key))
+            results = self.memory.call(fn, fname, args, micro[m])
             for node, value in zip(roots, results):
                 if node == self.objective:
-                    loss += weights[m] * float(value)
+                    loss += weights[m] * self.memory.number(value)
                 elif node in self.grad_nodes:
                     a, b = self.grad_slices[self.grad_nodes[node]]
-                    grads[a:b] += weights[m] * np.asarray(value).reshape(-1)
+                    self.memory.add(grads, a, b, weights[m], value)
                 values[(node, m)] = value
             for u, t in self.sources.get((k, kind), ()):
                 if (u, m) not in values:
