@@ -72,6 +72,8 @@ class CudaKernels:
         self.sources = []     # (name, source, doc)
         self.helpers = set()  # scalar helpers (device functions) the kernels call
         self.launch = {}
+        self.sites = []       # (name, source): the GEMM sites (gradc/runtime/cuda_gemm.py), after the kernels
+        self._site_by_key = {}
 
     def _get(self, key, hint, make):
         if key not in self._by_key:
@@ -170,6 +172,25 @@ class CudaKernels:
                f"({TILE}x{TILE} tiles through shared memory)")
         return "\n".join(lines), doc, ("tiles", -1)
 
+    def gemm_site(self, transpose_a, transpose_b, a_prologue=None, b_prologue=None, epilogue=None,
+                  epilogue_patterns=()):
+        """A `Gemm` object that picks, per call, the 16x16 kernel, the register-tiled one, or (no
+        prologue) cuBLAS followed by the epilogue as an elementwise kernel in place."""
+        args = (transpose_a, transpose_b, a_prologue, b_prologue, epilogue, tuple(epilogue_patterns))
+        key = (transpose_a, transpose_b) + tuple(sp.srepr(x) if x is not None else None for x in args[2:5]) + args[5:]
+        if key not in self._site_by_key:
+            small, large = self.matmul(*args), self.matmul_tiled(*args)
+            cublas = None
+            if (a_prologue in (None, X[0])) and (b_prologue in (None, X[0])):
+                after = None
+                if epilogue not in (None, X[0]):
+                    after = self.elementwise(epilogue, [(0, 1)] + list(epilogue_patterns), 2, "epilogue")
+                cublas = f", cublas=({transpose_a}, {transpose_b}, {after})"
+            name = f"gemm{len(self.sites)}"
+            self.sites.append((name, f"{name} = Gemm({small}, {large}{cublas or ''})"))
+            self._site_by_key[key] = name
+        return self._site_by_key[key]
+
     # ---- register-tiled GEMM (large products) ----------------------------------------------
     def matmul_tiled(self, transpose_a, transpose_b, a_prologue=None, b_prologue=None, epilogue=None,
                      epilogue_patterns=()):
@@ -182,7 +203,8 @@ class CudaKernels:
         epilogue = epilogue if epilogue is not None else X[0]
         key = ("matmul_tiled", transpose_a, transpose_b, sp.srepr(a_prologue), sp.srepr(b_prologue),
                sp.srepr(epilogue), tuple(epilogue_patterns))
-        return self._get(key, "gemm_tiled", lambda name: self._matmul_tiled_source(
+        hint = "gemm_tiled" if (a_prologue, b_prologue, epilogue) == (X[0], X[0], X[0]) else "gemm_tiled_fused"
+        return self._get(key, hint, lambda name: self._matmul_tiled_source(
             name, transpose_a, transpose_b, a_prologue, b_prologue, epilogue, epilogue_patterns))
 
     def _tiled_load(self, expr, prefix, transposed, side):

@@ -26,7 +26,8 @@ import numpy as np
 from numba import {dtype} as FLOAT_T, float64
 
 from gradc.runtime import Signature, init_from, load_data
-from gradc.runtime.cuda import block, flat, load_cuda, pick_gemm, rows
+from gradc.runtime.cuda import block, flat, load_cuda, rows
+from gradc.runtime.cuda_gemm import Gemm
 from gradc.runtime.cuda_host import CudaRunner, DeviceMemory
 from gradc.runtime.pipeline import Pipeline
 from gradc.runtime.cuda_trainer import CudaTrainerBase

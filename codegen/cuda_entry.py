@@ -120,9 +120,8 @@ class CudaEntryWriter(EntryWriter):
                 epilogue, rest = self._fold(attrs["epilogue"], [None] + ins[na + nb:])
                 patterns = tuple(() if g.shape(u) == () else _pattern(g.shape(u), shape) for u in rest[1:])
                 fused, args = (attrs["a_expr"], attrs["b_expr"], epilogue, patterns), a[:na + nb] + [self.var(u) for u in rest[1:]]
-            # the 16x16 kernel for small products, the register-tiled one where its tiles fill the GPU
-            small, large = k.matmul(ta, tb, *fused), k.matmul_tiled(ta, tb, *fused)
-            return [alloc, f"pick_gemm({small}, {large}, {v}, stream)({', '.join(args + [v])}){note}"]
+            site = k.gemm_site(ta, tb, *fused)   # which kernel runs is chosen per call, by size
+            return [alloc, f"{site}(stream, {', '.join(args + [v])}){note}"]
         if op == "transpose":
             return [alloc, self.launch(k.transpose(tuple(attrs["axes"])), a + [v]) + note]
         if op == "transfer":   # virtual devices share one device's memory: the copy is the transfer

@@ -233,6 +233,9 @@ def generate(graph, plans, info):
             trainer_kernels |= {"fill": kernels.fill(), "axpy": kernels.axpy()}
     helper_src = [f"{'@device_function' if cuda else '@kernel'}\n{HELPERS[h]}" for h in sorted(kernels.helpers)]
     kernel_src = [_with_doc(f"@kernel\n{src}", doc) for name, src, doc in kernels.sources]
+    if cuda and kernels.sites:
+        kernel_src.append("# GEMM sites: each picks its kernel per call by the product's size (gradc/runtime/cuda_gemm.py)\n"
+                          + "\n".join(src for _, src in kernels.sites))
     body = [source for _, source, _, _ in entries.values()]
 
     if cuda:
@@ -401,7 +404,9 @@ def _assemble(info, out, helper_src, kernel_src, body, api, kernels, g, entries,
     if info.get("target") == "cuda":   # its launch grid, and which host functions launch it
         for k in kernel_meta:
             k["launch"] = LAUNCH_WORDS[kernels.launch[k["name"]][0]]
-            k["entries"] = [f for f, (_, source, _, _) in entries.items() if re.search(rf"\b{k['name']}\b", source)]
+            callers = [k["name"]] + [site for site, src in kernels.sites if re.search(rf"\b{k['name']}\b", src)]
+            k["entries"] = [f for f, (_, source, _, _) in entries.items()
+                            if any(re.search(rf"\b{c}\b", source) for c in callers)]
     meta = {"kernels": kernel_meta,
             "entries": {f: {"roots": [n for n in r if n is not None], "nodes": len(g.ancestors([n for n in r if n is not None]))}
                         for f, (r, _, _, _) in entries.items()}}

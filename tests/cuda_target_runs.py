@@ -222,6 +222,60 @@ def run_graphs(build):
     return out
 
 
+def run_library(build):
+    """The cuBLAS path of gradc/runtime/cuda_gemm.py, with CuPy simulated: the product from the
+    library, then the site's epilogue kernel in place (bias, activation, weight decay)."""
+    import gradc.runtime.cuda_gemm as sites
+    calls = []
+
+    class View:
+        def __init__(self, array, transposed=False):
+            self.array, self.transposed = array, transposed
+
+        @property
+        def T(self):
+            return View(self.array, not self.transposed)
+
+        def host(self):
+            a = self.array.copy_to_host()
+            return a.T if self.transposed else a
+
+    class ExternalStream:
+        def __init__(self, pointer):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class FakeCupy:
+        cuda = type("cuda", (), {"ExternalStream": ExternalStream})
+
+        @staticmethod
+        def asarray(x):
+            return View(x)
+
+        @staticmethod
+        def matmul(a, b, out):
+            calls.append((a.transposed, b.transposed))
+            out.array.copy_to_device(np.ascontiguousarray(a.host() @ b.host()))
+
+    rng = np.random.default_rng(5)
+    model, cpu, dev = both(zoo.mlp_weight_decay, build)
+    params, inputs = cpu.init_params(seed=6), zoo._inputs(cpu, rng, batch=6)
+    saved = sites._CUPY[:], sites.LIBRARY_MIN_FLOP
+    sites._CUPY[:], sites.LIBRARY_MIN_FLOP = [FakeCupy], 0
+    try:
+        l1, g1 = cpu.loss_and_grad(params, **inputs)
+        l2, g2 = dev.loss_and_grad(params, **inputs)
+    finally:
+        sites._CUPY[:], sites.LIBRARY_MIN_FLOP = saved
+    return {"error": max(abs(l1 - l2), err(g1, g2)), "calls": len(calls),
+            "transposes": sorted({str(c) for c in calls})}
+
+
 def run_pipelines(build):
     """--target cuda with --devices K and --microbatches M (virtual devices on one GPU) against the
     one-device CPU build: batch 7, so the microbatches differ in size; weight decay counts once."""
@@ -251,5 +305,6 @@ if __name__ == "__main__":
         result = run_models(build)
     else:   # the Trainer, device arrays, refusals; then the graph path (it patches the simulator)
         result = run_trainer(build) | {"pipelines": run_pipelines(os.path.join(build, "pipelines")),
+                                       "library": run_library(os.path.join(build, "library")),
                                        "graphs": run_graphs(os.path.join(build, "graphs"))}
     print(json.dumps(result))

@@ -89,3 +89,11 @@ def test_pipelines_on_virtual_devices_match_one_device(results):
         assert r[key] <= 1e-12, (key, r[key])
     assert r["K3 sequential M2 devices"] == ["cuda:0", "cuda:1", "cuda:2"]
     assert r["trainer"] <= 1e-12 and r["trainer_params"] <= TOLERANCE
+
+
+def test_cublas_path_gives_the_same_values(results):
+    """cuBLAS (CuPy simulated) for the products, the epilogue kernels after: every transpose the
+    backward needs, and the fused bias, activation and weight decay."""
+    r = results["trainer"]["library"]
+    assert r["error"] <= TOLERANCE
+    assert r["calls"] >= 5 and {"(False, False)", "(False, True)", "(True, False)"} <= set(r["transposes"])

@@ -84,21 +84,6 @@ def big_tiles(out, stream=0):
     return (-(-n // BIG), -(-m // BIG)), (TILE, TILE), stream
 
 
-_SM_COUNT = []
-
-
-def pick_gemm(small, large, out, stream=0):
-    """The GEMM kernel for `out`, configured: the register-tiled one when its BIG x BIG tiles
-    fill every multiprocessor at least once, else the TILE x TILE one (more, smaller blocks)."""
-    m, n = out.shape
-    if not _SM_COUNT:
-        device = load_cuda().get_current_device()
-        _SM_COUNT.append(getattr(device, "MULTIPROCESSOR_COUNT", 1))
-    if -(-m // BIG) * -(-n // BIG) >= _SM_COUNT[0] and m >= BIG and n >= BIG:
-        return large[big_tiles(out, stream)]
-    return small[tiles(out, stream)]
-
-
 def block(stream=0):
     """One block of THREADS threads (a reduction to one value, in shared memory)."""
     return 1, SIMULATED_THREADS if simulated() else THREADS, stream

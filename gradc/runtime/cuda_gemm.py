@@ -1,0 +1,75 @@
+"""Which kernel computes one GEMM site of a --target cuda module, chosen per call by its size.
+
+- the 16x16-tile kernel for small products (many small blocks keep the GPU busy);
+- the register-tiled kernel (128x128 block tiles) once its tiles fill every multiprocessor;
+- with CuPy installed (the `cublas` extra) and a product of at least LIBRARY_MIN_FLOP, cuBLAS
+  through CuPy for the product, then the site's epilogue kernel in place. Only sites with no
+  operand prologue take it (cuBLAS reads plain matrices). GRADC_CUBLAS=0 turns it off.
+"""
+import os
+
+from .cuda import BIG, big_tiles, flat, load_cuda, simulated, tiles
+
+LIBRARY_MIN_FLOP = 2 * 512 ** 3   # below this, launch and library overheads outweigh cuBLAS's speed
+_SM_COUNT = []
+_CUPY = []
+
+
+def _sm_count():
+    if not _SM_COUNT:
+        _SM_COUNT.append(getattr(load_cuda().get_current_device(), "MULTIPROCESSOR_COUNT", 1))
+    return _SM_COUNT[0]
+
+
+def library():
+    """CuPy when the cuBLAS path is on and importable (never under the simulator), else None."""
+    if not _CUPY:
+        found = None
+        if os.environ.get("GRADC_CUBLAS", "1") != "0" and not simulated():
+            try:
+                import cupy
+                found = cupy
+            except ImportError:
+                pass
+        _CUPY.append(found)
+    return _CUPY[0]
+
+
+def _stream_pointer(stream):
+    if isinstance(stream, int):
+        return stream
+    if hasattr(stream, "__cuda_stream__"):
+        return int(stream.__cuda_stream__()[1])
+    return int(stream.handle)
+
+
+class Gemm:
+    """One GEMM site: `site(stream, *args)` launches the kernel chosen for these shapes.
+
+    args: A's operands, B's, the epilogue's, then out (the kernels' own argument order).
+    cublas: (transpose_a, transpose_b, epilogue kernel or None) where cuBLAS may take the product."""
+
+    def __init__(self, small, large, cublas=None):
+        self.small, self.large, self.cublas = small, large, cublas
+
+    def __call__(self, stream, *args):
+        out = args[-1]
+        m, n = out.shape
+        if self.cublas is not None and library() is not None:
+            ta = self.cublas[0]
+            depth = args[0].shape[0] if ta else args[0].shape[1]
+            if 2 * m * n * depth >= LIBRARY_MIN_FLOP:
+                return self._library(stream, *args)
+        if m >= BIG and n >= BIG and -(-m // BIG) * -(-n // BIG) >= _sm_count():
+            return self.large[big_tiles(out, stream)](*args)
+        return self.small[tiles(out, stream)](*args)
+
+    def _library(self, stream, a, b, *rest):
+        *epilogue_args, out = rest
+        ta, tb, epilogue = self.cublas
+        cupy = library()
+        with cupy.cuda.ExternalStream(_stream_pointer(stream)):
+            A, B, C = cupy.asarray(a), cupy.asarray(b), cupy.asarray(out)
+            cupy.matmul(A.T if ta else A, B.T if tb else B, out=C)
+        if epilogue is not None:   # bias, activation, ... over the product, in place
+            epilogue[flat(out, stream)](out, *epilogue_args, out)
