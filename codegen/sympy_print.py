@@ -94,11 +94,12 @@ class KernelPrinter(PythonCodePrinter):
 
     def _print_Pow(self, expr, rational=False):
         base, exp = expr.args
+        # parenthesised: sympy prints a/x**2 as a/<this>, and a/x * x would be a
         if exp == 2:
             b = self.parenthesize(base, sp.printing.precedence.PRECEDENCE["Mul"])
-            return f"{b} * {b}"
+            return f"({b} * {b})"
         if exp == -1:
-            return f"1.0 / {self.parenthesize(base, sp.printing.precedence.PRECEDENCE['Pow'])}"
+            return f"(1.0 / {self.parenthesize(base, sp.printing.precedence.PRECEDENCE['Pow'])})"
         return super()._print_Pow(expr, rational=rational)
 
     def _print_Rational(self, expr):

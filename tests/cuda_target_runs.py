@@ -2,9 +2,11 @@
 
     NUMBA_ENABLE_CUDASIM=1 python tests/cuda_target_runs.py models|trainer BUILD_DIR
 
-Prints one JSON line of errors: every entry point of the CUDA module against the CPU target's
-(float64, same params and inputs), a finite-difference check of the CUDA gradients, and the CUDA
-Trainer against the CPU Trainer, with device-array inputs and outputs and the refusals.
+Prints one JSON line of errors (float64, same params and inputs): every entry point of each zoo
+model's CUDA module against the interpreter (the reference the CPU target is tested against);
+the MLP's CUDA module against its CPU target's, its gradients against finite differences, and
+the CUDA Trainer against the CPU Trainer; device arrays in and out, refusals, pipelines, the
+cuBLAS path and the CUDA-graph path.
 """
 import json
 import os
@@ -18,6 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gradc as gc  # noqa: E402
 import test_codegen as zoo  # noqa: E402
+from gradc.interpret import evaluate  # noqa: E402
+from gradc.passes.pipeline import build_training_graph  # noqa: E402
 
 # the models the CUDA backend must run: softmax cross-entropy, max, user elementwise ops, shared
 # weights, scalars, layout ops, broadcasting, frozen params, constant arrays, int32 labels
@@ -43,26 +47,58 @@ def err(a, b):
     return float(np.max(np.abs(a - b), initial=0.0) / max(1.0, float(np.max(np.abs(a), initial=0.0))))
 
 
+def reference(model, params, inputs, order, tangents=None):
+    """The interpreter's float64 values (the reference the CPU target is tested against in
+    tests/test_codegen.py; comparing with it here spares compiling a CPU module per model)."""
+    graph = build_training_graph(model, "float64", order=order)
+    trainable = [p for p in graph.params if model.param_info[p]["trainable"]]
+    roots = {"loss": graph.objective}
+    roots |= {("grad", p): graph.grads[p] for p in trainable if graph.grads.get(p) is not None}
+    roots |= {("input", i): n for i, n in graph.input_grads.items() if n is not None}
+    roots |= {("out", o): n for o, n in graph.outputs.items()}
+    if tangents is not None:
+        roots |= {("hvp", p): graph.hvps[p] for p in trainable if graph.hvps.get(p) is not None}
+    values = evaluate(graph, params, inputs, list(roots.values()), tangents=tangents)
+    got = {k: values[n] for k, n in roots.items()}
+
+    def table(kind, names, shape_of):
+        return {k: got.get((kind, k), np.zeros(shape_of(k))) for k in names}
+    float_inputs = [i for i, n in graph.inputs.items() if graph.dtype(n).startswith("float")]
+    return {"loss": got["loss"], "grads": table("grad", trainable, lambda p: graph.shape(graph.params[p])),
+            "input_grads": table("input", float_inputs, lambda i: np.shape(inputs[i])),
+            "outputs": {o: got[("out", o)] for o in graph.outputs},
+            "hvp": table("hvp", trainable, lambda p: graph.shape(graph.params[p])) if tangents is not None else None}
+
+
 def run_models(build):
     rng = np.random.default_rng(0)
     errors = {}
     for make in MODELS:
         t0 = time.perf_counter()
-        model, cpu, dev = both(make, build, order=2 if make().name in WITH_HVP else 1)
-        print(model.name, "compile", round(time.perf_counter() - t0, 1), file=sys.stderr)
-        params, inputs = cpu.init_params(seed=3), zoo._inputs(cpu, rng)
+        model = make()
+        order = 2 if model.name in WITH_HVP else 1
+        dev = gc.compile(model, out=os.path.join(build, "cuda"), target="cuda", dtype="float64", order=order)
+        params, inputs = dev.init_params(seed=3), zoo._inputs(dev, rng)
+        tangents = {k: rng.standard_normal(np.shape(params[k])) for k in dev.TRAINABLE} if order == 2 else None
+        ref = reference(model, params, inputs, order, tangents)
         e = errors[model.name] = {}
-        e["forward"] = err(cpu.forward(params, **inputs), dev.forward(params, **inputs))
-        l1, g1 = cpu.loss_and_grad(params, **inputs)
-        l2, g2 = dev.loss_and_grad(params, **inputs)
-        e["loss"], e["grads"] = err(l1, l2), err(g1, g2)
-        e["input_grads"] = err(cpu.input_grads(params, **inputs), dev.input_grads(params, **inputs))
-        if model.name in WITH_HVP:
-            v = {k: rng.standard_normal(g.shape) for k, g in g1.items()}
-            e["hvp"] = err(cpu.hvp(params, v, **inputs), dev.hvp(params, v, **inputs))
-        if model.name == "cg_scalars":
-            e["hessian"] = err(cpu.hessian(params, **inputs), dev.hessian(params, **inputs))
-        print(model.name, "total", round(time.perf_counter() - t0, 1), file=sys.stderr)
+        e["forward"] = err(ref["outputs"] | {"loss": ref["loss"]}, dev.forward(params, **inputs))
+        loss, grads = dev.loss_and_grad(params, **inputs)
+        e["loss"], e["grads"] = err(ref["loss"], loss), err(ref["grads"], grads)
+        e["input_grads"] = err(ref["input_grads"], dev.input_grads(params, **inputs))
+        if order == 2:
+            e["hvp"] = err(ref["hvp"], dev.hvp(params, tangents, **inputs))
+        if model.name == "cg_scalars":   # every row of the Hessian is an hvp with a basis vector
+            rows = []
+            for p in dev.TRAINABLE:
+                for i in range(int(np.prod(np.shape(params[p])))):
+                    basis = {q: np.zeros(np.shape(params[q])) for q in dev.TRAINABLE}
+                    basis[p].reshape(-1)[i] = 1.0
+                    hv = reference(model, params, inputs, 2, basis)["hvp"]
+                    rows.append(np.concatenate([np.reshape(hv[q], -1) for q in dev.TRAINABLE]))
+            expected = np.array(rows)
+            e["hessian"] = err((expected + expected.T) / 2, dev.hessian(params, **inputs))
+        print(model.name, round(time.perf_counter() - t0, 1), file=sys.stderr)
     return errors
 
 

@@ -106,7 +106,7 @@ def test_inspect(compiled):
     ("import gradc as gc\nm = gc.Model('b4')\nn = gc.Model('b5')\n", [], "pick one with --model"),
     ("import gradc as gc\nm = gc.Model('b6')\nm.minimize(m.input('x', ('B',)).sum())\n", ["--bind", "N=3"], "--bind names dim N"),
     ("import gradc as gc\nm = gc.Model('b7')\nm.minimize(m.input('x', ('B',)).sum())\n",
-     ["--target", "cuda", "--devices", "2", "--bind", "B=4"], "--target cuda with --devices K > 1"),
+     ["--target", "tpu"], "invalid choice: 'tpu'"),
     ("import gradc as gc\nm = gc.Model('b8')\nm.minimize(m.input('x', ('B',)).sum())\n", ["--order", "3"], "invalid choice: 3"),
     ("import gradc as gc\nm = gc.Model('b9')\nm.minimize(m.input('x', ('B',)).sum())\n", ["--bind", "B"], "expected DIM=INT"),
     (MODEL, ["--memory-budget", "1KiB"], "--memory-budget needs every symbolic dim bound with --bind (unbound: B"),

@@ -175,6 +175,9 @@ MODELS = [broadcast_patterns, reductions_rank3, mlp_weight_decay, shared_weights
           user_ops, layout_ops, scalars, constants_and_array_init, integer_labels_int32, deep_chain]
 
 
+WITH_HVP = [scalars, broadcast_patterns, residual]
+
+
 def _inputs(module, rng, batch=5):
     out = {}
     for name, (shape, dtype) in module.INPUTS.items():
@@ -220,6 +223,14 @@ def test_generated_matches_interpreter(make, build_dir, rng):
         np.testing.assert_allclose(out[name], ref[node], rtol=1e-10, atol=1e-12, err_msg=name)
     out_only = mod.forward(params, **{k: v for k, v in inputs.items() if k in mod._OUTPUT_INPUTS})
     assert ("loss" in out_only) == set(mod._LOSS_INPUTS).issubset(mod._OUTPUT_INPUTS)
+
+    if make in WITH_HVP:   # the second-order block's expressions (powers in denominators, scalars)
+        graph2 = build_training_graph(model, "float64", order=2)
+        v = {p: rng.standard_normal(mod.PARAM_SHAPES[p]) for p in trainable}
+        ref2 = evaluate(graph2, params, inputs, [graph2.hvps[p] for p in trainable], tangents=v)
+        hv = mod.hvp(params, v, **inputs)
+        for p in trainable:
+            np.testing.assert_allclose(hv[p], ref2[graph2.hvps[p]], rtol=1e-9, atol=1e-12, err_msg=p)
 
 
 def test_float32_build_matches_float64_reference(build_dir, rng):
