@@ -54,6 +54,13 @@ def _arity(expr):
     return max(used) + 1 if used else 1
 
 
+def _gemm_def(name, a_expr, b_expr, epilogue):
+    """A GEMM kernel's def line: A's operands a0.., B's b0.., the epilogue's e1.., then out."""
+    na, nb, ne = _arity(a_expr), _arity(b_expr), _arity(epilogue) - 1
+    args = [f"a{j}" for j in range(na)] + [f"b{j}" for j in range(nb)] + [f"e{j + 1}" for j in range(ne)] + ["out"]
+    return f"def {name}({', '.join(args)}):"
+
+
 def _unravel(rank, flat="i", shape="out.shape", pad="    "):
     """Lines that turn a flat index into i0..i{rank-1} over `shape` (C order)."""
     lines = [f"{pad}r = {flat}"]
@@ -139,10 +146,8 @@ class CudaKernels:
                 + [pad + b for b in block] + [f"{pad}{tile} = {result}", "        else:", f"{pad}{tile} = 0.0"])
 
     def _matmul_source(self, name, ta, tb, a_expr, b_expr, epilogue, patterns):
-        na, nb, ne = _arity(a_expr), _arity(b_expr), _arity(epilogue) - 1
-        args = [f"a{j}" for j in range(na)] + [f"b{j}" for j in range(nb)] + [f"e{j + 1}" for j in range(ne)] + ["out"]
         lines = [
-            f"def {name}({', '.join(args)}):",
+            _gemm_def(name, a_expr, b_expr, epilogue),
             f"    sa = cuda.shared.array(({TILE}, {TILE}), FLOAT_T)",
             f"    sb = cuda.shared.array(({TILE}, {TILE}), FLOAT_T)",   # its own line: the simulator keys shared arrays by line
             "    tx = cuda.threadIdx.x",
@@ -160,17 +165,21 @@ class CudaKernels:
         lines += self._operand_load(b_expr, "b", "col, k" if tb else "k, col", "k < depth and col < n", "sb[ty, tx]", "vb")
         lines += ["        cuda.syncthreads()", f"        for j in range({TILE}):", "            acc += sa[ty, j] * sb[j, tx]",
                   "        cuda.syncthreads()", "    if row < m and col < n:"]
-        names = {X[0]: sp.Symbol("acc", real=True)}
-        for j, pat in enumerate(patterns, start=1):
-            idx = _index(["0" if d < 0 else ("row", "col")[d] for d in pat]) if pat else "0"
-            lines.append(f"        l{j} = e{j}[{idx}]")
-            names[X[j]] = sp.Symbol(f"l{j}", real=True)
-        block, helpers = print_block(epilogue, names, "out[row, col]")
-        self.helpers |= helpers
-        lines += ["        " + b for b in block]
+        lines += ["        " + x for x in self._epilogue_store(epilogue, patterns)]
         doc = (f"out = {epilogue} with x0 = A @ B, A = {a_expr}{'^T' if ta else ''}, B = {b_expr}{'^T' if tb else ''} "
                f"({TILE}x{TILE} tiles through shared memory)")
         return "\n".join(lines), doc, ("tiles", -1)
+
+    def _epilogue_store(self, epilogue, patterns):
+        """Lines (unindented) that store out[row, col] = epilogue(acc, e1[...], ...)."""
+        names, loads = {X[0]: sp.Symbol("acc", real=True)}, []
+        for j, pat in enumerate(patterns, start=1):
+            idx = _index(["0" if d < 0 else ("row", "col")[d] for d in pat]) if pat else "0"
+            loads.append(f"l{j} = e{j}[{idx}]")
+            names[X[j]] = sp.Symbol(f"l{j}", real=True)
+        block, helpers = print_block(epilogue, names, "out[row, col]")
+        self.helpers |= helpers
+        return loads + block
 
     def gemm_site(self, transpose_a, transpose_b, a_prologue=None, b_prologue=None, epilogue=None,
                   epilogue_patterns=()):
@@ -230,10 +239,8 @@ class CudaKernels:
         return lines
 
     def _matmul_tiled_source(self, name, ta, tb, a_expr, b_expr, epilogue, patterns):
-        na, nb, ne = _arity(a_expr), _arity(b_expr), _arity(epilogue) - 1
-        args = [f"a{j}" for j in range(na)] + [f"b{j}" for j in range(nb)] + [f"e{j + 1}" for j in range(ne)] + ["out"]
         lines = [
-            f"def {name}({', '.join(args)}):",
+            _gemm_def(name, a_expr, b_expr, epilogue),
             f"    sa = cuda.shared.array((2, {BK}, {BIG}), FLOAT_T)",
             f"    sb = cuda.shared.array((2, {BK}, {BIG}), FLOAT_T)",   # its own line: the simulator keys shared arrays by line
             "    tx = cuda.threadIdx.x",
@@ -258,19 +265,12 @@ class CudaKernels:
         lines += [f"                c{i}{j} += x{i} * y{j}" for i in range(PER) for j in range(PER)]
         lines.append("        cuda.syncthreads()")
         # the store: thread (ty, tx) owns rows ty + 16 i and columns tx + 16 j of the block tile
-        names = {X[0]: sp.Symbol("acc", real=True)}
-        loads = []
-        for j, pat in enumerate(patterns, start=1):
-            idx = _index(["0" if d < 0 else ("row", "col")[d] for d in pat]) if pat else "0"
-            loads.append(f"l{j} = e{j}[{idx}]")
-            names[X[j]] = sp.Symbol(f"l{j}", real=True)
-        block, helpers = print_block(epilogue, names, "out[row, col]")
-        self.helpers |= helpers
+        store = self._epilogue_store(epilogue, patterns)
         for i in range(PER):
             lines += [f"    row = base_a + ty + {TILE * i}", "    if row < m:"]
             for j in range(PER):
                 lines += [f"        col = base_b + tx + {TILE * j}", "        if col < n:", f"            acc = c{i}{j}"]
-                lines += ["            " + x for x in loads + block]
+                lines += ["            " + x for x in store]
         doc = (f"out = {epilogue} with x0 = A @ B, A = {a_expr}{'^T' if ta else ''}, B = {b_expr}{'^T' if tb else ''} "
                f"({BIG}x{BIG} block tiles, {PER}x{PER} per thread in registers, {BK}-deep slices double-buffered)")
         return "\n".join(lines), doc, ("big_tiles", -1)

@@ -7,7 +7,6 @@ Trainer, which gets the gradients in one flat buffer and updates every param in 
 (gradc/runtime/optim.py). With --order 2, hvp and hessian share one compiled block function.
 """
 import re
-import textwrap
 
 import numpy as np
 
@@ -15,6 +14,7 @@ from gradc.ops.elementwise import X
 from gradc.passes.stage_split import stage_index
 from gradc.runtime.cuda import BIG, THREADS, TILE
 
+from .api_text import HESSIAN, INIT_PARAMS, ORDER_1_STUBS, trainer_head
 from .cpu import Kernels
 from .cuda import CudaKernels
 from .cuda_api import CUDA_HEADER, cuda_api
@@ -239,17 +239,13 @@ def generate(graph, plans, info):
     body = [source for _, source, _, _ in entries.values()]
 
     if cuda:
-        pipeline_src = pipeline_source(g, pipeline, stage_specs, trainable, f"DeviceMemory(_CUDA, _TRAINER_KERNELS)") \
+        pipeline_src = pipeline_source(g, pipeline, stage_specs, trainable, "DeviceMemory(_CUDA, _TRAINER_KERNELS)") \
             if pipeline else None
         api = cuda_api(g, trainable, outputs, input_grads, order, grad_slices, shapes, call, inputs_of, trainer_kernels,
                        pipeline_src)
         return _assemble(info, out, helper_src, kernel_src, body, api, kernels, g, entries, stored)
     api = []
-    api.append(textwrap.dedent('''\
-        def init_params(seed=0):
-            """Fresh parameters (dict name -> array), drawn in PARAM_ORDER from numpy's default_rng(seed)."""
-            return init_from(_INITS, PARAM_SHAPES, FLOAT, seed, DATA)
-        '''))
+    api.append(INIT_PARAMS)
     fwd_out = ", ".join(f"o_{o}" for o in outputs)
     fwd_dict = ", ".join(f'"{o}": {zero_or("o_" + o, g.shape(g.outputs[o]))}' for o in outputs)
     lines = ["def forward(params, /, **inputs):",
@@ -326,22 +322,9 @@ def generate(graph, plans, info):
             "    return H",
             "",
             "",
-            "def hessian(params, /, **inputs):",
-            '    """The symmetric (P, P) Hessian of the objective; rows and columns are the trainable params in',
-            '    PARAM_ORDER, each flattened in C order (GRAD_SLICES). Refuses when P*P does not fit in memory."""',
-            "    H = hessian_rows(params, 0, GRAD_SIZE, **inputs)",
-            "    symmetrize(H)",
-            "    return H"]) + "\n")
+            HESSIAN]) + "\n")
     else:
-        api.append("\n".join([
-            "def hvp(params, v, /, **inputs):",
-            '    """Not in this build: it was compiled with --order 1."""',
-            "    second_order_missing(MODEL_NAME)",
-            "",
-            "",
-            "def hessian(params, /, **inputs):",
-            '    """Not in this build: it was compiled with --order 1."""',
-            "    second_order_missing(MODEL_NAME)"]) + "\n")
+        api.append(ORDER_1_STUBS)
 
     api.append("\n".join([
         "def memory_stats():",
@@ -349,15 +332,7 @@ def generate(graph, plans, info):
         '    return {"arena_bytes": _ARENA.held_by_device()}']) + "\n")
 
     api.append("\n".join([
-        "class Trainer(TrainerBase):",
-        "    __doc__ = TrainerBase.__doc__",
-        "    signature = _SIGNATURE",
-        "    fingerprint = FINGERPRINT",
-        "    model_name = MODEL_NAME",
-        "    param_order = PARAM_ORDER",
-        "    loss_inputs = _LOSS_INPUTS",
-        "",
-        "    grad_slices = GRAD_SLICES",
+        *trainer_head("TrainerBase"),
         f"    pipeline = {'_PIPELINE' if pipeline else 'None'}",
         "",
         "    def _gradients(self, p, a, grads):",

@@ -7,8 +7,6 @@ the fused update kernel reads the loss and that sum from device memory, so clipp
 squared norm (two numbers) after the step, as the CPU Trainer does. Hyperparameters go to the
 device in a small array before each step, so changing `tr.lr` between steps needs no recapture.
 """
-import math
-
 import numpy as np
 
 from .cuda import flat, block, is_device_array
@@ -108,11 +106,7 @@ class CudaTrainerBase(TrainerBase):
             self._status.copy_to_device(np.array([loss, 0.0], dtype=self.signature.float), stream=run.stream)
             self._launch_update(self._grads, self._flat, *state, self._hyper, self._status, run.stream)
         loss, sq = (float(x) for x in run.host(self._status))
-        if not (math.isfinite(loss) and math.isfinite(sq)):
-            if loss != loss:   # a device label out of range gives NaN: name it (nothing was updated)
-                self.signature.check_labels(a, "Trainer.step")
-            what = f"the loss is {loss}" if not math.isfinite(loss) else "the gradient is not finite"
-            raise FloatingPointError(f"{self.model_name}.Trainer.step {self.steps + 1}: {what}; parameters and "
-                                     f"optimizer state are left as they were before this step")
-        self.steps += 1
+        if loss != loss:   # a device label out of range gives NaN: name it (nothing was updated)
+            self.signature.check_labels(a, "Trainer.step")
+        self._count_step(loss, sq)
         return loss

@@ -106,12 +106,16 @@ class TrainerBase:
             sq = adam_step(self._flat, self.state["m"], self.state["v"], grads, loss, f(self.lr), f(self.betas[0]),
                            f(self.betas[1]), f(self.eps), f(1.0 - self.betas[0] ** t), f(1.0 - self.betas[1] ** t),
                            clip)
+        self._count_step(loss, sq)
+        return float(loss)
+
+    def _count_step(self, loss, sq):
+        """Count a finished step, or refuse one whose loss or |g|^2 is not finite (which updated nothing)."""
         if not (math.isfinite(loss) and math.isfinite(sq)):
             what = f"the loss is {loss}" if not math.isfinite(loss) else "the gradient is not finite"
             raise FloatingPointError(f"{self.model_name}.Trainer.step {self.steps + 1}: {what}; parameters and "
                                      f"optimizer state are left as they were before this step")
         self.steps += 1
-        return float(loss)
 
     # ---- checkpoints ---------------------------------------------------------------------
     def save(self, path):
