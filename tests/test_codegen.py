@@ -307,5 +307,5 @@ def test_fused_kernels_in_generated_source(build_dir):
     mod = gc.compile(mlp_weight_decay(), out=build_dir, warm_cache=False)
     source = open(mod.__file__).read()
     assert "_tanh(a0 + a1)" in source                    # forward: bias add and tanh in one loop
-    assert "(1.0 - a1 * a1)" in source                   # backward: g * (1 - y*y) from the saved output
+    assert "(1.0 - (a1 * a1))" in source                 # backward: g * (1 - y*y) from the saved output
     assert "np.dot(" in source and ".T" in source        # transposed products, no transpose copies

@@ -1,0 +1,123 @@
+"""Every kernel of generated --target cuda modules through numba-cuda's real compiler, to PTX (and
+through ptxas for registers and spills), on a machine without a GPU (tests/test_cuda_ptx.py).
+
+    NUMBA_ENABLE_CUDASIM=1 python tests/cuda_ptx_runs.py record BUILD   # run the modules, note each launch's types
+    python tests/cuda_ptx_runs.py compile BUILD                        # compile every (kernel, types) for sm_90
+
+The simulator runs Python, so it cannot tell whether Numba's CUDA compiler accepts a kernel (its
+types, its shared arrays, its calls to device functions); this does, for the argument types the
+kernels really get.
+"""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+CC = (9, 0)   # an H100
+
+
+def record(build):
+    import gradc as gc
+    import test_codegen as zoo
+    from numba.cuda.simulator.kernel import FakeCUDAKernel
+    launches = {}
+    original = FakeCUDAKernel.__call__
+
+    def call(kernel, *args):
+        types = []
+        for a in args:
+            a = getattr(a, "_ary", a)
+            if isinstance(a, np.ndarray):
+                layout = "C" if a.flags.c_contiguous else ("F" if a.flags.f_contiguous else "A")
+                types.append(["array", a.dtype.name, a.ndim, layout])
+            else:
+                types.append(["float" if isinstance(a, float) else "int"])
+        module = kernel.fn.__module__
+        launches.setdefault(module, {}).setdefault(kernel.fn.__name__, [])
+        if types not in launches[module][kernel.fn.__name__]:
+            launches[module][kernel.fn.__name__].append(types)
+        return original(kernel, *args)
+    FakeCUDAKernel.__call__ = call
+
+    rng = np.random.default_rng(0)
+    builds = [(zoo.mlp_weight_decay, "float32", {}), (zoo.reductions_rank3, "float64", {}),
+              (zoo.scalars, "float64", {}), (zoo.user_ops, "float32", {}),
+              (zoo.mlp_weight_decay, "float64", dict(devices=2, microbatches=2, bind={"B": 6}))]
+    paths = {}
+    for i, (make, dtype, options) in enumerate(builds):
+        model = make()
+        out = os.path.join(build, f"m{i}")
+        dev = gc.compile(model, out=out, target="cuda", dtype=dtype, **options)
+        paths[dev.__name__] = os.path.join(out, dev.__name__ + ".py")
+        params, inputs = dev.init_params(seed=1), zoo._inputs(dev, rng, batch=6)
+        inputs = {k: (v.astype(dtype) if v.dtype.kind == "f" else v) for k, v in inputs.items()}
+        dev.forward(params, **inputs)
+        dev.loss_and_grad(params, **inputs)
+        dev.input_grads(params, **inputs)
+        if dev.ORDER == 2 and not options:
+            dev.hvp(params, {k: np.ones_like(params[k]) for k in dev.TRAINABLE}, **inputs)
+        for optimizer in ("sgd", "adam"):
+            dev.Trainer(params, optimizer=optimizer, lr=0.01).step(**inputs)
+        # the register-tiled GEMM and the cuBLAS epilogues are chosen by size on a GPU: note their types
+        # too (those of the 16x16 kernel at the same site, and of an in-place epilogue)
+        for site in [v for k, v in vars(dev).items() if type(v).__name__ == "Gemm"]:
+            small = launches.get(dev.__name__, {}).get(site.small.fn.__name__, [])
+            large = site.large.fn.__name__
+            for types in small:
+                launches[dev.__name__].setdefault(large, [])
+                if types not in launches[dev.__name__][large]:
+                    launches[dev.__name__][large].append(types)
+    return {"paths": paths, "launches": launches}
+
+
+def compile_all(build):
+    import importlib.util
+    import numba
+    from numba import cuda
+    with open(os.path.join(build, "launches.json")) as f:
+        recorded = json.load(f)
+    ptxas = glob.glob(os.path.join(os.path.dirname(sys.executable), "..", "lib", "python*", "site-packages",
+                                   "nvidia", "cuda_nvcc", "bin", "ptxas"))
+    results, failures = {}, []
+    for name, path in recorded["paths"].items():
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        for kernel, signatures in recorded["launches"].get(name, {}).items():
+            for types in signatures:
+                sig = tuple(numba.types.Array(numba.from_dtype(np.dtype(t[1])), t[2], t[3]) if t[0] == "array"
+                            else (numba.float64 if t[0] == "float" else numba.int64) for t in types)
+                key = f"{name}.{kernel}{tuple(str(s) for s in sig)}"
+                try:
+                    ptx, _ = cuda.compile_ptx(getattr(module, kernel).py_func, sig, cc=CC)
+                except Exception as e:
+                    failures.append(f"{key}: {type(e).__name__}: {str(e)[:400]}")
+                    continue
+                entry = {"ptx_lines": ptx.count("\n")}
+                if ptxas:
+                    with open(os.path.join(build, "k.ptx"), "w") as f:
+                        f.write(ptx)
+                    r = subprocess.run([ptxas[0], "-v", f"-arch=sm_{CC[0]}{CC[1]}", "-o", os.path.join(build, "k.cubin"),
+                                        os.path.join(build, "k.ptx")], capture_output=True, text=True)
+                    entry["ptxas"] = " ".join(line.split("ptxas info    : ")[-1] for line in r.stderr.splitlines()
+                                              if "registers" in line or "spill" in line)
+                    if r.returncode != 0:
+                        failures.append(f"{key}: ptxas: {r.stderr[-400:]}")
+                results[key] = entry
+    return {"compiled": len(results), "failures": failures, "kernels": results}
+
+
+if __name__ == "__main__":
+    what, build = sys.argv[1], sys.argv[2]
+    if what == "record":
+        with open(os.path.join(build, "launches.json"), "w") as f:
+            json.dump(record(build), f)
+        print(json.dumps({"recorded": True}))
+    else:
+        print(json.dumps(compile_all(build)))
