@@ -61,6 +61,14 @@ class CudaEntryWriter(EntryWriter):
         k = self.scalar_slot.setdefault(n, len(self.scalar_slot))
         return f"scal[{k}:{k + 1}]"
 
+    def arena_view(self, k, shape, dims):
+        """A view of the device arena (host code: slicing a device array costs no compile)."""
+        count = " * ".join(dims[d] if isinstance(d, str) else str(d) for d in shape if d != 1) or "1"
+        if all(isinstance(d, int) for d in shape):
+            count = str(int(np.prod(shape)))
+        view = f"arena[offs[{k}]:offs[{k}] + {count}]"
+        return view if len(shape) == 1 else f"{view}.reshape({_shape_src(shape, dims)})"
+
     def fresh_array(self, shape_src):
         return f"cuda.device_array({shape_src}, FLOAT)"
 
