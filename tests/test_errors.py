@@ -227,3 +227,29 @@ def test_checkpoint_of_another_model_is_refused(small, tmp_path):
     np.savez(str(tmp_path / "junk.npz"), a=np.zeros(3))
     with pytest.raises(ValueError, match="not a gradc checkpoint"):
         small.Trainer.load(str(tmp_path / "junk.npz"))
+
+
+def test_cuda_arrays_are_checked_from_their_interface():
+    """A CUDA array whose dtype is not a numpy dtype (torch's) is read from __cuda_array_interface__."""
+    from gradc.runtime import Signature
+
+    class TorchLike:
+        dtype = "torch.float32"   # not a numpy dtype
+
+        def __init__(self, shape, typestr="<f4", strides=None):
+            self.shape = shape
+            self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "strides": strides,
+                                             "data": (0, False), "version": 3}
+
+    sig = Signature("m", {"w": (2, 3)}, {"x": (("B", 3), "float32")}, "float32", {}, devices=True)
+    assert sig.params({"w": TorchLike((2, 3))})["w"].shape == (2, 3)
+    assert sig.inputs({"x": TorchLike((5, 3))}, ("x",), "forward")["x"].shape == (5, 3)
+    with pytest.raises(ValueError, match=r"param 'w' has dtype float64, expected float32"):
+        sig.params({"w": TorchLike((2, 3), "<f8")})
+    with pytest.raises(ValueError, match=r"input 'x' has shape \(5, 4\), expected \(B, 3\)"):
+        sig.inputs({"x": TorchLike((5, 4))}, ("x",), "forward")
+    with pytest.raises(ValueError, match="must be C-contiguous"):
+        sig.inputs({"x": TorchLike((5, 3), strides=(4, 20))}, ("x",), "forward")
+    cpu = Signature("m", {"w": (2, 3)}, {}, "float32", {})
+    with pytest.raises(ValueError, match="param 'w' must be a numpy array, got TorchLike"):
+        cpu.params({"w": TorchLike((2, 3))})

@@ -39,6 +39,13 @@ def is_device_array(x):
     return hasattr(x, "__cuda_array_interface__") or type(x).__name__ == "FakeCUDAArray"
 
 
+def array_dtype(x):
+    """The numpy dtype of an array: numpy's or numba's, or any CUDA array's (torch, cupy) from its
+    __cuda_array_interface__ (torch's own dtype objects are not numpy dtypes)."""
+    cai = getattr(x, "__cuda_array_interface__", None)
+    return np.dtype(cai["typestr"]) if cai is not None else np.dtype(x.dtype)
+
+
 def to_numpy(x):
     """A host copy of a CUDA array (numba's, or any other through __cuda_array_interface__)."""
     if hasattr(x, "copy_to_host"):

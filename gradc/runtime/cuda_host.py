@@ -17,7 +17,7 @@ import threading
 import numpy as np
 
 from .arena import Arena
-from .cuda import block, flat as flat_config, is_device_array, load_cuda, simulated
+from .cuda import array_dtype, block, flat as flat_config, is_device_array, load_cuda, simulated
 
 
 class CudaRunner:
@@ -122,7 +122,7 @@ class CudaRunner:
         return float(self.host(x)[0])
 
     def zeros_like(self, x):
-        return self.out(self.cuda.to_device(np.zeros(x.shape, x.dtype)))
+        return self.out(self.cuda.to_device(np.zeros(tuple(x.shape), array_dtype(x))))
 
     def sync(self):
         if self.stream == 0:
@@ -145,7 +145,7 @@ class CudaRunner:
             scal = self.buffer(f"{entry}/scalars", (max(1, self.scalars.get(entry, 0)),))
             if not self.use_graphs:
                 return fn(*[self.device(a) for a in args], arena, offs, scal, self.stream)
-            key = (fn, tuple((np.shape(a), np.dtype(a.dtype).str, self._place(a)) for a in args))
+            key = (fn, tuple((tuple(a.shape), array_dtype(a).str, self._place(a)) for a in args))
             captured = self._graphs.get(key)
             if captured is None:
                 return self._first_call(key, fn, args, arena, offs, scal)
@@ -164,7 +164,7 @@ class CudaRunner:
         return None
 
     def _first_call(self, key, fn, args, arena, offs, scal):
-        buffers = [a if self._place(a) is not None else self.empty(np.shape(a), a.dtype) for a in args]
+        buffers = [a if self._place(a) is not None else self.empty(tuple(a.shape), array_dtype(a)) for a in args]
         for buffer, a in zip(buffers, args):
             if buffer is not a:
                 buffer.copy_to_device(a if not is_device_array(a) else self.device(a), stream=self.stream)

@@ -9,7 +9,7 @@ device in a small array before each step, so changing `tr.lr` between steps need
 """
 import numpy as np
 
-from .cuda import flat, block, is_device_array
+from .cuda import array_dtype, block, flat, is_device_array
 from .trainer import TrainerBase
 
 
@@ -60,7 +60,7 @@ class CudaTrainerBase(TrainerBase):
                 continue
             shape = self.signature.param_shapes[k]
             if not (isinstance(new, np.ndarray) or is_device_array(new)) or tuple(new.shape) != tuple(shape) \
-                    or np.dtype(new.dtype) != self.signature.float:
+                    or array_dtype(new) != self.signature.float:
                 raise ValueError(f"{self.model_name}.Trainer: params[{k!r}] must stay a {self.signature.float} array "
                                  f"of shape {tuple(shape)}")
             source = new if not isinstance(new, np.ndarray) else np.ascontiguousarray(new)

@@ -5,7 +5,7 @@ expected and what was given.
 """
 import numpy as np
 
-from .cuda import is_device_array, to_numpy
+from .cuda import array_dtype, is_device_array, to_numpy
 
 
 def _fmt(shape):
@@ -66,7 +66,7 @@ class Signature:
         if not (self.devices and is_device_array(v)):
             return False
         strides = getattr(v, "__cuda_array_interface__", {}).get("strides")
-        if strides is not None and strides != _c_strides(v.shape, np.dtype(v.dtype).itemsize):
+        if strides is not None and strides != _c_strides(v.shape, array_dtype(v).itemsize):
             raise ValueError(f"{self.model}: a CUDA array argument must be C-contiguous (got strides {strides} "
                              f"for shape {_fmt(tuple(v.shape))})")
         return True
@@ -75,8 +75,8 @@ class Signature:
         if self._on_device(v):
             if tuple(v.shape) != tuple(shape):
                 raise ValueError(f"{what} has shape {_fmt(tuple(v.shape))}, expected {_fmt(shape)}")
-            if np.dtype(v.dtype) != self.float:
-                raise ValueError(f"{what} has dtype {np.dtype(v.dtype)}, expected {self.float}")
+            if array_dtype(v) != self.float:
+                raise ValueError(f"{what} has dtype {array_dtype(v)}, expected {self.float}")
             return v
         if not isinstance(v, np.ndarray):
             raise ValueError(f"{what} must be a numpy array{' or a CUDA array' if self.devices else ''}, "
@@ -110,8 +110,8 @@ class Signature:
             device = self._on_device(v)
             if not device and not isinstance(v, np.ndarray):
                 v = np.asarray(v)
-            if np.dtype(v.dtype) != np.dtype(dtype):
-                raise ValueError(f"{self.model}.{entry}: input {name!r} has dtype {np.dtype(v.dtype)}, expected {dtype} "
+            if array_dtype(v) != np.dtype(dtype):
+                raise ValueError(f"{self.model}.{entry}: input {name!r} has dtype {array_dtype(v)}, expected {dtype} "
                                  f"(gradc never casts inputs)")
             if len(v.shape) != len(shape):
                 raise ValueError(f"{self.model}.{entry}: input {name!r} has shape {_fmt(v.shape)}, expected {_fmt(shape)}")
