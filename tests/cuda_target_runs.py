@@ -171,6 +171,16 @@ def run_trainer(build):
         refusals.append(str(e))
     out["label_step_unchanged"] = err(before, {k: v.copy_to_host() for k, v in tr.params.items()})
     out["refusals"] = refusals
+    # a scalar param: the Trainer's device view, forward() of tr.params, a checkpoint round trip
+    model, cpu_s, dev_s = both(zoo.scalars, os.path.join(build, "scalars"))
+    params_s, inputs_s = cpu_s.init_params(seed=2), zoo._inputs(cpu_s, rng)
+    t1, t2 = cpu_s.Trainer(params_s, optimizer="adam", lr=0.1), dev_s.Trainer(params_s, optimizer="adam", lr=0.1)
+    worst = max(abs(t1.step(**inputs_s) - t2.step(**inputs_s)) for _ in range(2))
+    worst = max(worst, err(cpu_s.forward(t1.params, **inputs_s), dev_s.forward(t2.params, **inputs_s)))
+    path = os.path.join(build, "scalars.npz")
+    t2.save(path)
+    t3 = dev_s.Trainer.load(path)
+    out["scalar_param"] = max(worst, abs(t1.step(**inputs_s) - t3.step(**inputs_s)))
     return out
 
 

@@ -59,6 +59,10 @@ def test_device_arrays_in_and_out(results):
     assert r["device_outputs_type"] == ["FakeCUDAArray"] and r["device_outputs"] == 0.0
 
 
+def test_scalar_params_train_checkpoint_and_forward(results):
+    assert results["trainer"]["scalar_param"] <= 1e-12
+
+
 def test_a_step_that_is_not_finite_changes_nothing(results):
     r = results["trainer"]
     assert r["nonfinite"] == "raised" and r["nonfinite_unchanged"] == 0.0 and r["nonfinite_steps"] == 0

@@ -45,7 +45,11 @@ class CudaTrainerBase(TrainerBase):
         run.sync()
 
     def _host(self, array):
-        return self.runner.host(array).reshape(array.shape)
+        host = self.runner.host(array)
+        for k, view in self.params.items():   # a scalar param's view is a one-element array
+            if view is array:
+                return host.reshape(self.signature.param_shapes[k])
+        return host
 
     def _restore(self, slot, saved):
         self.state[slot].copy_to_device(np.ascontiguousarray(saved, dtype=self.signature.float),
@@ -59,8 +63,8 @@ class CudaTrainerBase(TrainerBase):
             if new is view:
                 continue
             shape = self.signature.param_shapes[k]
-            if not (isinstance(new, np.ndarray) or is_device_array(new)) or tuple(new.shape) != tuple(shape) \
-                    or array_dtype(new) != self.signature.float:
+            if not (isinstance(new, np.ndarray) or is_device_array(new)) or array_dtype(new) != self.signature.float \
+                    or tuple(new.shape) not in (tuple(shape), (1,) if shape == () else tuple(shape)):
                 raise ValueError(f"{self.model_name}.Trainer: params[{k!r}] must stay a {self.signature.float} array "
                                  f"of shape {tuple(shape)}")
             source = new if not isinstance(new, np.ndarray) else np.ascontiguousarray(new)

@@ -73,7 +73,8 @@ class Signature:
 
     def _float_array(self, what, v, shape):
         if self._on_device(v):
-            if tuple(v.shape) != tuple(shape):
+            # a scalar on the device is a one-element array (a CUDA Trainer's tr.params holds those)
+            if tuple(v.shape) != tuple(shape) and not (shape == () and tuple(v.shape) == (1,)):
                 raise ValueError(f"{what} has shape {_fmt(tuple(v.shape))}, expected {_fmt(shape)}")
             if array_dtype(v) != self.float:
                 raise ValueError(f"{what} has dtype {array_dtype(v)}, expected {self.float}")
