@@ -31,3 +31,18 @@ def trainer_head(base):
     return [f"class Trainer({base}):", f"    __doc__ = {base}.__doc__", "    signature = _SIGNATURE",
             "    fingerprint = FINGERPRINT", "    model_name = MODEL_NAME", "    param_order = PARAM_ORDER",
             "    loss_inputs = _LOSS_INPUTS", "    grad_slices = GRAD_SLICES"]
+
+
+def input_grads_source(g, input_grads, call_src, result, zeros):
+    """`def input_grads`: call_src runs the entry; result(name) and zeros(name) give what is
+    returned for an input with and without a gradient (numpy on the CPU, a copy out on CUDA)."""
+    float_inputs = [i for i, n in g.inputs.items() if g.dtype(n).startswith("float")]
+    returned = ", ".join(f'"{i}": {result(i) if i in input_grads else zeros(i)}' for i in float_inputs)
+    lines = ["def input_grads(params, /, **inputs):",
+             '    """Gradients of the objective for the float inputs (dict)."""',
+             "    p = _SIGNATURE.params(params)",
+             '    a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS, "input_grads")']
+    if input_grads:
+        lines.append(f"    {', '.join('gi_' + i for i in input_grads)}{',' if len(input_grads) == 1 else ''} = {call_src}")
+    lines.append(f"    return {{{returned}}}")
+    return "\n".join(lines) + "\n"

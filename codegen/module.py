@@ -14,7 +14,7 @@ from gradc.ops.elementwise import X
 from gradc.passes.stage_split import stage_index
 from gradc.runtime.cuda import BIG, THREADS, TILE
 
-from .api_text import HESSIAN, INIT_PARAMS, ORDER_1_STUBS, trainer_head
+from .api_text import HESSIAN, INIT_PARAMS, ORDER_1_STUBS, input_grads_source, trainer_head
 from .cpu import Kernels
 from .cuda import CudaKernels
 from .cuda_api import CUDA_HEADER, cuda_api
@@ -283,18 +283,9 @@ def generate(graph, plans, info):
         (f"    return float(loss), _PIPELINE.owned({{\n        {gdict},\n    }})" if pipeline else
          f"    return float(loss), {{\n        {gdict},\n    }}") if gdict else "    return float(loss), {}"]) + "\n")
 
-    float_inputs = [i for i, n in g.inputs.items() if g.dtype(n).startswith("float")]
-    idict = ", ".join([f'"{i}": {zero_or("gi_" + i, g.shape(g.inputs[i]))}' if i in input_grads
-                       else f'"{i}": np.zeros_like(a["{i}"])' for i in float_inputs])
-    lines = ["def input_grads(params, /, **inputs):",
-             '    """Gradients of the objective for the float inputs (dict)."""',
-             "    p = _SIGNATURE.params(params)",
-             '    a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS, "input_grads")']
-    if input_grads:
-        lines.append(f"    {', '.join('gi_' + i for i in input_grads)}{',' if len(input_grads) == 1 else ''} = "
-                     f"_input_grads({', '.join(call('_input_grads') + [arena('_input_grads')])})")
-    lines.append(f"    return {{{idict}}}")
-    api.append("\n".join(lines) + "\n")
+    api.append(input_grads_source(
+        g, input_grads, f"_input_grads({', '.join(call('_input_grads') + [arena('_input_grads')])})",
+        lambda i: zero_or("gi_" + i, g.shape(g.inputs[i])), lambda i: f'np.zeros_like(a["{i}"])'))
 
     if order == 2:
         hdict = views("out[0]")
