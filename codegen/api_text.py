@@ -34,7 +34,7 @@ def trainer_head(base):
 
 
 def input_grads_source(g, input_grads, call_src, result, zeros):
-    """`def input_grads`: call_src runs the entry; result(name) and zeros(name) give what is
+    """`def input_grads`: call_src runs the entry (when some input has a gradient); result(name) and zeros(name) give what is
     returned for an input with and without a gradient (numpy on the CPU, a copy out on CUDA)."""
     float_inputs = [i for i, n in g.inputs.items() if g.dtype(n).startswith("float")]
     returned = ", ".join(f'"{i}": {result(i) if i in input_grads else zeros(i)}' for i in float_inputs)

@@ -105,7 +105,8 @@ def cuda_api(g, trainable, outputs, input_grads, order, grad_slices, shapes, cal
         "    grads = _CUDA.out(grads)",
         f"    return loss, {{\n        {views('grads')},\n    }}" if grad_slices else "    return loss, {}"]) + "\n")
 
-    api.append(input_grads_source(g, input_grads, run("_input_grads"), lambda i: out("gi_" + i, g.inputs[i]),
+    api.append(input_grads_source(g, input_grads, run("_input_grads") if input_grads else "",
+                                  lambda i: out("gi_" + i, g.inputs[i]),
                                   lambda i: f'_CUDA.zeros_like(a["{i}"])'))
 
     if order == 2:

@@ -284,7 +284,7 @@ def generate(graph, plans, info):
          f"    return float(loss), {{\n        {gdict},\n    }}") if gdict else "    return float(loss), {}"]) + "\n")
 
     api.append(input_grads_source(
-        g, input_grads, f"_input_grads({', '.join(call('_input_grads') + [arena('_input_grads')])})",
+        g, input_grads, f"_input_grads({', '.join(call('_input_grads') + [arena('_input_grads')])})" if input_grads else "",
         lambda i: zero_or("gi_" + i, g.shape(g.inputs[i])), lambda i: f'np.zeros_like(a["{i}"])'))
 
     if order == 2:
