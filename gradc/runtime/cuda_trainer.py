@@ -83,6 +83,10 @@ class CudaTrainerBase(TrainerBase):
     def _launch_update(self, grads, params, s1, s2, hyper, status, stream):
         """|g|^2 into status[1], then the update (which reads the loss from status[0])."""
         self.kernels["sum_squares"][block(stream)](grads, status[1:2])
+        self._launch_optimizer(grads, params, s1, s2, hyper, status, stream)
+
+    def _launch_optimizer(self, grads, params, s1, s2, hyper, status, stream):
+        """The fused update: clips by, and refuses a non-finite, loss status[0] or |g|^2 status[1]."""
         if self.optimizer == "sgd":
             self.kernels["sgd"][flat(params, stream)](params, s1, grads, hyper, status)
         else:
@@ -108,7 +112,13 @@ class CudaTrainerBase(TrainerBase):
         else:   # stage functions over microbatches, then the update launched directly
             loss = self.pipeline.loss_and_grad(p, a, self._grads)   # p: device views, scalars as one-element arrays
             self._status.copy_to_device(np.array([loss, 0.0], dtype=self.signature.float), stream=run.stream)
-            self._launch_update(self._grads, self._flat, *state, self._hyper, self._status, run.stream)
+            if self.pipeline.comm is None:
+                self._launch_update(self._grads, self._flat, *state, self._hyper, self._status, run.stream)
+            else:   # each rank holds its own params' gradients: clip by, and check, the global norm
+                self.kernels["sum_squares"][block(run.stream)](self._grads, self._status[1:2])
+                sq = self.pipeline.allreduce(float(run.host(self._status)[1]))
+                self._status.copy_to_device(np.array([loss, sq], dtype=self.signature.float), stream=run.stream)
+                self._launch_optimizer(self._grads, self._flat, *state, self._hyper, self._status, run.stream)
         loss, sq = (float(x) for x in run.host(self._status))
         if loss != loss:   # a device label out of range gives NaN: name it (nothing was updated)
             self.signature.check_labels(a, "Trainer.step")

@@ -7,8 +7,9 @@ the loss add up over microbatches with weights B_m / B (a mean loss) or 1 (a sum
 decay term, which every microbatch's objective holds, is then corrected to count once.
 
 In one process every stage runs here, interleaved. Under `mpiexec -n K`, rank r runs stage r in
-its own order and exchanges transfers with mpi4py (through host memory): a value goes out as
-soon as it is made, and is received when a function first needs it. Messages of one transfer
+its own order and exchanges transfers with mpi4py, through host memory (a --target cuda rank
+copies a value off its GPU to send it; the received copy goes to the device with the next call's
+arguments): a value goes out as soon as it is made, and is received when a function first needs it. Messages of one transfer
 keep their order (MPI does not overtake between a pair of ranks on one tag), so the tag is the
 transfer's index. Every rank gets the loss; each rank's gradients are those of its own params.
 """
@@ -19,6 +20,7 @@ import numpy as np
 from .schedules import interleave, stage_orders
 
 MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+LOCAL_RANK_ENV = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID")
 
 
 def mpi_world():
@@ -33,11 +35,17 @@ def mpi_world():
     return comm if comm.Get_size() > 1 else None
 
 
+def local_rank():
+    """This process's rank among the ranks on its node under mpiexec (which GPU it takes), else None."""
+    for key in LOCAL_RANK_ENV:
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return None
+
+
 class HostMemory:
     """How the executor calls stage functions and adds up their results on the CPU target (a
     --target cuda module passes gradc.runtime.cuda_host.DeviceMemory, with the same methods)."""
-
-    host = True   # values are numpy arrays (MPI sends them as they are)
 
     def __init__(self, arena, data):
         self.arena, self._data = arena, data
@@ -50,6 +58,10 @@ class HostMemory:
 
     def number(self, value):
         return float(value)
+
+    def outgoing(self, value):
+        """What an MPI message carries: the array itself."""
+        return value
 
     def zero(self, flat):
         flat[:] = 0.0
@@ -105,9 +117,6 @@ class Pipeline:
         """mpi4py's COMM_WORLD when this process is one rank of a pipeline run, else None."""
         if self._comm is False:
             comm = mpi_world()
-            if comm is not None and not self.memory.host:
-                raise RuntimeError("a --target cuda pipeline runs its stages in one process (virtual devices on "
-                                   "one GPU); under mpiexec, compile with --target cpu")
             if comm is not None and comm.Get_size() != self.K:
                 raise RuntimeError(f"this module was compiled for {self.K} stages, but mpiexec started "
                                    f"{comm.Get_size()} processes; run mpiexec -n {self.K}")
@@ -174,7 +183,7 @@ class Pipeline:
             if when == "param":
                 name, tag = self.param_names[u], self.route[t][2]
                 if src == rank:
-                    sent.append(comm.isend(params[name], dest=dst, tag=tag))
+                    sent.append(comm.isend(self.memory.outgoing(params[name]), dest=dst, tag=tag))
                 elif dst == rank:
                     params[name] = comm.recv(source=src, tag=tag)
         return params, sent
@@ -220,7 +229,7 @@ class Pipeline:
                     values[(t, m)] = values[(u, m)]   # virtual devices: the transfer hands the array over
                 else:
                     _, dst, tag = self.route[t]
-                    sent.append(comm.isend(values[(u, m)], dest=dst, tag=tag))
+                    sent.append(comm.isend(self.memory.outgoing(values[(u, m)]), dest=dst, tag=tag))
             for node in roots:
                 if node not in self.read:
                     values.pop((node, m), None)
