@@ -1,4 +1,5 @@
 """`gradc compile`: model -> passes -> generated module, written atomically into OUT and warmed."""
+import copy
 import hashlib
 import importlib.util
 import json
@@ -16,6 +17,7 @@ from .version import __version__
 
 TARGETS = ("cpu", "cuda")
 DEVICE_OPTIONS = ("devices", "schedule", "device_memory", "microbatches", "batch_dim")
+MAX_REPLANS = 8   # cuts tried again when the stages' memory plans need more than the cost model said
 
 
 def check_options(options, src):
@@ -180,21 +182,55 @@ def resolve_budget(graph, memory_budget, src):
     return budget
 
 
-def plan_stages(graph, dims, pipe, target, src):
-    """Cut the graph into K stages and place it (passes/devices.py); the PARTITION document (None for
-    one device)."""
-    from gradc.passes.devices import DevicePlanError, plan_devices
-    from gradc.passes.memory import entry_roots, representative_sizes, store_all_steps
+def microbatch_dims(dims, pipe):
+    """dims with the batch dim bound to the largest microbatch's rows (what a stage holds per
+    microbatch)."""
+    batch = pipe["batch"]
+    if batch is None or batch not in dims:
+        return dims
+    return dims | {batch: -(-dims[batch] // pipe["M"])}
 
+
+def plan_stages(graph, dims, pipe, target, model):
+    """Cut the graph into K stages and place it (passes/devices.py), then split loss_and_grad into
+    stage functions. With --device-memory, each stage's memory by its functions' own plans must
+    fit: the cut is chosen under the cost model, and a cut whose plans do not fit is chosen again
+    under a limit lowered by the excess (the graph placed afresh).
+    Returns (graph, PARTITION or None, the executor's description or None, the stage plans)."""
+    from gradc.passes.devices import DevicePlanError, plan_devices, stage_memory
+    from gradc.passes.memory import entry_roots, representative_sizes, store_all_steps
+    from .sizes import format_size
+
+    memory_dims = microbatch_dims(dims, pipe)
     if pipe["K"] == 1:
-        return None
+        return (graph, None, *plan_pipeline(graph, memory_dims, pipe, model))
+    K, limit = pipe["K"], pipe["device_memory"]
     order = store_all_steps(graph, entry_roots(graph, 1)["_loss_and_grad"], representative_sizes(graph, dims))
-    try:
-        doc = plan_devices(graph, order, dims, pipe["K"], target, pipe["device_memory"], pipe["schedule"], pipe["M"])
-    except DevicePlanError as e:
-        raise GradcError(str(e), src) from None
-    graph.validate()
-    return doc
+    pristine = copy.deepcopy(graph) if limit is not None else None
+    model_limit, tried = limit, []
+    for attempt in range(MAX_REPLANS + 1):
+        placed = graph if attempt == 0 else copy.deepcopy(pristine)
+        try:
+            doc = plan_devices(placed, order, dims, K, target, model_limit, pipe["schedule"], pipe["M"], memory_dims)
+        except DevicePlanError as e:
+            if not tried:
+                raise GradcError(str(e), model.src) from None
+            break
+        placed.validate()
+        pipeline, plans = plan_pipeline(placed, memory_dims, pipe, model)
+        held = stage_memory(placed, doc, pipeline["functions"], plans, memory_dims)
+        over = [k for k, h in enumerate(held) if limit is not None and h > limit]
+        if not over:
+            doc["replans"] = len(tried)
+            return placed, doc, pipeline, plans
+        k = max(over, key=lambda k: held[k])
+        tried.append(f"one whose stage {k} needs {format_size(held[k])}")
+        # assume the cost model falls short by as much elsewhere: this cut's stages over the limit no longer pass
+        gap = max(held[k] - doc["stage"][k]["model_memory_bytes"] for k in over)
+        model_limit = min(model_limit, limit - gap)
+    raise GradcError(f"no cut of the model into {K} stages fits --device-memory {format_size(limit)} per device by the "
+                     f"stages' memory plans under the {pipe['schedule']} schedule (cuts tried: " + "; ".join(tried[:3])
+                     + ")", model.src)
 
 
 def plan_pipeline(graph, dims, pipe, model):
@@ -263,13 +299,8 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
             graph.node(n)["device"] = "cuda:0"
         timings["gemm_fusion"] = time.perf_counter() - t
     t = time.perf_counter()
-    partition = plan_stages(graph, dims, pipe, target, model.src)
+    graph, partition, info["pipeline"], stage_plans = plan_stages(graph, dims, pipe, target, model)
     info["partition"] = partition
-    info["pipeline"], stage_plans = plan_pipeline(graph, dims, pipe, model)
-    for stage in (partition or {}).get("stage", ()):   # what the stage functions' own plans hold at their peak
-        k = stage["stage"]
-        stage["function_peak_bytes"] = {kind: stage_plans[f"_stage{k}_{kind}"]["peak_bytes"]
-                                        for kind in ("forward", "backward")}
     timings["partition"] = time.perf_counter() - t
     t = time.perf_counter()
     budget = resolve_budget(graph, memory_budget, model.src)

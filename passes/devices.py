@@ -2,7 +2,9 @@
 
 The cost model is per forward node: its FLOPs and those of its derivative nodes, the bytes it
 reads and writes, and its output bytes (what a transfer moves). Seconds come from nominal rates
-(FLOP_RATE, LINK_RATE, recorded in the plan); only their ratio steers the cut.
+(FLOP_RATE, LINK_RATE, recorded in the plan); only their ratio steers the cut. Work is counted for
+the whole batch (a step's), bytes held for one microbatch (`memory_dims`: the batch dim bound to
+the largest microbatch's rows).
 """
 import numpy as np
 
@@ -12,7 +14,7 @@ from .analysis import node_flops
 from .partition import Infeasible, Problem, partition
 from .pipeline_schedule import bubble, simulate
 from .placement import assign_stages, device_name, home, insert_transfers
-from .storage import LEAVES, buffer_bytes
+from .storage import LEAVES, base, buffer_bytes
 
 FLOP_RATE = {"cpu": 20e9, "cuda": 20e12}    # FLOP/s of one device
 LINK_RATE = {"cpu": 5e9, "cuda": 25e9}      # bytes/s between two devices
@@ -56,9 +58,18 @@ def _positions(graph, forward):
     return groups, pin_of
 
 
-def plan_devices(graph, order, dims, K, target="cpu", device_memory=None, schedule="sequential", microbatches=1):
+def step_bytes(graph, n, dims):
+    """The bytes step n needs at once: its output and the buffers it reads (no arena holding n
+    can be smaller)."""
+    reads = {base(graph, u) for u in graph.operands(n)}
+    return buffer_bytes(graph, n, dims) + sum(buffer_bytes(graph, u, dims) for u in reads if graph.op(u) not in LEAVES)
+
+
+def plan_devices(graph, order, dims, K, target="cpu", device_memory=None, schedule="sequential", microbatches=1,
+                 memory_dims=None):
     """Cut `order`'s forward (loss_and_grad's store-all order) into K stages, place every node,
     add the transfers; returns the PARTITION document. Raises DevicePlanError."""
+    memory_dims = memory_dims or dims
     costs = node_costs(graph, dims)
     forward = [n for n in order if graph.node(n)["phase"] == "forward" and graph.op(n) not in LEAVES]
     if len(forward) < K:
@@ -72,10 +83,13 @@ def plan_devices(graph, order, dims, K, target="cpu", device_memory=None, schedu
     at = {n: i for i, g in enumerate(groups) for n in g}
     homes = {n: home(graph, n) for n in graph.nx.nodes if graph.node(n)["phase"] != "forward"}
     work = np.zeros(len(groups))   # a training step's: the forward and the backward
+    floors = np.zeros(len(groups))   # the largest step of the position's forward or backward
     for n, c in costs.items():
         h = n if n in at else homes.get(n)
-        if h in at and graph.node(n)["phase"] in ("forward", "backward"):
+        phase = graph.node(n)["phase"]
+        if h in at and phase in ("forward", "backward"):
             work[at[h]] += c["flops"]
+            floors[at[h]] = max(floors[at[h]], step_bytes(graph, n, memory_dims))
     values, kept = [], np.zeros(len(groups))
     for n in forward:
         readers = set()
@@ -84,7 +98,7 @@ def plan_devices(graph, order, dims, K, target="cpu", device_memory=None, schedu
             if h in at and at[h] != at[n]:
                 readers.add(at[h])
         if any(graph.node(u)["phase"] != "forward" for u in graph.users(n)):
-            kept[at[n]] += buffer_bytes(graph, n, dims)   # kept for the backward (views hold nothing)
+            kept[at[n]] += buffer_bytes(graph, n, memory_dims)   # kept for the backward (views hold nothing)
         if readers:
             values.append((at[n], sorted(readers), costs[n]["written"]))
     for p in graph.params.values():
@@ -92,7 +106,8 @@ def plan_devices(graph, order, dims, K, target="cpu", device_memory=None, schedu
         if readers:
             values.append((-1, readers, _value_bytes(graph, p, dims)))
     rate, link = FLOP_RATE[target], LINK_RATE[target]
-    problem = Problem((work / rate).tolist(), values, kept.tolist(), 1.0 / link, pins)
+    # a stage's arena region is at least as large as its functions' largest step
+    problem = Problem((work / rate).tolist(), values, kept.tolist(), 1.0 / link, pins, floors.tolist())
     flight = in_flight(schedule, K, microbatches)
     limit = np.inf if device_memory is None else device_memory
     try:
@@ -129,7 +144,8 @@ def _document(graph, problem, bounds, stage, transfers, costs, dims, target, K, 
                        "bytes_read": int(sum(costs[n]["read"] for n in nodes if n in costs)),
                        "bytes_written": int(sum(costs[n]["written"] for n in nodes if n in costs)),
                        "kept_bytes_per_microbatch": int(kept), "in_flight": flight[k],
-                       "memory_bytes": int(kept * flight[k] + 2 * param_bytes),
+                       "workspace_bytes": int(max(problem.workspace[a:b])),
+                       "model_memory_bytes": int(kept * flight[k] + 2 * param_bytes + max(problem.workspace[a:b])),
                        "sent_bytes": 0, "received_bytes": 0})
     moves = []
     for t, u, src, dst in transfers:
@@ -151,3 +167,28 @@ def _document(graph, problem, bounds, stage, transfers, costs, dims, target, K, 
             "device_memory": device_memory, "stage": stages, "transfers": moves,
             "timeline": rows, "makespan_s": makespan, "bubble": bubble(rows, K, makespan),
             "bubble_formula": (K - 1) / (M + K - 1)}
+
+
+def stage_memory(graph, doc, functions, plans, dims):
+    """What each stage holds by its stage functions' own memory plans, written into `doc`'s stages
+    (`memory_bytes`, with its parts): its region of the arena (the larger of its forward's and its
+    backward's: they run in turn over one buffer), its params and their gradients, a copy of each
+    param of another stage that it reads, and per
+    microbatch in flight the forward values its backward reads (its stash, and what came from
+    earlier stages). Returns the bytes per stage."""
+    held = []
+    for st in doc["stage"]:
+        k = st["stage"]
+        fwd, bwd = (next(f for f in functions if f["stage"] == k and f["kind"] == kind) for kind in "FB")
+        arenas = {f["kind"]: sum(plans[f["fname"]]["arena_bytes"].values()) for f in (fwd, bwd)}
+        source = {u: graph.operands(u)[0] if graph.op(u) == "transfer" else u for f in (fwd, bwd) for u in f["received"]}
+        copies = {u for u, v in source.items() if graph.op(v) == "param"}   # other stages' params: one copy each
+        kept = [u for u in bwd["received"] if u not in copies and graph.node(source[u])["phase"] == "forward"]
+        stash = sum(buffer_bytes(graph, u, dims) for u in kept)
+        params = 2 * sum(_value_bytes(graph, graph.params[p], dims) for p in st["params"]) \
+            + sum(_value_bytes(graph, u, dims) for u in copies)
+        total = max(arenas.values()) + st["in_flight"] * stash + params
+        st.update(arena_bytes={"forward": arenas["F"], "backward": arenas["B"]}, stash_bytes_per_microbatch=stash,
+                  memory_bytes=int(total))
+        held.append(int(total))
+    return held

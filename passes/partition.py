@@ -4,8 +4,9 @@ Positions are the forward nodes in execution order. Each carries its own work an
 the backward nodes that differentiate it (they run on its device). A stage [a, b) costs its
 work, plus the bytes it receives (values made before a that it reads) and sends (values it
 makes that later stages read), twice (the activation forward, its gradient backward), at the
-link's speed. It holds the params it reads (with their gradients) and the activations it keeps
-for the backward. A dynamic program over (stage count, end) finds the cut into exactly K
+link's speed. It holds the params it reads (with their gradients), the activations it keeps
+for the backward (per microbatch in flight), and a workspace: the most bytes one of its steps
+needs at once (the largest of its positions' own). A dynamic program over (stage count, end) finds the cut into exactly K
 non-empty stages whose slowest stage is least (PipeDream's partitioner, without replication),
 with every stage within the memory limit and every pinned position in its stage. It is optimal
 for this cost model; tests check it against brute force.
@@ -25,6 +26,7 @@ class Problem:
     kept: list                 # bytes each position keeps for the backward
     seconds_per_byte: float    # the link between devices
     pins: list = field(default_factory=list)   # stage index or None per position (empty: none)
+    workspace: list = field(default_factory=list)   # bytes per position (empty: none)
 
     @property
     def n(self):
@@ -58,8 +60,8 @@ def _sent_out(table, made, readers, weight):
 
 
 def stage_tables(problem):
-    """seconds[a, b], kept[a, b] and params[a, b] (bytes, with their gradients) of a stage
-    holding positions a..b-1 (a < b)."""
+    """seconds[a, b], kept[a, b], params[a, b] (bytes, with their gradients) and workspace[a, b]
+    of a stage holding positions a..b-1 (a < b)."""
     n = problem.n
     diff_bytes = np.zeros((n + 2, n + 2))   # activation bytes in and out
     diff_params = np.zeros((n + 2, n + 2))  # param bytes read
@@ -76,7 +78,11 @@ def stage_tables(problem):
     work = np.concatenate([[0.0], np.cumsum(problem.work)])
     kept = np.concatenate([[0.0], np.cumsum(problem.kept)])
     seconds = work[None, :] - work[:, None] + 2 * problem.seconds_per_byte * moved
-    return seconds, kept[None, :] - kept[:, None], 2 * params
+    own = np.asarray(problem.workspace or [0.0] * n, dtype=float)
+    workspace = np.zeros((n + 1, n + 1))
+    for a in range(n):   # the largest of positions a..b-1, for every b > a
+        workspace[a, a + 1:] = np.maximum.accumulate(own[a:])
+    return seconds, kept[None, :] - kept[:, None], 2 * params, workspace
 
 
 def _pin_ok(problem, K):
@@ -99,7 +105,7 @@ def partition(problem, K, memory_limit=np.inf, in_flight=None):
     if not 1 <= K <= n:
         raise Infeasible(f"{K} stages of {n} positions")
     in_flight = in_flight or [1] * K
-    seconds, kept, params = stage_tables(problem)
+    seconds, kept, params, workspace = stage_tables(problem)
     pinned = _pin_ok(problem, K)
     INF = np.inf
     best = np.full((K + 1, n + 1), INF)    # best[k, b]: k stages over positions 0..b-1
@@ -109,7 +115,7 @@ def partition(problem, K, memory_limit=np.inf, in_flight=None):
     for k in range(1, K + 1):
         for b in range(k, n + 1):
             cost = np.maximum(best[k - 1, :b], seconds[:b, b])
-            fits = kept[:b, b] * in_flight[k - 1] + params[:b, b] <= memory_limit
+            fits = kept[:b, b] * in_flight[k - 1] + params[:b, b] + workspace[:b, b] <= memory_limit
             cost = np.where(fits & pinned[k - 1][:b, b] & (a[:b] < b), cost, INF)
             i = int(np.argmin(cost))
             best[k, b], start[k, b] = cost[i], i

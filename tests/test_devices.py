@@ -126,6 +126,35 @@ def test_a_pin_moves_the_cut(tmp_path):
     _check_placement(graph, plan, 2)
 
 
+def test_device_memory_is_checked_by_the_stage_functions_plans(tmp_path):
+    """A stage's memory is its arena region (its functions' plans), its stash per microbatch in
+    flight, and its params with their gradients; --device-memory bounds that, not the cost model."""
+    model = _dag()
+    build = lambda out, **o: compile_model(model, out=str(tmp_path / out), order=1, bind={"B": 64}, warm_cache=False,
+                                           devices=2, schedule="gpipe", **o)
+    halves, micro = build("m2", microbatches=2), build("m4", microbatches=4)
+    for a, b in zip(halves.PARTITION["stage"], micro.PARTITION["stage"]):   # bytes held per microbatch: 32 rows, 16
+        assert a["params"] == b["params"] and a["stash_bytes_per_microbatch"] == 2 * b["stash_bytes_per_microbatch"] > 0
+    micro.loss_and_grad(micro.init_params(0), **_inputs(micro, 64, np.random.default_rng(1)))
+    held = micro.memory_stats()["arena_bytes"]
+    for st in micro.PARTITION["stage"]:
+        region = max(st["arena_bytes"].values())
+        assert held[st["device"]] == region   # what the module really allocated for the stage
+        params = sum(int(np.prod(micro.PARAM_SHAPES[p])) * 4 for p in st["params"])
+        copies = sum(t["bytes"] for t in micro.PARTITION["transfers"] if t["carries"] == "param" and t["to"] == st["device"])
+        assert st["memory_bytes"] == region + st["in_flight"] * st["stash_bytes_per_microbatch"] + 2 * params + copies
+    need = max(st["memory_bytes"] for st in micro.PARTITION["stage"])
+    fits = build("fits", microbatches=4, device_memory=need)
+    assert max(st["memory_bytes"] for st in fits.PARTITION["stage"]) <= need
+    for limit in (need - 1, need - 2000):   # another cut that fits by the plans, or the error that says none does
+        try:
+            other = build("tight", microbatches=4, device_memory=limit)
+        except gc.GradcError as e:
+            assert "fits --device-memory" in str(e), e
+            continue
+        assert max(st["memory_bytes"] for st in other.PARTITION["stage"]) <= limit
+
+
 def test_device_option_errors(tmp_path):
     model = _mlp(layers=2, width=4)
     cases = [

@@ -19,7 +19,8 @@ def _stage_cost(problem, a, b):
             moved += nbytes                     # received
         elif a <= made < b and any(r >= b for r in readers):
             moved += nbytes                     # sent
-    return work + 2 * problem.seconds_per_byte * moved, sum(problem.kept[a:b]), 2 * params
+    workspace = max((problem.workspace or [0] * problem.n)[a:b])
+    return work + 2 * problem.seconds_per_byte * moved, sum(problem.kept[a:b]), 2 * params, workspace
 
 
 def _brute_force(problem, K, limit, in_flight=None):
@@ -31,8 +32,8 @@ def _brute_force(problem, K, limit, in_flight=None):
         slowest = 0.0
         for k in range(K):
             a, b = bounds[k], bounds[k + 1]
-            seconds, kept, params = _stage_cost(problem, a, b)
-            memory = kept * in_flight[k] + params
+            seconds, kept, params, workspace = _stage_cost(problem, a, b)
+            memory = kept * in_flight[k] + params + workspace
             pins = problem.pins or [None] * problem.n
             if memory > limit or any(p is not None and p != k for p in pins[a:b]):
                 slowest = np.inf
@@ -54,8 +55,9 @@ def _random_problem(rng, n):
     if rng.random() < 0.5:
         p = int(rng.integers(0, n))
         pins[p] = int(rng.integers(0, 3))
+    workspace = rng.integers(0, 60, n).tolist() if rng.random() < 0.7 else []
     return Problem(rng.uniform(0.5, 5.0, n).tolist(), values, rng.integers(0, 40, n).tolist(),
-                   float(rng.uniform(0.0, 0.2)), pins)
+                   float(rng.uniform(0.0, 0.2)), pins, workspace)
 
 
 @pytest.mark.parametrize("seed", range(60))
