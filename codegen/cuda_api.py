@@ -30,7 +30,8 @@ from numba import {dtype} as FLOAT_T, float64
 from gradc.runtime import Signature, init_from, load_data
 from gradc.runtime.cuda import block, flat, load_cuda, rows
 from gradc.runtime.cuda_gemm import Gemm
-from gradc.runtime.cuda_host import CudaRunner, DeviceMemory
+from gradc.runtime.cuda_host import CudaRunner
+from gradc.runtime.cuda_stages import DeviceMemory
 from gradc.runtime.pipeline import Pipeline
 from gradc.runtime.cuda_trainer import CudaTrainerBase
 from gradc.runtime.hessian import hessian_buffer, in_blocks, second_order_missing, symmetrize

@@ -342,7 +342,64 @@ def run_pipelines(build):
                                                                                        momentum=0.9)
     out["trainer"] = max(abs(t1.step(**inputs) - t2.step(**inputs)) for _ in range(2))
     out["trainer_params"] = err(t1.params, {k: v.copy_to_host() for k, v in t2.params.items()})
+    out["gpus"] = run_stage_gpus(os.path.join(build, "gpus"))
     return out
+
+
+def run_stage_gpus(build):
+    """One stage per GPU in one process, with the simulator given 3 GPUs (they share its memory,
+    so this checks the runners, the copies and the event order, not real peer copies). The model
+    has skips and a weight shared across the cut, so values cross both ways."""
+    from numba import cuda
+    from numba.cuda.simulator.cudadrv import devices
+    from gradc.runtime.cuda_stages import stage_gpus
+    from test_memory import _dag, _inputs
+
+    model = _dag(blocks=2, width=6)
+    cpu = gc.compile(model, out=os.path.join(build, "cpu"), dtype="float64", order=1, warm_cache=False)
+    params, inputs = cpu.init_params(seed=4), _inputs(cpu, 7, np.random.default_rng(8))
+
+    current, log = [0], []   # the stack of current GPUs
+
+    class Context(devices.FakeCUDAContext):   # a GPU whose `with` makes it current
+        def __enter__(self):
+            current.append(self.id)
+
+        def __exit__(self, *exc):
+            current.pop()
+
+    class Event:
+        def record(self, stream=0):
+            log.append(("record", current[-1]))
+
+        def wait(self, stream=0):
+            log.append(("wait", current[-1]))
+
+    saved = cuda.gpus.lst, cuda.event
+    cuda.gpus.lst, cuda.event = tuple(Context(i) for i in range(3)), Event
+    try:
+        dev = gc.compile(model, out=os.path.join(build, "cuda"), target="cuda", dtype="float64", order=1,
+                         devices=2, schedule="1f1b", microbatches=2, bind={"B": 7})
+        l1, g1 = cpu.loss_and_grad(params, **inputs)
+        l2, g2 = dev.loss_and_grad(params, **inputs)
+        t1, t2 = cpu.Trainer(params, optimizer="adam", lr=0.01), dev.Trainer(params, optimizer="adam", lr=0.01)
+        steps = max(abs(t1.step(**inputs) - t2.step(**inputs)) for _ in range(2))
+        runners = [(r.gpu, r is dev._CUDA) for r in dev._PIPELINE.memory.runners]
+        chosen = {}
+        for spec in ("virtual", "1,0", "0,5", "0"):   # GRADC_STAGE_GPUS: each stage's GPU, named
+            os.environ["GRADC_STAGE_GPUS"] = spec
+            try:
+                chosen[spec] = stage_gpus(dev._CUDA, 2)
+            except ValueError as e:
+                chosen[spec] = str(e)
+        del os.environ["GRADC_STAGE_GPUS"]
+        pairs = [(a[1], b[1]) for a, b in zip(log, log[1:]) if a[0] == "record" and b[0] == "wait"]
+        return {"error": max(abs(l1 - l2), err(g1, g2), steps, err(t1.params, {k: v.copy_to_host() for k, v in
+                                                                               t2.params.items()})),
+                "runners": runners, "held": sorted(dev.memory_stats()["arena_bytes"]),
+                "events": len(log), "crossings": sorted(set(pairs)), "chosen": chosen}
+    finally:
+        cuda.gpus.lst, cuda.event = saved
 
 
 if __name__ == "__main__":

@@ -95,6 +95,19 @@ def test_pipelines_on_virtual_devices_match_one_device(results):
     assert r["trainer"] <= 1e-12 and r["trainer_params"] <= TOLERANCE
 
 
+def test_one_stage_per_gpu_matches_one_device(results):
+    """--devices 2 with 2 GPUs (the simulator given 3): stage k on GPU k through a runner of its own,
+    the module's runner on GPU 0 holding the trained state, values crossing GPUs only after the
+    receiving GPU's stream waited on an event recorded on the sending GPU's."""
+    r = results["trainer"]["pipelines"]["gpus"]
+    assert r["error"] <= 1e-12
+    assert r["runners"] == [[0, True], [1, False]] and r["held"] == ["cuda:0", "cuda:1"]
+    assert r["crossings"] == [[0, 1], [1, 0]] and r["events"] % 2 == 0
+    chosen = r["chosen"]
+    assert chosen["virtual"] == [0, 0] and chosen["1,0"] == [1, 0]
+    assert "GRADC_STAGE_GPUS='0,5': give 2 GPU numbers below 3" in chosen["0,5"] and "give 2" in chosen["0"]
+
+
 def test_cublas_path_gives_the_same_values(results):
     """cuBLAS (CuPy simulated) for the products, the epilogue kernels after: every transpose the
     backward needs, and the fused bias, activation and weight decay."""

@@ -12,35 +12,59 @@
   capture is not available (the simulator) or fails, every call launches directly.
 Results are the device arrays the host function returned; `host()` copies one out.
 """
+import functools
 import threading
 
 import numpy as np
 
 from .arena import Arena
-from .cuda import array_dtype, block, flat as flat_config, is_device_array, load_cuda, simulated
+from .cuda import array_dtype, is_device_array, load_cuda, simulated
 from .pipeline import local_rank
 
 
+def on_its_gpu(method):
+    """Run a runner's method with the runner's GPU current, when it was given one (a stage of a
+    multi-GPU pipeline); the module's own runner uses the thread's current GPU."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if self.pinned is None:
+            return method(self, *args, **kwargs)
+        with load_cuda().gpus[self.pinned]:
+            return method(self, *args, **kwargs)
+    return wrapper
+
+
 class CudaRunner:
-    def __init__(self, model, dtype, tables, dim_sources, scalars, data, graphs=True):
+    def __init__(self, model, dtype, tables, dim_sources, scalars, data, graphs=True, gpu=None):
         self.model = model
         self.dtype = np.dtype(dtype)
         self.tables, self.dim_sources, self.scalars = tables, dim_sources, scalars
         self.host_data = data
+        self.graphs_wanted = graphs
         self.use_graphs = graphs and not simulated()
+        self.pinned = gpu                # the GPU this runner works on (None: the current one)
         self.outputs_on_device = False   # device_outputs(True): results stay on the device
         self.graph_error = None        # why graphs are off, when capture failed
+        self.siblings = []             # runners of this module on other GPUs (a multi-GPU pipeline's stages)
         self._ready = False
         self._lock = threading.RLock()
 
+    def sibling(self, gpu):
+        """A runner of the same module on GPU `gpu`, with its own arena, stream and graphs."""
+        other = CudaRunner(self.model, self.dtype, self.tables, self.dim_sources, self.scalars, self.host_data,
+                           self.graphs_wanted, gpu)
+        self.siblings.append(other)
+        return other
+
     # ---- set-up, on first use (importing the module needs no GPU) ------------------------
+    @on_its_gpu
     def _start(self):
         if self._ready:
             return
         cuda = load_cuda()
         try:
             rank = local_rank()
-            if rank is not None and len(cuda.gpus) > 1:   # one GPU per rank on a node, round robin
+            if self.pinned is None and rank is not None and len(cuda.gpus) > 1:   # one GPU per rank on a node
                 cuda.select_device(rank % len(cuda.gpus))
             device = cuda.get_current_device()
         except Exception as e:
@@ -48,7 +72,8 @@ class CudaRunner:
                                f"driver ({type(e).__name__}: {e}); set NUMBA_ENABLE_CUDASIM=1 before importing "
                                f"numba to run it under numba-cuda's simulator, or compile with --target cpu") from None
         self.cuda = cuda
-        self.arena = Arena(self.dtype, self.tables, self.dim_sources, device="cuda:0",
+        self.gpu = getattr(device, "id", 0) if self.pinned is None else self.pinned
+        self.arena = Arena(self.dtype, self.tables, self.dim_sources, device=f"cuda:{self.gpu}",
                            allocate=lambda n, dtype: cuda.device_array(n, dtype))
         self.stream = 0
         self._graphs = {}              # (fn, shapes, places) -> _Captured
@@ -57,13 +82,18 @@ class CudaRunner:
         if self.use_graphs:
             try:
                 from cuda.core import Device
-                self._device = Device(getattr(device, "id", 0))
+                self._device = Device(self.gpu)
                 self._device.set_current()
                 self.stream = self._device.create_stream()
             except Exception as e:     # no cuda.core: launch directly
                 self.use_graphs, self.graph_error = False, f"cuda.core unavailable: {e}"
         self._ready = True
         self._data = {k: self.adopt(v.reshape(1) if v.ndim == 0 else v) for k, v in self.host_data.items()}
+
+    def start(self):
+        """Set up now (GPU, stream, arena), not at the first call; returns the runner."""
+        self._start()
+        return self
 
     @property
     def data(self):
@@ -72,6 +102,7 @@ class CudaRunner:
         return self._data
 
     # ---- device memory -------------------------------------------------------------------
+    @on_its_gpu
     def empty(self, shape, dtype=None):
         """A device array the runner owns (captured in place by graphs)."""
         self._start()
@@ -84,6 +115,7 @@ class CudaRunner:
         self._owned.add(_pointer(a))
         return a
 
+    @on_its_gpu
     def adopt(self, host_array):
         """A device copy of a numpy array that the runner owns."""
         a = self.empty(host_array.shape, host_array.dtype)
@@ -98,6 +130,7 @@ class CudaRunner:
             self._scal[key] = self.empty(shape)
         return self._scal[key]
 
+    @on_its_gpu
     def device(self, x):
         """x on the device: a device array as it is, a numpy array copied there."""
         self._start()
@@ -105,12 +138,14 @@ class CudaRunner:
             return x if type(x).__name__ in ("DeviceNDArray", "FakeCUDAArray") else self.cuda.as_cuda_array(x)
         return self.cuda.to_device(np.ascontiguousarray(x), stream=self.stream)
 
+    @on_its_gpu
     def host(self, x):
         """A numpy copy of device array x (waits for the work that writes it)."""
         out = x.copy_to_host(stream=self.stream)
         self.sync()
         return out
 
+    @on_its_gpu
     def out(self, x, shape=None):
         """A result for the caller: a numpy copy, or a device copy with device_outputs(True)."""
         shape = tuple(x.shape) if shape is None else shape
@@ -125,9 +160,11 @@ class CudaRunner:
         """A one-element device array as a Python float."""
         return float(self.host(x)[0])
 
+    @on_its_gpu
     def zeros_like(self, x):
         return self.out(self.cuda.to_device(np.zeros(tuple(x.shape), array_dtype(x))))
 
+    @on_its_gpu
     def sync(self):
         if self.stream == 0:
             self.cuda.synchronize()
@@ -135,9 +172,14 @@ class CudaRunner:
             self.stream.sync()
 
     def held_bytes(self):
-        return self.arena.held_by_device() if self._ready else {"cuda:0": 0}
+        held = self.arena.held_by_device() if self._ready else {"cuda:0": 0}
+        for other in self.siblings:   # a multi-GPU pipeline: each stage's GPU holds its own arena
+            for device, n in other.held_bytes().items():
+                held[device] = held.get(device, 0) + n
+        return held
 
     # ---- running a host function ---------------------------------------------------------
+    @on_its_gpu
     def run(self, fn, args, inputs, entry=None):
         """fn(*args, arena, offs, scal, stream) on the device; `inputs` (name -> array) give the dims
         the arena is laid out for; `entry` names the arena table (default: fn's name)."""
@@ -202,44 +244,3 @@ def _pointer(a):
     if hasattr(a, "__cuda_array_interface__"):
         return a.__cuda_array_interface__["data"][0]
     return id(a._ary) if hasattr(a, "_ary") else id(a)   # the simulator's arrays
-
-
-class DeviceMemory:
-    """The pipeline executor's operations (gradc/runtime/pipeline.py, HostMemory's methods) for a
-    --target cuda module: K virtual devices on one GPU, the stages' values in its memory. A stage
-    function's results are copied out at once, because the next call (a graph replay, or the next
-    scalar in `scal`) writes the same buffers. Under mpiexec a value goes to another rank through
-    host memory (`outgoing`)."""
-
-    def __init__(self, runner, kernels):
-        self.runner, self.kernels = runner, kernels
-
-    def data(self, key):
-        return self.runner.data[key]
-
-    def call(self, fn, fname, args, inputs):
-        return [self._copy(r) for r in self.runner.run(fn, args, inputs, entry=fname)]
-
-    def _copy(self, x):
-        out = self.runner.cuda.device_array(x.shape, x.dtype)
-        out.copy_to_device(x, stream=self.runner.stream)
-        return out
-
-    def number(self, value):
-        return self.runner.scalar(value)
-
-    def outgoing(self, value):
-        return self.runner.host(value) if is_device_array(value) else value
-
-    def zero(self, flat):
-        self.kernels["fill"][flat_config(flat, self.runner.stream)](flat, 0.0)
-
-    def add(self, flat, start, stop, weight, value):
-        view = flat[start:stop]
-        self.kernels["axpy"][flat_config(view, self.runner.stream)](self.runner.device(value).reshape(stop - start),
-                                                                    float(weight), view)
-
-    def squares(self, value):
-        total = self.runner.buffer("pipeline/squares", (1,))
-        self.kernels["sum_squares"][block(self.runner.stream)](self.runner.device(value).reshape(value.size), total)
-        return self.runner.scalar(total)

@@ -44,19 +44,29 @@ def local_rank():
 
 
 class HostMemory:
-    """How the executor calls stage functions and adds up their results on the CPU target (a
-    --target cuda module passes gradc.runtime.cuda_host.DeviceMemory, with the same methods)."""
+    """How the executor calls stage functions, moves values between stages and adds up their
+    results on the CPU target (a --target cuda module passes gradc.runtime.cuda_stages.DeviceMemory,
+    with the same methods). Virtual devices share this process's memory: nothing moves."""
 
     def __init__(self, arena, data):
         self.arena, self._data = arena, data
 
-    def data(self, key):
+    def begin_step(self, stages, spread):
+        pass
+
+    def local(self, value, stage):
+        return value
+
+    def transfer(self, value, source, target):
+        return value
+
+    def data(self, key, stage=0):
         return self._data[key]
 
-    def call(self, fn, fname, args, inputs):
+    def call(self, fn, fname, args, inputs, stage=0):
         return fn(*args, *self.arena.get(fname, inputs))
 
-    def number(self, value):
+    def number(self, value, stage=0):
         return float(value)
 
     def outgoing(self, value):
@@ -66,8 +76,8 @@ class HostMemory:
     def zero(self, flat):
         flat[:] = 0.0
 
-    def add(self, flat, start, stop, weight, value):
-        """flat[start:stop] += weight * value (flattened)."""
+    def add(self, flat, start, stop, weight, value, stage=None):
+        """flat[start:stop] += weight * value (flattened); `value` was made on `stage`."""
         flat[start:stop] += weight * np.asarray(value).reshape(-1)
 
     def squares(self, value):
@@ -162,8 +172,9 @@ class Pipeline:
     def loss_and_grad(self, params, inputs, grads):
         """The objective; its gradients are added into the flat `grads` (zeroed here)."""
         micro, weights = self.split(inputs)
-        self.memory.zero(grads)
         comm = self.comm
+        self.memory.begin_step(self.K, spread=comm is None)
+        self.memory.zero(grads)
         if comm is None:
             loss = self._run(self.order, params, micro, weights, grads, None)
         else:
@@ -212,21 +223,22 @@ class Pipeline:
                 if what == "v" and (key, m) not in values:   # only under MPI: a transfer from another rank
                     src, _, tag = self.route[key]
                     values[(key, m)] = comm.recv(source=src, tag=tag)
-                args.append(params[key] if what == "p" else micro[m][key] if what == "a" else
-                            values[(key, m)] if what == "v" else self.memory.data(key))
-            results = self.memory.call(fn, fname, args, micro[m])
+                args.append(self.memory.local(params[key], k) if what == "p" else
+                            self.memory.local(micro[m][key], k) if what == "a" else
+                            values[(key, m)] if what == "v" else self.memory.data(key, k))
+            results = self.memory.call(fn, fname, args, micro[m], k)
             for node, value in zip(roots, results):
                 if node == self.objective:
-                    loss += weights[m] * self.memory.number(value)
+                    loss += weights[m] * self.memory.number(value, k)
                 elif node in self.grad_nodes:
                     a, b = self.grad_slices[self.grad_nodes[node]]
-                    self.memory.add(grads, a, b, weights[m], value)
+                    self.memory.add(grads, a, b, weights[m], value, k)
                 values[(node, m)] = value
             for u, t in self.sources.get((k, kind), ()):
                 if (u, m) not in values:
                     continue   # (transfers that only hvp or input_grads read are not made here)
-                if comm is None:
-                    values[(t, m)] = values[(u, m)]   # virtual devices: the transfer hands the array over
+                if comm is None:   # a copy to the GPU of its stage, or (virtual devices) the array itself
+                    values[(t, m)] = self.memory.transfer(values[(u, m)], k, self.route[t][1])
                 else:
                     _, dst, tag = self.route[t]
                     sent.append(comm.isend(self.memory.outgoing(values[(u, m)]), dest=dst, tag=tag))
