@@ -33,7 +33,7 @@ def results(tmp_path_factory):
 
 
 def test_every_entry_point_matches_the_cpu_target(results):
-    models = results["models"]
+    models = results["models"]["zoo"]
     assert {"cg_mlp", "cg_shared", "cg_reduce3", "cg_user", "cg_scalars", "cg_layout"} <= set(models)
     assert all({"forward", "loss", "grads", "input_grads"} <= set(e) for e in models.values())
     assert {m for m, e in models.items() if "hvp" in e} == {"cg_mlp", "cg_shared", "cg_reduce3", "cg_scalars"}
@@ -88,7 +88,7 @@ def test_graph_path_captures_once_per_shape_and_replays(results):
 
 def test_pipelines_on_virtual_devices_match_one_device(results):
     """--devices K --microbatches M on one GPU: every schedule, unequal microbatches, weight decay."""
-    r = results["trainer"]["pipelines"]
+    r = results["models"]["pipelines"]
     for key in ("K2 gpipe M3", "K2 1f1b M2", "K3 sequential M2"):
         assert r[key] <= 1e-12, (key, r[key])
     assert r["K3 sequential M2 devices"] == ["cuda:0", "cuda:1", "cuda:2"]
@@ -99,7 +99,7 @@ def test_one_stage_per_gpu_matches_one_device(results):
     """--devices 2 with 2 GPUs (the simulator given 3): stage k on GPU k through a runner of its own,
     the module's runner on GPU 0 holding the trained state, values crossing GPUs only after the
     receiving GPU's stream waited on an event recorded on the sending GPU's."""
-    r = results["trainer"]["pipelines"]["gpus"]
+    r = results["models"]["pipelines"]["gpus"]
     assert r["error"] <= 1e-12
     assert r["runners"] == [[0, True], [1, False]] and r["held"] == ["cuda:0", "cuda:1"]
     assert r["crossings"] == [[0, 1], [1, 0]] and r["events"] % 2 == 0
