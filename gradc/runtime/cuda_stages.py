@@ -11,11 +11,14 @@ gives it on the CPU target, on GPUs:
   Trainer updates them; stage k reads a copy of its params made once per step.
   `GRADC_STAGE_GPUS=0,1,...` names each stage's GPU instead (`GRADC_STAGE_GPUS=virtual`: one GPU);
 - under mpiexec, each rank runs its one stage on the module runner's GPU, and a value goes to
-  another rank through host memory (`outgoing`).
+  another rank through host memory, or with GRADC_MPI_CUDA_AWARE=1 as a device buffer
+  (`outgoing`, `incoming`).
 A stage function's results are copied out at once, because the next call (a graph replay, or the
 next scalar in `scal`) writes the same buffers.
 """
 import os
+
+import numpy as np
 
 from .cuda import block, flat, is_device_array
 
@@ -69,7 +72,22 @@ class DeviceMemory:
         return self.runners[stage].scalar(value)
 
     def outgoing(self, value):
-        return self.runner.host(value) if is_device_array(value) else value
+        """What goes to another rank: a host copy, or with a CUDA-aware MPI the device array
+        itself once the work that writes it is done."""
+        if not is_device_array(value):
+            return value
+        if not cuda_aware_mpi():
+            return self.runner.host(value)
+        self.runner.sync()
+        return value
+
+    def incoming(self, shape, dtype):
+        """Where a value from another rank lands: host memory, or with a CUDA-aware MPI the device."""
+        if not cuda_aware_mpi():
+            return np.empty(shape, dtype)
+        run = self.runner.start()
+        with run.cuda.gpus[run.gpu]:
+            return run.cuda.device_array(shape, dtype)
 
     def zero(self, flat_array):
         self.kernels["fill"][flat(flat_array, self.runner.stream)](flat_array, 0.0)
@@ -86,6 +104,12 @@ class DeviceMemory:
         total = self.runner.buffer("pipeline/squares", (1,))
         self.kernels["sum_squares"][block(self.runner.stream)](self.runner.device(value).reshape(value.size), total)
         return self.runner.scalar(total)
+
+
+def cuda_aware_mpi():
+    """GRADC_MPI_CUDA_AWARE=1: the MPI reads and writes device memory (built with CUDA support;
+    mpi4py passes it device arrays through __cuda_array_interface__)."""
+    return os.environ.get("GRADC_MPI_CUDA_AWARE", "") == "1"
 
 
 def stage_gpus(runner, stages):

@@ -7,11 +7,13 @@ the loss add up over microbatches with weights B_m / B (a mean loss) or 1 (a sum
 decay term, which every microbatch's objective holds, is then corrected to count once.
 
 In one process every stage runs here, interleaved. Under `mpiexec -n K`, rank r runs stage r in
-its own order and exchanges transfers with mpi4py, through host memory (a --target cuda rank
-copies a value off its GPU to send it; the received copy goes to the device with the next call's
-arguments): a value goes out as soon as it is made, and is received when a function first needs it. Messages of one transfer
-keep their order (MPI does not overtake between a pair of ranks on one tag), so the tag is the
-transfer's index. Every rank gets the loss; each rank's gradients are those of its own params.
+its own order and exchanges transfers with mpi4py: an array goes as a small header (shape,
+dtype) and then its buffer, unpickled. A --target cuda rank sends through host memory (it copies
+a value off its GPU; the received copy goes to the device with the next call's arguments), or,
+with GRADC_MPI_CUDA_AWARE=1 (an MPI built with CUDA support), sends and receives device buffers
+where they are. A value goes out as soon as it is made, and is received when a function first
+needs it. Messages of one transfer keep their order (MPI does not overtake between a
+pair of ranks on one tag), so the tag is the transfer's index. Every rank gets the loss; each rank's gradients are those of its own params.
 """
 import os
 
@@ -73,6 +75,10 @@ class HostMemory:
         """What an MPI message carries: the array itself."""
         return value
 
+    def incoming(self, shape, dtype):
+        """Where an MPI message of an array lands."""
+        return np.empty(shape, dtype)
+
     def zero(self, flat):
         flat[:] = 0.0
 
@@ -83,6 +89,28 @@ class HostMemory:
     def squares(self, value):
         value = np.asarray(value).reshape(-1)
         return float(value @ value)
+
+
+def send(comm, value, dest, tag):
+    """Start sending `value` to rank `dest`: an array as its shape and dtype, then its buffer as it
+    is (a CUDA-aware MPI reads a device array in place); anything else pickled. Returns the
+    requests to wait on (mpi4py's request keeps its buffer alive)."""
+    if isinstance(value, np.ndarray) or hasattr(value, "__cuda_array_interface__"):
+        data = np.ascontiguousarray(value) if isinstance(value, np.ndarray) else value
+        return [comm.isend(("array", tuple(data.shape), np.dtype(data.dtype).str), dest=dest, tag=tag),
+                comm.Isend(data, dest=dest, tag=tag)]
+    return [comm.isend(("object", value), dest=dest, tag=tag)]
+
+
+def receive(comm, memory, source, tag):
+    """The next value `send` sent from rank `source` on `tag` (the two messages of an array keep
+    their order: MPI does not overtake on one tag between two ranks)."""
+    header = comm.recv(source=source, tag=tag)
+    if header[0] == "object":
+        return header[1]
+    buffer = memory.incoming(header[1], np.dtype(header[2]))
+    comm.Recv(buffer, source=source, tag=tag)
+    return buffer
 
 
 class Pipeline:
@@ -194,9 +222,9 @@ class Pipeline:
             if when == "param":
                 name, tag = self.param_names[u], self.route[t][2]
                 if src == rank:
-                    sent.append(comm.isend(self.memory.outgoing(params[name]), dest=dst, tag=tag))
+                    sent += send(comm, self.memory.outgoing(params[name]), dst, tag)
                 elif dst == rank:
-                    params[name] = comm.recv(source=src, tag=tag)
+                    params[name] = receive(comm, self.memory, src, tag)
         return params, sent
 
     def _decay_once(self, params, weights, grads):
@@ -222,7 +250,7 @@ class Pipeline:
             for what, key in spec:
                 if what == "v" and (key, m) not in values:   # only under MPI: a transfer from another rank
                     src, _, tag = self.route[key]
-                    values[(key, m)] = comm.recv(source=src, tag=tag)
+                    values[(key, m)] = receive(comm, self.memory, src, tag)
                 args.append(self.memory.local(params[key], k) if what == "p" else
                             self.memory.local(micro[m][key], k) if what == "a" else
                             values[(key, m)] if what == "v" else self.memory.data(key, k))
@@ -241,7 +269,7 @@ class Pipeline:
                     values[(t, m)] = self.memory.transfer(values[(u, m)], k, self.route[t][1])
                 else:
                     _, dst, tag = self.route[t]
-                    sent.append(comm.isend(self.memory.outgoing(values[(u, m)]), dest=dst, tag=tag))
+                    sent += send(comm, self.memory.outgoing(values[(u, m)]), dst, tag)
             for node in roots:
                 if node not in self.read:
                     values.pop((node, m), None)
