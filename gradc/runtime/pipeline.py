@@ -12,8 +12,9 @@ dtype) and then its buffer, unpickled. A --target cuda rank sends through host m
 a value off its GPU; the received copy goes to the device with the next call's arguments), or,
 with GRADC_MPI_CUDA_AWARE=1 (an MPI built with CUDA support), sends and receives device buffers
 where they are. A value goes out as soon as it is made, and is received when a function first
-needs it. Messages of one transfer keep their order (MPI does not overtake between a
-pair of ranks on one tag), so the tag is the transfer's index. Every rank gets the loss; each rank's gradients are those of its own params.
+needs it. Messages of one transfer keep their order (MPI does not overtake between a pair of
+ranks on one tag), so the tag is the transfer's index. Every rank gets the loss; each rank's
+gradients are those of its own params.
 """
 import os
 
