@@ -25,6 +25,14 @@ def sum_squares(g):
 
 
 @kernel
+def accumulate(out, weight, x):
+    """out += weight * x in one pass, no temporary (a pipeline adds up its microbatches' gradients
+    so; numpy's `out += weight * x` takes two passes and a buffer the size of x)."""
+    for i in range(out.size):
+        out[i] += weight * x[i]
+
+
+@kernel
 def clip_scale(sum_sq, clip_norm):
     """torch.nn.utils.clip_grad_norm_: scale by clip/(norm + 1e-6) when that is below 1."""
     coef = clip_norm / (math.sqrt(sum_sq) + 1e-6)

@@ -20,6 +20,7 @@ import os
 
 import numpy as np
 
+from .optim import accumulate
 from .schedules import interleave, stage_orders
 
 MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
@@ -85,7 +86,7 @@ class HostMemory:
 
     def add(self, flat, start, stop, weight, value, stage=None):
         """flat[start:stop] += weight * value (flattened); `value` was made on `stage`."""
-        flat[start:stop] += weight * np.asarray(value).reshape(-1)
+        accumulate(flat[start:stop], flat.dtype.type(weight), np.ascontiguousarray(value, flat.dtype).reshape(-1))
 
     def squares(self, value):
         value = np.asarray(value).reshape(-1)
