@@ -151,10 +151,24 @@ class CudaRunner:
         shape = tuple(x.shape) if shape is None else shape
         if not self.outputs_on_device:
             return self.host(x).reshape(shape)
-        copy = self.cuda.device_array(x.shape, x.dtype)
-        copy.copy_to_device(x, stream=self.stream)
+        copy = self.copy(x)
         self.sync()
         return copy.reshape(shape) if shape != () else copy
+
+    @on_its_gpu
+    def unowned(self, shape, dtype):
+        """A device array on this runner's GPU that it does not own (a graph copies it in rather
+        than capturing its address)."""
+        self._start()
+        return self.cuda.device_array(tuple(shape), dtype)
+
+    @on_its_gpu
+    def copy(self, x):
+        """An unowned copy of device array x on this runner's GPU, made on its stream (x may be on
+        another GPU: a device-to-device copy)."""
+        out = self.unowned(x.shape, x.dtype)
+        out.copy_to_device(x, stream=self.stream)
+        return out
 
     def scalar(self, x):
         """A one-element device array as a Python float."""

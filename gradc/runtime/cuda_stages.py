@@ -58,7 +58,7 @@ class DeviceMemory:
         if src is dst:
             return value
         _order(src.start(), dst.start())
-        return _copy(value, dst)
+        return dst.copy(value)
 
     # ---- HostMemory's operations ----------------------------------------------------------
     def data(self, key, stage=0):
@@ -66,7 +66,7 @@ class DeviceMemory:
 
     def call(self, fn, fname, args, inputs, stage=0):
         run = self.runners[stage]
-        return [_copy(r, run) for r in run.run(fn, args, inputs, entry=fname)]
+        return [run.copy(r) for r in run.run(fn, args, inputs, entry=fname)]
 
     def number(self, value, stage=0):
         return self.runners[stage].scalar(value)
@@ -85,9 +85,7 @@ class DeviceMemory:
         """Where a value from another rank lands: host memory, or with a CUDA-aware MPI the device."""
         if not cuda_aware_mpi():
             return np.empty(shape, dtype)
-        run = self.runner.start()
-        with run.cuda.gpus[run.gpu]:
-            return run.cuda.device_array(shape, dtype)
+        return self.runner.unowned(shape, dtype)
 
     def zero(self, flat_array):
         self.kernels["fill"][flat(flat_array, self.runner.stream)](flat_array, 0.0)
@@ -145,12 +143,3 @@ def _order(src, dst):
             dst.stream.wait(event)
         else:
             event.wait(dst.stream)
-
-
-def _copy(x, run):
-    """A copy of device array x on run's GPU, made on its stream (not owned by the runner: a graph
-    copies it in rather than capturing its address)."""
-    with run.cuda.gpus[run.gpu]:
-        out = run.cuda.device_array(tuple(x.shape), x.dtype)
-        out.copy_to_device(x, stream=run.stream)
-    return out
