@@ -112,13 +112,14 @@ class CudaEntryWriter(EntryWriter):
         kind = get_op(op).kind
         v, a = f"t{n}", [self.var(u) for u in ins]
         note = f"  # {op} {node['src']}"
-        alloc = f"{v} = {self.new_array(n, dims, step)}"
+        def alloc():   # only a statement that writes a buffer asks for one (asking places a flat root)
+            return f"{v} = {self.new_array(n, dims, step)}"
         k = self.kernels
         if kind == "elementwise":
             expr, operands = self._fold(expr_of(g, n), ins)
             patterns = [None if g.shape(u) == () else _pattern(g.shape(u), shape) for u in operands]
             kernel = k.elementwise(expr, patterns, len(shape), _hint(g, n))
-            return [alloc, self.launch(kernel, [self.var(u) for u in operands] + [v]) + note]
+            return [alloc(), self.launch(kernel, [self.var(u) for u in operands] + [v]) + note]
         if op in ("matmul", "gemm"):   # gemm: passes/gemm_fusion.py's prologues and epilogue
             ta, tb = bool(attrs.get("transpose_a")), bool(attrs.get("transpose_b"))
             if op == "matmul":
@@ -129,38 +130,38 @@ class CudaEntryWriter(EntryWriter):
                 patterns = tuple(() if g.shape(u) == () else _pattern(g.shape(u), shape) for u in rest[1:])
                 fused, args = (attrs["a_expr"], attrs["b_expr"], epilogue, patterns), a[:na + nb] + [self.var(u) for u in rest[1:]]
             site = k.gemm_site(ta, tb, *fused)   # which kernel runs is chosen per call, by size
-            return [alloc, f"{site}(stream, {', '.join(args + [v])}){note}"]
+            return [alloc(), f"{site}(stream, {', '.join(args + [v])}){note}"]
         if op == "transpose":
-            return [alloc, self.launch(k.transpose(tuple(attrs["axes"])), a + [v]) + note]
+            return [alloc(), self.launch(k.transpose(tuple(attrs["axes"])), a + [v]) + note]
         if op == "transfer":   # virtual devices share one device's memory: the copy is the transfer
             note = f"  # transfer {attrs['source']} -> {attrs['target']}, {node['src']}"
             pattern = [None] if shape == () else [tuple(range(len(shape)))]
-            return [alloc, self.launch(k.elementwise(X[0], pattern, max(len(shape), 1), "copy"), a + [v]) + note]
+            return [alloc(), self.launch(k.elementwise(X[0], pattern, max(len(shape), 1), "copy"), a + [v]) + note]
         if op == "reshape":
             if g.shape(ins[0]) == ():
-                return [alloc, self.launch(k.elementwise(X[0], [None], len(shape), "copy"), a + [v]) + note]
+                return [alloc(), self.launch(k.elementwise(X[0], [None], len(shape), "copy"), a + [v]) + note]
             if shape == ():
                 return [f"{v} = {a[0]}.reshape(1){note}"]
             return [f"{v} = {a[0]}.reshape({_shape_src(shape, dims)}){note}"]
         if op in ("sum", "mean", "max"):
             rank = len(g.shape(ins[0]))
             kernel = k.reduction(op, rank, tuple(attrs["axes"]), attrs.get("keepdims", False))
-            return [alloc, self.launch(kernel, a + [v]) + note]
+            return [alloc(), self.launch(kernel, a + [v]) + note]
         if op == "argmax_mask":
-            return [alloc, self.launch(k.argmax_mask(len(shape), tuple(attrs["axes"])), a + [v]) + note]
+            return [alloc(), self.launch(k.argmax_mask(len(shape), tuple(attrs["axes"])), a + [v]) + note]
         if op == "count":
             factors = [dims[d] if isinstance(d, str) else str(d) for d in attrs["dims"]]
-            return [alloc, self.launch(k.fill(), [v, f"float({' * '.join(factors) or '1'})"]) + note]
+            return [alloc(), self.launch(k.fill(), [v, f"float({' * '.join(factors) or '1'})"]) + note]
         if op in ("softmax", "log_softmax"):
-            return [alloc, self.launch(k.softmax(op, len(shape), attrs["axis"]), a + [v]) + note]
+            return [alloc(), self.launch(k.softmax(op, len(shape), attrs["axis"]), a + [v]) + note]
         if op == "pick":
-            return [alloc, self.launch(k.pick(), a + [v]) + note]
+            return [alloc(), self.launch(k.pick(), a + [v]) + note]
         if op == "softmax_xent":
-            return [alloc, self.launch(k.softmax_xent_rows(), a + [v]) + note]
+            return [alloc(), self.launch(k.softmax_xent_rows(), a + [v]) + note]
         if op == "softmax_xent_grad":
-            return [alloc, self.launch(k.softmax_xent_grad(), a + [v]) + note]
+            return [alloc(), self.launch(k.softmax_xent_grad(), a + [v]) + note]
         if op == "pick_grad":
             if g.shape(ins[0]) == ():
                 raise AssertionError("pick_grad of a scalar adjoint")
-            return [alloc, self.launch(k.pick_grad(), a + [v]) + note]
+            return [alloc(), self.launch(k.pick_grad(), a + [v]) + note]
         raise NotImplementedError(f"cuda codegen has no rule for op {op!r}")

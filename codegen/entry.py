@@ -216,7 +216,8 @@ class EntryWriter:
         kind = get_op(op).kind
         v, a = f"t{n}", [self.var(u) for u in ins]
         note = f"  # {op} {node['src']}"
-        alloc = f"{v} = {self.new_array(n, dims, step)}"
+        def alloc():   # only a statement that writes a buffer asks for one (asking places a flat root)
+            return f"{v} = {self.new_array(n, dims, step)}"
         fresh = step not in self.slot_of_step and n not in self.flat   # a returned value: numpy allocates it
         if kind == "elementwise":
             expr = expr_of(g, n)
@@ -225,21 +226,21 @@ class EntryWriter:
                 return block[:-1] + [block[-1] + note]
             patterns = [None if g.shape(u) == () else _pattern(g.shape(u), shape) for u in ins]
             k = self.kernels.elementwise(expr, patterns, len(shape), _hint(g, n))
-            return [alloc, f"{k}({', '.join(a + [v])}){note}"]
+            return [alloc(), f"{k}({', '.join(a + [v])}){note}"]
         if op == "matmul":
             ta = ".T" if attrs.get("transpose_a") else ""
             tb = ".T" if attrs.get("transpose_b") else ""
             if fresh or shape == ():
                 return [f"{v} = np.dot({a[0]}{ta}, {a[1]}{tb}){note}"]
-            return [alloc, f"np.dot({a[0]}{ta}, {a[1]}{tb}, {v}){note}"]
+            return [alloc(), f"np.dot({a[0]}{ta}, {a[1]}{tb}, {v}){note}"]
         if op == "transpose":
-            return [alloc, f"{v}[:] = np.transpose({a[0]}, {tuple(attrs['axes'])}){note}"]
+            return [alloc(), f"{v}[:] = np.transpose({a[0]}, {tuple(attrs['axes'])}){note}"]
         if op == "transfer":   # devices are regions of one host arena: the copy is the transfer
             note = f"  # transfer {attrs['source']} -> {attrs['target']}, {node['src']}"
-            return [f"{v} = {a[0]}{note}"] if shape == () else [alloc, f"{v}[:] = {a[0]}{note}"]
+            return [f"{v} = {a[0]}{note}"] if shape == () else [alloc(), f"{v}[:] = {a[0]}{note}"]
         if op == "reshape":
             if g.shape(ins[0]) == ():
-                return [alloc, f"{v}[:] = {a[0]}{note}"]
+                return [alloc(), f"{v}[:] = {a[0]}{note}"]
             if shape == ():
                 return [f"{v} = {a[0]}.reshape(-1)[0]{note}"]
             return [f"{v} = {a[0]}.reshape({_shape_src(shape, dims)}){note}"]
@@ -247,26 +248,26 @@ class EntryWriter:
             k = self.kernels.reduction(op, len(g.shape(ins[0])), tuple(attrs["axes"]), attrs.get("keepdims", False))
             if shape == () :
                 return [f"{v} = {k}({a[0]}){note}"]
-            return [alloc, f"{k}({a[0]}, {v}){note}"]
+            return [alloc(), f"{k}({a[0]}, {v}){note}"]
         if op == "argmax_mask":
             k = self.kernels.argmax_mask(len(shape), tuple(attrs["axes"]))
-            return [alloc, f"{k}({a[0]}, {v}){note}"]
+            return [alloc(), f"{k}({a[0]}, {v}){note}"]
         if op == "count":
             factors = [dims[d] if isinstance(d, str) else str(d) for d in attrs["dims"]]
             return [f"{v} = float({' * '.join(factors) or '1'}){note}"]
         if op in ("softmax", "log_softmax"):
             k = self.kernels.softmax(op, len(shape), attrs["axis"])
-            return [alloc, f"{k}({a[0]}, {v}){note}"]
+            return [alloc(), f"{k}({a[0]}, {v}){note}"]
         if op == "pick":
-            return [alloc, f"{self.kernels.pick()}({a[0]}, {a[1]}, {v}){note}"]
+            return [alloc(), f"{self.kernels.pick()}({a[0]}, {a[1]}, {v}){note}"]
         if op == "softmax_xent":
-            return [alloc, f"{self.kernels.softmax_xent_rows()}({a[0]}, {a[1]}, {v}){note}"]
+            return [alloc(), f"{self.kernels.softmax_xent_rows()}({a[0]}, {a[1]}, {v}){note}"]
         if op == "softmax_xent_grad":
-            return [alloc, f"{self.kernels.softmax_xent_grad()}({a[0]}, {a[1]}, {a[2]}, {v}){note}"]
+            return [alloc(), f"{self.kernels.softmax_xent_grad()}({a[0]}, {a[1]}, {a[2]}, {v}){note}"]
         if op == "pick_grad":
             if g.shape(ins[0]) == ():
                 raise AssertionError("pick_grad of a scalar adjoint")
-            return [alloc, f"{self.kernels.pick_grad()}({a[0]}, {a[1]}, {v}){note}"]
+            return [alloc(), f"{self.kernels.pick_grad()}({a[0]}, {a[1]}, {v}){note}"]
         raise NotImplementedError(f"cpu codegen has no rule for op {op!r}")
 
 
