@@ -294,49 +294,49 @@ class CudaKernels:
     # ---- optimizer updates ----------------------------------------------------------------
     # They read the loss and the gradient's squared norm from device memory and the
     # hyperparameters from a small device array the Trainer refreshes before each step, so one
-    # captured CUDA graph serves every step. A step whose loss or norm is not finite changes nothing.
-    STEP_PREAMBLE = [
-        "    i = cuda.grid(1)",
-        "    if i >= p.size:",
-        "        return",
-        "    loss = status[0]",
-        "    sq = status[1]",
-        "    if not (math.isfinite(loss) and math.isfinite(sq)):",
-        "        return",
-        "    scale = clip / (math.sqrt(sq) + 1e-6)   # clip_grad_norm_'s coefficient, at most 1",
-        "    if not scale < 1.0:",
-        "        scale = 1.0",
-    ]
+    # captured CUDA graph serves every step. status = (loss, |g|^2, values the update would make
+    # non-finite): a one-block check counts the last before the update runs, and a step with any
+    # of them not finite or non-zero changes nothing.
+    OPTIMIZERS = {   # args, hyper names, the update of element i, the values it writes
+        "sgd": ("p, v, g", ("lr", "momentum", "clip"),
+                ["vi = momentum * v[i] + scale * g[i]", "pi = p[i] - lr * vi"], {"v": "vi", "p": "pi"}),
+        "adam": ("p, m, v, g", ("lr", "beta1", "beta2", "eps", "bias1", "bias2", "clip"),
+                 ["gi = scale * g[i]", "mi = beta1 * m[i] + (1.0 - beta1) * gi",
+                  "vi = beta2 * v[i] + (1.0 - beta2) * gi * gi",
+                  "pi = p[i] - (lr / bias1) * mi / (math.sqrt(vi) / math.sqrt(bias2) + eps)"],
+                 {"m": "mi", "v": "vi", "p": "pi"}),
+    }
+    DOCS = {"sgd": "SGD with momentum (PyTorch's)", "adam": "Adam with bias correction (PyTorch's)"}
 
-    def sgd_update(self):
-        """v = momentum v + scale g; p -= lr v; hyper = (lr, momentum, clip), status = (loss, |g|^2)."""
-        return self._get(("sgd",), "sgd", lambda name: ("\n".join([
-            f"def {name}(p, v, g, hyper, status):",
-            "    lr = hyper[0]",
-            "    momentum = hyper[1]",
-            "    clip = hyper[2]", *self.STEP_PREAMBLE,
-            "    vi = momentum * v[i] + scale * g[i]",
-            "    v[i] = vi",
-            "    p[i] -= lr * vi"]), "SGD with momentum (PyTorch's)", ("flat", 0)))
+    @staticmethod
+    def _step_scale(indent):
+        return [f"{indent}scale = clip / (math.sqrt(status[1]) + 1e-6)   # clip_grad_norm_'s coefficient, at most 1",
+                f"{indent}if not scale < 1.0:", f"{indent}    scale = 1.0"]
 
-    def adam_update(self):
-        """Adam with bias correction (PyTorch's); hyper = (lr, beta1, beta2, eps, bias1, bias2, clip)."""
-        return self._get(("adam",), "adam", lambda name: ("\n".join([
-            f"def {name}(p, m, v, g, hyper, status):",
-            "    lr = hyper[0]",
-            "    beta1 = hyper[1]",
-            "    beta2 = hyper[2]",
-            "    eps = hyper[3]",
-            "    bias1 = hyper[4]",
-            "    bias2 = hyper[5]",
-            "    clip = hyper[6]", *self.STEP_PREAMBLE,
-            "    gi = scale * g[i]",
-            "    mi = beta1 * m[i] + (1.0 - beta1) * gi",
-            "    vi = beta2 * v[i] + (1.0 - beta2) * gi * gi",
-            "    m[i] = mi",
-            "    v[i] = vi",
-            "    p[i] -= (lr / bias1) * mi / (math.sqrt(vi) / math.sqrt(bias2) + eps)"]),
-            "Adam with bias correction (PyTorch's)", ("flat", 0)))
+    def optimizer_update(self, optimizer):
+        """One thread per element: the update, unless status says the step is refused."""
+        args, hyper, update, writes = self.OPTIMIZERS[optimizer]
+        return self._get((optimizer,), optimizer, lambda name: ("\n".join([
+            f"def {name}({args}, hyper, status):",
+            *[f"    {h} = hyper[{k}]" for k, h in enumerate(hyper)],
+            "    i = cuda.grid(1)",
+            "    if i >= p.size:",
+            "        return",
+            "    if not (math.isfinite(status[0]) and math.isfinite(status[1])) or status[2] != 0.0:",
+            "        return",
+            *self._step_scale("    "), *["    " + line for line in update],
+            *[f"    {array}[i] = {value}" for array, value in writes.items()]]), self.DOCS[optimizer], ("flat", 0)))
+
+    def optimizer_check(self, optimizer):
+        """status[2] = how many values the update would make non-finite (one block)."""
+        args, hyper, update, writes = self.OPTIMIZERS[optimizer]
+        finite = " and ".join(f"math.isfinite({value})" for value in writes.values())
+        return self._get((optimizer, "check"), f"{optimizer}_check", lambda name: ("\n".join([
+            f"def {name}({args}, hyper, status):",
+            *[f"    {h} = hyper[{k}]" for k, h in enumerate(hyper)], *self._step_scale("    "), "    x0 = p",
+            *_block_sum(["i = j", *update, f"if not ({finite}):", "    acc += 1.0"]),
+            "    if t == 0:", "        status[2] = partial[0]"]),
+            f"status[2] = values the {optimizer} update would make non-finite", ("block",)))
 
     def sum_squares(self):
         """out[0] = sum of x*x over a flat array, in one block (float64 partial sums in shared memory)."""

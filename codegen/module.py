@@ -177,7 +177,8 @@ def generate(graph, plans, info):
         return tuple(leaf_name[n] for n in entries[fname][2] if g.op(n) == "input" and n not in tangent_nodes)
 
     def zero_or(value_src, shape):
-        return f"{value_src}.reshape(())" if shape == () else value_src
+        # a scalar output may be the objective itself, which the compiled function returns as a number
+        return f"np.asarray({value_src}, FLOAT).reshape(())" if shape == () else value_src
 
     out = [(CUDA_HEADER if cuda else HEADER).format(name=info["name"], version=info["version"], source=info["source"], dtype=info["dtype"],
                          example=", ".join(f"{i}={i.upper()}" for i in g.inputs))]
@@ -228,8 +229,9 @@ def generate(graph, plans, info):
         out.append(f"_HVP_INPUTS = {inputs_of('_hvp_block')!r}")
 
     if cuda:   # what the Trainer launches after the gradients
-        trainer_kernels = {"sgd": kernels.sgd_update(), "adam": kernels.adam_update(),
-                           "sum_squares": kernels.sum_squares(), "copy": kernels.elementwise(X[0], [(0,)], 1, "copy")}
+        trainer_kernels = {opt + part: make(opt) for opt in ("sgd", "adam")
+                           for part, make in (("", kernels.optimizer_update), ("_check", kernels.optimizer_check))}
+        trainer_kernels |= {"sum_squares": kernels.sum_squares(), "copy": kernels.elementwise(X[0], [(0,)], 1, "copy")}
         if pipeline:   # what the pipeline executor launches between stage functions
             trainer_kernels |= {"fill": kernels.fill(), "axpy": kernels.axpy()}
     helper_src = [f"{'@device_function' if cuda else '@kernel'}\n{HELPERS[h]}" for h in sorted(kernels.helpers)]

@@ -2,6 +2,8 @@
 import copy
 import time
 
+import numpy as np
+
 from gradc.errors import GradcError
 from gradc.ir import FLOAT_DTYPES
 
@@ -45,6 +47,22 @@ def bind(graph, dtype, dims, src):
             attrs["dtype"] = dtype
 
 
+def constants_in_dtype(graph, dtype):
+    """Array constants take the build's float dtype, converted once here (folding works in float64):
+    a float64 array in a float32 kernel would not type. One that does not fit the dtype is refused."""
+    for n in graph.nx.nodes:
+        if graph.op(n) != "const" or np.ndim(graph.attrs(n)["value"]) == 0:
+            continue
+        value = np.asarray(graph.attrs(n)["value"])
+        with np.errstate(over="ignore"):
+            cast = value.astype(dtype)
+        if (np.isfinite(value) & ~np.isfinite(cast)).any():
+            raise GradcError(f"constant array {graph.shape(n)} has values beyond {dtype}'s range "
+                             f"(largest magnitude {np.abs(value[np.isfinite(value)]).max():.3g}); scale it or compile "
+                             f"with --dtype float64", graph.node(n)["src"])
+        graph.attrs(n)["value"] = cast
+
+
 def build_training_graph(model, dtype="float32", dims=None, timings=None, order=1):
     """Copy the model's graph and run every pass over it; `timings` collects seconds per pass.
 
@@ -71,6 +89,7 @@ def build_training_graph(model, dtype="float32", dims=None, timings=None, order=
     timed("simplify", simplify, graph)
     timed("fusion", fuse_elementwise, graph)
     timed("simplify", simplify, graph)
+    timed("constants", constants_in_dtype, graph, dtype)
     timed("validate", graph.validate)
     return graph
 

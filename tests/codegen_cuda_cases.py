@@ -80,7 +80,8 @@ _case("sum_squares", _K.sum_squares(), ["x"], {"x": [[517], "f"]}, [1], "(x * x)
 _case("transpose", _K.transpose((1, 0, 2)), ["x"], {"x": [[2, 3, 4], "f"]}, [3, 2, 4], "x.transpose(1, 0, 2)")
 
 
-UPDATES = {"sgd": _K.sgd_update(), "adam": _K.adam_update()}
+UPDATES = {opt + part: make(opt) for opt in ("sgd", "adam")
+           for part, make in (("", _K.optimizer_update), ("_check", _K.optimizer_check))}
 
 
 def build_module():

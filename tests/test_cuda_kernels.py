@@ -38,31 +38,54 @@ RUNNER = textwrap.dedent('''
         fn[launch_config(k.LAUNCH[case["kernel"]], args)](*args)
         errors[case["id"]] = float(np.max(np.abs(arrays["out"] - np.reshape(expected, case["out"]))))
     # the optimizer updates against the CPU target's (gradc/runtime/optim.py), a clip scale of 0.7
-    from gradc.runtime.optim import adam_step, sgd_step
+    from gradc.runtime.optim import adam_update, clip_scale, sgd_update
     names = json.loads(sys.argv[3])
     p, g = rng.standard_normal(37), rng.standard_normal(37)
     state = [rng.standard_normal(37), np.abs(rng.standard_normal(37))]
     sq = float(g @ g)
     clip = 0.7 * np.sqrt(sq) + 0.7e-6   # clip_scale: clip / (norm + 1e-6) = 0.7
-    status = np.array([1.0, sq])   # the loss and |g|^2, as the Trainer's step leaves them on the device
+    scale = clip_scale(sq, clip)
+    sgd_hyper = np.array([0.1, 0.9, clip])
+    adam_hyper = np.array([1e-2, 0.9, 0.999, 1e-8, 1 - 0.9 ** 3, 1 - 0.999 ** 3, clip])
+    sgd, adam = getattr(k, names["sgd"]), getattr(k, names["adam"])
+    sgd_check, adam_check = getattr(k, names["sgd_check"]), getattr(k, names["adam_check"])
+
+    def status():   # the loss, |g|^2 and a stale overflow count, as the step leaves them before the check
+        return np.array([1.0, sq, 5.0])
+
     p_cpu, v_cpu, p_dev, v_dev = p.copy(), state[0].copy(), p.copy(), state[0].copy()
-    sgd_step(p_cpu, v_cpu, g, 1.0, 0.1, 0.9, clip)
-    sgd = getattr(k, names["sgd"])
-    sgd[1, 64](p_dev, v_dev, g, np.array([0.1, 0.9, clip]), status)
-    errors["sgd"] = float(max(np.abs(p_cpu - p_dev).max(), np.abs(v_cpu - v_dev).max()))
+    sgd_update(p_cpu, v_cpu, g, 0.1, 0.9, scale, True)
+    st = status()
+    sgd_check[1, 64](p_dev, v_dev, g, sgd_hyper, st)
+    sgd[1, 64](p_dev, v_dev, g, sgd_hyper, st)
+    errors["sgd"] = float(max(np.abs(p_cpu - p_dev).max(), np.abs(v_cpu - v_dev).max(), st[2]))
     p_cpu, m_cpu, w_cpu = p.copy(), state[0].copy(), state[1].copy()
     p_dev, m_dev, w_dev = p.copy(), state[0].copy(), state[1].copy()
-    adam_step(p_cpu, m_cpu, w_cpu, g, 1.0, 1e-2, 0.9, 0.999, 1e-8, 1 - 0.9 ** 3, 1 - 0.999 ** 3, clip)
-    adam = getattr(k, names["adam"])
-    adam[1, 64](p_dev, m_dev, w_dev, g, np.array([1e-2, 0.9, 0.999, 1e-8, 1 - 0.9 ** 3, 1 - 0.999 ** 3, clip]), status)
-    errors["adam"] = float(max(np.abs(p_cpu - p_dev).max(), np.abs(m_cpu - m_dev).max(), np.abs(w_cpu - w_dev).max()))
-    # a loss or norm that is not finite changes nothing
+    adam_update(p_cpu, m_cpu, w_cpu, g, 1e-2, 0.9, 0.999, 1e-8, 1 - 0.9 ** 3, 1 - 0.999 ** 3, scale, True)
+    st = status()
+    adam_check[1, 64](p_dev, m_dev, w_dev, g, adam_hyper, st)
+    adam[1, 64](p_dev, m_dev, w_dev, g, adam_hyper, st)
+    errors["adam"] = float(max(np.abs(p_cpu - p_dev).max(), np.abs(m_cpu - m_dev).max(), np.abs(w_cpu - w_dev).max(),
+                               st[2]))
+    # a loss or norm that is not finite, or an update that overflows, changes nothing
     changed = 0.0
-    for bad in ([np.nan, sq], [1.0, np.inf]):
+    for bad in ([np.nan, sq, 0.0], [1.0, np.inf, 0.0], [1.0, sq, 1.0]):
         p_dev, v_dev = p.copy(), state[0].copy()
-        sgd[1, 64](p_dev, v_dev, g, np.array([0.1, 0.9, clip]), np.array(bad))
-        adam[1, 64](p_dev, v_dev, v_dev.copy(), g, np.array([1e-2, 0.9, 0.999, 1e-8, 0.1, 0.001, clip]), np.array(bad))
+        sgd[1, 64](p_dev, v_dev, g, sgd_hyper, np.array(bad))
+        adam[1, 64](p_dev, v_dev, v_dev.copy(), g, adam_hyper, np.array(bad))
         changed = max(changed, float(np.abs(p_dev - p).max()), float(np.abs(v_dev - state[0]).max()))
+    # the checks count the values a step makes infinite (a large momentum buffer times lr), as the CPU's do
+    big = state[0].copy()
+    big[:5] = 1e308
+    for name, check, hyper, cpu in (
+            ("sgd", sgd_check, [10.0, 0.9, clip], lambda *a: sgd_update(*a, 10.0, 0.9, scale, False)),
+            ("adam", adam_check, [1e300, *adam_hyper[1:]],
+             lambda *a: adam_update(*a, 1e300, 0.9, 0.999, 1e-8, 1 - 0.9 ** 3, 1 - 0.999 ** 3, scale, False))):
+        arrays = [p.copy(), big.copy()] + ([state[1].copy()] if name == "adam" else []) + [g]
+        st = status()
+        check[1, 64](*arrays, np.array(hyper), st)
+        expected = cpu(*arrays)
+        changed = max(changed, abs(st[2] - expected), 0.0 if expected >= 5 else 1.0)
     errors["nonfinite_unchanged"] = changed
     print(json.dumps(errors))
 ''')

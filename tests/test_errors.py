@@ -214,6 +214,51 @@ def test_nan_loss_raises_with_step_number_and_keeps_params(small):
     assert tr.steps == 3
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_an_update_that_overflows_changes_nothing(small, optimizer):
+    """lr = 1e38 is a float32 number, but p - lr * g overflows: the step is refused as a whole."""
+    tr = small.Trainer(small.init_params(0), optimizer=optimizer, lr=0.1)
+    x, y = _xy()
+    tr.step(x=x, y=y)
+    tr.lr = 3e38   # a float32 number; lr times a step of more than about 1.2 is not
+    if optimizer == "sgd":
+        tr.momentum, tr.state["momentum"][...] = 0.9, 10.0
+    else:   # Adam's step is about lr per value: a tiny second moment makes it larger
+        tr.state["v"][...] = 0.0
+        tr.eps = 1e-30
+    before = {k: v.copy() for k, v in tr.params.items()}
+    state = {k: v.copy() for k, v in tr.state.items()}
+    with pytest.raises(FloatingPointError, match=r"Trainer.step 2: the update overflows float32 in \d+ value"):
+        tr.step(x=x, y=y)
+    assert tr.steps == 1
+    for k in before:
+        np.testing.assert_array_equal(tr.params[k], before[k])
+        assert np.isfinite(tr.params[k]).all()
+    for k in state:
+        np.testing.assert_array_equal(tr.state[k], state[k])
+    tr.lr, tr.eps = 0.1, 1e-8
+    tr.step(x=x, y=y)   # and training goes on
+    assert tr.steps == 2
+
+
+def test_hyperparameters_the_dtype_cannot_hold_are_refused(small):
+    p = small.init_params(0)
+    with pytest.raises(ValueError, match="lr must be a finite number > 0 in float32, got 1e\\+39"):
+        small.Trainer(p, lr=1e39)
+    with pytest.raises(ValueError, match="eps must be a finite number > 0 in float32"):
+        small.Trainer(p, optimizer="adam", eps=1e-50)   # 0 in float32
+    with pytest.raises(ValueError, match=r"betas\[1\] must be a number in \[0, 1\) in float32"):
+        small.Trainer(p, optimizer="adam", betas=(0.9, 0.999999999))   # rounds to 1 in float32
+    tr = small.Trainer(p, lr=0.1)
+    with pytest.raises(ValueError, match="lr must be a finite number > 0"):
+        tr.lr = 1e39           # checked when set, not only at construction
+    with pytest.raises(ValueError, match="clip_norm must be a finite number > 0"):
+        tr.clip_norm = float("inf")
+    with pytest.raises(ValueError, match=r"momentum must be a number in \[0, 1\)"):
+        tr.momentum = 1.0
+    assert tr.lr == 0.1
+
+
 def test_checkpoint_of_another_model_is_refused(small, tmp_path):
     m = gc.Model("e_other")
     x = m.input("x", ("B", 3))

@@ -17,7 +17,7 @@ class CudaTrainerBase(TrainerBase):
     __doc__ = TrainerBase.__doc__.replace("`tr.params` is the live dict.",
                                           "`tr.params` is the live dict of device arrays.")
     runner = None            # the module's CudaRunner
-    kernels = {}             # "sgd", "adam", "sum_squares", "copy" -> the module's kernels
+    kernels = {}             # "sgd", "sgd_check", "adam", "adam_check", "sum_squares", "copy" -> the module's kernels
     entry = None             # the host function of loss_and_grad
 
     def loss_args(self, p, a):
@@ -40,7 +40,7 @@ class CudaTrainerBase(TrainerBase):
         zeros = np.zeros(max(size, 1), dtype=self.signature.float)
         self.state = {slot: run.adopt(zeros) for slot in slots}
         self._hyper = run.empty((7,))
-        self._status = run.empty((2,))            # the loss and |g|^2 of the last step
+        self._status = run.empty((3,))            # the loss, |g|^2, values the update would make non-finite
         self._launch = self._launch_step          # one bound method: the captured graph's key
         run.sync()
 
@@ -86,11 +86,20 @@ class CudaTrainerBase(TrainerBase):
         self._launch_optimizer(grads, params, s1, s2, hyper, status, stream)
 
     def _launch_optimizer(self, grads, params, s1, s2, hyper, status, stream):
-        """The fused update: clips by, and refuses a non-finite, loss status[0] or |g|^2 status[1]."""
-        if self.optimizer == "sgd":
-            self.kernels["sgd"][flat(params, stream)](params, s1, grads, hyper, status)
-        else:
-            self.kernels["adam"][flat(params, stream)](params, s1, s2, grads, hyper, status)
+        """The check, then the fused update: clips by, and refuses a non-finite, loss status[0] or |g|^2
+        status[1], or an update that would make any value non-finite (status[2] > 0)."""
+        self._launch_check(grads, params, s1, s2, hyper, status, stream)
+        self._launch_apply(grads, params, s1, s2, hyper, status, stream)
+
+    def _optimizer_args(self, grads, params, s1, s2, hyper, status):
+        state = (s1,) if self.optimizer == "sgd" else (s1, s2)
+        return (params, *state, grads, hyper, status)
+
+    def _launch_check(self, grads, params, s1, s2, hyper, status, stream):
+        self.kernels[self.optimizer + "_check"][block(stream)](*self._optimizer_args(grads, params, s1, s2, hyper, status))
+
+    def _launch_apply(self, grads, params, s1, s2, hyper, status, stream):
+        self.kernels[self.optimizer][flat(params, stream)](*self._optimizer_args(grads, params, s1, s2, hyper, status))
 
     def step(self, **inputs):
         run = self.runner
@@ -111,16 +120,19 @@ class CudaTrainerBase(TrainerBase):
             run.run(self._launch, args, a, entry="_loss_and_grad")
         else:   # stage functions over microbatches, then the update launched directly
             loss = self.pipeline.loss_and_grad(p, a, self._grads)   # p: device views, scalars as one-element arrays
-            self._status.copy_to_device(np.array([loss, 0.0], dtype=self.signature.float), stream=run.stream)
+            self._status.copy_to_device(np.array([loss, 0.0, 0.0], dtype=self.signature.float), stream=run.stream)
             if self.pipeline.comm is None:
                 self._launch_update(self._grads, self._flat, *state, self._hyper, self._status, run.stream)
-            else:   # each rank holds its own params' gradients: clip by, and check, the global norm
+            else:   # each rank holds its own params' gradients: clip by, and check, the global norm and overflow
                 self.kernels["sum_squares"][block(run.stream)](self._grads, self._status[1:2])
                 sq = self.pipeline.allreduce(float(run.host(self._status)[1]))
-                self._status.copy_to_device(np.array([loss, sq], dtype=self.signature.float), stream=run.stream)
-                self._launch_optimizer(self._grads, self._flat, *state, self._hyper, self._status, run.stream)
-        loss, sq = (float(x) for x in run.host(self._status))
+                self._status.copy_to_device(np.array([loss, sq, 0.0], dtype=self.signature.float), stream=run.stream)
+                self._launch_check(self._grads, self._flat, *state, self._hyper, self._status, run.stream)
+                bad = self.pipeline.allreduce(float(run.host(self._status)[2]))
+                self._status.copy_to_device(np.array([loss, sq, bad], dtype=self.signature.float), stream=run.stream)
+                self._launch_apply(self._grads, self._flat, *state, self._hyper, self._status, run.stream)
+        loss, sq, bad = (float(x) for x in run.host(self._status))
         if loss != loss:   # a device label out of range gives NaN: name it (nothing was updated)
             self.signature.check_labels(a, "Trainer.step")
-        self._count_step(loss, sq)
+        self._count_step(loss, sq, bad)
         return loss

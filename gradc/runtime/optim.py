@@ -40,34 +40,37 @@ def clip_scale(sum_sq, clip_norm):
 
 
 @kernel
-def sgd_step(p, v, g, loss, lr, momentum, clip_norm):
-    """v = momentum*v + g; p -= lr*v. Returns |g|^2; updates nothing when loss or |g|^2 is not finite."""
-    sq = sum_squares(g)
-    if not (math.isfinite(loss) and math.isfinite(sq)):
-        return sq
-    scale = p.dtype.type(clip_scale(sq, clip_norm))
+def sgd_update(p, v, g, lr, momentum, scale, write):
+    """The SGD update of every element; writes it when `write`, else only counts the elements whose
+    new param or state would not be finite (a step that overflows must change nothing)."""
+    bad = 0
     for i in range(p.size):
         vi = momentum * v[i] + scale * g[i]
-        v[i] = vi
-        p[i] -= lr * vi
-    return sq
+        pi = p[i] - lr * vi
+        if write:
+            v[i] = vi
+            p[i] = pi
+        elif not (math.isfinite(vi) and math.isfinite(pi)):
+            bad += 1
+    return bad
 
 
 @kernel
-def adam_step(p, m, v, g, loss, lr, beta1, beta2, eps, bias1, bias2, clip_norm):
-    """Adam with bias correction: p -= (lr/bias1) * m / (sqrt(v)/sqrt(bias2) + eps). Returns |g|^2."""
-    sq = sum_squares(g)
-    if not (math.isfinite(loss) and math.isfinite(sq)):
-        return sq
-    scale = p.dtype.type(clip_scale(sq, clip_norm))
+def adam_update(p, m, v, g, lr, beta1, beta2, eps, bias1, bias2, scale, write):
+    """The Adam update of every element; writes it when `write`, else counts the non-finite ones."""
     step = lr / bias1
     root2 = math.sqrt(bias2)
     one = p.dtype.type(1.0)
+    bad = 0
     for i in range(p.size):
         gi = scale * g[i]
         mi = beta1 * m[i] + (one - beta1) * gi
         vi = beta2 * v[i] + (one - beta2) * gi * gi
-        m[i] = mi
-        v[i] = vi
-        p[i] -= step * mi / (math.sqrt(vi) / root2 + eps)
-    return sq
+        pi = p[i] - step * mi / (math.sqrt(vi) / root2 + eps)
+        if write:
+            m[i] = mi
+            v[i] = vi
+            p[i] = pi
+        elif not (math.isfinite(mi) and math.isfinite(vi) and math.isfinite(pi)):
+            bad += 1
+    return bad

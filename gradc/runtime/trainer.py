@@ -6,9 +6,25 @@ import tempfile
 
 import numpy as np
 
-from .optim import adam_step, clip_scale, sgd_step, sum_squares
+from .optim import adam_update, clip_scale, sgd_update, sum_squares
 
 OPTIMIZERS = ("sgd", "adam")
+
+
+class Hyperparameter:
+    """A Trainer attribute whose every assignment is checked by `check(trainer, value)`."""
+
+    def __init__(self, check):
+        self.check = check
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, tr, owner=None):
+        return self if tr is None else tr.__dict__[self.name]
+
+    def __set__(self, tr, value):
+        tr.__dict__[self.name] = self.check(tr, value)
 
 
 class TrainerBase:
@@ -17,8 +33,10 @@ class TrainerBase:
     Trainer(params, /, optimizer="sgd", lr=0.01, momentum=0.0, betas=(0.9, 0.999), eps=1e-8, clip_norm=None)
     tr.step(**inputs) -> loss (float); tr.save(path); Trainer.load(path).
     SGD: v = momentum*v + g; p -= lr*v. Adam: PyTorch's, bias-corrected. clip_norm scales the
-    gradients when their global norm exceeds it. A step whose loss or gradient is not finite
-    raises FloatingPointError and leaves parameters and optimizer state as they were.
+    gradients when their global norm exceeds it. A step whose loss or gradient is not finite, or
+    whose update would make any param or optimizer value non-finite, raises FloatingPointError and
+    leaves parameters and optimizer state as they were. Hyperparameters are checked whenever they
+    are set, in the params' dtype.
     """
     # set by the generated subclass
     signature = fingerprint = model_name = None
@@ -26,19 +44,20 @@ class TrainerBase:
     grad_slices = {}
     pipeline = None        # the pipeline executor of a --devices / --microbatches build
 
+    # checked whenever they are set (tr.lr = ... between steps too), in the params' dtype
+    lr = Hyperparameter(lambda tr, v: tr._positive("lr", v))
+    eps = Hyperparameter(lambda tr, v: tr._positive("eps", v))
+    clip_norm = Hyperparameter(lambda tr, v: None if v is None else tr._positive("clip_norm", v))
+    momentum = Hyperparameter(lambda tr, v: tr._fraction("momentum", v))
+    betas = Hyperparameter(lambda tr, v: tr._betas(v))
+
     def __init__(self, params, /, optimizer="sgd", lr=0.01, momentum=0.0, betas=(0.9, 0.999), eps=1e-8,
                  clip_norm=None):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"{self.model_name}.Trainer: unknown optimizer {optimizer!r} (use 'sgd' or 'adam')")
         checked = self.signature.params(params)
         self.optimizer = optimizer
-        self.lr = _positive("lr", lr, self.model_name)
-        self.momentum = _fraction("momentum", momentum, self.model_name)
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-            raise ValueError(f"{self.model_name}.Trainer: betas must be a pair, got {betas!r}")
-        self.betas = (_fraction("betas[0]", betas[0], self.model_name), _fraction("betas[1]", betas[1], self.model_name))
-        self.eps = _positive("eps", eps, self.model_name)
-        self.clip_norm = None if clip_norm is None else _positive("clip_norm", clip_norm, self.model_name)
+        self.lr, self.momentum, self.betas, self.eps, self.clip_norm = lr, momentum, betas, eps, clip_norm
         self.steps = 0
         size = max((end for _, end in self.grad_slices.values()), default=0)
         slots = ("momentum",) if optimizer == "sgd" else ("m", "v")
@@ -88,31 +107,39 @@ class TrainerBase:
         self._adopt()
         p = self.signature.params(self.params, exact=True)
         loss = self._gradients(p, a, self._grads)
-        grads = self._grads
-        clip = self.clip
-        if self.pipeline is not None and self.pipeline.comm is not None:
-            # each rank holds its own params' gradients: the norm (for clipping and the finite check) is global
-            sq = self.pipeline.allreduce(sum_squares(grads))
-            if not math.isfinite(sq):
-                raise FloatingPointError(f"{self.model_name}.Trainer.step {self.steps + 1}: the gradient is not "
-                                         f"finite; parameters and optimizer state are left as they were")
-            grads *= grads.dtype.type(clip_scale(sq, clip))
-            clip = math.inf
-        f = self.signature.float.type   # hyperparameters in the params' dtype
-        if self.optimizer == "sgd":
-            sq = sgd_step(self._flat, self.state["momentum"], grads, loss, f(self.lr), f(self.momentum), clip)
-        else:
-            t = self.steps + 1
-            sq = adam_step(self._flat, self.state["m"], self.state["v"], grads, loss, f(self.lr), f(self.betas[0]),
-                           f(self.betas[1]), f(self.eps), f(1.0 - self.betas[0] ** t), f(1.0 - self.betas[1] ** t),
-                           clip)
-        self._count_step(loss, sq)
+        # under MPI each rank holds its own params' gradients: the norm and the overflow check are global
+        sq = self._allreduce(sum_squares(self._grads))
+        bad = 0
+        if math.isfinite(loss) and math.isfinite(sq):
+            scale = self.signature.float.type(clip_scale(sq, self.clip))
+            bad = self._allreduce(self._update(scale, write=False))   # a step that overflows changes nothing
+            if not bad:
+                self._update(scale, write=True)
+        self._count_step(loss, sq, bad)
         return float(loss)
 
-    def _count_step(self, loss, sq):
-        """Count a finished step, or refuse one whose loss or |g|^2 is not finite (which updated nothing)."""
-        if not (math.isfinite(loss) and math.isfinite(sq)):
-            what = f"the loss is {loss}" if not math.isfinite(loss) else "the gradient is not finite"
+    def _allreduce(self, x):
+        return x if self.pipeline is None else self.pipeline.allreduce(x)
+
+    def _update(self, scale, write):
+        """The optimizer's update of every trained value with gradients times `scale`; without
+        `write`, only the count of values it would make non-finite."""
+        f = self.signature.float.type   # hyperparameters in the params' dtype
+        if self.optimizer == "sgd":
+            return sgd_update(self._flat, self.state["momentum"], self._grads, f(self.lr), f(self.momentum), scale,
+                              write)
+        t = self.steps + 1
+        return adam_update(self._flat, self.state["m"], self.state["v"], self._grads, f(self.lr), f(self.betas[0]),
+                           f(self.betas[1]), f(self.eps), f(1.0 - self.betas[0] ** t), f(1.0 - self.betas[1] ** t),
+                           scale, write)
+
+    def _count_step(self, loss, sq, bad):
+        """Count a finished step, or refuse one whose loss or |g|^2 is not finite, or whose update would
+        make `bad` params or optimizer state values non-finite (such a step updated nothing)."""
+        if not (math.isfinite(loss) and math.isfinite(sq)) or bad:
+            what = (f"the loss is {loss}" if not math.isfinite(loss) else "the gradient is not finite"
+                    if not math.isfinite(sq) else f"the update overflows {np.dtype(self.signature.float).name} in "
+                    f"{int(bad)} value(s) (lr {self.lr:g} too large?)")
             raise FloatingPointError(f"{self.model_name}.Trainer.step {self.steps + 1}: {what}; parameters and "
                                      f"optimizer state are left as they were before this step")
         self.steps += 1
@@ -162,14 +189,24 @@ class TrainerBase:
             tr.steps = meta["steps"]
         return tr
 
+    # ---- hyperparameter checks -------------------------------------------------------------
+    def _positive(self, name, value):
+        """A finite number > 0 that stays so in the params' dtype (1e39 overflows float32, 1e-50 is 0 there)."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value) \
+                or not 0 < self.signature.float.type(value) < math.inf:
+            raise ValueError(f"{self.model_name}.Trainer: {name} must be a finite number > 0 in "
+                             f"{np.dtype(self.signature.float).name}, got {value!r}")
+        return float(value)
 
-def _positive(name, value, model):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
-        raise ValueError(f"{model}.Trainer: {name} must be a finite number > 0, got {value!r}")
-    return float(value)
+    def _fraction(self, name, value):
+        """A number in [0, 1) that stays below 1 in the params' dtype (float32 rounds 0.99999999 to 1)."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1 \
+                or not self.signature.float.type(value) < 1:
+            raise ValueError(f"{self.model_name}.Trainer: {name} must be a number in [0, 1) in "
+                             f"{np.dtype(self.signature.float).name}, got {value!r}")
+        return float(value)
 
-
-def _fraction(name, value, model):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-        raise ValueError(f"{model}.Trainer: {name} must be a number in [0, 1), got {value!r}")
-    return float(value)
+    def _betas(self, value):
+        if not (isinstance(value, (tuple, list)) and len(value) == 2):
+            raise ValueError(f"{self.model_name}.Trainer: betas must be a pair, got {value!r}")
+        return self._fraction("betas[0]", value[0]), self._fraction("betas[1]", value[1])
