@@ -171,11 +171,28 @@ def reductions_rank3():
     return m
 
 
-MODELS = [broadcast_patterns, reductions_rank3, mlp_weight_decay, shared_weights, reused_input, residual, frozen_and_unused, reductions_and_attention,
+def row_params_and_objective_output():
+    """Params of shape (1, N), (N, 1) and () whose gradients end in a reshape of a reduction (they once
+    came back as uninitialised memory), a constant stored in the data file, and the objective also
+    declared as an output."""
+    m = gc.Model("cg_rows")
+    x = m.input("x", ("B", 5))
+    p = m.param("p", (1, 5), init="normal")
+    q = m.param("q", (5, 1), init="normal")
+    s = m.param("s", (), init="normal")
+    c = np.random.default_rng(0).normal(size=(5, 60))   # 300 values: more than the module writes inline
+    h = gc.tanh(x * p + q.T * s)
+    loss = (h * h).sum() + ((h @ c) ** 2).mean() * 0.01 + (h @ q).sum()
+    m.output("loss_copy", loss)
+    m.minimize(loss)
+    return m
+
+
+MODELS = [row_params_and_objective_output, broadcast_patterns, reductions_rank3, mlp_weight_decay, shared_weights, reused_input, residual, frozen_and_unused, reductions_and_attention,
           user_ops, layout_ops, scalars, constants_and_array_init, integer_labels_int32, deep_chain]
 
 
-WITH_HVP = [scalars, broadcast_patterns, residual]
+WITH_HVP = [scalars, broadcast_patterns, residual, row_params_and_objective_output]
 
 
 def _inputs(module, rng, batch=5):
@@ -247,6 +264,30 @@ def test_float32_build_matches_float64_reference(build_dir, rng):
     np.testing.assert_allclose(loss, ref[graph.objective], rtol=1e-5)
     for p, node in graph.grads.items():
         np.testing.assert_allclose(grads[p], ref[node], rtol=1e-4, atol=1e-6, err_msg=p)
+
+
+def test_float32_build_with_a_float64_constant(build_dir, rng):
+    """The constant (float64 in the model) is converted once at compile time to the build's dtype."""
+    model = row_params_and_objective_output()
+    mod = gc.compile(model, out=build_dir, warm_cache=False)
+    graph = build_training_graph(model, "float64")
+    params = mod.init_params(1)
+    x = rng.standard_normal((6, 5)).astype(np.float32)
+    loss, grads = mod.loss_and_grad(params, x=x)
+    ref = evaluate(graph, params, {"x": x}, [graph.objective] + list(graph.grads.values()))
+    np.testing.assert_allclose(loss, ref[graph.objective], rtol=1e-5)
+    for p, node in graph.grads.items():
+        assert grads[p].dtype == np.float32
+        np.testing.assert_allclose(grads[p], ref[node], rtol=1e-4, atol=1e-5, err_msg=p)
+    assert mod.forward(params, x=x)["loss_copy"] == pytest.approx(loss, rel=1e-6)
+
+
+def test_a_constant_beyond_the_dtype_is_refused(tmp_path):
+    m = gc.Model("cg_huge_const")
+    x = m.input("x", ("B", 3))
+    m.minimize((x * m.param("w", (3,)) * np.full(3, 1e300)).sum())
+    with pytest.raises(gc.GradcError, match="constant array .* beyond float32's range"):
+        gc.compile(m, out=str(tmp_path), warm_cache=False)
 
 
 def test_extreme_inputs_stay_finite_in_float32(build_dir):
