@@ -35,7 +35,8 @@ def _inline(graph, n, roots):
             op = graph.op(u)
             if op == "const" and all(d == 1 for d in graph.shape(u)) and len(graph.shape(u)) <= len(graph.shape(n)):
                 piece, pieces = _literal(np.asarray(graph.attrs(u)["value"]).reshape(())), []
-            elif _elementwise(graph, u) and u not in roots and graph.users(u) == [n] and u != n:
+            elif _elementwise(graph, u) and u not in roots and u != n and (graph.users(u) == [n] or not graph.operands(u)):
+                # a sole user takes the producer over; a constant fill (no operands) is copied into every user
                 piece, pieces = expr_of(graph, u), list(graph.operands(u))
             else:
                 continue
@@ -55,6 +56,25 @@ def _inline(graph, n, roots):
         node["attrs"] = {"expr": expr, "shape": node["shape"]}
         graph.set_operands(n, operands)
     return changed
+
+
+def split_second_order_uses(graph):
+    """An elementwise value that first-order code and second-order code both read is computed twice:
+    once for each. Otherwise the second-order reader keeps it from fusing into its first-order
+    reader, and loss_and_grad of an --order 2 build would fill buffers that --order 1 fuses away.
+    Reverse topological order, so that copies made for second-order readers are copied in turn."""
+    roots = set(graph.roots())
+    for n in reversed(graph.topo_order()):
+        if n in roots or not _elementwise(graph, n):
+            continue
+        second = [u for u in graph.users(n) if graph.node(u)["phase"] == "second"]
+        if not second or len(second) == len(graph.users(n)):
+            continue
+        node = graph.node(n)
+        copy = graph.add_node(node["op"], node["inputs"], node["attrs"], node["shape"], node["dtype"], phase="second",
+                              src=node["src"], name=node.get("name"), of=node.get("of"))
+        for u in second:
+            graph.set_operands(u, [copy if v == n else v for v in graph.operands(u)])
 
 
 def fuse_elementwise(graph):

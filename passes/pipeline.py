@@ -8,7 +8,7 @@ from gradc.errors import GradcError
 from gradc.ir import FLOAT_DTYPES
 
 from .autodiff import build_backward
-from .fusion import fuse_elementwise
+from .fusion import fuse_elementwise, split_second_order_uses
 from .objective import add_objective
 from .second_order import build_hvp
 from .simplify import simplify
@@ -87,6 +87,8 @@ def build_training_graph(model, dtype="float32", dims=None, timings=None, order=
     if order == 2:
         timed("second_order", build_hvp, graph, trainable)
     timed("simplify", simplify, graph)
+    if order == 2:
+        timed("fusion", split_second_order_uses, graph)
     timed("fusion", fuse_elementwise, graph)
     timed("simplify", simplify, graph)
     timed("constants", constants_in_dtype, graph, dtype)

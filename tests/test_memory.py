@@ -390,3 +390,58 @@ def test_auto_budget_keeps_everything_when_memory_allows(tmp_path):
     plan = mod.MEMORY_PLAN
     assert plan["method"] == "store-all" and plan["budget_bytes"] > plan["store_all_peak_bytes"]
     assert plan["recompute_flops"] == 0 and not plan["recomputed"]
+
+
+# ---- each entry as lean as if it were built alone -------------------------------------------
+def _readme_mlp():
+    m = gc.Model("lean_mlp")
+    x = m.input("x", ("B", 64))
+    y = m.input("y", ("B",), dtype="int64")
+    h = x
+    for i, (n_in, n_out) in enumerate([(64, 128), (128, 128), (128, 10)]):
+        h = h @ m.param(f"W{i}", (n_in, n_out)) + m.param(f"b{i}", (n_out,))
+        if i < 2:
+            h = gc.tanh(h)
+    m.output("logits", h)
+    m.minimize(gc.softmax_cross_entropy(h, y), weight_decay=1e-4)
+    return m
+
+
+def _broadcast_residual():
+    m = gc.Model("lean_residual")
+    x = m.input("x", ("B", 16))
+    h = x
+    for i in range(3):
+        h = h + gc.softplus(h @ m.param(f"W{i}", (16, 16)) * m.param(f"s{i}", (1, 16)) + m.param(f"c{i}", ()))
+    m.minimize(gc.mse(h, x) + (h * m.param("q", (16, 1)).T).mean(), weight_decay=1e-3)
+    return m
+
+
+def _reductions():
+    m = gc.Model("lean_reduce")
+    x = m.input("x", ("B", 3, 4))
+    h = x * m.param("w", (3, 4), init="normal")
+    r = gc.sum(h, axis=(0, 2), keepdims=True) * gc.max(h, axis=(0, 2), keepdims=True)
+    q = gc.max(h, axis=1) + gc.mean(h, axis=(1,))
+    z = gc.softmax(h, axis=1) * r + gc.log_softmax(h, axis=0)
+    m.minimize(gc.mean(z) + gc.mean(q * q) + gc.max(h) * 0.1)
+    return m
+
+
+@pytest.mark.parametrize("make", [_readme_mlp, _broadcast_residual, _reductions])
+def test_order_2_builds_plan_first_order_entries_as_order_1_does(make):
+    """The second-order nodes share values with the backward; they must not stop those values
+    from fusing, or loss_and_grad of the default build would hold more than --order 1's."""
+    from gradc.passes.memory import plan_memory
+    from gradc.passes.pipeline import build_training_graph
+
+    dims = {"B": 256}
+    plans = {}
+    for order in (1, 2):
+        graph = build_training_graph(make(), "float32", dims, order=order)
+        plans[order] = (graph, plan_memory(graph, dims, order, None))
+    for entry in ("_forward_loss", "_loss_and_grad", "_input_grads"):
+        (g1, p1), (g2, p2) = plans[1], plans[2]
+        one, two = p1[entry], p2[entry]
+        assert two["peak_bytes"] == one["peak_bytes"], entry
+        assert [g2.op(n) for n in two["steps"]] == [g1.op(n) for n in one["steps"]], entry
