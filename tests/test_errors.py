@@ -178,6 +178,10 @@ def test_runtime_input_errors(small):
         small.loss_and_grad(p, x=x.astype(np.float64), y=y)
     with pytest.raises(ValueError, match="input 'y' has dtype int32, expected int64"):
         small.loss_and_grad(p, x=x, y=y.astype(np.int32))
+    with pytest.raises(ValueError, match=r"input 'x' has shape \(0, 3\): dim B is 0; give at least one row"):
+        small.loss_and_grad(p, x=x[:0], y=y[:0])
+    with pytest.raises(ValueError, match="dim B is 0"):
+        small.Trainer(p).step(x=x[:0], y=y[:0])
     with pytest.raises(ValueError, match="dim B is 4 in input 'x'"):
         small.loss_and_grad(p, x=x, y=y[:3])
     with pytest.raises(ValueError, match=r"label 4, outside 0..3"):

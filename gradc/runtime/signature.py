@@ -118,6 +118,9 @@ class Signature:
                 raise ValueError(f"{self.model}.{entry}: input {name!r} has shape {_fmt(v.shape)}, expected {_fmt(shape)}")
             for d, actual in zip(shape, v.shape):
                 if isinstance(d, str):
+                    if actual == 0:   # a mean over no rows is 0/0: refuse it rather than return NaN
+                        raise ValueError(f"{self.model}.{entry}: input {name!r} has shape {_fmt(v.shape)}: dim {d} is "
+                                         f"0; give at least one row")
                     seen = dims.setdefault(d, (actual, name))
                     if seen[0] != actual:
                         raise ValueError(f"{self.model}.{entry}: input {name!r} has shape {_fmt(v.shape)}, but dim {d} "
