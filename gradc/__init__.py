@@ -14,7 +14,11 @@ from .dsl import (Model, Tensor, exp, log, tanh, sigmoid, relu, softplus, gelu, 
 def compile(model, **options):
     """Compile a Model like `gradc compile` does and return the imported generated module.
 
-    Options: out="build", target="cpu", dtype="float32", order=1, bind={"B": 64}, warm=True.
+    Options (defaults shown): out="build", target="cpu", dtype="float32", order=2, bind=None (a dict such
+    as {"B": 64}), memory_budget=None (bytes, a size such as "64MiB", or "auto"), devices=None,
+    schedule=None, microbatches=None, device_memory=None, batch_dim=None, warm=True (compile every
+    kernel now, so that Numba's cache makes the first call fast; warm_cache= is the same option).
+    A mistake in the model or the options raises GradcError; a compile that fails leaves OUT as it was.
     """
     from .compiler import compile_model
     return compile_model(model, **options)

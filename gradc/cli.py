@@ -2,16 +2,25 @@
 import argparse
 import os
 import runpy
+import signal
 import sys
 import traceback
 
 from . import sizes
-from .errors import GradcError
-
+from .errors import GradcError, _short
 
 
 class UsageError(Exception):
     """A bad command line or model file: one line on stderr, exit 2."""
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the process is, so that a compile cleans up as on Ctrl-C.
+    A BaseException, like KeyboardInterrupt: `except Exception` in a model file does not swallow it."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
 
 
 def parse_size(text):
@@ -48,16 +57,12 @@ def load_models(path):
     except GradcError:
         raise
     except SystemExit as e:
-        raise UsageError(f"{path}: the model file called exit({e.code})") from None
-    except BaseException as e:
-        tb = traceback.TracebackException.from_exception(e)
-        # the user's frames only: drop runpy's and ours
-        tb.stack = traceback.StackSummary.from_list(
-            [f for f in tb.stack if not f.filename.startswith("<frozen") and
-             os.path.abspath(f.filename) != os.path.abspath(runpy.__file__) and
-             os.path.abspath(f.filename) != os.path.abspath(__file__)])
-        sys.stderr.write("".join(tb.format()))
-        raise UsageError(f"{path}: the model file raised {type(e).__name__}: {e}") from None
+        raise UsageError(f"{path}: the model file called exit({e.code})") from e
+    except SyntaxError as e:   # also one in a module the model file imports: its own file and line
+        where = f"{_short(e.filename)}:{e.lineno}" if e.filename else path
+        raise UsageError(f"{where}: {type(e).__name__}: {e.msg}") from e
+    except Exception as e:
+        raise UsageError(f"{_user_line(path, e)}: {type(e).__name__}: {e}") from e
     finally:
         sys.path.remove(folder)
     models = {}
@@ -65,6 +70,15 @@ def load_models(path):
         if isinstance(value, Model):
             models.setdefault(value.name, value)
     return models
+
+
+def _user_line(path, error):
+    """'path:line' of the innermost frame of the traceback that runs in the model file itself."""
+    where = path
+    for frame in traceback.extract_tb(error.__traceback__):
+        if os.path.abspath(frame.filename) == os.path.abspath(path):
+            where = f"{path}:{frame.lineno}"
+    return where
 
 
 def cmd_compile(args):
@@ -80,13 +94,15 @@ def cmd_compile(args):
         raise UsageError(f"{args.model_file}: defines models {', '.join(sorted(models))}; pick one with --model")
     else:
         (model,) = models.values()
-    timings = {}
+    timings, notes = {}, []
     compile_model(model, out=args.out, target=args.target, dtype=args.dtype, order=args.order,
-                  bind=parse_bind(args.bind), warm_cache=not args.no_warm, timings=timings, source=args.model_file,
-                  memory_budget=args.memory_budget, devices=args.devices, schedule=args.schedule,
+                  bind=parse_bind(args.bind), warm=not args.no_warm, timings=timings, notes=notes,
+                  source=args.model_file, memory_budget=args.memory_budget, devices=args.devices, schedule=args.schedule,
                   microbatches=args.microbatches, device_memory=args.device_memory, batch_dim=args.batch_dim)
     secs = f"passes {timings.get('passes_total', 0):.2f}s" + (
         f", Numba warm-up {timings['numba_warm']:.1f}s" if "numba_warm" in timings else "")
+    for note in notes:
+        print(f"gradc: note: {note}")
     print(f"gradc: wrote {os.path.join(args.out, model.name + '.py')} ({secs})")
     return 0
 
@@ -94,7 +110,7 @@ def cmd_compile(args):
 def cmd_inspect(args):
     from .inspect_build import report
     print(report(args.build, graph=args.graph, memory=args.memory, partition=args.partition, kernels=args.kernels,
-                 ptx_of=args.ptx))
+                 ptx_of=args.ptx, run_module=args.run_module))
     return 0
 
 
@@ -131,8 +147,11 @@ def build_parser():
     i.add_argument("--memory", action="store_true", help="values kept for the backward, with bytes")
     i.add_argument("--partition", action="store_true", help="stages, transfers and the pipeline schedule (with --devices K)")
     i.add_argument("--kernels", action="store_true", help="the generated kernels (CUDA: launch grids; registers and "
-                   "shared memory where a GPU is present)")
-    i.add_argument("--ptx", metavar="KERNEL", help="print one kernel's PTX (a --target cuda build, on a GPU)")
+                   "shared memory with --run-module on a GPU)")
+    i.add_argument("--ptx", metavar="KERNEL", help="one kernel's code; its PTX with --run-module (a --target cuda "
+                   "build, on a GPU)")
+    i.add_argument("--run-module", action="store_true", help="for --kernels/--ptx on a GPU: imports and runs the "
+                   "build's code: only for builds you trust (otherwise inspect reads only the dumps)")
     i.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     return ap
 
@@ -141,17 +160,31 @@ def main(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
     try:
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:   # not the main thread: SIGTERM keeps its handler
+        previous = None
+    try:
         return cmd_compile(args) if args.command == "compile" else cmd_inspect(args)
     except (GradcError, UsageError) as e:
         if args.debug:
             raise
         print(f"gradc: error: {e}", file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, Terminated) as e:
+        # the compile has removed what it had written; 128 + the signal's number, as a shell reports it
+        if args.debug:
+            traceback.print_exc()
+        interrupted = isinstance(e, KeyboardInterrupt)
+        print("gradc: interrupted" if interrupted else "gradc: terminated", file=sys.stderr)
+        return 128 + (signal.SIGINT if interrupted else signal.SIGTERM)
     except Exception as e:
         if args.debug:
             raise
         print(f"gradc: internal error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -5,19 +5,23 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 
 from .errors import GradcError
+from .files import remove_stale, temp_name
 from .version import __version__
 
 TARGETS = ("cpu", "cuda")
 DEVICE_OPTIONS = ("devices", "schedule", "device_memory", "microbatches", "batch_dim")
 MAX_REPLANS = 8   # cuts tried again when the stages' memory plans need more than the cost model said
+STORE = ".gradc"        # OUT/.gradc/: the builds, and a link per model to its current build (see write_outputs)
+SVG_MAX_NODES = 3000    # graphviz takes minutes on larger graphs; NAME.graph.dot is written all the same
+SVG_TIMEOUT_S = 5       # the SVG is a convenience: it may never hold up or fail a compile
 
 
 def check_options(options, src):
@@ -257,8 +261,9 @@ def plan_pipeline(graph, dims, pipe, model):
 
 
 def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bind=None, warm_cache=True,
-                  timings=None, source=None, memory_budget=None, **later_options):
-    """Compile `model` into OUT/NAME.py (plus dumps) and return the imported module."""
+                  timings=None, source=None, memory_budget=None, notes=None, **later_options):
+    """Compile `model` into OUT/NAME.py (plus dumps) and return the imported module.
+    `warm=` (what gradc.compile documents) is `warm_cache=`; `notes` collects remarks for the CLI to print."""
     from gradc.codegen.module import generate
     from gradc.passes.analysis import flops, nbytes, saved_for_backward
     from gradc.passes.checkpoint import BudgetError
@@ -270,6 +275,8 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     if not isinstance(model, Model):
         raise GradcError(f"compile: expected a gradc.Model, got {type(model).__name__}")
     devices = {k: later_options.pop(k, None) for k in DEVICE_OPTIONS}
+    if "warm" in later_options:
+        warm_cache = later_options.pop("warm")
     check_options(later_options, model.src)
     if target not in TARGETS:
         raise GradcError(f"--target {target!r}: use one of {', '.join(TARGETS)}", model.src)
@@ -337,51 +344,159 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     if partition is not None:
         files[f"{name}.partition.json"] = json.dumps(partition, indent=1)
     # a CUDA module compiles its kernels on the GPU, at its first call with each set of shapes
-    return write_outputs(out, name, files, stored, dims if warm_cache and target == "cpu" else None, timings)
+    return write_outputs(out, name, files, stored, dims if warm_cache and target == "cpu" else None, timings,
+                         [] if notes is None else notes, graph.nx.number_of_nodes())
 
 
-def write_outputs(out, name, files, stored, warm_dims, timings):
-    """Write into a temp dir inside OUT, warm Numba there, then move each file into place."""
-    made_out = not os.path.isdir(out)
-    os.makedirs(out, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".gradc-{name}-", dir=out)
+def render_svg(dot_file, nodes):
+    """NAME.graph.svg beside `dot_file` where graphviz is installed; None, or a note why there is none.
+    dot runs in a session of its own, so that a timeout or Ctrl-C kills it and anything it started."""
+    dot = shutil.which("dot")
+    if dot is None:
+        return None
+    svg = dot_file[:-len(".dot")] + ".svg"
+    name = os.path.basename(svg)
+    if nodes > SVG_MAX_NODES:
+        return (f"no {name}: the graph has {nodes} nodes (more than {SVG_MAX_NODES}); render "
+                f"{os.path.basename(dot_file)} with graphviz if you need it")
     try:
-        for fname, text in files.items():
-            with open(os.path.join(tmp, fname), "w") as f:
-                f.write(text)
-        if stored:
-            np.savez(os.path.join(tmp, f"{name}.data.npz"), **stored)
-        dot = shutil.which("dot")
-        if dot:
-            subprocess.run([dot, "-Tsvg", "-o", os.path.join(tmp, f"{name}.graph.svg"),
-                            os.path.join(tmp, f"{name}.graph.dot")], check=False, capture_output=True, timeout=120)
+        proc = subprocess.Popen([dot, "-Tsvg", "-o", svg, dot_file], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    except OSError as e:
+        return f"no {name}: dot did not start ({e.strerror})"
+    try:
+        code = proc.wait(timeout=SVG_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        code = None
+    finally:
+        if proc.returncode is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            proc.wait()
+    if code == 0 and os.path.isfile(svg):
+        return None
+    if os.path.exists(svg):
+        os.unlink(svg)   # what dot wrote before it failed
+    return f"no {name}: " + (f"dot timed out after {SVG_TIMEOUT_S} s" if code is None else f"dot failed (exit {code})")
+
+
+def make_out(out):
+    """Create the folder OUT and its missing parents; the folders created, innermost first."""
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise GradcError(f"-o {out}: is a file, not a folder" if os.path.isfile(out) else f"-o {out}: is not a folder")
+    missing, parent = [], os.path.normpath(out)
+    while parent and not os.path.lexists(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    if parent and not os.path.isdir(parent):
+        raise GradcError(f"-o {out}: {parent} is a file, not a folder")
+    for i, folder in enumerate(reversed(missing)):
+        try:
+            os.mkdir(folder)
+        except OSError as e:
+            remove_empty(missing[len(missing) - i:])
+            raise GradcError(f"-o {out}: cannot create the folder {folder}: {e.strerror}") from None
+    return missing
+
+
+def remove_empty(folders):
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            pass   # not empty: someone else's files, or a live build
+
+
+def _link(path, target, store, name):
+    """Make `path` a symlink to `target`, replacing what is there by one rename (never writing through it)."""
+    if os.path.islink(path) and os.readlink(path) == target:
+        return
+    tmp = os.path.join(store, temp_name(f"{name}.", ".link"))
+    os.symlink(target, tmp)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_outputs(out, name, files, stored, warm_dims, timings, notes, graph_nodes):
+    """Write and warm a build in a folder of its own, then make it OUT's current build of NAME.
+
+    A build's files switch together, with one rename. The build lives in
+    OUT/.gradc/NAME.<pid>-<random>/; OUT/.gradc/NAME is a symlink to the current build, and the
+    contract's names OUT/NAME.py, OUT/NAME.graph.json, ... are fixed symlinks through it
+    (.gradc/NAME/NAME.py, ...). Renaming a new link onto OUT/.gradc/NAME switches them all at once:
+    a reader sees the old build or the new one, never a new graph.json beside an old NAME.py.
+    NAME.py keeps its path, so `import NAME` with OUT on sys.path works as before, and Numba keeps
+    its cache in OUT/__pycache__ (it checks each entry against the module file's mtime and size,
+    so an entry of another build is never used). The pid in a build folder's name lets the next
+    compile remove the leftovers of a killed one and leave those of a live one alone.
+    """
+    made = make_out(out)
+    store = os.path.join(out, STORE)
+    current = os.path.join(store, name)
+    build = os.path.join(store, temp_name(f"{name}."))
+    created, switched = [], False
+    try:
+        try:
+            os.makedirs(store, exist_ok=True)
+            previous = os.readlink(current) if os.path.islink(current) else None
+            remove_stale(store, f"{name}.", keep={previous})
+            os.mkdir(build)
+            for fname, text in files.items():
+                with open(os.path.join(build, fname), "w") as f:
+                    f.write(text)
+            if stored:
+                np.savez(os.path.join(build, f"{name}.data.npz"), **stored)
+        except OSError as e:
+            raise GradcError(f"-o {out}: cannot write into the folder: {e.strerror}"
+                             + (f" ({e.filename})" if e.filename else "")) from None
+        if note := render_svg(os.path.join(build, f"{name}.graph.dot"), graph_nodes):
+            notes.append(note)
         if warm_dims is not None:
             t = time.perf_counter()
-            module = import_file(os.path.join(tmp, f"{name}.py"), name)
+            module = import_file(os.path.join(build, f"{name}.py"), name)
             warm(module, warm_dims)
             timings["numba_warm"] = time.perf_counter() - t
-        cache = os.path.join(out, "__pycache__")
-        if os.path.isdir(cache):
-            for f in os.listdir(cache):
-                if f.startswith(f"{name}."):
-                    os.unlink(os.path.join(cache, f))
-        for stale in (f"{name}.data.npz", f"{name}.graph.svg", f"{name}.partition.json"):
-            if os.path.exists(os.path.join(out, stale)) and not os.path.exists(os.path.join(tmp, stale)):
-                os.unlink(os.path.join(out, stale))
-        tmp_cache = os.path.join(tmp, "__pycache__")
-        if os.path.isdir(tmp_cache):
-            os.makedirs(cache, exist_ok=True)
-            for f in os.listdir(tmp_cache):
-                if f.startswith(f"{name}."):
-                    os.replace(os.path.join(tmp_cache, f), os.path.join(cache, f))
-        # the module last: whoever sees NAME.py sees its cache and dumps too
-        for f in sorted(os.listdir(tmp), key=lambda f: f == f"{name}.py"):
-            if os.path.isfile(os.path.join(tmp, f)):
-                os.replace(os.path.join(tmp, f), os.path.join(out, f))
+        made_files = sorted(f for f in os.listdir(build) if os.path.isfile(os.path.join(build, f)))
+        _move_cache(os.path.join(build, "__pycache__"), os.path.join(out, "__pycache__"), name)
+        for f in made_files:   # names the current build lacks: they appear with the switch
+            if not os.path.lexists(os.path.join(out, f)):
+                _link(os.path.join(out, f), os.path.join(STORE, name, f), store, name)
+                created.append(os.path.join(out, f))
+        _link(current, os.path.basename(build), store, name)
+        switched = True
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if made_out and not os.listdir(out):
-            os.rmdir(out)
+        if not switched:
+            for path in created:
+                os.unlink(path)
+            shutil.rmtree(build, ignore_errors=True)
+            remove_empty([store] + made)
         raise
-    shutil.rmtree(tmp, ignore_errors=True)
+    if previous and previous != os.path.basename(build):
+        shutil.rmtree(os.path.join(store, previous), ignore_errors=True)
+    for f in os.listdir(out):
+        path = os.path.join(out, f)
+        if f in made_files:   # a file of a gradc before this layout, or a link planted there
+            _link(path, os.path.join(STORE, name, f), store, name)
+        elif os.path.islink(path) and os.readlink(path) == os.path.join(STORE, name, f):
+            os.unlink(path)   # a file the old build had and this one has not
+        elif f in (f"{name}.data.npz", f"{name}.graph.svg", f"{name}.partition.json") and os.path.isfile(path):
+            os.unlink(path)   # the same, from a gradc before this layout
     return import_file(os.path.join(out, f"{name}.py"), name)
+
+
+def _move_cache(src, dst, name):
+    """Numba's cache and the .pyc of the warm-up replace those of NAME's earlier builds in OUT/__pycache__."""
+    new = [f for f in os.listdir(src) if f.startswith(f"{name}.")] if os.path.isdir(src) else []
+    if os.path.isdir(dst):
+        for f in os.listdir(dst):
+            if f.startswith(f"{name}.") and f not in new:
+                os.unlink(os.path.join(dst, f))
+    if new:
+        os.makedirs(dst, exist_ok=True)
+        for f in new:
+            os.replace(os.path.join(src, f), os.path.join(dst, f))

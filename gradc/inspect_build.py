@@ -5,6 +5,7 @@ import re
 from collections import Counter
 
 from .errors import GradcError
+from .files import write_replacing
 from .inspect_kernels import kernel_listing, ptx
 from .inspect_partition import partition_report
 from .sizes import format_size
@@ -24,11 +25,13 @@ def _shape(s):
     return f"({inner},)" if len(s) == 1 else f"({inner})"
 
 
-def report(build, graph=False, memory=False, partition=False, kernels=False, ptx_of=None):
+def report(build, graph=False, memory=False, partition=False, kernels=False, ptx_of=None, run_module=False):
+    """The summary of a build, read from its dumps. Only run_module=True (--run-module) imports the
+    build's module, and so runs its code: for registers and PTX from the driver."""
     base, data = _load(build)
     meta = data["graph"]
     if ptx_of is not None:
-        return ptx(base, ptx_of, meta["kernels"])
+        return ptx(base, ptx_of, meta["kernels"], run_module)
     nodes = {n["id"]: n for n in data["nodes"]}
     lines = [f"model {meta['model']} ({meta['dtype']}, gradc {meta['gradc_version']}) from {meta['source']}"]
     phases = Counter(n["phase"] for n in nodes.values())
@@ -55,7 +58,7 @@ def report(build, graph=False, memory=False, partition=False, kernels=False, ptx
         lines += _graph_table(nodes)
     if kernels:
         lines.append("")
-        lines += kernel_listing(base, meta["kernels"])
+        lines += kernel_listing(base, meta["kernels"], run_module)
     if memory:
         lines.append("")
         lines += memory_report(base)
@@ -127,7 +130,7 @@ def _live_bytes_png(base, plan):
     ax.legend()
     fig.tight_layout()
     path = base + ".memory.png"
-    fig.savefig(path, dpi=110)
+    write_replacing(path, lambda f: fig.savefig(f, format="png", dpi=110))   # never through a planted link
     plt.close(fig)
     return path
 

@@ -3,6 +3,7 @@ schedule as a text Gantt chart (a PNG too with the viz extra)."""
 import json
 import os
 
+from .files import write_replacing
 from .sizes import format_size
 
 WIDTH = 72   # columns of the Gantt chart
@@ -75,6 +76,6 @@ def _gantt_png(base, plan):
     ax.set_title(f"{plan['schedule']}, {K} stages, {plan['microbatches']} microbatches")
     fig.tight_layout()
     path = base + ".partition.png"
-    fig.savefig(path, dpi=110)
+    write_replacing(path, lambda f: fig.savefig(f, format="png", dpi=110))   # never through a planted link
     plt.close(fig)
     return path

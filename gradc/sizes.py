@@ -1,28 +1,35 @@
 """Byte sizes as users write them (--memory-budget 64MiB) and as messages show them."""
+import math
 
 UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+MAX_BYTES = 2**63 - 1   # what an int64 byte count holds; the planners and numpy count in int64
 
 
 def parse_size(text):
-    """'auto', an int, or text like '512', '1.5GiB', '200MB' -> 'auto' or bytes; ValueError otherwise."""
+    """'auto', an int, or text like '512', '1.5GiB', '200MB' -> 'auto' or bytes; ValueError otherwise
+    (also for negative, non-finite and over-int64 sizes)."""
+    usage = f"{text!r} is not a size (bytes, or with KiB/MiB/GiB)"
     if isinstance(text, bool):
-        raise ValueError(f"{text!r} is not a size (bytes, or with KiB/MiB/GiB)")
+        raise ValueError(usage)
     if isinstance(text, int):
-        if text < 0:
-            raise ValueError(f"{text!r} is not a size: it is negative")
-        return text
-    if text == "auto":
+        value = text
+    elif text == "auto":
         return "auto"
-    t = str(text).strip().upper().replace(" ", "")
-    num = t.rstrip("KMGIB")
-    unit = t[len(num):]
-    try:
-        value = float(num)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a size (bytes, or with KiB/MiB/GiB)") from None
-    if unit not in UNITS or not value >= 0:
-        raise ValueError(f"{text!r} is not a size (bytes, or with KiB/MiB/GiB)")
-    return int(value * UNITS[unit])
+    else:
+        t = str(text).strip().upper().replace(" ", "")
+        num = t.rstrip("KMGIB")
+        unit = t[len(num):]
+        try:
+            value = float(num) * UNITS[unit]
+        except (ValueError, KeyError):
+            raise ValueError(usage) from None
+        if not math.isfinite(value):
+            raise ValueError(f"{text!r} is not a size: it is not finite")
+    if value < 0:
+        raise ValueError(f"{text!r} is not a size: it is negative")
+    if value > MAX_BYTES:
+        raise ValueError(f"{text!r} is not a size: it is more than {MAX_BYTES:,} bytes")
+    return int(value)
 
 
 def format_size(n):

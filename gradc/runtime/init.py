@@ -48,6 +48,8 @@ def load_data(module_file, keys):
     """Arrays too large to write into the module live in NAME.data.npz beside it."""
     if not keys:
         return {}
-    path = os.path.splitext(module_file)[0] + ".data.npz"
+    # NAME.py is a link through OUT/.gradc/NAME, which a new compile switches: read the data of the
+    # build this module's code came from, not whatever build is current now
+    path = os.path.splitext(os.path.realpath(module_file))[0] + ".data.npz"
     with np.load(path, allow_pickle=False) as f:
         return {k: f[k] for k in keys}

@@ -2,10 +2,11 @@
 import json
 import math
 import os
-import tempfile
+import stat
 
 import numpy as np
 
+from ..files import read_npz, write_replacing
 from .optim import adam_update, clip_scale, sgd_update, sum_squares
 
 OPTIMIZERS = ("sgd", "adam")
@@ -146,47 +147,66 @@ class TrainerBase:
 
     # ---- checkpoints ---------------------------------------------------------------------
     def save(self, path):
-        """Write params and optimizer state to `path` (.npz) atomically: a crash leaves the old file."""
+        """Write params and optimizer state to `path` (.npz) atomically: a crash leaves the old file, and
+        the next save into that folder removes the temp file of a killed one. The file keeps its
+        permissions; a symlink stays one, and its target gets the new contents."""
         meta = {"model": self.model_name, "fingerprint": self.fingerprint, "optimizer": self.optimizer,
                 "lr": self.lr, "momentum": self.momentum, "betas": list(self.betas), "eps": self.eps,
                 "clip_norm": self.clip_norm, "steps": self.steps}
         arrays = {"meta": np.array(json.dumps(meta))}
         arrays |= {f"param/{k}": self._host(v) for k, v in self.params.items()}
         arrays |= {f"state/{slot}": self._host(v) for slot, v in self.state.items()}
-        path = os.fspath(path)
-        folder = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".ckpt-", suffix=".npz")
+        target = os.path.realpath(os.fspath(path))
         try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **arrays)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+            mode = stat.S_IMODE(os.stat(target).st_mode)
+        except FileNotFoundError:
+            mode = None
+        write_replacing(target, lambda f: np.savez(f, **arrays), prefix=".ckpt-", suffix=".npz", mode=mode, sync=True)
 
     @classmethod
     def load(cls, path):
-        """A Trainer restored from `save`; refuses a checkpoint of another model or gradc build."""
-        with np.load(os.fspath(path), allow_pickle=False) as f:
-            if "meta" not in f.files:
-                raise ValueError(f"{path}: not a gradc checkpoint (no meta record)")
-            meta = json.loads(str(f["meta"]))
-            if meta.get("fingerprint") != cls.fingerprint:
-                raise ValueError(f"{path}: checkpoint of model {meta.get('model')!r} (fingerprint "
-                                 f"{str(meta.get('fingerprint'))[:12]}) does not match model {cls.model_name!r} "
-                                 f"(fingerprint {cls.fingerprint[:12]}): it was written by another model or gradc version")
-            params = {k: f[f"param/{k}"] for k in cls.param_order}
-            tr = cls(params, optimizer=meta["optimizer"], lr=meta["lr"], momentum=meta["momentum"],
-                     betas=tuple(meta["betas"]), eps=meta["eps"], clip_norm=meta["clip_norm"])
-            for slot, v in tr.state.items():
-                saved = f[f"state/{slot}"]
-                if saved.shape != v.shape:
-                    raise ValueError(f"{path}: optimizer state {slot!r} has {saved.size} values, expected {v.size}")
-                tr._restore(slot, saved)
-            tr.steps = meta["steps"]
+        """A Trainer restored from `save`. Refuses a checkpoint of another model or gradc build, and raises
+        ValueError naming the file for one that is damaged, incomplete or not a checkpoint."""
+        path = os.fspath(path)
+        arrays = read_npz(path)
+        meta = arrays.get("meta")
+        if meta is None:
+            raise ValueError(f"{path}: not a gradc checkpoint (no meta record)")
+        if meta.shape != () or meta.dtype.kind != "U":
+            raise ValueError(f"{path}: the meta record is not a JSON string")
+        try:
+            meta = json.loads(str(meta))
+        except ValueError as e:
+            raise ValueError(f"{path}: the meta record is not JSON ({e})") from None
+        if not isinstance(meta, dict):
+            raise ValueError(f"{path}: the meta record is not a JSON object")
+        if meta.get("fingerprint") != cls.fingerprint:
+            raise ValueError(f"{path}: checkpoint of model {meta.get('model')!r} (fingerprint "
+                             f"{str(meta.get('fingerprint'))[:12]}) does not match model {cls.model_name!r} "
+                             f"(fingerprint {cls.fingerprint[:12]}): it was written by another model or gradc version")
+        missing = [k for k in ("optimizer", "lr", "momentum", "betas", "eps", "clip_norm", "steps") if k not in meta]
+        missing += [f"param/{k}" for k in cls.param_order if f"param/{k}" not in arrays]
+        if missing:
+            raise ValueError(f"{path}: the checkpoint lacks {', '.join(missing)}")
+        steps, betas = meta["steps"], meta["betas"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"{path}: meta 'steps' must be an int >= 0, got {steps!r}")
+        if not (isinstance(betas, list) and len(betas) == 2):
+            raise ValueError(f"{path}: meta 'betas' must be a pair, got {betas!r}")
+        try:   # the constructor checks the hyperparameters and the params' shapes and dtypes
+            tr = cls({k: arrays[f"param/{k}"] for k in cls.param_order}, optimizer=meta["optimizer"], lr=meta["lr"],
+                     momentum=meta["momentum"], betas=tuple(betas), eps=meta["eps"], clip_norm=meta["clip_norm"])
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+        for slot, v in tr.state.items():
+            saved = arrays.get(f"state/{slot}")
+            if saved is None:
+                raise ValueError(f"{path}: the checkpoint lacks state/{slot} (optimizer {tr.optimizer})")
+            if saved.shape != v.shape or saved.dtype != tr.signature.float:
+                raise ValueError(f"{path}: optimizer state {slot!r} is {saved.dtype} of shape {saved.shape}, expected "
+                                 f"{tr.signature.float} of shape {v.shape}")
+            tr._restore(slot, saved)
+        tr.steps = steps
         return tr
 
     # ---- hyperparameter checks -------------------------------------------------------------

@@ -1,0 +1,89 @@
+"""Files gradc writes and reads back: written so that a reader sees the old file or the whole new
+one, never through a link planted at the name, and without leaving a killed writer's temp files
+for long; .npz archives read back with one clear error when they are damaged.
+
+Temp files and folders carry their writer's pid (`PREFIX<pid>-<random>`): the next writer into
+the same folder removes those of processes that are gone, and leaves those of live (concurrent)
+writers alone. A pid reused by an unrelated process only delays the removal.
+"""
+import os
+import re
+import secrets
+import shutil
+
+import numpy as np
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # alive, another user's
+        return True
+    return True
+
+
+def temp_name(prefix, suffix=""):
+    """A name no other writer picks, that says which process wrote it."""
+    return f"{prefix}{os.getpid()}-{secrets.token_hex(4)}{suffix}"
+
+
+def remove_stale(folder, prefix, keep=()):
+    """Remove the entries `prefix<pid>-...` of `folder` (files, links or folders) whose writer is
+    gone, except the names in `keep`. Our own pid is left alone: this process may be writing them."""
+    pattern = re.compile(re.escape(prefix) + r"(\d+)-")
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        m = pattern.match(entry.name)
+        if not m or entry.name in keep or int(m.group(1)) == os.getpid() or pid_alive(int(m.group(1))):
+            continue
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+        except FileNotFoundError:
+            pass   # another writer removed it first
+
+
+def write_replacing(path, write, prefix=".gradc-tmp-", suffix="", mode=None, sync=False):
+    """Call write(f) on a new temp file beside `path`, then rename it onto `path`.
+
+    The rename replaces whatever has that name, a symlink included, instead of writing through it.
+    `mode`: the file's permissions (default: 0o666 less the umask, as open() gives)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    remove_stale(folder, prefix)
+    tmp = os.path.join(folder, temp_name(prefix, suffix))
+    # O_EXCL: never opens an existing file or a link someone planted at the temp name
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)   # the umask may have narrowed it
+            write(f)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def read_npz(path):
+    """Every array of the .npz at `path`, read in full (so a damaged member shows here); ValueError
+    naming the file when it is not a readable .npz. A missing or unreadable file raises OSError."""
+    with open(path, "rb") as f:
+        if f.read(4) != b"PK\x03\x04":   # what every .npz (a zip archive) starts with
+            raise ValueError(f"{path}: not an .npz archive" + (" (the file is empty)" if f.tell() == 0 else ""))
+        f.seek(0)
+        try:
+            with np.load(f, allow_pickle=False) as data:
+                return {k: data[k] for k in data.files}
+        except Exception as e:   # BadZipFile, EOFError, zlib or format errors: numpy raises many kinds
+            raise ValueError(f"{path}: a damaged .npz archive ({type(e).__name__}: {e})") from e
