@@ -41,7 +41,8 @@ def input_grads_source(g, input_grads, call_src, result, zeros):
     lines = ["def input_grads(params, /, **inputs):",
              '    """Gradients of the objective for the float inputs (dict)."""',
              "    p = _SIGNATURE.params(params)",
-             '    a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS, "input_grads")']
+             # every float input, also one the objective does not read: its (zero) gradient takes its shape
+             f'    a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS + {tuple(float_inputs)!r}, "input_grads")']
     if input_grads:
         lines.append(f"    {', '.join('gi_' + i for i in input_grads)}{',' if len(input_grads) == 1 else ''} = {call_src}")
     lines.append(f"    return {{{returned}}}")

@@ -1,0 +1,78 @@
+"""Fuzz gradc against PyTorch autograd on random graphs (the generator is tests/fuzz_graphs.py).
+
+    python bench/fuzz.py --n 1000 [--seed0 S] [--compiled K] [--per-model 3]
+
+Every seed S0 .. S0+N-1 goes through gradc's numpy interpreter: loss, gradients and H v against
+torch in float64. The first K seeds also go through the compiled module (small programs,
+--per-model of them per compiled model, as tests/test_fuzz.py does). Failures print with their
+programs; the last lines are the summary `N graphs: X passed, Y failed` and how often each op
+variant and graph feature was generated.
+"""
+import argparse
+import os
+import sys
+import tempfile
+import time
+from collections import Counter
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+import fuzz_graphs  # noqa: E402
+
+
+def run(label, check):
+    """(passed, message): an AssertionError is a finding; any other exception is one too, from the generator."""
+    try:
+        check()
+        return True, ""
+    except Exception as e:
+        kind = "" if isinstance(e, AssertionError) else f"{type(e).__name__} in the fuzzer: "
+        return False, f"FAIL {label}: {kind}{e}"
+
+
+def interpreted(seed, coverage):
+    case = fuzz_graphs.random_case(seed)
+    coverage.update(case.coverage())
+    fuzz_graphs.check_interpreted(case)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=1000, help="seeds through the interpreter check")
+    ap.add_argument("--seed0", type=int, default=0, help="first seed")
+    ap.add_argument("--compiled", type=int, default=0, help="seeds (from seed0) also through the compiled module")
+    ap.add_argument("--per-model", type=int, default=3, help="small programs per compiled model")
+    args = ap.parse_args()
+
+    coverage = Counter()
+    ran = failed = 0          # graphs: one per seed and check; a failed compiled model fails all its seeds
+    t0 = time.perf_counter()
+    for seed in range(args.seed0, args.seed0 + args.n):
+        ok, msg = run(f"seed {seed} (interpreter)", lambda: interpreted(seed, coverage))
+        ran += 1
+        if not ok:
+            failed += 1
+            print(msg, flush=True)
+    print(f"interpreter: {args.n} graphs in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    compiled = list(range(args.seed0, args.seed0 + args.compiled))
+    t0 = time.perf_counter()
+    for i in range(0, len(compiled), args.per_model):
+        seeds = compiled[i:i + args.per_model]
+        with tempfile.TemporaryDirectory() as out:
+            ok, msg = run(f"seeds {seeds} (compiled float64)",
+                          lambda: fuzz_graphs.check_compiled(fuzz_graphs.combined_case(seeds), out))
+        ran += len(seeds)
+        if not ok:
+            failed += len(seeds)
+            print(msg, flush=True)
+        print(f"compiled {seeds}: {'ok' if ok else 'FAILED'} ({time.perf_counter() - t0:.0f} s so far)", flush=True)
+
+    print("\ncoverage (interpreter seeds; op variants count steps, features count programs):")
+    for name, count in sorted(coverage.items()):
+        print(f"  {count:7d}  {name}")
+    print(f"\n{ran} graphs: {ran - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

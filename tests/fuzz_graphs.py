@@ -1,0 +1,873 @@
+"""Random gradc models for fuzzing gradc against PyTorch autograd (no tests here: see test_fuzz.py).
+
+A case is one or more random programs. A program is a list of steps over named values (inputs,
+params, earlier steps); gradc and torch both run that one list, so the two cannot drift apart.
+Programs are grown while being evaluated in torch on the case's own data: a step is kept only if
+its value is finite and moderate, and no operand sits near a kink (relu and abs at 0, ties in
+maximum and max) or outside a domain (log, sqrt, pow and div get bases and denominators >= 0.3).
+Shapes are tracked symbolically by rules written here, not gradc's, so a valid model that gradc
+refuses shows up as a failure instead of being avoided.
+
+`random_case(seed)` and `combined_case(seeds)` give a `Case`; `check_interpreted` and
+`check_compiled` compare gradc with torch and raise AssertionError naming the seeds and printing
+the programs.
+"""
+import math
+import operator
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import sympy as sp
+import torch
+import torch.nn.functional as F
+
+import gradc as gc
+from gradc.interpret import evaluate
+from gradc.passes.pipeline import build_training_graph
+
+BATCH = "B"
+LIMIT = 20.0        # largest |value| a step may produce
+DOMAIN = 0.3        # smallest base of log/sqrt/pow and denominator of div
+KINK = 1e-3         # least distance from a kink of relu/abs/maximum/max
+MAX_PARAMS = 9
+
+# gc.elementwise user ops, registered once per process, each with its torch twin.
+USER_OPS = {
+    "fuzz_mish": (gc.elementwise("fuzz_mish", lambda u: u * sp.tanh(sp.log(1 + sp.exp(u)))),
+                  lambda u: u * torch.tanh(torch.log(1 + torch.exp(u)))),
+    "fuzz_rational": (gc.elementwise("fuzz_rational", lambda u: u / (1 + u ** 2)),
+                      lambda u: u / (1 + u ** 2)),
+    "fuzz_gauss": (gc.elementwise("fuzz_gauss", lambda u: sp.exp(-u ** 2 / 2) + u / 4),
+                   lambda u: torch.exp(-u ** 2 / 2) + u / 4),
+    "fuzz_mix": (gc.elementwise("fuzz_mix", lambda a, b: a * sp.tanh(b) + b ** 2 / 4),
+                 lambda a, b: a * torch.tanh(b) + b ** 2 / 4),
+}
+UNARY = {"exp": torch.exp, "log": torch.log, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "relu": torch.relu,
+         "softplus": F.softplus, "gelu": F.gelu, "sin": torch.sin, "cos": torch.cos, "sqrt": torch.sqrt,
+         "square": torch.square, "abs": torch.abs}
+BINARY = {"add": ("+", operator.add), "sub": ("-", operator.sub), "mul": ("*", operator.mul),
+          "div": ("/", operator.truediv), "pow": ("**", operator.pow)}
+REDUCE = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax}
+
+
+# ---- programs ----------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class Const:
+    """A python float or a small numpy array, written into the model as a constant."""
+    value: object
+    name: str = ""      # arrays are listed by name above the steps
+
+
+@dataclass
+class Step:
+    out: str
+    op: str
+    args: tuple         # value names or Consts
+    kw: dict
+    tag: str            # op plus variant, for coverage counts
+
+
+@dataclass
+class Program:
+    seed: int
+    dims: dict                                  # {"B": concrete batch size}
+    inputs: dict = field(default_factory=dict)  # name -> (shape, dtype)
+    params: dict = field(default_factory=dict)  # name -> (shape, trainable, decay)
+    steps: list = field(default_factory=list)
+    outputs: dict = field(default_factory=dict)  # output name -> value name
+    loss: str = ""
+    weight_decay: float = 0.0
+
+    def text(self, prefix=""):
+        """The program as DSL code (with `prefix` on leaf names and the batch dim, as the model has it)."""
+        b = prefix + BATCH
+        lines = [f"# seed {self.seed}: {b}={self.dims[BATCH]}"]
+        for name, (shape, dtype) in self.inputs.items():
+            lines.append(f"{name} = m.input({prefix + name!r}, {_shape_text(shape, b)}"
+                         + (f", dtype={dtype!r})" if dtype != "float" else ")"))
+        for name, (shape, trainable, decay) in self.params.items():
+            extra = ("" if trainable else ", trainable=False") + ("" if decay is None else f", decay={decay}")
+            lines.append(f"{name} = m.param({prefix + name!r}, {_shape_text(shape, b)}{extra})")
+        for step in self.steps:
+            for a in step.args:
+                if isinstance(a, Const) and a.name:
+                    lines.append(f"{a.name} = np.array({np.array2string(a.value, separator=', ', precision=17)})")
+        for step in self.steps:
+            lines.append(f"{step.out} = {_TEXT[step.op](step, [_arg_text(a) for a in step.args], b)}")
+        lines += [f"m.output({prefix + o!r}, {v})" for o, v in self.outputs.items()]
+        lines.append(f"m.minimize({self.loss}, weight_decay={self.weight_decay})")
+        return "\n".join(lines)
+
+    def output_inputs(self):
+        """The inputs the outputs read."""
+        need = set(self.outputs.values())
+        for step in reversed(self.steps):
+            if step.out in need:
+                need.update(a for a in step.args if isinstance(a, str))
+        return [n for n in self.inputs if n in need]
+
+    def run(self, env, backend, dims):
+        """Values of every step: backend "gradc" (env holds Tensors) or "torch" (env holds tensors)."""
+        env = dict(env)
+        for step in self.steps:
+            args = [_const(a, backend) if isinstance(a, Const) else env[a] for a in step.args]
+            env[step.out] = _RUN[backend][step.op](args, step.kw, dims)
+        return env
+
+
+def _shape_text(shape, batch):
+    dims = [repr(batch if d == BATCH else d) for d in shape]
+    return f"({dims[0]},)" if len(dims) == 1 else f"({', '.join(dims)})"
+
+
+def _arg_text(a):
+    return (a.name or repr(a.value)) if isinstance(a, Const) else a
+
+
+def _const(c, backend):
+    if backend == "gradc":
+        return c.value
+    return torch.as_tensor(c.value, dtype=torch.float64)
+
+
+def _concrete(shape, dims):
+    return tuple(dims.get(d, d) if isinstance(d, str) else d for d in shape)
+
+
+def _axis_kw(kw):
+    parts = [] if kw["axis"] is None else [f"axis={kw['axis']!r}"]
+    return parts + (["keepdims=True"] if kw["keepdims"] else [])
+
+
+def _torch_reduce(fn):
+    def run(args, kw, dims):
+        (a,) = args
+        axis = tuple(range(a.dim())) if kw["axis"] is None else kw["axis"]
+        return fn(a, dim=axis, keepdim=kw["keepdims"])
+    return run
+
+
+def _gradc_reduce(name):
+    def run(args, kw, dims):
+        (a,) = args
+        if kw["form"] == "method":
+            return getattr(a, name)(axis=kw["axis"], keepdims=kw["keepdims"])
+        return getattr(gc, name)(a, axis=kw["axis"], keepdims=kw["keepdims"])
+    return run
+
+
+def _reduce_text(name):
+    def text(step, args, batch):
+        kws = _axis_kw(step.kw)
+        if step.kw["form"] == "method":
+            return f"{args[0]}.{name}({', '.join(kws)})"
+        return f"gc.{name}({', '.join([args[0]] + kws)})"
+    return text
+
+
+def _gradc_transpose(args, kw, dims):
+    (a,) = args
+    if kw["form"] == "T":
+        return a.T
+    return gc.transpose(a) if kw["axes"] is None else gc.transpose(a, kw["axes"])
+
+
+def _transpose_text(step, args, batch):
+    if step.kw["form"] == "T":
+        return f"{args[0]}.T"
+    return f"gc.transpose({args[0]})" if step.kw["axes"] is None else f"gc.transpose({args[0]}, {step.kw['axes']})"
+
+
+def _gradc_reshape(args, kw, dims):
+    (a,) = args
+    shape = tuple(dims.get(d, d) if isinstance(d, str) else d for d in kw["shape"])   # dims: renamed batch dims
+    return a.reshape(shape) if kw["form"] == "method" else gc.reshape(a, shape)
+
+
+def _reshape_text(step, args, batch):
+    shape = _shape_text(step.kw["shape"], batch)
+    return f"{args[0]}.reshape({shape})" if step.kw["form"] == "method" else f"gc.reshape({args[0]}, {shape})"
+
+
+def _gradc_matmul(args, kw, dims):
+    return args[0] @ args[1] if kw["form"] == "op" else gc.matmul(*args)
+
+
+# Each op: how gradc builds it, how torch computes it, how it reads as DSL code.
+# gradc runners get a dims map that renames the batch dim (reshape targets name it).
+_RUN = {"gradc": {}, "torch": {}}
+_TEXT = {}
+for _name, (_sym, _fn) in BINARY.items():
+    _RUN["gradc"][_name] = _RUN["torch"][_name] = (lambda fn: lambda args, kw, dims: fn(*args))(_fn)
+    _TEXT[_name] = (lambda sym: lambda step, args, b: f"{args[0]} {sym} {args[1]}")(_sym)
+for _name, _fn in UNARY.items():
+    _RUN["gradc"][_name] = (lambda f: lambda args, kw, dims: f(args[0]))(getattr(gc, _name))
+    _RUN["torch"][_name] = (lambda f: lambda args, kw, dims: f(args[0]))(_fn)
+    _TEXT[_name] = (lambda n: lambda step, args, b: f"gc.{n}({args[0]})")(_name)
+for _name, (_apply, _fn) in USER_OPS.items():
+    _RUN["gradc"][_name] = (lambda f: lambda args, kw, dims: f(*args))(_apply)
+    _RUN["torch"][_name] = (lambda f: lambda args, kw, dims: f(*args))(_fn)
+    _TEXT[_name] = (lambda n: lambda step, args, b: f"{n}({', '.join(args)})")(_name)
+for _name, _fn in REDUCE.items():
+    _RUN["gradc"][_name] = _gradc_reduce(_name)
+    _RUN["torch"][_name] = _torch_reduce(_fn)
+    _TEXT[_name] = _reduce_text(_name)
+for _name, _fn in (("softmax", torch.softmax), ("log_softmax", torch.log_softmax)):
+    _RUN["gradc"][_name] = (lambda f: lambda args, kw, dims: f(args[0], axis=kw["axis"]))(getattr(gc, _name))
+    _RUN["torch"][_name] = (lambda f: lambda args, kw, dims: f(args[0], dim=kw["axis"]))(_fn)
+    _TEXT[_name] = (lambda n: lambda step, args, b: f"gc.{n}({args[0]}, axis={step.kw['axis']})")(_name)
+_RUN["gradc"].update({
+    "neg": lambda args, kw, dims: -args[0],
+    "maximum": lambda args, kw, dims: gc.maximum(*args),
+    "matmul": _gradc_matmul,
+    "transpose": _gradc_transpose,
+    "reshape": _gradc_reshape,
+    "xent": lambda args, kw, dims: gc.softmax_cross_entropy(*args),
+    "mse": lambda args, kw, dims: gc.mse(*args),
+})
+_RUN["torch"].update({
+    "neg": lambda args, kw, dims: -args[0],
+    "maximum": lambda args, kw, dims: torch.maximum(*args),
+    "matmul": lambda args, kw, dims: args[0] @ args[1],
+    "transpose": lambda args, kw, dims: args[0].permute(kw["axes"] or tuple(reversed(range(args[0].dim())))),
+    "reshape": lambda args, kw, dims: args[0].reshape(_concrete(kw["shape"], dims)),
+    "xent": lambda args, kw, dims: F.cross_entropy(*args),
+    "mse": lambda args, kw, dims: F.mse_loss(*args),
+})
+_TEXT.update({
+    "neg": lambda step, args, b: f"-{args[0]}",
+    "maximum": lambda step, args, b: f"gc.maximum({args[0]}, {args[1]})",
+    "matmul": lambda step, args, b: f"{args[0]} @ {args[1]}" if step.kw["form"] == "op" else f"gc.matmul({args[0]}, {args[1]})",
+    "transpose": _transpose_text,
+    "reshape": _reshape_text,
+    "xent": lambda step, args, b: f"gc.softmax_cross_entropy({args[0]}, {args[1]})",
+    "mse": lambda step, args, b: f"gc.mse({args[0]}, {args[1]})",
+})
+
+
+# ---- symbolic shapes (numpy rules; the batch dim is never stretched and never equals an int) ----
+def broadcast(*shapes):
+    """The broadcast shape, or None."""
+    rank = max(len(s) for s in shapes)
+    out = []
+    for axis in range(rank):
+        dims = {s[axis - rank + len(s)] for s in shapes if axis - rank + len(s) >= 0} - {1}
+        if len(dims) > 1:
+            return None
+        out.append(dims.pop() if dims else 1)
+    return tuple(out)
+
+
+def matmul_shape(a, b):
+    if not (1 <= len(a) <= 2 and 1 <= len(b) <= 2) or a[-1] != b[0]:
+        return None
+    return a[:-1] + b[1:]
+
+
+def reduced_shape(shape, axis, keepdims):
+    axes = range(len(shape)) if axis is None else [a % len(shape) for a in np.atleast_1d(axis)]
+    return tuple(1 if i in axes else d for i, d in enumerate(shape)) if keepdims else \
+        tuple(d for i, d in enumerate(shape) if i not in axes)
+
+
+# ---- generation ----------------------------------------------------------------------------------
+class _Reject(Exception):
+    """A step whose value would be ill-conditioned for the comparison: try another."""
+
+
+def _draw(rng, shape):
+    """Moderate random values, never exactly 0."""
+    kind = rng.integers(3)
+    if kind == 0:
+        a = rng.normal(0.0, 0.8, shape)
+    elif kind == 1:
+        a = rng.uniform(-1.2, 1.2, shape)
+    else:
+        a = rng.uniform(0.3, 1.2, shape) * rng.choice([-1.0, 1.0], shape)
+    a = np.asarray(a, dtype=np.float64)
+    a[a == 0] = 0.5
+    return a
+
+
+class _Generator:
+    def __init__(self, seed):
+        self.rng = np.random.default_rng(seed)
+        rng = self.rng
+        # distinct feature dims so that a mixed-up axis changes a shape; B=1 now and then (a stretched axis of length 1)
+        batch, self.N, self.M, self.C = (int(d) for d in rng.choice(np.arange(2, 7), 4, replace=False))
+        if rng.random() < 0.1:
+            batch = 1
+        self.prog = Program(seed, {BATCH: batch})
+        self.shapes, self.values, self.uses = {}, {}, Counter()
+        self.data = {}
+        self.consts = 0
+        self.single_use = set()   # params no later step may read
+
+    # values
+    def add_input(self, name, shape, dtype="float"):
+        self.prog.inputs[name] = (shape, dtype)
+        if dtype == "int64":
+            value = self.rng.integers(0, self.C, _concrete(shape, self.prog.dims))
+        else:
+            value = _draw(self.rng, _concrete(shape, self.prog.dims))
+        self._leaf(name, shape, value)
+        return name
+
+    def add_param(self, shape, trainable=True, decay=None):
+        name = f"p{len(self.prog.params)}"
+        self.prog.params[name] = (shape, trainable, decay)
+        self._leaf(name, shape, _draw(self.rng, shape))
+        return name
+
+    def _leaf(self, name, shape, value):
+        self.shapes[name] = shape
+        self.data[name] = value
+        self.values[name] = torch.as_tensor(value)
+
+    def const(self, shape):
+        if shape == ():
+            return Const(float(np.round(self.rng.uniform(0.5, 2.0) * self.rng.choice([-1, 1]), 3)))
+        self.consts += 1
+        return Const(np.round(_draw(self.rng, shape), 3), f"C{self.consts - 1}")
+
+    def shape_of(self, x):
+        return np.shape(x.value) if isinstance(x, Const) else self.shapes[x]
+
+    def floats(self, pred=lambda s: True, leaves=True):
+        return [n for n, s in self.shapes.items()
+                if pred(s) and n not in self.single_use and self.prog.inputs.get(n, ((), "float"))[1] == "float"
+                and (leaves or n not in self.prog.inputs and n not in self.prog.params)]
+
+    def pick(self, names):
+        """A random name, recent steps and params likelier (fan-out and shared weights)."""
+        if not names:
+            raise _Reject("no operand")
+        order = {n: i / len(self.shapes) for i, n in enumerate(self.shapes)}
+        w = np.array([0.5 + 4 * order[n] ** 2 + (n in self.prog.params) for n in names])
+        return names[self.rng.choice(len(names), p=w / w.sum())]
+
+    def emit(self, op, args, result, tag=None, bounded=True, **kw):
+        """Append a step after checking its value in torch; raise _Reject if it is ill-conditioned.
+
+        Only the loss terms may exceed LIMIT (bounded=False): nothing downstream amplifies them."""
+        vals = [_const(a, "torch") if isinstance(a, Const) else self.values[a] for a in args]
+        out = _RUN["torch"][op](vals, kw, self.prog.dims)
+        _check_conditioning(op, vals, out, kw, bounded)
+        if tuple(out.shape) != _concrete(result, self.prog.dims):
+            raise AssertionError(f"fuzz_graphs: shape rule for {op} says {result}, torch gives {tuple(out.shape)}")
+        name = f"v{len(self.prog.steps)}"
+        self.prog.steps.append(Step(name, op, tuple(args), kw, tag or op))
+        self.uses.update(a for a in args if isinstance(a, str))
+        self.shapes[name], self.values[name] = result, out
+        return name
+
+    def attempt(self, move, *args, tries=6):
+        """Run a move, retrying with fresh random choices (steps a failed try already emitted are valid and stay)."""
+        for _ in range(tries):
+            try:
+                return move(*args)
+            except _Reject:
+                continue
+        return None
+
+    # moves
+    def positive(self, v):
+        """v itself when all of it is >= DOMAIN, else a positive function of it."""
+        if self.values[v].min() >= DOMAIN:
+            return v
+        kind = self.rng.integers(4)
+        if kind == 0:
+            return self.emit("add", [self.emit("softplus", [v], self.shapes[v]), Const(0.5)], self.shapes[v])
+        if kind == 1:
+            return self.emit("add", [self.emit("square", [v], self.shapes[v]), Const(1.0)], self.shapes[v])
+        if kind == 2:
+            return self.emit("add", [self.emit("sigmoid", [v], self.shapes[v]), Const(0.3)], self.shapes[v])
+        return self.emit("exp", [self.emit("mul", [v, Const(0.25)], self.shapes[v])], self.shapes[v])
+
+    def unary(self, v=None):
+        v = v or self.pick(self.floats())
+        op = self.rng.choice(list(UNARY) + ["neg"] + [n for n in USER_OPS if n != "fuzz_mix"])
+        if op in ("log", "sqrt"):
+            v = self.positive(v)
+        return self.emit(str(op), [v], self.shapes[v])
+
+    def binary(self, a=None, op=None):
+        """a (op) b for a partner b that broadcasts with a: another value or a constant."""
+        rng = self.rng
+        a = a or self.pick(self.floats())
+        op = op or str(rng.choice(list(BINARY) + ["maximum", "fuzz_mix"], p=[.2, .15, .2, .15, .1, .1, .1]))
+        sa = self.shapes[a]
+        partners = [n for n in self.floats(lambda s: broadcast(s, sa) is not None and len(broadcast(s, sa)) <= 3)
+                    if n != a]
+        if partners and rng.random() < 0.75:
+            b = self.pick(partners)
+        else:   # a python scalar or an array of the int-only suffix of a's shape (B axes become 1)
+            cshape = () if rng.random() < 0.5 or not sa else tuple(1 if d == BATCH else d for d in sa[rng.integers(len(sa)):])
+            b = self.const(cshape)
+        if rng.random() < 0.5 and op != "pow":
+            a, b = b, a
+        shape = broadcast(self.shape_of(a), self.shape_of(b))
+        if op == "div" and not isinstance(b, Const):
+            b = self.positive(b)
+        elif op == "div" and isinstance(b.value, np.ndarray):
+            b = Const(np.abs(b.value) + 0.5, b.name)
+        elif op == "div":
+            b = Const(abs(b.value) + 0.5)
+        if op == "pow":
+            return self.power(a, b, shape)
+        return self.emit(op, [a, b], shape, tag=f"{op}[const]" if any(isinstance(x, Const) for x in (a, b)) else op)
+
+    def power(self, a, b, shape):
+        """base ** exponent with a positive base: value ** c, c ** value, or value ** value."""
+        kind = self.rng.integers(3)
+        if kind == 0 or isinstance(a, Const):
+            c = Const(float(self.rng.choice([2.0, 3.0, 0.5, -1.0, 1.5, -0.5, 2.5])))
+            return self.emit("pow", [self.positive(a if not isinstance(a, Const) else b), c],
+                             self.shapes[a if not isinstance(a, Const) else b], tag="pow[const exp]")
+        if kind == 1:
+            return self.emit("pow", [Const(float(self.rng.choice([0.5, 1.5, 2.0]))), a], self.shapes[a],
+                             tag="pow[const base]")
+        if isinstance(b, Const):
+            raise _Reject("value ** value needs two values")
+        return self.emit("pow", [self.positive(a), self.emit("tanh", [b], self.shapes[b])], shape, tag="pow[value exp]")
+
+    def matmul(self, a=None, b=None):
+        """a @ b over rank-1/2 operands; a new weight (or a constant matrix) when nothing fits."""
+        rng = self.rng
+        form = str(rng.choice(["op", "fn"]))
+        if a is None:
+            a = self.pick(self.floats(lambda s: 1 <= len(s) <= 2))
+        sa = self.shapes[a]
+        if b is None:
+            partners = self.floats(lambda s: matmul_shape(sa, s) is not None)
+            if partners and rng.random() < 0.6:
+                b = self.pick(partners)
+            elif isinstance(sa[-1], int) and rng.random() < 0.2:
+                b = self.const((sa[-1],) + ((int(rng.integers(2, 6)),) if rng.random() < 0.7 else ()))
+            else:
+                if len(self.prog.params) >= MAX_PARAMS or not isinstance(sa[-1], int):
+                    raise _Reject("no partner")
+                b = self.add_param((sa[-1], int(rng.choice([self.N, self.M, self.C])))
+                                   if rng.random() < 0.8 else (sa[-1],))
+        sb = self.shape_of(b)
+        shape = matmul_shape(sa, sb)
+        if shape is None:
+            raise _Reject("inner dims differ")
+        tag = "matmul[" + {(2, 2): "mm", (2, 1): "mv", (1, 2): "vm", (1, 1): "dot"}[len(sa), len(sb)] + "]"
+        return self.emit("matmul", [a, b], shape, tag=tag, form=form)
+
+    def const_matmul(self):
+        """constant @ value: numpy's operand on the left."""
+        b = self.pick(self.floats(lambda s: 1 <= len(s) <= 2 and isinstance(s[0], int)))
+        sb = self.shapes[b]
+        c = self.const((int(self.rng.integers(2, 6)), sb[0]))
+        return self.emit("matmul", [c, b], matmul_shape(c.value.shape, sb), tag="matmul[const]", form="op")
+
+    def layout(self, v=None):
+        v = v or self.pick(self.floats(lambda s: len(s) >= 1))
+        s = self.shapes[v]
+        rng = self.rng
+        if len(s) >= 2 and rng.random() < (0.45 if len(s) == 2 else 0.7):
+            if len(s) == 2:
+                form = str(rng.choice(["T", "fn", "axes"]))
+                return self.emit("transpose", [v], s[::-1], tag=f"transpose[{form}]", form=form,
+                                 axes=(1, 0) if form == "axes" else None)
+            axes = tuple(int(i) for i in rng.permutation(3))
+            if axes == (0, 1, 2):
+                axes = (2, 0, 1)
+            return self.emit("transpose", [v], tuple(s[i] for i in axes), tag="transpose[3d]", form="axes", axes=axes)
+        target = self.reshape_target(s)
+        shown = list(target)
+        ints = [i for i, d in enumerate(target) if isinstance(d, int)]
+        if ints and rng.random() < 0.3:   # -1 only ever stands for ints: B stays named
+            shown[ints[rng.integers(len(ints))]] = -1
+        return self.emit("reshape", [v], target, tag="reshape", form=str(rng.choice(["method", "fn"])),
+                         shape=tuple(shown))
+
+    def rank3(self):
+        """A rank-3 detour: reshape a matrix to rank 3, maybe broadcast it (an outer product when the
+        partner fills the unit axis), then transpose and/or reduce it over two axes."""
+        v = self.pick(self.floats(lambda s: len(s) == 2))
+        s = self.shapes[v]
+        at = int(self.rng.integers(3))
+        t = self.emit("reshape", [v], s[:at] + (1,) + s[at:], tag="reshape", form="method", shape=s[:at] + (1,) + s[at:])
+        if self.rng.random() < 0.5:
+            t = self.binary(t)
+        if self.rng.random() < 0.6:
+            t = self.layout(t) if len(self.shapes[t]) == 3 else t
+        return self.reduce(t) if len(self.shapes[t]) == 3 else t
+
+    def reshape_target(self, s):
+        rng = self.rng
+        options = []
+        if len(s) < 3:
+            at = int(rng.integers(len(s) + 1))
+            options.append(s[:at] + (1,) + s[at:])
+        if 1 in s:
+            options.append(tuple(d for d in s if d != 1))
+        if len(s) == 2 and BATCH in s:
+            options.append(s[::-1])
+        for i in range(len(s) - 1):
+            if isinstance(s[i], int) and isinstance(s[i + 1], int):
+                options.append(s[:i] + (s[i] * s[i + 1],) + s[i + 2:])
+        for i, d in enumerate(s):
+            if isinstance(d, int) and d in (4, 6) and len(s) < 3:
+                options.append(s[:i] + (2, d // 2) + s[i + 1:])
+        if not options:
+            raise _Reject("no reshape")
+        return options[rng.integers(len(options))]
+
+    def reduce(self, v=None):
+        v = v or self.pick(self.floats(lambda s: len(s) >= 1))
+        s = self.shapes[v]
+        rng = self.rng
+        op = str(rng.choice(["sum", "mean", "max"]))
+        if rng.random() < 0.25:
+            axis = None
+        elif len(s) == 3 and rng.random() < 0.5:
+            axis = tuple(sorted(int(i) for i in rng.choice(3, 2, replace=False)))
+        else:
+            axis = int(rng.integers(len(s))) - (len(s) if rng.random() < 0.3 else 0)
+        keepdims = bool(rng.random() < 0.4)
+        tag = f"{op}[{'all' if axis is None else 'axes'}{', keepdims' if keepdims else ''}]"
+        return self.emit(op, [v], reduced_shape(s, axis, keepdims), tag=tag, axis=axis, keepdims=keepdims,
+                         form=str(rng.choice(["method", "fn"])))
+
+    def softmax(self, v=None):
+        v = v or self.pick(self.floats(lambda s: len(s) >= 1))
+        op = str(self.rng.choice(["softmax", "log_softmax"]))
+        return self.emit(op, [v], self.shapes[v], axis=int(self.rng.integers(len(self.shapes[v]))) - 1
+                         if len(self.shapes[v]) > 1 else -1)
+
+    def logits(self):
+        """A (B, C) value for softmax_cross_entropy: one that exists, or a batch value times a weight."""
+        have = self.floats(lambda s: s == (BATCH, self.C), leaves=False)
+        if have and self.rng.random() < 0.5:
+            return self.pick(have)
+        a = self.pick(self.floats(lambda s: len(s) == 2 and s[0] == BATCH and isinstance(s[1], int)))
+        weights = [p for p in self.floats(lambda s: s == (self.shapes[a][1], self.C)) if p in self.prog.params]
+        w = self.pick(weights) if weights and self.rng.random() < 0.5 else self.add_param((self.shapes[a][1], self.C))
+        return self.matmul(a, w)
+
+    def term(self, v):
+        """v reduced to a scalar loss term."""
+        rng = self.rng
+        s = self.shapes[v]
+        if s == ():
+            return v
+        kind = rng.integers(4)
+        if kind == 0:   # a weighted sum: a constant array breaks symmetries between elements
+            cshape = tuple(1 if d == BATCH else d for d in s[rng.integers(len(s)):])
+            w = self.emit("mul", [v, self.const(cshape)], s, tag="mul[const]", bounded=False)
+            return self.emit("sum", [w], (), tag="sum[all]", bounded=False, axis=None, keepdims=False, form="method")
+        if kind == 1:
+            return self.emit("mean", [v], (), tag="mean[all]", bounded=False, axis=None, keepdims=False, form="fn")
+        if kind == 2:
+            sq = self.emit("square", [v], s, bounded=False)
+            return self.emit("sum", [sq], (), tag="sum[all]", bounded=False, axis=None, keepdims=False, form="fn")
+        targets = [n for n in self.floats(lambda t: t == s) if n != v]
+        if targets:
+            target = self.pick(targets)
+        elif BATCH not in s:
+            target = self.const(s)
+        else:
+            raise _Reject("no mse target")
+        return self.emit("mse", [v, target], (), tag="mse[const]" if isinstance(target, Const) else "mse",
+                         bounded=False)
+
+
+def _check_conditioning(op, vals, out, kw, bounded):
+    if not torch.isfinite(out).all() or (bounded and out.abs().max() > LIMIT):
+        raise _Reject("large")
+    x = vals[0]
+    if op in ("relu", "abs") and x.abs().min() < KINK:
+        raise _Reject("kink")
+    if op == "maximum" and (vals[0] - vals[1]).abs().min() < KINK:
+        raise _Reject("tie")
+    if op in ("log", "sqrt") and x.min() < DOMAIN:
+        raise _Reject("domain")
+    if op == "div" and vals[1].abs().min() < DOMAIN:
+        raise _Reject("domain")
+    if op == "pow" and (vals[0].min() < DOMAIN or vals[1].abs().max() > 3):
+        raise _Reject("domain")
+    if op in ("exp", "softplus", "fuzz_mish") and x.max() > 3:
+        raise _Reject("large")
+    if op == "max":
+        axes = list(range(x.dim())) if kw["axis"] is None else [a % x.dim() for a in np.atleast_1d(kw["axis"])]
+        rest = [a for a in range(x.dim()) if a not in axes]
+        slices = x.permute(rest + axes).reshape(-1, math.prod(x.shape[a] for a in axes))
+        if slices.shape[1] > 1:
+            top = slices.topk(2, dim=1).values
+            if (top[:, 0] - top[:, 1]).min() < KINK:
+                raise _Reject("tie")
+
+
+def _generate(seed, small=False):
+    g = _Generator(seed)
+    rng = g.rng
+    x = g.add_input("x", (BATCH, g.N))
+    if rng.random() < 0.5:
+        g.add_input("z", (BATCH, g.M))
+    xent = rng.random() < 0.6
+    if xent:
+        g.add_input("y", (BATCH,), dtype="int64")
+    # params that broadcast against (B, N) / (N, B) activations: their gradients are reductions
+    # (and a reshape for (1, N) and (N, 1)); one might be frozen or decay though it is 1-D
+    frozen = rng.random() < 0.2
+    broadcasting = [((1, g.N), True, None), ((g.N,), not frozen, None), ((), True, rng.random() < 0.3 or None),
+                    ((g.N, 1), True, None)]
+    order = rng.permutation(len(broadcasting))
+    for i in order:
+        shape, trainable, decay = broadcasting[i]
+        p = g.add_param(shape, trainable, decay)
+        if shape == (g.N, 1):
+            form = str(rng.choice(["T", "fn", "axes"]))
+            partner = g.emit("transpose", [x], (g.N, BATCH), tag=f"transpose[{form}]", form=form,
+                             axes=(1, 0) if form == "axes" else None)
+        else:
+            partner = g.pick(g.floats(lambda s: s == (BATCH, g.N)))
+        g.attempt(lambda: _use_param(g, partner, p), tries=10)
+        if len(shape) == 2 and rng.random() < 0.5:   # used once: its gradient ends in the reshape of a sum
+            g.single_use.add(p)
+    g.attempt(lambda: g.matmul(g.pick(g.floats(lambda s: s == (BATCH, g.N))), g.add_param((g.N, g.M))))
+    if "z" in g.prog.inputs and rng.random() < 0.85:   # else z stays unused: a valid model too
+        g.attempt(g.binary, "z")
+    moves = [g.unary, g.binary, g.matmul, g.const_matmul, g.layout, g.reduce, g.softmax, g.rank3]
+    weights = np.array([0.24, 0.28, 0.12, 0.03, 0.1, 0.12, 0.06, 0.05])
+    for _ in range(int(rng.integers(3, 7) if small else rng.integers(8, 18))):
+        g.attempt(moves[rng.choice(len(moves), p=weights)])
+    # objective: every unused step (so nothing is dead) plus cross-entropy
+    terms = []
+    if xent:
+        logits = g.attempt(g.logits)
+        if logits:
+            terms.append(g.emit("xent", [logits, "y"], (), bounded=False))
+    sinks = [n for n in g.floats(leaves=False) if not g.uses[n] and n not in terms]
+    for v in sinks:
+        t = g.attempt(g.term, v)
+        if t:
+            terms.append(t)
+    outputs = [n for n in g.floats(lambda s: s != (), leaves=False) if n not in terms]
+    for i, v in enumerate(rng.choice(outputs, min(len(outputs), int(rng.integers(1, 3))), replace=False)):
+        g.prog.outputs[f"out{i}"] = str(v)
+    loss = terms[0]
+    for t in terms[1:]:
+        w = g.emit("mul", [t, Const(float(np.round(rng.uniform(0.3, 1.5), 3)))], (), tag="mul[const]", bounded=False)
+        loss = g.emit(str(rng.choice(["add", "sub"])), [loss, w], (), bounded=False)
+    g.prog.loss = loss
+    g.prog.weight_decay = float(rng.choice([0.0, 0.0, 0.01, 0.1]))
+    return g.prog, g.data
+
+
+def _use_param(g, partner, p):
+    """One binary op between a batch activation and a broadcasting param, the param on either side."""
+    rng = g.rng
+    op = str(rng.choice(["add", "sub", "mul", "div", "maximum", "fuzz_mix"]))
+    a, b = (partner, p) if rng.random() < 0.6 else (p, partner)
+    if op == "div":
+        b = g.positive(b)
+    return g.emit(op, [a, b], broadcast(g.shapes[a], g.shapes[b]))
+
+
+# ---- cases ---------------------------------------------------------------------------------------
+class Case:
+    """One gradc Model built from one or more programs, its data, and the same objective in torch."""
+
+    def __init__(self, programs, data, name):
+        self.programs, self.name = programs, name
+        self.seeds = [p.seed for p in programs]
+        self.prefixes = [""] if len(programs) == 1 else [f"g{i}_" for i in range(len(programs))]
+        self.weight_decay = programs[0].weight_decay
+        self.params, self.inputs, self.trainable, self.decayed = {}, {}, [], []
+        for prog, prefix, values in zip(programs, self.prefixes, data):
+            for n, (shape, trainable, decay) in prog.params.items():
+                self.params[prefix + n] = values[n]
+                if trainable:
+                    self.trainable.append(prefix + n)
+                    if (len(shape) >= 2 if decay is None else decay):
+                        self.decayed.append(prefix + n)
+            for n in prog.inputs:
+                self.inputs[prefix + n] = values[n]
+        self.float_inputs = [n for n, v in self.inputs.items() if v.dtype.kind == "f"]
+        rng = np.random.default_rng([*self.seeds, 99])
+        self.tangents = {p: _draw(rng, self.params[p].shape) for p in self.trainable}
+        try:
+            self.model = self._build()
+        except Exception as e:   # a valid model that gradc refuses is a finding too
+            raise AssertionError(f"gradc refused the model of seed(s) {self.seeds}: {e!r}\nprogram:\n{self.text()}") from e
+
+    def _build(self):
+        m = gc.Model(self.name)
+        losses = []
+        for prog, prefix in zip(self.programs, self.prefixes):
+            dims = {BATCH: prefix + BATCH}
+            env = {n: m.input(prefix + n, _concrete(s, dims), dtype=None if d == "float" else d)
+                   for n, (s, d) in prog.inputs.items()}
+            env |= {n: m.param(prefix + n, s, trainable=t, decay=d) for n, (s, t, d) in prog.params.items()}
+            env = prog.run(env, "gradc", dims)
+            for o, v in prog.outputs.items():
+                m.output(prefix + o, env[v])
+            losses.append(env[prog.loss])
+        m.minimize(sum(losses[1:], losses[0]), weight_decay=self.weight_decay)
+        return m
+
+    def torch_run(self, tensors):
+        """(objective, outputs) in torch from a dict of tensors named as the model's params and inputs."""
+        loss, outputs = 0.0, {}
+        for prog, prefix in zip(self.programs, self.prefixes):
+            env = {n: tensors[prefix + n] for n in list(prog.inputs) + list(prog.params)}
+            env = prog.run(env, "torch", {BATCH: prog.dims[BATCH]})
+            outputs |= {prefix + o: env[v] for o, v in prog.outputs.items()}
+            loss = loss + env[prog.loss]
+        decay = sum((tensors[p] ** 2).sum() for p in self.decayed)
+        return loss + self.weight_decay / 2 * decay, outputs
+
+    def torch_objective(self, tensors):
+        return self.torch_run(tensors)[0]
+
+    def text(self):
+        return "\n".join(p.text(prefix) for p, prefix in zip(self.programs, self.prefixes))
+
+    def coverage(self):
+        """Counter of op variants and graph features in this case."""
+        counts = Counter()
+        for prog in self.programs:
+            counts.update(s.tag for s in prog.steps)
+            uses = Counter(a for s in prog.steps for a in s.args if isinstance(a, str))
+            counts["feature: fan-out (a step used twice or more)"] += any(
+                uses[s.out] >= 2 for s in prog.steps)
+            counts["feature: shared weight (a param used twice or more)"] += any(uses[p] >= 2 for p in prog.params)
+            counts["feature: const array"] += any(isinstance(a, Const) and a.name for s in prog.steps for a in s.args)
+            counts["feature: int labels"] += "y" in prog.inputs
+            counts["feature: (1, N) or (N, 1) param read once"] += any(
+                len(s) == 2 and 1 in s and uses[p] == 1 for p, (s, _, _) in prog.params.items())
+            counts["feature: frozen param"] += any(not t for _, t, _ in prog.params.values())
+            counts["feature: weight decay"] += prog.weight_decay > 0
+            counts["feature: batch of 1"] += prog.dims[BATCH] == 1
+        return counts
+
+
+def random_case(seed, small=False):
+    """small: fewer random steps (a model Numba compiles in seconds, not a minute)."""
+    prog, data = _generate(seed, small)
+    return Case([prog], [data], f"fuzz{seed}{'s' * small}")
+
+
+def combined_case(seeds, small=True):
+    """One model holding the programs of several seeds (leaf names and batch dims prefixed g0_, g1_, ...)."""
+    made = [_generate(s, small) for s in seeds]
+    return Case([p for p, _ in made], [d for _, d in made], "fuzz_" + "_".join(map(str, seeds)) + "s" * small)
+
+
+# ---- checks --------------------------------------------------------------------------------------
+def torch_reference(case):
+    """Objective, outputs, gradients and H v of a case by torch autograd in float64."""
+    leaves = {n: torch.tensor(v, requires_grad=n in case.trainable or n in case.float_inputs)
+              for n, v in {**case.params, **case.inputs}.items()}
+    objective, outputs = case.torch_run(leaves)
+    wrt = case.trainable + case.float_inputs
+    grads = torch.autograd.grad(objective, [leaves[n] for n in wrt], create_graph=True, allow_unused=True)
+    grads = dict(zip(wrt, grads))
+    gv = sum((grads[p] * torch.as_tensor(case.tangents[p])).sum() for p in case.trainable if grads[p] is not None)
+    if torch.is_tensor(gv) and gv.requires_grad:
+        hv = torch.autograd.grad(gv, [leaves[p] for p in case.trainable], allow_unused=True)
+    else:
+        hv = [None] * len(case.trainable)
+
+    def array(t, name):
+        return np.zeros(np.shape(leaves[name])) if t is None else t.detach().numpy()
+    return {"loss": objective.item(), "outputs": {k: v.detach().numpy() for k, v in outputs.items()},
+            "grads": {p: array(grads[p], p) for p in case.trainable},
+            "input_grads": {i: array(grads[i], i) for i in case.float_inputs},
+            "hvps": {p: array(h, p) for p, h in zip(case.trainable, hv)}}
+
+
+def gradc_interpreted(case):
+    """The same quantities from gradc's order-2 training graph through its numpy interpreter."""
+    graph = build_training_graph(case.model, "float64", order=2)
+    tables = {"grads": graph.grads, "input_grads": graph.input_grads, "hvps": graph.hvps, "outputs": graph.outputs}
+    roots = [graph.objective] + [n for t in tables.values() for n in t.values() if n is not None]
+    values = evaluate(graph, case.params, case.inputs, list(dict.fromkeys(roots)), tangents=case.tangents)
+    leaves = {**case.params, **case.inputs}
+    got = {"loss": float(values[graph.objective])}
+    for key, table in tables.items():
+        got[key] = {k: values[n] if n is not None else np.zeros(np.shape(leaves[k])) for k, n in table.items()}
+    return got
+
+
+def gradc_compiled(case, out, dtype="float64"):
+    """The same quantities from the module gc.compile writes (plus the Hessian times v, as "hessian_v")."""
+    mod = gc.compile(case.model, out=out, dtype=dtype, warm_cache=False)
+    cast = lambda d: {k: v.astype(dtype) if v.dtype.kind == "f" else v for k, v in d.items()}
+    params, inputs, v = cast(case.params), cast(case.inputs), cast(case.tangents)
+    loss, grads = mod.loss_and_grad(params, **inputs)
+    fwd = mod.forward(params, **inputs)
+    needed = [prefix + n for prog, prefix in zip(case.programs, case.prefixes) for n in prog.output_inputs()]
+    # with only the inputs the outputs read (when those are all the objective reads, "loss" comes too)
+    fwd_outputs_only = {k: x for k, x in mod.forward(params, **{k: inputs[k] for k in needed}).items() if k != "loss"}
+    flat_v = np.concatenate([case.tangents[p].ravel() for p in mod.PARAM_ORDER if p in case.trainable])
+    hessian_v = mod.hessian(params, **inputs) @ flat_v
+    return {"loss": loss, "forward_loss": fwd["loss"],
+            "outputs": {k: x for k, x in fwd.items() if k != "loss"}, "outputs_only": fwd_outputs_only,
+            "grads": grads, "input_grads": mod.input_grads(params, **inputs), "hvps": mod.hvp(params, v, **inputs),
+            "hessian_v": hessian_v, "param_order": [p for p in mod.PARAM_ORDER if p in case.trainable]}
+
+
+def compare(case, got, ref, rtol=1e-8, rtol_hvp=1e-7, where="interpreter"):
+    """Raise AssertionError listing every mismatch, with the seeds and programs to reproduce it.
+
+    Each array is compared to rtol plus an absolute slack of rtol times the largest reference value
+    of its kind, so a tiny element that cancels is not judged on its own."""
+    problems = []
+
+    def check(label, a, b, tol, scale):
+        a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+        if a.shape != b.shape:
+            problems.append(f"{label}: shape {a.shape}, expected {b.shape}")
+        elif not np.allclose(a, b, rtol=tol, atol=tol * scale, equal_nan=False):
+            err = np.abs(a - b).max()
+            problems.append(f"{label}: max abs error {err:.3g} (tolerance {tol:g}, scale {scale:.3g})\n"
+                            f"      got      {np.array2string(a.ravel()[:8], precision=10)}\n"
+                            f"      expected {np.array2string(b.ravel()[:8], precision=10)}")
+
+    def scale(table):
+        return max([np.abs(v).max(initial=0.0) for v in table.values()] + [1e-12])
+
+    check("loss", got["loss"], ref["loss"], rtol, abs(ref["loss"]))
+    if "forward_loss" in got:
+        check("forward loss", got["forward_loss"], ref["loss"], rtol, abs(ref["loss"]))
+        for k, v in got["outputs_only"].items():
+            check(f"forward (no labels) output {k}", v, ref["outputs"][k], rtol, np.abs(ref["outputs"][k]).max())
+        hv = np.concatenate([ref["hvps"][p].ravel() for p in got["param_order"]])
+        check("hessian @ v", got["hessian_v"], hv, rtol_hvp, np.abs(hv).max(initial=1e-12))
+    for key, tol in (("outputs", rtol), ("grads", rtol), ("input_grads", rtol), ("hvps", rtol_hvp)):
+        if set(got[key]) != set(ref[key]):
+            problems.append(f"{key}: names {sorted(got[key])}, expected {sorted(ref[key])}")
+            continue
+        for name in ref[key]:
+            check(f"{key[:-1]} {name}", got[key][name], ref[key][name], tol, scale(ref[key]))
+    if problems:
+        raise AssertionError(f"gradc ({where}) differs from torch for seed(s) {case.seeds}:\n  "
+                             + "\n  ".join(problems) + "\nprogram:\n" + case.text())
+
+
+def _crashed(case, where, e):
+    return AssertionError(f"gradc ({where}) crashed for seed(s) {case.seeds}: {e!r}\nprogram:\n{case.text()}")
+
+
+def check_interpreted(case):
+    try:
+        got = gradc_interpreted(case)
+    except Exception as e:
+        raise _crashed(case, "interpreter", e) from e
+    compare(case, got, torch_reference(case))
+
+
+def check_compiled(case, out, dtype="float64", rtol=1e-8, rtol_hvp=1e-7):
+    try:
+        got = gradc_compiled(case, out, dtype)
+    except Exception as e:
+        raise _crashed(case, f"compiled {dtype}", e) from e
+    compare(case, got, torch_reference(case), rtol, rtol_hvp, where=f"compiled {dtype}")
