@@ -23,6 +23,11 @@ ORDER_1_STUBS = "\n".join([
     "",
     "def hessian(params, /, **inputs):",
     '    """Not in this build: it was compiled with --order 1."""',
+    "    second_order_missing(MODEL_NAME)",
+    "",
+    "",
+    "def hessian_rows(params, start, stop, /, **inputs):",
+    '    """Not in this build: it was compiled with --order 1."""',
     "    second_order_missing(MODEL_NAME)"]) + "\n"
 
 

@@ -1,8 +1,12 @@
-"""The compiled function of one entry point on the CPU target: its kernels in plan order.
+"""The function of one entry point on the CPU target: its kernels in plan order.
 
-The function is one Numba function (a call crosses from Python into machine code once) over
-buffers carved from the arena at the memory plan's offsets; codegen/cuda_entry.py writes the CUDA
-target's host function by overriding how values are stored and computed.
+A small graph's function is one Numba function (a call crosses from Python into machine code
+once). A large graph's runs as plain Python that calls the compiled kernels: Numba compiles a
+function of N statements in time that grows faster than N (a 30-layer MLP's loss_and_grad took
+13 s of its 16 s compile; as plain Python the whole module compiles in 3 s), while each call from
+Python costs about a microsecond, small beside the kernels of a large graph. Either way it runs
+over buffers carved from the arena at the memory plan's offsets; codegen/cuda_entry.py writes the
+CUDA target's host function by overriding how values are stored and computed.
 """
 import numpy as np
 import sympy as sp
@@ -21,10 +25,14 @@ def _pattern(operand_shape, out_shape):
     return tuple(-1 if (d == 1 and out_shape[lead + j] != 1) else lead + j for j, d in enumerate(operand_shape))
 
 
+COMPILED_ENTRY_MAX_STEPS = 120   # larger entries run as plain Python (see the module docstring)
+
+
 class EntryWriter:
-    """Writes the compiled function of one entry point."""
-    decorator = "@kernel"            # the entry is one compiled Numba function
+    """Writes the function of one entry point."""
+    decorator = "@kernel"            # a small entry is one compiled Numba function
     tail_args = ("arena", "offs")    # what every entry takes after its values
+    compiled = True                  # whether the entry being written is compiled (set per entry)
 
     def __init__(self, graph, kernels, names):
         self.graph = graph
@@ -55,6 +63,7 @@ class EntryWriter:
         roots = plan["roots"]
         order = plan["steps"]
         self._start_plan(plan)
+        self.compiled = len(order) <= COMPILED_ENTRY_MAX_STEPS
         leaves, consts = self._arguments(order, exclude=(), received=received)
         args = [self.names[n] for n in leaves] + [self.names[n] for n in received] + [f"c{n}" for n in consts]
         args += (["grads"] if flat_roots is not None else []) + list(self.tail_args)
@@ -76,7 +85,10 @@ class EntryWriter:
         return "\n".join(lines), leaves, consts
 
     def _def(self, fname, args, doc):
-        return ([self.decorator] if self.decorator else []) + [f"def {fname}({', '.join(args)}):", f'    """{doc}"""']
+        if self.decorator and not self.compiled:
+            doc += " Runs as plain Python over the compiled kernels (a graph this large compiles slowly as one function)."
+        return ([self.decorator] if self.decorator and self.compiled else []) + [
+            f"def {fname}({', '.join(args)}):", f'    """{doc}"""']
 
     def returned(self, r, seen):
         """How root r is handed back."""
@@ -140,6 +152,7 @@ class EntryWriter:
         layout, _ = self._layout(flat_roots)
         order, loop_from = plan["steps"], plan["loop_from"]
         self._start_plan(plan)
+        self.compiled = len(order) <= COMPILED_ENTRY_MAX_STEPS
         tangent_nodes = set(tangents.values())
         leaves, consts = self._arguments(order, exclude=tangent_nodes)
         dims = self._dims(order, leaves)
@@ -180,7 +193,7 @@ class EntryWriter:
     def arena_view(self, k, shape, dims):
         """The k-th planned buffer, as a call to gradc.runtime.views.view: slicing and reshaping
         inline for every buffer made deep models' entry functions slow to compile (about 1.6x)."""
-        return f"view(arena, offs[{k}], {_shape_src(shape, dims)})"
+        return f"{'view' if self.compiled else 'plain_view'}(arena, offs[{k}], {_shape_src(shape, dims)})"
 
     def fresh_array(self, shape_src):
         return f"np.empty({shape_src}, FLOAT)"

@@ -46,7 +46,7 @@ from gradc.runtime import Signature, TrainerBase, init_from, load_data
 from gradc.runtime.arena import Arena
 from gradc.runtime.hessian import hessian_buffer, in_blocks, second_order_missing, symmetrize
 from gradc.runtime.pipeline import HostMemory, Pipeline
-from gradc.runtime.views import view
+from gradc.runtime.views import plain_view, view
 
 # float errors give inf/nan as in numpy, never raise; nogil lets Hessian blocks run on every core
 kernel = njit(cache=True, error_model="numpy", nogil=True)

@@ -36,6 +36,8 @@ def parse_bind(items):
         name, sep, value = item.partition("=")
         if not sep or not name.isidentifier():
             raise UsageError(f"--bind {item!r}: expected DIM=INT, e.g. --bind B=256")
+        if name in dims:
+            raise UsageError(f"--bind {item!r}: {name} is bound twice")
         try:
             dims[name] = int(value)
         except ValueError:
@@ -96,7 +98,7 @@ def cmd_compile(args):
         (model,) = models.values()
     timings, notes = {}, []
     compile_model(model, out=args.out, target=args.target, dtype=args.dtype, order=args.order,
-                  bind=parse_bind(args.bind), warm=not args.no_warm, timings=timings, notes=notes,
+                  bind=parse_bind(args.bind), warm=False if args.no_warm else {"first": True, "all": "all", "none": False}[args.warm], timings=timings, notes=notes,
                   source=args.model_file, memory_budget=args.memory_budget, devices=args.devices, schedule=args.schedule,
                   microbatches=args.microbatches, device_memory=args.device_memory, batch_dim=args.batch_dim)
     secs = f"passes {timings.get('passes_total', 0):.2f}s" + (
@@ -117,7 +119,7 @@ def cmd_inspect(args):
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         """A bad command line: one line and exit 2, like every other user error."""
-        self.exit(2, f"gradc: error: {message} (gradc {self.prog.split()[-1]} --help for usage)\n")
+        self.exit(2, f"gradc: error: {message} ({self.prog} --help for usage)\n")
 
 
 def build_parser():
@@ -139,7 +141,10 @@ def build_parser():
     c.add_argument("--microbatches", type=int)
     c.add_argument("--device-memory", type=parse_size, metavar="SIZE")
     c.add_argument("--batch-dim")
-    c.add_argument("--no-warm", action="store_true", help="skip compiling the kernels now (first call compiles)")
+    c.add_argument("--warm", choices=["first", "all", "none"], default="first",
+                   help="compile now: the first-order entry points (default), also hvp and hessian (all), or "
+                        "nothing (none); what is not compiled now compiles on its first call")
+    c.add_argument("--no-warm", action="store_true", help="the same as --warm none")
     c.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     i = sub.add_parser("inspect", help="summarise what `compile` wrote for OUT/NAME")
     i.add_argument("build", metavar="OUT/NAME")
@@ -177,6 +182,9 @@ def main(argv=None):
         interrupted = isinstance(e, KeyboardInterrupt)
         print("gradc: interrupted" if interrupted else "gradc: terminated", file=sys.stderr)
         return 128 + (signal.SIGINT if interrupted else signal.SIGTERM)
+    except BrokenPipeError:   # `gradc inspect ... | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except Exception as e:
         if args.debug:
             raise

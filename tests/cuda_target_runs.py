@@ -346,22 +346,6 @@ def run_pipelines(build):
     return out
 
 
-def _pinned_dag(width=6):
-    """test_memory's _dag with its cut pinned between the blocks (the cost model's cut moves with
-    fusion): a skip of the input, a shared weight, and the backward cross the cut."""
-    m = gc.Model("plan_dag")
-    x = m.input("x", ("B", 3))
-    t = m.input("t", ("B", 1))
-    shared = m.param("Ws", (width, width))
-    with m.stage(0):
-        h = gc.tanh(x @ m.param("We", (3, width)))
-        h = h + 0.5 * gc.maximum(gc.sigmoid(h @ shared + x @ m.param("U0", (3, width))), 0.3 * h)
-    with m.stage(1):
-        h = h + 0.5 * gc.maximum(gc.sigmoid(h @ shared + x @ m.param("U1", (3, width))), 0.3 * h)
-        m.minimize(gc.mse(h @ m.param("Wo", (width, 1)), t), weight_decay=1e-3)
-    return m
-
-
 def run_stage_gpus(build):
     """One stage per GPU in one process, with the simulator given 3 GPUs (they share its memory,
     so this checks the runners, the copies and the event order, not real peer copies). The model
@@ -369,7 +353,7 @@ def run_stage_gpus(build):
     from numba import cuda
     from numba.cuda.simulator.cudadrv import devices
     from gradc.runtime.cuda_stages import stage_gpus
-    from test_memory import _inputs
+    from test_memory import _inputs, _pinned_dag
 
     model = _pinned_dag()
     cpu = gc.compile(model, out=os.path.join(build, "cpu"), dtype="float64", order=1, warm_cache=False)

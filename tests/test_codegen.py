@@ -212,6 +212,24 @@ def _inputs(module, rng, batch=5):
 def test_generated_matches_interpreter(make, build_dir, rng):
     model = make()
     mod = gc.compile(model, out=build_dir, dtype="float64", warm_cache=False)
+    _check_against_interpreter(model, mod, rng, hvp=make in WITH_HVP)
+
+
+@pytest.mark.parametrize("make", [row_params_and_objective_output, scalars, reductions_and_attention, residual],
+                         ids=lambda f: f.__name__)
+def test_plain_python_entries_match_the_interpreter(make, build_dir, rng, monkeypatch):
+    """Entry points of large graphs run as plain Python over the compiled kernels: here every one does."""
+    import gradc.codegen.entry as entry
+    monkeypatch.setattr(entry, "COMPILED_ENTRY_MAX_STEPS", 0)
+    model = make()
+    mod = gc.compile(model, out=build_dir, dtype="float64", warm_cache=False)
+    source = open(mod.__file__).read()
+    assert "@kernel\ndef _loss_and_grad" not in source and "def _loss_and_grad(" in source
+    assert "plain_view(arena" in source and "= view(arena" not in source
+    _check_against_interpreter(model, mod, rng, hvp=True)
+
+
+def _check_against_interpreter(model, mod, rng, hvp):
     graph = build_training_graph(model, "float64")
     params = mod.init_params(seed=3)
     inputs = _inputs(mod, rng)
@@ -241,7 +259,7 @@ def test_generated_matches_interpreter(make, build_dir, rng):
     out_only = mod.forward(params, **{k: v for k, v in inputs.items() if k in mod._OUTPUT_INPUTS})
     assert ("loss" in out_only) == set(mod._LOSS_INPUTS).issubset(mod._OUTPUT_INPUTS)
 
-    if make in WITH_HVP:   # the second-order block's expressions (powers in denominators, scalars)
+    if hvp:   # the second-order block's expressions (powers in denominators, scalars)
         graph2 = build_training_graph(model, "float64", order=2)
         v = {p: rng.standard_normal(mod.PARAM_SHAPES[p]) for p in trainable}
         ref2 = evaluate(graph2, params, inputs, [graph2.hvps[p] for p in trainable], tangents=v)

@@ -232,6 +232,22 @@ def _dag(blocks=4, width=12):
     return m
 
 
+def _pinned_dag(width=6):
+    """_dag with its cut pinned between the blocks (the cost model's cut moves with
+    fusion): a skip of the input, a shared weight, and the backward cross the cut."""
+    m = gc.Model("plan_dag")
+    x = m.input("x", ("B", 3))
+    t = m.input("t", ("B", 1))
+    shared = m.param("Ws", (width, width))
+    with m.stage(0):
+        h = gc.tanh(x @ m.param("We", (3, width)))
+        h = h + 0.5 * gc.maximum(gc.sigmoid(h @ shared + x @ m.param("U0", (3, width))), 0.3 * h)
+    with m.stage(1):
+        h = h + 0.5 * gc.maximum(gc.sigmoid(h @ shared + x @ m.param("U1", (3, width))), 0.3 * h)
+        m.minimize(gc.mse(h @ m.param("Wo", (width, 1)), t), weight_decay=1e-3)
+    return m
+
+
 def _inputs(module, batch, rng):
     out = {}
     for name, (shape, dtype) in module.INPUTS.items():

@@ -12,7 +12,7 @@ import pytest
 
 from gradc.compiler import compile_model
 
-from test_memory import _dag, _inputs
+from test_memory import _dag, _inputs, _pinned_dag
 
 pytest.importorskip("mpi4py", reason="the mpi extra (pip install 'gradc[mpi]') is not installed")
 
@@ -113,7 +113,7 @@ def test_two_mpi_ranks_of_a_cuda_module_match_one_process(tmp_path):
     """--target cuda under mpiexec, simulated: stage r on rank r's GPU, values sent through host
     memory, the Trainer clipping by the global norm; against the CPU target in one process."""
     pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
-    model = _dag(blocks=2, width=6)
+    model = _pinned_dag()   # its cut between the blocks: arrays cross both ways
     options = dict(order=1, bind={"B": 5}, dtype="float64", devices=2, schedule="gpipe", microbatches=2)
     cpu = compile_model(model, out=str(tmp_path / "cpu"), warm_cache=False, **options)
     dev = compile_model(model, out=str(tmp_path / "cuda"), target="cuda", **options)   # (its own cut: fused GEMMs)

@@ -547,3 +547,52 @@ def test_compile_docstring_matches_the_code():
         name = "warm_cache" if key == "warm" else key
         actual = params[name].default if name in params else None   # the device options default to None
         assert ast.literal_eval(default) == actual, (key, default, actual)
+
+
+# ---- found by trying gradc as a new user -----------------------------------------------------------------
+def test_compile_never_replaces_a_file_it_did_not_write(tmp_path):
+    """`gradc compile tiny.py -o .` once replaced the model file tiny.py with a link to the module."""
+    (tmp_path / "tiny.py").write_text(MODEL)
+    line = one_error_line(gradc("compile", "tiny.py", "-o", ".", "--warm", "none", cwd=tmp_path))
+    assert "tiny.py exists and was not written by gradc" in line, line
+    assert (tmp_path / "tiny.py").read_text() == MODEL and not (tmp_path / ".gradc").exists()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "tiny.graph.json").write_text("mine")
+    line = one_error_line(gradc("compile", "tiny.py", "-o", "out", "--warm", "none", cwd=tmp_path))
+    assert "tiny.graph.json exists and was not written by gradc" in line
+    assert (tmp_path / "out" / "tiny.graph.json").read_text() == "mine"
+
+
+def test_command_line_slips(tmp_path):
+    (tmp_path / "tiny.py").write_text(MODEL)
+    line = one_error_line(gradc("compile", "tiny.py", "--bind", "B=4", "--bind", "B=5", cwd=tmp_path))
+    assert "B is bound twice" in line
+    line = one_error_line(gradc("--bogus", cwd=tmp_path))
+    assert line.endswith("(gradc --help for usage)"), line
+    assert one_error_line(gradc("compile", cwd=tmp_path)).endswith("(gradc compile --help for usage)")
+
+
+def test_inspect_into_a_closed_pipe_is_quiet(tmp_path):
+    (tmp_path / "tiny.py").write_text(MODEL)
+    assert gradc("compile", "tiny.py", "-o", "out", "--warm", "none", cwd=tmp_path).returncode == 0
+    r = subprocess.run(f"{sys.executable} -m gradc.cli inspect out/tiny --graph | head -1", shell=True, cwd=tmp_path,
+                       capture_output=True, text=True, env=_env(), timeout=120)
+    assert r.stdout.startswith("model tiny") and r.stderr == "", r.stderr
+
+
+def test_order_1_build_refuses_every_second_order_entry(small):
+    p = small.init_params(0)
+    x, y = np.ones((2, 3), np.float32), np.array([0, 1])
+    for call in (lambda: small.hvp(p, p, x=x, y=y), lambda: small.hessian(p, x=x, y=y),
+                 lambda: small.hessian_rows(p, 0, 1, x=x, y=y)):
+        with pytest.raises(RuntimeError, match="--order 2"):
+            call()
+
+
+def test_save_names_the_path_the_user_gave_and_bad_lr_warns_nothing(small, tmp_path, recwarn):
+    tr = small.Trainer(small.init_params(0))
+    with pytest.raises(FileNotFoundError, match=r"nowhere/ckpt.npz: the folder .*nowhere does not exist"):
+        tr.save(str(tmp_path / "nowhere" / "ckpt.npz"))
+    with pytest.raises(ValueError, match="lr must be a finite number > 0 in float32"):
+        small.Trainer(small.init_params(0), lr=1e39)
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in recwarn]

@@ -157,6 +157,8 @@ class TrainerBase:
         arrays |= {f"param/{k}": self._host(v) for k, v in self.params.items()}
         arrays |= {f"state/{slot}": self._host(v) for slot, v in self.state.items()}
         target = os.path.realpath(os.fspath(path))
+        if not os.path.isdir(os.path.dirname(target)):
+            raise FileNotFoundError(f"{os.fspath(path)}: the folder {os.path.dirname(target)} does not exist")
         try:
             mode = stat.S_IMODE(os.stat(target).st_mode)
         except FileNotFoundError:
@@ -213,7 +215,7 @@ class TrainerBase:
     def _positive(self, name, value):
         """A finite number > 0 that stays so in the params' dtype (1e39 overflows float32, 1e-50 is 0 there)."""
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value) \
-                or not 0 < self.signature.float.type(value) < math.inf:
+                or not 0 < self._in_dtype(value) < math.inf:
             raise ValueError(f"{self.model_name}.Trainer: {name} must be a finite number > 0 in "
                              f"{np.dtype(self.signature.float).name}, got {value!r}")
         return float(value)
@@ -221,10 +223,14 @@ class TrainerBase:
     def _fraction(self, name, value):
         """A number in [0, 1) that stays below 1 in the params' dtype (float32 rounds 0.99999999 to 1)."""
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1 \
-                or not self.signature.float.type(value) < 1:
+                or not self._in_dtype(value) < 1:
             raise ValueError(f"{self.model_name}.Trainer: {name} must be a number in [0, 1) in "
                              f"{np.dtype(self.signature.float).name}, got {value!r}")
         return float(value)
+
+    def _in_dtype(self, value):
+        with np.errstate(over="ignore", under="ignore"):   # what overflows is refused by name, not warned about
+            return self.signature.float.type(value)
 
     def _betas(self, value):
         if not (isinstance(value, (tuple, list)) and len(value) == 2):
