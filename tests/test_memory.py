@@ -17,6 +17,7 @@ from gradc.compiler import compile_model
 from gradc.runtime.arena import best_fit
 from gradc.passes import checkmate
 from gradc.passes.checkpoint import Solution
+from test_codegen import reductions_rank3
 
 
 # ---- buffer assignment ------------------------------------------------------------------------
@@ -433,18 +434,7 @@ def _broadcast_residual():
     return m
 
 
-def _reductions():
-    m = gc.Model("lean_reduce")
-    x = m.input("x", ("B", 3, 4))
-    h = x * m.param("w", (3, 4), init="normal")
-    r = gc.sum(h, axis=(0, 2), keepdims=True) * gc.max(h, axis=(0, 2), keepdims=True)
-    q = gc.max(h, axis=1) + gc.mean(h, axis=(1,))
-    z = gc.softmax(h, axis=1) * r + gc.log_softmax(h, axis=0)
-    m.minimize(gc.mean(z) + gc.mean(q * q) + gc.max(h) * 0.1)
-    return m
-
-
-@pytest.mark.parametrize("make", [_readme_mlp, _broadcast_residual, _reductions])
+@pytest.mark.parametrize("make", [_readme_mlp, _broadcast_residual, reductions_rank3])
 def test_order_2_builds_plan_first_order_entries_as_order_1_does(make):
     """The second-order nodes share values with the backward; they must not stop those values
     from fusing, or loss_and_grad of the default build would hold more than --order 1's."""

@@ -19,19 +19,9 @@ import pytest
 import gradc as gc
 from gradc import GradcError
 from gradc import compiler, sizes
+from test_cli import MODEL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-MODEL = textwrap.dedent("""
-    import gradc as gc
-    m = gc.Model("tiny")
-    x = m.input("x", ("B", 6))
-    y = m.input("y", ("B",), dtype="int64")
-    h = gc.tanh(x @ m.param("W0", (6, 16)) + m.param("b0", (16,)))
-    logits = h @ m.param("W1", (16, 3)) + m.param("b1", (3,))
-    m.output("logits", logits)
-    m.minimize(gc.softmax_cross_entropy(logits, y), weight_decay=1e-3)
-""")
 
 
 def _env(path_prefix=None):
