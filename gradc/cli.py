@@ -10,6 +10,9 @@ from . import sizes
 from .errors import GradcError, _short
 
 
+WARM_CHOICES = {"first": True, "all": "all", "none": False}   # --warm -> compile_model's warm=
+
+
 class UsageError(Exception):
     """A bad command line or model file: one line on stderr, exit 2."""
 
@@ -97,9 +100,9 @@ def cmd_compile(args):
     else:
         (model,) = models.values()
     timings, notes = {}, []
+    warm = WARM_CHOICES["none" if args.no_warm else args.warm]
     compile_model(model, out=args.out, target=args.target, dtype=args.dtype, order=args.order,
-                  bind=parse_bind(args.bind), warm=False if args.no_warm else {"first": True, "all": "all", "none": False}[args.warm], timings=timings, notes=notes,
-                  source=args.model_file, memory_budget=args.memory_budget, devices=args.devices, schedule=args.schedule,
+                  bind=parse_bind(args.bind), warm=warm, timings=timings, notes=notes, source=args.model_file, memory_budget=args.memory_budget, devices=args.devices, schedule=args.schedule,
                   microbatches=args.microbatches, device_memory=args.device_memory, batch_dim=args.batch_dim)
     secs = f"passes {timings.get('passes_total', 0):.2f}s" + (
         f", Numba warm-up {timings['numba_warm']:.1f}s" if "numba_warm" in timings else "")
@@ -141,7 +144,7 @@ def build_parser():
     c.add_argument("--microbatches", type=int)
     c.add_argument("--device-memory", type=parse_size, metavar="SIZE")
     c.add_argument("--batch-dim")
-    c.add_argument("--warm", choices=["first", "all", "none"], default="first",
+    c.add_argument("--warm", choices=list(WARM_CHOICES), default="first",
                    help="compile now: the first-order entry points (default), also hvp and hessian (all), or "
                         "nothing (none); what is not compiled now compiles on its first call")
     c.add_argument("--no-warm", action="store_true", help="the same as --warm none")
