@@ -8,6 +8,7 @@ and prints the programs; `python bench/fuzz.py --n N` runs more seeds.
 """
 import pytest
 
+import gradc.codegen.entry as entry
 from fuzz_graphs import check_compiled, check_interpreted, combined_case, random_case
 
 INTERPRETED_SEEDS = range(150)
@@ -22,7 +23,9 @@ def test_interpreter_matches_torch(seed):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seeds", COMPILED_SEEDS)
-def test_compiled_float64_matches_torch(seeds, tmp_path):
+def test_compiled_float64_matches_torch(seeds, tmp_path, monkeypatch):
+    if seeds == (3, 4, 5):   # these through entry points run as plain Python (what a large graph gets)
+        monkeypatch.setattr(entry, "COMPILED_ENTRY_MAX_STEPS", 0)
     check_compiled(combined_case(seeds), str(tmp_path))
 
 
