@@ -8,7 +8,7 @@ from .version import __version__
 from .errors import GradcError
 from .dsl import (Model, Tensor, exp, log, tanh, sigmoid, relu, softplus, gelu, sin, cos, sqrt, square,
                   abs, maximum, matmul, sum, mean, max, reshape, transpose, softmax, log_softmax,
-                  softmax_cross_entropy, mse, elementwise)
+                  softmax_cross_entropy, mse, elementwise, conv2d, max_pool2d, avg_pool2d)
 
 
 def compile(model, **options):
@@ -28,4 +28,5 @@ def compile(model, **options):
 
 __all__ = ["Model", "Tensor", "GradcError", "compile", "exp", "log", "tanh", "sigmoid", "relu", "softplus",
            "gelu", "sin", "cos", "sqrt", "square", "abs", "maximum", "matmul", "sum", "mean", "max", "reshape",
-           "transpose", "softmax", "log_softmax", "softmax_cross_entropy", "mse", "elementwise", "__version__"]
+           "transpose", "softmax", "log_softmax", "softmax_cross_entropy", "mse", "elementwise", "conv2d", "max_pool2d", "avg_pool2d",
+           "__version__"]

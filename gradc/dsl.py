@@ -333,6 +333,64 @@ def mse(pred, target):
     return model._apply("mean", (sq,), src, axes=tuple(range(len(shapes[0]))), keepdims=False)
 
 
+# ---- convolution and pooling (NCHW; PyTorch's arithmetic and layouts) --------------------------
+def _pair(op, what, value, src, minimum):
+    """An int or a pair of ints, each >= minimum, as a pair."""
+    pair = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+    if len(pair) != 2 or any(isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral) or v < minimum
+                             for v in pair):
+        raise GradcError(f"{op}: {what} must be an int >= {minimum} or a pair of them, got {value!r}", src)
+    return tuple(int(v) for v in pair)
+
+
+def _image(op, x, src):
+    if not isinstance(x, Tensor):
+        raise GradcError(f"{op}: the input must be a gradc Tensor (N, C, H, W), got a {type(x).__name__}", src)
+    if x.ndim != 4:
+        raise GradcError(f"{op}: the input must have rank 4 (N, C, H, W), got {fmt(x.shape)}", src)
+    return x.model
+
+
+def conv2d(x, w, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    """PyTorch's conv2d: x (N, C, H, W), w (O, C/groups, kh, kw), bias (O,) or None -> (N, O, Ho, Wo).
+    stride, padding and dilation take an int or a pair."""
+    src = user_src()
+    model = _image("conv2d", x, src)
+    attrs = {"stride": _pair("conv2d", "stride", stride, src, 1),
+             "padding": _pair("conv2d", "padding", padding, src, 0),
+             "dilation": _pair("conv2d", "dilation", dilation, src, 1)}
+    if isinstance(groups, (bool, np.bool_)) or not isinstance(groups, numbers.Integral) or groups < 1:
+        raise GradcError(f"conv2d: groups must be an int >= 1, got {groups!r}", src)
+    y = model._apply("conv2d", (x, w), src, groups=int(groups), **attrs)
+    if bias is None:
+        return y
+    b = bias if isinstance(bias, Tensor) else Tensor(model, model._node(bias, "conv2d", src))
+    out_channels = y.shape[1]
+    if b.shape != (out_channels,):
+        raise GradcError(f"conv2d: bias must have shape ({out_channels},) for the weight's {out_channels} output "
+                         f"channels, got {fmt(b.shape)}", src)
+    return model._apply("add", (y, reshape(b, (out_channels, 1, 1), src=src)), src)
+
+
+def _pool(name):
+    def f(x, kernel_size, stride=None, padding=0):
+        src = user_src()
+        model = _image(name, x, src)
+        kernel = _pair(name, "kernel_size", kernel_size, src, 1)
+        attrs = {"kernel": kernel, "stride": kernel if stride is None else _pair(name, "stride", stride, src, 1),
+                 "padding": _pair(name, "padding", padding, src, 0)}
+        return model._apply(name, (x,), src, **attrs)
+    f.__name__ = name
+    return f
+
+
+max_pool2d, avg_pool2d = _pool("max_pool2d"), _pool("avg_pool2d")
+max_pool2d.__doc__ = ("PyTorch's max_pool2d(x, kernel_size, stride=None, padding=0): stride None is kernel_size; "
+                      "padding never wins; the gradient goes to each window's first maximum.")
+avg_pool2d.__doc__ = ("PyTorch's avg_pool2d(x, kernel_size, stride=None, padding=0): padding counts as zeros "
+                      "(count_include_pad), the divisor is kh * kw.")
+
+
 def elementwise(name, fn):
     """A user elementwise op: fn maps sympy symbols (one per operand) to a sympy expression.
 

@@ -1,0 +1,245 @@
+"""2-D convolution in NCHW, with PyTorch's arithmetic: conv2d and its two adjoints.
+
+    y = conv2d(x, w)                 x (N, C, H, W), w (O, C/groups, kh, kw) -> (N, O, Ho, Wo)
+    dx = conv2d_input_grad(g, w)     the transposed convolution: (N, O, Ho, Wo) -> (N, C, H, W)
+    dw = conv2d_weight_grad(x, g)    the correlation of x with g: -> (O, C/groups, kh, kw)
+
+with Ho = (H + 2 ph - dh (kh - 1) - 1) // sh + 1 (likewise Wo). All three are bilinear, and the
+adjoint of each is one of the three, so backward graphs of convolutions are convolutions again
+and differentiate once more (hvp, hessian) through the same rules:
+
+    <u, conv2d_input_grad(g, w)>  = <conv2d(u, w), g>
+    <u, conv2d_weight_grad(x, g)> = <conv2d(x, u), g>
+
+attrs (ints or pairs normalised to pairs by the DSL): stride, padding, dilation, groups; the input
+grad also takes input_hw (H, W: a strided convolution may not read the last rows, so H is not a
+function of Ho), the weight grad kernel (kh, kw). The batch dim N may be symbolic; C, H, W are ints.
+A bias is not part of the op: the DSL adds it as a broadcast (O, 1, 1) operand, which fuses into
+the next elementwise kernel.
+"""
+import numpy as np
+
+from . import Op, register
+from ..errors import ShapeError
+from ..shapes import fmt, size
+
+
+def out_len(n, k, s, p, d):
+    """Output length of a window of k taps, dilation d, stride s over n + 2p values (PyTorch's floor)."""
+    return (n + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+def check_float(op, dtypes):
+    for d in dtypes:
+        if not d.startswith("float"):
+            raise ShapeError(f"operand of dtype {d}: {op} takes float operands")
+
+
+def check_nchw(what, shape, rest_int=True):
+    """A rank-4 NCHW shape whose C, H, W are ints (N may be a symbolic dim)."""
+    if len(shape) != 4:
+        raise ShapeError(f"{what} must have rank 4 (N, C, H, W), got {fmt(shape)}")
+    if rest_int and any(isinstance(d, str) for d in shape[1:]):
+        raise ShapeError(f"{what} {fmt(shape)}: C, H and W must be ints (only the batch dim N may be symbolic)")
+
+
+def _attrs(attrs):
+    return (tuple(attrs["stride"]), tuple(attrs["padding"]), tuple(attrs.get("dilation", (1, 1))),
+            int(attrs.get("groups", 1)))
+
+
+def _out_hw(what, hw, kernel, stride, padding, dilation):
+    out = tuple(out_len(n, k, s, p, d) for n, k, s, p, d in zip(hw, kernel, stride, padding, dilation))
+    if min(out) < 1:
+        span = tuple(d * (k - 1) + 1 for k, d in zip(kernel, dilation))
+        raise ShapeError(f"the {what} (effective size {span[0]}x{span[1]}) is larger than the padded input "
+                         f"{hw[0] + 2 * padding[0]}x{hw[1] + 2 * padding[1]}")
+    return out
+
+
+def _check_weight(x_c, w, groups):
+    """w (O, C/groups, kh, kw) against C input channels."""
+    if len(w) != 4 or any(isinstance(d, str) for d in w):
+        raise ShapeError(f"the weight must be (O, C/groups, kh, kw) with int dims, got {fmt(w)}")
+    o, cg = w[0], w[1]
+    if x_c % groups:
+        raise ShapeError(f"{x_c} input channels do not divide into groups={groups}")
+    if o % groups:
+        raise ShapeError(f"{o} output channels (weight {fmt(w)}) do not divide into groups={groups}")
+    if cg * groups != x_c:
+        raise ShapeError(f"the weight {fmt(w)} takes {cg} channels per group, but the input has "
+                         f"{x_c} channels in {groups} group{'s' * (groups != 1)} ({x_c // groups} per group)")
+    if min(w) < 1:
+        raise ShapeError(f"the weight {fmt(w)} has an empty dim")
+
+
+def _conv_infer(attrs, shapes, dtypes):
+    check_float("conv2d", dtypes)
+    x, w = shapes
+    check_nchw("the input", x)
+    stride, padding, dilation, groups = _attrs(attrs)
+    _check_weight(x[1], w, groups)
+    ho, wo = _out_hw("kernel", x[2:], w[2:], stride, padding, dilation)
+    return (x[0], w[0], ho, wo), dtypes[0]
+
+
+def _input_grad_infer(attrs, shapes, dtypes):
+    check_float("conv2d_input_grad", dtypes)
+    g, w = shapes
+    check_nchw("the output adjoint", g)
+    stride, padding, dilation, groups = _attrs(attrs)
+    h, wd = attrs["input_hw"]
+    c = w[1] * groups
+    _check_weight(c, w, groups)
+    expect = _out_hw("kernel", (h, wd), w[2:], stride, padding, dilation)
+    if tuple(g[1:]) != (w[0],) + expect:
+        raise ShapeError(f"the output adjoint {fmt(g)} does not match a convolution of a {h}x{wd} input by "
+                         f"{fmt(w)} (expected (N, {w[0]}, {expect[0]}, {expect[1]}))")
+    return (g[0], c, h, wd), dtypes[0]
+
+
+def _weight_grad_infer(attrs, shapes, dtypes):
+    check_float("conv2d_weight_grad", dtypes)
+    x, g = shapes
+    check_nchw("the input", x)
+    check_nchw("the output adjoint", g)
+    stride, padding, dilation, groups = _attrs(attrs)
+    kh, kw = attrs["kernel"]
+    w = (g[1], x[1] // groups, kh, kw)
+    _check_weight(x[1], w, groups)
+    expect = _out_hw("kernel", x[2:], (kh, kw), stride, padding, dilation)
+    if g[0] != x[0] or tuple(g[2:]) != expect:
+        raise ShapeError(f"the output adjoint {fmt(g)} does not match a convolution of {fmt(x)} by a "
+                         f"{kh}x{kw} kernel (expected ({x[0]}, {g[1]}, {expect[0]}, {expect[1]}))")
+    return w, dtypes[0]
+
+
+# ---- numpy reference: one einsum per kernel tap over strided views ------------------------------
+def _tap(i, j, out_hw, stride, dilation):
+    """The slice of the padded input that kernel tap (i, j) reads for every output position."""
+    (ho, wo), (sh, sw), (dh, dw) = out_hw, stride, dilation
+    return (Ellipsis, slice(i * dh, i * dh + sh * (ho - 1) + 1, sh), slice(j * dw, j * dw + sw * (wo - 1) + 1, sw))
+
+
+def _grouped(a, groups):
+    """(N, C, H, W) -> (N, G, C/G, H, W)."""
+    return a.reshape(a.shape[0], groups, a.shape[1] // groups, *a.shape[2:])
+
+
+def _pad(x, padding):
+    ph, pw = padding
+    return np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw))) if ph or pw else x
+
+
+def conv2d_np(x, w, stride, padding, dilation, groups):
+    n, o, (kh, kw) = x.shape[0], w.shape[0], w.shape[2:]
+    out_hw = tuple(out_len(x.shape[2 + a], w.shape[2 + a], stride[a], padding[a], dilation[a]) for a in (0, 1))
+    xg = _grouped(_pad(x, padding), groups)
+    wg = w.reshape(groups, o // groups, *w.shape[1:])
+    out = np.zeros((n, groups, o // groups) + out_hw, dtype=np.result_type(x, w))
+    for i in range(kh):
+        for j in range(kw):
+            out += np.einsum("ngchw,goc->ngohw", xg[_tap(i, j, out_hw, stride, dilation)], wg[..., i, j])
+    return out.reshape((n, o) + out_hw)
+
+
+def conv2d_input_grad_np(g, w, stride, padding, dilation, groups, input_hw):
+    n, o, (kh, kw) = g.shape[0], w.shape[0], w.shape[2:]
+    (ph, pw), (h, wd) = padding, input_hw
+    c = w.shape[1] * groups
+    out_hw = g.shape[2:]
+    dxp = np.zeros((n, groups, c // groups, h + 2 * ph, wd + 2 * pw), dtype=np.result_type(g, w))
+    gg = _grouped(g, groups)
+    wg = w.reshape(groups, o // groups, *w.shape[1:])
+    for i in range(kh):
+        for j in range(kw):
+            dxp[_tap(i, j, out_hw, stride, dilation)] += np.einsum("ngohw,goc->ngchw", gg, wg[..., i, j])
+    return dxp[..., ph:ph + h, pw:pw + wd].reshape(n, c, h, wd)
+
+
+def conv2d_weight_grad_np(x, g, stride, padding, dilation, groups, kernel):
+    o, c = g.shape[1], x.shape[1]
+    out_hw = g.shape[2:]
+    xg = _grouped(_pad(x, padding), groups)
+    gg = _grouped(g, groups)
+    dw = np.zeros((groups, o // groups, c // groups) + tuple(kernel), dtype=np.result_type(x, g))
+    for i in range(kernel[0]):
+        for j in range(kernel[1]):
+            dw[..., i, j] = np.einsum("ngchw,ngohw->goc", xg[_tap(i, j, out_hw, stride, dilation)], gg)
+    return dw.reshape((o, c // groups) + tuple(kernel))
+
+
+def _conv_evaluate(attrs, values, out_shape, dims):
+    return conv2d_np(*values, *_attrs(attrs))
+
+
+def _input_grad_evaluate(attrs, values, out_shape, dims):
+    return conv2d_input_grad_np(*values, *_attrs(attrs), tuple(attrs["input_hw"]))
+
+
+def _weight_grad_evaluate(attrs, values, out_shape, dims):
+    return conv2d_weight_grad_np(*values, *_attrs(attrs), tuple(attrs["kernel"]))
+
+
+# ---- VJPs: each adjoint is one of the three ops ---------------------------------------------------
+def _common(ctx, n):
+    a = ctx.graph.attrs(n)
+    return {k: a[k] for k in ("stride", "padding", "dilation", "groups")}
+
+
+def _conv_vjp(ctx, n, g):
+    x, w = ctx.graph.operands(n)
+    common = _common(ctx, n)
+    dx = ctx.emit("conv2d_input_grad", [g, w], input_hw=tuple(ctx.graph.shape(x)[2:]), **common) \
+        if ctx.needs(0) else None
+    dw = ctx.emit("conv2d_weight_grad", [x, g], kernel=tuple(ctx.graph.shape(w)[2:]), **common) \
+        if ctx.needs(1) else None
+    return [dx, dw]
+
+
+def _input_grad_vjp(ctx, n, u):
+    """dx = IG(g, w): <u, IG(g, w)> = <conv2d(u, w), g>."""
+    g, w = ctx.graph.operands(n)
+    common = _common(ctx, n)
+    dg = ctx.emit("conv2d", [u, w], **common) if ctx.needs(0) else None
+    dw = ctx.emit("conv2d_weight_grad", [u, g], kernel=tuple(ctx.graph.shape(w)[2:]), **common) \
+        if ctx.needs(1) else None
+    return [dg, dw]
+
+
+def _weight_grad_vjp(ctx, n, u):
+    """dw = WG(x, g): <u, WG(x, g)> = <conv2d(x, u), g>."""
+    x, g = ctx.graph.operands(n)
+    common = _common(ctx, n)
+    dx = ctx.emit("conv2d_input_grad", [g, u], input_hw=tuple(ctx.graph.shape(x)[2:]), **common) \
+        if ctx.needs(0) else None
+    dg = ctx.emit("conv2d", [x, u], **common) if ctx.needs(1) else None
+    return [dx, dg]
+
+
+# ---- cost: 2 flops per multiply-add; every op does N O Ho Wo (C/groups) kh kw of them -------------
+def _conv_flops(attrs, in_shapes, out_shape):
+    _, w = in_shapes
+    return 2 * size(out_shape) * w[1] * w[2] * w[3]
+
+
+def _input_grad_flops(attrs, in_shapes, out_shape):
+    g, w = in_shapes
+    return 2 * size(g) * w[1] * w[2] * w[3]
+
+
+def _weight_grad_flops(attrs, in_shapes, out_shape):
+    x, g = in_shapes
+    return 2 * size(g) * out_shape[1] * out_shape[2] * out_shape[3]
+
+
+register(Op("conv2d", "conv", _conv_infer, _conv_evaluate, _conv_flops, vjp=_conv_vjp, arity=2,
+            doc="y[n, o] = sum over c in o's group, taps (i, j) of w[o, c, i, j] * x_pad[n, c, h s + i d, w s + j d]; "
+                "attrs stride, padding, dilation (pairs), groups"))
+register(Op("conv2d_input_grad", "conv", _input_grad_infer, _input_grad_evaluate, _input_grad_flops,
+            vjp=_input_grad_vjp, arity=2,
+            doc="the transposed convolution of g by w: conv2d's adjoint for x; attrs as conv2d's plus input_hw"))
+register(Op("conv2d_weight_grad", "conv", _weight_grad_infer, _weight_grad_evaluate, _weight_grad_flops,
+            vjp=_weight_grad_vjp, arity=2,
+            doc="dw[o, c, i, j] = sum over n, h, w of g[n, o, h, w] x_pad[n, c, h s + i d, w s + j d]: conv2d's adjoint "
+                "for w; attrs as conv2d's plus kernel"))

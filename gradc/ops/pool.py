@@ -1,0 +1,214 @@
+"""2-D max and average pooling in NCHW, with PyTorch's arithmetic (floor mode).
+
+    max_pool2d(x)              the max of each window; padding never wins (it is -inf)
+    max_pool2d_grad(x, g)      max_pool2d's adjoint: g[window] added at the window's first maximum of x
+    max_pool2d_pick(x, u)      u at each window's first maximum of x (max_pool2d(x) = max_pool2d_pick(x, x))
+    avg_pool2d(x)              the window's sum / (kh kw); padding counts as zeros (count_include_pad)
+    avg_pool2d_grad(g)         avg_pool2d's adjoint: g / (kh kw) spread over each window
+
+The max-pool backward reads the pool's input x (which the layer before keeps anyway: a ReLU's
+output), not a saved mask or index array, so training keeps one value per layer. Its adjoint in g
+is max_pool2d_pick and the other way round; in x both are piecewise constant (derivative zero),
+so hvp and hessian go through pools with the same rules. avg_pool2d and its grad are each
+other's adjoints.
+
+attrs (pairs): kernel, stride, padding; the grads also take input_hw (H, W). "First" is the
+window's row-major order, as PyTorch scans it.
+"""
+import numpy as np
+
+from . import Op, register
+from ..errors import ShapeError
+from ..shapes import fmt, size
+from .conv import check_float, check_nchw, out_len
+
+
+def _attrs(attrs):
+    return tuple(attrs["kernel"]), tuple(attrs["stride"]), tuple(attrs["padding"])
+
+
+def pool_out_hw(op, hw, kernel, stride, padding):
+    if min(kernel) < 1 or min(stride) < 1 or min(padding) < 0:
+        raise ShapeError(f"kernel_size {kernel}, stride {stride} and padding {padding}: sizes and strides must be "
+                         f">= 1, padding >= 0")
+    if any(2 * p > k for p, k in zip(padding, kernel)):
+        raise ShapeError(f"padding {padding} must be at most half of kernel_size {kernel}")
+    out = tuple(out_len(n, k, s, p, 1) for n, k, s, p in zip(hw, kernel, stride, padding))
+    if min(out) < 1:
+        raise ShapeError(f"kernel_size {kernel} is larger than the padded input "
+                         f"{hw[0] + 2 * padding[0]}x{hw[1] + 2 * padding[1]}")
+    return out
+
+
+def _pool_infer(op):
+    def infer(attrs, shapes, dtypes):
+        check_float(op, dtypes)
+        (x,) = shapes
+        check_nchw("the input", x)
+        return tuple(x[:2]) + pool_out_hw(op, x[2:], *_attrs(attrs)), dtypes[0]
+    return infer
+
+
+def _grad_infer(op, first):
+    """Ops whose operands are (x, g) [first=x] or (g,) [first=None]: out has x's shape (N, C) + input_hw."""
+    def infer(attrs, shapes, dtypes):
+        check_float(op, dtypes)
+        g = shapes[-1]
+        check_nchw("the output adjoint", g)
+        h, w = attrs["input_hw"]
+        out = tuple(g[:2]) + (h, w)
+        if first is not None:
+            check_nchw("the input", shapes[0])
+            if tuple(shapes[0]) != out:
+                raise ShapeError(f"the input {fmt(shapes[0])} and the output adjoint {fmt(g)} do not match "
+                                 f"input_hw {(h, w)}")
+        expect = pool_out_hw(op, (h, w), *_attrs(attrs))
+        if tuple(g[2:]) != expect:
+            raise ShapeError(f"the output adjoint {fmt(g)} does not match pooling a {h}x{w} input "
+                             f"(expected {expect[0]}x{expect[1]})")
+        return out, dtypes[-1]
+    return infer
+
+
+def _pick_infer(attrs, shapes, dtypes):
+    check_float("max_pool2d_pick", dtypes)
+    x, u = shapes
+    if tuple(x) != tuple(u):
+        raise ShapeError(f"the values {fmt(u)} must have the input's shape {fmt(x)}")
+    return _pool_infer("max_pool2d_pick")(attrs, [x], dtypes[:1])
+
+
+# ---- numpy reference ------------------------------------------------------------------------------
+def _windows(xp, kernel, stride, out_hw):
+    """(N, C, Ho, Wo, kh * kw) view of the windows of a padded input, taps in row-major order."""
+    n, c, hp, wp = xp.shape
+    s0, s1, s2, s3 = xp.strides
+    view = np.lib.stride_tricks.as_strided(
+        xp, (n, c) + tuple(out_hw) + tuple(kernel),
+        (s0, s1, s2 * stride[0], s3 * stride[1], s2, s3), writeable=False)
+    return view.reshape((n, c) + tuple(out_hw) + (kernel[0] * kernel[1],))
+
+
+def _argmax_taps(x, kernel, stride, padding, out_hw):
+    """Row and column, in padded coordinates, of each window's first maximum (padding is never chosen)."""
+    ph, pw = padding
+    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=-np.inf)
+    valid = np.pad(np.ones(x.shape[2:], bool), ((ph, ph), (pw, pw)))
+    win = _windows(np.ascontiguousarray(xp), kernel, stride, out_hw)
+    tap = np.argmax(win, axis=-1)
+    # a window whose real values are all -inf: PyTorch keeps its first real element
+    vwin = _windows(np.ascontiguousarray(np.broadcast_to(valid, xp.shape)), kernel, stride, out_hw)
+    first_valid = np.argmax(vwin, axis=-1)
+    stuck = np.take_along_axis(win, tap[..., None], -1)[..., 0] == -np.inf
+    tap = np.where(stuck, first_valid, tap)
+    ho = np.arange(out_hw[0])[:, None] * stride[0]
+    wo = np.arange(out_hw[1])[None, :] * stride[1]
+    return ho + tap // kernel[1], wo + tap % kernel[1]
+
+
+def max_pool2d_np(x, kernel, stride, padding):
+    out_hw = tuple(out_len(x.shape[2 + a], kernel[a], stride[a], padding[a], 1) for a in (0, 1))
+    ph, pw = padding
+    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=-np.inf)
+    return _windows(np.ascontiguousarray(xp), kernel, stride, out_hw).max(axis=-1)
+
+
+def max_pool2d_pick_np(x, u, kernel, stride, padding):
+    out_hw = tuple(out_len(x.shape[2 + a], kernel[a], stride[a], padding[a], 1) for a in (0, 1))
+    rows, cols = _argmax_taps(x, kernel, stride, padding, out_hw)
+    ph, pw = padding
+    up = np.pad(u, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    n, c = x.shape[:2]
+    return up[np.arange(n)[:, None, None, None], np.arange(c)[None, :, None, None], rows, cols]
+
+
+def max_pool2d_grad_np(x, g, kernel, stride, padding):
+    rows, cols = _argmax_taps(x, kernel, stride, padding, g.shape[2:])
+    ph, pw = padding
+    n, c, h, w = x.shape
+    out = np.zeros((n, c, h + 2 * ph, w + 2 * pw), dtype=g.dtype)
+    np.add.at(out, (np.arange(n)[:, None, None, None], np.arange(c)[None, :, None, None], rows, cols), g)
+    return out[..., ph:ph + h, pw:pw + w]
+
+
+def avg_pool2d_np(x, kernel, stride, padding):
+    out_hw = tuple(out_len(x.shape[2 + a], kernel[a], stride[a], padding[a], 1) for a in (0, 1))
+    ph, pw = padding
+    xp = np.ascontiguousarray(np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw))))
+    return _windows(xp, kernel, stride, out_hw).sum(axis=-1) / (kernel[0] * kernel[1])
+
+
+def avg_pool2d_grad_np(g, kernel, stride, padding, input_hw):
+    (ph, pw), (h, w) = padding, input_hw
+    out = np.zeros(g.shape[:2] + (h + 2 * ph, w + 2 * pw), dtype=g.dtype)
+    ho, wo = g.shape[2:]
+    scaled = g / (kernel[0] * kernel[1])
+    for i in range(kernel[0]):
+        for j in range(kernel[1]):
+            out[..., i:i + stride[0] * (ho - 1) + 1:stride[0], j:j + stride[1] * (wo - 1) + 1:stride[1]] += scaled
+    return out[..., ph:ph + h, pw:pw + w]
+
+
+# ---- VJPs -----------------------------------------------------------------------------------------
+def _pool_attrs(ctx, n, with_hw=None):
+    a = ctx.graph.attrs(n)
+    out = {k: a[k] for k in ("kernel", "stride", "padding")}
+    if with_hw is not None:
+        out["input_hw"] = tuple(ctx.graph.shape(with_hw)[2:])
+    return out
+
+
+def _max_vjp(ctx, n, g):
+    (x,) = ctx.graph.operands(n)
+    return [ctx.emit("max_pool2d_grad", [x, g], **_pool_attrs(ctx, n, x))]
+
+
+def _max_grad_vjp(ctx, n, u):
+    """Linear in g (a scatter at fixed places), piecewise constant in x."""
+    x, _ = ctx.graph.operands(n)
+    return [None, ctx.emit("max_pool2d_pick", [x, u], **_pool_attrs(ctx, n)) if ctx.needs(1) else None]
+
+
+def _max_pick_vjp(ctx, n, g):
+    x, _ = ctx.graph.operands(n)
+    return [None, ctx.emit("max_pool2d_grad", [x, g], **_pool_attrs(ctx, n, x)) if ctx.needs(1) else None]
+
+
+def _avg_vjp(ctx, n, g):
+    (x,) = ctx.graph.operands(n)
+    return [ctx.emit("avg_pool2d_grad", [g], **_pool_attrs(ctx, n, x))]
+
+
+def _avg_grad_vjp(ctx, n, u):
+    return [ctx.emit("avg_pool2d", [u], **_pool_attrs(ctx, n))]
+
+
+def _window_flops(attrs, in_shapes, out_shape):
+    """One compare or add per tap of every window."""
+    kernel = tuple(attrs["kernel"])
+    windows = out_shape if "input_hw" not in attrs else in_shapes[-1]
+    return size(windows) * kernel[0] * kernel[1]
+
+
+register(Op("max_pool2d", "pool", _pool_infer("max_pool2d"),
+            lambda attrs, values, out_shape, dims: max_pool2d_np(values[0], *_attrs(attrs)),
+            _window_flops, vjp=_max_vjp, arity=1,
+            doc="max over each kernel window (padding is -inf); attrs kernel, stride, padding (pairs)"))
+register(Op("max_pool2d_grad", "pool", _grad_infer("max_pool2d_grad", first=0),
+            lambda attrs, values, out_shape, dims: max_pool2d_grad_np(*values, *_attrs(attrs)),
+            _window_flops, vjp=_max_grad_vjp, arity=2,
+            doc="max_pool2d's adjoint: g of each window added at the window's first maximum of x; attrs as "
+                "max_pool2d's plus input_hw"))
+register(Op("max_pool2d_pick", "pool", _pick_infer,
+            lambda attrs, values, out_shape, dims: max_pool2d_pick_np(*values, *_attrs(attrs)),
+            _window_flops, vjp=_max_pick_vjp, arity=2,
+            doc="u at each window's first maximum of x: max_pool2d_grad's adjoint in g"))
+register(Op("avg_pool2d", "pool", _pool_infer("avg_pool2d"),
+            lambda attrs, values, out_shape, dims: avg_pool2d_np(values[0], *_attrs(attrs)),
+            _window_flops, vjp=_avg_vjp, arity=1,
+            doc="mean over each kernel window, padding counted as zeros (divisor kh kw); attrs kernel, stride, padding"))
+register(Op("avg_pool2d_grad", "pool", _grad_infer("avg_pool2d_grad", first=None),
+            lambda attrs, values, out_shape, dims: avg_pool2d_grad_np(values[0], *_attrs(attrs),
+                                                                      tuple(attrs["input_hw"])),
+            _window_flops, vjp=_avg_grad_vjp, arity=1,
+            doc="avg_pool2d's adjoint: g / (kh kw) added over each window; attrs as avg_pool2d's plus input_hw"))

@@ -1,0 +1,301 @@
+"""conv2d, max_pool2d, avg_pool2d: values, gradients and HVPs against torch.nn.functional (float64
+double backward) and central finite differences, through the numpy interpreter; bad arguments."""
+import os
+
+import numpy as np
+import pytest
+
+import gradc as gc
+from gradc.interpret import evaluate
+from gradc.passes.pipeline import build_training_graph
+
+from conftest import assert_grads_match_fd
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+HERE = os.path.basename(__file__)
+
+# (C, O, groups, kernel, stride, padding, dilation, H, W)
+CONV_CASES = [
+    (3, 4, 1, 3, 1, 0, 1, 6, 6),
+    (4, 6, 2, (3, 2), (2, 1), (1, 2), (1, 2), 7, 9),
+    (4, 4, 4, (2, 3), (3, 2), (1, 0), (2, 1), 8, 7),      # depthwise, strides that skip the last rows
+    (2, 3, 1, 1, 2, 1, 1, 5, 4),                          # 1x1 kernel, padding only
+    (6, 4, 2, 3, 2, 2, 2, 9, 10),
+]
+
+
+def _interp(model, params, inputs, order=1, tangents=None):
+    graph = build_training_graph(model, "float64", order=order)
+    nodes = {("obj", None): graph.objective}
+    nodes |= {("grad", k): v for k, v in graph.grads.items() if v is not None}
+    nodes |= {("igrad", k): v for k, v in graph.input_grads.items() if v is not None}
+    if order == 2:
+        nodes |= {("hvp", k): v for k, v in graph.hvps.items() if v is not None}
+    out = evaluate(graph, params, inputs, list(nodes.values()), tangents=tangents)
+    return {key: out[n] for key, n in nodes.items()}
+
+
+def _t(a):
+    return torch.tensor(np.asarray(a, dtype=np.float64), requires_grad=True)
+
+
+@pytest.mark.parametrize("case", CONV_CASES, ids=[str(i) for i in range(len(CONV_CASES))])
+def test_conv2d_value_and_gradients_match_torch(case, rng):
+    c, o, groups, k, s, p, d, h, w = case
+    kk = (k, k) if isinstance(k, int) else k
+    m = gc.Model("conv")
+    x = m.input("x", ("B", c, h, w))
+    wt = m.param("w", (o, c // groups) + kk)
+    b = m.param("b", (o,))
+    y = gc.conv2d(x, wt, b, stride=s, padding=p, dilation=d, groups=groups)
+    r = rng.standard_normal((1,) + y.shape[1:])
+    m.minimize(gc.sum(gc.tanh(y) * r))
+    xv, wv, bv = rng.standard_normal((2, c, h, w)), rng.standard_normal(wt.shape), rng.standard_normal(o)
+    got = _interp(m, {"w": wv, "b": bv}, {"x": xv})
+
+    xt, wtt, bt = _t(xv), _t(wv), _t(bv)
+    yt = F.conv2d(xt, wtt, bt, stride=s, padding=p, dilation=d, groups=groups)
+    assert tuple(yt.shape[1:]) == y.shape[1:]
+    loss = (torch.tanh(yt) * torch.tensor(r)).sum()
+    gx, gw, gb = torch.autograd.grad(loss, (xt, wtt, bt))
+    np.testing.assert_allclose(got[("obj", None)], loss.item(), rtol=1e-12)
+    np.testing.assert_allclose(got[("grad", "w")], gw.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(got[("grad", "b")], gb.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(got[("igrad", "x")], gx.numpy(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", [CONV_CASES[1], CONV_CASES[2]], ids=["groups2", "depthwise"])
+def test_conv2d_gradients_match_finite_differences(case, rng):
+    c, o, groups, k, s, p, d, h, w = case
+    kk = (k, k) if isinstance(k, int) else k
+    m = gc.Model("conv_fd")
+    x = m.input("x", (1, c, h, w))
+    wt = m.param("w", (o, c // groups) + kk)
+    y = gc.conv2d(x, wt, stride=s, padding=p, dilation=d, groups=groups)
+    m.minimize(gc.sum(gc.sin(y) * rng.standard_normal(y.shape)))
+    assert_grads_match_fd(m, {"w": rng.standard_normal(wt.shape)}, {"x": rng.standard_normal((1, c, h, w))})
+
+
+# (kernel, stride, padding, H, W)
+POOL_CASES = [
+    (2, None, 0, 6, 6),
+    (3, 2, 1, 7, 8),
+    ((2, 3), (1, 2), (1, 0), 5, 6),
+    ((3, 2), (3, 1), (0, 1), 9, 4),
+    (3, 1, 1, 4, 5),              # overlapping windows: gradients add up
+]
+
+
+@pytest.mark.parametrize("pool", ["max_pool2d", "avg_pool2d"])
+@pytest.mark.parametrize("case", POOL_CASES, ids=[str(i) for i in range(len(POOL_CASES))])
+@pytest.mark.parametrize("ties", [False, True])
+def test_pools_match_torch(pool, case, ties, rng):
+    k, s, p, h, w = case
+    m = gc.Model("pool")
+    x = m.input("x", ("B", 3, h, w))
+    sc = m.param("sc", (3, 1, 1))
+    y = getattr(gc, pool)(x * sc, k, stride=s, padding=p)
+    r = rng.standard_normal((1,) + y.shape[1:])
+    m.minimize(gc.sum(y * r))
+    # ties: small integers, so that many windows hold their maximum twice (the first one wins)
+    xv = rng.integers(-2, 3, (2, 3, h, w)).astype(np.float64) if ties else rng.standard_normal((2, 3, h, w))
+    scv = rng.uniform(0.5, 1.5, (3, 1, 1)) if not ties else np.ones((3, 1, 1))
+    got = _interp(m, {"sc": scv}, {"x": xv})
+    xt, st = _t(xv), _t(scv)
+    yt = getattr(F, pool)(xt * st, k, stride=s, padding=p)
+    assert tuple(yt.shape[1:]) == y.shape[1:]
+    loss = (yt * torch.tensor(r)).sum()
+    gx, gs = torch.autograd.grad(loss, (xt, st))
+    np.testing.assert_allclose(got[("obj", None)], loss.item(), rtol=1e-12)
+    np.testing.assert_allclose(got[("igrad", "x")], gx.numpy(), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(got[("grad", "sc")], gs.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_max_pool_of_an_all_minus_inf_window_sends_the_gradient_where_torch_does():
+    m = gc.Model("pool_inf")
+    x = m.input("x", (1, 1, 3, 3))
+    m.minimize(gc.sum(gc.max_pool2d(x, 2, stride=1, padding=1)))
+    xv = np.full((1, 1, 3, 3), -np.inf)
+    xv[0, 0, 2, 2] = 1.0
+    got = _interp(m, {}, {"x": xv})
+    xt = _t(xv)
+    (gx,) = torch.autograd.grad(F.max_pool2d(xt, 2, stride=1, padding=1).sum(), xt)
+    np.testing.assert_array_equal(got[("igrad", "x")], gx.numpy())
+
+
+@pytest.mark.parametrize("pool", ["max_pool2d", "avg_pool2d"])
+def test_pool_gradients_match_finite_differences(pool, rng):
+    m = gc.Model("pool_fd")
+    x = m.input("x", (2, 2, 5, 7))
+    y = getattr(gc, pool)(gc.tanh(x), (3, 2), stride=(2, 1), padding=1)
+    m.minimize(gc.sum(gc.square(y) * rng.standard_normal(y.shape)))
+    assert_grads_match_fd(m, {}, {"x": rng.standard_normal((2, 2, 5, 7))})
+
+
+# ---- second order: HVPs against torch's double backward --------------------------------------------
+def _hvp_net(name, groups):
+    m = gc.Model(name)
+    x = m.input("x", ("B", 2, 9, 8))
+    y = m.input("y", ("B",), dtype="int64")
+    p = {"w1": m.param("w1", (4, 2, 3, 3)), "b1": m.param("b1", (4,)),
+         "w2": m.param("w2", (6, 4 // groups, 2, 3)), "w3": m.param("w3", (6 * 3 * 2, 3))}
+
+    def forward(lib, x, p):
+        conv, tanh, softplus = (gc.conv2d, gc.tanh, gc.softplus) if lib == "gc" else (F.conv2d, torch.tanh, F.softplus)
+        mp, ap = (gc.max_pool2d, gc.avg_pool2d) if lib == "gc" else (F.max_pool2d, F.avg_pool2d)
+        h = tanh(conv(x, p["w1"], p["b1"], padding=1))                        # (B, 4, 9, 8)
+        h = mp(h, (2, 3), stride=(2, 1), padding=(1, 1))                      # (B, 4, 5, 8)
+        h = softplus(conv(h, p["w2"], stride=(1, 2), dilation=(2, 1), groups=groups))   # (B, 6, 3, 3)
+        h = ap(h, 2, stride=1, padding=1)                                     # (B, 6, 4, 4)
+        h = ap(h, (2, 3), stride=(1, 2), padding=(0, 1))                      # (B, 6, 3, 2)
+        return h.reshape(("B", -1)) if lib == "gc" else h.reshape(h.shape[0], -1)
+
+    h = forward("gc", x, p)
+    m.minimize(gc.softmax_cross_entropy(h @ p["w3"], y), weight_decay=0.1)
+    return m, forward
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_hvp_through_convs_and_pools_matches_torch_double_backward(groups, rng):
+    m, forward = _hvp_net(f"conv_hvp{groups}", groups)
+    shapes = {"w1": (4, 2, 3, 3), "b1": (4,), "w2": (6, 4 // groups, 2, 3), "w3": (36, 3)}
+    params = {k: rng.standard_normal(s) * 0.7 for k, s in shapes.items()}
+    v = {k: rng.standard_normal(s) for k, s in shapes.items()}
+    xv, yv = rng.standard_normal((3, 2, 9, 8)), rng.integers(0, 3, 3)
+    got = _interp(m, params, {"x": xv, "y": yv}, order=2, tangents=v)
+
+    pt = {k: _t(a) for k, a in params.items()}
+    logits = forward("torch", torch.tensor(xv), pt) @ pt["w3"]
+    decay = sum((pt[k] ** 2).sum() for k in ("w1", "w2", "w3"))
+    loss = F.cross_entropy(logits, torch.tensor(yv)) + 0.05 * decay
+    grads = torch.autograd.grad(loss, list(pt.values()), create_graph=True)
+    dot = sum((g * torch.tensor(v[k])).sum() for k, g in zip(pt, grads))
+    hv = torch.autograd.grad(dot, list(pt.values()))
+    np.testing.assert_allclose(got[("obj", None)], loss.item(), rtol=1e-12)
+    for k, g, h in zip(pt, grads, hv):
+        np.testing.assert_allclose(got[("grad", k)], g.detach().numpy(), rtol=1e-9, atol=1e-12, err_msg=k)
+        np.testing.assert_allclose(got[("hvp", k)], h.numpy(), rtol=1e-8, atol=1e-11, err_msg=k)
+
+
+# ---- the adjoint ops, each with its own VJP, straight from the graph API ---------------------------
+ADJOINTS = [
+    # op, operand shapes, attrs
+    ("conv2d_input_grad", [(2, 4, 3, 5), (4, 3, 3, 2)],
+     dict(stride=(2, 1), padding=(1, 1), dilation=(1, 2), groups=1, input_hw=(6, 5))),
+    ("conv2d_input_grad", [(1, 4, 4, 3), (4, 1, 2, 2)],
+     dict(stride=(1, 2), padding=(0, 1), dilation=(1, 1), groups=2, input_hw=(5, 4))),
+    ("conv2d_weight_grad", [(2, 3, 6, 5), (2, 4, 3, 5)],
+     dict(stride=(2, 1), padding=(1, 1), dilation=(1, 2), groups=1, kernel=(3, 2))),
+    ("conv2d_weight_grad", [(1, 4, 5, 4), (1, 6, 4, 3)],
+     dict(stride=(1, 2), padding=(0, 1), dilation=(1, 1), groups=2, kernel=(2, 2))),
+    ("max_pool2d_grad", [(2, 2, 5, 6), (2, 2, 3, 4)], dict(kernel=(3, 2), stride=(2, 2), padding=(1, 1), input_hw=(5, 6))),
+    ("max_pool2d_pick", [(2, 2, 5, 6), (2, 2, 5, 6)], dict(kernel=(3, 2), stride=(2, 2), padding=(1, 1))),
+    ("avg_pool2d_grad", [(2, 2, 3, 4)], dict(kernel=(3, 2), stride=(2, 2), padding=(1, 1), input_hw=(5, 6))),
+]
+
+
+def _adjoint_model(op, shapes, attrs, seed):
+    m = gc.Model(op)
+    ins = [m.input(f"a{i}", s) for i, s in enumerate(shapes)]
+    ps = [m.param(f"p{i}", s) for i, s in enumerate(shapes)]
+    node = m.graph.apply(op, [(a * p).node for a, p in zip(ins, ps)], attrs)
+    out = gc.Tensor(m, node)
+    r = np.random.default_rng(seed).standard_normal(out.shape)
+    m.minimize(gc.sum(gc.tanh(out) * r))
+    return m
+
+
+@pytest.mark.parametrize("i", range(len(ADJOINTS)), ids=[f"{a[0]}{i}" for i, a in enumerate(ADJOINTS)])
+def test_adjoint_ops_gradients_and_hvps_match_finite_differences(i, rng):
+    from test_second_order import assert_hvp_matches_fd
+    op, shapes, attrs = ADJOINTS[i]
+    m = _adjoint_model(op, shapes, attrs, i)
+    params = {f"p{j}": rng.uniform(0.5, 1.5, s) for j, s in enumerate(shapes)}
+    inputs = {f"a{j}": rng.standard_normal(s) for j, s in enumerate(shapes)}
+    assert_grads_match_fd(m, params, inputs)
+    assert_hvp_matches_fd(m, params, inputs, rng)
+
+
+# ---- mistakes: one GradcError naming the user's line, the op and the shapes -------------------------
+def _model(xshape=("B", 3, 8, 8), dtype=None):
+    m = gc.Model("bad")
+    return m, m.input("x", xshape, dtype=dtype)
+
+
+CONV_ERRORS = [
+    (dict(w=(4, 2, 3, 3)), r"conv2d: the weight \(4, 2, 3, 3\) takes 2 channels per group, but the input has 3 "
+                           r"channels.*operands: 'x' \(B, 3, 8, 8\)"),
+    (dict(w=(4, 1, 3, 3), groups=2), r"conv2d: 3 input channels do not divide into groups=2"),
+    (dict(w=(3, 2, 3, 3), groups=2, x=("B", 4, 8, 8)), r"conv2d: 3 output channels .* do not divide into groups=2"),
+    (dict(w=(4, 3, 9, 9)), r"conv2d: the kernel \(effective size 9x9\) is larger than the padded input 8x8"),
+    (dict(w=(4, 3, 3, 3), dilation=4), r"effective size 9x9\) is larger than the padded input 8x8"),
+    (dict(w=(4, 3, 3)), r"conv2d: the weight must be \(O, C/groups, kh, kw\) with int dims, got \(4, 3, 3\)"),
+    (dict(w=(4, 3, 3, 3), x=("B", 3, 8)), r"conv2d: the input must have rank 4 \(N, C, H, W\), got \(B, 3, 8\)"),
+    (dict(w=(4, 3, 3, 3), x=("B", "C", 8, 8)), r"C, H and W must be ints \(only the batch dim N may be symbolic\)"),
+    (dict(w=(4, 3, 3, 3), stride=0), r"conv2d: stride must be an int >= 1 or a pair of them, got 0"),
+    (dict(w=(4, 3, 3, 3), stride=(1, 2, 3)), r"stride must be an int >= 1 or a pair of them, got \(1, 2, 3\)"),
+    (dict(w=(4, 3, 3, 3), padding=-1), r"padding must be an int >= 0 or a pair of them, got -1"),
+    (dict(w=(4, 3, 3, 3), padding=1.5), r"padding must be an int >= 0"),
+    (dict(w=(4, 3, 3, 3), dilation=(1, True)), r"dilation must be an int >= 1"),
+    (dict(w=(4, 3, 3, 3), groups=0), r"conv2d: groups must be an int >= 1, got 0"),
+    (dict(w=(4, 3, 3, 3), bias=(3,)), r"conv2d: bias must have shape \(4,\) for the weight's 4 output channels, "
+                                      r"got \(3,\)"),
+    (dict(w=(4, 3, 3, 3), dtype="int64"), r"conv2d: operand of dtype int64: conv2d takes float operands"),
+]
+
+
+@pytest.mark.parametrize("i", range(len(CONV_ERRORS)))
+def test_conv2d_mistakes_name_the_line_op_and_shapes(i):
+    spec, pattern = CONV_ERRORS[i]
+    spec = dict(spec)
+    m, x = _model(spec.pop("x", ("B", 3, 8, 8)), spec.pop("dtype", None))
+    w = m.param("w", spec.pop("w"))
+    if "bias" in spec:
+        spec["bias"] = m.param("b", spec["bias"])
+    with pytest.raises(gc.GradcError, match=pattern) as e:
+        gc.conv2d(x, w, **spec)
+    assert os.path.basename(e.value.src.split(":")[0]) == HERE, e.value.src
+
+
+POOL_ERRORS = [
+    (dict(kernel_size=9), r"kernel_size \(9, 9\) is larger than the padded input 8x8"),
+    (dict(kernel_size=3, padding=2), r"padding \(2, 2\) must be at most half of kernel_size \(3, 3\)"),
+    (dict(kernel_size=0), r"kernel_size must be an int >= 1 or a pair of them, got 0"),
+    (dict(kernel_size=(2, 2), stride=(0, 1)), r"stride must be an int >= 1 or a pair of them, got \(0, 1\)"),
+    (dict(kernel_size="2"), r"kernel_size must be an int >= 1 or a pair of them, got '2'"),
+    (dict(kernel_size=2, x=(3, 8, 8)), r"the input must have rank 4 \(N, C, H, W\), got \(3, 8, 8\)"),
+    (dict(kernel_size=2, x=("B", 3, "H", 8)), r"C, H and W must be ints"),
+]
+
+
+@pytest.mark.parametrize("pool", ["max_pool2d", "avg_pool2d"])
+@pytest.mark.parametrize("i", range(len(POOL_ERRORS)))
+def test_pool_mistakes_name_the_line_op_and_shapes(pool, i):
+    spec, pattern = POOL_ERRORS[i]
+    spec = dict(spec)
+    m, x = _model(spec.pop("x", ("B", 3, 8, 8)))
+    with pytest.raises(gc.GradcError, match=f"{pool}: .*{pattern}") as e:
+        getattr(gc, pool)(x, **spec)
+    assert os.path.basename(e.value.src.split(":")[0]) == HERE, e.value.src
+
+
+def test_pool_and_conv_need_a_tensor():
+    with pytest.raises(gc.GradcError, match="max_pool2d: the input must be a gradc Tensor"):
+        gc.max_pool2d(np.ones((1, 1, 4, 4)), 2)
+    m, x = _model()
+    with pytest.raises(gc.GradcError, match="conv2d: the input must be a gradc Tensor"):
+        gc.conv2d(np.ones((1, 3, 8, 8)), m.param("w", (4, 3, 3, 3)))
+
+
+def test_conv2d_takes_a_numpy_weight_and_bias_as_constants(rng):
+    m, x = _model(("B", 3, 6, 6))
+    wv, bv = rng.standard_normal((2, 3, 3, 3)), rng.standard_normal(2)
+    y = gc.conv2d(x, wv, bv, padding=1)
+    assert y.shape == ("B", 2, 6, 6)
+    m.minimize(gc.sum(y * y))
+    xv = rng.standard_normal((2, 3, 6, 6))
+    got = _interp(m, {}, {"x": xv})
+    ref = F.conv2d(torch.tensor(xv), torch.tensor(wv), torch.tensor(bv), padding=1)
+    np.testing.assert_allclose(got[("obj", None)], float((ref ** 2).sum()), rtol=1e-12)
