@@ -12,7 +12,7 @@ import numpy as np
 from .errors import GradcError, ShapeError, user_src
 from .ir import FLOAT_DTYPES, INT_DTYPES, Graph
 from .ops.elementwise import ElementwiseDefinitionError, define_user_op
-from .shapes import check_shape, fmt, normalize_axes
+from .shapes import broadcast, check_shape, fmt, normalize_axes
 
 INITS = ("zeros", "ones", "normal", "uniform", "glorot_uniform", "he_normal")
 RESERVED_OUTPUTS = ("loss",)   # forward() reports the objective under this key
@@ -224,6 +224,12 @@ class Tensor:
         return reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape,
                        src=user_src())
 
+    def __getitem__(self, key):
+        return _getitem(self, key, user_src())
+
+    def __iter__(self):
+        raise GradcError("a Tensor is not iterable while the model is being built (index it: x[i])", user_src())
+
 
 # ---- functions ---------------------------------------------------------------------------
 def _unary(name):
@@ -245,19 +251,30 @@ def maximum(a, b):
 
 
 def matmul(a, b, src=None):
-    """numpy matmul for operands of rank 1 or 2 (1-D operands are promoted and squeezed back)."""
+    """numpy's matmul: rank-1 operands are promoted and squeezed back; operands of rank >= 3 batch over
+    their leading dims, which broadcast as in numpy (a symbolic dim matches only itself)."""
     src = src or user_src()
     model = _model_of("matmul", (a, b), src)
     a, b = (v if isinstance(v, Tensor) else Tensor(model, model._node(v, "matmul", src)) for v in (a, b))
-    if not (1 <= a.ndim <= 2 and 1 <= b.ndim <= 2):
-        raise GradcError(f"matmul: operands must have rank 1 or 2, got {fmt(a.shape)} @ {fmt(b.shape)}", src)
-    if a.shape[-1] != b.shape[0]:
-        raise GradcError(f"matmul: inner dims differ: {fmt(a.shape)} @ {fmt(b.shape)} "
-                         f"({a.shape[-1]} != {b.shape[0]})", src)
-    a2 = a if a.ndim == 2 else reshape(a, (1, a.shape[0]), src=src)
-    b2 = b if b.ndim == 2 else reshape(b, (b.shape[0], 1), src=src)
-    out = model._apply("matmul", (a2, b2), src, transpose_a=False, transpose_b=False)
-    final = a.shape[:-1] + b.shape[1:]
+    if a.ndim == 0 or b.ndim == 0:
+        raise GradcError(f"matmul: operands must have rank >= 1, got {fmt(a.shape)} @ {fmt(b.shape)} "
+                         f"(multiply by a scalar with *)", src)
+    k_a, k_b = a.shape[-1], b.shape[0] if b.ndim == 1 else b.shape[-2]
+    if k_a != k_b:
+        raise GradcError(f"matmul: inner dims differ: {fmt(a.shape)} @ {fmt(b.shape)} ({k_a} != {k_b})", src)
+    a2 = a if a.ndim >= 2 else reshape(a, (1, a.shape[0]), src=src)
+    b2 = b if b.ndim >= 2 else reshape(b, (b.shape[0], 1), src=src)
+    if a2.ndim == 2 and b2.ndim == 2:
+        out = model._apply("matmul", (a2, b2), src, transpose_a=False, transpose_b=False)
+        final = a.shape[:-1] + b.shape[1:]
+    else:
+        try:
+            batch = broadcast(a2.shape[:-2], b2.shape[:-2])
+        except ShapeError:
+            raise GradcError(f"matmul: batch dims {fmt(a2.shape[:-2])} and {fmt(b2.shape[:-2])} do not broadcast "
+                             f"({fmt(a.shape)} @ {fmt(b.shape)})", src) from None
+        out = model._apply("batch_matmul", (a2, b2), src, transpose_a=False, transpose_b=False, reduce_batch=False)
+        final = batch + (a.shape[-2:-1] if a.ndim >= 2 else ()) + (b.shape[-1:] if b.ndim >= 2 else ())
     return out if final == out.shape else reshape(out, final, src=src)
 
 
@@ -411,3 +428,179 @@ def elementwise(name, fn):
     apply.__name__ = name
     apply.expr = record.expr
     return apply
+
+
+# ---- indexing, joining, embeddings, random ops (DESIGN.md §1.7) --------------------------------
+def _index_int(v):
+    """An int of an index (Python or numpy ints), or None for anything else."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (numbers.Integral, np.integer)):
+        return None
+    return int(v)
+
+
+def _getitem(x, key, src):
+    """Basic indexing with ints, slices, `...` and None, with numpy's semantics and static bounds:
+    a `slice` node (when any axis is cut) and a reshape that drops int axes and adds None axes."""
+    items = key if isinstance(key, tuple) else (key,)
+    shape = x.shape
+    for item in items:
+        ok = item is None or item is Ellipsis or isinstance(item, slice) or _index_int(item) is not None
+        if not ok:
+            what = "a gradc Tensor" if isinstance(item, Tensor) else repr(item) if not isinstance(item, np.ndarray) \
+                else f"an array of dtype {item.dtype}"
+            raise GradcError(f"index: {what} is not an int, a slice, ... or None; gradc indexes with static "
+                             f"ints and slices only (gather rows of a table with gc.take)", src)
+        if isinstance(item, slice):
+            for part in ("start", "stop", "step"):
+                v = getattr(item, part)
+                if v is not None and _index_int(v) is None:
+                    raise GradcError(f"index: slice {part} {v!r} is not an int; slice bounds are static ints", src)
+    if len([item for item in items if item is Ellipsis]) > 1:
+        raise GradcError("index: an index can only have a single ellipsis ('...')", src)
+    consuming = len([item for item in items if item is not None and item is not Ellipsis])
+    if consuming > len(shape):
+        raise GradcError(f"index: too many indices for shape {fmt(shape)}: {consuming} given, rank {len(shape)}", src)
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items = items[:at] + (slice(None),) * (len(shape) - consuming) + items[at + 1:]
+    else:
+        items = items + (slice(None),) * (len(shape) - consuming)
+    index, final, axis = [], [], 0
+    for item in items:
+        if item is None:
+            final.append(1)
+            continue
+        d = shape[axis]
+        i = _index_int(item)
+        if i is not None:
+            if isinstance(d, str):
+                raise GradcError(f"index: axis {axis} has the symbolic dim {d}; it can only be taken whole with ':' "
+                                 f"(shape {fmt(shape)})", src)
+            if not -d <= i < d:
+                raise GradcError(f"index: {i} is out of range for axis {axis} of size {d} (shape {fmt(shape)})", src)
+            i %= d
+            index.append((i, i + 1, 1))
+        else:
+            start, stop, step = (None if v is None else _index_int(v) for v in (item.start, item.stop, item.step))
+            if step == 0:
+                raise GradcError(f"index: slice step cannot be zero (axis {axis})", src)
+            if isinstance(d, str):
+                if start not in (None, 0) or stop is not None or step not in (None, 1):
+                    raise GradcError(f"index: axis {axis} has the symbolic dim {d}; it can only be taken whole with "
+                                     f"':' (a slice of it would have no static bounds; shape {fmt(shape)})", src)
+                index.append(None)
+                final.append(d)
+            else:
+                bounds = slice(start, stop, step).indices(d)
+                r = range(*bounds)
+                index.append(None if bounds == (0, d, 1) else bounds)
+                final.append(len(r))
+        axis += 1
+    out = x
+    if any(e is not None for e in index):
+        out = _op("slice", x, src=src, index=tuple(index))
+    return out if tuple(final) == out.shape else reshape(out, tuple(final), src=src)
+
+
+def _tensor_list(op, tensors, src):
+    if isinstance(tensors, Tensor) or not isinstance(tensors, (list, tuple)) or not tensors:
+        raise GradcError(f"{op}: needs a non-empty list of tensors, got {type(tensors).__name__}", src)
+    model = _model_of(op, tensors, src)
+    return [v if isinstance(v, Tensor) else Tensor(model, model._node(v, op, src)) for v in tensors], model
+
+
+def _join_axis(op, axis, rank, src, shape):
+    if _index_int(axis) is None:
+        raise GradcError(f"{op}: axis {axis!r} is not an int", src)
+    if not -rank <= axis < rank:
+        raise GradcError(f"{op}: axis {axis} is out of range for rank {rank} (shape {fmt(shape)})", src)
+    return int(axis) % rank
+
+
+def concat(tensors, axis=0):
+    """Join tensors along `axis` (negative counts from the end). The shapes must agree exactly on every
+    other axis (nothing is broadcast), and the joined axis must have int dims."""
+    src = user_src()
+    tensors, model = _tensor_list("concat", tensors, src)
+    first = tensors[0].shape
+    for j, t in enumerate(tensors):
+        if t.ndim != len(first):
+            raise GradcError(f"concat: operand {j} has shape {fmt(t.shape)} and operand 0 {fmt(first)}: "
+                             f"ranks differ", src)
+    a = _join_axis("concat", axis, len(first), src, first)
+    if len(tensors) == 1:
+        return tensors[0]
+    return model._apply("concat", tensors, src, axis=a)
+
+
+def stack(tensors, axis=0):
+    """Stack tensors of one shape along a new axis `axis` (in -(rank+1)..rank, as numpy)."""
+    src = user_src()
+    tensors, model = _tensor_list("stack", tensors, src)
+    first = tensors[0].shape
+    for j, t in enumerate(tensors):
+        if t.shape != first:
+            raise GradcError(f"stack: operand {j} has shape {fmt(t.shape)} and operand 0 {fmt(first)}: "
+                             f"stacked tensors must have the same shape", src)
+    a = _join_axis("stack", axis, len(first) + 1, src, first)
+    expanded = [reshape(t, first[:a] + (1,) + first[a:], src=src) for t in tensors]
+    return expanded[0] if len(expanded) == 1 else model._apply("concat", expanded, src, axis=a)
+
+
+def take(table, idx):
+    """Embedding lookup: rows of a (V, D) float table at an int tensor idx of any shape -> idx.shape + (D,).
+    An index outside 0..V-1 is an error (the module refuses such an input with ValueError)."""
+    src = user_src()
+    if not isinstance(table, Tensor):
+        raise GradcError(f"take: the table must be a gradc Tensor (a param (V, D)), got {type(table).__name__}", src)
+    if not isinstance(idx, Tensor) or not idx.dtype.startswith("int"):
+        got = f"dtype {idx.dtype}" if isinstance(idx, Tensor) else type(idx).__name__
+        raise GradcError(f"take: the indices must be an int gradc Tensor (an input with dtype='int64'), got {got}", src)
+    if table.ndim != 2:
+        raise GradcError(f"take: the table must have shape (V, D), got {fmt(table.shape)}", src)
+    return _op("take", table, idx, src=src)
+
+
+def _seed_and_model(op, x, seed, src):
+    if not isinstance(x, Tensor):
+        raise GradcError(f"{op}: needs a gradc Tensor, got {type(x).__name__}", src)
+    if not isinstance(seed, Tensor) or not seed.dtype.startswith("int") or seed.shape != ():
+        got = f"shape {fmt(seed.shape)} dtype {seed.dtype}" if isinstance(seed, Tensor) else type(seed).__name__
+        raise GradcError(f"{op}: the seed must be an int gradc Tensor of shape () "
+                         f"(m.input('seed', (), dtype='int64')), got {got}", src)
+    if not x.dtype.startswith("float"):
+        raise GradcError(f"{op}: the operand has dtype {x.dtype}; it must be float", src)
+    if seed.model is not x.model:
+        raise GradcError(f"{op}: the seed belongs to model {seed.model.name!r}, the operand to {x.model.name!r}", src)
+    graph = x.model.graph
+    graph.random_streams = getattr(graph, "random_streams", 0) + 1   # each random op draws its own stream
+    return graph.random_streams - 1
+
+
+def dropout(x, p, seed):
+    """Inverted dropout: each element is kept with probability 1 - p and scaled by 1/(1-p), else 0.
+    The mask is drawn from `seed` (an int tensor of shape ()) by a counter-based generator: the same
+    seed gives the same mask in every pass (backward, hvp, recompute)."""
+    src = user_src()
+    if isinstance(p, (bool, np.bool_)) or not isinstance(p, numbers.Real) or not 0 <= p < 1:
+        raise GradcError(f"dropout: p must be a number in [0, 1), got {p!r}", src)
+    stream = _seed_and_model("dropout", x, seed, src)
+    if p == 0:
+        return x
+    mask = x.model._apply("random", (seed,), src, dist="dropout", p=float(p), stream=stream, shape=x.shape,
+                          dtype="float")
+    return x.model._apply("mul", (x, mask), src)
+
+
+def gaussian_noise(x, std, seed):
+    """x + std * N(0, 1) noise, drawn from `seed` (an int tensor of shape ()) by a counter-based
+    generator: the same seed gives the same noise in every pass."""
+    src = user_src()
+    if isinstance(std, (bool, np.bool_)) or not isinstance(std, numbers.Real) or not 0 <= std < float("inf"):
+        raise GradcError(f"gaussian_noise: std must be a finite number >= 0, got {std!r}", src)
+    stream = _seed_and_model("gaussian_noise", x, seed, src)
+    if std == 0:
+        return x
+    noise = x.model._apply("random", (seed,), src, dist="normal", p=0.0, stream=stream, shape=x.shape,
+                           dtype="float")
+    return x.model._apply("add", (x, x.model._apply("mul", (noise, float(std)), src)), src)

@@ -45,7 +45,7 @@ def test_shape_mismatch_names_file_line_op_and_shapes():
     (lambda m, x: gc.softmax_cross_entropy(x, m.input("y", ("C",), dtype="int64")), "logits have B rows but labels C"),
     (lambda m, x: gc.softmax_cross_entropy(x, m.input("y2", ("B",))), "labels must be an int input"),
     (lambda m, x: gc.exp(m.input("i", ("B",), dtype="int64")), "elementwise ops take float operands"),
-    (lambda m, x: gc.matmul(x, m.param("w3", (4, 2, 2))), "rank 1 or 2"),
+    (lambda m, x: gc.matmul(m.input("x3", ("B", 2, 4)), m.param("w3", (3, 4, 2))), r"batch dims \(B,\) and \(3,\)"),
     (lambda m, x: x + "text", "cannot use a str as a tensor"),
     (lambda m, x: x + gc.Model("other").input("x", (4,)), "a tensor of model 'other' is used in model 'e2'"),
 ])

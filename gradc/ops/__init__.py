@@ -42,4 +42,4 @@ def get_op(name):
         raise GradcError(f"unknown op {name!r}") from None
 
 
-from . import leaf, elementwise, layout, reduce, nn, conv, pool  # noqa: E402,F401  (registers the built-ins)
+from . import leaf, elementwise, layout, reduce, nn, conv, pool, index, concat, take, batch_matmul, random  # noqa: E402,F401  (registers the built-ins)

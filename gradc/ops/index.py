@@ -1,0 +1,99 @@
+"""Basic indexing: `slice` (static ranges per axis, numpy semantics) and its adjoint `slice_grad`,
+a scatter into zeros. Each is the other's VJP, so second order goes through indexing too.
+
+attrs["index"] holds one entry per axis of the operand: None (the whole axis, `:`) or a triple
+(start, stop, step) as Python's `slice.indices(n)` gives it, so the axis keeps
+len(range(start, stop, step)) elements. An int index is a slice of one element followed by a
+reshape that drops the axis (gradc/dsl.py); a symbolic dim is only ever taken whole.
+"""
+import numpy as np
+
+from . import Op, register
+from ..errors import ShapeError
+from ..shapes import fmt, size
+
+
+def np_index(index):
+    """The numpy index of attrs["index"] (a stop of -1 with a negative step runs to element 0)."""
+    out = []
+    for entry in index:
+        if entry is None:
+            out.append(slice(None))
+        else:
+            start, stop, step = entry
+            if not len(range(start, stop, step)):
+                out.append(slice(0, 0))
+            else:
+                out.append(slice(start, None if stop < 0 else stop, step))
+    return tuple(out)
+
+
+def sliced_shape(shape, index):
+    if len(index) != len(shape):
+        raise ShapeError(f"index has {len(index)} entries for the {len(shape)} axes of {fmt(shape)}")
+    out = []
+    for axis, (d, entry) in enumerate(zip(shape, index)):
+        if entry is None:
+            out.append(d)
+            continue
+        if isinstance(d, str):
+            raise ShapeError(f"axis {axis} has the symbolic dim {d}: it can only be taken whole (`:`)")
+        start, stop, step = entry
+        r = range(start, stop, step) if step else None
+        if r is None or (len(r) and not (0 <= r[0] < d and 0 <= r[-1] < d)) or (step > 0 and stop < 0):
+            raise ShapeError(f"axis {axis}: range {start}:{stop}:{step} does not lie within a dim of {d}")
+        out.append(len(r))
+    return tuple(out)
+
+
+def _slice_infer(attrs, shapes, dtypes):
+    (shape,) = shapes
+    return sliced_shape(shape, tuple(attrs["index"])), dtypes[0]
+
+
+def _slice_vjp(ctx, n, g):
+    (x,) = ctx.graph.operands(n)
+    return [ctx.emit("slice_grad", [g], index=ctx.graph.attrs(n)["index"], shape=ctx.graph.shape(x))]
+
+
+def _slice_evaluate(attrs, values, out_shape, dims):
+    return np.array(values[0][np_index(attrs["index"])], copy=True)
+
+
+def _slice_rows(graph, n, ins, fail):
+    (a,) = ins
+    if a is not None and graph.attrs(n)["index"][a] is not None:
+        fail("slices the batch dim")
+    return a
+
+
+register(Op("slice", "layout", _slice_infer, _slice_evaluate,
+            lambda attrs, in_shapes, out_shape: 0, vjp=_slice_vjp, arity=1,
+            doc="x[start:stop:step, ...] with static ranges per axis (attrs index); a copy"))
+
+
+def _slice_grad_infer(attrs, shapes, dtypes):
+    (g,) = shapes
+    if not dtypes[0].startswith("float"):
+        raise ShapeError(f"operand of dtype {dtypes[0]}: slice_grad takes a float adjoint")
+    target = tuple(attrs["shape"])
+    expected = sliced_shape(target, tuple(attrs["index"]))
+    if tuple(g) != expected:
+        raise ShapeError(f"adjoint has shape {fmt(g)}, expected {fmt(expected)}")
+    return target, dtypes[0]
+
+
+def _slice_grad_evaluate(attrs, values, out_shape, dims):
+    (g,) = values
+    out = np.zeros(out_shape, dtype=g.dtype)
+    out[np_index(attrs["index"])] = g
+    return out
+
+
+def _slice_grad_vjp(ctx, n, g):
+    return [ctx.emit("slice", [g], index=ctx.graph.attrs(n)["index"])]
+
+
+register(Op("slice_grad", "layout", _slice_grad_infer, _slice_grad_evaluate,
+            lambda attrs, in_shapes, out_shape: size(out_shape), vjp=_slice_grad_vjp, arity=1,
+            doc="zeros of attrs shape with g written at the slice attrs index: slice's adjoint"))
