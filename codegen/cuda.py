@@ -1,51 +1,24 @@
 """Numba CUDA kernels for `--target cuda`: one source per distinct computation, as codegen/cpu.py.
 
-Every kernel writes into an `out` device array. Elementwise kernels, transposes and copies run one
-thread per output element (the flat index unravelled over `out`'s shape); reductions, softmax and
-the label ops run one thread per kept index; the GEMM runs a 16x16 thread block per 16x16 tile of
+The kernels every op shares live here: elementwise (and copies), the GEMM, fills, and the
+optimizer updates; the op records write the rest (gradc/ops). Every kernel writes into an `out`
+device array. Elementwise kernels run one thread per output element (the flat index unravelled
+over `out`'s shape); the GEMM runs a 16x16 thread block per 16x16 tile of
 `out`, staging both operands through shared memory, with the transposes read in place (the
 backward's dX = dZ W^T and dW = X^T dZ need no copy). A scalar value is a one-element array.
 `launch` says each kernel's grid, over one of its arguments (by position; -1 is `out`):
 ("flat", arg) covers that array's elements; ("rows", arg, axes) its index over the axes not
 reduced; ("tiles", -1) the GEMM's tiles of `out`.
 
-The host code that launches them in the memory plan's order (and captures that in a CUDA graph)
-is not written yet; tests run these kernels under numba-cuda's simulator against numpy.
+codegen/cuda_entry.py writes the host code that launches them in the memory plan's order.
 """
 import sympy as sp
 
 from gradc.ops.elementwise import X
+from gradc.ops.kernel_text import block_sum, index, unravel
 from gradc.runtime.cuda import BIG, BK, PER, THREADS, TILE
 
-from .kernel_lines import row_max_and_sum_exp, xent_grad_row
 from .sympy_print import print_block
-
-
-
-def _index(names):
-    return ", ".join(names) if names else "0"
-
-
-# one thread per row i of x0
-ROW_HEADER = ["    i = cuda.grid(1)", "    if i >= x0.shape[0]:", "        return"]
-
-
-def _block_sum(body, start="0.0", combine=None):
-    """Lines of a one-block reduction over every element j of x0 (a power of two threads, at most
-    THREADS: each a strided partial, then a tree in shared memory); the result is left in
-    partial[0]. `body`: the loop's lines (unindented) that read element j and fold it into acc."""
-    combine = combine or ["            partial[t] += partial[t + step]"]
-    return [f"    partial = cuda.shared.array({THREADS}, float64)",
-            "    t = cuda.threadIdx.x",
-            f"    acc = {start}",
-            "    for j in range(t, x0.size, cuda.blockDim.x):", *["        " + line for line in body],
-            "    partial[t] = acc",
-            "    cuda.syncthreads()",
-            "    step = cuda.blockDim.x // 2",
-            "    while step > 0:",
-            "        if t < step:", *combine,
-            "        cuda.syncthreads()",
-            "        step //= 2"]
 
 
 def _arity(expr):
@@ -59,16 +32,6 @@ def _gemm_def(name, a_expr, b_expr, epilogue):
     na, nb, ne = _arity(a_expr), _arity(b_expr), _arity(epilogue) - 1
     args = [f"a{j}" for j in range(na)] + [f"b{j}" for j in range(nb)] + [f"e{j + 1}" for j in range(ne)] + ["out"]
     return f"def {name}({', '.join(args)}):"
-
-
-def _unravel(rank, flat="i", shape="out.shape", pad="    "):
-    """Lines that turn a flat index into i0..i{rank-1} over `shape` (C order)."""
-    lines = [f"{pad}r = {flat}"]
-    for d in reversed(range(rank)):
-        lines.append(f"{pad}i{d} = r % {shape}[{d}]")
-        if d:
-            lines.append(f"{pad}r //= {shape}[{d}]")
-    return lines
 
 
 class CudaKernels:
@@ -105,14 +68,14 @@ class CudaKernels:
             if pat is None or not pat:
                 loads.append(f"    a{j} = x{j}[0]" if pat is None else f"    a{j} = x{j}[()]")
             else:
-                loads.append(f"    a{j} = x{j}[{_index(['0' if d < 0 else f'i{d}' for d in pat])}]")
+                loads.append(f"    a{j} = x{j}[{index(['0' if d < 0 else f'i{d}' for d in pat])}]")
             names[X[j]] = sp.Symbol(f"a{j}", real=True)
-        target = f"out[{_index([f'i{d}' for d in range(out_rank)])}]" if out_rank else "out[0]"
+        target = f"out[{index([f'i{d}' for d in range(out_rank)])}]" if out_rank else "out[0]"
         block, helpers = print_block(expr, names, target)
         self.helpers |= helpers
         lines = [f"def {name}({', '.join(args + ['out'])}):", "    i = cuda.grid(1)", "    if i >= out.size:",
                  "        return"]
-        lines += _unravel(out_rank) if out_rank else []
+        lines += unravel(out_rank) if out_rank else []
         lines += loads + ["    " + b for b in block]
         return "\n".join(lines), f"out = {expr}", ("flat", -1)
 
@@ -174,7 +137,7 @@ class CudaKernels:
         """Lines (unindented) that store out[row, col] = epilogue(acc, e1[...], ...)."""
         names, loads = {X[0]: sp.Symbol("acc", real=True)}, []
         for j, pat in enumerate(patterns, start=1):
-            idx = _index(["0" if d < 0 else ("row", "col")[d] for d in pat]) if pat else "0"
+            idx = index(["0" if d < 0 else ("row", "col")[d] for d in pat]) if pat else "0"
             loads.append(f"l{j} = e{j}[{idx}]")
             names[X[j]] = sp.Symbol(f"l{j}", real=True)
         block, helpers = print_block(epilogue, names, "out[row, col]")
@@ -275,22 +238,6 @@ class CudaKernels:
                f"({BIG}x{BIG} block tiles, {PER}x{PER} per thread in registers, {BK}-deep slices double-buffered)")
         return "\n".join(lines), doc, ("big_tiles", -1)
 
-    # ---- softmax cross-entropy ------------------------------------------------------------
-    def softmax_xent_rows(self):
-        """Per row i: logsumexp(x[i]) - x[i, labels[i]] (the mean over rows is one more reduction)."""
-        return self._get(("xent_rows",), "xent_rows", lambda name: ("\n".join([
-            f"def {name}(x0, labels, out):", *ROW_HEADER, *row_max_and_sum_exp("    "),
-            "    label = labels[i]",
-            "    # a label out of range (only device labels reach here unchecked) gives NaN, never a wild read",
-            "    out[i] = m + math.log(total) - x0[i, label] if 0 <= label < x0.shape[1] else math.nan"]),
-            "out[i] = logsumexp(x[i]) - x[i, labels[i]]", ("flat", -1)))
-
-    def softmax_xent_grad(self):
-        """The rows' adjoint: (softmax(x[i]) - onehot(labels[i])) * g[i], one thread per row."""
-        return self._get(("xent_grad",), "xent_grad", lambda name: ("\n".join([
-            f"def {name}(x0, labels, g, out):", *ROW_HEADER, *row_max_and_sum_exp("    "), *xent_grad_row("    ")]),
-            "out[i] = (softmax(x[i]) - onehot(labels[i])) * g[i]", ("rows", 0, (1,))))
-
     # ---- optimizer updates ----------------------------------------------------------------
     # They read the loss and the gradient's squared norm from device memory and the
     # hyperparameters from a small device array the Trainer refreshes before each step, so one
@@ -334,14 +281,14 @@ class CudaKernels:
         return self._get((optimizer, "check"), f"{optimizer}_check", lambda name: ("\n".join([
             f"def {name}({args}, hyper, status):",
             *[f"    {h} = hyper[{k}]" for k, h in enumerate(hyper)], *self._step_scale("    "), "    x0 = p",
-            *_block_sum(["i = j", *update, f"if not ({finite}):", "    acc += 1.0"]),
+            *block_sum(["i = j", *update, f"if not ({finite}):", "    acc += 1.0"]),
             "    if t == 0:", "        status[2] = partial[0]"]),
             f"status[2] = values the {optimizer} update would make non-finite", ("block",)))
 
     def sum_squares(self):
         """out[0] = sum of x*x over a flat array, in one block (float64 partial sums in shared memory)."""
         return self._get(("sum_squares",), "sum_squares", lambda name: ("\n".join([
-            f"def {name}(x0, out):", *_block_sum(["xi = float64(x0[j])", "acc += xi * xi"]),
+            f"def {name}(x0, out):", *block_sum(["xi = float64(x0[j])", "acc += xi * xi"]),
             "    if t == 0:", "        out[0] = partial[0]"]), "out[0] = sum(x * x)", ("block",)))
 
     def axpy(self):
@@ -356,132 +303,3 @@ class CudaKernels:
         return self._get(("fill",), "fill", lambda name: ("\n".join([
             f"def {name}(out, value):", "    i = cuda.grid(1)", "    if i < out.size:", "        out[i] = value"]),
             "out = value (a flat array)", ("flat", 0)))
-
-    # ---- reductions -----------------------------------------------------------------------
-    def reduction(self, op, rank, axes, keepdims):
-        """sum / mean / max over `axes`; a full reduction without keepdims writes out[0]."""
-        key = ("reduce", op, rank, tuple(axes), keepdims)
-        return self._get(key, op, lambda name: self._reduction_source(name, op, rank, axes, keepdims))
-
-    def _reduction_source(self, name, op, rank, axes, keepdims):
-        kept = [d for d in range(rank) if d not in axes]
-        if not kept:
-            return self._full_reduction_source(name, op, rank, keepdims)
-        lines = [f"def {name}(x0, out):", "    i = cuda.grid(1)"]
-        lines += [f"    count = {' * '.join(f'x0.shape[{d}]' for d in kept) or '1'}", "    if i >= count:", "        return"]
-        # unravel i over the kept dims of x0
-        lines.append("    r = i")
-        for d in reversed(kept):
-            lines += [f"    i{d} = r % x0.shape[{d}]", f"    r //= x0.shape[{d}]"]
-        acc = "-math.inf" if op == "max" else "0.0"
-        lines.append(f"    acc = {acc}")
-        pad = "    "
-        for depth, d in enumerate(axes):
-            lines.append(f"{pad * (1 + depth)}for i{d} in range(x0.shape[{d}]):")
-        inner = pad * (1 + len(axes))
-        read = f"x0[{_index([f'i{d}' for d in range(rank)])}]"
-        if op == "max":   # NaN wins, as in numpy
-            lines += [f"{inner}v = {read}", f"{inner}if v > acc or v != v:", f"{inner}    acc = v"]
-        else:
-            lines.append(f"{inner}acc += {read}")
-        if op == "mean":
-            lines.append(f"    acc /= {' * '.join(f'x0.shape[{d}]' for d in axes) or '1'}")
-        if keepdims:
-            target = _index(["0" if d in axes else f"i{d}" for d in range(rank)])
-        else:
-            target = _index([f"i{d}" for d in kept])
-        lines.append(f"    out[{target}] = acc")
-        return "\n".join(lines), f"{op} over axes {tuple(axes)}", ("rows", 0, tuple(axes))
-
-    def _full_reduction_source(self, name, op, rank, keepdims):
-        """Every axis reduced (a loss): one block of THREADS threads instead of one thread."""
-        if rank > 1:
-            load = _unravel(rank, "j", "x0.shape", "") + [f"xi = x0[{_index([f'i{d}' for d in range(rank)])}]"]
-        else:
-            load = ["xi = x0[j]" if rank else "xi = x0[0]"]
-        if op == "max":   # NaN wins, as in numpy
-            lines = _block_sum(load + ["if xi > acc or xi != xi:", "    acc = xi"], "-math.inf",
-                               ["            b = partial[t + step]", "            if b > partial[t] or b != b:",
-                                "                partial[t] = b"])
-        else:
-            lines = _block_sum(load + ["acc += xi"])
-        result = "partial[0]" + (" / x0.size" if op == "mean" else "")
-        lines = [f"def {name}(x0, out):"] + lines + ["    if t == 0:", f"        out[{_index(['0'] * rank) if keepdims else '0'}] = {result}"]
-        return "\n".join(lines), f"{op} of every element (one block)", ("block",)
-
-    # ---- softmax family and labels -----------------------------------------------------------
-    def softmax(self, op, rank, axis):
-        key = (op, rank, axis)
-        return self._get(key, op, lambda name: self._softmax_source(name, op, rank, axis))
-
-    def _softmax_source(self, name, op, rank, axis):
-        kept = [d for d in range(rank) if d != axis]
-        lines = [f"def {name}(x0, out):", "    i = cuda.grid(1)",
-                 f"    count = {' * '.join(f'x0.shape[{d}]' for d in kept) or '1'}", "    if i >= count:", "        return",
-                 "    r = i"]
-        for d in reversed(kept):
-            lines += [f"    i{d} = r % x0.shape[{d}]", f"    r //= x0.shape[{d}]"]
-        idx = _index([f"i{d}" for d in range(rank)])
-        lines += ["    m = -math.inf", f"    for i{axis} in range(x0.shape[{axis}]):", f"        v = x0[{idx}]",
-                  "        if v > m or v != v:", "            m = v", "    total = 0.0",
-                  f"    for i{axis} in range(x0.shape[{axis}]):", f"        total += math.exp(x0[{idx}] - m)"]
-        if op == "log_softmax":
-            lines += ["    shift = m + math.log(total)", f"    for i{axis} in range(x0.shape[{axis}]):",
-                      f"        out[{idx}] = x0[{idx}] - shift"]
-        else:
-            lines += ["    scale = 1.0 / total", f"    for i{axis} in range(x0.shape[{axis}]):",
-                      f"        out[{idx}] = math.exp(x0[{idx}] - m) * scale"]
-        return "\n".join(lines), f"{op} along axis {axis} (max subtracted first)", ("rows", 0, (axis,))
-
-    def pick(self):
-        return self._get(("pick",), "pick", lambda name: (
-            f"def {name}(x0, labels, out):\n"
-            "    i = cuda.grid(1)\n"
-            "    if i < out.shape[0]:\n"
-            "        label = labels[i]\n"
-            "        out[i] = x0[i, label] if 0 <= label < x0.shape[1] else math.nan   # never a wild read",
-            "out[i] = x0[i, labels[i]]", ("flat", -1)))
-
-    def pick_grad(self):
-        return self._get(("pick_grad",), "pick_grad", lambda name: (
-            f"def {name}(g, labels, out):\n"
-            "    i = cuda.grid(1)\n"
-            "    if i < out.shape[0]:\n"
-            "        for c in range(out.shape[1]):\n"
-            "            out[i, c] = g[i] if c == labels[i] else 0.0", "out[i, labels[i]] = g[i], zeros elsewhere",
-            ("rows", -1, (1,))))
-
-    def argmax_mask(self, rank, axes):
-        """1 at the first maximum over `axes`, 0 elsewhere (one thread per kept index)."""
-        key = ("argmax_mask", rank, tuple(axes))
-
-        def make(name):
-            kept = [d for d in range(rank) if d not in axes]
-            idx = _index([f"i{d}" for d in range(rank)])
-            src = [f"def {name}(x0, out):", "    i = cuda.grid(1)",
-                   f"    count = {' * '.join(f'x0.shape[{d}]' for d in kept) or '1'}", "    if i >= count:",
-                   "        return", "    r = i"]
-            for d in reversed(kept):
-                src += [f"    i{d} = r % x0.shape[{d}]", f"    r //= x0.shape[{d}]"]
-            src += ["    m = -math.inf", "    found = False"] + [f"    b{d} = 0" for d in axes]
-            loops = [("    " * (1 + k)) + f"for i{d} in range(x0.shape[{d}]):" for k, d in enumerate(axes)]
-            inner = "    " * (1 + len(axes))
-            src += loops + [f"{inner}out[{idx}] = 0.0", f"{inner}v = x0[{idx}]", f"{inner}if not found or v > m:",
-                            f"{inner}    m = v", f"{inner}    found = True"] + [f"{inner}    b{d} = i{d}" for d in axes]
-            src.append(f"    out[{_index([f'b{d}' if d in axes else f'i{d}' for d in range(rank)])}] = 1.0")
-            return "\n".join(src), f"1 at the first maximum over axes {tuple(axes)}", ("rows", 0, tuple(axes))
-        return self._get(key, "argmax_mask", make)
-
-    def transpose(self, axes):
-        """out = x0 transposed by `axes` (one thread per output element)."""
-        axes = tuple(axes)
-        key = ("transpose", axes)
-
-        def make(name):
-            rank = len(axes)
-            source = [f"def {name}(x0, out):", "    i = cuda.grid(1)", "    if i >= out.size:", "        return"]
-            source += _unravel(rank)
-            source.append(f"    out[{_index([f'i{d}' for d in range(rank)])}] = "
-                          f"x0[{_index([f'i{axes.index(d)}' for d in range(rank)])}]")
-            return "\n".join(source), f"out = x0.transpose{axes}", ("flat", -1)
-        return self._get(key, "transpose", make)

@@ -11,9 +11,10 @@ import numpy as np
 import sympy as sp
 
 from gradc.ops import get_op
-from gradc.ops.elementwise import X, expr_of
+from gradc.ops.elementwise import X
 
-from .entry import EntryWriter, _hint, _pattern, _shape_src
+from .entry import EntryWriter
+from .statement import CudaStatement, shape_src as _shape_src
 
 
 def _fold_constants(expr, operands, is_scalar_const, value_of):
@@ -31,6 +32,8 @@ def _fold_constants(expr, operands, is_scalar_const, value_of):
 class CudaEntryWriter(EntryWriter):
     decorator = None                     # a host function, not a compiled one
     tail_args = ("arena", "offs", "scal", "stream")
+    target = "cuda"
+    Statement = CudaStatement
 
     def _start_plan(self, plan):
         super()._start_plan(plan)
@@ -72,7 +75,7 @@ class CudaEntryWriter(EntryWriter):
     def fresh_array(self, shape_src):
         return f"cuda.device_array({shape_src}, FLOAT)"
 
-    def _fold(self, expr, operands):
+    def fold(self, expr, operands):
         """expr with its scalar-constant operands written in; the operands left (None: not a node)."""
         g = self.graph
         return _fold_constants(expr, operands, lambda u: g.op(u) == "const" and np.ndim(g.attrs(u)["value"]) == 0,
@@ -104,64 +107,3 @@ class CudaEntryWriter(EntryWriter):
     def returned(self, r, seen):
         """Every returned value is a device array; the caller copies it out before the next call."""
         return self.var(r)
-
-    def statement(self, n, dims, step):
-        g = self.graph
-        node = g.node(n)
-        op, ins, attrs, shape = node["op"], node["inputs"], node["attrs"], node["shape"]
-        kind = get_op(op).kind
-        v, a = f"t{n}", [self.var(u) for u in ins]
-        note = f"  # {op} {node['src']}"
-        def alloc():   # only a statement that writes a buffer asks for one (asking places a flat root)
-            return f"{v} = {self.new_array(n, dims, step)}"
-        k = self.kernels
-        if kind == "elementwise":
-            expr, operands = self._fold(expr_of(g, n), ins)
-            patterns = [None if g.shape(u) == () else _pattern(g.shape(u), shape) for u in operands]
-            kernel = k.elementwise(expr, patterns, len(shape), _hint(g, n))
-            return [alloc(), self.launch(kernel, [self.var(u) for u in operands] + [v]) + note]
-        if op in ("matmul", "gemm"):   # gemm: passes/gemm_fusion.py's prologues and epilogue
-            ta, tb = bool(attrs.get("transpose_a")), bool(attrs.get("transpose_b"))
-            if op == "matmul":
-                fused, args = (X[0], X[0], X[0], ()), a
-            else:
-                na, nb = attrs["a_count"], attrs["b_count"]
-                epilogue, rest = self._fold(attrs["epilogue"], [None] + ins[na + nb:])
-                patterns = tuple(() if g.shape(u) == () else _pattern(g.shape(u), shape) for u in rest[1:])
-                fused, args = (attrs["a_expr"], attrs["b_expr"], epilogue, patterns), a[:na + nb] + [self.var(u) for u in rest[1:]]
-            site = k.gemm_site(ta, tb, *fused)   # which kernel runs is chosen per call, by size
-            return [alloc(), f"{site}(stream, {', '.join(args + [v])}){note}"]
-        if op == "transpose":
-            return [alloc(), self.launch(k.transpose(tuple(attrs["axes"])), a + [v]) + note]
-        if op == "transfer":   # virtual devices share one device's memory: the copy is the transfer
-            note = f"  # transfer {attrs['source']} -> {attrs['target']}, {node['src']}"
-            pattern = [None] if shape == () else [tuple(range(len(shape)))]
-            return [alloc(), self.launch(k.elementwise(X[0], pattern, max(len(shape), 1), "copy"), a + [v]) + note]
-        if op == "reshape":
-            if g.shape(ins[0]) == ():
-                return [alloc(), self.launch(k.elementwise(X[0], [None], len(shape), "copy"), a + [v]) + note]
-            if shape == ():
-                return [f"{v} = {a[0]}.reshape(1){note}"]
-            return [f"{v} = {a[0]}.reshape({_shape_src(shape, dims)}){note}"]
-        if op in ("sum", "mean", "max"):
-            rank = len(g.shape(ins[0]))
-            kernel = k.reduction(op, rank, tuple(attrs["axes"]), attrs.get("keepdims", False))
-            return [alloc(), self.launch(kernel, a + [v]) + note]
-        if op == "argmax_mask":
-            return [alloc(), self.launch(k.argmax_mask(len(shape), tuple(attrs["axes"])), a + [v]) + note]
-        if op == "count":
-            factors = [dims[d] if isinstance(d, str) else str(d) for d in attrs["dims"]]
-            return [alloc(), self.launch(k.fill(), [v, f"float({' * '.join(factors) or '1'})"]) + note]
-        if op in ("softmax", "log_softmax"):
-            return [alloc(), self.launch(k.softmax(op, len(shape), attrs["axis"]), a + [v]) + note]
-        if op == "pick":
-            return [alloc(), self.launch(k.pick(), a + [v]) + note]
-        if op == "softmax_xent":
-            return [alloc(), self.launch(k.softmax_xent_rows(), a + [v]) + note]
-        if op == "softmax_xent_grad":
-            return [alloc(), self.launch(k.softmax_xent_grad(), a + [v]) + note]
-        if op == "pick_grad":
-            if g.shape(ins[0]) == ():
-                raise AssertionError("pick_grad of a scalar adjoint")
-            return [alloc(), self.launch(k.pick_grad(), a + [v]) + note]
-        raise NotImplementedError(f"cuda codegen has no rule for op {op!r}")

@@ -9,20 +9,10 @@ over buffers carved from the arena at the memory plan's offsets; codegen/cuda_en
 CUDA target's host function by overriding how values are stored and computed.
 """
 import numpy as np
-import sympy as sp
 
 from gradc.ops import get_op
-from gradc.ops.elementwise import expr_of
 
-
-def _shape_src(shape, dims):
-    parts = [dims[d] if isinstance(d, str) else str(d) for d in shape]
-    return f"({parts[0]},)" if len(parts) == 1 else f"({', '.join(parts)})"
-
-
-def _pattern(operand_shape, out_shape):
-    lead = len(out_shape) - len(operand_shape)
-    return tuple(-1 if (d == 1 and out_shape[lead + j] != 1) else lead + j for j, d in enumerate(operand_shape))
+from .statement import Statement, shape_src as _shape_src
 
 
 COMPILED_ENTRY_MAX_STEPS = 120   # larger entries run as plain Python (see the module docstring)
@@ -33,6 +23,8 @@ class EntryWriter:
     decorator = "@kernel"            # a small entry is one compiled Numba function
     tail_args = ("arena", "offs")    # what every entry takes after its values
     compiled = True                  # whether the entry being written is compiled (set per entry)
+    target = "cpu"                   # which lowering of each op record it writes
+    Statement = Statement
 
     def __init__(self, graph, kernels, names):
         self.graph = graph
@@ -223,70 +215,9 @@ class EntryWriter:
         return sources
 
     def statement(self, n, dims, step):
-        g = self.graph
-        node = g.node(n)
-        op, ins, attrs, shape = node["op"], node["inputs"], node["attrs"], node["shape"]
-        kind = get_op(op).kind
-        v, a = f"t{n}", [self.var(u) for u in ins]
-        note = f"  # {op} {node['src']}"
-        def alloc():   # only a statement that writes a buffer asks for one (asking places a flat root)
-            return f"{v} = {self.new_array(n, dims, step)}"
-        fresh = step not in self.slot_of_step and n not in self.flat   # a returned value: numpy allocates it
-        if kind == "elementwise":
-            expr = expr_of(g, n)
-            if shape == ():
-                block = self.kernels.scalar_expression(expr, a, v)
-                return block[:-1] + [block[-1] + note]
-            patterns = [None if g.shape(u) == () else _pattern(g.shape(u), shape) for u in ins]
-            k = self.kernels.elementwise(expr, patterns, len(shape), _hint(g, n))
-            return [alloc(), f"{k}({', '.join(a + [v])}){note}"]
-        if op == "matmul":
-            ta = ".T" if attrs.get("transpose_a") else ""
-            tb = ".T" if attrs.get("transpose_b") else ""
-            if fresh or shape == ():
-                return [f"{v} = np.dot({a[0]}{ta}, {a[1]}{tb}){note}"]
-            return [alloc(), f"np.dot({a[0]}{ta}, {a[1]}{tb}, {v}){note}"]
-        if op == "transpose":
-            return [alloc(), f"{v}[:] = np.transpose({a[0]}, {tuple(attrs['axes'])}){note}"]
-        if op == "transfer":   # devices are regions of one host arena: the copy is the transfer
-            note = f"  # transfer {attrs['source']} -> {attrs['target']}, {node['src']}"
-            return [f"{v} = {a[0]}{note}"] if shape == () else [alloc(), f"{v}[:] = {a[0]}{note}"]
-        if op == "reshape":
-            if g.shape(ins[0]) == ():
-                return [alloc(), f"{v}[:] = {a[0]}{note}"]
-            if shape == ():
-                return [f"{v} = {a[0]}.reshape(-1)[0]{note}"]
-            return [f"{v} = {a[0]}.reshape({_shape_src(shape, dims)}){note}"]
-        if op in ("sum", "mean", "max"):
-            k = self.kernels.reduction(op, len(g.shape(ins[0])), tuple(attrs["axes"]), attrs.get("keepdims", False))
-            if shape == () :
-                return [f"{v} = {k}({a[0]}){note}"]
-            return [alloc(), f"{k}({a[0]}, {v}){note}"]
-        if op == "argmax_mask":
-            k = self.kernels.argmax_mask(len(shape), tuple(attrs["axes"]))
-            return [alloc(), f"{k}({a[0]}, {v}){note}"]
-        if op == "count":
-            factors = [dims[d] if isinstance(d, str) else str(d) for d in attrs["dims"]]
-            return [f"{v} = float({' * '.join(factors) or '1'}){note}"]
-        if op in ("softmax", "log_softmax"):
-            k = self.kernels.softmax(op, len(shape), attrs["axis"])
-            return [alloc(), f"{k}({a[0]}, {v}){note}"]
-        if op == "pick":
-            return [alloc(), f"{self.kernels.pick()}({a[0]}, {a[1]}, {v}){note}"]
-        if op == "softmax_xent":
-            return [alloc(), f"{self.kernels.softmax_xent_rows()}({a[0]}, {a[1]}, {v}){note}"]
-        if op == "softmax_xent_grad":
-            return [alloc(), f"{self.kernels.softmax_xent_grad()}({a[0]}, {a[1]}, {a[2]}, {v}){note}"]
-        if op == "pick_grad":
-            if g.shape(ins[0]) == ():
-                raise AssertionError("pick_grad of a scalar adjoint")
-            return [alloc(), f"{self.kernels.pick_grad()}({a[0]}, {a[1]}, {v}){note}"]
-        raise NotImplementedError(f"cpu codegen has no rule for op {op!r}")
-
-
-def _hint(graph, n):
-    """A short name for an elementwise kernel: the functions it applies, or the op."""
-    if graph.op(n) != "fused":
-        return graph.op(n)
-    funcs = sorted({type(f).__name__.lower() for f in graph.attrs(n)["expr"].atoms(sp.Function)})
-    return "_".join(funcs[:3]) or "arith"
+        """The lines computing node n: its record's lowering for this target (gradc/ops)."""
+        record = get_op(self.graph.op(n))
+        lower = getattr(record, self.target)
+        if lower is None:
+            raise NotImplementedError(f"{self.target} codegen: op {record.name!r} has no lowering on this target")
+        return lower(self.Statement(self, n, dims, step))

@@ -7,10 +7,7 @@ that reduction only ops that are linear in it may follow (a scale, a sum of such
 loss of the whole batch is the weighted sum of the microbatches' losses: weights B_m / B for a
 mean, 1 for a sum. Anything else names the op that mixes rows.
 """
-import sympy as sp
-
 from gradc.ops import get_op
-from gradc.ops.elementwise import X, expr_of
 
 NONE = None
 
@@ -57,6 +54,8 @@ def _fail(graph, n, why):
 
 
 def _track(graph, n, dim, where):
+    """Where the batch rows lie in n: leaves declare them; every other op says by its record's
+    `rows` rule (gradc/ops), given where they lie in its operands."""
     op, node = graph.op(n), graph.node(n)
     shape = node["shape"]
     if op in ("input", "param", "const"):
@@ -69,67 +68,8 @@ def _track(graph, n, dim, where):
             _fail(graph, n, f"takes the batch size {dim!r} from no input row")
         return NONE
     record = get_op(op)
-    if record.kind == "elementwise":
-        return _elementwise(graph, n, ins, shape)
-    if any(isinstance(w, tuple) for w in ins):
+    if record.kind != "elementwise" and any(isinstance(w, tuple) for w in ins):
         _fail(graph, n, "uses the loss after its reduction over rows in a way that is not a sum of scaled terms")
-    if op == "matmul":
-        a, b = ins
-        ta, tb = node["attrs"].get("transpose_a"), node["attrs"].get("transpose_b")
-        if a is not NONE and b is NONE and a == (1 if ta else 0):
-            return 0
-        if b is not NONE and a is NONE and b == (0 if tb else 1):
-            return 1
-        _fail(graph, n, "multiplies along the batch dim (it sums over rows)")
-    if op in ("transpose",):
-        return list(node["attrs"]["axes"]).index(ins[0])
-    if op in ("reshape", "transfer"):
-        if op == "transfer" or (ins[0] == 0 and shape and shape[0] == dim):
-            return ins[0]
-        _fail(graph, n, "reshapes the batch dim away")
-    if op in ("sum", "mean", "max", "argmax_mask"):
-        axes = tuple(node["attrs"]["axes"])
-        a = ins[0]
-        if a in axes:
-            if op == "max" or op == "argmax_mask":
-                _fail(graph, n, "takes a max over rows")
-            return ("reduced", op)
-        if op == "argmax_mask" or node["attrs"].get("keepdims"):
-            return a
-        return a - sum(1 for x in axes if x < a)
-    if op in ("softmax", "log_softmax"):
-        if node["attrs"]["axis"] % len(shape) == ins[0]:
-            _fail(graph, n, "normalises over rows")
-        return ins[0]
-    if op in ("pick", "softmax_xent"):   # row i reads row i of the values and label i
-        x, labels = ins
-        if x == 0 and labels in (0, NONE):
-            return 0
-        _fail(graph, n, "picks across rows")
-    _fail(graph, n, "is an op gradc cannot follow the rows through")
-
-
-def _elementwise(graph, n, ins, shape):
-    """Broadcast: every operand with the batch dim has it on the same output axis. A reduced loss
-    may only be scaled or added to others of the same kind: expr(t x) = t expr(x) in those x."""
-    operands = graph.operands(n)
-    reduced = [i for i, w in enumerate(ins) if isinstance(w, tuple)]
-    if reduced:
-        kinds = {ins[i] for i in reduced}
-        if len(kinds) > 1 or any(w is not NONE and not isinstance(w, tuple) for w in ins):
-            _fail(graph, n, "mixes a value reduced over rows with other batch values")
-        t = sp.Symbol("t", positive=True)
-        expr = expr_of(graph, n)
-        scaled = expr.xreplace({X[i]: t * X[i] for i in reduced})
-        if sp.simplify(scaled - t * expr) != 0:
-            _fail(graph, n, f"is not linear in the loss reduced over rows ({expr})")
-        return kinds.pop()
-    out = None
-    for u, w in zip(operands, ins):
-        if w is NONE:
-            continue
-        at = w + len(shape) - len(graph.shape(u))
-        if out is not None and at != out:
-            _fail(graph, n, "broadcasts the batch dim of one operand against another axis")
-        out = at
-    return out
+    if record.rows is None:
+        _fail(graph, n, "is an op gradc cannot follow the rows through")
+    return record.rows(graph, n, ins, lambda why: _fail(graph, n, why))

@@ -3,10 +3,19 @@ import sympy as sp
 
 from gradc.ops.elementwise import X
 from gradc.ops import get_op
+from gradc.ops.labels import CUDA_PICK, CUDA_PICK_GRAD, CUDA_XENT_GRAD, CUDA_XENT_ROWS
+from gradc.ops.layout import cuda_transpose_source
+from gradc.ops.reduce import cuda_argmax_source, cuda_reduction_source
+from gradc.ops.softmax import cuda_softmax_source
 from gradc.codegen.cuda import CudaKernels
 from gradc.codegen.sympy_print import HELPERS
 
 _K = CudaKernels()
+
+
+def _record_kernel(key, make, *spec):
+    """A kernel an op record writes (gradc/ops), defined in _K as its lowering would."""
+    return _K._get(key, key[0], lambda name: make(name, *spec))
 CASES = []
 
 
@@ -43,9 +52,9 @@ _case("gemm_dx_prologue", _K.matmul(False, True, a_prologue=prologue), ["g", "z"
 _case("gemm_dw_prologue", _K.matmul(True, False, b_prologue=prologue), ["x", "g", "z"],
       {"x": [[19, 18], "f"], "g": [[19, 21], "f"], "z": [[19, 21], "f"]}, [18, 21], "x.T @ (g * (1 - np.tanh(z) ** 2))")
 # softmax cross-entropy, fused: per-row losses and the gradient of their mean
-_case("xent_rows", _K.softmax_xent_rows(), ["x", "y"], {"x": [[6, 5], "f"], "y": [[6], "labels"]}, [6],
+_case("xent_rows", _K._get(("xent_rows",), "xent_rows", CUDA_XENT_ROWS), ["x", "y"], {"x": [[6, 5], "f"], "y": [[6], "labels"]}, [6],
       "np.log(np.exp(x).sum(1)) - x[np.arange(6), y]", classes=5)
-_case("xent_grad", _K.softmax_xent_grad(), ["x", "y", "g"], {"x": [[6, 5], "f"], "y": [[6], "labels"], "g": [[6], "f"]},
+_case("xent_grad", _K._get(("xent_grad",), "xent_grad", CUDA_XENT_GRAD), ["x", "y", "g"], {"x": [[6, 5], "f"], "y": [[6], "labels"], "g": [[6], "f"]},
       [6, 5], "(np.exp(x) / np.exp(x).sum(1, keepdims=True) - np.eye(5)[y]) * g[:, None]", classes=5)
 # fused elementwise: a derived backward prologue g * tanh'(z) with a broadcast bias, and a scalar operand
 expr = X[0] * (1 - sp.tanh(X[1] + X[2]) ** 2) * X[3]
@@ -56,28 +65,28 @@ sig = get_op("sigmoid").expr
 _case("sigmoid_rank1", _K.elementwise(sig, [(0,)], 1, "sigmoid"), ["x"], {"x": [[9], "f"]}, [9],
       "1 / (1 + np.exp(-x))")
 # reductions over various axes
-_case("sum_rows", _K.reduction("sum", 2, (0,), False), ["x"], {"x": [[7, 5], "f"]}, [5], "x.sum(0)")
-_case("mean_keep", _K.reduction("mean", 3, (1, 2), True), ["x"], {"x": [[3, 4, 5], "f"]}, [3, 1, 1],
+_case("sum_rows", _record_kernel(("reduce", "sum", 2, (0,), False), cuda_reduction_source, "sum", 2, (0,), False), ["x"], {"x": [[7, 5], "f"]}, [5], "x.sum(0)")
+_case("mean_keep", _record_kernel(("reduce", "mean", 3, (1, 2), True), cuda_reduction_source, "mean", 3, (1, 2), True), ["x"], {"x": [[3, 4, 5], "f"]}, [3, 1, 1],
       "x.mean((1, 2), keepdims=True)")
-_case("max_all", _K.reduction("max", 2, (0, 1), False), ["x"], {"x": [[4, 6], "f"]}, [1], "x.max()")
-_case("argmax_cols", _K.argmax_mask(2, (1,)), ["x"], {"x": [[5, 4], "f"]}, [5, 4],
+_case("max_all", _record_kernel(("reduce", "max", 2, (0, 1), False), cuda_reduction_source, "max", 2, (0, 1), False), ["x"], {"x": [[4, 6], "f"]}, [1], "x.max()")
+_case("argmax_cols", _record_kernel(("argmax_mask", 2, (1,)), cuda_argmax_source, 2, (1,)), ["x"], {"x": [[5, 4], "f"]}, [5, 4],
       "(np.arange(4)[None, :] == x.argmax(1)[:, None]).astype(float)")
 # softmax family along the last and the first axis
-_case("log_softmax", _K.softmax("log_softmax", 2, 1), ["x"], {"x": [[5, 7], "f"]}, [5, 7],
+_case("log_softmax", _record_kernel(("log_softmax", 2, 1), cuda_softmax_source, "log_softmax", 2, 1), ["x"], {"x": [[5, 7], "f"]}, [5, 7],
       "x - x.max(1, keepdims=True) - np.log(np.exp(x - x.max(1, keepdims=True)).sum(1, keepdims=True))")
-_case("softmax_axis0", _K.softmax("softmax", 2, 0), ["x"], {"x": [[4, 3], "f"]}, [4, 3],
+_case("softmax_axis0", _record_kernel(("softmax", 2, 0), cuda_softmax_source, "softmax", 2, 0), ["x"], {"x": [[4, 3], "f"]}, [4, 3],
       "np.exp(x - x.max(0)) / np.exp(x - x.max(0)).sum(0)")
 # labels
-_case("pick", _K.pick(), ["x", "y"], {"x": [[6, 4], "f"], "y": [[6], "labels"]}, [6],
+_case("pick", _K._get(("pick",), "pick", CUDA_PICK), ["x", "y"], {"x": [[6, 4], "f"], "y": [[6], "labels"]}, [6],
       "x[np.arange(6), y]", classes=4)
-_case("pick_grad", _K.pick_grad(), ["g", "y"], {"g": [[6], "f"], "y": [[6], "labels"]}, [6, 4],
+_case("pick_grad", _K._get(("pick_grad",), "pick_grad", CUDA_PICK_GRAD), ["g", "y"], {"g": [[6], "f"], "y": [[6], "labels"]}, [6, 4],
       "np.eye(4)[y] * g[:, None]", classes=4)
 # every axis reduced (a loss): one block, more elements than threads, so both the strided loop and the tree run
-_case("sum_all", _K.reduction("sum", 2, (0, 1), False), ["x"], {"x": [[23, 29], "f"]}, [1], "x.sum()")
-_case("mean_all_keep", _K.reduction("mean", 2, (0, 1), True), ["x"], {"x": [[23, 29], "f"]}, [1, 1], "x.mean()")
-_case("max_all", _K.reduction("max", 1, (0,), False), ["x"], {"x": [[301], "f"]}, [1], "x.max()")
+_case("sum_all", _record_kernel(("reduce", "sum", 2, (0, 1), False), cuda_reduction_source, "sum", 2, (0, 1), False), ["x"], {"x": [[23, 29], "f"]}, [1], "x.sum()")
+_case("mean_all_keep", _record_kernel(("reduce", "mean", 2, (0, 1), True), cuda_reduction_source, "mean", 2, (0, 1), True), ["x"], {"x": [[23, 29], "f"]}, [1, 1], "x.mean()")
+_case("max_all", _record_kernel(("reduce", "max", 1, (0,), False), cuda_reduction_source, "max", 1, (0,), False), ["x"], {"x": [[301], "f"]}, [1], "x.max()")
 _case("sum_squares", _K.sum_squares(), ["x"], {"x": [[517], "f"]}, [1], "(x * x).sum()")
-_case("transpose", _K.transpose((1, 0, 2)), ["x"], {"x": [[2, 3, 4], "f"]}, [3, 2, 4], "x.transpose(1, 0, 2)")
+_case("transpose", _record_kernel(("transpose", (1, 0, 2)), cuda_transpose_source, (1, 0, 2)), ["x"], {"x": [[2, 3, 4], "f"]}, [3, 2, 4], "x.transpose(1, 0, 2)")
 
 
 UPDATES = {opt + part: make(opt) for opt in ("sgd", "adam")

@@ -2,8 +2,27 @@
 
 A record holds everything the compiler knows about an op: its shape and dtype rule, its VJP
 rule (which builds nodes of registered ops, so a backward graph can be differentiated again),
-its cost, its numpy evaluation (the interpreter's reference) and, for elementwise ops, the sympy
-expression that all of its derivatives are derived from.
+its cost, its numpy evaluation (the interpreter's reference), for elementwise ops the sympy
+expression that all of its derivatives are derived from, where the batch rows go through it
+(`rows`), and its lowering for each target (`cpu`, `cuda`). Codegen and passes read these
+fields; nothing else dispatches on an op's name, so a new op is one module and its tests.
+
+Lowering: `cpu(s)` and `cuda(s)` take the statement being written for one node and return the
+lines of the entry function that compute it. `s` (codegen/statement.py) offers:
+  s.graph, s.n, s.attrs, s.shape, s.operands (node ids), s.args (their variable names),
+  s.out (the node's variable), s.note (a trailing comment naming the op and the user's line),
+  s.alloc() (the line that gives s.out its planned buffer; only a statement that writes one asks),
+  s.fresh (no planned buffer: the value is returned, so numpy may allocate it),
+  s.dim(d), s.shape_src(shape) (the source of a dim and of a shape at run time),
+  s.kernel(key, name, make) (one kernel per distinct key per module; make(kname) returns
+  (source, doc) on the CPU and (source, doc, grid) on CUDA, grid as codegen/cuda.py describes),
+  s.call(kernel, args) (a call, or a CUDA launch), s.into_out(kernel) ([alloc, kernel(args..., out)]),
+  s.kernels (the target's shared kernels: elementwise, GEMM, fill).
+Kernel text helpers shared by the records are in gradc/ops/kernel_text.py.
+
+Rows: `rows(graph, n, ins, fail)` says on which axis of n the batch rows lie, given where they
+lie in each operand (`ins`: an axis, None for no batch dim, or ("reduced", "sum"|"mean") after
+the loss's reduction over rows); it calls fail(why) when n mixes rows (passes/rows.py).
 """
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -21,6 +40,9 @@ class Op:
     vjp: Optional[Callable] = None    # (ctx, node, g) -> one adjoint node or None per operand
     arity: Optional[int] = None       # None: any number of operands
     expr: Optional[sp.Expr] = None    # elementwise: over the operand symbols X[0..arity-1]
+    rows: Optional[Callable] = None   # (graph, n, ins, fail) -> the batch axis of n (see above)
+    cpu: Optional[Callable] = None    # (statement) -> source lines on the CPU target
+    cuda: Optional[Callable] = None   # (statement) -> source lines on the CUDA target
     doc: str = field(default="", compare=False)
 
 
@@ -42,4 +64,4 @@ def get_op(name):
         raise GradcError(f"unknown op {name!r}") from None
 
 
-from . import leaf, elementwise, layout, reduce, nn, conv, pool, index, concat, take, batch_matmul, random  # noqa: E402,F401  (registers the built-ins)
+from . import leaf, elementwise, layout, matmul, reduce, softmax, labels, conv, pool, index, concat, take, batch_matmul, random  # noqa: E402,F401  (registers the built-ins)

@@ -83,9 +83,59 @@ def elementwise_vjp(ctx, n, g):
     return grads
 
 
+def kernel_name(graph, n):
+    """What an elementwise kernel computes, for its name: the op, or a fused chain's functions (or
+    its arithmetic), with `_grad` when it is part of a backward and `_hvp` of a second-order pass."""
+    op = graph.op(n)
+    if op == "fused":
+        expr = graph.attrs(n)["expr"]
+        functions = sorted({type(f).__name__.lower() for f in expr.atoms(sp.Function)})
+        arithmetic = [name for kind, name in ((sp.Mul, "mul"), (sp.Add, "add"), (sp.Pow, "pow")) if expr.atoms(kind)]
+        op = "_".join(functions[:2] or arithmetic) or "copy"
+    return op + {"backward": "_grad", "second": "_hvp"}.get(graph.node(n)["phase"], "")
+
+
+def lower(s):
+    """Both targets: one kernel per distinct expression and broadcast pattern (codegen shares it
+    between nodes); a scalar value on the CPU is a local of the entry, computed in line."""
+    expr = expr_of(s.graph, s.n)
+    if s.shape == () and s.scalars_in_locals:
+        lines = s.kernels.scalar_expression(expr, s.args, s.out)
+        return lines[:-1] + [lines[-1] + s.note]
+    kernel, args = s.elementwise(expr, s.operands, kernel_name(s.graph, s.n))
+    return [s.alloc(), s.call(kernel, args + [s.out]) + s.note]
+
+
+def rows(graph, n, ins, fail):
+    """Operands broadcast: those with the batch dim have it on one output axis. After the loss's
+    reduction over rows a value may only be scaled or added to others of its kind (then the
+    loss of a batch is the weighted sum of its microbatches' losses): expr(t x) = t expr(x)."""
+    shape = graph.shape(n)
+    reduced = [i for i, w in enumerate(ins) if isinstance(w, tuple)]
+    if reduced:
+        kinds = {ins[i] for i in reduced}
+        if len(kinds) > 1 or any(w is not None and not isinstance(w, tuple) for w in ins):
+            fail("mixes a value reduced over rows with other batch values")
+        t = sp.Symbol("t", positive=True)
+        expr = expr_of(graph, n)
+        if sp.simplify(expr.xreplace({X[i]: t * X[i] for i in reduced}) - t * expr) != 0:
+            fail(f"is not linear in the loss reduced over rows ({expr})")
+        return kinds.pop()
+    out = None
+    for u, w in zip(graph.operands(n), ins):
+        if w is None:
+            continue
+        at = w + len(shape) - len(graph.shape(u))
+        if out is not None and at != out:
+            fail("broadcasts the batch dim of one operand against another axis")
+        out = at
+    return out
+
+
 def make(name, expr, arity, doc=""):
     return Op(name=name, kind="elementwise", infer=_infer, evaluate=_evaluate_with(lambda a: expr),
-              flops=_flops_with(lambda a: expr), vjp=elementwise_vjp, arity=arity, expr=expr, doc=doc)
+              flops=_flops_with(lambda a: expr), vjp=elementwise_vjp, arity=arity, expr=expr, doc=doc,
+              rows=rows, cpu=lower, cuda=lower)
 
 
 x0, x1 = X[0], X[1]
@@ -104,7 +154,8 @@ register(make("broadcast_to", x0, 1, doc="stretch to attrs['shape']"))
 
 # A fused chain of elementwise ops: attrs["expr"] over its operands (attrs["shape"] optional).
 register(Op(name="fused", kind="elementwise", infer=_infer, evaluate=_evaluate_with(lambda a: a["expr"]),
-            flops=_flops_with(lambda a: a["expr"]), vjp=elementwise_vjp, arity=None, expr=None))
+            flops=_flops_with(lambda a: a["expr"]), vjp=elementwise_vjp, arity=None, expr=None,
+            rows=rows, cpu=lower, cuda=lower))
 
 
 class ElementwiseDefinitionError(Exception):

@@ -1,89 +1,11 @@
-"""Matmul and the ops that only move data: transpose, reshape."""
+"""The ops that only move data: transpose, reshape, transfer (a copy between devices)."""
 import numpy as np
 
 from . import Op, register
+from .elementwise import X
+from .kernel_text import index, unravel
 from ..errors import ShapeError
-from ..shapes import fmt, reshape_target, size
-
-
-def _float_only(op, dtypes):
-    for d in dtypes:
-        if not d.startswith("float"):
-            raise ShapeError(f"operand of dtype {d}: {op} takes float operands")
-
-
-def _matmul_infer(attrs, shapes, dtypes):
-    _float_only("matmul", dtypes)
-    a, b = shapes
-    if len(a) != 2 or len(b) != 2:
-        raise ShapeError(f"operands must have rank 1 or 2, got {fmt(a)} and {fmt(b)}")
-    m, k = a[::-1] if attrs.get("transpose_a") else a
-    k2, n = b[::-1] if attrs.get("transpose_b") else b
-    if k != k2:
-        raise ShapeError(f"inner dims differ: {fmt(a)} @ {fmt(b)} ({k} != {k2})")
-    return (m, n), dtypes[0]
-
-
-def _matmul_vjp(ctx, n, g):
-    """C = op(A) op(B): each adjoint is one more matmul with transpose flags, never a transpose copy."""
-    a, b = ctx.graph.operands(n)
-    ta, tb = ctx.graph.attrs(n).get("transpose_a", False), ctx.graph.attrs(n).get("transpose_b", False)
-    da = db = None
-    if ctx.needs(0):
-        da = (ctx.emit("matmul", [b, g], transpose_a=tb, transpose_b=True) if ta
-              else ctx.emit("matmul", [g, b], transpose_a=False, transpose_b=not tb))
-    if ctx.needs(1):
-        db = (ctx.emit("matmul", [g, a], transpose_a=True, transpose_b=ta) if tb
-              else ctx.emit("matmul", [a, g], transpose_a=not ta, transpose_b=False))
-    return [da, db]
-
-
-def _matmul_evaluate(attrs, values, out_shape, dims):
-    a, b = values
-    return (a.T if attrs.get("transpose_a") else a) @ (b.T if attrs.get("transpose_b") else b)
-
-
-def _matmul_flops(attrs, in_shapes, out_shape):
-    a = in_shapes[0]
-    k = a[0] if attrs.get("transpose_a") else a[1]
-    return 2 * size(out_shape) * size((k,))
-
-
-register(Op("matmul", "matmul", _matmul_infer, _matmul_evaluate, _matmul_flops, vjp=_matmul_vjp, arity=2,
-            doc="2-D matrix product; attrs transpose_a / transpose_b"))
-
-
-def _gemm_split(attrs, items):
-    """The A operands, B operands and epilogue operands of a gemm, from its flat operand list."""
-    na, nb = attrs["a_count"], attrs["b_count"]
-    return items[:na], items[na:na + nb], items[na + nb:]
-
-
-def _gemm_infer(attrs, shapes, dtypes):
-    _float_only("gemm", dtypes)
-    a, b, _ = _gemm_split(attrs, shapes)
-    return _matmul_infer(attrs, [a[0], b[0]], dtypes)
-
-
-def _gemm_evaluate(attrs, values, out_shape, dims):
-    from .elementwise import numpy_function
-    a, b, rest = _gemm_split(attrs, values)
-    a = numpy_function(attrs["a_expr"], len(a))(*a)
-    b = numpy_function(attrs["b_expr"], len(b))(*b)
-    product = _matmul_evaluate(attrs, [a, b], out_shape, dims)
-    return np.broadcast_to(numpy_function(attrs["epilogue"], 1 + len(rest))(product, *rest), out_shape)
-
-
-def _gemm_flops(attrs, in_shapes, out_shape):
-    a, b, _ = _gemm_split(attrs, in_shapes)
-    return _matmul_flops(attrs, [a[0], b[0]], out_shape)
-
-
-# Made by passes/gemm_fusion.py for the CUDA target after differentiation, so it has no VJP.
-register(Op("gemm", "matmul", _gemm_infer, _gemm_evaluate, _gemm_flops,
-            doc="epilogue(op(a_expr(A...)) @ op(b_expr(B...)), E...): a matmul with its elementwise neighbours "
-                "fused into the operand loads and the store; attrs transpose_a/b, a_count, b_count, a_expr, b_expr, "
-                "epilogue (over x0 = the product, x1.. = E)"))
+from ..shapes import fmt, reshape_target
 
 
 def _transpose_infer(attrs, shapes, dtypes):
@@ -99,9 +21,27 @@ def _transpose_vjp(ctx, n, g):
     return [ctx.emit("transpose", [g], axes=tuple(int(i) for i in np.argsort(axes)))]
 
 
+def cuda_transpose_source(name, axes):
+    """One thread per output element."""
+    rank = len(axes)
+    source = [f"def {name}(x0, out):", "    i = cuda.grid(1)", "    if i >= out.size:", "        return"]
+    source += unravel(rank)
+    source.append(f"    out[{index([f'i{d}' for d in range(rank)], '0')}] = "
+                  f"x0[{index([f'i{axes.index(d)}' for d in range(rank)], '0')}]")
+    return "\n".join(source), f"out = x0.transpose{axes}", ("flat", -1)
+
+
+def _transpose_cuda(s):
+    axes = tuple(s.attrs["axes"])
+    return s.into_out(s.kernel(("transpose", axes), "transpose", lambda kname: cuda_transpose_source(kname, axes)))
+
+
 register(Op("transpose", "layout", _transpose_infer,
             lambda attrs, values, out_shape, dims: np.transpose(values[0], attrs["axes"]),
-            lambda attrs, in_shapes, out_shape: 0, vjp=_transpose_vjp, arity=1))
+            lambda attrs, in_shapes, out_shape: 0, vjp=_transpose_vjp, arity=1,
+            rows=lambda graph, n, ins, fail: list(graph.attrs(n)["axes"]).index(ins[0]),
+            cpu=lambda s: [s.alloc(), f"{s.out}[:] = np.transpose({s.args[0]}, {tuple(s.attrs['axes'])}){s.note}"],
+            cuda=_transpose_cuda))
 
 
 def _reshape_infer(attrs, shapes, dtypes):
@@ -114,9 +54,36 @@ def _reshape_vjp(ctx, n, g):
     return [ctx.emit("reshape", [g], shape=ctx.graph.shape(x))]
 
 
+def _reshape_rows(graph, n, ins, fail):
+    """Rows survive a reshape that keeps the batch dim first."""
+    (x,), shape = graph.operands(n), graph.shape(n)
+    if ins[0] == 0 and shape and shape[0] == graph.shape(x)[0]:
+        return 0
+    fail("reshapes the batch dim away")
+
+
+def _reshape_cpu(s):
+    """A view where numpy gives one; a scalar becomes a local, and a local fills an array."""
+    if s.operand_shape(0) == ():
+        return [s.alloc(), f"{s.out}[:] = {s.args[0]}{s.note}"]
+    if s.shape == ():
+        return [f"{s.out} = {s.args[0]}.reshape(-1)[0]{s.note}"]
+    return [f"{s.out} = {s.args[0]}.reshape({s.shape_src(s.shape)}){s.note}"]
+
+
+def _reshape_cuda(s):
+    """A view of the device array; a one-element array is copied into an array of its own shape."""
+    if s.operand_shape(0) == ():
+        return [s.alloc(), s.call(s.kernels.elementwise(X[0], [None], len(s.shape), "copy"), s.args + [s.out]) + s.note]
+    if s.shape == ():
+        return [f"{s.out} = {s.args[0]}.reshape(1){s.note}"]
+    return [f"{s.out} = {s.args[0]}.reshape({s.shape_src(s.shape)}){s.note}"]
+
+
 register(Op("reshape", "layout", _reshape_infer,
             lambda attrs, values, out_shape, dims: np.reshape(values[0], out_shape),
-            lambda attrs, in_shapes, out_shape: 0, vjp=_reshape_vjp, arity=1))
+            lambda attrs, in_shapes, out_shape: 0, vjp=_reshape_vjp, arity=1, rows=_reshape_rows,
+            cpu=_reshape_cpu, cuda=_reshape_cuda))
 
 
 def _transfer_vjp(ctx, n, g):
@@ -124,7 +91,26 @@ def _transfer_vjp(ctx, n, g):
     return [ctx.emit("transfer", [g], source=attrs["target"], target=attrs["source"])]
 
 
+def _transfer_note(s):
+    return f"  # transfer {s.attrs['source']} -> {s.attrs['target']}, {s.graph.node(s.n)['src']}"
+
+
+def _transfer_cpu(s):
+    """Devices are regions of one host arena: the copy is the transfer."""
+    if s.shape == ():
+        return [f"{s.out} = {s.args[0]}{_transfer_note(s)}"]
+    return [s.alloc(), f"{s.out}[:] = {s.args[0]}{_transfer_note(s)}"]
+
+
+def _transfer_cuda(s):
+    """Virtual devices share one device's memory: the copy is the transfer."""
+    pattern = [None] if s.shape == () else [tuple(range(len(s.shape)))]
+    copy = s.kernels.elementwise(X[0], pattern, max(len(s.shape), 1), "copy")
+    return [s.alloc(), s.call(copy, s.args + [s.out]) + _transfer_note(s)]
+
+
 register(Op("transfer", "layout", lambda attrs, shapes, dtypes: (shapes[0], dtypes[0]),
             lambda attrs, values, out_shape, dims: np.array(values[0], copy=True),
             lambda attrs, in_shapes, out_shape: 0, vjp=_transfer_vjp, arity=1,
+            rows=lambda graph, n, ins, fail: ins[0], cpu=_transfer_cpu, cuda=_transfer_cuda,
             doc="the operand's value copied from device `source` to device `target`"))

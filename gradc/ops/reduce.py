@@ -4,6 +4,7 @@ import math
 import numpy as np
 
 from . import Op, register
+from .kernel_text import block_sum, dims_line, index, kept_index, loops, unravel
 from ..errors import ShapeError
 from ..shapes import reduced, size
 
@@ -55,9 +56,113 @@ def _np_reduce(fn):
         fn(values[0], axis=tuple(attrs["axes"]), keepdims=attrs.get("keepdims", False)))
 
 
-register(Op("sum", "reduce", _reduce_infer, _np_reduce(np.sum), _reduce_flops, vjp=_sum_vjp, arity=1))
-register(Op("mean", "reduce", _reduce_infer, _np_reduce(np.mean), _reduce_flops, vjp=_mean_vjp, arity=1))
-register(Op("max", "reduce", _reduce_infer, _np_reduce(np.max), _reduce_flops, vjp=_max_vjp, arity=1))
+def _reduce_rows(graph, n, ins, fail):
+    """Reducing over the rows ends them (the loss's reduction); over other axes they stay."""
+    axes, (a,) = tuple(graph.attrs(n)["axes"]), ins
+    if a in axes:
+        if graph.op(n) == "max":
+            fail("takes a max over rows")
+        return ("reduced", graph.op(n))
+    return a if graph.attrs(n).get("keepdims") else a - sum(1 for x in axes if x < a)
+
+
+# ---- CPU: loops in memory order; a reduction of every axis returns a number ---------------------
+def cpu_reduction_source(name, op, rank, axes, keepdims):
+    scalar = len(axes) == rank and not keepdims
+    kept = [d for d in range(rank) if d not in axes]
+    out_idx = index(["0" if (d in axes) else f"i{d}" for d in range(rank)] if keepdims else [f"i{d}" for d in kept])
+    count = " * ".join(f"n{d}" for d in axes) or "1"
+    lines = [f"def {name}(x0{'' if scalar else ', out'}):"] + dims_line("x0", rank)
+    read = f"x0[{index([f'i{d}' for d in range(rank)])}]" if rank else "x0[()]"
+    if op in ("sum", "mean"):
+        if scalar:
+            lines.append("    acc = 0.0")
+            lines += loops(range(rank), [f"acc += {read}"])
+            lines.append(f"    return acc{' / (' + count + ')' if op == 'mean' else ''}")
+        else:
+            # memory order: the innermost loop runs along contiguous data
+            lines.append("    out[:] = 0.0")
+            lines += loops(range(rank), [f"out[{out_idx}] += {read}"])
+            if op == "mean":
+                lines.append(f"    out *= 1.0 / ({count})")
+        return "\n".join(lines), f"{op} over axes {tuple(axes)}"
+    # max: kept dims outside, reduced dims inside; NaN wins, as in numpy and PyTorch
+    update = [f"v = {read}", "if v > m or v != v:", "    m = v"]
+    if scalar:
+        lines.append("    m = -math.inf")
+        lines += loops(range(rank), update)
+        lines.append("    return m")
+    else:
+        lines += loops(kept, ["m = -math.inf"])
+        lines += loops(axes, update, indent=1 + len(kept))
+        lines.append("    " * (1 + len(kept)) + f"out[{out_idx}] = m")
+    return "\n".join(lines), f"max over axes {tuple(axes)}"
+
+
+def _reduction_key(s):
+    rank, axes, keepdims = len(s.operand_shape(0)), tuple(s.attrs["axes"]), s.attrs.get("keepdims", False)
+    return ("reduce", s.op, rank, axes, keepdims), f"{s.op}_over_{'_'.join(map(str, axes))}", (s.op, rank, axes, keepdims)
+
+
+def _reduction_cpu(s):
+    key, name, spec = _reduction_key(s)
+    kernel = s.kernel(key, name, lambda kname: cpu_reduction_source(kname, *spec))
+    if s.shape == ():
+        return [f"{s.out} = {s.call(kernel, s.args)}{s.note}"]
+    return s.into_out(kernel)
+
+
+# ---- CUDA: one thread per kept index; every axis reduced (a loss) is one block ------------------
+def cuda_reduction_source(name, op, rank, axes, keepdims):
+    kept = [d for d in range(rank) if d not in axes]
+    if not kept:
+        return _cuda_full_reduction_source(name, op, rank, keepdims)
+    lines = [f"def {name}(x0, out):"] + kept_index(kept)
+    lines.append(f"    acc = {'-math.inf' if op == 'max' else '0.0'}")
+    for depth, d in enumerate(axes):
+        lines.append(f"{'    ' * (1 + depth)}for i{d} in range(x0.shape[{d}]):")
+    inner = "    " * (1 + len(axes))
+    read = f"x0[{index([f'i{d}' for d in range(rank)], '0')}]"
+    if op == "max":   # NaN wins, as in numpy
+        lines += [f"{inner}v = {read}", f"{inner}if v > acc or v != v:", f"{inner}    acc = v"]
+    else:
+        lines.append(f"{inner}acc += {read}")
+    if op == "mean":
+        lines.append(f"    acc /= {' * '.join(f'x0.shape[{d}]' for d in axes) or '1'}")
+    target = index(["0" if d in axes else f"i{d}" for d in range(rank)] if keepdims else [f"i{d}" for d in kept], "0")
+    lines.append(f"    out[{target}] = acc")
+    return "\n".join(lines), f"{op} over axes {tuple(axes)}", ("rows", 0, tuple(axes))
+
+
+def _cuda_full_reduction_source(name, op, rank, keepdims):
+    if rank > 1:
+        load = unravel(rank, "j", "x0.shape", "") + [f"xi = x0[{index([f'i{d}' for d in range(rank)])}]"]
+    else:
+        load = ["xi = x0[j]" if rank else "xi = x0[0]"]
+    if op == "max":   # NaN wins, as in numpy
+        lines = block_sum(load + ["if xi > acc or xi != xi:", "    acc = xi"], "-math.inf",
+                          ["            b = partial[t + step]", "            if b > partial[t] or b != b:",
+                           "                partial[t] = b"])
+    else:
+        lines = block_sum(load + ["acc += xi"])
+    result = "partial[0]" + (" / x0.size" if op == "mean" else "")
+    lines = [f"def {name}(x0, out):"] + lines + ["    if t == 0:", f"        out[{index(['0'] * rank, '0') if keepdims else '0'}] = {result}"]
+    return "\n".join(lines), f"{op} of every element (one block)", ("block",)
+
+
+def _reduction_cuda(s):
+    key, name, spec = _reduction_key(s)
+    return s.into_out(s.kernel(key, name, lambda kname: cuda_reduction_source(kname, *spec)))
+
+
+def _reduction(name, fn, vjp):
+    return Op(name, "reduce", _reduce_infer, _np_reduce(fn), _reduce_flops, vjp=vjp, arity=1, rows=_reduce_rows,
+              cpu=_reduction_cpu, cuda=_reduction_cuda)
+
+
+register(_reduction("sum", np.sum, _sum_vjp))
+register(_reduction("mean", np.mean, _mean_vjp))
+register(_reduction("max", np.max, _max_vjp))
 
 
 def first_max_mask(x, axes):
@@ -75,9 +180,49 @@ def _mask_infer(attrs, shapes, dtypes):
     return shapes[0], dtypes[0]
 
 
+def _mask_rows(graph, n, ins, fail):
+    if ins[0] in tuple(graph.attrs(n)["axes"]):
+        fail("takes a max over rows")
+    return ins[0]
+
+
+def cpu_argmax_source(name, rank, axes):
+    kept = [d for d in range(rank) if d not in axes]
+    pad = "    " * (1 + len(kept))
+    read = f"x0[{index([f'i{d}' for d in range(rank)])}]"
+    lines = [f"def {name}(x0, out):"] + dims_line("x0", rank) + ["    out[:] = 0.0"]
+    lines += loops(kept, ["m = -math.inf", "found = False"] + [f"b{d} = 0" for d in axes])
+    body = [f"v = {read}", "if not found or v > m:", "    m = v", "    found = True"] + [f"    b{d} = i{d}" for d in axes]
+    lines += loops(axes, body, indent=1 + len(kept))
+    lines.append(f"{pad}out[{index([f'b{d}' if d in axes else f'i{d}' for d in range(rank)])}] = 1.0")
+    return "\n".join(lines), f"1 at the first maximum over axes {tuple(axes)}"
+
+
+def cuda_argmax_source(name, rank, axes):
+    kept = [d for d in range(rank) if d not in axes]
+    idx = index([f"i{d}" for d in range(rank)], "0")
+    src = [f"def {name}(x0, out):"] + kept_index(kept) + ["    m = -math.inf", "    found = False"] + [
+        f"    b{d} = 0" for d in axes]
+    src += [("    " * (1 + k)) + f"for i{d} in range(x0.shape[{d}]):" for k, d in enumerate(axes)]
+    inner = "    " * (1 + len(axes))
+    src += [f"{inner}out[{idx}] = 0.0", f"{inner}v = x0[{idx}]", f"{inner}if not found or v > m:",
+            f"{inner}    m = v", f"{inner}    found = True"] + [f"{inner}    b{d} = i{d}" for d in axes]
+    src.append(f"    out[{index([f'b{d}' if d in axes else f'i{d}' for d in range(rank)], '0')}] = 1.0")
+    return "\n".join(src), f"1 at the first maximum over axes {tuple(axes)}", ("rows", 0, tuple(axes))
+
+
+def _argmax_lowering(source):
+    def lower(s):
+        rank, axes = len(s.shape), tuple(s.attrs["axes"])
+        name = f"first_max_over_{'_'.join(map(str, axes))}"
+        return s.into_out(s.kernel(("argmax_mask", rank, axes), name, lambda kname: source(kname, rank, axes)))
+    return lower
+
+
 register(Op("argmax_mask", "reduce", _mask_infer,
             lambda attrs, values, out_shape, dims: first_max_mask(values[0], tuple(attrs["axes"])),
-            _reduce_flops, vjp=lambda ctx, n, g: [None], arity=1,
+            _reduce_flops, vjp=lambda ctx, n, g: [None], arity=1, rows=_mask_rows,
+            cpu=_argmax_lowering(cpu_argmax_source), cuda=_argmax_lowering(cuda_argmax_source),
             doc="piecewise constant: its derivative is zero"))
 
 
@@ -85,8 +230,14 @@ def _count_infer(attrs, shapes, dtypes):
     return (), attrs.get("dtype", "float")
 
 
+def _count_value(s):
+    return f"float({' * '.join(s.dim(d) for d in s.attrs['dims']) or '1'})"
+
+
 register(Op("count", "reduce", _count_infer,
             lambda attrs, values, out_shape, dims: np.asarray(
                 float(math.prod(dims[d] if isinstance(d, str) else d for d in attrs["dims"]))),
             lambda attrs, in_shapes, out_shape: 0, vjp=lambda ctx, n, g: [], arity=0,
+            cpu=lambda s: [f"{s.out} = {_count_value(s)}{s.note}"],
+            cuda=lambda s: [s.alloc(), s.call(s.kernels.fill(), [s.out, _count_value(s)]) + s.note],
             doc="number of elements over attrs['dims'] (symbolic dims resolved at run time)"))

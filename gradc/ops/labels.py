@@ -1,0 +1,168 @@
+"""Label ops: picking each row's label (pick), its adjoint (pick_grad), and softmax cross-entropy
+as one op per direction (softmax_xent, softmax_xent_grad), so each target runs one fused kernel.
+On CUDA a label out of range gives NaN, never a read outside the row."""
+import numpy as np
+
+from . import Op, register
+from .kernel_text import ROW_HEADER, row_max_and_sum_exp, xent_grad_row
+from .softmax import _np_log_softmax
+from ..errors import ShapeError
+from ..shapes import size
+
+
+def _row_wise(graph, n, ins, fail):
+    """Row i reads row i of the values and label i."""
+    x, labels = ins[:2]
+    if x == 0 and labels in (0, None):
+        return 0
+    fail("picks across rows")
+
+
+def _lowering(key, source):
+    """One kernel per module (it takes every shape), writing the node's buffer."""
+    def lower(s):
+        return s.into_out(s.kernel((key,), key, source))
+    return lower
+
+
+CPU_PICK = lambda name: (f"def {name}(x0, labels, out):\n"
+                         "    for i in range(out.shape[0]):\n"
+                         "        out[i] = x0[i, labels[i]]", "out[i] = x0[i, labels[i]]")
+CUDA_PICK = lambda name: (f"def {name}(x0, labels, out):\n"
+                          "    i = cuda.grid(1)\n"
+                          "    if i < out.shape[0]:\n"
+                          "        label = labels[i]\n"
+                          "        out[i] = x0[i, label] if 0 <= label < x0.shape[1] else math.nan   # never a wild read",
+                          "out[i] = x0[i, labels[i]]", ("flat", -1))
+CPU_PICK_GRAD = lambda name: (f"def {name}(g, labels, out):\n"
+                              "    out[:] = 0.0\n"
+                              "    for i in range(out.shape[0]):\n"
+                              "        out[i, labels[i]] = g[i]", "out[i, labels[i]] = g[i], zeros elsewhere")
+CUDA_PICK_GRAD = lambda name: (f"def {name}(g, labels, out):\n"
+                               "    i = cuda.grid(1)\n"
+                               "    if i < out.shape[0]:\n"
+                               "        for c in range(out.shape[1]):\n"
+                               "            out[i, c] = g[i] if c == labels[i] else 0.0",
+                               "out[i, labels[i]] = g[i], zeros elsewhere", ("rows", -1, (1,)))
+CPU_XENT_ROWS = lambda name: ("\n".join([
+    f"def {name}(x0, labels, out):", "    for i in range(x0.shape[0]):", *row_max_and_sum_exp("        "),
+    "        out[i] = m + math.log(total) - x0[i, labels[i]]"]), "out[i] = logsumexp(x[i]) - x[i, labels[i]]")
+CUDA_XENT_ROWS = lambda name: ("\n".join([
+    f"def {name}(x0, labels, out):", *ROW_HEADER, *row_max_and_sum_exp("    "),
+    "    label = labels[i]",
+    "    # a label out of range (only device labels reach here unchecked) gives NaN, never a wild read",
+    "    out[i] = m + math.log(total) - x0[i, label] if 0 <= label < x0.shape[1] else math.nan"]),
+    "out[i] = logsumexp(x[i]) - x[i, labels[i]]", ("flat", -1))
+CPU_XENT_GRAD = lambda name: ("\n".join([
+    f"def {name}(x0, labels, g, out):", "    for i in range(x0.shape[0]):", *row_max_and_sum_exp("        "),
+    *xent_grad_row("        ")]), "out[i] = (softmax(x[i]) - onehot(labels[i])) * g[i]")
+CUDA_XENT_GRAD = lambda name: ("\n".join([
+    f"def {name}(x0, labels, g, out):", *ROW_HEADER, *row_max_and_sum_exp("    "), *xent_grad_row("    ")]),
+    "out[i] = (softmax(x[i]) - onehot(labels[i])) * g[i]", ("rows", 0, (1,)))
+
+
+def _pick_infer(attrs, shapes, dtypes):
+    (x, labels), (dx, dl) = shapes, dtypes
+    if len(x) != 2 or len(labels) != 1:
+        raise ShapeError(f"needs (N, C) values and (N,) labels, got {x} and {labels}")
+    if not dl.startswith("int"):
+        raise ShapeError(f"labels must be integers, got {dl}")
+    if x[0] != labels[0]:
+        raise ShapeError(f"{x[0]} rows of values but {labels[0]} labels")
+    return (x[0],), dx
+
+
+def _pick_vjp(ctx, n, g):
+    x, labels = ctx.graph.operands(n)
+    return [ctx.emit("pick_grad", [g, labels], num_classes=ctx.graph.shape(x)[1]), None]
+
+
+register(Op("pick", "nn", _pick_infer,
+            lambda attrs, values, out_shape, dims: np.take_along_axis(values[0], values[1][:, None], 1)[:, 0],
+            lambda attrs, in_shapes, out_shape: size(out_shape), vjp=_pick_vjp, arity=2, rows=_row_wise,
+            cpu=_lowering("pick", CPU_PICK), cuda=_lowering("pick", CUDA_PICK),
+            doc="out[i] = x[i, labels[i]]"))
+
+
+def _pick_grad_infer(attrs, shapes, dtypes):
+    (g, labels) = shapes
+    return (g[0], attrs["num_classes"]), dtypes[0]
+
+
+def _pick_grad_evaluate(attrs, values, out_shape, dims):
+    g, labels = values
+    out = np.zeros(out_shape, dtype=g.dtype)
+    out[np.arange(len(labels)), labels] = g
+    return out
+
+
+def _pick_grad_vjp(ctx, n, g):
+    _, labels = ctx.graph.operands(n)
+    return [ctx.emit("pick", [g, labels]), None]
+
+
+register(Op("pick_grad", "nn", _pick_grad_infer, _pick_grad_evaluate,
+            lambda attrs, in_shapes, out_shape: size(out_shape), vjp=_pick_grad_vjp, arity=2,
+            cpu=_lowering("pick_grad", CPU_PICK_GRAD), cuda=_lowering("pick_grad", CUDA_PICK_GRAD),
+            doc="out[i, labels[i]] = g[i], zeros elsewhere"))
+
+
+# ---- softmax cross-entropy ------------------------------------------------------------------
+def _xent_infer(attrs, shapes, dtypes):
+    (x, labels), (dx, dl) = shapes[:2], dtypes[:2]
+    _pick_infer(attrs, [x, labels], [dx, dl])
+    if not dx.startswith("float"):
+        raise ShapeError(f"logits of dtype {dx} are not float")
+    return (x[0],), dx
+
+
+def _xent_evaluate(attrs, values, out_shape, dims):
+    x, labels = values
+    shifted = x - np.max(x, axis=1, keepdims=True)
+    logsumexp = np.log(np.sum(np.exp(shifted), axis=1)) + np.max(x, axis=1)
+    return logsumexp - np.take_along_axis(x, labels[:, None], 1)[:, 0]
+
+
+def _xent_vjp(ctx, n, g):
+    x, labels = ctx.graph.operands(n)
+    return [ctx.emit("softmax_xent_grad", [x, labels, g]), None]
+
+
+register(Op("softmax_xent", "nn", _xent_infer, _xent_evaluate,
+            lambda attrs, in_shapes, out_shape: 5 * size(in_shapes[0]), vjp=_xent_vjp, arity=2, rows=_row_wise,
+            cpu=_lowering("xent_rows", CPU_XENT_ROWS), cuda=_lowering("xent_rows", CUDA_XENT_ROWS),
+            doc="out[i] = logsumexp(x[i]) - x[i, labels[i]]: the rows' cross-entropy losses"))
+
+
+def _xent_grad_infer(attrs, shapes, dtypes):
+    x, labels, g = shapes
+    _xent_infer(attrs, [x, labels], dtypes[:2])
+    if tuple(g) != (x[0],):
+        raise ShapeError(f"the rows' adjoint has shape {g}, expected ({x[0]},)")
+    return tuple(x), dtypes[0]
+
+
+def _xent_grad_evaluate(attrs, values, out_shape, dims):
+    x, labels, g = values
+    s = np.exp(_np_log_softmax(x, 1))
+    s[np.arange(len(labels)), labels] -= 1.0
+    return s * g[:, None]
+
+
+def _xent_grad_vjp(ctx, n, u):
+    """out = (s - onehot) g with s = softmax(x): dx = g s (u - sum(s u)), dg = sum(s u) - u[labels]."""
+    x, labels, g = ctx.graph.operands(n)
+    s = ctx.emit("softmax", [x], axis=1)
+    su = ctx.emit("mul", [s, u])
+    row = ctx.emit("sum", [su], axes=(1,), keepdims=True)
+    dx = ctx.emit("mul", [ctx.emit("reshape", [g], shape=(ctx.graph.shape(g)[0], 1)),
+                          ctx.emit("sub", [su, ctx.emit("mul", [s, row])])]) if ctx.needs(0) else None
+    dg = ctx.emit("sub", [ctx.emit("sum", [su], axes=(1,), keepdims=False), ctx.emit("pick", [u, labels])]) \
+        if ctx.needs(2) else None
+    return [dx, None, dg]
+
+
+register(Op("softmax_xent_grad", "nn", _xent_grad_infer, _xent_grad_evaluate,
+            lambda attrs, in_shapes, out_shape: 6 * size(out_shape), vjp=_xent_grad_vjp, arity=3,
+            cpu=_lowering("xent_grad", CPU_XENT_GRAD), cuda=_lowering("xent_grad", CUDA_XENT_GRAD),
+            doc="out[i] = (softmax(x[i]) - onehot(labels[i])) * g[i]: softmax_xent's adjoint"))
