@@ -299,3 +299,70 @@ def test_conv2d_takes_a_numpy_weight_and_bias_as_constants(rng):
     got = _interp(m, {}, {"x": xv})
     ref = F.conv2d(torch.tensor(xv), torch.tensor(wv), torch.tensor(bv), padding=1)
     np.testing.assert_allclose(got[("obj", None)], float((ref ** 2).sum()), rtol=1e-12)
+
+
+# ---- the kernels (gradc/ops/conv.py, pool.py) and a compiled conv net -------------------------------
+@pytest.mark.slow
+def test_cpu_kernels_match_numpy():
+    from conv_kernel_cases import worst_error
+    assert worst_error("cpu") <= 1e-12
+
+
+@pytest.mark.slow
+def test_cuda_kernels_match_numpy_under_the_simulator():
+    pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, os.path.join(here, "conv_kernel_cases.py"), "cuda"], cwd=here,
+                         env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(out.stdout.split()[-1]) <= 1e-12, out.stdout
+
+
+def _conv_net(name):
+    """conv+relu, max pool, grouped conv+tanh, avg pool with padding, dense, cross-entropy: every op and
+    adjoint of the family runs in loss_and_grad or hvp."""
+    m = gc.Model(name)
+    x = m.input("x", ("B", 1, 8, 8))
+    y = m.input("y", ("B",), dtype="int64")
+    p = {"w1": m.param("w1", (6, 1, 3, 3), init="he_normal"), "b1": m.param("b1", (6,), init="normal"),
+         "w2": m.param("w2", (8, 3, 3, 3), init="he_normal"), "b2": m.param("b2", (8,), init="normal"),
+         "w3": m.param("w3", (32, 10)), "b3": m.param("b3", (10,))}
+
+    def forward(lib, x, p):
+        conv, relu, tanh = (gc.conv2d, gc.relu, gc.tanh) if lib is gc else (F.conv2d, torch.relu, torch.tanh)
+        mp, ap = (gc.max_pool2d, gc.avg_pool2d) if lib is gc else (F.max_pool2d, F.avg_pool2d)
+        h = relu(conv(x, p["w1"], p["b1"], padding=1))                      # (B, 6, 8, 8)
+        h = mp(h, 2)                                                       # (B, 6, 4, 4)
+        h = tanh(conv(h, p["w2"], p["b2"], padding=(1, 2), dilation=(1, 2), groups=2))   # (B, 8, 4, 4)
+        h = ap(h, 3, stride=2, padding=1)                                  # (B, 8, 2, 2)
+        flat = h.reshape(("B", -1)) if lib is gc else h.reshape(h.shape[0], -1)
+        return flat @ p["w3"] + p["b3"]
+
+    logits = forward(gc, x, p)
+    m.output("logits", logits)
+    m.minimize(gc.softmax_cross_entropy(logits, y), weight_decay=1e-3)
+    return m, forward
+
+
+@pytest.mark.slow
+def test_compiled_conv_net_matches_torch(build_dir, rng):
+    m, forward = _conv_net("conv_net")
+    mod = gc.compile(m, out=build_dir, dtype="float64", warm=False)
+    params = mod.init_params(3)
+    X, Y = rng.standard_normal((5, 1, 8, 8)), rng.integers(0, 10, 5)
+    loss, grads = mod.loss_and_grad(params, x=X, y=Y)
+    v = {k: rng.standard_normal(params[k].shape) for k in mod.TRAINABLE}
+    hv = mod.hvp(params, v, x=X, y=Y)
+
+    pt = {k: _t(a) for k, a in params.items()}
+    logits = forward(torch, torch.tensor(X), pt)
+    ref = F.cross_entropy(logits, torch.tensor(Y)) + 0.5e-3 * sum((pt[k] ** 2).sum() for k in ("w1", "w2", "w3"))
+    tg = torch.autograd.grad(ref, list(pt.values()), create_graph=True)
+    thv = torch.autograd.grad(sum((g * torch.tensor(v[k])).sum() for k, g in zip(pt, tg)), list(pt.values()))
+    np.testing.assert_allclose(mod.forward(params, x=X)["logits"], logits.detach().numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(loss, ref.item(), rtol=1e-12)
+    for k, g, h in zip(pt, tg, thv):
+        np.testing.assert_allclose(grads[k], g.detach().numpy(), rtol=1e-9, atol=1e-12, err_msg=k)
+        np.testing.assert_allclose(hv[k], h.numpy(), rtol=1e-8, atol=1e-11, err_msg=k)

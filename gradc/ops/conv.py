@@ -233,13 +233,239 @@ def _weight_grad_flops(attrs, in_shapes, out_shape):
     return 2 * size(g) * out_shape[1] * out_shape[2] * out_shape[3]
 
 
+# ---- lowering ---------------------------------------------------------------------------------------
+# CPU: tiles of im2col times the weight through BLAS (np.dot), never a whole-image column buffer. A tile
+# is a run of output rows (image b, row ho) whose columns (Cg kh kw values per output pixel) fill at most
+# TILE values, or one output row where a row alone needs more: conv1_2 of VGG-16 (64 channels, 3x3,
+# 224 wide) takes one row, 576 x 224 values (0.5 MB in float32) where a whole image would need 115 MB.
+# The workspace (columns, a tile of results, the group's weight as a matrix) is allocated once per call.
+# Stride, padding, dilation and groups are arguments, so every conv of a module shares one kernel.
+TILE = 1 << 17
+
+_CPU_HEAD = [
+    "    n_img, c_in, h_in, w_in = {x}.shape",
+    "    c_out, cg, kh, kw = {w}.shape",
+    "    h_out, w_out = {g}.shape[2], {g}.shape[3]",
+    "    og = c_out // groups",
+    "    k_len = cg * kh * kw",
+    "    units = n_img * h_out",
+    f"    rows = max(1, min(units, {TILE} // max(1, k_len * w_out)))",
+    "    col_buf = np.empty(k_len * rows * w_out, dtype=out.dtype)",
+    "    res_buf = np.empty(og * rows * w_out, dtype=out.dtype)",
+]
+
+
+def _cpu_columns(body):
+    """Loops over a tile's columns: for each (c, i, j) and output row u, the output columns wo in [lo, hi)
+    that read the input inside its bounds, at x[b, g cg + c, row, wo sw + off]; `body` runs once per
+    (c, i, j, u) with k (the column row), b, row, base (the tile column of wo = 0), lo, hi, off in scope;
+    rows outside the input have lo = hi = 0."""
+    return [
+        "            for c in range(cg):",
+        "                for i in range(kh):",
+        "                    for j in range(kw):",
+        "                        k = (c * kh + i) * kw + j",
+        "                        off = j * dw - pw",
+        "                        lo0 = min(w_out, max(0, (sw - 1 - off) // sw))",
+        "                        hi0 = max(lo0, min(w_out, (w_in - 1 - off) // sw + 1))",
+        "                        for u in range(u0, u1):",
+        "                            b = u // h_out",
+        "                            row = (u - b * h_out) * sh - ph + i * dh",
+        "                            base = (u - u0) * w_out",
+        "                            lo, hi = (lo0, hi0) if 0 <= row < h_in else (0, 0)",
+    ] + ["                            " + line for line in body]
+
+
+_FILL_COLUMNS = _cpu_columns([
+    "for wo in range(lo):",
+    "    col[k, base + wo] = 0.0",
+    "for wo in range(lo, hi):",
+    "    col[k, base + wo] = x[b, g * cg + c, row, wo * sw + off]",
+    "for wo in range(hi, w_out):",
+    "    col[k, base + wo] = 0.0",
+])
+
+_TILE_LOOP = [
+    "        for u0 in range(0, units, rows):",
+    "            u1 = min(units, u0 + rows)",
+    "            p = (u1 - u0) * w_out",
+    "            col = col_buf[:k_len * p].reshape(k_len, p)",
+    "            res = res_buf[:og * p].reshape(og, p)",
+]
+
+_GATHER_G = [   # res[o, tile column] = g[b, g og + o, ho, wo]
+    "            for o in range(og):",
+    "                for u in range(u0, u1):",
+    "                    b = u // h_out",
+    "                    ho = u - b * h_out",
+    "                    base = (u - u0) * w_out",
+    "                    for wo in range(w_out):",
+    "                        res[o, base + wo] = gy[b, g * og + o, ho, wo]",
+]
+
+
+def cpu_conv2d_source(name):
+    lines = [f"def {name}(x, w, sh, sw, ph, pw, dh, dw, groups, out):"]
+    lines += [line.format(x="x", w="w", g="out") for line in _CPU_HEAD]
+    lines += ["    wg = np.empty((og, k_len), dtype=out.dtype)",
+              "    for g in range(groups):",
+              "        for o in range(og):",
+              "            for c in range(cg):",
+              "                for i in range(kh):",
+              "                    for j in range(kw):",
+              "                        wg[o, (c * kh + i) * kw + j] = w[g * og + o, c, i, j]"]
+    lines += _TILE_LOOP + _FILL_COLUMNS
+    lines += ["            np.dot(wg, col, res)",
+              "            for o in range(og):",
+              "                for u in range(u0, u1):",
+              "                    b = u // h_out",
+              "                    ho = u - b * h_out",
+              "                    base = (u - u0) * w_out",
+              "                    for wo in range(w_out):",
+              "                        out[b, g * og + o, ho, wo] = res[o, base + wo]"]
+    return "\n".join(lines), "conv2d: per group, tiles of im2col columns times the weight matrix (BLAS)"
+
+
+def cpu_input_grad_source(name):
+    lines = [f"def {name}(gy, w, sh, sw, ph, pw, dh, dw, groups, out):"]
+    lines += [line.format(x="out", w="w", g="gy") for line in _CPU_HEAD]
+    lines += ["    wt = np.empty((k_len, og), dtype=out.dtype)",
+              "    out[:] = 0.0",
+              "    for g in range(groups):",
+              "        for o in range(og):",
+              "            for c in range(cg):",
+              "                for i in range(kh):",
+              "                    for j in range(kw):",
+              "                        wt[(c * kh + i) * kw + j, o] = w[g * og + o, c, i, j]"]
+    lines += _TILE_LOOP + _GATHER_G + ["            np.dot(wt, res, col)"]
+    lines += _cpu_columns(["for wo in range(lo, hi):",
+                           "    out[b, g * cg + c, row, wo * sw + off] += col[k, base + wo]"])
+    return "\n".join(lines), ("conv2d_input_grad: per group, the weight matrix transposed times tiles of g, "
+                              "its columns added back into the input's places (col2im)")
+
+
+def cpu_weight_grad_source(name):
+    lines = [f"def {name}(x, gy, sh, sw, ph, pw, dh, dw, groups, out):"]
+    lines += [line.format(x="x", w="out", g="gy") for line in _CPU_HEAD]
+    lines += ["    acc = np.empty((og, k_len), dtype=out.dtype)",
+              "    part = np.empty((og, k_len), dtype=out.dtype)",
+              "    for g in range(groups):",
+              "        acc[:] = 0.0"]
+    lines += _TILE_LOOP + _FILL_COLUMNS + _GATHER_G
+    lines += ["            np.dot(res, col.T, part)",
+              "            acc += part",
+              "        for o in range(og):",
+              "            for c in range(cg):",
+              "                for i in range(kh):",
+              "                    for j in range(kw):",
+              "                        out[g * og + o, c, i, j] = acc[o, (c * kh + i) * kw + j]"]
+    return "\n".join(lines), "conv2d_weight_grad: per group, the sum over tiles of g times im2col columns transposed (BLAS)"
+
+
+# CUDA: one thread per output element, each summing its own products (no atomics, deterministic).
+def cuda_conv2d_source(name):
+    from .kernel_text import unravel
+    return "\n".join([
+        f"def {name}(x, w, sh, sw, ph, pw, dh, dw, groups, out):",
+        "    i = cuda.grid(1)",
+        "    if i >= out.size:",
+        "        return",
+        *unravel(4),
+        "    cg = w.shape[1]",
+        "    g = i1 // (out.shape[1] // groups)",
+        "    acc = 0.0",
+        "    for c in range(cg):",
+        "        for p in range(w.shape[2]):",
+        "            row = i2 * sh - ph + p * dh",
+        "            if 0 <= row < x.shape[2]:",
+        "                for q in range(w.shape[3]):",
+        "                    at = i3 * sw - pw + q * dw",
+        "                    if 0 <= at < x.shape[3]:",
+        "                        acc += x[i0, g * cg + c, row, at] * w[i1, c, p, q]",
+        "    out[i0, i1, i2, i3] = acc",
+    ]), "conv2d: one thread per output element", ("flat", -1)
+
+
+def cuda_input_grad_source(name):
+    from .kernel_text import unravel
+    return "\n".join([
+        f"def {name}(gy, w, sh, sw, ph, pw, dh, dw, groups, out):",
+        "    i = cuda.grid(1)",
+        "    if i >= out.size:",
+        "        return",
+        *unravel(4),
+        "    cg = w.shape[1]",
+        "    og = w.shape[0] // groups",
+        "    g = i1 // cg",
+        "    c = i1 - g * cg",
+        "    acc = 0.0",
+        "    for p in range(w.shape[2]):",
+        "        t = i2 + ph - p * dh",
+        "        if t >= 0 and t % sh == 0 and t // sh < gy.shape[2]:",
+        "            ho = t // sh",
+        "            for q in range(w.shape[3]):",
+        "                s = i3 + pw - q * dw",
+        "                if s >= 0 and s % sw == 0 and s // sw < gy.shape[3]:",
+        "                    wo = s // sw",
+        "                    for o in range(g * og, (g + 1) * og):",
+        "                        acc += gy[i0, o, ho, wo] * w[o, c, p, q]",
+        "    out[i0, i1, i2, i3] = acc",
+    ]), "conv2d_input_grad: one thread per input element, gathering the outputs that read it", ("flat", -1)
+
+
+def cuda_weight_grad_source(name):
+    from .kernel_text import unravel
+    return "\n".join([
+        f"def {name}(x, gy, sh, sw, ph, pw, dh, dw, groups, out):",
+        "    i = cuda.grid(1)",
+        "    if i >= out.size:",
+        "        return",
+        *unravel(4),
+        "    c = (i0 // (out.shape[0] // groups)) * out.shape[1] + i1",
+        "    acc = 0.0",
+        "    for b in range(gy.shape[0]):",
+        "        for ho in range(gy.shape[2]):",
+        "            row = ho * sh - ph + i2 * dh",
+        "            if 0 <= row < x.shape[2]:",
+        "                for wo in range(gy.shape[3]):",
+        "                    at = wo * sw - pw + i3 * dw",
+        "                    if 0 <= at < x.shape[3]:",
+        "                        acc += gy[b, i0, ho, wo] * x[b, c, row, at]",
+        "    out[i0, i1, i2, i3] = acc",
+    ]), "conv2d_weight_grad: one thread per weight, summing over images and output pixels", ("flat", -1)
+
+
+def _lower(hint, make):
+    """One kernel per module and target for each op (stride, padding, dilation, groups are arguments)."""
+    def lower(s):
+        a = s.attrs
+        ints = [*a["stride"], *a["padding"], *a.get("dilation", (1, 1)), a.get("groups", 1)]
+        return s.into_out(s.kernel((hint,), hint, make), list(s.args) + [str(int(v)) for v in ints])
+    return lower
+
+
+def _rows_of_first(graph, n, ins, fail):
+    """Row b of the output reads row b of the first operand only (the weight has no batch dim)."""
+    if ins[0] == 0 and ins[1] is None:
+        return 0
+    fail("convolves across rows" if ins[0] not in (0, None) else "has the batch dim in its weight")
+
+
+def _rows_summed(graph, n, ins, fail):
+    fail("sums over rows (a weight gradient)")
+
+
 register(Op("conv2d", "conv", _conv_infer, _conv_evaluate, _conv_flops, vjp=_conv_vjp, arity=2,
+            rows=_rows_of_first, cpu=_lower("conv2d", cpu_conv2d_source), cuda=_lower("conv2d", cuda_conv2d_source),
             doc="y[n, o] = sum over c in o's group, taps (i, j) of w[o, c, i, j] * x_pad[n, c, h s + i d, w s + j d]; "
                 "attrs stride, padding, dilation (pairs), groups"))
 register(Op("conv2d_input_grad", "conv", _input_grad_infer, _input_grad_evaluate, _input_grad_flops,
-            vjp=_input_grad_vjp, arity=2,
+            vjp=_input_grad_vjp, arity=2, rows=_rows_of_first,
+            cpu=_lower("conv2d_input_grad", cpu_input_grad_source), cuda=_lower("conv2d_input_grad", cuda_input_grad_source),
             doc="the transposed convolution of g by w: conv2d's adjoint for x; attrs as conv2d's plus input_hw"))
 register(Op("conv2d_weight_grad", "conv", _weight_grad_infer, _weight_grad_evaluate, _weight_grad_flops,
-            vjp=_weight_grad_vjp, arity=2,
+            vjp=_weight_grad_vjp, arity=2, rows=_rows_summed,
+            cpu=_lower("conv2d_weight_grad", cpu_weight_grad_source),
+            cuda=_lower("conv2d_weight_grad", cuda_weight_grad_source),
             doc="dw[o, c, i, j] = sum over n, h, w of g[n, o, h, w] x_pad[n, c, h s + i d, w s + j d]: conv2d's adjoint "
                 "for w; attrs as conv2d's plus kernel"))

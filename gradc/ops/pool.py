@@ -190,25 +190,182 @@ def _window_flops(attrs, in_shapes, out_shape):
     return size(windows) * kernel[0] * kernel[1]
 
 
+# ---- lowering ---------------------------------------------------------------------------------------
+# Direct loops, one kernel per op per module (kernel, stride, padding are arguments). A window is clipped
+# to the input, so padding is never read: a max over the clipped window is the max with -inf padding,
+# and an average over it divided by kh kw counts the padding as zeros. The first maximum of a window in
+# row-major order wins (a NaN wins over numbers, the first NaN over later ones), in every kernel alike,
+# so the backward sends each gradient where the forward took its value. On the CPU the loops run over
+# the images and channels outside and the window inside; on CUDA one thread computes one output
+# element (the grads: one input element, gathering the windows that hold it; no atomics).
+_ARGS = "kh, kw, sh, sw, ph, pw"
+
+_CPU_WINDOWS = [
+    "    for b in range({src}.shape[0]):",
+    "        for c in range({src}.shape[1]):",
+    "            for ho in range({win}.shape[2]):",
+    "                h0 = ho * sh - ph",
+    "                i_lo, i_hi = max(0, -h0), min(kh, {full}.shape[2] - h0)",
+    "                for wo in range({win}.shape[3]):",
+    "                    w0 = wo * sw - pw",
+    "                    j_lo, j_hi = max(0, -w0), min(kw, {full}.shape[3] - w0)",
+]
+
+
+def _cpu_argmax(pad):
+    """bi, bj: the window's first maximum of x (NaN wins), inside the clipped window."""
+    return [pad + line for line in [
+        "m = x[b, c, h0 + i_lo, w0 + j_lo]",
+        "bi, bj = i_lo, j_lo",
+        "for i in range(i_lo, i_hi):",
+        "    for j in range(j_lo, j_hi):",
+        "        v = x[b, c, h0 + i, w0 + j]",
+        "        if v > m or (v != v and m == m):",
+        "            m = v",
+        "            bi, bj = i, j"]]
+
+
+PAD = " " * 20
+
+
+def cpu_max_pool_source(name):
+    lines = [f"def {name}(x, {_ARGS}, out):"] + [l.format(src="out", win="out", full="x") for l in _CPU_WINDOWS]
+    lines += _cpu_argmax(PAD) + [PAD + "out[b, c, ho, wo] = m"]
+    return "\n".join(lines), "max over each window (clipped to the input: padding never wins)"
+
+
+def cpu_max_pick_source(name):
+    lines = [f"def {name}(x, u, {_ARGS}, out):"] + [l.format(src="out", win="out", full="x") for l in _CPU_WINDOWS]
+    lines += _cpu_argmax(PAD) + [PAD + "out[b, c, ho, wo] = u[b, c, h0 + bi, w0 + bj]"]
+    return "\n".join(lines), "u at each window's first maximum of x"
+
+
+def cpu_max_grad_source(name):
+    lines = [f"def {name}(x, g, {_ARGS}, out):", "    out[:] = 0.0"]
+    lines += [l.format(src="out", win="g", full="x") for l in _CPU_WINDOWS]
+    lines += _cpu_argmax(PAD) + [PAD + "out[b, c, h0 + bi, w0 + bj] += g[b, c, ho, wo]"]
+    return "\n".join(lines), "g of each window added at the window's first maximum of x"
+
+
+def cpu_avg_pool_source(name):
+    lines = [f"def {name}(x, {_ARGS}, out):", "    scale = 1.0 / (kh * kw)"]
+    lines += [l.format(src="out", win="out", full="x") for l in _CPU_WINDOWS]
+    lines += [PAD + line for line in ["acc = 0.0", "for i in range(i_lo, i_hi):", "    for j in range(j_lo, j_hi):",
+                                      "        acc += x[b, c, h0 + i, w0 + j]", "out[b, c, ho, wo] = acc * scale"]]
+    return "\n".join(lines), "the window's sum / (kh kw): padding counts as zeros"
+
+
+def cpu_avg_grad_source(name):
+    lines = [f"def {name}(g, {_ARGS}, out):", "    scale = 1.0 / (kh * kw)", "    out[:] = 0.0"]
+    lines += [l.format(src="out", win="g", full="out") for l in _CPU_WINDOWS]
+    lines += [PAD + line for line in ["v = g[b, c, ho, wo] * scale", "for i in range(i_lo, i_hi):",
+                                      "    for j in range(j_lo, j_hi):", "        out[b, c, h0 + i, w0 + j] += v"]]
+    return "\n".join(lines), "g / (kh kw) added over each window"
+
+
+def _cuda_window(out_var="out"):
+    from .kernel_text import unravel
+    return ["    i = cuda.grid(1)", f"    if i >= {out_var}.size:", "        return", *unravel(4),
+            "    h0 = i2 * sh - ph", "    w0 = i3 * sw - pw",
+            "    i_lo, i_hi = max(0, -h0), min(kh, x.shape[2] - h0)",
+            "    j_lo, j_hi = max(0, -w0), min(kw, x.shape[3] - w0)"]
+
+
+def _cuda_argmax(pad, b="i0", c="i1"):
+    return [pad + line for line in [
+        f"m = x[{b}, {c}, h0 + i_lo, w0 + j_lo]",
+        "bi, bj = i_lo, j_lo",
+        "for p in range(i_lo, i_hi):",
+        "    for q in range(j_lo, j_hi):",
+        f"        v = x[{b}, {c}, h0 + p, w0 + q]",
+        "        if v > m or (v != v and m == m):",
+        "            m = v",
+        "            bi, bj = p, q"]]
+
+
+def cuda_max_pool_source(name):
+    return "\n".join([f"def {name}(x, {_ARGS}, out):", *_cuda_window(), *_cuda_argmax("    "),
+                      "    out[i0, i1, i2, i3] = m"]), "max over each window: one thread per output", ("flat", -1)
+
+
+def cuda_max_pick_source(name):
+    return "\n".join([f"def {name}(x, u, {_ARGS}, out):", *_cuda_window(), *_cuda_argmax("    "),
+                      "    out[i0, i1, i2, i3] = u[i0, i1, h0 + bi, w0 + bj]"]), \
+        "u at each window's first maximum of x: one thread per output", ("flat", -1)
+
+
+def _cuda_windows_holding(body):
+    """One thread per input element (i0, i1, i2, i3); body runs for every window (ho, wo) that holds it."""
+    from .kernel_text import unravel
+    return ["    i = cuda.grid(1)", "    if i >= out.size:", "        return", *unravel(4), "    acc = 0.0",
+            "    ho_lo = max(0, (i2 + ph - kh + sh) // sh)", "    ho_hi = min(g.shape[2], (i2 + ph) // sh + 1)",
+            "    wo_lo = max(0, (i3 + pw - kw + sw) // sw)", "    wo_hi = min(g.shape[3], (i3 + pw) // sw + 1)",
+            "    for ho in range(ho_lo, ho_hi):", "        for wo in range(wo_lo, wo_hi):",
+            *["            " + line for line in body], "    out[i0, i1, i2, i3] = acc"]
+
+
+def cuda_max_grad_source(name):
+    body = ["h0 = ho * sh - ph", "w0 = wo * sw - pw",
+            "i_lo, i_hi = max(0, -h0), min(kh, x.shape[2] - h0)",
+            "j_lo, j_hi = max(0, -w0), min(kw, x.shape[3] - w0)",
+            *_cuda_argmax(""),
+            "if h0 + bi == i2 and w0 + bj == i3:", "    acc += g[i0, i1, ho, wo]"]
+    return "\n".join([f"def {name}(x, g, {_ARGS}, out):", *_cuda_windows_holding(body)]), \
+        "the g of every window whose first maximum is this element: one thread per input element", ("flat", -1)
+
+
+def cuda_avg_pool_source(name):
+    return "\n".join([f"def {name}(x, {_ARGS}, out):", *_cuda_window(), "    acc = 0.0",
+                      "    for p in range(i_lo, i_hi):", "        for q in range(j_lo, j_hi):",
+                      "            acc += x[i0, i1, h0 + p, w0 + q]",
+                      "    out[i0, i1, i2, i3] = acc / (kh * kw)"]), \
+        "the window's sum / (kh kw): one thread per output", ("flat", -1)
+
+
+def cuda_avg_grad_source(name):
+    return "\n".join([f"def {name}(g, {_ARGS}, out):", *_cuda_windows_holding(["acc += g[i0, i1, ho, wo]"])]
+                     ).replace("    out[i0, i1, i2, i3] = acc", "    out[i0, i1, i2, i3] = acc / (kh * kw)"), \
+        "the sum of g over the windows that hold this element / (kh kw): one thread per input element", ("flat", -1)
+
+
+def _lower(hint, make):
+    def lower(s):
+        ints = [*s.attrs["kernel"], *s.attrs["stride"], *s.attrs["padding"]]
+        return s.into_out(s.kernel((hint,), hint, make), list(s.args) + [str(int(v)) for v in ints])
+    return lower
+
+
+def _rows_per_image(graph, n, ins, fail):
+    """Image b of the output reads image b of every operand."""
+    if all(w in (0, None) for w in ins) and 0 in ins:
+        return 0
+    fail("pools across rows")
+
+
 register(Op("max_pool2d", "pool", _pool_infer("max_pool2d"),
             lambda attrs, values, out_shape, dims: max_pool2d_np(values[0], *_attrs(attrs)),
-            _window_flops, vjp=_max_vjp, arity=1,
+            _window_flops, vjp=_max_vjp, arity=1, rows=_rows_per_image,
+            cpu=_lower("max_pool2d", cpu_max_pool_source), cuda=_lower("max_pool2d", cuda_max_pool_source),
             doc="max over each kernel window (padding is -inf); attrs kernel, stride, padding (pairs)"))
 register(Op("max_pool2d_grad", "pool", _grad_infer("max_pool2d_grad", first=0),
             lambda attrs, values, out_shape, dims: max_pool2d_grad_np(*values, *_attrs(attrs)),
-            _window_flops, vjp=_max_grad_vjp, arity=2,
+            _window_flops, vjp=_max_grad_vjp, arity=2, rows=_rows_per_image,
+            cpu=_lower("max_pool2d_grad", cpu_max_grad_source), cuda=_lower("max_pool2d_grad", cuda_max_grad_source),
             doc="max_pool2d's adjoint: g of each window added at the window's first maximum of x; attrs as "
                 "max_pool2d's plus input_hw"))
 register(Op("max_pool2d_pick", "pool", _pick_infer,
             lambda attrs, values, out_shape, dims: max_pool2d_pick_np(*values, *_attrs(attrs)),
-            _window_flops, vjp=_max_pick_vjp, arity=2,
+            _window_flops, vjp=_max_pick_vjp, arity=2, rows=_rows_per_image,
+            cpu=_lower("max_pool2d_pick", cpu_max_pick_source), cuda=_lower("max_pool2d_pick", cuda_max_pick_source),
             doc="u at each window's first maximum of x: max_pool2d_grad's adjoint in g"))
 register(Op("avg_pool2d", "pool", _pool_infer("avg_pool2d"),
             lambda attrs, values, out_shape, dims: avg_pool2d_np(values[0], *_attrs(attrs)),
-            _window_flops, vjp=_avg_vjp, arity=1,
+            _window_flops, vjp=_avg_vjp, arity=1, rows=_rows_per_image,
+            cpu=_lower("avg_pool2d", cpu_avg_pool_source), cuda=_lower("avg_pool2d", cuda_avg_pool_source),
             doc="mean over each kernel window, padding counted as zeros (divisor kh kw); attrs kernel, stride, padding"))
 register(Op("avg_pool2d_grad", "pool", _grad_infer("avg_pool2d_grad", first=None),
             lambda attrs, values, out_shape, dims: avg_pool2d_grad_np(values[0], *_attrs(attrs),
                                                                       tuple(attrs["input_hw"])),
-            _window_flops, vjp=_avg_grad_vjp, arity=1,
+            _window_flops, vjp=_avg_grad_vjp, arity=1, rows=_rows_per_image,
+            cpu=_lower("avg_pool2d_grad", cpu_avg_grad_source), cuda=_lower("avg_pool2d_grad", cuda_avg_grad_source),
             doc="avg_pool2d's adjoint: g / (kh kw) added over each window; attrs as avg_pool2d's plus input_hw"))

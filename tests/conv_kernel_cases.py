@@ -1,0 +1,83 @@
+"""The conv and pool kernels (gradc/ops/conv.py, pool.py) against their numpy references, on one target.
+
+`python conv_kernel_cases.py cpu|cuda` prints the largest difference; for cuda, run it with
+NUMBA_ENABLE_CUDASIM=1 (set before numba is imported, hence a subprocess). Shapes are tiny but cover
+strides, padding, dilation, groups, ties, NaN and all -inf windows."""
+import math
+import sys
+
+import numpy as np
+
+
+def worst_error(target):
+    from gradc.ops import conv as C, pool as P
+    if target == "cuda":
+        from numba import cuda
+        from gradc.runtime.cuda import launch_config
+        deco = cuda.jit
+    else:
+        from numba import njit
+        deco = njit(cache=False, error_model="numpy", nogil=True)
+    ns = {"np": np, "math": math}
+    if target == "cuda":
+        ns["cuda"] = cuda
+    makers = {"conv": C.cpu_conv2d_source, "dx": C.cpu_input_grad_source, "dw": C.cpu_weight_grad_source,
+              "mp": P.cpu_max_pool_source, "mpick": P.cpu_max_pick_source, "mgrad": P.cpu_max_grad_source,
+              "ap": P.cpu_avg_pool_source, "agrad": P.cpu_avg_grad_source}
+    if target == "cuda":
+        makers = {"conv": C.cuda_conv2d_source, "dx": C.cuda_input_grad_source, "dw": C.cuda_weight_grad_source,
+                  "mp": P.cuda_max_pool_source, "mpick": P.cuda_max_pick_source, "mgrad": P.cuda_max_grad_source,
+                  "ap": P.cuda_avg_pool_source, "agrad": P.cuda_avg_grad_source}
+    grids = {}
+    for nm, make in makers.items():
+        made = make(nm)
+        exec(made[0], ns)
+        ns[nm] = deco(ns[nm])
+        grids[nm] = made[2] if len(made) > 2 else None
+
+    def run(nm, args, shape):
+        out = np.full(shape, np.nan)
+        args = list(args) + [out]
+        if target == "cuda":
+            ns[nm][launch_config(grids[nm], args)](*args)
+        else:
+            ns[nm](*args)
+        return out
+
+    rng = np.random.default_rng(1)
+    worst = 0.0
+    conv_cases = [(3, 4, 1, (3, 3), (1, 1), (0, 0), (1, 1), 6, 6), (4, 6, 2, (3, 2), (2, 1), (1, 2), (1, 2), 7, 9),
+                  (4, 4, 4, (2, 3), (3, 2), (1, 0), (2, 1), 8, 7), (2, 3, 1, (1, 1), (2, 2), (1, 1), (1, 1), 5, 4)]
+    for (c, o, G, k, s, p, d, h, w) in conv_cases:
+        x = rng.standard_normal((2, c, h, w)); wt = rng.standard_normal((o, c // G) + k)
+        y = C.conv2d_np(x, wt, s, p, d, G); g = rng.standard_normal(y.shape)
+        ints = [*s, *p, *d, G]
+        for got, ref in [(run("conv", [x, wt, *ints], y.shape), y),
+                         (run("dx", [g, wt, *ints], x.shape), C.conv2d_input_grad_np(g, wt, s, p, d, G, (h, w))),
+                         (run("dw", [x, g, *ints], wt.shape), C.conv2d_weight_grad_np(x, g, s, p, d, G, k))]:
+            worst = max(worst, float(np.abs(got - ref).max()))
+    pool_cases = [((2, 2), (2, 2), (0, 0), 6, 6), ((3, 3), (2, 2), (1, 1), 7, 8), ((2, 3), (1, 2), (1, 0), 5, 6),
+                  ((3, 2), (3, 1), (0, 1), 9, 4), ((3, 3), (1, 1), (1, 1), 4, 5)]
+    for ties in (False, True):
+        for (k, s, p, h, w) in pool_cases:
+            x = rng.integers(-2, 3, (2, 3, h, w)).astype(float) if ties else rng.standard_normal((2, 3, h, w))
+            if ties:
+                x[0, 0, 0, :] = -np.inf
+                x[0, 0, 1, 1] = np.nan
+            y = P.max_pool2d_np(x, k, s, p); g = rng.standard_normal(y.shape); u = rng.standard_normal(x.shape)
+            ints = [*k, *s, *p]
+            for got, ref in [(run("mp", [x, *ints], y.shape), y),
+                             (run("mpick", [x, u, *ints], y.shape), P.max_pool2d_pick_np(x, u, k, s, p)),
+                             (run("mgrad", [x, g, *ints], x.shape), P.max_pool2d_grad_np(x, g, k, s, p)),
+                             (run("ap", [x, *ints], y.shape), P.avg_pool2d_np(x, k, s, p)),
+                             (run("agrad", [g, *ints], x.shape), P.avg_pool2d_grad_np(g, k, s, p, (h, w)))]:
+                same_nan = np.isnan(got) == np.isnan(ref)
+                assert same_nan.all(), (k, s, p)
+                fin = np.isfinite(ref)
+                assert (got[~fin & ~np.isnan(ref)] == ref[~fin & ~np.isnan(ref)]).all()
+                worst = max(worst, float(np.abs(got[fin] - ref[fin]).max()) if fin.any() else 0.0)
+    return worst
+
+
+if __name__ == "__main__":
+    print("worst", worst_error(sys.argv[1]))
