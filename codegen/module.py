@@ -11,6 +11,7 @@ import re
 import numpy as np
 
 from gradc.ops.elementwise import X
+from gradc.passes.entries import entries as entry_table
 from gradc.passes.stage_split import stage_index
 from gradc.runtime.cuda import BIG, THREADS, TILE
 
@@ -107,21 +108,16 @@ def generate(graph, plans, info):
         entries[fname] = (roots, source, leaves, consts)
         scalar_slots[fname] = writer.scalar_count()
 
-    if outputs:
-        entry("_forward", [g.outputs[o] for o in outputs], "The declared outputs.")
-    entry("_forward_loss", [g.outputs[o] for o in outputs] + [g.objective],
-          "The declared outputs and the objective.", [g.objective])
-    entry("_loss_and_grad", [g.objective] + [g.grads[p] for p in trainable],
-          "The objective; the gradients of the trainable params go into `grads` (laid out as GRAD_SLICES).",
-          [g.objective], [(g.grads[p], shapes[p]) for p in trainable])
-    if input_grads:
-        entry("_input_grads", [g.input_grads[i] for i in input_grads], "Gradients of the objective for the float inputs.")
-    if order == 2:
-        source, leaves, consts = writer.write_hvp_block(
-            "_hvp_block", plans["_hvp_block"], [(g.hvps[p], shapes[p]) for p in trainable], g.tangents,
-            "Hessian-vector products: OUT[r] = H V[r] for each row of V (rows laid out as GRAD_SLICES).")
-        entries["_hvp_block"] = ([g.hvps[p] for p in trainable], source, leaves, consts)
-        scalar_slots["_hvp_block"] = writer.scalar_count()
+    for e in entry_table(g, order):   # passes/entries.py
+        roots, flat = e.roots(g), None
+        if e.flat is not None:
+            flat = [(r, shapes[p]) for p, r in zip(trainable, e.flat(g))]
+        if e.tangent_rows:
+            source, leaves, consts = writer.write_hvp_block(e.fname, plans[e.fname], flat, g.tangents, e.doc)
+            entries[e.fname] = (roots, source, leaves, consts)
+            scalar_slots[e.fname] = writer.scalar_count()
+        else:
+            entry(e.fname, roots, e.doc, e.scalars(g), flat)
 
     pipeline = info.get("pipeline")
     stage_specs = {}   # (stage, kind) -> (fname, argument spec, roots)

@@ -12,6 +12,8 @@ import time
 
 import numpy as np
 
+from gradc.passes.entries import ENTRIES
+
 from .errors import GradcError
 from .files import remove_stale, temp_name
 from .version import __version__
@@ -79,16 +81,23 @@ def device_options(options, model, dims, memory_budget, src):
 
 
 def label_inputs(graph):
-    """int inputs read as class labels (by `pick` or `softmax_xent`), with their number of classes (for range checks)."""
+    """int inputs read as class labels (by `pick` or `softmax_xent`) or as row indices of a table (`take`), with
+    their number of classes or rows (for range checks; an input read by several gets the smallest int bound)."""
     labels = {}
     for n in graph.nx.nodes:
-        if graph.op(n) in ("pick", "softmax_xent", "softmax_xent_grad"):
+        op = graph.op(n)
+        if op in ("pick", "softmax_xent", "softmax_xent_grad", "take"):
             x, lab = graph.operands(n)[:2]
-            while graph.op(lab) == "reshape":
-                (lab,) = graph.operands(lab)
-            name = graph.node(lab).get("name")
-            if graph.op(lab) == "input":
-                labels[name] = graph.shape(x)[1]
+            bound = graph.shape(x)[0 if op == "take" else 1]
+            stack = [lab]
+            while stack:   # through the ops that only move int values
+                u = stack.pop()
+                if graph.op(u) in ("reshape", "slice", "transpose", "concat"):
+                    stack.extend(graph.operands(u))
+                elif graph.op(u) == "input":
+                    name, old = graph.node(u).get("name"), labels.get(graph.node(u).get("name"))
+                    labels[name] = bound if old is None or isinstance(old, str) or (
+                        isinstance(bound, int) and bound < old) else old
     return labels
 
 
@@ -129,14 +138,9 @@ def warm(module, dims, second_order=False):
     hessian only with `second_order` (they compile on first use otherwise: pay for what is used)."""
     params = module.init_params(0)
     inputs = _synthetic_inputs(module, dims)
-    out_inputs = {k: v for k, v in inputs.items() if k in module._OUTPUT_INPUTS}
-    if module.OUTPUTS:
-        module.forward(params, **out_inputs)
-    module.forward(params, **inputs)
-    module.loss_and_grad(params, **inputs)
-    module.input_grads(params, **inputs)
-    if module.ORDER == 2 and second_order:   # hvp and hessian share their kernels: one call warms both
-        module.hvp(params, {k: np.ones_like(params[k]) for k in module.TRAINABLE}, **inputs)
+    for entry in ENTRIES:   # passes/entries.py: each call compiles the entry's function and kernels
+        if entry.order <= module.ORDER and (entry.warm == "first" or second_order):
+            entry.call(module, params, inputs)
     for opt in ("sgd", "adam"):
         try:
             module.Trainer(params, optimizer=opt, lr=1e-3).step(**inputs)
@@ -300,18 +304,11 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     pipe = device_options(devices, model, dims, memory_budget, model.src)
     # microbatches run the code at other batch sizes: the batch dim stays symbolic in it (the plans bind it)
     code_dims = {d: v for d, v in dims.items() if d != pipe["batch"]}
-    graph = build_training_graph(model, dtype, code_dims, timings, order=order)
+    graph = build_training_graph(model, dtype, code_dims, timings, order=order, target=target)
     name = model.name
     info = {"name": name, "version": __version__, "dtype": dtype, "fingerprint": fingerprint(model, dtype, dims),
             "param_info": model.param_info, "labels": label_inputs(graph), "order": order, "target": target,
             "source": source or model.src.rsplit(":", 1)[0]}
-    if target == "cuda":   # before any plan: a fused product never gets a buffer or a stage
-        from gradc.passes.gemm_fusion import fuse_gemms
-        t = time.perf_counter()
-        fuse_gemms(graph)
-        for n in graph.nx.nodes:
-            graph.node(n)["device"] = "cuda:0"
-        timings["gemm_fusion"] = time.perf_counter() - t
     t = time.perf_counter()
     graph, partition, info["pipeline"], stage_plans = plan_stages(graph, dims, pipe, target, model)
     info["partition"] = partition

@@ -15,6 +15,7 @@ from gradc.runtime.arena import ALIGN_BYTES, layout_by_device
 from .analysis import node_flops
 from . import checkmate
 from .checkpoint import BudgetError, build_chain, plan_retention
+from .entries import by_fname, entries
 from .schedule import memory_order
 from .storage import base, buffer_bytes, owns_buffer
 
@@ -121,19 +122,8 @@ def plan_entry(graph, entry, steps, returned, dims, loop_from=None):
 
 
 def entry_roots(graph, order):
-    """The compiled entry points and the values each returns: fname -> (roots, returned into caller buffers)."""
-    g = graph
-    trainable = list(g.grads)
-    entries = {}
-    if g.outputs:
-        entries["_forward"] = list(g.outputs.values())
-    entries["_forward_loss"] = list(g.outputs.values()) + [g.objective]
-    entries["_loss_and_grad"] = [g.objective] + [g.grads[p] for p in trainable]
-    if any(v is not None for v in g.input_grads.values()):
-        entries["_input_grads"] = [v for v in g.input_grads.values() if v is not None]
-    if order == 2:
-        entries["_hvp_block"] = [g.hvps[p] for p in trainable]
-    return {f: [r for r in roots if r is not None] for f, roots in entries.items()}
+    """The compiled entry points of a build (passes/entries.py) and the values each returns."""
+    return {e.fname: [r for r in e.roots(graph) if r is not None] for e in entries(graph, order)}
 
 
 def store_all_steps(graph, roots, sizes):
@@ -165,13 +155,13 @@ def plan_memory(graph, dims, order, budget=None):
     sizes = representative_sizes(graph, dims)
     plans = {}
     for fname, roots in entry_roots(graph, order).items():
-        loop_from = None
-        if fname == "_hvp_block":
+        entry, loop_from = by_fname(fname), None
+        if entry.tangent_rows:
             steps, loop_from = hvp_steps(graph, roots, sizes)
         else:
             steps = store_all_steps(graph, roots, sizes)
         plan = plan_entry(graph, fname, steps, roots, dims, loop_from)
-        if fname == "_loss_and_grad":
+        if entry.budgeted:
             plan.update(store_all_peak_bytes=plan["peak_bytes"], budget_bytes=budget, recompute_flops=0,
                         method="store-all")
             if budget is not None and budget < plan["peak_bytes"]:
@@ -221,16 +211,12 @@ def _within_budget(graph, order, roots, dims, sizes, budget, store_all):
     return plan
 
 
-PUBLIC_NAMES = {"_forward": "forward", "_forward_loss": "forward_loss", "_loss_and_grad": "loss_and_grad",
-                "_input_grads": "input_grads", "_hvp_block": "hvp"}
-
-
 def _entry_document(graph, plan):
     tensors = [{"node": t["node"], "op": graph.op(t["node"]), "shape": [str(d) if isinstance(d, str) else d for d in t["shape"]],
                 "bytes": t["bytes"], "start": t["start"], "end": t["end"], "device": t["device"], "offset": t["offset"],
                 "retained": t["retained"] and not t["recomputed"], "recomputed": t["recomputed"], "src": graph.node(t["node"])["src"]}
                for t in plan["tensors"]]
-    doc = {"entry": PUBLIC_NAMES[plan["entry"]], "schedule": plan["steps"], "peak_bytes": plan["peak_bytes"],
+    doc = {"entry": by_fname(plan["entry"]).public, "schedule": plan["steps"], "peak_bytes": plan["peak_bytes"],
            "peak_step": plan["peak_step"], "store_all_peak_bytes": plan.get("store_all_peak_bytes", plan["peak_bytes"]),
            "lower_bound_bytes": plan.get("lower_bound_bytes"), "budget_bytes": plan.get("budget_bytes"),
            "recompute_flops": plan.get("recompute_flops", 0), "method": plan.get("method", "store-all"),
@@ -247,7 +233,7 @@ def memplan_document(graph, plans):
     """NAME.memplan.json: the loss_and_grad plan at the top (DESIGN.md §1.5), every entry under "entries"
     (Trainer.step runs loss_and_grad into its own flat buffers, then an update that allocates nothing)."""
     doc = _entry_document(graph, plans["_loss_and_grad"])
-    doc["entries"] = {PUBLIC_NAMES[f]: _entry_document(graph, p) for f, p in plans.items()}
+    doc["entries"] = {by_fname(f).public: _entry_document(graph, p) for f, p in plans.items()}
     doc["entries"]["Trainer.step"] = dict(doc["entries"]["loss_and_grad"], entry="Trainer.step")
     return doc
 

@@ -1,6 +1,7 @@
-"""The pass order, from the user's forward graph to the graph codegen reads."""
+"""The pass order, from the user's forward graph to the graph the planners and codegen read."""
 import copy
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -9,6 +10,7 @@ from gradc.ir import FLOAT_DTYPES
 
 from .autodiff import build_backward
 from .fusion import fuse_elementwise, split_second_order_uses
+from .gemm_fusion import fuse_gemms
 from .objective import add_objective
 from .second_order import build_hvp
 from .simplify import simplify
@@ -63,35 +65,62 @@ def constants_in_dtype(graph, dtype):
         graph.attrs(n)["value"] = cast
 
 
-def build_training_graph(model, dtype="float32", dims=None, timings=None, order=1):
-    """Copy the model's graph and run every pass over it; `timings` collects seconds per pass.
+def on_device(graph, device):
+    """Every node runs on `device` (a pipeline's placement later moves nodes to their stages)."""
+    for n in graph.nx.nodes:
+        graph.node(n)["device"] = device
 
-    order 2 adds the Hessian-vector product nodes (phase `second`)."""
+
+# The pass order, the one place it is written: (timing name, pass, when it runs). A pass takes the
+# graph and the build (model, dtype, dims, order, target) and rewrites the graph in place.
+PASSES = (
+    ("bind", lambda g, b: bind(g, b.dtype, b.dims, b.model.src), None),
+    ("objective", lambda g, b: add_objective(g, b.decayed, b.model.weight_decay), None),
+    ("autodiff", lambda g, b: build_backward(g, b.trainable), None),
+    ("second_order", lambda g, b: build_hvp(g, b.trainable), lambda b: b.order == 2),
+    ("simplify", lambda g, b: simplify(g), None),
+    # a value read by first- and second-order code is computed once for each, so --order 2
+    # leaves loss_and_grad as lean as --order 1 builds it
+    ("fusion", lambda g, b: split_second_order_uses(g), lambda b: b.order == 2),
+    ("fusion", lambda g, b: fuse_elementwise(g), None),
+    ("simplify", lambda g, b: simplify(g), None),
+    ("constants", lambda g, b: constants_in_dtype(g, b.dtype), None),
+    ("validate", lambda g, b: g.validate(), None),
+    # CUDA: before any plan, so that a fused product never gets a buffer or a stage
+    ("gemm_fusion", lambda g, b: fuse_gemms(g), lambda b: b.target == "cuda"),
+    ("gemm_fusion", lambda g, b: on_device(g, "cuda:0"), lambda b: b.target == "cuda"),
+)
+
+
+@dataclass(frozen=True)
+class Build:
+    """What the passes need to know of one build."""
+    model: object
+    dtype: str
+    dims: dict
+    order: int
+    target: str
+
+    @property
+    def trainable(self):
+        return [p for p in self.model.graph.params if self.model.param_info[p]["trainable"]]
+
+    @property
+    def decayed(self):
+        return [p for p in self.trainable if self.model.param_info[p]["decay"]]
+
+
+def build_training_graph(model, dtype="float32", dims=None, timings=None, order=1, target="cpu"):
+    """Copy the model's graph and run every pass of PASSES over it; `timings` collects seconds
+    per pass. order 2 adds the Hessian-vector product nodes (phase `second`)."""
     timings = {} if timings is None else timings
     if model.graph.loss is None:
         raise GradcError(f"model {model.name!r} has no minimize(loss): nothing to differentiate", model.src)
-
-    def timed(name, fn, *args):
-        t = time.perf_counter()
-        out = fn(*args)
-        timings[name] = timings.get(name, 0.0) + time.perf_counter() - t
-        return out
-
+    build = Build(model, dtype, dict(dims or {}), order, target)
     graph = copy.deepcopy(model.graph)
-    timed("bind", bind, graph, dtype, dict(dims or {}), model.src)
-    info = model.param_info
-    trainable = [p for p in graph.params if info[p]["trainable"]]
-    decayed = [p for p in trainable if info[p]["decay"]]
-    timed("objective", add_objective, graph, decayed, model.weight_decay)
-    timed("autodiff", build_backward, graph, trainable)
-    if order == 2:
-        timed("second_order", build_hvp, graph, trainable)
-    timed("simplify", simplify, graph)
-    if order == 2:
-        timed("fusion", split_second_order_uses, graph)
-    timed("fusion", fuse_elementwise, graph)
-    timed("simplify", simplify, graph)
-    timed("constants", constants_in_dtype, graph, dtype)
-    timed("validate", graph.validate)
+    for name, run, when in PASSES:
+        if when is None or when(build):
+            t = time.perf_counter()
+            run(graph, build)
+            timings[name] = timings.get(name, 0.0) + time.perf_counter() - t
     return graph
-
