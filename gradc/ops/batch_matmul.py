@@ -15,6 +15,7 @@ import numpy as np
 from . import Op, register
 from ..errors import ShapeError
 from ..shapes import broadcast, fmt, size
+from .kernel_text import index, loops, unravel
 
 
 def _float_only(dtypes):
@@ -124,6 +125,81 @@ def batch_matmul_rows(graph, n, ins, fail):
     return at.pop()
 
 
-register(Op("batch_matmul", "matmul", _infer, _evaluate, _flops, vjp=_vjp, arity=2,
+# ---- lowering ----------------------------------------------------------------------------------------
+def _batch_pattern(shape, batch):
+    """Per batch dim of the product, the operand's index there: i{d}, 0 where it is broadcast, or
+    nothing where the operand has fewer batch dims."""
+    own = shape[:-2]
+    lead = len(batch) - len(own)
+    return [("0" if d == 1 and batch[lead + j] != 1 else f"i{lead + j}") for j, d in enumerate(own)]
+
+
+def _plan(s):
+    """What the kernel's code depends on: ranks, flags and broadcast patterns."""
+    sa, sb = s.operand_shape(0), s.operand_shape(1)
+    ta, tb, red = bool(s.attrs.get("transpose_a")), bool(s.attrs.get("transpose_b")), bool(s.attrs.get("reduce_batch"))
+    batch = sa[:-2] if red else s.shape[:-2]
+    return (ta, tb, red, len(batch), tuple(_batch_pattern(sa, batch)), tuple(_batch_pattern(sb, batch)),
+            len(sb) == 2, len(sa))
+
+
+def _cpu_source(name, ta, tb, red, nbatch, pa, pb, b_flat, rank_a):
+    """BLAS through np.dot. Two shapes of product are one call over flattened rows (C order):
+    A (..., m, k) @ B (k, n) as (rows, k) @ (k, n); and sum_b A[b]^T B[b] as (rows, k)^T @ (rows, n).
+    Otherwise one np.dot per batch element (summed into out for reduce_batch)."""
+    t = lambda flag: ".T" if flag else ""
+    lines = [f"def {name}(a, b, out):"]
+    if b_flat and not ta and not red:
+        lines += ["    k = a.shape[-1]", "    n = out.shape[-1]",
+                  f"    np.dot(a.reshape((a.size // k, k)), b{t(tb)}, out.reshape((out.size // n, n)))"]
+        return "\n".join(lines), "out = A @ op(B) over A's flattened rows"
+    if red and ta and not tb:
+        lines += ["    ka, kb = a.shape[-1], b.shape[-1]",
+                  "    np.dot(a.reshape((a.size // ka, ka)).T, b.reshape((b.size // kb, kb)), out)"]
+        return "\n".join(lines), "out = sum over the batch of A[b]^T B[b], as one product of the flattened rows"
+    ivars = [f"i{d}" for d in range(nbatch)]
+    a_at = f"a[{index(list(pa))}]" if pa else "a"
+    b_at = f"b[{index(list(pb))}]" if pb else "b"
+    lines += [f"    {', '.join(f'n{d}' for d in range(nbatch))}{',' if nbatch == 1 else ''} = "
+              f"{'a' if red else 'out'}.shape[:{nbatch}]"]
+    if red:
+        lines += ["    part = np.empty(out.shape, out.dtype)", "    out[:] = 0.0"]
+        body = [f"np.dot({a_at}{t(ta)}, {b_at}{t(tb)}, part)", "out += part"]
+    else:
+        body = [f"np.dot({a_at}{t(ta)}, {b_at}{t(tb)}, out[{index(ivars)}])"]
+    lines += loops(range(nbatch), body)
+    return "\n".join(lines), f"out = op(A) @ op(B) per batch element{' summed' if red else ''}"
+
+
+def _cuda_source(name, ta, tb, red, nbatch, pa, pb, b_flat, rank_a):
+    """One thread per element of out; it sums over k (and over the batch for reduce_batch)."""
+    mat_a = (lambda r, c: f"a[{index(list(pa) + ([c, r] if ta else [r, c]))}]")
+    mat_b = (lambda r, c: f"b[{index(list(pb) + ([c, r] if tb else [r, c]))}]")
+    lines = [f"def {name}(a, b, out):", "    i = cuda.grid(1)", "    if i >= out.size:", "        return"]
+    if red:
+        lines += unravel(2, shape="out.shape")   # i0, i1: the row and column of out
+        lines += ["    row, col = i0, i1", "    acc = 0.0", f"    k_count = a.shape[{rank_a - 2 if ta else rank_a - 1}]"]
+        lines += [f"    n{d} = a.shape[{d}]" for d in range(nbatch)]
+        body = ["for k in range(k_count):", f"    acc += {mat_a('row', 'k')} * {mat_b('k', 'col')}"]
+        lines += loops(range(nbatch), body)
+        lines.append("    out[row, col] = acc")
+    else:
+        lines += unravel(nbatch + 2, shape="out.shape")
+        lines += [f"    row, col = i{nbatch}, i{nbatch + 1}", "    acc = 0.0",
+                  f"    for k in range(a.shape[{rank_a - 2 if ta else rank_a - 1}]):",
+                  f"        acc += {mat_a('row', 'k')} * {mat_b('k', 'col')}",
+                  f"    out[{index([f'i{d}' for d in range(nbatch + 2)])}] = acc"]
+    return "\n".join(lines), "out = op(A) @ op(B) over the batch", ("flat", -1)
+
+
+def _lower(make):
+    def lower(s):
+        plan = _plan(s)
+        return s.into_out(s.kernel(("batch_matmul",) + plan, "batch_matmul", lambda kname: make(kname, *plan)))
+    return lower
+
+
+register(Op("batch_matmul", "matmul", _infer, _evaluate, _flops, vjp=_vjp, arity=2, rows=batch_matmul_rows,
+            cpu=_lower(_cpu_source), cuda=_lower(_cuda_source),
             doc="op(A) @ op(B) over broadcast batch dims (numpy's matmul); attrs transpose_a / transpose_b, "
                 "reduce_batch (sum over the batch too)"))

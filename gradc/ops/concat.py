@@ -8,6 +8,7 @@ import numpy as np
 from . import Op, register
 from ..errors import ShapeError
 from ..shapes import fmt
+from .kernel_text import index, unravel
 
 
 def _concat_infer(attrs, shapes, dtypes):
@@ -59,7 +60,45 @@ def concat_rows(graph, n, ins, fail):
     return a
 
 
+def _parts(s):
+    """(operand variable, index expression of its part of the output) per operand."""
+    axis, rank, offset, out = s.attrs["axis"], len(s.shape), 0, []
+    for j, u in enumerate(s.operands):
+        width = s.graph.shape(u)[axis]
+        out.append((s.args[j], ", ".join(f"{offset}:{offset + width}" if a == axis else ":" for a in range(rank)),
+                    offset))
+        offset += width
+    return out
+
+
+def _concat_cpu(s):
+    """Each operand copied into its part of the planned buffer; int values (indices) get an array of
+    their own, since the arena holds floats."""
+    if not s.graph.dtype(s.n).startswith("float"):
+        return [f"{s.out} = np.concatenate(({', '.join(s.args)},), {s.attrs['axis']}){s.note}"]
+    return [s.alloc()] + [f"{s.out}[{where}] = {arg}{s.note}" for arg, where, _ in _parts(s)]
+
+
+def _cuda_part_source(name, rank, axis):
+    """One thread per element of one operand, written at `offset` along the joined axis."""
+    dst = [f"i{a} + offset" if a == axis else f"i{a}" for a in range(rank)]
+    lines = [f"def {name}(x0, offset, out):", "    i = cuda.grid(1)", "    if i >= x0.size:", "        return"]
+    lines += unravel(rank, shape="x0.shape")
+    lines.append(f"    out[{index(dst, '0')}] = x0[{index([f'i{a}' for a in range(rank)], '0')}]")
+    return "\n".join(lines), f"out[..., offset + i, ...] = x0 along axis {axis}", ("flat", 0)
+
+
+def _concat_cuda(s):
+    if not s.graph.dtype(s.n).startswith("float"):
+        raise NotImplementedError(f"cuda codegen: a concat of int values ({s.graph.node(s.n)['src']}) is not "
+                                  f"supported on the CUDA target yet")
+    rank, axis = len(s.shape), s.attrs["axis"]
+    kernel = s.kernel(("concat_part", rank, axis), "concat_part", lambda kname: _cuda_part_source(kname, rank, axis))
+    return [s.alloc()] + [s.call(kernel, [arg, str(offset), s.out]) + s.note for arg, _, offset in _parts(s)]
+
+
 register(Op("concat", "layout", _concat_infer,
             lambda attrs, values, out_shape, dims: np.concatenate(values, axis=attrs["axis"]),
-            lambda attrs, in_shapes, out_shape: 0, vjp=_concat_vjp, arity=None,
+            lambda attrs, in_shapes, out_shape: 0, vjp=_concat_vjp, arity=None, rows=concat_rows,
+            cpu=_concat_cpu, cuda=_concat_cuda,
             doc="operands joined along attrs axis"))

@@ -11,6 +11,7 @@ import numpy as np
 from . import Op, register
 from ..errors import ShapeError
 from ..shapes import fmt, size
+from .kernel_text import index as kindex, unravel
 
 
 def np_index(index):
@@ -68,7 +69,8 @@ def _slice_rows(graph, n, ins, fail):
 
 
 register(Op("slice", "layout", _slice_infer, _slice_evaluate,
-            lambda attrs, in_shapes, out_shape: 0, vjp=_slice_vjp, arity=1,
+            lambda attrs, in_shapes, out_shape: 0, vjp=_slice_vjp, arity=1, rows=_slice_rows,
+            cpu=lambda s: _slice_cpu(s), cuda=lambda s: _slice_cuda(s),
             doc="x[start:stop:step, ...] with static ranges per axis (attrs index); a copy"))
 
 
@@ -95,5 +97,82 @@ def _slice_grad_vjp(ctx, n, g):
 
 
 register(Op("slice_grad", "layout", _slice_grad_infer, _slice_grad_evaluate,
-            lambda attrs, in_shapes, out_shape: size(out_shape), vjp=_slice_grad_vjp, arity=1,
+            lambda attrs, in_shapes, out_shape: size(out_shape), vjp=_slice_grad_vjp, arity=1, rows=_slice_rows,
+            cpu=lambda s: _slice_grad_cpu(s), cuda=lambda s: _slice_grad_cuda(s),
             doc="zeros of attrs shape with g written at the slice attrs index: slice's adjoint"))
+
+
+# ---- lowering -------------------------------------------------------------------------------------
+def index_src(index):
+    """The index expression of attrs["index"] in generated code (numpy's slicing, which Numba compiles)."""
+    parts = []
+    for entry in index:
+        if entry is None:
+            parts.append(":")
+            continue
+        start, stop, step = entry
+        if not len(range(start, stop, step)):
+            parts.append("0:0")
+        elif stop < 0:
+            parts.append(f"{start}::{step}")
+        else:
+            parts.append(f"{start}:{stop}:{step}")
+    return ", ".join(parts)
+
+
+def _slice_cpu(s):
+    """A copy of the slice into the planned buffer; an int value (indices for take) gets its own array,
+    since the arena holds floats."""
+    src = f"{s.args[0]}[{index_src(s.attrs['index'])}]"
+    if not s.graph.dtype(s.n).startswith("float"):
+        return [f"{s.out} = {src}.copy(){s.note}"]
+    return [s.alloc(), f"{s.out}[:] = {src}{s.note}"]
+
+
+def _slice_grad_cpu(s):
+    return [s.alloc(), f"{s.out}[:] = 0.0", f"{s.out}[{index_src(s.attrs['index'])}] = {s.args[0]}{s.note}"]
+
+
+def _cuda_slice_source(name, index):
+    """One thread per output element, reading the element it copies."""
+    rank = len(index)
+    src = [f"i{a}" if e is None else f"{e[0]} + i{a} * {e[2]}" for a, e in enumerate(index)]
+    lines = [f"def {name}(x0, out):", "    i = cuda.grid(1)", "    if i >= out.size:", "        return"]
+    lines += unravel(rank)
+    lines.append(f"    out[{kindex([f'i{a}' for a in range(rank)], '0')}] = x0[{kindex(src, '0')}]")
+    return "\n".join(lines), f"out = x0[{index_src(index)}]", ("flat", -1)
+
+
+def _cuda_slice_grad_source(name, index):
+    """One thread per output element: g's element where the slice took it, else 0."""
+    rank = len(index)
+    lines = [f"def {name}(g, out):", "    i = cuda.grid(1)", "    if i >= out.size:", "        return"]
+    lines += unravel(rank)
+    conds, src = [], []
+    for a, e in enumerate(index):
+        if e is None:
+            src.append(f"i{a}")
+            continue
+        start, stop, step = e
+        count = len(range(start, stop, step))
+        d = f"(i{a} - {start})" if step > 0 else f"({start} - i{a})"
+        conds.append(f"{d} >= 0 and {d} % {abs(step)} == 0 and {d} // {abs(step)} < {count}")
+        src.append(f"{d} // {abs(step)}")
+    out = f"out[{kindex([f'i{a}' for a in range(rank)], '0')}]"
+    lines.append(f"    if {' and '.join(conds) or 'True'}:")
+    lines.append(f"        {out} = g[{kindex(src, '0')}]")
+    lines += ["    else:", f"        {out} = 0.0"]
+    return "\n".join(lines), f"out = zeros; out[{index_src(index)}] = g", ("flat", -1)
+
+
+def _slice_cuda(s):
+    if not s.graph.dtype(s.n).startswith("float"):
+        raise NotImplementedError(f"cuda codegen: a slice of int values ({s.graph.node(s.n)['src']}) is not supported "
+                                  f"on the CUDA target yet")
+    index = tuple(s.attrs["index"])
+    return s.into_out(s.kernel(("slice", index), "slice", lambda kname: _cuda_slice_source(kname, index)))
+
+
+def _slice_grad_cuda(s):
+    index = tuple(s.attrs["index"])
+    return s.into_out(s.kernel(("slice_grad", index), "slice_grad", lambda kname: _cuda_slice_grad_source(kname, index)))

@@ -24,6 +24,7 @@ import numpy as np
 from . import Op, register
 from ..errors import ShapeError
 from ..shapes import size
+from .kernel_text import index, unravel
 
 GAMMA = 0x9E3779B97F4A7C15
 M1 = 0xBF58476D1CE4E5B9
@@ -33,10 +34,11 @@ DISTS = ("dropout", "normal")
 
 def mix(z):
     """splitmix64's finaliser on a uint64 array (wrapping arithmetic)."""
-    z = np.asarray(z, dtype=np.uint64)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(M1)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(M2)
-    return z ^ (z >> np.uint64(31))
+    with np.errstate(over="ignore"):
+        z = np.asarray(z, dtype=np.uint64)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(M1)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(M2)
+        return z ^ (z >> np.uint64(31))
 
 
 def key_of(seed, stream):
@@ -85,7 +87,63 @@ def random_rows(graph, n, ins, fail):
          "values again)")
 
 
+# ---- lowering: the same hash as `draw`, in the kernel, one element per iteration or thread ------------
+def mix_lines(var, pad):
+    """Lines that apply splitmix64's finaliser to the uint64 local `var` (wrapping, as numpy)."""
+    return [f"{pad}{var} = ({var} ^ ({var} >> np.uint64(30))) * np.uint64({M1})",
+            f"{pad}{var} = ({var} ^ ({var} >> np.uint64(27))) * np.uint64({M2})",
+            f"{pad}{var} = {var} ^ ({var} >> np.uint64(31))"]
+
+
+def _uniform_lines(var, counter, pad):
+    """u = uniform(key, counter) into the float local `var` (counter: an int expression)."""
+    return ([f"{pad}z = key + np.uint64({counter} + 1) * np.uint64({GAMMA})"] + mix_lines("z", pad) +
+            [f"{pad}{var} = float(z >> np.uint64(11)) * {2.0 ** -53!r}"])
+
+
+def _value_lines(dist, pad):
+    """The value of element i into `v` (p and scale are arguments of the kernel)."""
+    if dist == "dropout":
+        return _uniform_lines("u", "i", pad) + [f"{pad}v = scale if u >= p else 0.0"]
+    return (_uniform_lines("u1", "2 * i", pad) + _uniform_lines("u2", "2 * i + 1", pad) +
+            [f"{pad}v = math.sqrt(-2.0 * math.log(1.0 - u1)) * math.cos({2 * math.pi!r} * u2)"])
+
+
+def _key_lines(seed, pad):
+    return [f"{pad}key = np.uint64({seed}) ^ stream_key"] + mix_lines("key", pad)
+
+
+def _cpu_source(name, dist, rank):
+    lines = [f"def {name}(seed, stream_key, p, scale, out):"] + _key_lines("seed", "    ")
+    lines += ["    flat = out.reshape(out.size)", "    for i in range(out.size):"]
+    lines += _value_lines(dist, "        ") + ["        flat[i] = v"]
+    return "\n".join(lines), f"out = {dist} draws of (seed, stream, element index)"
+
+
+def _cuda_source(name, dist, rank):
+    lines = [f"def {name}(seed, stream_key, p, scale, out):", "    i = cuda.grid(1)", "    if i >= out.size:",
+             "        return"] + _key_lines("seed[0]", "    ") + _value_lines(dist, "    ")
+    lines += unravel(rank) + [f"    out[{index([f'i{d}' for d in range(rank)], '0')}] = v"]
+    return "\n".join(lines), f"out = {dist} draws of (seed, stream, element index)", ("flat", -1)
+
+
+def _arguments(s):
+    """The stream's key, p and the kept values' scale as literals of the call."""
+    p = float(s.attrs.get("p", 0.0))
+    stream_key = int(mix(np.uint64((s.attrs["stream"] + 1) * GAMMA % 2 ** 64)))
+    return [f"np.uint64({stream_key})", repr(p), repr(1.0 / (1.0 - p))]
+
+
+def _lower(make):
+    def lower(s):
+        dist, rank = s.attrs["dist"], len(s.shape)
+        kernel = s.kernel(("random", dist, rank), f"random_{dist}", lambda kname: make(kname, dist, rank))
+        return s.into_out(kernel, [s.args[0]] + _arguments(s))
+    return lower
+
+
 register(Op("random", "nn", _infer, _evaluate,
             lambda attrs, in_shapes, out_shape: 10 * size(out_shape), vjp=lambda ctx, n, g: [None], arity=1,
+            rows=random_rows, cpu=_lower(_cpu_source), cuda=_lower(_cuda_source),
             doc="counter-based random values of attrs shape from an int seed: dist dropout (a scaled keep mask, "
                 "keep probability 1 - p) or normal (N(0, 1)); attrs stream tells a model's random ops apart"))
