@@ -235,11 +235,14 @@ def _weight_grad_flops(attrs, in_shapes, out_shape):
 
 # ---- lowering ---------------------------------------------------------------------------------------
 # CPU: tiles of im2col times the weight through BLAS (np.dot), never a whole-image column buffer. A tile
-# is a run of output rows (image b, row ho) whose columns (Cg kh kw values per output pixel) fill at most
-# TILE values, or one output row where a row alone needs more: conv1_2 of VGG-16 (64 channels, 3x3,
-# 224 wide) takes one row, 576 x 224 values (0.5 MB in float32) where a whole image would need 115 MB.
-# The workspace (columns, a tile of results, the group's weight as a matrix) is allocated once per call.
-# Stride, padding, dilation and groups are arguments, so every conv of a module shares one kernel.
+# is either whole images (as many as fit TILE column values) or a band of output rows of one image
+# (as many rows as fit, at least one). For each tile, the input rows the tile reads are copied once into
+# a zero-padded band, so that every column value is one load at tap[k] + pix[q] (two small offset
+# tables: no bounds tests, no divisions in the inner loops). VGG-16's conv1_2 (64 channels, 3x3, 224
+# wide) takes one output row per tile: 576 x 224 column values (0.5 MB in float32) and a 3-row band,
+# where a whole image's im2col would need 115 MB. The workspace is allocated once per call and is
+# bounded by TILE values plus one row band. Stride, padding, dilation and groups are arguments, so every
+# conv of a module shares one kernel per op.
 TILE = 1 << 17
 
 _CPU_HEAD = [
@@ -248,100 +251,119 @@ _CPU_HEAD = [
     "    h_out, w_out = {g}.shape[2], {g}.shape[3]",
     "    og = c_out // groups",
     "    k_len = cg * kh * kw",
-    "    units = n_img * h_out",
-    f"    rows = max(1, min(units, {TILE} // max(1, k_len * w_out)))",
-    "    col_buf = np.empty(k_len * rows * w_out, dtype=out.dtype)",
-    "    res_buf = np.empty(og * rows * w_out, dtype=out.dtype)",
+    "    wp = w_in + 2 * pw",
+    f"    rows = max(1, min(h_out, {TILE} // max(1, k_len * w_out)))",
+    f"    nb = min(n_img, max(1, {TILE} // max(1, k_len * h_out * w_out))) if rows == h_out else 1",
+    "    band = (rows - 1) * sh + (kh - 1) * dh + 1",
+    "    col_buf = np.empty(k_len * nb * rows * w_out, dtype=out.dtype)",
+    "    res_buf = np.empty(og * nb * rows * w_out, dtype=out.dtype)",
+    "    xp = np.zeros(nb * cg * band * wp, dtype=out.dtype)",
+    "    tap = np.empty(k_len, dtype=np.int64)",
+    "    pix = np.empty(rows * w_out, dtype=np.int64)",
+    "    for c in range(cg):",
+    "        for i in range(kh):",
+    "            for j in range(kw):",
+    "                tap[(c * kh + i) * kw + j] = (c * band + i * dh) * wp + j * dw",
+    "    for r in range(rows):",
+    "        for wo in range(w_out):",
+    "            pix[r * w_out + wo] = r * sh * wp + wo * sw",
 ]
-
-
-def _cpu_columns(body):
-    """Loops over a tile's columns: for each (c, i, j) and output row u, the output columns wo in [lo, hi)
-    that read the input inside its bounds, at x[b, g cg + c, row, wo sw + off]; `body` runs once per
-    (c, i, j, u) with k (the column row), b, row, base (the tile column of wo = 0), lo, hi, off in scope;
-    rows outside the input have lo = hi = 0."""
-    return [
-        "            for c in range(cg):",
-        "                for i in range(kh):",
-        "                    for j in range(kw):",
-        "                        k = (c * kh + i) * kw + j",
-        "                        off = j * dw - pw",
-        "                        lo0 = min(w_out, max(0, (sw - 1 - off) // sw))",
-        "                        hi0 = max(lo0, min(w_out, (w_in - 1 - off) // sw + 1))",
-        "                        for u in range(u0, u1):",
-        "                            b = u // h_out",
-        "                            row = (u - b * h_out) * sh - ph + i * dh",
-        "                            base = (u - u0) * w_out",
-        "                            lo, hi = (lo0, hi0) if 0 <= row < h_in else (0, 0)",
-    ] + ["                            " + line for line in body]
-
-
-_FILL_COLUMNS = _cpu_columns([
-    "for wo in range(lo):",
-    "    col[k, base + wo] = 0.0",
-    "for wo in range(lo, hi):",
-    "    col[k, base + wo] = x[b, g * cg + c, row, wo * sw + off]",
-    "for wo in range(hi, w_out):",
-    "    col[k, base + wo] = 0.0",
-])
 
 _TILE_LOOP = [
-    "        for u0 in range(0, units, rows):",
-    "            u1 = min(units, u0 + rows)",
-    "            p = (u1 - u0) * w_out",
-    "            col = col_buf[:k_len * p].reshape(k_len, p)",
-    "            res = res_buf[:og * p].reshape(og, p)",
+    "        for b0 in range(0, n_img, nb):",
+    "            b1 = min(n_img, b0 + nb)",
+    "            for r0 in range(0, h_out, rows):",
+    "                r1 = min(h_out, r0 + rows)",
+    "                p_img = (r1 - r0) * w_out",
+    "                p = (b1 - b0) * p_img",
+    "                top = r0 * sh - ph",
+    "                col = col_buf[:k_len * p].reshape(k_len, p)",
+    "                res = res_buf[:og * p].reshape(og, p)",
 ]
 
-_GATHER_G = [   # res[o, tile column] = g[b, g og + o, ho, wo]
-    "            for o in range(og):",
-    "                for u in range(u0, u1):",
-    "                    b = u // h_out",
-    "                    ho = u - b * h_out",
-    "                    base = (u - u0) * w_out",
-    "                    for wo in range(w_out):",
-    "                        res[o, base + wo] = gy[b, g * og + o, ho, wo]",
+
+def _band_rows(body):
+    """For each image t of the tile, channel c of the group and row hb of the band: the input row h and
+    the band row's offset row0 in xp; body runs where the row is inside the input."""
+    return ["                for t in range(b1 - b0):",
+            "                    for c in range(cg):",
+            "                        for hb in range(band):",
+            "                            h = top + hb",
+            "                            row0 = ((t * cg + c) * band + hb) * wp",
+            ] + ["                            " + line for line in body]
+
+
+_FILL_BAND = _band_rows([
+    "if 0 <= h < h_in:",
+    "    for ww in range(pw):",
+    "        xp[row0 + ww] = 0.0",
+    "    for ww in range(w_in):",
+    "        xp[row0 + pw + ww] = x[b0 + t, g * cg + c, h, ww]",
+    "    for ww in range(pw + w_in, wp):",
+    "        xp[row0 + ww] = 0.0",
+    "else:",
+    "    for ww in range(wp):",
+    "        xp[row0 + ww] = 0.0",
+])
+
+_COLUMNS = [   # the tile's columns, per image t: col[k, t p_img + q] <-> xp[t cg band wp + tap[k] + pix[q]]
+    "                for t in range(b1 - b0):",
+    "                    for k in range(k_len):",
+    "                        src = t * cg * band * wp + tap[k]",
+    "                        dst = t * p_img",
 ]
+_FILL_COLUMNS = _FILL_BAND + _COLUMNS + [
+    "                        for q in range(p_img):",
+    "                            col[k, dst + q] = xp[src + pix[q]]",
+]
+
+_GATHER_G = [   # res[o, t p_img + q] = gy[b0 + t, g og + o, r0 + q // w_out, q % w_out]
+    "                for t in range(b1 - b0):",
+    "                    for o in range(og):",
+    "                        for r in range(r1 - r0):",
+    "                            for wo in range(w_out):",
+    "                                res[o, t * p_img + r * w_out + wo] = gy[b0 + t, g * og + o, r0 + r, wo]",
+]
+
+
+def _weight_matrix(target, index):
+    return ["        for o in range(og):",
+            "            for c in range(cg):",
+            "                for i in range(kh):",
+            "                    for j in range(kw):",
+            f"                        {target}[{index}] = w[g * og + o, c, i, j]"]
 
 
 def cpu_conv2d_source(name):
     lines = [f"def {name}(x, w, sh, sw, ph, pw, dh, dw, groups, out):"]
     lines += [line.format(x="x", w="w", g="out") for line in _CPU_HEAD]
-    lines += ["    wg = np.empty((og, k_len), dtype=out.dtype)",
-              "    for g in range(groups):",
-              "        for o in range(og):",
-              "            for c in range(cg):",
-              "                for i in range(kh):",
-              "                    for j in range(kw):",
-              "                        wg[o, (c * kh + i) * kw + j] = w[g * og + o, c, i, j]"]
+    lines += ["    wg = np.empty((og, k_len), dtype=out.dtype)", "    for g in range(groups):"]
+    lines += _weight_matrix("wg", "o, (c * kh + i) * kw + j")
     lines += _TILE_LOOP + _FILL_COLUMNS
-    lines += ["            np.dot(wg, col, res)",
-              "            for o in range(og):",
-              "                for u in range(u0, u1):",
-              "                    b = u // h_out",
-              "                    ho = u - b * h_out",
-              "                    base = (u - u0) * w_out",
-              "                    for wo in range(w_out):",
-              "                        out[b, g * og + o, ho, wo] = res[o, base + wo]"]
+    lines += ["                np.dot(wg, col, res)",
+              "                for t in range(b1 - b0):",
+              "                    for o in range(og):",
+              "                        for r in range(r1 - r0):",
+              "                            for wo in range(w_out):",
+              "                                out[b0 + t, g * og + o, r0 + r, wo] = res[o, t * p_img + r * w_out + wo]"]
     return "\n".join(lines), "conv2d: per group, tiles of im2col columns times the weight matrix (BLAS)"
 
 
 def cpu_input_grad_source(name):
     lines = [f"def {name}(gy, w, sh, sw, ph, pw, dh, dw, groups, out):"]
     lines += [line.format(x="out", w="w", g="gy") for line in _CPU_HEAD]
-    lines += ["    wt = np.empty((k_len, og), dtype=out.dtype)",
-              "    out[:] = 0.0",
-              "    for g in range(groups):",
-              "        for o in range(og):",
-              "            for c in range(cg):",
-              "                for i in range(kh):",
-              "                    for j in range(kw):",
-              "                        wt[(c * kh + i) * kw + j, o] = w[g * og + o, c, i, j]"]
-    lines += _TILE_LOOP + _GATHER_G + ["            np.dot(wt, res, col)"]
-    lines += _cpu_columns(["for wo in range(lo, hi):",
-                           "    out[b, g * cg + c, row, wo * sw + off] += col[k, base + wo]"])
+    lines += ["    wt = np.empty((k_len, og), dtype=out.dtype)", "    out[:] = 0.0", "    for g in range(groups):"]
+    lines += _weight_matrix("wt", "(c * kh + i) * kw + j, o")
+    lines += _TILE_LOOP + _GATHER_G
+    lines += ["                np.dot(wt, res, col)",
+              "                xp[:(b1 - b0) * cg * band * wp] = 0.0"]
+    lines += _COLUMNS + ["                        for q in range(p_img):",
+                         "                            xp[src + pix[q]] += col[k, dst + q]"]
+    lines += _band_rows(["if 0 <= h < h_in:",
+                         "    for ww in range(w_in):",
+                         "        out[b0 + t, g * cg + c, h, ww] += xp[row0 + pw + ww]"])
     return "\n".join(lines), ("conv2d_input_grad: per group, the weight matrix transposed times tiles of g, "
-                              "its columns added back into the input's places (col2im)")
+                              "the columns added into a padded band and the band into the input's rows (col2im)")
 
 
 def cpu_weight_grad_source(name):
@@ -352,8 +374,8 @@ def cpu_weight_grad_source(name):
               "    for g in range(groups):",
               "        acc[:] = 0.0"]
     lines += _TILE_LOOP + _FILL_COLUMNS + _GATHER_G
-    lines += ["            np.dot(res, col.T, part)",
-              "            acc += part",
+    lines += ["                np.dot(res, col.T, part)",
+              "                acc += part",
               "        for o in range(og):",
               "            for c in range(cg):",
               "                for i in range(kh):",
