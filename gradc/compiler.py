@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 
+from gradc.passes.analysis import index_inputs
 from gradc.passes.entries import ENTRIES
 
 from .errors import GradcError
@@ -78,27 +79,6 @@ def device_options(options, model, dims, memory_budget, src):
         except RowsError as e:
             raise GradcError(f"--microbatches {M}: {e}", e.src or src) from None
     return {"K": K, "M": M, "schedule": schedule, "device_memory": memory, "batch": batch, "reduction": reduction}
-
-
-def label_inputs(graph):
-    """int inputs read as class labels (by `pick` or `softmax_xent`) or as row indices of a table (`take`), with
-    their number of classes or rows (for range checks; an input read by several gets the smallest int bound)."""
-    labels = {}
-    for n in graph.nx.nodes:
-        op = graph.op(n)
-        if op in ("pick", "softmax_xent", "softmax_xent_grad", "take"):
-            x, lab = graph.operands(n)[:2]
-            bound = graph.shape(x)[0 if op == "take" else 1]
-            stack = [lab]
-            while stack:   # through the ops that only move int values
-                u = stack.pop()
-                if graph.op(u) in ("reshape", "slice", "transpose", "concat"):
-                    stack.extend(graph.operands(u))
-                elif graph.op(u) == "input":
-                    name, old = graph.node(u).get("name"), labels.get(graph.node(u).get("name"))
-                    labels[name] = bound if old is None or isinstance(old, str) or (
-                        isinstance(bound, int) and bound < old) else old
-    return labels
 
 
 def fingerprint(model, dtype, dims):
@@ -307,7 +287,7 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     graph = build_training_graph(model, dtype, code_dims, timings, order=order, target=target)
     name = model.name
     info = {"name": name, "version": __version__, "dtype": dtype, "fingerprint": fingerprint(model, dtype, dims),
-            "param_info": model.param_info, "labels": label_inputs(graph), "order": order, "target": target,
+            "param_info": model.param_info, "labels": index_inputs(graph), "order": order, "target": target,
             "source": source or model.src.rsplit(":", 1)[0]}
     t = time.perf_counter()
     graph, partition, info["pipeline"], stage_plans = plan_stages(graph, dims, pipe, target, model)

@@ -37,3 +37,27 @@ def node_flops(graph, n, dims):
     bind = lambda shape: tuple(dims.get(d, d) if isinstance(d, str) else d for d in shape)
     shapes = [bind(graph.shape(u)) for u in node["inputs"]]
     return int(sp.sympify(get_op(node["op"]).flops(node["attrs"], shapes, bind(node["shape"]))))
+
+
+def index_inputs(graph):
+    """int inputs whose values index something (labels into classes, rows of a table: ops whose
+    record has `indexes`), with how many values they may take, so that the module can check
+    them at call time; an input read by several gets the smallest int bound. The ints may reach
+    the op through layout ops (reshape, slice, concat, ...)."""
+    bounds = {}
+    for n in graph.nx.nodes:
+        rule = get_op(graph.op(n)).indexes
+        if rule is None:
+            continue
+        j, bound = rule(graph, n)
+        stack = [graph.operands(n)[j]]
+        while stack:
+            u = stack.pop()
+            if get_op(graph.op(u)).kind == "layout":
+                stack.extend(graph.operands(u))
+            elif graph.op(u) == "input":
+                name = graph.node(u)["name"]
+                old = bounds.get(name)
+                bounds[name] = bound if old is None or isinstance(old, str) or (
+                    isinstance(bound, int) and bound < old) else old
+    return bounds

@@ -43,6 +43,7 @@ class Op:
     rows: Optional[Callable] = None   # (graph, n, ins, fail) -> the batch axis of n (see above)
     cpu: Optional[Callable] = None    # (statement) -> source lines on the CPU target
     cuda: Optional[Callable] = None   # (statement) -> source lines on the CUDA target
+    indexes: Optional[Callable] = None   # (graph, n) -> (operand j, bound): its ints index 0..bound-1
     doc: str = field(default="", compare=False)
 
 

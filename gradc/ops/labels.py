@@ -18,6 +18,11 @@ def _row_wise(graph, n, ins, fail):
     fail("picks across rows")
 
 
+def _label_bound(graph, n):
+    """The labels (operand 1) pick one of the values' columns."""
+    return 1, graph.shape(graph.operands(n)[0])[1]
+
+
 def _lowering(key, source):
     """One kernel per module (it takes every shape), writing the node's buffer."""
     def lower(s):
@@ -80,7 +85,7 @@ def _pick_vjp(ctx, n, g):
 register(Op("pick", "nn", _pick_infer,
             lambda attrs, values, out_shape, dims: np.take_along_axis(values[0], values[1][:, None], 1)[:, 0],
             lambda attrs, in_shapes, out_shape: size(out_shape), vjp=_pick_vjp, arity=2, rows=_row_wise,
-            cpu=_lowering("pick", CPU_PICK), cuda=_lowering("pick", CUDA_PICK),
+            cpu=_lowering("pick", CPU_PICK), cuda=_lowering("pick", CUDA_PICK), indexes=_label_bound,
             doc="out[i] = x[i, labels[i]]"))
 
 
@@ -130,7 +135,7 @@ def _xent_vjp(ctx, n, g):
 
 register(Op("softmax_xent", "nn", _xent_infer, _xent_evaluate,
             lambda attrs, in_shapes, out_shape: 5 * size(in_shapes[0]), vjp=_xent_vjp, arity=2, rows=_row_wise,
-            cpu=_lowering("xent_rows", CPU_XENT_ROWS), cuda=_lowering("xent_rows", CUDA_XENT_ROWS),
+            cpu=_lowering("xent_rows", CPU_XENT_ROWS), cuda=_lowering("xent_rows", CUDA_XENT_ROWS), indexes=_label_bound,
             doc="out[i] = logsumexp(x[i]) - x[i, labels[i]]: the rows' cross-entropy losses"))
 
 
@@ -164,5 +169,5 @@ def _xent_grad_vjp(ctx, n, u):
 
 register(Op("softmax_xent_grad", "nn", _xent_grad_infer, _xent_grad_evaluate,
             lambda attrs, in_shapes, out_shape: 6 * size(out_shape), vjp=_xent_grad_vjp, arity=3,
-            cpu=_lowering("xent_grad", CPU_XENT_GRAD), cuda=_lowering("xent_grad", CUDA_XENT_GRAD),
+            cpu=_lowering("xent_grad", CPU_XENT_GRAD), cuda=_lowering("xent_grad", CUDA_XENT_GRAD), indexes=_label_bound,
             doc="out[i] = (softmax(x[i]) - onehot(labels[i])) * g[i]: softmax_xent's adjoint"))

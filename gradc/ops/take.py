@@ -117,6 +117,7 @@ def _lower_cuda(grad):
 register(Op("take", "nn", _take_infer, _take_evaluate,
             lambda attrs, in_shapes, out_shape: size(out_shape), vjp=_take_vjp, arity=2, rows=take_rows,
             cpu=_lower_cpu(False), cuda=_lower_cuda(False),
+            indexes=lambda graph, n: (1, graph.shape(graph.operands(n)[0])[0]),
             doc="out[i..., :] = table[idx[i...], :]: an embedding lookup"))
 
 
