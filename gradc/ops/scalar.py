@@ -41,7 +41,10 @@ class Relu(_RealFunction):
     nargs = 1
 
     def fdiff(self, argindex=1):
-        return Step(self.args[0])
+        # Step(x) written as Step(relu(x)), the same value everywhere: derivative() reads it as
+        # Step(y), so a backward reads relu's output, which the next layer's backward keeps anyway
+        # (training keeps one value per layer, not the pre-activation too)
+        return Step(Relu(self.args[0]))
 
 
 class Sign(_RealFunction):
