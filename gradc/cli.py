@@ -115,7 +115,7 @@ def cmd_compile(args):
 def cmd_inspect(args):
     from .inspect_build import report
     print(report(args.build, graph=args.graph, memory=args.memory, partition=args.partition, kernels=args.kernels,
-                 ptx_of=args.ptx, run_module=args.run_module))
+                 ptx_of=args.ptx, run_module=args.run_module, layers=args.layers))
     return 0
 
 
@@ -153,6 +153,8 @@ def build_parser():
     i.add_argument("build", metavar="OUT/NAME")
     i.add_argument("--graph", action="store_true", help="every node, by phase")
     i.add_argument("--memory", action="store_true", help="values kept for the backward, with bytes")
+    i.add_argument("--layers", action="store_true", help="each layer's weight and output bytes beside the inference "
+                   "and training peaks (bind the dims at compile time for bytes)")
     i.add_argument("--partition", action="store_true", help="stages, transfers and the pipeline schedule (with --devices K)")
     i.add_argument("--kernels", action="store_true", help="the generated kernels (CUDA: launch grids; registers and "
                    "shared memory with --run-module on a GPU)")

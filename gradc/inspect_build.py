@@ -7,6 +7,7 @@ from collections import Counter
 from .errors import GradcError
 from .files import write_replacing
 from .inspect_kernels import kernel_listing, ptx
+from .inspect_layers import layers_report
 from .inspect_partition import partition_report
 from .sizes import format_size
 
@@ -25,7 +26,8 @@ def _shape(s):
     return f"({inner},)" if len(s) == 1 else f"({inner})"
 
 
-def report(build, graph=False, memory=False, partition=False, kernels=False, ptx_of=None, run_module=False):
+def report(build, graph=False, memory=False, partition=False, kernels=False, ptx_of=None, run_module=False,
+           layers=False):
     """The summary of a build, read from its dumps. Only run_module=True (--run-module) imports the
     build's module, and so runs its code: for registers and PTX from the driver."""
     base, data = _load(build)
@@ -62,6 +64,9 @@ def report(build, graph=False, memory=False, partition=False, kernels=False, ptx
     if memory:
         lines.append("")
         lines += memory_report(base)
+    if layers:
+        lines.append("")
+        lines += layers_report(base, data)
     if partition:
         lines.append("")
         lines += partition_report(base)

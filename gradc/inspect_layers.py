@@ -1,0 +1,88 @@
+"""`gradc inspect OUT/NAME --memory --layers`: each layer's weight and output bytes beside the
+inference and training peaks of the memory plan (seed 004's VGG-16 table, from a compiled graph).
+
+A layer is a forward product with weights or a pooling (an op of kind conv, matmul or pool); its
+weights are the params it reads and those its elementwise successors read (a bias); its output is
+its value (the activation after it has the same size).
+"""
+import json
+import os
+
+import numpy as np
+
+from gradc.ops import get_op
+
+from .sizes import format_size
+
+LAYER_KINDS = ("conv", "matmul", "pool")
+
+
+def _bytes(shape, itemsize):
+    if any(isinstance(d, str) for d in shape):
+        return None
+    return int(np.prod(shape, dtype=np.int64)) * itemsize
+
+
+def _size(b):
+    return "?" if b is None else format_size(b).split(" (")[0]
+
+
+def layer_rows(data):
+    """(label, op, shape, weight bytes, output bytes) per layer, in forward order."""
+    meta = data["graph"]
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    nodes = {n["id"]: n for n in data["nodes"]}
+    operands, users = {n: [] for n in nodes}, {n: [] for n in nodes}
+    for link in sorted(data["links"], key=lambda e: (e["target"], e["index"])):
+        operands[link["target"]].append(link["source"])
+        users[link["source"]].append(link["target"])
+    param_of = {n: node["name"] for n, node in nodes.items() if node["op"] == "param"}
+    rows, pools = [], 0
+    for n in sorted(nodes):
+        node = nodes[n]
+        if node["phase"] != "forward" or get_op(node["op"]).kind not in LAYER_KINDS:
+            continue
+        readers = [u for u in users[n] if nodes[u]["phase"] == "forward" and get_op(nodes[u]["op"]).kind == "elementwise"]
+        weights = []
+        for m in [n] + readers:
+            for u in operands[m]:
+                while get_op(nodes[u]["op"]).kind == "layout" and operands[u]:   # a bias reshaped to broadcast
+                    u = operands[u][0]
+                if u in param_of and u not in weights:
+                    weights.append(u)
+        if weights:
+            label = ", ".join(param_of[u] for u in weights)
+        else:
+            pools += 1
+            label = f"{node['op']} {pools}"
+        weight_bytes = sum(_bytes(nodes[u]["shape"], itemsize) for u in weights)
+        rows.append((label, node["op"], node["shape"], weight_bytes, _bytes(node["shape"], itemsize)))
+    return rows
+
+
+def layers_report(base, data):
+    rows = layer_rows(data)
+    if not rows:
+        return ["layers: none (no conv, matmul or pool in the forward)"]
+    lines = [f"layers ({data['graph']['dtype']}, shapes as compiled):",
+             f"  {'layer (weights)':<22} {'op':<12} {'output shape':<22} {'weights':>12} {'output':>12}"]
+    for label, op, shape, wb, ob in rows:
+        shape_text = "(" + ", ".join(str(d) for d in shape) + ")"
+        lines.append(f"  {label[:22]:<22} {op:<12} {shape_text:<22} {_size(wb):>12} {_size(ob):>12}")
+    outputs = [ob for *_, ob in rows]
+    total_out = None if None in outputs else sum(outputs)
+    lines.append(f"  {'total':<22} {'':<12} {'':<22} {_size(sum(r[3] for r in rows)):>12} {_size(total_out):>12}")
+    path = base + ".memplan.json"
+    if not os.path.isfile(path):
+        return lines + [f"  ({path} not found: no peaks)"]
+    with open(path) as f:
+        plan = json.load(f)
+    entries = plan["entries"]
+    inference = entries.get("forward") or entries.get("forward_loss")
+    kept = sum(t["bytes"] for t in plan["tensors"] if t["retained"]) if plan["peak_bytes"] is not None else None
+    lines += [f"  inference ({'forward' if 'forward' in entries else 'forward_loss'}) peak: "
+              f"{_size(inference['peak_bytes'])}: a layer's input is freed once the layer has read it",
+              f"  training (loss_and_grad) peak: {_size(plan['peak_bytes'])}; kept for the backward: {_size(kept)}",
+              "  (activations only: params, their gradients and optimizer state are held apart)"]
+    return lines
+

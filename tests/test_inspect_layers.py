@@ -1,0 +1,31 @@
+"""Seed 004's VGG-16 memory table from a compiled graph, without running it (issue 15)."""
+import runpy
+import time
+from pathlib import Path
+
+import gradc as gc
+from gradc.inspect_build import _load, report
+from gradc.inspect_layers import layer_rows
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "vgg16.py"
+MIB = 2 ** 20
+
+
+def test_vgg16_table_matches_the_lecture(tmp_path):
+    model = runpy.run_path(str(EXAMPLE))["m"]
+    start = time.perf_counter()
+    gc.compile(model, out=str(tmp_path), bind={"B": 1}, order=1, warm=False)
+    assert time.perf_counter() - start < 60   # passes and codegen in seconds, no kernel compiled
+    base = str(tmp_path / "vgg16")
+    rows = {label.split(",")[0]: (op, wb, ob) for label, op, _, wb, ob in layer_rows(_load(base)[1])}
+    assert len(rows) == 21   # 13 convs, 5 pools, 3 fully connected
+    # the (3x3x64)x128 conv's weights: 288 KiB (the lecture's table says 228 KB), plus its bias
+    assert rows["conv2_1"][1] == 3 * 3 * 64 * 128 * 4 + 128 * 4
+    assert rows["conv1_1"][2] == 64 * 224 * 224 * 4
+    text = report(base, memory=True, layers=True)
+    # inference frees each layer's input once read: the two largest adjacent activations
+    assert "inference (forward) peak: 24.50 MiB" in text
+    kept = float(text.split("kept for the backward: ")[-1].split(" MiB")[0])
+    assert 57.0 < kept < 58.0   # every layer's output, one value per layer (~57.6 MiB at batch 1)
+    peak = float(text.split("training (loss_and_grad) peak: ")[1].split(" MiB")[0])
+    assert kept < peak < kept + 3   # plus little else
