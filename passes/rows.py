@@ -57,8 +57,8 @@ def _track(graph, n, dim, where):
     """Where the batch rows lie in n: leaves declare them; every other op says by its record's
     `rows` rule (gradc/ops), given where they lie in its operands."""
     op, node = graph.op(n), graph.node(n)
-    shape = node["shape"]
-    if op in ("input", "param", "const"):
+    shape, record = node["shape"], get_op(graph.op(n))
+    if record.kind == "leaf":
         if dim in shape[1:]:
             _fail(graph, n, f"has the batch dim {dim!r} on an axis other than the first")
         return 0 if shape and shape[0] == dim else NONE
@@ -67,7 +67,6 @@ def _track(graph, n, dim, where):
         if any(d == dim for d in shape) or (op == "count" and dim in node["attrs"].get("dims", ())):
             _fail(graph, n, f"takes the batch size {dim!r} from no input row")
         return NONE
-    record = get_op(op)
     if record.kind != "elementwise" and any(isinstance(w, tuple) for w in ins):
         _fail(graph, n, "uses the loss after its reduction over rows in a way that is not a sum of scaled terms")
     if record.rows is None:
