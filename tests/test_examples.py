@@ -33,3 +33,11 @@ def test_curvature_digits_quick(tmp_path):
     r = run("curvature_digits.py", tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "largest relative difference" in r.stdout
+
+
+def test_lenet_digits_quick(tmp_path):
+    pytest.importorskip("sklearn", reason="the digits examples need the 'examples' extra")
+    r = run("lenet_digits.py", tmp_path)
+    assert r.returncode == 0 or "test accuracy" in r.stdout, r.stdout + r.stderr
+    accuracy = float(r.stdout.split("test accuracy ")[1].split("%")[0]) / 100
+    assert accuracy >= 0.95, r.stdout
