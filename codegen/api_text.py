@@ -35,7 +35,7 @@ def trainer_head(base):
     """The generated Trainer's first lines: the contract facts its base class reads."""
     return [f"class Trainer({base}):", f"    __doc__ = {base}.__doc__", "    signature = _SIGNATURE",
             "    fingerprint = FINGERPRINT", "    model_name = MODEL_NAME", "    param_order = PARAM_ORDER",
-            "    loss_inputs = _LOSS_INPUTS", "    grad_slices = GRAD_SLICES"]
+            "    loss_inputs = _LOSS_INPUTS", "    grad_slices = GRAD_SLICES", "    rows = _ROWS"]
 
 
 def input_grads_source(g, input_grads, call_src, result, zeros):

@@ -219,6 +219,8 @@ def generate(graph, plans, info):
         out.append(f"_CUDA = CudaRunner(MODEL_NAME, FLOAT, _ARENA_TABLES, {dim_sources!r}, _SCALARS, DATA)")
     else:
         out.append(f"_ARENA = Arena(FLOAT, _ARENA_TABLES, dim_sources={dim_sources!r})")
+    out.append(f"# the batch dim, how the loss reduces it, and the weight decay: how a data-parallel Trainer weights ranks\n"
+               f"_ROWS = {info.get('rows')!r}")
     out.append(f"_LOSS_INPUTS = {inputs_of('_forward_loss')!r}")
     out.append(f"_OUTPUT_INPUTS = {inputs_of('_forward') if outputs else ()!r}")
     if order == 2:

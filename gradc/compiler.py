@@ -248,6 +248,26 @@ def plan_pipeline(graph, dims, pipe, model):
             "batch_inputs": batch_inputs, "weight_decay": model.weight_decay, "decayed": decayed}, plans
 
 
+def rows_facts(model, graph, pipe):
+    """What a data-parallel Trainer needs to weight each rank's gradients (DESIGN.md §1.10): the batch
+    dim, how the loss reduces it ("mean", "sum", or None with the reason), the inputs that carry it,
+    and the weight decay term (which every rank's objective holds once)."""
+    from gradc.passes.rows import RowsError, batch_dim, loss_reduction
+
+    trainable = [p for p in graph.params if model.param_info[p]["trainable"]]
+    facts = {"batch": None, "reduction": None, "why": None, "batch_inputs": (),
+             "weight_decay": model.weight_decay,
+             "decayed": tuple(p for p in trainable if model.param_info[p]["decay"]) if model.weight_decay else ()}
+    try:
+        facts["batch"] = batch = pipe["batch"] or batch_dim(model.graph)
+        facts["reduction"] = pipe["reduction"] or loss_reduction(model.graph, batch)
+    except RowsError as e:
+        facts["why"] = f"{e.src + ': ' if e.src else ''}{e}"
+    if facts["batch"] is not None:
+        facts["batch_inputs"] = tuple(name for name, n in graph.inputs.items() if graph.shape(n)[:1] == (facts["batch"],))
+    return facts
+
+
 def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bind=None, warm_cache=True,
                   timings=None, source=None, memory_budget=None, notes=None, **later_options):
     """Compile `model` into OUT/NAME.py (plus dumps) and return the imported module.
@@ -292,6 +312,7 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     t = time.perf_counter()
     graph, partition, info["pipeline"], stage_plans = plan_stages(graph, dims, pipe, target, model)
     info["partition"] = partition
+    info["rows"] = rows_facts(model, graph, pipe)
     timings["partition"] = time.perf_counter() - t
     t = time.perf_counter()
     budget = resolve_budget(graph, memory_budget, model.src)

@@ -163,6 +163,14 @@ class Pipeline:
             self._comm = comm
         return self._comm
 
+    def attach(self, comm):
+        """Run the stages over `comm` (one stage a rank), or in this process (None): a data-parallel
+        Trainer gives each replica's pipeline a communicator of its own."""
+        if comm is not None and comm.Get_size() != self.K:
+            raise RuntimeError(f"this module was compiled for {self.K} stages, but its pipeline group has "
+                               f"{comm.Get_size()} ranks")
+        self._comm = comm
+
     def owned(self, grads):
         """The gradients this process answers for: all of them, or under MPI its own params'."""
         comm = self.comm
@@ -199,23 +207,27 @@ class Pipeline:
         weights = [(b - a) / B if self.reduction == "mean" else 1.0 for a, b in zip(bounds[:-1], bounds[1:])]
         return micro, weights
 
-    def loss_and_grad(self, params, inputs, grads):
-        """The objective; its gradients are added into the flat `grads` (zeroed here)."""
+    def loss_and_grad(self, params, inputs, grads, decay_once=True, on_ready=None):
+        """The objective; its gradients are added into the flat `grads` (zeroed here). Without
+        `decay_once` the weight decay term stays counted `self.weight_sum` times (a data-parallel
+        Trainer corrects it once for all ranks); on_ready(stage) is called when the gradients of a
+        stage's params are final (here, or under MPI on this rank's stage)."""
         micro, weights = self.split(inputs)
+        self.weight_sum = float(sum(weights))
         comm = self.comm
         self.memory.begin_step(self.K, spread=comm is None)
         self.memory.zero(grads)
         if comm is None:
-            loss = self._run(self.order, params, micro, weights, grads, None)
+            loss = self._run(self.order, params, micro, weights, grads, None, on_ready)
         else:
             rank = comm.Get_rank()
             params, sent = self._exchange_params(comm, rank, params)
             order = [(rank, op, m) for op, m in stage_orders(self.schedule, self.K, self.M)[rank]]
-            loss = self._run(order, params, micro, weights, grads, comm)
+            loss = self._run(order, params, micro, weights, grads, comm, on_ready)
             loss = comm.bcast(loss, root=self.objective_stage)
             for request in sent:
                 request.wait()
-        return loss + self._decay_once(params, weights, grads)
+        return loss + self._decay_once(params, weights, grads) if decay_once else loss
 
     def _exchange_params(self, comm, rank, params):
         """Params read on other stages go there from the stage that owns (and updates) them."""
@@ -243,10 +255,11 @@ class Pipeline:
             squares += self.memory.squares(params[name])
         return extra * 0.5 * self.weight_decay * self.allreduce(squares)
 
-    def _run(self, order, params, micro, weights, grads, comm):
+    def _run(self, order, params, micro, weights, grads, comm, on_ready=None):
         """Run `order`'s (stage, op, microbatch) and return this process's share of the loss."""
         values, loss, sent = {}, 0.0, []
-        for k, kind, m in order:
+        last_backward = {k: i for i, (k, kind, _) in enumerate(order) if kind == "B"}
+        for i, (k, kind, m) in enumerate(order):
             fn, fname, spec, roots = self.functions[(k, kind)]
             args = []
             for what, key in spec:
@@ -277,6 +290,8 @@ class Pipeline:
                     values.pop((node, m), None)
             for node in self.drop_after.get((k, kind), ()):
                 values.pop((node, m), None)
+            if on_ready is not None and last_backward.get(k) == i:
+                on_ready(k)
         for request in sent:
             request.wait()
         return loss

