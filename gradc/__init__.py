@@ -9,7 +9,7 @@ from .errors import GradcError
 from .dsl import (Model, Tensor, exp, log, tanh, sigmoid, relu, softplus, gelu, sin, cos, sqrt, square,
                   abs, maximum, matmul, sum, mean, max, reshape, transpose, softmax, log_softmax,
                   softmax_cross_entropy, mse, elementwise, conv2d, max_pool2d, avg_pool2d)
-from .dsl import concat, stack, take, dropout, gaussian_noise
+from .dsl import concat, stack, take, dropout, gaussian_noise, scan
 
 
 def compile(model, **options):
@@ -30,4 +30,4 @@ def compile(model, **options):
 __all__ = ["Model", "Tensor", "GradcError", "compile", "exp", "log", "tanh", "sigmoid", "relu", "softplus",
            "gelu", "sin", "cos", "sqrt", "square", "abs", "maximum", "matmul", "sum", "mean", "max", "reshape",
            "transpose", "softmax", "log_softmax", "softmax_cross_entropy", "mse", "elementwise", "conv2d", "max_pool2d", "avg_pool2d",
-           "concat", "stack", "take", "dropout", "gaussian_noise", "__version__"]
+           "concat", "stack", "take", "dropout", "gaussian_noise", "scan", "__version__"]

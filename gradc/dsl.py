@@ -147,10 +147,22 @@ def _shape_or_fail(what, shape, src):
 
 
 def _model_of(op, values, src):
+    """The model the op is recorded in: inside a scan's step, the step's body (the innermost model
+    among the operands); values of the models around it are captured there as closed-over values."""
+    found = None
     for v in values:
-        if isinstance(v, Tensor):
-            return v.model
-    raise GradcError(f"{op}: needs at least one gradc Tensor operand", src)
+        if isinstance(v, Tensor) and (found is None or _depth(v.model) > _depth(found)):
+            found = v.model
+    if found is None:
+        raise GradcError(f"{op}: needs at least one gradc Tensor operand", src)
+    return found
+
+
+def _depth(model):
+    d = 0
+    while getattr(model, "parent", None) is not None:
+        model, d = model.parent, d + 1
+    return d
 
 
 def _op(op, *operands, src=None, **attrs):
@@ -604,3 +616,181 @@ def gaussian_noise(x, std, seed):
     noise = x.model._apply("random", (seed,), src, dist="normal", p=0.0, stream=stream, shape=x.shape,
                            dtype="float")
     return x.model._apply("add", (x, x.model._apply("mul", (noise, float(std)), src)), src)
+
+
+# ---- recurrence: gc.scan (DESIGN.md §1.8) ------------------------------------------------------
+class _Body(Model):
+    """The model a scan's step is traced in: a sub-graph whose leaves are the carries, the slices
+    and the values of the models around it that the step reads (captured on first use)."""
+
+    def __init__(self, parent, name, src):
+        self.name = name
+        self.src = src
+        self.parent = parent
+        self.graph = Graph(name)
+        self.param_info = {}
+        self.captured = {}     # node of the parent model -> placeholder here
+        self.closed_over = []  # parent nodes, in the order of their placeholders
+        self.done = False
+
+    def _check_open(self, op, src):
+        if self.done:
+            raise GradcError(f"{op}: a value computed inside the step of gc.scan at {self.src} is used outside it "
+                             f"(return it as part of the carry or of y)", src)
+
+    def _node(self, value, op, src):
+        self._check_open(op, src)
+        if isinstance(value, Tensor) and value.model is not self:
+            outer, m = value.model, self.parent
+            while m is not None and m is not outer:
+                m = getattr(m, "parent", None)
+            if m is None:
+                raise GradcError(f"{op}: a tensor of model {value.model.name!r} is used in the step of a scan of "
+                                 f"model {self.parent.name!r}", src)
+            return self._capture(self.parent._node(value, op, src))
+        if isinstance(value, np.ndarray):   # constant arrays live outside the loop, closed over
+            return self._capture(self.parent._node(value, op, src))
+        return super()._node(value, op, src)
+
+    def _apply(self, op, operands, src, **attrs):
+        self._check_open(op, src)
+        return super()._apply(op, operands, src, **attrs)
+
+    def _capture(self, outer):
+        if outer not in self.captured:
+            g = self.parent.graph
+            name = f"k{len(self.closed_over)}"
+            leaf = self.graph.apply("input", attrs={"shape": g.shape(outer), "dtype": g.dtype(outer)},
+                                    src=g.node(outer)["src"], name=name)
+            self.graph.inputs[name] = leaf
+            self.captured[outer] = leaf
+            self.closed_over.append(outer)
+        return self.captured[outer]
+
+    def input(self, *a, **k):
+        raise GradcError("declare inputs on the model, not inside a scan's step", user_src())
+
+    param = output = minimize = input
+
+
+def _tensors(what, value, model_hint, src):
+    """A Tensor or a tuple/list of them (numbers and arrays become constants): (list, was_tuple)."""
+    if isinstance(value, (tuple, list)):
+        items, many = list(value), True
+    else:
+        items, many = [value], False
+    if not items:
+        raise GradcError(f"scan: {what} is an empty tuple", src)
+    return items, many
+
+
+def scan(step, init, xs, reverse=False):
+    """carry, ys = gc.scan(step, init, xs), as jax.lax.scan: step(carry, x_t) -> (new_carry, y_t).
+
+    init: a Tensor or a tuple of them (float); xs: a Tensor or tuple scanned along axis 0 (their
+    length may be symbolic); y_t a Tensor, a tuple of them, or None; ys stacks the y_t on axis 0.
+    Params and other tensors of the model are closed over. The step is traced once into a body
+    sub-graph: code size and compile time do not grow with the length. reverse=True runs the
+    steps from the last to the first (ys[t] is still step t's output)."""
+    src = user_src()
+    if not callable(step):
+        raise GradcError(f"scan: step must be a function step(carry, x) -> (carry, y), got {type(step).__name__}", src)
+    inits, init_many = _tensors("init", init, None, src)
+    seqs, xs_many = _tensors("xs", xs, None, src)
+    model = _model_of("scan", inits + seqs, src)
+    inits = [v if isinstance(v, Tensor) else Tensor(model, model._node(v, "scan", src)) for v in inits]
+    seqs = [v if isinstance(v, Tensor) else Tensor(model, model._node(v, "scan", src)) for v in seqs]
+    g = model.graph
+    for j, c in enumerate(inits):
+        if c.model is not model:
+            c = Tensor(model, model._node(c, "scan", src))
+            inits[j] = c
+        if not c.dtype.startswith("float"):
+            raise GradcError(f"scan: init carry {j} has dtype {c.dtype}; carries must be float", src)
+    length = None
+    for j, x in enumerate(seqs):
+        if x.model is not model:
+            seqs[j] = x = Tensor(model, model._node(x, "scan", src))
+        if x.ndim < 1:
+            raise GradcError(f"scan: xs {j} is a scalar; sequences are scanned along axis 0", src)
+        if length is None:
+            length = x.shape[0]
+        elif x.shape[0] != length:
+            raise GradcError(f"scan: the sequences differ in length along axis 0: {fmt(seqs[0].shape)} and "
+                             f"{fmt(x.shape)}", src)
+    where = getattr(step, "__code__", None)
+    step_src = f"{where.co_filename.rsplit('/', 1)[-1]}:{where.co_firstlineno}" if where else src
+    body = _Body(model, f"{model.name}_scan{len([n for n in g.nx.nodes if g.op(n) == 'scan'])}", src)
+    bg = body.graph
+    carry_args = []
+    for k, c in enumerate(inits):
+        leaf = bg.apply("input", attrs={"shape": c.shape or (1,), "dtype": c.dtype}, src=src, name=f"c{k}")
+        bg.inputs[f"c{k}"] = leaf
+        t = Tensor(body, leaf)
+        carry_args.append(t if c.shape else Tensor(body, bg.apply("reshape", [leaf], {"shape": ()}, src=src)))
+    x_args = []
+    for j, x in enumerate(seqs):
+        leaf = bg.apply("input", attrs={"shape": x.shape[1:], "dtype": x.dtype}, src=src, name=f"x{j}")
+        bg.inputs[f"x{j}"] = leaf
+        x_args.append(Tensor(body, leaf))
+    try:
+        out = step(tuple(carry_args) if init_many else carry_args[0], tuple(x_args) if xs_many else x_args[0])
+    finally:
+        body.done = True
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise GradcError(f"scan: the step {getattr(step, '__name__', 'step')} ({step_src}) must return "
+                         f"(new_carry, y), got {type(out).__name__}" +
+                         (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""), src)
+    new, ys = out
+    news = list(new) if isinstance(new, (tuple, list)) else [new]
+    if isinstance(new, (tuple, list)) != init_many or len(news) != len(inits):
+        raise GradcError(f"scan: the step ({step_src}) returns a carry of {len(news)} tensor(s)"
+                         f"{' in a tuple' if isinstance(new, (tuple, list)) else ''} for an init of {len(inits)}"
+                         f"{' in a tuple' if init_many else ''}; the carry must keep its structure", src)
+    body.done = False
+    outputs = []
+    try:
+        for k, (c, v) in enumerate(zip(inits, news)):
+            if not isinstance(v, Tensor):
+                raise GradcError(f"scan: the step ({step_src}) returns a {type(v).__name__} as carry {k}; "
+                                 f"return a tensor", src)
+            node = body._node(v, "scan", src)
+            if bg.shape(node) != c.shape or bg.dtype(node) != c.dtype:
+                raise GradcError(f"scan: the step ({step_src}) returns carry {k} as {fmt(bg.shape(node))} "
+                                 f"{bg.dtype(node)}, but init is {fmt(c.shape)} {c.dtype}; a carry keeps its "
+                                 f"shape and dtype", src)
+            outputs.append(node if c.shape else bg.apply("reshape", [node], {"shape": (1,)}, src=src))
+        y_items = [] if ys is None else (list(ys) if isinstance(ys, (tuple, list)) else [ys])
+        y_shapes = []
+        for m, y in enumerate(y_items):
+            if not isinstance(y, Tensor):
+                raise GradcError(f"scan: the step ({step_src}) returns a {type(y).__name__} as y {m}; return "
+                                 f"a tensor, a tuple of them or None", src)
+            node = body._node(y, "scan", src)
+            y_shapes.append(bg.shape(node))
+            outputs.append(node if bg.shape(node) else bg.apply("reshape", [node], {"shape": (1,)}, src=src))
+    finally:
+        body.done = True
+    for i, o in enumerate(outputs):
+        bg.outputs[f"o{i}"] = o
+    from gradc.passes.simplify import eliminate_dead
+    eliminate_dead(bg)
+    operands = [c.node for c in inits] + [x.node for x in seqs] + list(body.closed_over)
+    token = g.apply("scan", operands, {"body": bg, "carries": len(inits), "xs": len(seqs), "reverse": bool(reverse)},
+                    src=src)
+    from .ops.scan import FINAL, YS, result
+
+    def emit(op, inputs, **attrs):
+        return g.apply(op, inputs, attrs, src=src)
+
+    finals = []
+    for k, c in enumerate(inits):
+        r = result(g, token, FINAL, k, emit)
+        finals.append(Tensor(model, r if c.shape else emit("reshape", [r], shape=())))
+    stacked = []
+    for m, shape in enumerate(y_shapes):
+        r = result(g, token, YS, m, emit)
+        stacked.append(Tensor(model, r if shape else emit("reshape", [r], shape=(length,))))
+    carry_out = tuple(finals) if init_many else finals[0]
+    ys_out = None if ys is None else tuple(stacked) if isinstance(ys, (tuple, list)) else stacked[0]
+    return carry_out, ys_out

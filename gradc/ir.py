@@ -34,6 +34,7 @@ class Graph:
         self.input_grads = {}   # float input name -> adjoint node, None when it is zero
         self.tangents = {}      # trainable param name -> its tangent leaf v_p (second order)
         self.hvps = {}          # trainable param name -> (H v)_p node, None when it is zero
+        self.lr = None          # the likelihood-ratio estimate (passes/likelihood_ratio.py): its tables, or why not
         self.pin = None         # (stage, src) the DSL's `with m.stage(i):` gives the nodes it makes
         self.merged = {}        # node -> the node that took its value over (CSE, fusion): where its `of` lands
 
@@ -81,7 +82,7 @@ class Graph:
         self.merged[old] = new
         for user in list(self.users(old)):
             self.set_operands(user, [new if u == old else u for u in self.operands(user)])
-        for table in (self.outputs, self.grads, self.input_grads, self.hvps):
+        for table in (self.outputs, self.grads, self.input_grads, self.hvps, self.lr_grads):
             for k, v in table.items():
                 if v == old:
                     table[k] = new
@@ -98,6 +99,25 @@ class Graph:
         while n not in self.nx and n in self.merged:
             n = self.merged[n]
         return n if n in self.nx else None
+
+    def __repr__(self):
+        """Content, not identity (a body in a node's attrs is part of the model's fingerprint)."""
+        import hashlib
+        h = hashlib.sha256()
+        for n in self.topo_order():
+            d = self.nx.nodes[n]
+            h.update(f"{n}|{d['op']}|{d['inputs']}|{d['shape']}|{d['dtype']}|{d.get('name')}|{sorted(d['attrs'].items(), key=str)}".encode())
+        h.update(f"{list(self.inputs.items())}|{list(self.outputs.items())}".encode())
+        return f"<Graph {self.name}: {len(self)} nodes {h.hexdigest()[:16]}>"
+
+    def bodies(self):
+        """The sub-graphs in node attrs (scan bodies), nested ones too, innermost first."""
+        found = []
+        for n in self.topo_order():
+            for v in self.nx.nodes[n]["attrs"].values():
+                if isinstance(v, Graph):
+                    found += v.bodies() + [v]
+        return found
 
     # ---- reading --------------------------------------------------------------------------
     def __contains__(self, n):
@@ -140,7 +160,13 @@ class Graph:
         out += [v for v in self.grads.values() if v is not None]
         out += [v for v in self.input_grads.values() if v is not None]
         out += [v for v in self.hvps.values() if v is not None]
+        out += [v for v in self.lr_grads.values() if v is not None]
         return list(dict.fromkeys(out))
+
+    @property
+    def lr_grads(self):
+        """trainable param name -> the node of its likelihood-ratio estimate ({} when not built)."""
+        return self.lr["grads"] if self.lr and "grads" in self.lr else {}
 
     def topo_order(self, nodes=None):
         """Iterative topological order (no recursion limit), ties broken by node id."""

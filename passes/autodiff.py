@@ -60,27 +60,44 @@ def accumulate(graph, contributions, phase, src, of=None):
     return total
 
 
-def differentiate(graph, objective, wrt, phase="backward"):
-    """Adjoint node of `objective` for each node in `wrt`; None where it is zero."""
+def differentiate(graph, objective, wrt, phase="backward", seeds=None):
+    """Adjoint node of `objective` for each node in `wrt`; None where it is zero.
+
+    seeds: instead of an objective, (node, adjoint) pairs to start from (a scan's backward body).
+    A region with several results (a scan, gradc/ops/scan.py) gets the adjoint of each of its
+    `project` nodes (by their attrs["index"]) in one dict."""
     wrt = set(wrt)
-    needed = graph.ancestors([objective])
+    if seeds is None:
+        seeds = [(objective, graph.apply("const", attrs={"value": 1.0, "shape": (), "dtype": graph.dtype(objective)},
+                                         phase=phase, src=graph.node(objective)["src"], of=objective))]
+    needed = graph.ancestors([n for n, _ in seeds])
     active = set()
     for n in graph.topo_order(needed):
         if n in wrt or any(u in active for u in graph.operands(n)):
             active.add(n)
-    adjoints = {objective: [graph.apply("const", attrs={"value": 1.0, "shape": (), "dtype": graph.dtype(objective)},
-                                        phase=phase, src=graph.node(objective)["src"], of=objective)]}
+    adjoints = {}
+    for n, a in seeds:
+        adjoints.setdefault(n, []).append(a)
+    projected = {}   # region -> {result index: adjoint}
     result = {}
     for n in reversed(graph.topo_order(active)):
+        record = get_op(graph.op(n))
         contributions = adjoints.pop(n, None)
-        if not contributions:
-            continue
         src = graph.node(n)["src"]
-        g = accumulate(graph, contributions, phase, src, of=n)
+        if record.kind == "region":
+            g = projected.pop(n, None)
+            if not g:
+                continue
+        else:
+            if not contributions:
+                continue
+            g = accumulate(graph, contributions, phase, src, of=n)
         if n in wrt:
             result[n] = g
-        record = get_op(graph.op(n))
         if record.kind == "leaf":
+            continue
+        if record.kind == "project":
+            projected.setdefault(graph.operands(n)[0], {})[graph.attrs(n)["index"]] = g
             continue
         if record.vjp is None:
             from gradc.errors import GradcError

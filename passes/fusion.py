@@ -78,6 +78,13 @@ def split_second_order_uses(graph):
 
 
 def fuse_elementwise(graph):
+    """Also inside scan bodies: a step's chain of elementwise ops is one loop too."""
+    for body in graph.bodies():
+        _fuse(body)
+    return _fuse(graph)
+
+
+def _fuse(graph):
     roots = set(graph.roots())
     changed = False
     for n in graph.topo_order():

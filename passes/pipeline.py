@@ -34,6 +34,11 @@ def bind(graph, dtype, dims, src):
         if d.startswith("float") and d != "float" and d != dtype:
             raise GradcError(f"input {name!r} is declared {d} but the model is compiled for {dtype} "
                              f"(declare it with dtype=None, or compile with --dtype {d})", graph.node(n)["src"])
+    for g in [graph] + graph.bodies():
+        _bind_nodes(g, dtype, dims)
+
+
+def _bind_nodes(graph, dtype, dims):
     for n in graph.nx.nodes:
         node = graph.node(n)
         if node["dtype"].startswith("float"):
@@ -52,6 +57,8 @@ def bind(graph, dtype, dims, src):
 def constants_in_dtype(graph, dtype):
     """Array constants take the build's float dtype, converted once here (folding works in float64):
     a float64 array in a float32 kernel would not type. One that does not fit the dtype is refused."""
+    for g in graph.bodies():
+        constants_in_dtype(g, dtype)
     for n in graph.nx.nodes:
         if graph.op(n) != "const" or np.ndim(graph.attrs(n)["value"]) == 0:
             continue

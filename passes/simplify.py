@@ -88,7 +88,7 @@ def fold_constants(graph):
             continue
         if op == "count" and any(isinstance(d, str) for d in graph.attrs(n)["dims"]):
             continue
-        if not all(graph.op(u) == "const" for u in ins):
+        if not all(graph.op(u) == "const" for u in ins) or get_op(op).kind in ("region", "project"):
             continue
         if _bigger_than_operands(graph, n, ins):
             continue   # a stretched constant stays a node: fusion turns it into a literal instead
@@ -139,6 +139,13 @@ def eliminate_dead(graph, roots=None):
 
 
 def simplify(graph):
+    """Also inside scan bodies (their outputs are their roots)."""
+    for body in graph.bodies():
+        _simplify(body)
+    _simplify(graph)
+
+
+def _simplify(graph):
     for _ in range(10):
         changed = apply_identities(graph)
         changed |= fold_constants(graph)

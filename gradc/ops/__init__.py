@@ -33,7 +33,7 @@ import sympy as sp
 @dataclass(frozen=True)
 class Op:
     name: str
-    kind: str                 # leaf | elementwise | matmul | layout | reduce | nn
+    kind: str                 # leaf | elementwise | matmul | layout | reduce | nn | region | project
     infer: Callable           # (attrs, shapes, dtypes) -> (shape, dtype); raises ShapeError
     evaluate: Callable        # (attrs, values, out_shape) -> ndarray (numpy reference)
     flops: Callable           # (attrs, in_shapes, out_shape) -> int or sympy expression
@@ -65,4 +65,4 @@ def get_op(name):
         raise GradcError(f"unknown op {name!r}") from None
 
 
-from . import leaf, elementwise, layout, matmul, reduce, softmax, labels, conv, pool, index, concat, take, batch_matmul, random  # noqa: E402,F401  (registers the built-ins)
+from . import leaf, elementwise, layout, matmul, reduce, softmax, labels, conv, pool, index, concat, take, batch_matmul, random, scan  # noqa: E402,F401  (registers the built-ins)

@@ -1,0 +1,411 @@
+"""gc.scan as an op with a body (DESIGN.md §1.8): `scan` runs a sub-graph once per step, `scan_out`
+names one of its results.
+
+A `scan` node is a region: attrs["body"] is a gradc.ir.Graph whose inputs (placeholder leaves, in
+this order) are the K carries, the X per-step slices and the closed-over values, and whose outputs
+are the K new carries, then the M per-step outputs y_t. The scan node's operands are the values
+those leaves stand for: the K initial carries, the X stacked sequences (T, ...) and the closed-over
+outer values, so the outer graph's edges stay complete. The node itself is a token of shape ();
+its results are `scan_out` nodes (attrs index, shape, dtype), which the scan's statement writes:
+
+    index 0..K-1          the final carries
+    K..K+M-1              the ys, stacked on axis 0 (T, ...), ys[t] the output of step t
+    K+M..2K+M-1           the carry stacks: stack[t] the carry step t reads
+    2K+M..3K+M-1          the out stacks: ostack[t] the carry step t writes
+
+A reverse scan runs t = T-1 .. 0 (as jax.lax.scan(reverse=True)); stacks are indexed by t either
+way. Carries and ys have rank >= 1 (the DSL and the VJP wrap scalars as (1,)).
+
+The VJP of a scan is a scan the other way round whose body is the step's VJP (built by
+passes/autodiff.py on a copy of the body): its carries are the adjoints of the carries and the
+running sums of the closed-over values' gradients, its slices the saved stacks, the slices, and
+the adjoints of the ys and stacks. The backward body reads the carry each step wrote from the out
+stack instead of computing it again. Since that body is built of registered ops too, its own VJP
+is one more scan: HVPs go through scans.
+"""
+import copy
+
+import numpy as np
+import sympy as sp
+
+from . import Op, get_op, register
+from ..errors import ShapeError
+from ..shapes import fmt, size
+
+FINAL, YS, STACK, OSTACK = "final", "ys", "stack", "ostack"
+
+
+def parts(attrs):
+    """(body, leaves, outputs, K, X, C, M): the body, its placeholder leaves and outputs in order."""
+    body = attrs["body"]
+    leaves, outputs = list(body.inputs.values()), list(body.outputs.values())
+    K, X = attrs["carries"], attrs["xs"]
+    return body, leaves, outputs, K, X, len(leaves) - K - X, len(outputs) - K
+
+
+def index_of(attrs, kind, i):
+    _, _, _, K, _, _, M = parts(attrs)
+    return {FINAL: 0, YS: K, STACK: K + M, OSTACK: 2 * K + M}[kind] + i
+
+
+def kind_of(attrs, index):
+    _, _, _, K, _, _, M = parts(attrs)
+    for kind, start, count in ((FINAL, 0, K), (YS, K, M), (STACK, K + M, K), (OSTACK, 2 * K + M, K)):
+        if start <= index < start + count:
+            return kind, index - start
+    raise ValueError(f"scan has no result {index}")
+
+
+def result_type(attrs, index, length):
+    """(shape, dtype) of result `index` of a scan whose sequences have `length` steps."""
+    body, leaves, outputs, K, _, _, _ = parts(attrs)
+    kind, i = kind_of(attrs, index)
+    node = outputs[K + i] if kind == YS else outputs[i]
+    shape = tuple(body.shape(node))
+    return (shape if kind == FINAL else (length,) + shape), body.dtype(node)
+
+
+def _scan_infer(attrs, shapes, dtypes):
+    body, leaves, outputs, K, X, C, M = parts(attrs)
+    if X < 1:
+        raise ShapeError("a scan needs at least one sequence to scan over")
+    if len(shapes) != len(leaves):
+        raise ShapeError(f"the body has {len(leaves)} leaves, the scan {len(shapes)} operands")
+    for j, (leaf, shape, dtype) in enumerate(zip(leaves, shapes, dtypes)):
+        want = shape[1:] if K <= j < K + X else shape
+        if tuple(body.shape(leaf)) != tuple(want) or body.dtype(leaf) != dtype:
+            raise ShapeError(f"operand {j} {fmt(shape)} {dtype} does not match the body's leaf "
+                             f"{fmt(body.shape(leaf))} {body.dtype(leaf)}")
+    lengths = {shapes[j][0] for j in range(K, K + X)}
+    if len(lengths) > 1:
+        raise ShapeError(f"the scanned sequences differ in length: {', '.join(map(str, lengths))}")
+    for k in range(K):
+        out = outputs[k]
+        if tuple(body.shape(out)) != tuple(shapes[k]) or body.dtype(out) != dtypes[k]:
+            raise ShapeError(f"carry {k}: the step returns {fmt(body.shape(out))} {body.dtype(out)} for a carry of "
+                             f"{fmt(shapes[k])} {dtypes[k]}")
+    for o in outputs:
+        if body.shape(o) == ():
+            raise ShapeError("carries and per-step outputs of a scan node have rank >= 1")
+    return (), dtypes[0]
+
+
+def _scan_length(attrs, values):
+    _, _, _, K, X, _, _ = parts(attrs)
+    return np.shape(values[K])[0]
+
+
+def run(attrs, values, dims=None):
+    """The results of a scan (a tuple in result order), by the numpy interpreter, T times."""
+    from ..interpret import evaluate
+    body, leaves, outputs, K, X, C, M = parts(attrs)
+    names = list(body.inputs)
+    T = _scan_length(attrs, values)
+    floats = [np.asarray(v).dtype for v in values if np.asarray(v).dtype.kind == "f"]
+    dtype = floats[0] if floats else np.float64
+    carries = [np.asarray(v) for v in values[:K]]
+    xs, closed = values[K:K + X], values[K + X:]
+    bound = dict(dims or {})
+    for leaf, v in zip(leaves, values):
+        for d, actual in zip(body.shape(leaf), np.shape(v)[1:] if leaves.index(leaf) in range(K, K + X) else np.shape(v)):
+            if isinstance(d, str):
+                bound[d] = actual
+    shape_of = lambda n: tuple(bound.get(d, d) if isinstance(d, str) else d for d in body.shape(n))
+    ys = [np.zeros((T,) + shape_of(outputs[K + m]), dtype) for m in range(M)]
+    stacks = [np.zeros((T,) + c.shape, dtype) for c in carries]
+    ostacks = [np.zeros((T,) + c.shape, dtype) for c in carries]
+    for t in (range(T - 1, -1, -1) if attrs.get("reverse") else range(T)):
+        inputs = dict(zip(names, carries + [np.asarray(x)[t] for x in xs] + list(closed)))
+        got = evaluate(body, {}, inputs, list(dict.fromkeys(outputs)), dtype=dtype)
+        for k in range(K):
+            stacks[k][t] = carries[k]
+        carries = [np.asarray(got[o], dtype=dtype).copy() for o in outputs[:K]]
+        for k in range(K):
+            ostacks[k][t] = carries[k]
+        for m in range(M):
+            ys[m][t] = got[outputs[K + m]]
+    return tuple(carries + ys + stacks + ostacks)
+
+
+def _scan_evaluate(attrs, values, out_shape, dims):
+    token = np.empty((), dtype=object)
+    token[()] = run(attrs, values, dims)
+    return token
+
+
+def body_flops(body):
+    total = sp.Integer(0)
+    for n in body.nx.nodes:
+        node = body.node(n)
+        total += sp.sympify(get_op(node["op"]).flops(node["attrs"], [body.shape(u) for u in node["inputs"]],
+                                                     node["shape"]))
+    return total
+
+
+def _scan_flops(attrs, in_shapes, out_shape):
+    _, _, _, K, _, _, _ = parts(attrs)
+    return sp.sympify(size(in_shapes[K][:1])) * body_flops(attrs["body"])
+
+
+# ---- results ---------------------------------------------------------------------------------
+def _out_infer(attrs, shapes, dtypes):
+    if shapes != [()]:
+        raise ShapeError("scan_out reads one scan node")
+    return tuple(attrs["shape"]), attrs["dtype"]
+
+
+def _out_evaluate(attrs, values, out_shape, dims):
+    return np.asarray(values[0][()][attrs["index"]])
+
+
+def result(graph, n, kind, i, emit):
+    """The scan_out node of result (kind, i) of scan n: the one there is, or a new one made by `emit`."""
+    attrs = graph.attrs(n)
+    index = index_of(attrs, kind, i)
+    for u in graph.users(n):
+        if graph.op(u) == "scan_out" and graph.attrs(u)["index"] == index:
+            return u
+    _, _, _, K, _, _, _ = parts(attrs)
+    shape, dtype = result_type(attrs, index, graph.shape(graph.operands(n)[K])[0])
+    return emit("scan_out", [n], index=index, shape=shape, dtype=dtype)
+
+
+# ---- the VJP: a scan the other way round --------------------------------------------------------
+def _placeholder(body, name, shape, dtype, src):
+    n = body.apply("input", attrs={"shape": tuple(shape), "dtype": dtype}, src=src, name=name)
+    body.inputs[name] = n
+    return n
+
+
+def _zeros(graph, shape, dtype, src, phase="forward"):
+    z = graph.apply("const", attrs={"value": 0.0, "shape": (), "dtype": dtype}, src=src, phase=phase)
+    return graph.apply("broadcast_to", [z], {"shape": tuple(shape)}, src=src, phase=phase) if shape else z
+
+
+def backward_body(attrs, needs, present, src):
+    """The body of the VJP scan of a scan with `attrs`.
+
+    needs: per operand of the scan, whether its adjoint is wanted; present: which adjoints of the
+    results are given ({(kind, i)}). Returns (body, K', X', layout) where layout lists what each
+    leaf of the new body stands for (("lam", k), ("acc", j), ("stack", k), ("ostack", k), ("x", j),
+    (YS, m), (STACK, k), (OSTACK, k), ("closed", j)) and what each output is (("dcarry", k),
+    ("dclosed", j), ("dx", j))."""
+    from gradc.passes.autodiff import differentiate
+    fbody, fleaves, fouts, K, X, C, M = parts(attrs)
+    bw = copy.deepcopy(fbody)
+    bw.name = fbody.name + "_vjp"
+    old_inputs = list(bw.inputs.items())
+    bw.inputs, bw.outputs = {}, {}
+    carries_in = [n for _, n in old_inputs[:K]]
+    x_in = [n for _, n in old_inputs[K:K + X]]
+    closed_in = [n for _, n in old_inputs[K + X:]]
+    out_carry, out_y = fouts[:K], fouts[K:]
+    diff_closed = [j for j in range(C) if needs[K + X + j] and bw.dtype(closed_in[j]).startswith("float")]
+    diff_x = [j for j in range(X) if needs[K + j] and bw.dtype(x_in[j]).startswith("float")]
+    layout_in, layout_out = [], []
+    # leaves, in the order of the new scan's operands: carries (lam, acc), slices, closed values
+    lam = []
+    for k in range(K):
+        lam.append(_placeholder(bw, f"lam{k}", bw.shape(out_carry[k]), bw.dtype(out_carry[k]), src))
+        layout_in.append(("lam", k))
+    acc = {}
+    for j in diff_closed:
+        shape = bw.shape(closed_in[j]) or (1,)
+        acc[j] = _placeholder(bw, f"acc{j}", shape, bw.dtype(closed_in[j]), src)
+        layout_in.append(("acc", j))
+    # the slices: each step's carry in and out (saved by the forward), its x, the given adjoints
+    renamed = {}
+    for k, n in enumerate(carries_in):
+        bw.node(n)["name"] = f"c{k}"
+        bw.inputs[f"c{k}"] = n
+        layout_in.append((STACK + "_in", k))
+    saved_out = {}
+    for k in range(K):
+        if bw.op(out_carry[k]) not in ("input", "param", "const"):
+            saved_out[k] = _placeholder(bw, f"cn{k}", bw.shape(out_carry[k]), bw.dtype(out_carry[k]), src)
+            layout_in.append((OSTACK + "_in", k))
+    for j, n in enumerate(x_in):
+        bw.node(n)["name"] = f"x{j}"
+        bw.inputs[f"x{j}"] = n
+        layout_in.append(("x", j))
+    given = {}
+    for kind, i in sorted(present):
+        node = out_y[i] if kind == YS else out_carry[i]
+        given[(kind, i)] = _placeholder(bw, f"g{kind}{i}", bw.shape(node), bw.dtype(node), src)
+        layout_in.append((kind, i))
+    for j, n in enumerate(closed_in):
+        bw.node(n)["name"] = f"k{j}"
+        bw.inputs[f"k{j}"] = n
+        layout_in.append(("closed", j))
+    del renamed
+    # seeds: the adjoint of each new carry (lam, plus the out stack's adjoint) and of each y
+    seeds = []
+    for k in range(K):
+        seeds.append((out_carry[k], lam[k]))
+        if (OSTACK, k) in given:
+            seeds.append((out_carry[k], given[(OSTACK, k)]))
+    for m in range(M):
+        if (YS, m) in given:
+            seeds.append((out_y[m], given[(YS, m)]))
+    wrt = carries_in + [x_in[j] for j in diff_x] + [closed_in[j] for j in diff_closed]
+    before = set(bw.nx.nodes)
+    adj = differentiate(bw, None, wrt, phase="forward", seeds=seeds)
+    # the backward reads each carry the step wrote from the forward's out stack
+    for k, cn in saved_out.items():
+        for u in list(bw.users(out_carry[k])):
+            if u not in before:
+                bw.set_operands(u, [cn if v == out_carry[k] else v for v in bw.operands(u)])
+    outs = []
+    for k in range(K):
+        d = adj.get(carries_in[k])
+        if (STACK, k) in given:
+            d = given[(STACK, k)] if d is None else bw.apply("add", [d, given[(STACK, k)]], src=src)
+        outs.append(d if d is not None else _zeros(bw, bw.shape(carries_in[k]), bw.dtype(carries_in[k]), src))
+        layout_out.append(("dcarry", k))
+    for j in diff_closed:
+        d = adj.get(closed_in[j])
+        if d is not None:
+            if bw.shape(d) != bw.shape(acc[j]):
+                d = bw.apply("reshape", [d], {"shape": bw.shape(acc[j])}, src=src)
+            d = bw.apply("add", [acc[j], d], src=src)
+        outs.append(acc[j] if d is None else d)
+        layout_out.append(("dclosed", j))
+    for j in diff_x:
+        d = adj.get(x_in[j])
+        shape = bw.shape(x_in[j])
+        d = d if d is not None else _zeros(bw, shape, bw.dtype(x_in[j]), src)
+        if shape == ():
+            d = bw.apply("reshape", [d], {"shape": (1,)}, src=src)
+        outs.append(d)
+        layout_out.append(("dx", j))
+    for i, o in enumerate(outs):
+        bw.outputs[f"o{i}"] = o
+    from gradc.passes.simplify import eliminate_dead
+    eliminate_dead(bw)
+    return bw, K + len(diff_closed), layout_in, layout_out, diff_closed, diff_x
+
+
+def _scan_vjp(ctx, n, gs):
+    """gs: result index -> its adjoint node. Returns the adjoint of each operand."""
+    g = ctx.graph
+    attrs = g.attrs(n)
+    fbody, fleaves, fouts, K, X, C, M = parts(attrs)
+    operands = g.operands(n)
+    needs = [ctx.needs(i) for i in range(len(operands))]
+    present = {kind_of(attrs, i) for i, a in gs.items() if a is not None and kind_of(attrs, i)[0] != FINAL}
+    bw, K2, layout_in, layout_out, diff_closed, diff_x = backward_body(attrs, needs, present, ctx.src)
+    emit = ctx.emit
+    T = g.shape(operands[K])[0]
+    ops = []
+    for what, i in layout_in:
+        if what == "lam":
+            a = gs.get(index_of(attrs, FINAL, i))
+            ops.append(a if a is not None else _zeros(g, g.shape(operands[i]), g.dtype(operands[i]), ctx.src, ctx.phase))
+        elif what == "acc":
+            u = operands[K + X + i]
+            ops.append(_zeros(g, g.shape(u) or (1,), g.dtype(u), ctx.src, ctx.phase))
+        elif what == STACK + "_in":
+            ops.append(result(g, n, STACK, i, emit))
+        elif what == OSTACK + "_in":
+            ops.append(result(g, n, OSTACK, i, emit))
+        elif what == "x":
+            ops.append(operands[K + i])
+        elif what in (YS, STACK, OSTACK):
+            ops.append(gs[index_of(attrs, what, i)])
+        else:
+            ops.append(operands[K + X + i])
+    X2 = len(ops) - K2 - C
+    node = emit("scan", ops, body=bw, carries=K2, xs=X2, reverse=not attrs.get("reverse", False))
+    grads = [None] * len(operands)
+    battrs = g.attrs(node)
+    for o, (what, i) in enumerate(layout_out):
+        if what == "dcarry" and needs[i]:
+            grads[i] = result(g, node, FINAL, o, emit)
+        elif what == "dclosed":
+            u = operands[K + X + i]
+            r = result(g, node, FINAL, o, emit)
+            grads[K + X + i] = r if g.shape(r) == g.shape(u) else emit("reshape", [r], shape=g.shape(u))
+        elif what == "dx":
+            u = operands[K + i]
+            r = result(g, node, YS, o - K2, emit)
+            grads[K + i] = r if g.shape(r) == g.shape(u) else emit("reshape", [r], shape=g.shape(u))
+    del battrs, T
+    return grads
+
+
+def _scan_rows(graph, n, ins, fail):
+    """Per-row when each step is: the batch rows of the carries stay on their axis through the body,
+    and the sequences carry them on an axis other than the time axis 0."""
+    body, leaves, outputs, K, X, C, M = parts(graph.attrs(n))
+    seeds = {}
+    for j, (leaf, w) in enumerate(zip(leaves, ins)):
+        if isinstance(w, tuple):
+            fail("reads the loss after its reduction over rows")
+        if K <= j < K + X and w is not None:
+            if w == 0:
+                fail("scans along the batch dim")
+            w -= 1
+        seeds[leaf] = w
+    for _ in range(2):   # the carries' rows after one step must be where they were before it
+        where = dict(seeds)
+        for m in body.topo_order():
+            if m in where:
+                continue
+            record = get_op(body.op(m))
+            mins = [where[u] for u in body.operands(m)]
+            if all(w is None for w in mins):
+                where[m] = None
+            elif record.rows is None:
+                fail(f"runs {record.name!r} in its step, which gradc cannot follow the rows through")
+            else:
+                where[m] = record.rows(body, m, mins, fail)
+        changed = False
+        for k in range(K):
+            if where[outputs[k]] != seeds[leaves[k]]:
+                if seeds[leaves[k]] is not None:
+                    fail("moves the batch rows of a carry to another axis")
+                seeds[leaves[k]] = where[outputs[k]]
+                changed = True
+        if not changed:
+            break
+    return ScanRows(tuple(where[o] for o in outputs), K)
+
+
+class ScanRows:
+    """Where the rows lie in each result of a scan (the token is no array: its results say)."""
+
+    def __init__(self, axes, K):
+        self.axes, self.K = axes, K
+
+    def of(self, index, M):
+        K = self.K
+        if index < K:
+            return self.axes[index]
+        if index < K + M:
+            w = self.axes[index]
+        else:
+            w = self.axes[(index - K - M) % K]
+        return None if w is None else w + 1
+
+
+def _out_rows(graph, n, ins, fail):
+    (w,) = ins
+    scan = graph.operands(n)[0]
+    _, _, _, K, _, _, M = parts(graph.attrs(scan))
+    return w.of(graph.attrs(n)["index"], M) if isinstance(w, ScanRows) else w
+
+
+def _scan_cpu(s):
+    from gradc.codegen.scan_loop import lower_scan
+    return lower_scan(s)
+
+
+def _out_cpu(s):
+    return []   # the scan's statement wrote it
+
+
+register(Op("scan", "region", _scan_infer, _scan_evaluate, _scan_flops, vjp=_scan_vjp, rows=_scan_rows,
+            cpu=_scan_cpu,
+            doc="runs attrs['body'] once per step over axis 0 of the sequences; results are scan_out nodes"))
+register(Op("scan_out", "project", _out_infer, _out_evaluate, lambda a, i, o: 0, arity=1, rows=_out_rows,
+            cpu=_out_cpu, doc="one result of a scan (attrs index, shape, dtype): see gradc/ops/scan.py"))
