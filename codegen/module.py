@@ -21,6 +21,7 @@ from .cuda import CudaKernels
 from .cuda_api import CUDA_HEADER, cuda_api
 from .cuda_entry import CudaEntryWriter
 from .entry import EntryWriter
+from .lr_api import lr_api_source
 from .sympy_print import HELPERS
 
 INLINE_CONST_LIMIT = 256   # larger constant arrays go to NAME.data.npz beside the module
@@ -79,10 +80,15 @@ def generate(graph, plans, info):
     names |= {n: f"v_{p}" for p, n in g.tangents.items()}
     writer = (CudaEntryWriter if cuda else EntryWriter)(g, kernels, names)
     scalar_slots = {}   # fname -> scalars its CUDA host function keeps on the device
+    # lr_grad's own leaves (passes/likelihood_ratio.py): the tiled inputs, noise masks, seed, ...; keys "lr:..."
+    lr_leaves = {k: n for k, n in g.lr["leaves"].items() if n in g} if g.lr and g.lr.get("why") is None else {}
+    names |= {n: "lr_" + re.sub(r"\W", "_", k) for k, n in lr_leaves.items()}
     leaves_in_order = list(g.params.values()) + list(g.inputs.values()) + list(g.tangents.values())
+    leaves_in_order += list(lr_leaves.values())
     writer.leaf_rank = {n: i for i, n in enumerate(leaves_in_order)}
     leaf_name = {n: p for p, n in g.params.items()} | {n: i for i, n in g.inputs.items()}
     leaf_name |= {n: p for p, n in g.tangents.items()}
+    leaf_name |= {n: f"lr:{k}" for k, n in lr_leaves.items()}
     param_info = info["param_info"]
     order = info.get("order", 1)
     trainable = [p for p in g.params if param_info[p]["trainable"]]
@@ -213,6 +219,10 @@ def generate(graph, plans, info):
         for axis, d in enumerate(g.shape(n)):
             if isinstance(d, str):
                 dim_sources.setdefault(d, []).append((i, axis))
+    for k, n in lr_leaves.items():
+        for axis, d in enumerate(g.shape(n)):
+            if isinstance(d, str):
+                dim_sources.setdefault(d, []).append((f"lr:{k}", axis))
     out.append("}")
     if cuda:
         out.append(f"# scalars each host function keeps on the device (slots of `scal`)\n_SCALARS = {scalar_slots!r}")
@@ -244,6 +254,7 @@ def generate(graph, plans, info):
             if pipeline else None
         api = cuda_api(g, trainable, outputs, input_grads, order, grad_slices, shapes, call, inputs_of, trainer_kernels,
                        pipeline_src)
+        api.append(lr_api_source(g, False, None, None))
         return _assemble(info, out, helper_src, kernel_src, body, api, kernels, g, entries, stored)
     api = []
     api.append(INIT_PARAMS)
@@ -282,6 +293,10 @@ def generate(graph, plans, info):
         f"    {run_loss_and_grad}",
         (f"    return float(loss), _PIPELINE.owned({{\n        {gdict},\n    }})" if pipeline else
          f"    return float(loss), {{\n        {gdict},\n    }}") if gdict else "    return float(loss), {}"]) + "\n")
+
+    lr_built = "_lr_grad" in entries
+    api.append(lr_api_source(g, lr_built, lr_built and
+                             f"_lr_grad({', '.join(call('_lr_grad') + ['grads', arena('_lr_grad')])})", gdict))
 
     api.append(input_grads_source(
         g, input_grads, f"_input_grads({', '.join(call('_input_grads') + [arena('_input_grads')])})" if input_grads else "",
@@ -324,10 +339,17 @@ def generate(graph, plans, info):
         '    return {"arena_bytes": _ARENA.held_by_device()}']) + "\n")
 
     api.append("\n".join([
-        *trainer_head("TrainerBase"),
+        "class _Trainer(LRTrainer, TrainerBase):",
+        '    __doc__ = TrainerBase.__doc__ + "\\n" + LRTrainer.__doc__',
+        "",
+        "",
+        *trainer_head("_Trainer"),
+        "    _lr = _LR",
         f"    pipeline = {'_PIPELINE' if pipeline else 'None'}",
         "",
         "    def _gradients(self, p, a, grads):",
+        '        if self.gradient == "lr":   # the likelihood-ratio estimate; step t draws its noise from seed + t',
+        "            return _lr_into(p, a, grads, seed=self.lr_seed + self.steps, **self.lr_options)",
         f"        {run_loss_and_grad}",
         "        return loss"]) + "\n")
 

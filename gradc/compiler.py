@@ -160,7 +160,8 @@ def resolve_budget(graph, memory_budget, src):
         budget = parse_size(memory_budget)
     except ValueError as e:
         raise GradcError(f"--memory-budget: {e}", src) from None
-    unbound = sorted({d for n in graph.nx.nodes for d in graph.shape(n) if isinstance(d, str)})
+    from gradc.passes.likelihood_ratio import DIMS as LR_DIMS   # lr_grad's samples are chosen at call time
+    unbound = sorted({d for n in graph.nx.nodes for d in graph.shape(n) if isinstance(d, str)} - set(LR_DIMS))
     if unbound:
         raise GradcError(f"--memory-budget needs every symbolic dim bound with --bind (unbound: {', '.join(unbound)}; "
                          f"e.g. --bind {unbound[0]}=256)", src)
@@ -305,6 +306,11 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     # microbatches run the code at other batch sizes: the batch dim stays symbolic in it (the plans bind it)
     code_dims = {d: v for d, v in dims.items() if d != pipe["batch"]}
     graph = build_training_graph(model, dtype, code_dims, timings, order=order, target=target)
+    if pipe["K"] > 1 or pipe["M"] > 1:   # the stage functions are loss_and_grad's; lr_grad is not split into them
+        from gradc.passes.likelihood_ratio import drop_lr
+        from gradc.passes.simplify import eliminate_dead
+        drop_lr(graph, "lr_grad is not built for pipelines (--devices K > 1 or --microbatches M > 1)")
+        eliminate_dead(graph)
     name = model.name
     info = {"name": name, "version": __version__, "dtype": dtype, "fingerprint": fingerprint(model, dtype, dims),
             "param_info": model.param_info, "labels": index_inputs(graph), "order": order, "target": target,

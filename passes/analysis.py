@@ -55,7 +55,7 @@ def index_inputs(graph):
             u = stack.pop()
             if get_op(graph.op(u)).kind == "layout":
                 stack.extend(graph.operands(u))
-            elif graph.op(u) == "input":
+            elif graph.op(u) == "input" and u in graph.inputs.values():   # not lr_grad's tiled copies
                 name = graph.node(u)["name"]
                 old = bounds.get(name)
                 bounds[name] = bound if old is None or isinstance(old, str) or (

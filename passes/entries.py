@@ -30,6 +30,10 @@ def _grads(g):
     return [g.grads[p] for p in g.grads]
 
 
+def _lr_grads(g):
+    return [g.lr_grads.get(p) for p in g.grads]
+
+
 ENTRIES = (
     Entry("_forward", "forward", lambda g: list(g.outputs.values()), "The declared outputs.",
           present=lambda g: bool(g.outputs),
@@ -51,6 +55,13 @@ ENTRIES = (
           flat=lambda g: [g.hvps[p] for p in g.grads], order=2, warm="second",
           tangent_rows=True,   # hvp and hessian share their kernels: one call warms both
           call=lambda mod, params, inputs: mod.hvp(params, {k: np.ones_like(params[k]) for k in mod.TRAINABLE}, **inputs)),
+    # passes/likelihood_ratio.py: a forward-only graph, its K noised copies stacked on the rows (DESIGN.md §1.9)
+    Entry("_lr_grad", "lr_grad", lambda g: [g.objective] + _lr_grads(g),
+          "The objective of the unperturbed forward; the likelihood-ratio estimate of the gradients goes into `grads` "
+          "(laid out as GRAD_SLICES), from K noised copies of the forward stacked on the rows.",
+          scalars=lambda g: [g.objective], flat=_lr_grads, warm="second",
+          present=lambda g: bool(g.lr) and g.lr.get("why") is None,
+          call=lambda mod, params, inputs: mod.lr_grad(params, samples=2, **inputs)),
 )
 
 

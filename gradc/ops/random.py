@@ -11,6 +11,12 @@ all in wrapping uint64 arithmetic, with c a counter derived from the C-order ele
 number the DSL gives each random op of a model, so two dropouts with one seed draw independent
 masks.
 
+An optional second operand `half` (an int of shape (), 0 or 1) pairs the two halves of the output:
+with half = 1, element i of the second half (i >= size // 2) takes the value element i - size // 2
+draws. The likelihood-ratio pass (passes/likelihood_ratio.py) uses it for antithetic pairs: the
+K perturbed copies are stacked on the rows, and copy k + K/2 gets the noise of copy k (its sign
+comes from a mask), chosen at call time without a second kernel.
+
 attrs["dist"]:
   "dropout": keep element i when u(i) >= p; the value is 1/(1-p) where kept, else 0
              (gc.dropout(x, p, seed) is x * that: inverted dropout, as torch's)
@@ -55,10 +61,13 @@ def uniform(key, counters):
     return (bits >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
 
-def draw(dist, p, seed, stream, shape):
+def draw(dist, p, seed, stream, shape, half=0):
     """The values of a `random` node (float64), the reference every target reproduces."""
     key = key_of(seed, stream)
-    i = np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.uint64)
+    count = int(np.prod(shape, dtype=np.int64))
+    i = np.arange(count, dtype=np.uint64)
+    if half:
+        i = np.where(i >= count // 2, i - np.uint64(count // 2), i)
     if dist == "dropout":
         return np.where(uniform(key, i) >= p, 1.0 / (1.0 - p), 0.0).reshape(shape)
     u1 = 1.0 - uniform(key, 2 * i)
@@ -67,7 +76,12 @@ def draw(dist, p, seed, stream, shape):
 
 
 def _infer(attrs, shapes, dtypes):
-    (seed,), (ds,) = shapes, dtypes
+    if len(shapes) == 2:   # the `half` operand: an int of shape ()
+        if not dtypes[1].startswith("int") or tuple(shapes[1]) != ():
+            raise ShapeError(f"the half operand must be an int of shape (), got shape {shapes[1]} dtype {dtypes[1]}")
+    elif len(shapes) != 1:
+        raise ShapeError(f"takes a seed and an optional half flag, got {len(shapes)} operands")
+    seed, ds = shapes[0], dtypes[0]
     if not ds.startswith("int") or tuple(seed) != ():
         raise ShapeError(f"the seed must be an int tensor of shape () (e.g. m.input('seed', (), dtype='int64')), "
                          f"got shape {seed} dtype {ds}")
@@ -79,7 +93,8 @@ def _infer(attrs, shapes, dtypes):
 
 
 def _evaluate(attrs, values, out_shape, dims):
-    return draw(attrs["dist"], attrs.get("p", 0.0), values[0], attrs["stream"], out_shape)
+    half = int(np.asarray(values[1]).reshape(-1)[0]) if len(values) > 1 else 0
+    return draw(attrs["dist"], attrs.get("p", 0.0), values[0], attrs["stream"], out_shape, half)
 
 
 def random_rows(graph, n, ins, fail):
@@ -113,18 +128,31 @@ def _key_lines(seed, pad):
     return [f"{pad}key = np.uint64({seed}) ^ stream_key"] + mix_lines("key", pad)
 
 
-def _cpu_source(name, dist, rank):
-    lines = [f"def {name}(seed, stream_key, p, scale, out):"] + _key_lines("seed", "    ")
-    lines += ["    flat = out.reshape(out.size)", "    for i in range(out.size):"]
-    lines += _value_lines(dist, "        ") + ["        flat[i] = v"]
-    return "\n".join(lines), f"out = {dist} draws of (seed, stream, element index)"
+def _cpu_source(name, dist, rank, paired=False):
+    head = "seed, half, stream_key, p, scale, out" if paired else "seed, stream_key, p, scale, out"
+    lines = [f"def {name}({head}):"] + _key_lines("seed", "    ")
+    lines += ["    flat = out.reshape(out.size)"]
+    if paired:   # element i of the second half draws what element i - size // 2 draws
+        lines += ["    mid = out.size // 2 if half != 0 else out.size", "    for j in range(out.size):",
+                  "        i = j - mid if j >= mid else j"]
+        lines += _value_lines(dist, "        ") + ["        flat[j] = v"]
+    else:
+        lines += ["    for i in range(out.size):"] + _value_lines(dist, "        ") + ["        flat[i] = v"]
+    what = " (the second half repeats the first's when half != 0)" if paired else ""
+    return "\n".join(lines), f"out = {dist} draws of (seed, stream, element index){what}"
 
 
-def _cuda_source(name, dist, rank):
-    lines = [f"def {name}(seed, stream_key, p, scale, out):", "    i = cuda.grid(1)", "    if i >= out.size:",
-             "        return"] + _key_lines("seed[0]", "    ") + _value_lines(dist, "    ")
-    lines += unravel(rank) + [f"    out[{index([f'i{d}' for d in range(rank)], '0')}] = v"]
-    return "\n".join(lines), f"out = {dist} draws of (seed, stream, element index)", ("flat", -1)
+def _cuda_source(name, dist, rank, paired=False):
+    head = "seed, half, stream_key, p, scale, out" if paired else "seed, stream_key, p, scale, out"
+    lines = [f"def {name}({head}):", "    j = cuda.grid(1)", "    if j >= out.size:", "        return"]
+    if paired:
+        lines += ["    mid = out.size // 2 if half[0] != 0 else out.size", "    i = j - mid if j >= mid else j"]
+    else:
+        lines += ["    i = j"]
+    lines += _key_lines("seed[0]", "    ") + _value_lines(dist, "    ")
+    lines += unravel(rank, flat="j") + [f"    out[{index([f'i{d}' for d in range(rank)], '0')}] = v"]
+    what = " (the second half repeats the first's when half != 0)" if paired else ""
+    return "\n".join(lines), f"out = {dist} draws of (seed, stream, element index){what}", ("flat", -1)
 
 
 def _arguments(s):
@@ -136,14 +164,15 @@ def _arguments(s):
 
 def _lower(make):
     def lower(s):
-        dist, rank = s.attrs["dist"], len(s.shape)
-        kernel = s.kernel(("random", dist, rank), f"random_{dist}", lambda kname: make(kname, dist, rank))
-        return s.into_out(kernel, [s.args[0]] + _arguments(s))
+        dist, rank, paired = s.attrs["dist"], len(s.shape), len(s.operands) > 1
+        kernel = s.kernel(("random", dist, rank, paired), f"random_{dist}" + ("_paired" if paired else ""),
+                          lambda kname: make(kname, dist, rank, paired))
+        return s.into_out(kernel, s.args[:2] + _arguments(s))
     return lower
 
 
 register(Op("random", "nn", _infer, _evaluate,
-            lambda attrs, in_shapes, out_shape: 10 * size(out_shape), vjp=lambda ctx, n, g: [None], arity=1,
-            rows=random_rows, cpu=_lower(_cpu_source), cuda=_lower(_cuda_source),
+            lambda attrs, in_shapes, out_shape: 10 * size(out_shape), vjp=lambda ctx, n, g: [None] * len(ctx.graph.operands(n)),
+            arity=None, rows=random_rows, cpu=_lower(_cpu_source), cuda=_lower(_cuda_source),
             doc="counter-based random values of attrs shape from an int seed: dist dropout (a scaled keep mask, "
                 "keep probability 1 - p) or normal (N(0, 1)); attrs stream tells a model's random ops apart"))

@@ -1,0 +1,43 @@
+"""The Python text of lr_grad in a generated module (DESIGN.md §1.9); the graph is passes/likelihood_ratio.py's,
+the argument work gradc/runtime/lr.py's."""
+
+
+def lr_info(g):
+    """What the module's LikelihoodRatio needs to know (written into the module)."""
+    lr = g.lr or {"why": "not built"}
+    if lr.get("why"):
+        return {"why": lr["why"], "tiled": {}, "masks": [], "per_row": False, "sites": []}
+    return {"why": None, "tiled": dict(lr["tiled"]),
+            "masks": [(s["mask"], len(s["shape"])) for s in lr["sites"]], "per_row": lr["per_row"],
+            "sites": [f"{s['op']} at {s['src']}" for s in lr["sites"]]}
+
+
+def lr_api_source(g, built, run_src, views_src):
+    """`lr_grad` and `_lr_into` (what Trainer(gradient="lr") calls). run_src: the compiled entry's call
+    (None when the build has none); views_src: the gradient dict over the flat buffer `grads`."""
+    lines = ["from gradc.runtime.lr import LikelihoodRatio, LRTrainer, SAMPLES as LR_SAMPLES, SIGMA as LR_SIGMA", "",
+             f"_LR = LikelihoodRatio(MODEL_NAME, FLOAT, {lr_info(g)!r})", "", "",
+             "def lr_grad(params, /, *, samples=LR_SAMPLES, sigma=LR_SIGMA, seed=0, antithetic=True, layerwise=False,",
+             "            baseline=True, **inputs):",
+             '    """The objective and a likelihood-ratio estimate of its gradients, from forward passes only:',
+             "    Gaussian noise of std sigma on every matmul and conv output (the pre-activations), the `samples`",
+             "    perturbed copies stacked on the rows of one forward. antithetic: each draw used as eps and -eps",
+             "    (samples even); layerwise: `samples` copies per noise site, each perturbing that site only;",
+             "    baseline: subtract the leave-one-out mean loss (without antithetic pairs). Weight decay is exact.",
+             '    Returns (objective of the unperturbed forward, dict of estimated gradients)."""',
+             "    options = _LR.check(samples, sigma, seed, antithetic, layerwise, baseline)",
+             "    p = _SIGNATURE.params(params)",
+             '    a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS, "lr_grad")',
+             "    grads = np.empty(GRAD_SIZE, FLOAT)",
+             "    loss = _lr_into(p, a, grads, *options)",
+             f"    return float(loss), {{\n        {views_src},\n    }}" if views_src else "    return float(loss), {}",
+             "", "",
+             "def _lr_into(p, a, grads, samples, sigma, seed, antithetic, layerwise, baseline):",
+             '    """The estimate into the flat buffer `grads` (laid out as GRAD_SLICES); the objective."""']
+    if built:
+        lines += ["    a = _LR.leaves(a, samples, sigma, seed, antithetic, layerwise, baseline)",
+                  f"    (loss,) = {run_src}",
+                  "    return loss"]
+    else:
+        lines += ["    _LR.refuse()"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,107 @@
+"""What a generated module's lr_grad hands its compiled function besides params and inputs
+(passes/likelihood_ratio.py builds the graph; DESIGN.md §1.9): the inputs tiled K times on the
+rows, a mask per noise site (+-sigma where the site is perturbed in that sample, 0 where not), the
+seed, the antithetic flag, the baseline flag and the estimate's scale. Also the Trainer's
+gradient="lr" options, checked when the Trainer is made.
+"""
+import math
+import numbers
+
+import numpy as np
+
+SIGMA = 1e-2      # lr_grad's default noise std: small enough for little bias, large enough for float32 losses
+SAMPLES = 64
+
+
+class LikelihoodRatio:
+    """info: {"why": None or the reason lr_grad is not built, "tiled": {input: leaf key}, "masks": [(key, rank)],
+    "per_row": bool, "sites": [...]} (written into the module)."""
+
+    def __init__(self, model_name, float_type, info):
+        self.model_name = model_name
+        self.float = np.dtype(float_type)
+        self.info = info
+
+    def refuse(self, what="lr_grad"):
+        if self.info.get("why"):
+            raise ValueError(f"{self.model_name}.{what}: no likelihood-ratio estimate for this model: {self.info['why']}")
+
+    def check(self, samples, sigma, seed, antithetic, layerwise, baseline, what="lr_grad"):
+        """The options, checked; raises ValueError naming the bad one."""
+        self.refuse(what)
+        name = f"{self.model_name}.{what}"
+        if isinstance(samples, bool) or not isinstance(samples, numbers.Integral) or samples < 1:
+            raise ValueError(f"{name}: samples must be an int >= 1, got {samples!r}")
+        if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real) or not math.isfinite(sigma) or sigma <= 0:
+            raise ValueError(f"{name}: sigma must be a finite number > 0, got {sigma!r}")
+        with np.errstate(over="ignore", under="ignore"):
+            s = self.float.type(sigma)
+            if not (0 < s < math.inf and 0 < s * s < math.inf):
+                raise ValueError(f"{name}: sigma {sigma!r} is out of {np.dtype(self.float).name}'s range (sigma**2 "
+                                 f"must be a positive finite number there)")
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise ValueError(f"{name}: seed must be an int, got {seed!r}")
+        for flag, value in (("antithetic", antithetic), ("layerwise", layerwise), ("baseline", baseline)):
+            if not isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"{name}: {flag} must be True or False, got {value!r}")
+        if antithetic and samples % 2:
+            raise ValueError(f"{name}: samples={samples} is odd, but antithetic pairs use each draw as eps and -eps: "
+                             f"give an even number of samples, or antithetic=False")
+        return int(samples), float(sigma), int(seed), bool(antithetic), bool(layerwise), bool(baseline)
+
+    def copies(self, samples, layerwise):
+        """The perturbed copies one call runs: samples, or samples per site layer-wise."""
+        return samples * (len(self.info["masks"]) if layerwise else 1)
+
+    def leaves(self, a, samples, sigma, seed, antithetic, layerwise, baseline):
+        """`a` (the checked inputs) with the lr leaves added under their "lr:" keys."""
+        F = self.float
+        total = self.copies(samples, layerwise)
+        tiled = self.info["tiled"]
+        rows = next((a[name].shape[0] for name in tiled if name in a), None)
+        if rows is None:
+            raise ValueError(f"{self.model_name}.lr_grad: no batch input given")
+        out = dict(a)
+        for name, key in tiled.items():
+            x = a[name]
+            out[f"lr:{key}"] = np.tile(x, (total,) + (1,) * (x.ndim - 1))
+        # sample k perturbs site s with sign: copies are sample-major; with antithetic pairs the second half of
+        # the copies mirrors the first (the noise kernel repeats its draws there) with the opposite sign
+        half = total // 2 if antithetic else total
+        k = np.arange(total)
+        sign = np.where(k < half, 1.0, -1.0) if antithetic else np.ones(total)
+        within = k % half
+        per_site = samples // 2 if antithetic else samples
+        for s, (key, rank) in enumerate(self.info["masks"]):
+            active = (within // per_site == s) if layerwise else np.ones(total, dtype=bool)
+            m = np.where(active, sign * sigma, 0.0).astype(F)
+            out[f"lr:{key}"] = np.repeat(m, rows).reshape((total * rows,) + (1,) * (rank - 1))
+        loo = baseline and not antithetic and total > 1   # leave-one-out mean: unbiased
+        scale = 1.0 / (samples * sigma * sigma) * (total / (total - 1) if loo else 1.0)
+        out["lr:seed"] = np.array([seed], dtype=np.int64)
+        out["lr:half"] = np.array([1 if antithetic else 0], dtype=np.int64)
+        out["lr:scale"] = np.array([scale], dtype=F)
+        out["lr:baseline"] = np.array([1.0 if loo else 0.0], dtype=F)
+        out["lr:rows"] = np.ones((total, rows), dtype=F)
+        return out
+
+
+class LRTrainer:
+    """Trainer(..., gradient="lr", samples=64, sigma=1e-2, seed=0, antithetic=True, layerwise=False, baseline=True):
+    the same optimizers and checks, driven by lr_grad's estimate; step t draws its noise from seed + t.
+    gradient="backprop" (the default) uses loss_and_grad."""
+    _lr = None   # the module's LikelihoodRatio
+
+    def __init__(self, params, /, *args, gradient="backprop", samples=SAMPLES, sigma=SIGMA, seed=0, antithetic=True,
+                 layerwise=False, baseline=True, **kwargs):
+        if gradient not in ("backprop", "lr"):
+            raise ValueError(f"{self.model_name}.Trainer: gradient must be 'backprop' or 'lr', got {gradient!r}")
+        self.gradient = gradient
+        self.lr_options = None
+        if gradient == "lr":
+            samples, sigma, seed, antithetic, layerwise, baseline = self._lr.check(
+                samples, sigma, seed, antithetic, layerwise, baseline, what="Trainer")
+            self.lr_seed = seed
+            self.lr_options = {"samples": samples, "sigma": sigma, "antithetic": antithetic, "layerwise": layerwise,
+                               "baseline": baseline}
+        super().__init__(params, *args, **kwargs)
