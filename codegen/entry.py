@@ -168,7 +168,8 @@ class EntryWriter:
 
     def _start_plan(self, plan):
         """Which step creates which arena buffer (the k-th tensor of the plan reads offs[k])."""
-        self.slot_of_step = {t["start"]: k for k, t in enumerate(plan["tensors"])}
+        self.slot_of_step = {t.get("made", t["start"]): k for k, t in enumerate(plan["tensors"])}
+        self.plan_steps = plan["steps"]
 
     def new_array(self, n, dims, step):
         """Where node n's kernel writes: its slot in `grads`, its arena buffer, or (a returned value) a new array."""

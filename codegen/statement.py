@@ -40,6 +40,17 @@ class Statement:
         """`out = <its buffer>`: only a statement that writes a buffer asks (asking places a flat root)."""
         return f"{self.out} = {self._writer.new_array(self.n, self._dims, self._step)}"
 
+    def alloc_for(self, u):
+        """`u = <its buffer>` for a value this statement writes besides its own (a scan's results),
+        or None when the entry does not compute u (no step of the plan after this one is u)."""
+        steps = self._writer.plan_steps
+        for step in range(self._step + 1, len(steps)):
+            if steps[step] == u:
+                return f"{self.var(u)} = {self._writer.new_array(u, self._dims, step)}"
+            if steps[step] == self.n:
+                break
+        return None
+
     def operand_shape(self, j):
         return self.graph.shape(self.operands[j])
 

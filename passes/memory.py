@@ -25,7 +25,9 @@ def liveness(graph, steps, returned, loop_from=None):
     `retained`: a forward value the backward reads."""
     current = {}   # value -> index of the tensor holding its latest computation
     tensors, computed = [], set()
+    last_step = {}  # value -> the step of its latest computation
     for t, n in enumerate(steps):
+        last_step[n] = t
         backward = graph.node(n)["phase"] != "forward"
         for u in graph.operands(n):
             i = current.get(u)
@@ -38,7 +40,10 @@ def liveness(graph, steps, returned, loop_from=None):
                 current[n] = i
         elif owns_buffer(graph, n) and n not in returned:
             current[n] = len(tensors)
-            tensors.append({"node": n, "start": t, "end": t, "recomputed": n in computed, "retained": False})
+            # a scan's statement writes its results (scan_out): their buffers are live from its step on
+            start = last_step[graph.operands(n)[0]] if graph.op(n) == "scan_out" else t
+            tensors.append({"node": n, "start": start, "made": t, "end": t, "recomputed": n in computed,
+                            "retained": False})
         computed.add(n)
     last = len(steps) - 1
     for r in returned:
@@ -63,7 +68,7 @@ def live_bytes(tensors, steps):
 def step_floor(graph, steps, tensors):
     """The most bytes one step needs at once: its output and the buffers it reads. No plan of these
     steps, with any recomputation, can have a smaller peak."""
-    made = {t["start"]: t for t in tensors}
+    made = {t.get("made", t["start"]): t for t in tensors}
     owner_bytes = {t["node"]: t["bytes"] for t in tensors}
     floor = 0
     for t, n in enumerate(steps):

@@ -31,7 +31,7 @@ def memory_order(graph, nodes, keep=(), sizes=None):
     keep = {base(graph, k) for k in keep}
 
     def key(n):
-        if is_view_node(graph, n):
+        if is_view_node(graph, n) or graph.op(n) == "scan_out":   # a scan's results: right after it
             return (-1, n)
         freed = sum(sizes.get(s, 0) for s in {base(graph, u) for u in graph.operands(n)}
                     if s not in keep and readers.get(s) == {n})

@@ -1,0 +1,147 @@
+"""A scan on the CPU target: its body as one compiled function, called T times by one loop kernel.
+
+The body function is written once per distinct body (by the same statement lowerings as an entry
+point, gradc/ops): its leaves are its arguments (carries, the slices x_t, the closed-over values),
+it writes the new carries and the y_t into arrays the loop hands it, and its intermediates are
+views of `work`, a small per-step arena the loop allocates once per call (no reuse inside a step:
+a step's values are few). The loop kernel keeps the carry in two buffers that swap each step,
+copies it into the carry stacks when the entry reads them (the backward does), and writes each
+y_t into ys[t]. Code size and compile time do not depend on T, which may stay symbolic.
+"""
+from gradc.ops.scan import FINAL, OSTACK, STACK, YS, index_of, kind_of, parts
+
+from .entry import EntryWriter
+from .statement import shape_src
+
+
+class BodyWriter(EntryWriter):
+    """Writes a scan body as one function body(l0, l1, ..., o0, o1, ..., work)."""
+    decorator = None
+
+    def __init__(self, body, kernels):
+        leaves, outputs = list(body.inputs.values()), list(body.outputs.values())
+        super().__init__(body, kernels, {n: f"l{i}" for i, n in enumerate(leaves)})
+        self.leaves, self.outputs = leaves, outputs
+        self.leaf_rank = {n: i for i, n in enumerate(leaves)}
+        self.sizes = []        # the size (source) of each work buffer, in order
+        self.output_of = {}    # node -> the output argument it was written into
+
+    def var(self, n):
+        if n in self.names and self.graph.shape(n) == ():
+            return self.names[n]   # scalar leaves come in as numbers
+        return super().var(n)
+
+    def new_array(self, n, dims, step):
+        shape = self.graph.shape(n)
+        for o, out in enumerate(self.outputs):
+            if out == n and o not in self.output_of.values() and n not in self.output_of:
+                self.output_of[n] = o
+                return f"o{o}"
+        offset = " + ".join(self.sizes) or "0"
+        size = "*".join(dims[d] if isinstance(d, str) else str(d) for d in shape) or "1"
+        self.sizes.append(f"({size})")
+        return f"view(work, {offset}, {shape_src(shape, dims)})"
+
+    def write_body(self, fname, skip=()):
+        """skip: outputs nobody reads at this call site (their statements are left out)."""
+        g = self.graph
+        order = g.topo_order(g.ancestors([o for i, o in enumerate(self.outputs) if i not in skip]) | set(self.leaves))
+        self.plan_steps = order
+        self.slot_of_step = {t: None for t in range(len(order))}   # every value gets a buffer: none is fresh
+        self.flat, self.placed = {}, set()
+        self.compiled = True
+        consts = [n for n in order if g.op(n) == "const" and self.const_argument(n, order)]
+        if consts:
+            raise NotImplementedError("cpu codegen: a constant array inside a scan body")
+        dims = self._dims(order, self.leaves)
+        body = [f"{dims[d]} = {src}" for d, src in self._dim_sources(order, self.leaves).items()]
+        for step, n in enumerate(order):
+            if g.op(n) in ("param", "input", "const"):
+                continue
+            body += self.statement(n, dims, step)
+        for o, n in enumerate(self.outputs):
+            if self.output_of.get(n) != o and o not in skip:
+                body.append(f"o{o}[...] = {self.var(n)}")
+        args = [self.names[n] for n in self.leaves] + [f"o{o}" for o in range(len(self.outputs))] + ["work"]
+        lines = [f"def {fname}({', '.join(args)}):"] + ["    " + b for b in body] + ["    return"]
+        return "\n".join(lines), dims
+
+
+def lower_scan(s):
+    """The scan node's statement: its results' buffers, then one call of its loop kernel."""
+    g, n = s.graph, s.n
+    attrs = s.attrs
+    body, leaves, outputs, K, X, C, M = parts(attrs)
+    results = {}
+    for u in g.users(n):
+        if g.op(u) == "scan_out":
+            results.setdefault(g.attrs(u)["index"], u)
+    lines, out_args, present = [], [], []
+    for index in sorted(results):
+        alloc = s.alloc_for(results[index])
+        if alloc is not None:
+            lines.append(alloc)
+            out_args.append(s.var(results[index]))
+            present.append(index)
+    scalar_leaves = tuple(j for j, leaf in enumerate(leaves) if body.shape(leaf) == ())
+    key = ("scan", repr(body), tuple(present), bool(attrs.get("reverse")), scalar_leaves)
+    layouts = s.kernels.__dict__.setdefault("scan_bodies", {})   # body kernel -> (work sizes, dims)
+
+    skip = tuple(K + m for m in range(M) if index_of(attrs, YS, m) not in present)
+
+    def make_body(name):
+        writer = BodyWriter(body, s.kernels)
+        source, dims = writer.write_body(name, skip)
+        layouts[name] = (writer.sizes, dims)
+        return source, f"one step of a scan: {len(leaves)} leaves -> {len(outputs)} outputs, intermediates in work"
+
+    body_kernel = s.kernel(("scan_body", repr(body), skip), "scan_body", make_body)
+    key += (body_kernel,)
+    kernel = s.kernel(key, "scan", lambda name: _loop_source(name, body_kernel, layouts[body_kernel], attrs, present))
+    lines.append(s.call(kernel, list(s.args) + out_args) + s.note)
+    return lines
+
+
+def _loop_source(name, body_kernel, layout, attrs, present):
+    body, leaves, outputs, K, X, C, M = parts(attrs)
+    sizes, dims = layout
+    work = " + ".join(sizes) or "1"
+    args = [f"a{j}" for j in range(len(leaves))]
+    res = {index: f"r{i}" for i, index in enumerate(present)}
+    lines = [f"def {name}({', '.join(args + list(res.values()))}):"]
+    # the body's dims, read off the operands (a slice's dims are its sequence's, one axis later)
+    seen = set()
+    for j, leaf in enumerate(leaves):
+        for axis, d in enumerate(body.shape(leaf)):
+            if isinstance(d, str) and d not in seen:
+                seen.add(d)
+                lines.append(f"    {dims.get(d, 'd_' + d)} = a{j}.shape[{axis + (1 if K <= j < K + X else 0)}]")
+    lines.append(f"    T = a{K}.shape[0]")
+    lines.append(f"    work = np.empty(max({work}, 1), FLOAT)")
+    for k in range(K):
+        lines.append(f"    cur{k} = a{k}.copy()")
+        lines.append(f"    nxt{k} = np.empty_like(a{k})")
+    for m in range(M):
+        if index_of(attrs, YS, m) not in res:
+            lines.append(f"    yb{m} = np.empty({shape_src(body.shape(outputs[K + m]), dims)}, FLOAT)")
+    loop = ["t = T - 1 - i" if attrs.get("reverse") else "t = i"]
+    for k in range(K):
+        if index_of(attrs, STACK, k) in res:
+            loop.append(f"{res[index_of(attrs, STACK, k)]}[t] = cur{k}")
+    call = [f"cur{k}" for k in range(K)] + [f"a{K + j}[t]" for j in range(X)] + [f"a{K + X + j}" for j in range(C)]
+    call += [f"nxt{k}" for k in range(K)]
+    call += [f"{res[index_of(attrs, YS, m)]}[t]" if index_of(attrs, YS, m) in res else f"yb{m}" for m in range(M)]
+    loop.append(f"{body_kernel}({', '.join(call + ['work'])})")
+    for k in range(K):
+        if index_of(attrs, OSTACK, k) in res:
+            loop.append(f"{res[index_of(attrs, OSTACK, k)]}[t] = nxt{k}")
+        loop.append(f"cur{k}, nxt{k} = nxt{k}, cur{k}")
+    lines.append("    for i in range(T):")
+    lines += ["        " + line for line in loop]
+    for k in range(K):
+        if index_of(attrs, FINAL, k) in res:
+            lines.append(f"    {res[index_of(attrs, FINAL, k)]}[...] = cur{k}")
+    doc = (f"{'reverse ' if attrs.get('reverse') else ''}scan: {body_kernel} once per step over axis 0 of "
+           f"{X} sequence(s), {K} carr{'y' if K == 1 else 'ies'}; writes " +
+           ", ".join(f"{kind_of(attrs, i)[0]}{kind_of(attrs, i)[1]}" for i in present))
+    return "\n".join(lines), doc
