@@ -366,3 +366,25 @@ def test_compiled_conv_net_matches_torch(build_dir, rng):
     for k, g, h in zip(pt, tg, thv):
         np.testing.assert_allclose(grads[k], g.detach().numpy(), rtol=1e-9, atol=1e-12, err_msg=k)
         np.testing.assert_allclose(hv[k], h.numpy(), rtol=1e-8, atol=1e-11, err_msg=k)
+
+
+@pytest.mark.slow
+def test_cuda_target_conv_net_matches_the_interpreter(tmp_path):
+    """forward, loss_and_grad, input_grads and hvp of the conv net compiled for CUDA, under the simulator."""
+    pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
+    import json
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, os.path.join(here, "conv_cuda_runs.py"), str(tmp_path)], cwd=here,
+                         env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    errors = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(errors) == {"forward", "loss", "grads", "input_grads", "hvp"}
+    assert max(errors.values()) <= 1e-12, errors
+
+
+def test_convs_and_pools_are_per_row_for_microbatches():
+    from gradc.passes.rows import batch_dim, loss_reduction
+    m, _ = _conv_net("conv_rows")
+    assert loss_reduction(m.graph, batch_dim(m.graph)) == "mean"
