@@ -192,6 +192,11 @@ class _Builder:
                         stack.append(u)
                     elif (u, x) not in allowed:
                         bad.append((name, u))
+        scans = [u for _, u in bad if g.op(u) == "scan"]
+        if scans:
+            raise Unsupported(f"{g.node(scans[0])['src']}: lr_grad does not cover gc.scan yet (its params are read "
+                              f"inside the scan's body, where no noise site is built); unroll the recurrence in Python "
+                              f"to train it with lr_grad, or use loss_and_grad")
         if bad:
             names = ", ".join(dict.fromkeys(repr(n) for n, _ in bad))
             name, u = bad[0]
