@@ -1,0 +1,157 @@
+"""The BPPSA paper's RNN setup (Wang, Bai, Pekhimenko, MLSys 2020), on the CPU: a vanilla tanh RNN,
+input 1, hidden 20, batch 16, T = 100 ... 30,000, classifying the last hidden state. One training
+step's forward + backward (loss and the gradients of every weight), side by side in one run:
+
+    gradc reverse   gc.scan compiled once (gradc compile --scan-backward reverse, the default)
+    gradc bppsa     the same model built with --scan-backward bppsa (when built)
+    torch nn.RNN    torch.nn.RNN + Linear, loss.backward()
+    torch loop      a Python loop of the cell under autograd
+
+Each framework in its own worker process, rounds interleaved, medians (bench/harness.py); float32.
+One gradc build serves every T (T and B stay symbolic).
+
+    python bench/rnn.py                 # T = 100, 1000, 10000, 30000
+    python bench/rnn.py --quick         # T = 100, 1000
+"""
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import interleaved  # noqa: E402
+
+H, I, B, CLASSES = 20, 1, 16, 2
+
+
+def data(T, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 2, size=(T, B, I)).astype(np.float32)
+    y = rng.integers(0, CLASSES, size=B).astype(np.int64)
+    return x, y
+
+
+def rnn_model(name="rnn_bench"):
+    import gradc as gc
+    m = gc.Model(name)
+    x = m.input("x", ("T", "B", I))
+    y = m.input("y", ("B",), dtype="int64")
+    h0 = m.input("h0", ("B", H))
+    W = m.param("W", (H, H))
+    U = m.param("U", (I, H))
+    b = m.param("b", (H,))
+    V = m.param("V", (H, CLASSES))
+    c = m.param("c", (CLASSES,))
+
+    def step(h, xt):
+        return gc.tanh(h @ W + xt @ U + b), None
+
+    h, _ = gc.scan(step, h0, x)
+    m.minimize(gc.softmax_cross_entropy(h @ V + c, y))
+    return m
+
+
+def build_gradc(Ts, scan_backward):
+    import gradc as gc
+    m = rnn_model(f"rnn_{scan_backward}")
+    out = tempfile.mkdtemp(prefix="gradc_rnn_")
+    t = time.perf_counter()
+    options = {} if scan_backward == "reverse" else {"scan_backward": scan_backward}
+    mod = gc.compile(m, out=out, order=1, warm=False, **options)
+    params = mod.init_params(0)
+    h0 = np.zeros((B, H), np.float32)
+    tasks = {}
+    for T in Ts:
+        x, y = data(T)
+        tasks[f"T={T}"] = lambda x=x, y=y: mod.loss_and_grad(params, x=x, y=y, h0=h0)
+    for fn in tasks.values():
+        fn()
+    return tasks, {"build_s": round(time.perf_counter() - t, 2), "module_bytes": os.path.getsize(os.path.join(out, m.name + ".py"))}
+
+
+def build_torch_rnn(Ts):
+    import torch
+    torch.manual_seed(0)
+    rnn, head = torch.nn.RNN(I, H, nonlinearity="tanh"), torch.nn.Linear(H, CLASSES)
+    params = list(rnn.parameters()) + list(head.parameters())
+    tasks = {}
+    for T in Ts:
+        x, y = (torch.from_numpy(a) for a in data(T))
+
+        def run(x=x, y=y):
+            for p in params:
+                p.grad = None
+            out, h = rnn(x)
+            torch.nn.functional.cross_entropy(head(h[0]), y).backward()
+        tasks[f"T={T}"] = run
+    return tasks, {"threads": torch.get_num_threads()}
+
+
+def build_torch_loop(Ts):
+    import torch
+    torch.manual_seed(0)
+    W, U = torch.randn(H, H) * 0.3, torch.randn(I, H)
+    b, V, c = torch.zeros(H), torch.randn(H, CLASSES) * 0.3, torch.zeros(CLASSES)
+    params = [p.requires_grad_() for p in (W, U, b, V, c)]
+    tasks = {}
+    for T in Ts:
+        x, y = (torch.from_numpy(a) for a in data(T))
+
+        def run(x=x, y=y):
+            h = torch.zeros(B, H)
+            for t in range(x.shape[0]):
+                h = torch.tanh(h @ W + x[t] @ U + b)
+            loss = torch.nn.functional.cross_entropy(h @ V + c, y)
+            torch.autograd.grad(loss, params)
+        tasks[f"T={T}"] = run
+    return tasks, {}
+
+
+def flops(T):
+    """FLOPs of one step's backward: the reverse scan's, and BPPSA's (dense per-row Jacobians)."""
+    reverse = T * B * (2 * H * H + 2 * H * H + 2 * I * H + 4 * H)     # dh W^T, h^T dh, x^T dh, tanh'
+    jac = T * B * H * H                                                   # J_t^T = W diag(1 - h_t^2)
+    scan = 2 * T * B * (2 * H ** 3)                                       # up- and down-sweep products
+    bppsa = jac + scan + T * B * 2 * H * H + (reverse - T * B * 2 * H * H)  # adjoints applied, then weight grads
+    return reverse, bppsa
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--T", type=int, nargs="*")
+    args = parser.parse_args()
+    Ts = args.T or ([100, 1000] if args.quick else [100, 1000, 10000, 30000])
+    builders = {"gradc reverse": (build_gradc, (Ts, "reverse")),
+                "torch nn.RNN": (build_torch_rnn, (Ts,)),
+                "torch loop": (build_torch_loop, (Ts,))}
+    try:
+        from gradc.compiler import SCAN_BACKWARD
+        if "bppsa" in SCAN_BACKWARD:
+            builders = {"gradc reverse": builders["gradc reverse"], "gradc bppsa": (build_gradc, (Ts, "bppsa")),
+                        **{k: v for k, v in builders.items() if k != "gradc reverse"}}
+    except ImportError:
+        pass
+    calls = {f"T={T}": max(1, 2000 // T) for T in Ts}
+    rounds = 3 if args.quick else 5
+    times, infos = interleaved(builders, rounds, calls, warmup=1)
+    print(f"# vanilla tanh RNN, input {I}, hidden {H}, batch {B}; forward + backward of one step, float32, "
+          f"median of {rounds} rounds; ms")
+    print("# builds:", infos)
+    names = list(times)
+    print(f"{'T':>7} " + " ".join(f"{n:>15}" for n in names) + "   gradc/nn.RNN")
+    for T in Ts:
+        row = [times[n][f"T={T}"] * 1e3 for n in names]
+        ratio = times["gradc reverse"][f"T={T}"] / times["torch nn.RNN"][f"T={T}"] if "torch nn.RNN" in times else float("nan")
+        print(f"{T:>7} " + " ".join(f"{v:>15.3f}" for v in row) + f"   {ratio:>11.3f}")
+    print("# backward FLOPs, reverse scan vs BPPSA (dense per-row Jacobians; BPPSA does more work, in log T steps)")
+    for T in Ts:
+        r, p = flops(T)
+        print(f"{T:>7} reverse {r:.3e}  bppsa {p:.3e}  ratio {p / r:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""gc.scan (DESIGN.md §1.8): values, gradients and HVPs through scans against torch and float64
+finite differences (through the interpreter), bad step functions, the per-row rule, and one
+compiled build that runs T=10 and T=10,000."""
+import numpy as np
+import pytest
+import torch
+
+import gradc as gc
+from gradc.errors import GradcError
+from gradc.interpret import evaluate
+from gradc.passes.pipeline import build_training_graph
+
+from conftest import assert_grads_match_fd
+
+
+def _rnn(name="rnn", H=4, D=3, C=2):
+    m = gc.Model(name)
+    x = m.input("x", ("T", "B", D))
+    y = m.input("y", ("B",), dtype="int64")
+    h0 = m.input("h0", ("B", H))
+    W, U = m.param("W", (H, H)), m.param("U", (D, H))
+    b, V = m.param("b", (H,), init="normal"), m.param("V", (H, C))
+
+    def step(h, xt):
+        h = gc.tanh(h @ W + xt @ U + b)
+        return h, h
+
+    hT, hs = gc.scan(step, h0, x)
+    m.output("hs", hs)
+    m.minimize(gc.softmax_cross_entropy(hT @ V, y) + (hs * hs).mean())
+    return m
+
+
+def _torch_rnn(tp, inputs):
+    h, hs = torch.tensor(inputs["h0"]), []
+    for t in range(inputs["x"].shape[0]):
+        h = torch.tanh(h @ tp["W"] + torch.tensor(inputs["x"][t]) @ tp["U"] + tp["b"])
+        hs.append(h)
+    return torch.nn.functional.cross_entropy(h @ tp["V"], torch.tensor(inputs["y"])) + (torch.stack(hs) ** 2).mean()
+
+
+def _gru(name="gru", H=3, D=2):
+    """A GRU-style cell with two carries (h and a running sum), a tuple of ys, softmax and a reduction."""
+    m = gc.Model(name)
+    x = m.input("x", ("T", "B", D))
+    h0 = m.input("h0", ("B", H))
+    Wz, Uz, Wh, Uh = (m.param(n, s) for n, s in (("Wz", (H, H)), ("Uz", (D, H)), ("Wh", (H, H)), ("Uh", (D, H))))
+
+    def step(carry, xt):
+        h, acc = carry
+        z = gc.sigmoid(h @ Wz + xt @ Uz)
+        cand = gc.tanh((h * z) @ Wh + xt @ Uh)
+        h = (1 - z) * h + z * cand
+        p = gc.softmax(h, axis=-1)
+        return (h, acc + p.sum(axis=1, keepdims=True) * h), (p, h.sum(axis=1))
+
+    (hT, acc), (ps, sums) = gc.scan(step, (h0, h0 * 0.5), x)
+    m.minimize((hT * hT).sum() + (acc * hT).mean() + (ps * ps).mean() + gc.sin(sums).sum())
+    return m
+
+
+def _torch_gru(tp, inputs):
+    h = torch.tensor(inputs["h0"])
+    acc, ps, sums = h * 0.5, [], []
+    for t in range(inputs["x"].shape[0]):
+        xt = torch.tensor(inputs["x"][t])
+        z = torch.sigmoid(h @ tp["Wz"] + xt @ tp["Uz"])
+        cand = torch.tanh((h * z) @ tp["Wh"] + xt @ tp["Uh"])
+        h = (1 - z) * h + z * cand
+        p = torch.softmax(h, -1)
+        acc = acc + p.sum(1, keepdim=True) * h
+        ps.append(p)
+        sums.append(h.sum(1))
+    return (h * h).sum() + (acc * h).mean() + (torch.stack(ps) ** 2).mean() + torch.sin(torch.stack(sums)).sum()
+
+
+def _stacked(name="stacked", H=3, D=2):
+    """A scan over the ys of another scan, the second one reversed, closing over a computed value."""
+    m = gc.Model(name)
+    x = m.input("x", ("T", "B", D))
+    W1, U1, W2 = m.param("W1", (H, H)), m.param("U1", (D, H)), m.param("W2", (H, H))
+    s = m.param("s", ())
+    B0 = m.input("h0", ("B", H))
+    _, hs = gc.scan(lambda h, xt: (gc.tanh(h @ W1 + xt @ U1), gc.tanh(h @ W1 + xt @ U1)), B0, x)
+    W2s = W2 * s
+
+    def second(h, ht):
+        h = gc.tanh(h @ W2s + ht)
+        return h, None
+
+    h2, none = gc.scan(second, B0, hs, reverse=True)
+    assert none is None
+    m.minimize((h2 * h2).mean() + s * s)
+    return m
+
+
+def _torch_stacked(tp, inputs):
+    h, hs = torch.tensor(inputs["h0"]), []
+    for t in range(inputs["x"].shape[0]):
+        h = torch.tanh(h @ tp["W1"] + torch.tensor(inputs["x"][t]) @ tp["U1"])
+        hs.append(h)
+    h2 = torch.tensor(inputs["h0"])
+    for t in reversed(range(len(hs))):
+        h2 = torch.tanh(h2 @ (tp["W2"] * tp["s"]) + hs[t])
+    return (h2 * h2).mean() + tp["s"] * tp["s"]
+
+
+CASES = {"rnn": (_rnn, _torch_rnn, 3), "gru": (_gru, _torch_gru, 2), "stacked": (_stacked, _torch_stacked, 2)}
+
+
+def _data(graph, rng, T=4, B=2):
+    params = {p: np.array(rng.normal(size=graph.shape(n)) * 0.7) for p, n in graph.params.items()}
+    inputs = {}
+    for name, n in graph.inputs.items():
+        shape = tuple({"T": T, "B": B}.get(d, d) for d in graph.shape(n))
+        inputs[name] = rng.integers(0, 2, size=shape) if graph.dtype(n).startswith("int") else rng.normal(size=shape)
+    return params, inputs
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gradients_and_hvps_match_torch(case):
+    make, torch_loss, _ = CASES[case]
+    m = make()
+    g = build_training_graph(m, "float64", {}, order=2)
+    rng = np.random.default_rng(1)
+    params, inputs = _data(g, rng)
+    names = list(g.grads)
+    got = evaluate(g, params, inputs, [g.objective] + [g.grads[p] for p in names])
+    tp = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    loss = torch_loss(tp, inputs)
+    grads = torch.autograd.grad(loss, [tp[p] for p in names], create_graph=True)
+    assert got[g.objective] == pytest.approx(float(loss.detach()), rel=1e-12)
+    for p, gt in zip(names, grads):
+        np.testing.assert_allclose(got[g.grads[p]], gt.detach().numpy(), rtol=1e-9, atol=1e-12, err_msg=p)
+    v = {p: rng.normal(size=params[p].shape) for p in names}
+    hv = evaluate(g, params, inputs, [g.hvps[p] for p in names], tangents=v)
+    dot = sum((gt * torch.tensor(v[p])).sum() for p, gt in zip(names, grads))
+    for p, ht in zip(names, torch.autograd.grad(dot, [tp[p] for p in names])):
+        np.testing.assert_allclose(hv[g.hvps[p]], ht.numpy(), rtol=1e-8, atol=1e-11, err_msg=p)
+
+
+@pytest.mark.parametrize("case", ["rnn", "stacked"])
+def test_gradients_match_finite_differences(case):
+    m = CASES[case][0]()
+    g = build_training_graph(m, "float64", {}, order=1)
+    params, inputs = _data(g, np.random.default_rng(2), T=3)
+    assert_grads_match_fd(m, params, inputs)
+
+
+def test_bad_step_functions_name_the_line():
+    m = gc.Model("bad")
+    x = m.input("x", ("T", "B", 3))
+    h0 = m.input("h0", ("B", 4))
+    W = m.param("W", (3, 5))
+    with pytest.raises(GradcError, match=r"test_scan.py:\d+: scan: the step .*carry 0 as \(B, 5\).*init is \(B, 4\)"):
+        gc.scan(lambda h, xt: (xt @ W, None), h0, x)
+    with pytest.raises(GradcError, match=r"test_scan.py:\d+: scan: the step .* must return \(new_carry, y\)"):
+        gc.scan(lambda h, xt: h, h0, x)
+    with pytest.raises(GradcError, match=r"carry of 2 tensor\(s\) in a tuple for an init of 1"):
+        gc.scan(lambda h, xt: ((h, h), None), h0, x)
+    with pytest.raises(GradcError, match=r"sequences differ in length"):
+        gc.scan(lambda h, xt: (h, None), h0, (x, m.input("z", ("S", 2))))
+    with pytest.raises(GradcError, match=r"test_scan.py:\d+: matmul: inner dims differ"):
+        gc.scan(lambda h, xt: (h @ W, None), h0, x)
+    leaked = []
+    gc.scan(lambda h, xt: (leaked.append(h * 2) or h, None), h0, x)
+    with pytest.raises(GradcError, match=r"computed inside the step of gc.scan .* is used outside it"):
+        m.minimize((leaked[0] + h0).sum())
+
+
+def _scan_rows(m, ins):
+    from gradc.ops import get_op
+    g = m.graph
+    n = next(n for n in g.nx.nodes if g.op(n) == "scan")
+    why = []
+    out = get_op("scan").rows(g, n, ins, lambda w: why.append(w) or (_ for _ in ()).throw(ValueError(w)))
+    return g, n, out
+
+
+def test_rows_rule_keeps_a_scan_over_time_per_row():
+    """xs (T, B, D) with the rows on axis 1 and carries (B, H) on axis 0: every result is per-row
+    (final carries on axis 0, ys and stacks on axis 1); a step that mixes rows is named."""
+    from gradc.ops import get_op
+    m = _rnn("rows_ok")
+    g, n, out = _scan_rows(m, [0, 1] + [None] * 4)   # h0, x, then W U b closed over
+    ys = next(u for u in g.users(n) if g.op(u) == "scan_out" and g.attrs(u)["index"] == 1)
+    final = next(u for u in g.users(n) if g.op(u) == "scan_out" and g.attrs(u)["index"] == 0)
+    assert get_op("scan_out").rows(g, final, [out], None) == 0
+    assert get_op("scan_out").rows(g, ys, [out], None) == 1
+    with pytest.raises(ValueError, match="batch dim"):
+        _scan_rows(m, [0, 0] + [None] * 4)
+    bad = gc.Model("rows_bad")
+    x = bad.input("x", ("T", "B", 3))
+    h0 = bad.input("h0", ("B", 3))
+    gc.scan(lambda h, xt: (h + h.mean(axis=0, keepdims=True) * xt, None), h0, x)
+    with pytest.raises(ValueError, match="rows"):
+        _scan_rows(bad, [0, 1])
+
+
+@pytest.mark.slow
+def test_compiled_scan_runs_any_length_from_one_build(tmp_path):
+    m = _rnn("scan_any_T")
+    mod = gc.compile(m, out=str(tmp_path), dtype="float64", order=2, warm=False)
+    g = build_training_graph(m, "float64", {}, order=2)
+    rng = np.random.default_rng(3)
+    params = mod.init_params(0)
+    names = list(g.grads)
+    for T in (10, 10_000):
+        _, inputs = _data(g, rng, T=T)
+        loss, grads = mod.loss_and_grad(params, **inputs)
+        if T == 10:
+            ref = evaluate(g, params, inputs, [g.objective] + [g.grads[p] for p in names])
+            assert loss == pytest.approx(ref[g.objective], rel=1e-12)
+            for p in names:
+                np.testing.assert_allclose(grads[p], ref[g.grads[p]], rtol=1e-10, atol=1e-13)
+            v = {p: rng.normal(size=params[p].shape) for p in names}
+            hv = mod.hvp(params, v, **inputs)
+            ref = evaluate(g, params, inputs, [g.hvps[p] for p in names], tangents=v)
+            for p in names:
+                np.testing.assert_allclose(hv[p], ref[g.hvps[p]], rtol=1e-9, atol=1e-12)
+        assert np.isfinite(loss) and all(np.isfinite(grads[p]).all() for p in names)
+        assert mod.forward(params, **inputs)["hs"].shape == (T, 2, 4)
+    # one loop kernel per scan: the module's size does not depend on T, which stays symbolic
+    assert mod.INPUTS["x"][0] == ("T", "B", 3)
