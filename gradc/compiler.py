@@ -265,7 +265,9 @@ def rows_facts(model, graph, pipe):
     except RowsError as e:
         facts["why"] = f"{e.src + ': ' if e.src else ''}{e}"
     if facts["batch"] is not None:
-        facts["batch_inputs"] = tuple(name for name, n in graph.inputs.items() if graph.shape(n)[:1] == (facts["batch"],))
+        declared = model.graph   # (--bind makes the dim an int in `graph`)
+        facts["batch_inputs"] = tuple(name for name, n in declared.inputs.items()
+                                      if declared.shape(n)[:1] == (facts["batch"],))
     return facts
 
 
