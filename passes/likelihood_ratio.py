@@ -213,8 +213,11 @@ class _Builder:
         op, node = g.op(n), g.node(n)
         shape = node["shape"]
         if op == "input":
-            square = len(shape) == 2 and shape[0] == shape[1]   # an adjacency: the same for every sample
-            if not shape or shape[0] != self.batch or square:
+            # an adjacency (N, N) read only as the left factor of products is the same for every sample
+            adjacency = len(shape) == 2 and shape[0] == shape[1] and all(
+                g.op(u) == "matmul" and g.operands(u)[0] == n and n not in g.operands(u)[1:]
+                and not g.attrs(u).get("transpose_a") for u in g.users(n) if u in self.fwd)
+            if not shape or shape[0] != self.batch or adjacency:
                 return None
             name = node["name"]
             self.tiled[name] = f"tile:{name}"

@@ -1,0 +1,102 @@
+"""lr_grad's variance and cost (DESIGN.md §1.9): per model, the estimate's relative error and cosine to
+loss_and_grad's gradient against the samples K (antithetic pairs or not, layer-wise or not), and the
+time of one estimate against one loss_and_grad. float64 builds, one batch, the mean over seeds of
+each single estimate's error (not the error of a mean).
+
+    python bench/lr.py [--quick]
+"""
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+import gradc as gc
+
+
+def mlp(B):
+    m = gc.Model("lr_bench_mlp")
+    x = m.input("x", ("B", 64))
+    y = m.input("y", ("B",), dtype="int64")
+    h = x
+    for i, (a, b) in enumerate([(64, 128), (128, 128), (128, 10)]):
+        h = h @ m.param(f"W{i}", (a, b)) + m.param(f"b{i}", (b,), init="zeros")
+        if i < 2:
+            h = gc.tanh(h)
+    m.minimize(gc.softmax_cross_entropy(h, y), weight_decay=1e-4)
+    rng = np.random.default_rng(0)
+    return m, {"x": rng.normal(size=(B, 64)), "y": rng.integers(0, 10, B)}
+
+
+def convnet(B):
+    m = gc.Model("lr_bench_conv")
+    x = m.input("x", ("B", 1, 8, 8))
+    y = m.input("y", ("B",), dtype="int64")
+    h = gc.relu(gc.conv2d(x, m.param("c1", (8, 1, 3, 3), init="he_normal"), padding=1)
+                + m.param("cb1", (1, 8, 1, 1), init="zeros"))
+    h = gc.max_pool2d(h, 2).reshape(("B", -1))
+    h = h @ m.param("W", (128, 10)) + m.param("b", (10,), init="zeros")
+    m.minimize(gc.softmax_cross_entropy(h, y))
+    rng = np.random.default_rng(0)
+    return m, {"x": rng.normal(size=(B, 1, 8, 8)), "y": rng.integers(0, 10, B)}
+
+
+def gcn(N):
+    import networkx as nx
+    G = nx.karate_club_graph()
+    A = nx.to_numpy_array(G) + np.eye(34)
+    d = 1 / np.sqrt(A.sum(1))
+    A = d[:, None] * A * d[None, :]
+    m = gc.Model("lr_bench_gcn")
+    x = m.input("x", (34, 34))
+    y = m.input("y", (34,), dtype="int64")
+    h = gc.relu(A @ x @ m.param("W0", (34, 16)))
+    m.minimize(gc.softmax_cross_entropy(A @ h @ m.param("W1", (16, 2)), y), weight_decay=5e-4)
+    labels = np.array([G.nodes[i]["club"] == "Officer" for i in range(34)], dtype=np.int64)
+    return m, {"x": np.eye(34), "y": labels}
+
+
+MODELS = {"mlp B=64": (mlp, 64), "conv B=32": (convnet, 32), "gcn karate": (gcn, 34)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    Ks = (8, 32, 128) if args.quick else (8, 32, 128, 512)
+    seeds = 4 if args.quick else 8
+    modes = {"antithetic": dict(antithetic=True), "plain+baseline": dict(antithetic=False),
+             "antithetic layer-wise": dict(antithetic=True, layerwise=True)}
+    out = tempfile.mkdtemp(prefix="gradc-lr-bench-")
+    print(f"{'model':<12} {'mode':<22} {'K':>5} {'rel.err':>8} {'cosine':>7} {'ms/est':>8} {'ms/l&g':>7} {'ratio':>6}")
+    for label, (make, B) in MODELS.items():
+        m, inputs = make(B)
+        mod = gc.compile(m, out=out, dtype="float64", order=1, warm_cache=False)
+        params = mod.init_params(0)
+        _, true = mod.loss_and_grad(params, **inputs)
+        t = np.concatenate([true[p].ravel() for p in mod.TRAINABLE])
+        n = 20
+        start = time.perf_counter()
+        for _ in range(n):
+            mod.loss_and_grad(params, **inputs)
+        t_bp = (time.perf_counter() - start) / n
+        for mode, opts in modes.items():
+            for K in Ks:
+                mod.lr_grad(params, samples=K, seed=0, **opts, **inputs)   # compile / lay out the arena
+                errs, coss, times = [], [], []
+                for s in range(seeds):
+                    start = time.perf_counter()
+                    _, est = mod.lr_grad(params, samples=K, sigma=1e-2, seed=s + 1, **opts, **inputs)
+                    times.append(time.perf_counter() - start)
+                    e = np.concatenate([est[p].ravel() for p in mod.TRAINABLE])
+                    errs.append(np.linalg.norm(e - t) / np.linalg.norm(t))
+                    coss.append(e @ t / (np.linalg.norm(e) * np.linalg.norm(t)))
+                t_lr = float(np.median(times))
+                print(f"{label:<12} {mode:<22} {K:>5} {np.mean(errs):>8.3f} {np.mean(coss):>7.3f} "
+                      f"{1e3 * t_lr:>8.2f} {1e3 * t_bp:>7.3f} {t_lr / t_bp:>6.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
