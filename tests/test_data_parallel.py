@@ -241,3 +241,18 @@ def test_parallel_options_are_checked(tmp_path):
         mod.Trainer(mod.init_params(0), parallel="data", servers=2)
     with pytest.raises(ValueError, match="run at least 2"):   # one process: no worker beside the server
         mod.Trainer(mod.init_params(0), parallel="ps")
+
+
+@pytest.mark.slow
+def test_parallel_digits_example_runs(tmp_path):
+    """examples/parallel_digits.py: serial, data parallel and the parameter server, one PNG."""
+    pytest.importorskip("sklearn")
+    pytest.importorskip("matplotlib")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "examples", "parallel_digits.py"), "--epochs", "3",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (tmp_path / "parallel_digits.png").stat().st_size > 0
+    lines = {line.split("  ")[0]: line for line in out.stdout.splitlines() if "final loss" in line}
+    serial, data = (lines[k].split("final loss")[1] for k in ("serial (1 process)", "data parallel (2 ranks)"))
+    assert serial == data   # the same global batches: the same curve and accuracy
