@@ -103,7 +103,8 @@ def cmd_compile(args):
     warm = WARM_CHOICES["none" if args.no_warm else args.warm]
     compile_model(model, out=args.out, target=args.target, dtype=args.dtype, order=args.order,
                   bind=parse_bind(args.bind), warm=warm, timings=timings, notes=notes, source=args.model_file, memory_budget=args.memory_budget, devices=args.devices, schedule=args.schedule,
-                  microbatches=args.microbatches, device_memory=args.device_memory, batch_dim=args.batch_dim)
+                  microbatches=args.microbatches, device_memory=args.device_memory, batch_dim=args.batch_dim,
+                  scan_backward=args.scan_backward)
     secs = f"passes {timings.get('passes_total', 0):.2f}s" + (
         f", Numba warm-up {timings['numba_warm']:.1f}s" if "numba_warm" in timings else "")
     for note in notes:
@@ -144,6 +145,8 @@ def build_parser():
     c.add_argument("--microbatches", type=int)
     c.add_argument("--device-memory", type=parse_size, metavar="SIZE")
     c.add_argument("--batch-dim")
+    c.add_argument("--scan-backward", choices=["reverse", "bppsa"], default="reverse",
+                   help="the backward of each gc.scan: a reverse scan (default); bppsa is not built yet")
     c.add_argument("--warm", choices=list(WARM_CHOICES), default="first",
                    help="compile now: the first-order entry points (default), also hvp and hessian (all), or "
                         "nothing (none); what is not compiled now compiles on its first call")

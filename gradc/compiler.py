@@ -21,6 +21,7 @@ from .version import __version__
 
 TARGETS = ("cpu", "cuda")
 DEVICE_OPTIONS = ("devices", "schedule", "device_memory", "microbatches", "batch_dim")
+SCAN_BACKWARD = ("reverse",)   # --scan-backward values built (bppsa: DESIGN.md §1.8, not built yet)
 MAX_REPLANS = 8   # cuts tried again when the stages' memory plans need more than the cost model said
 STORE = ".gradc"        # OUT/.gradc/: the builds, and a link per model to its current build (see write_outputs)
 SVG_MAX_NODES = 3000    # graphviz takes minutes on larger graphs; NAME.graph.dot is written all the same
@@ -79,6 +80,25 @@ def device_options(options, model, dims, memory_budget, src):
         except RowsError as e:
             raise GradcError(f"--microbatches {M}: {e}", e.src or src) from None
     return {"K": K, "M": M, "schedule": schedule, "device_memory": memory, "batch": batch, "reduction": reduction}
+
+
+def check_scans(model, scan_backward, target, memory_budget, devices):
+    """What a model with gc.scan can be compiled with today (DESIGN.md §1.8)."""
+    if scan_backward not in ("reverse", "bppsa"):
+        raise GradcError(f"--scan-backward {scan_backward!r}: use reverse or bppsa", model.src)
+    g = model.graph
+    scans = [n for n in g.nx.nodes if g.op(n) == "scan"]
+    if not scans:
+        return
+    src = g.node(scans[0])["src"]
+    if scan_backward not in SCAN_BACKWARD:
+        raise GradcError(f"--scan-backward {scan_backward} is not built yet: compile with --scan-backward reverse", src)
+    why = ("--target cuda" if target == "cuda" else "--memory-budget" if memory_budget is not None else
+           "--devices" if (devices.get("devices") or 1) > 1 else "--microbatches" if (devices.get("microbatches") or 1) > 1
+           else None)
+    if why:
+        raise GradcError(f"gc.scan with {why} is not built yet (a scan compiles for the CPU target, keeping every "
+                         f"carry its backward reads)", src)
 
 
 def fingerprint(model, dtype, dims):
@@ -286,6 +306,7 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     if not isinstance(model, Model):
         raise GradcError(f"compile: expected a gradc.Model, got {type(model).__name__}")
     devices = {k: later_options.pop(k, None) for k in DEVICE_OPTIONS}
+    scan_backward = later_options.pop("scan_backward", "reverse")
     if "warm" in later_options:
         warm_cache = later_options.pop("warm")
     if not any(warm_cache is w or warm_cache == w for w in WARM):
@@ -304,6 +325,7 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
             raise GradcError(f"--bind {d}={v}: a dim must be bound to an int >= 1", model.src)
     timings = {} if timings is None else timings
     t0 = time.perf_counter()
+    check_scans(model, scan_backward, target, memory_budget, devices)
     pipe = device_options(devices, model, dims, memory_budget, model.src)
     # microbatches run the code at other batch sizes: the batch dim stays symbolic in it (the plans bind it)
     code_dims = {d: v for d, v in dims.items() if d != pipe["batch"]}

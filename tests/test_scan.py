@@ -222,3 +222,14 @@ def test_compiled_scan_runs_any_length_from_one_build(tmp_path):
         assert mod.forward(params, **inputs)["hs"].shape == (T, 2, 4)
     # one loop kernel per scan: the module's size does not depend on T, which stays symbolic
     assert mod.INPUTS["x"][0] == ("T", "B", 3)
+
+
+def test_compile_refuses_what_scans_do_not_support_yet(tmp_path):
+    m = _rnn("scan_refusals")
+    for options, message in (({"scan_backward": "bppsa"}, "--scan-backward bppsa is not built yet"),
+                             ({"target": "cuda"}, "gc.scan with --target cuda is not built yet"),
+                             ({"memory_budget": "1MiB", "bind": {"T": 4, "B": 2}}, "gc.scan with --memory-budget"),
+                             ({"scan_backward": "fast"}, "--scan-backward 'fast': use reverse or bppsa")):
+        with pytest.raises(GradcError, match=message):
+            gc.compile(m, out=str(tmp_path), warm=False, **options)
+    assert not list(tmp_path.iterdir())
