@@ -256,3 +256,26 @@ def test_parallel_digits_example_runs(tmp_path):
     lines = {line.split("  ")[0]: line for line in out.stdout.splitlines() if "final loss" in line}
     serial, data = (lines[k].split("final loss")[1] for k in ("serial (1 process)", "data parallel (2 ranks)"))
     assert serial == data   # the same global batches: the same curve and accuracy
+
+
+@pytest.mark.slow
+def test_data_parallel_of_a_cuda_module_under_the_simulator(tmp_path, builds):
+    """--target cuda, 2 ranks each on its own simulated GPU: the gradients go through host memory for
+    the reduction; against the CPU module in one process."""
+    pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
+    _, mod, inputs = builds["dp_mlp"]
+    build = str(tmp_path / "cuda")
+    compile_model(_digits_like(), out=build, order=1, dtype="float64", target="cuda")
+    np.savez(tmp_path / "inputs.npz", **inputs)
+    runs = [{"mode": "data", "options": OPTIONS[1], "steps": 2, "shards": SHARDS[2]}]
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    mpiexec = shutil.which("mpiexec") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    (tmp_path / "rank.py").write_text(RANK_SCRIPT.replace("results[f\"p{i}_{k}\"] = v",
+                                                          "results[f\"p{i}_{k}\"] = m._CUDA.host(v) if hasattr(v, 'copy_to_host') else v"))
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    out = subprocess.run([mpiexec, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, "-m", "mpi4py",
+                          str(tmp_path / "rank.py"), build, str(tmp_path / "inputs.npz"), str(tmp_path / "runs.json"),
+                          "dp_mlp"], capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    ranks = [np.load(tmp_path / f"rank{r}.npz") for r in range(2)]
+    _check(ranks, runs, [_serial(mod, inputs, OPTIONS[1], 2)])

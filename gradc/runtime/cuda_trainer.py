@@ -16,6 +16,7 @@ from .trainer import TrainerBase
 class CudaTrainerBase(TrainerBase):
     __doc__ = TrainerBase.__doc__.replace("`tr.params` is the live dict.",
                                           "`tr.params` is the live dict of device arrays.")
+    _device = True
     runner = None            # the module's CudaRunner
     kernels = {}             # "sgd", "sgd_check", "adam", "adam_check", "sum_squares", "copy" -> the module's kernels
     entry = None             # the host function of loss_and_grad
@@ -101,10 +102,8 @@ class CudaTrainerBase(TrainerBase):
     def _launch_apply(self, grads, params, s1, s2, hyper, status, stream):
         self.kernels[self.optimizer][flat(params, stream)](*self._optimizer_args(grads, params, s1, s2, hyper, status))
 
-    def step(self, **inputs):
-        run = self.runner
-        a = self.signature.inputs(inputs, self.loss_inputs, "Trainer.step", device_labels_later=True)
-        self._adopt()
+    def _hyper_state(self):
+        """The hyperparameters of this step to the device; the optimizer's two state buffers."""
         t = self.steps + 1
         if self.optimizer == "sgd":
             hyper = [self.lr, self.momentum, self.clip, 0, 0, 0, 0]
@@ -113,7 +112,69 @@ class CudaTrainerBase(TrainerBase):
             b1, b2 = self.betas
             hyper = [self.lr, b1, b2, self.eps, 1.0 - b1 ** t, 1.0 - b2 ** t, self.clip]
             state = [self.state["m"], self.state["v"]]
-        self._hyper.copy_to_device(np.array(hyper, dtype=self.signature.float), stream=run.stream)
+        self._hyper.copy_to_device(np.array(hyper, dtype=self.signature.float), stream=self.runner.stream)
+        return state
+
+    # ---- parallel="data": the gradients go through host memory for the reduction -----------------
+    def _dp_buffer(self):
+        if getattr(self, "_host_grads", None) is None:
+            self._host_grads = np.zeros(self._grads.shape[0], dtype=self.signature.float)
+        return self._host_grads
+
+    def _dp_params(self):
+        return self.runner.host(self._flat)
+
+    def _launch_gradients(self, *args):
+        """The entry's launches only: the gradients, and the loss into status[0]."""
+        *loss_args, grads, status, arena, offs, scal, stream = args
+        (loss,) = self.entry(*loss_args, grads, arena, offs, scal, stream)
+        self.kernels["copy"][flat(loss, stream)](loss, status[0:1])
+        return ()
+
+    def _dp_gradients(self, a, grads, ready):
+        run = self.runner
+        p = dict(self.params)
+        if self.pipeline is None:
+            if getattr(self, "_launch_g", None) is None:
+                self._launch_g = self._launch_gradients   # one bound method: the captured graph's key
+            run.run(self._launch_g, self.loss_args(p, a) + [self._grads, self._status], a, entry="_loss_and_grad")
+            loss, weight = float(run.host(self._status)[0]), 1.0
+        else:
+            loss = self.pipeline.loss_and_grad(p, a, self._grads, decay_once=False)
+            weight = self.pipeline.weight_sum
+        grads[...] = run.host(self._grads)
+        return loss, weight   # (the reduction starts every bucket now)
+
+    def _dp_update(self, loss, grads, dp):
+        import math
+        from .optim import sum_squares
+        run = self.runner
+        self._grads.copy_to_device(grads, stream=run.stream)
+        state = self._hyper_state()
+        sq = dp.pipe_sum(float(sum_squares(grads)))
+        ok = math.isfinite(loss) and math.isfinite(sq)
+        bad = 0
+        if ok:
+            self._status.copy_to_device(np.array([loss, sq, 0.0], dtype=self.signature.float), stream=run.stream)
+            self._launch_check(self._grads, self._flat, *state, self._hyper, self._status, run.stream)
+            bad = dp.pipe_sum(int(run.host(self._status)[2]))
+        refused, bad = dp.agree([not ok, bad])
+        if refused and ok:
+            sq = math.nan
+        if not refused and not bad:
+            self._status.copy_to_device(np.array([loss, sq, 0.0], dtype=self.signature.float), stream=run.stream)
+            self._launch_apply(self._grads, self._flat, *state, self._hyper, self._status, run.stream)
+            run.sync()
+        self._count_step(loss, sq, bad)
+        return float(loss)
+
+    def step(self, **inputs):
+        if self._parallel is not None:
+            return self._parallel.step(inputs)
+        run = self.runner
+        a = self.signature.inputs(inputs, self.loss_inputs, "Trainer.step", device_labels_later=True)
+        self._adopt()
+        state = self._hyper_state()
         p = dict(self.params)
         if self.pipeline is None:
             args = self.loss_args(p, a) + [self._grads, self._flat, *state, self._hyper, self._status]

@@ -145,9 +145,10 @@ class DataParallel:
         if frozen:
             frozen = self.comm.bcast(frozen, root=0)
             for k, v in frozen.items():
-                tr.params[k][...] = v if isinstance(tr.params[k], np.ndarray) else tr.params[k]
-                if not isinstance(tr.params[k], np.ndarray):
-                    tr.params[k].copy_to_device(v)
+                if isinstance(tr.params[k], np.ndarray):
+                    tr.params[k][...] = v
+                else:
+                    tr.params[k].copy_to_device(np.ascontiguousarray(v))
 
     def _set_flat(self, flat):
         tr = self.tr
@@ -161,8 +162,7 @@ class DataParallel:
         tr, MPI = self.tr, self.MPI
         error = None
         try:
-            a = tr.signature.inputs(inputs, tr.loss_inputs, "Trainer.step",
-                                    **({"device_labels_later": True} if tr._device else {}))
+            a = tr.signature.inputs(inputs, tr.loss_inputs, "Trainer.step")
             rows = _rows(tr, a)
             tr._adopt()
         except ValueError as e:
