@@ -96,6 +96,9 @@ def memory_report(base):
                 "; per device " + ", ".join(f"{d} {format_size(b).split(' (')[0]}" for d, b in plan["arena_bytes"].items())),
              f"  keeping every activation: {format_size(plan['store_all_peak_bytes'])}; one step alone needs "
              f"{format_size(plan['lower_bound_bytes'])}"]
+    if plan.get("workspace_bytes"):
+        lines.append(f"  kernel workspace (a convolution's im2col tile, outside the arena): at most "
+                     f"{format_size(plan['workspace_bytes'])}")
     if plan["budget_bytes"] is not None:
         lines.append(f"  budget {format_size(plan['budget_bytes'])}; recomputed {plan['recompute_flops']:,} FLOPs")
     live = [t for t in plan["tensors"] if t["start"] <= at <= t["end"]]

@@ -37,12 +37,19 @@ def layer_rows(data):
         operands[link["target"]].append(link["source"])
         users[link["source"]].append(link["target"])
     param_of = {n: node["name"] for n, node in nodes.items() if node["op"] == "param"}
+    model = set()   # the user's forward: what the loss and the outputs are computed from (not lr_grad's copies)
+    stack = [meta["loss"], *meta["outputs"].values()]
+    while stack:
+        n = stack.pop()
+        if n is not None and n not in model:
+            model.add(n)
+            stack.extend(operands[n])
     rows, pools = [], 0
     for n in sorted(nodes):
         node = nodes[n]
-        if node["phase"] != "forward" or get_op(node["op"]).kind not in LAYER_KINDS:
+        if n not in model or get_op(node["op"]).kind not in LAYER_KINDS:
             continue
-        readers = [u for u in users[n] if nodes[u]["phase"] == "forward" and get_op(nodes[u]["op"]).kind == "elementwise"]
+        readers = [u for u in users[n] if u in model and get_op(nodes[u]["op"]).kind == "elementwise"]
         weights = []
         for m in [n] + readers:
             for u in operands[m]:

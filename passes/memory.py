@@ -10,6 +10,7 @@ value made before the loop and read inside it lives to the end.
 """
 import numpy as np
 
+from gradc.ops import get_op
 from gradc.runtime.arena import ALIGN_BYTES, layout_by_device
 
 from .analysis import node_flops
@@ -86,6 +87,21 @@ def peak_bytes(graph, steps, returned, dims):
     return int(live_bytes(tensors, steps).max())
 
 
+def workspace_bytes(graph, steps, dims):
+    """The most bytes one CPU kernel of `steps` allocates for itself while it runs (a convolution's
+    im2col tile: the op record's `workspace`), outside the arena; None when a dim is unbound."""
+    most = 0
+    for n in steps:
+        rule = get_op(graph.op(n)).workspace
+        if rule is None or not graph.node(n)["device"].startswith("cpu"):
+            continue
+        b = rule(graph, n, dims)
+        if b is None:
+            return None
+        most = max(most, b)
+    return most
+
+
 def plan_entry(graph, entry, steps, returned, dims, loop_from=None):
     """The plan of one entry point: its steps, tensors with offsets, peak and arena bytes (per
     device: each node's buffer lives on its device, in that device's region).
@@ -113,6 +129,7 @@ def plan_entry(graph, entry, steps, returned, dims, loop_from=None):
         live = live_bytes(tensors, steps)
         plan["lower_bound_bytes"] = step_floor(graph, steps, tensors)
         plan["live_bytes"] = live.tolist()
+        plan["workspace_bytes"] = workspace_bytes(graph, steps, dims)
         plan["peak_bytes"] = int(live.max())
         plan["peak_step"] = int(live.argmax())
         plan["arena_bytes"] = {d: regions.get(d, 0) * itemsize for d in devices}
@@ -120,7 +137,7 @@ def plan_entry(graph, entry, steps, returned, dims, loop_from=None):
         for t in tensors:
             t["offset"] = None
             t["bytes"] = str(t["bytes"])
-        plan["live_bytes"] = None
+        plan["live_bytes"] = plan["workspace_bytes"] = None
         plan["peak_bytes"] = plan["peak_step"] = plan["lower_bound_bytes"] = None
         plan["arena_bytes"] = {d: None for d in devices}
     return plan
@@ -169,8 +186,15 @@ def plan_memory(graph, dims, order, budget=None):
         if entry.budgeted:
             plan.update(store_all_peak_bytes=plan["peak_bytes"], budget_bytes=budget, recompute_flops=0,
                         method="store-all")
-            if budget is not None and budget < plan["peak_bytes"]:
-                plan = _within_budget(graph, steps, roots, dims, sizes, budget, plan)
+            # the kernels' own workspace comes out of the budget before any activation is kept
+            room = None if budget is None else budget - (plan["workspace_bytes"] or 0)
+            if room is not None and room < plan["peak_bytes"]:
+                work = plan["workspace_bytes"] or 0
+                try:
+                    plan = _within_budget(graph, steps, roots, dims, sizes, room, plan)
+                except BudgetError as e:
+                    raise BudgetError(e.minimum + work, e.store_all + work) from None
+                plan["budget_bytes"] = budget
         plan["roots"] = roots
         plans[fname] = plan
     return plans
@@ -225,7 +249,8 @@ def _entry_document(graph, plan):
            "peak_step": plan["peak_step"], "store_all_peak_bytes": plan.get("store_all_peak_bytes", plan["peak_bytes"]),
            "lower_bound_bytes": plan.get("lower_bound_bytes"), "budget_bytes": plan.get("budget_bytes"),
            "recompute_flops": plan.get("recompute_flops", 0), "method": plan.get("method", "store-all"),
-           "arena_bytes": plan["arena_bytes"], "live_bytes": plan["live_bytes"], "tensors": tensors}
+           "arena_bytes": plan["arena_bytes"], "workspace_bytes": plan.get("workspace_bytes"),
+           "live_bytes": plan["live_bytes"], "tensors": tensors}
     if plan["loop_from"] is not None:
         doc["loop_from"] = plan["loop_from"]
     if "store_all_live_bytes" in plan:

@@ -29,3 +29,26 @@ def test_vgg16_table_matches_the_lecture(tmp_path):
     assert 57.0 < kept < 58.0   # every layer's output, one value per layer (~57.6 MiB at batch 1)
     peak = float(text.split("training (loss_and_grad) peak: ")[1].split(" MiB")[0])
     assert kept < peak < kept + 3   # plus little else
+
+
+def test_memory_plan_counts_the_conv_workspace_in_the_budget(tmp_path):
+    """A conv's im2col tile is bounded (never a whole image's columns) and the plan sees it."""
+    from gradc.passes.memory import plan_memory
+    from gradc.passes.pipeline import build_training_graph
+
+    m = gc.Model("convs")
+    x = m.input("x", ("B", 3, 32, 32))
+    h = gc.relu(gc.conv2d(x, m.param("w1", (16, 3, 3, 3)), padding=1))
+    for i in range(2, 8):
+        h = gc.tanh(gc.conv2d(h, m.param(f"w{i}", (16, 16, 3, 3)), padding=1))
+    m.minimize(h.mean())
+    graph = build_training_graph(m, "float32", {"B": 4})
+    plan = plan_memory(graph, {"B": 4}, 1)["_loss_and_grad"]
+    whole_image_columns = 4 * 16 * 9 * 32 * 32 * 4
+    assert 0 < plan["workspace_bytes"] < whole_image_columns
+    tight = plan["peak_bytes"] + plan["workspace_bytes"]
+    assert plan_memory(graph, {"B": 4}, 1, budget=tight)["_loss_and_grad"]["method"] == "store-all"
+    # the same budget without room for the workspace: activations must be recomputed
+    squeezed = plan_memory(graph, {"B": 4}, 1, budget=tight - 1)["_loss_and_grad"]
+    assert squeezed["recompute_flops"] > 0
+    assert squeezed["peak_bytes"] + squeezed["workspace_bytes"] <= tight - 1

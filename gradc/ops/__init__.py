@@ -44,6 +44,7 @@ class Op:
     cpu: Optional[Callable] = None    # (statement) -> source lines on the CPU target
     cuda: Optional[Callable] = None   # (statement) -> source lines on the CUDA target
     indexes: Optional[Callable] = None   # (graph, n) -> (operand j, bound): its ints index 0..bound-1
+    workspace: Optional[Callable] = None   # (graph, n, dims) -> bytes its CPU kernel allocates while it runs
     doc: str = field(default="", compare=False)
 
 

@@ -457,6 +457,29 @@ def cuda_weight_grad_source(name):
     ]), "conv2d_weight_grad: one thread per weight, summing over images and output pixels", ("flat", -1)
 
 
+def _workspace(x_at, w_at, g_at):
+    """The bytes _CPU_HEAD's buffers take for one call, given where x, w and g are among the
+    operands and the output (index 2): memory planning counts them at the conv's step."""
+    def workspace(graph, n, dims):
+        shapes = [graph.shape(u) for u in graph.operands(n)] + [graph.shape(n)]
+        shapes = [tuple(dims.get(d, d) if isinstance(d, str) else d for d in s) for s in shapes]
+        x, w, g = shapes[x_at], shapes[w_at], shapes[g_at]
+        if any(isinstance(d, str) for d in x + w + g):
+            return None
+        a = graph.attrs(n)
+        (sh, _), (_, pw), (dh, _) = a["stride"], a["padding"], a.get("dilation", (1, 1))
+        n_img, w_in = x[0], x[3]
+        c_out, cg, kh, kw = w
+        h_out, w_out = g[2], g[3]
+        k_len = cg * kh * kw
+        rows = max(1, min(h_out, TILE // max(1, k_len * w_out)))
+        nb = min(n_img, max(1, TILE // max(1, k_len * h_out * w_out))) if rows == h_out else 1
+        band = (rows - 1) * sh + (kh - 1) * dh + 1
+        values = k_len * nb * rows * w_out + c_out // a.get("groups", 1) * nb * rows * w_out + nb * cg * band * (w_in + 2 * pw)
+        return values * np.dtype(graph.dtype(n)).itemsize + (k_len + rows * w_out) * 8   # + the offset tables
+    return workspace
+
+
 def _lower(hint, make):
     """One kernel per module and target for each op (stride, padding, dilation, groups are arguments)."""
     def lower(s):
@@ -478,15 +501,15 @@ def _rows_summed(graph, n, ins, fail):
 
 
 register(Op("conv2d", "conv", _conv_infer, _conv_evaluate, _conv_flops, vjp=_conv_vjp, arity=2,
-            rows=_rows_of_first, cpu=_lower("conv2d", cpu_conv2d_source), cuda=_lower("conv2d", cuda_conv2d_source),
+            rows=_rows_of_first, workspace=_workspace(0, 1, 2), cpu=_lower("conv2d", cpu_conv2d_source), cuda=_lower("conv2d", cuda_conv2d_source),
             doc="y[n, o] = sum over c in o's group, taps (i, j) of w[o, c, i, j] * x_pad[n, c, h s + i d, w s + j d]; "
                 "attrs stride, padding, dilation (pairs), groups"))
 register(Op("conv2d_input_grad", "conv", _input_grad_infer, _input_grad_evaluate, _input_grad_flops,
-            vjp=_input_grad_vjp, arity=2, rows=_rows_of_first,
+            vjp=_input_grad_vjp, arity=2, rows=_rows_of_first, workspace=_workspace(2, 1, 0),
             cpu=_lower("conv2d_input_grad", cpu_input_grad_source), cuda=_lower("conv2d_input_grad", cuda_input_grad_source),
             doc="the transposed convolution of g by w: conv2d's adjoint for x; attrs as conv2d's plus input_hw"))
 register(Op("conv2d_weight_grad", "conv", _weight_grad_infer, _weight_grad_evaluate, _weight_grad_flops,
-            vjp=_weight_grad_vjp, arity=2, rows=_rows_summed,
+            vjp=_weight_grad_vjp, arity=2, rows=_rows_summed, workspace=_workspace(0, 2, 1),
             cpu=_lower("conv2d_weight_grad", cpu_weight_grad_source),
             cuda=_lower("conv2d_weight_grad", cuda_weight_grad_source),
             doc="dw[o, c, i, j] = sum over n, h, w of g[n, o, h, w] x_pad[n, c, h s + i d, w s + j d]: conv2d's adjoint "
