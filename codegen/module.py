@@ -36,8 +36,9 @@ Do not edit: change the model and run `gradc compile` again.
     loss, grads = loss_and_grad(params, {example})
     trainer = Trainer(params, optimizer="sgd", lr=0.1, momentum=0.9); trainer.step({example})
 
-Kernels are Numba functions compiled once and cached beside this file; each entry point is one
-compiled function that runs its kernels in order. Float values are {dtype}.
+Each kernel is compiled once per content for all of your builds, and kept in gradc's kernel cache
+($GRADC_CACHE_DIR, by default ~/.cache/gradc; see `@cached_kernel` below); each entry point is one
+compiled function that runs its kernels in order, cached beside this file. Float values are {dtype}.
 """
 import math
 
@@ -47,6 +48,7 @@ from numba import njit
 from gradc.runtime import Signature, TrainerBase, init_from, load_data
 from gradc.runtime.arena import Arena
 from gradc.runtime.hessian import hessian_buffer, in_blocks, second_order_missing, symmetrize
+from gradc.runtime.kernel_cache import cached_kernel
 from gradc.runtime.pipeline import HostMemory, Pipeline
 from gradc.runtime.views import plain_view, view
 
@@ -382,8 +384,17 @@ LAUNCH_WORDS = {"flat": f"one thread per output element, {THREADS} a block",
                 "block": f"one block of {THREADS} threads (a tree in shared memory)"}
 
 
+KERNEL_CACHE_NOTE = """\
+# Each kernel is compiled once per content, for every build of yours: @cached_kernel
+# (gradc/runtime/kernel_cache.py) writes its source, with the helpers it calls, to the kernel cache
+# ($GRADC_CACHE_DIR, else ~/.cache/gradc)/kernels/k_<hash of the text, dtype, gradc, Numba, CPU>.py
+# and loads it from there; Numba keeps the machine code beside it. The code is what you read here."""
+
+
 def _assemble(info, out, helper_src, kernel_src, body, api, kernels, g, entries, stored):
     """The module's sections in order, and the facts for the dumps."""
+    if info.get("target", "cpu") == "cpu":   # CPU kernels come from the kernel cache
+        kernel_src = [KERNEL_CACHE_NOTE] + [re.sub(r"\A@kernel\n", "@cached_kernel\n", s) for s in kernel_src]
     sections = ["\n".join(out)] + (["# ---- scalar helpers " + "-" * 70, *helper_src] if helper_src else []) + [
                 "# ---- kernels " + "-" * 77, *kernel_src,
                 "# ---- compiled entry points " + "-" * 63, *body,

@@ -104,9 +104,12 @@ def cmd_compile(args):
     compile_model(model, out=args.out, target=args.target, dtype=args.dtype, order=args.order,
                   bind=parse_bind(args.bind), warm=warm, timings=timings, notes=notes, source=args.model_file, memory_budget=args.memory_budget, devices=args.devices, schedule=args.schedule,
                   microbatches=args.microbatches, device_memory=args.device_memory, batch_dim=args.batch_dim,
-                  scan_backward=args.scan_backward)
+                  scan_backward=args.scan_backward, progress=True)   # progress: a line on stderr, when a terminal
     secs = f"passes {timings.get('passes_total', 0):.2f}s" + (
         f", Numba warm-up {timings['numba_warm']:.1f}s" if "numba_warm" in timings else "")
+    if timings.get("kernels_kernels"):   # kernel signatures compiled by Numba vs loaded from the kernel cache
+        secs += (f"; kernels: {timings['kernels_compiled']} compiled, {timings['kernels_from_cache']} from the cache "
+                 f"({timings['kernels_cache']})")
     for note in notes:
         print(f"gradc: note: {note}")
     print(f"gradc: wrote {os.path.join(args.out, model.name + '.py')} ({secs})")

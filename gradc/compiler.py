@@ -133,6 +133,80 @@ def _synthetic_inputs(module, dims):
 WARM = (True, False, "all")   # warm= : the first-order entry points, nothing, or hvp and hessian too
 
 
+def _compiled_units(module, second_order):
+    """The Numba functions of `module` that the warm-up compiles: what the public entry points it
+    calls (and the Trainer's methods) reach through the module's globals."""
+    import dis
+    env = vars(module)
+    todo = [env[f] for f in ("forward", "loss_and_grad", "input_grads") + (("hvp",) if second_order else ())
+            if callable(env.get(f))]
+    trainer = env.get("Trainer")
+    todo += [f for f in vars(trainer).values() if callable(f)] if isinstance(trainer, type) else []
+    seen, units = set(), []
+    while todo:
+        f = todo.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        py = getattr(f, "py_func", f)
+        home = getattr(py, "__module__", None) or ""
+        if py is not f and (home == module.__name__ or home.startswith("gradc_kernel_cache.")):
+            units.append(f)   # a compiled entry point, a helper, or a kernel (of the kernel cache)
+        if home != module.__name__ or not hasattr(py, "__code__"):
+            continue
+        todo += [env[i.argval] for i in dis.get_instructions(py)
+                 if i.opname == "LOAD_GLOBAL" and i.argval in env and callable(env[i.argval])]
+    return units
+
+
+class _Progress:
+    """`gradc compile`'s progress line over the warm-up (tqdm, on stderr, only on a terminal): what is
+    compiling (an entry point, a kernel), and how many of the Numba functions it needs are done."""
+
+    def __init__(self, module, second_order, enabled):
+        self.bar = None
+        if not enabled:
+            return
+        try:
+            from tqdm import tqdm
+            from numba.core import event
+        except ImportError:
+            return
+        self.units = _compiled_units(module, second_order)
+        names = {id(v): k for k, v in vars(module).items()}
+        self.bar = tqdm(total=len(self.units), desc="gradc: compiling", leave=False, file=sys.stderr,
+                        bar_format="{desc}: {n}/{total} functions compiled or loaded [{elapsed}]")
+        progress, units = self, {id(u) for u in self.units}
+
+        class Listener(event.Listener):
+            def on_start(self, ev):   # Numba's own functions (impl, <lambda>) keep the last name shown
+                d = ev.data.get("dispatcher")
+                progress.update(names.get(id(d)) if id(d) in units else None)
+
+            def on_end(self, ev):
+                progress.update()
+
+        self._listening = event.install_listener("numba:compile", Listener())
+        self._listening.__enter__()
+
+    def update(self, what=None):
+        if self.bar is None:
+            return
+        if what is not None:
+            self.bar.set_description_str(f"gradc: compiling {what}", refresh=False)
+        self.bar.n = sum(1 for u in self.units if u.signatures)
+        self.bar.refresh()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self._listening.__exit__(None, None, None)
+            self.bar.close()
+            self.bar = None
+
+
 def warm(module, dims, second_order=False):
     """Call the entry points once so that Numba compiles and caches them beside the module; hvp and
     hessian only with `second_order` (they compile on first use otherwise: pay for what is used)."""
@@ -292,9 +366,10 @@ def rows_facts(model, graph, pipe):
 
 
 def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bind=None, warm_cache=True,
-                  timings=None, source=None, memory_budget=None, notes=None, **later_options):
+                  timings=None, source=None, memory_budget=None, notes=None, progress=False, **later_options):
     """Compile `model` into OUT/NAME.py (plus dumps) and return the imported module.
-    `warm=` (what gradc.compile documents) is `warm_cache=`; `notes` collects remarks for the CLI to print."""
+    `warm=` (what gradc.compile documents) is `warm_cache=`; `notes` collects remarks for the CLI to print;
+    `progress`: a progress bar of the warm-up on stderr when it is a terminal."""
     from gradc.codegen.module import generate
     from gradc.passes.analysis import flops, nbytes, saved_for_backward
     from gradc.passes.checkpoint import BudgetError
@@ -380,7 +455,7 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
         files[f"{name}.partition.json"] = json.dumps(partition, indent=1)
     # a CUDA module compiles its kernels on the GPU, at its first call with each set of shapes
     return write_outputs(out, name, files, stored, dims if warm_cache and target == "cpu" else None, timings,
-                         [] if notes is None else notes, graph.nx.number_of_nodes(), warm_cache == "all")
+                         [] if notes is None else notes, graph.nx.number_of_nodes(), warm_cache == "all", progress)
 
 
 def render_svg(dot_file, nodes):
@@ -474,7 +549,8 @@ def refuse_foreign_files(out, name, names):
                              f"-o (a compile never replaces a file of yours)")
 
 
-def write_outputs(out, name, files, stored, warm_dims, timings, notes, graph_nodes, warm_second_order=False):
+def write_outputs(out, name, files, stored, warm_dims, timings, notes, graph_nodes, warm_second_order=False,
+                  progress=False):
     """Write and warm a build in a folder of its own, then make it OUT's current build of NAME.
 
     A build's files switch together, with one rename. The build lives in
@@ -512,8 +588,14 @@ def write_outputs(out, name, files, stored, warm_dims, timings, notes, graph_nod
         if warm_dims is not None:
             t = time.perf_counter()
             module = import_file(os.path.join(build, f"{name}.py"), name)
-            warm(module, warm_dims, warm_second_order)
+            from .runtime.kernel_cache import compile_counts
+            before = compile_counts(name)
+            with _Progress(module, warm_second_order, progress and sys.stderr.isatty()):
+                warm(module, warm_dims, warm_second_order)
             timings["numba_warm"] = time.perf_counter() - t
+            # kernel signatures this warm-up compiled, and those it loaded from the kernel cache
+            timings.update({f"kernels_{k}": v - before[k] if k in ("compiled", "from_cache") else v
+                            for k, v in compile_counts(name).items()})
         made_files = sorted(f for f in os.listdir(build) if os.path.isfile(os.path.join(build, f)))
         _move_cache(os.path.join(build, "__pycache__"), os.path.join(out, "__pycache__"), name)
         for f in made_files:   # names the current build lacks: they appear with the switch

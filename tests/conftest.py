@@ -56,3 +56,13 @@ def rng():
 @pytest.fixture(scope="session")
 def build_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("build"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernel_cache_dir(tmp_path_factory):
+    """The suite's kernel cache (GRADC_CACHE_DIR, inherited by the subprocesses tests start): a
+    folder of its own, shared by the whole run, never the user's ~/.cache/gradc."""
+    path = str(tmp_path_factory.mktemp("gradc-cache"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GRADC_CACHE_DIR", path)
+        yield path

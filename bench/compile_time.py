@@ -1,0 +1,186 @@
+"""Compile time: `gradc compile` vs JAX's trace + XLA compile of the same train step, in one run.
+
+The train step is the loss and gradient of a tanh MLP (softmax cross-entropy, `layers` layers of
+`width`) and an SGD update. gradc compiles with its defaults (float32, --order 2, the first-order
+entry points warmed) into a fresh folder; JAX times `jax.jit(step).lower(...).compile()`. Every
+measurement runs in a fresh subprocess (Numba's and JAX's in-process caches would lie) and times
+the compile call only, after the imports; the kernel cache is pointed at a temp folder
+(GRADC_CACHE_DIR), empty unless the case says what warmed it. Cases:
+
+  (a) 30-layer width-256 MLP, empty kernel cache             goal: at most 5x JAX
+  (b) the same, the cache warm from a 20-layer width-256 MLP  goal: at most 2x JAX
+  (c) 100-layer width-64 MLP, --order 2, empty kernel cache   goal: under 20 s
+      and its first `hvp` call, in a fresh process that imports the build   goal: under 10 s
+      (JAX: jit of the HVP, forward-over-reverse)
+
+    python bench/compile_time.py            # medians of 3 fresh runs per cell
+    python bench/compile_time.py --quick    # one run per cell
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+BATCH = 64
+LR = 0.05
+
+
+# ---- workers: each runs in a subprocess of its own -----------------------------------------------
+def mlp(name, layers, width):
+    import gradc as gc
+    m = gc.Model(name)
+    x = m.input("x", ("B", width))
+    y = m.input("y", ("B",), dtype="int64")
+    h = x
+    for i in range(layers):
+        h = gc.tanh(h @ m.param(f"W{i}", (width, width)) + m.param(f"b{i}", (width,)))
+    m.minimize(gc.softmax_cross_entropy(h, y))
+    return m
+
+
+def worker_gradc(name, layers, width, out):
+    import gradc as gc
+    model = mlp(name, layers, width)
+    timings = {}
+    t = time.perf_counter()
+    gc.compile(model, out=out, timings=timings)
+    seconds = time.perf_counter() - t
+    return {"seconds": seconds, "passes": timings.get("passes_total"), "warm": timings.get("numba_warm"),
+            "compiled": timings.get("kernels_compiled"), "from_cache": timings.get("kernels_from_cache")}
+
+
+def worker_hvp(name, out):
+    import numpy as np
+    sys.path.insert(0, out)
+    mod = __import__(name)
+    params = mod.init_params(0)
+    (_, width), _ = mod.INPUTS["x"]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((BATCH, width)).astype(np.float32)
+    y = rng.integers(0, width, BATCH)
+    v = {k: np.ones_like(params[k]) for k in mod.TRAINABLE}
+    t = time.perf_counter()
+    mod.hvp(params, v, x=x, y=y)
+    return {"seconds": time.perf_counter() - t}
+
+
+def worker_jax(layers, width, what):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def loss_fn(p, x, y):
+        h = x
+        for i in range(layers):
+            h = jnp.tanh(h @ p[f"W{i}"] + p[f"b{i}"])
+        logp = jax.nn.log_softmax(h)
+        return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
+
+    def step(p, x, y):
+        loss, g = jax.value_and_grad(loss_fn)(p, x, y)
+        return jax.tree.map(lambda a, b: a - LR * b, p, g), loss
+
+    def hvp(p, v, x, y):
+        return jax.jvp(lambda q: jax.grad(loss_fn)(q, x, y), (p,), (v,))[1]
+
+    rng = np.random.default_rng(0)
+    p = {}
+    for i in range(layers):
+        p[f"W{i}"] = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
+        p[f"b{i}"] = np.zeros(width, np.float32)
+    x = rng.standard_normal((BATCH, width)).astype(np.float32)
+    y = rng.integers(0, width, BATCH).astype(np.int32)
+    t = time.perf_counter()
+    if what == "step":
+        jax.jit(step).lower(p, x, y).compile()
+    else:
+        jax.jit(hvp).lower(p, p, x, y).compile()
+    return {"seconds": time.perf_counter() - t}
+
+
+# ---- the driver ----------------------------------------------------------------------------------
+def run_worker(args, cache=None):
+    env = dict(os.environ)
+    if cache is not None:
+        env["GRADC_CACHE_DIR"] = cache
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(args)], env=env,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker {args} failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["process"] = time.perf_counter() - t
+    return result
+
+
+def gradc_case(layers, width, warm_from=None, hvp=False):
+    """One fresh kernel cache and build folder: (compile result, hvp result or None)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = os.path.join(tmp, "cache")
+        if warm_from is not None:
+            run_worker(["gradc", f"warm_{warm_from[0]}x{warm_from[1]}", *warm_from, os.path.join(tmp, "w")], cache)
+        name = f"mlp_{layers}x{width}"
+        out = os.path.join(tmp, "out")
+        result = run_worker(["gradc", name, layers, width, out], cache)
+        return result, (run_worker(["hvp", name, out], cache) if hvp else None)
+
+
+def median(results, key="seconds"):
+    return statistics.median(r[key] for r in results)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="one run per cell instead of the median of 3")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        w = json.loads(args.worker)
+        fn = {"gradc": worker_gradc, "hvp": worker_hvp, "jax": worker_jax}[w[0]]
+        print(json.dumps(fn(*w[1:])))
+        return 0
+    import jax
+    import numba
+
+    from gradc.version import __version__
+    repeats = 1 if args.quick else 3
+    print(f"# compile_time: {os.cpu_count()} cores, gradc {__version__}, numba {numba.__version__}, "
+          f"jax {jax.__version__}, float32, batch {BATCH} (JAX), {repeats} fresh run(s) per cell, median")
+    rows, notes = [], []
+
+    def jax_seconds(layers, width, what="step"):
+        return median([run_worker(["jax", layers, width, what]) for _ in range(repeats)])
+
+    cold = [gradc_case(30, 256)[0] for _ in range(repeats)]
+    j30 = jax_seconds(30, 256)
+    rows.append(("(a) 30x256 MLP, empty kernel cache", median(cold), j30, "<= 5x JAX", median(cold) <= 5 * j30))
+    notes.append(("(a)", cold))
+    warm = [gradc_case(30, 256, warm_from=(20, 256))[0] for _ in range(repeats)]
+    rows.append(("(b) 30x256 MLP, cache warm from a 20x256 MLP", median(warm), j30, "<= 2x JAX", median(warm) <= 2 * j30))
+    notes.append(("(b)", warm))
+    deep = [gradc_case(100, 64, hvp=True) for _ in range(repeats)]
+    compiles, hvps = [d[0] for d in deep], [d[1] for d in deep]
+    j100, j100h = jax_seconds(100, 64), jax_seconds(100, 64, "hvp")
+    rows.append(("(c) 100x64 MLP --order 2, empty kernel cache", median(compiles), j100, "< 20 s", median(compiles) < 20))
+    rows.append(("(c) first hvp call (fresh process; JAX: jit of hvp)", median(hvps), j100h, "< 10 s", median(hvps) < 10))
+    notes.append(("(c)", compiles))
+
+    print("\n| case | gradc s | JAX s | ratio | goal | met |")
+    print("|---|---|---|---|---|---|")
+    for case, g, j, goal, met in rows:
+        print(f"| {case} | {g:.2f} | {j:.2f} | {g / j:.1f}x | {goal} | {'yes' if met else 'no'} |")
+    print()
+    for label, results in notes:
+        r = min(results, key=lambda r: abs(r["seconds"] - median(results)))
+        print(f"# {label} median run: passes {r['passes']:.2f} s, Numba warm-up {r['warm']:.2f} s, "
+              f"kernel signatures compiled {r['compiled']}, loaded from the cache {r['from_cache']}; "
+              f"the whole subprocess (imports included) {r['process']:.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""The kernel cache: each distinct kernel is compiled once, for every build of a user.
+
+A generated module writes its kernels out in full, each decorated `@cached_kernel`. At import,
+`cached_kernel` takes the kernel's source from the module file, gives the function a canonical
+name (`kernel`), adds the source of the scalar helpers it calls, and names the result by a hash
+of its content together with the build's dtype, the gradc and Numba versions and the CPU. That
+text goes once into `<cache>/kernels/k_<hash>.py`, and the kernel is loaded from there with
+Numba's `cache=True`: Numba keeps the machine code beside it, in `<cache>/kernels/__pycache__`.
+The 30 identical layers of one model, and the same layers in the next model, are one file and one
+compile.
+
+    <cache> = $GRADC_CACHE_DIR, else $XDG_CACHE_HOME/gradc, else ~/.cache/gradc
+
+Concurrent compiles are safe: a file is written to a temp name and renamed into place, two
+writers of one hash write the same bytes, and Numba writes its index and data files the same way.
+A cache file whose text is not what its hash says (a corrupted file) is written again; a Numba
+cache entry that does not load is compiled again; where the cache cannot be written (a read-only
+home, a full disk) the kernel is compiled from the module's own source as before (Numba's cache
+beside the module, or in memory). Nothing here raises for a cache problem.
+"""
+import builtins
+import dis
+import hashlib
+import importlib.util
+import inspect
+import os
+import sys
+import tempfile
+import threading
+
+import numba
+from numba import njit
+from numba.core.caching import FunctionCache
+
+from gradc.version import __version__
+
+ENV = "GRADC_CACHE_DIR"
+OPTIONS = {"error_model": "numpy", "nogil": True}   # as the module's own `kernel` decorator
+FORMAT = 1   # bump when the layout of a cache file changes
+
+STATS = {"loaded": 0, "written": 0, "rewritten": 0, "fallback": 0, "bad_numba_cache": 0}
+KERNELS = []   # (module name, kernel name, dispatcher, cache file or None), in load order
+_LOCK = threading.Lock()
+_LINES = {}    # (path, inode, mtime_ns, size) -> the file's lines
+
+
+def cache_dir():
+    """The user's gradc cache folder (not created here)."""
+    if os.environ.get(ENV):
+        return os.path.abspath(os.path.expanduser(os.environ[ENV]))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "gradc")
+
+
+def kernel_dir():
+    return os.path.join(cache_dir(), "kernels")
+
+
+_HOST = []
+
+
+def host():
+    """What the machine code depends on besides the source: Numba's version and the CPU it targets."""
+    if not _HOST:
+        from numba.core import config
+        import llvmlite.binding as ll
+        cpu = config.CPU_NAME or ll.get_host_cpu_name()
+        features = config.CPU_FEATURES if config.CPU_FEATURES is not None else ll.get_host_cpu_features().flatten()
+        _HOST.append(f"numba {numba.__version__}, cpu {cpu}, features {hashlib.sha256(features.encode()).hexdigest()[:12]}")
+    return _HOST[0]
+
+
+# ---- the source of a kernel, as the module file has it ------------------------------------------
+def _lines(path):
+    st = os.stat(path)
+    key = (path, st.st_ino, st.st_mtime_ns, st.st_size)
+    if key not in _LINES:
+        with open(path) as f:
+            _LINES[key] = f.read().splitlines(keepends=True)
+    return _LINES[key]
+
+
+def _source(func):
+    """The function's def (its decorators left out), read from its file."""
+    code = func.__code__
+    block = inspect.getblock(_lines(code.co_filename)[code.co_firstlineno - 1:])
+    while block and block[0].lstrip().startswith("@"):
+        block = block[1:]
+    text = "".join(block).rstrip() + "\n"
+    if not text.startswith(f"def {func.__name__}("):
+        raise ValueError(f"{func.__name__}: its source does not start with its def")
+    return text
+
+
+def _globals(func):
+    """The global names the function reads."""
+    names = set()
+    for ins in dis.get_instructions(func):
+        if ins.opname == "LOAD_GLOBAL":
+            names.add(ins.argval)
+    return names
+
+
+def canonical_text(func):
+    """The cache file of a kernel: a header naming what the machine code depends on, the scalar
+    helpers it calls, and the kernel itself as `kernel`. Raises ValueError for a function that
+    reads a global this file cannot define."""
+    env = func.__globals__
+    dtype = env.get("DTYPE") or np_name(env.get("FLOAT"))
+    helpers, todo, uses_float = {}, [func], False
+    while todo:
+        f = todo.pop()
+        for name in sorted(_globals(f)):
+            value = env.get(name)
+            if name in ("math", "np"):
+                continue
+            if name == "FLOAT":
+                uses_float = True
+            elif name in helpers or (name not in env and hasattr(builtins, name)):
+                continue
+            elif hasattr(value, "py_func") and name.startswith("_"):
+                helpers[name] = _source(value.py_func)
+                todo.append(value.py_func)
+            else:
+                raise ValueError(f"{func.__name__} reads the global {name!r}")
+    body = _source(func).replace(f"def {func.__name__}(", "def kernel(", 1)
+    parts = [f"# gradc kernel cache (format {FORMAT}): gradc {__version__}, {host()}, {dtype}\n"
+             "# Written by gradc/runtime/kernel_cache.py; Numba's cache of it is in __pycache__ beside it.\n"
+             "import math\n\nimport numpy as np\nfrom numba import njit\n\n"
+             f"_njit = njit(cache=True, **{OPTIONS!r})\n"]
+    if uses_float:
+        parts.append(f"FLOAT = np.{dtype}\n")
+    parts += [f"\n\n@_njit\n{helpers[h]}" for h in sorted(helpers)]
+    parts.append(f"\n\n@_njit\n{body}")
+    return "".join(parts)
+
+
+def np_name(dtype):
+    return None if dtype is None else getattr(dtype, "__name__", str(dtype))
+
+
+# ---- the cache file ---------------------------------------------------------------------------
+def _write(path, text):
+    """Write `text` to `path` by a rename, so that no reader sees half a file."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".py", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def ensure_file(text):
+    """The path of the cache file holding `text`, written if it is missing or not `text`
+    (raises OSError where the cache cannot be written)."""
+    digest = hashlib.sha256(text.encode()).hexdigest()[:32]
+    path = os.path.join(kernel_dir(), f"k_{digest}.py")
+    try:
+        with open(path, "rb") as f:
+            if f.read() == text.encode():
+                return path
+        existed = True    # corrupted, or cut short by a full disk: write it again
+    except OSError:
+        existed = False
+    _write(path, text)
+    STATS["rewritten" if existed else "written"] += 1
+    return path
+
+
+class _TolerantCache(FunctionCache):
+    """Numba's per-function cache, where an entry that does not load (a corrupted index or data
+    file) is a miss: the kernel is compiled again and the entry written anew."""
+
+    def load_overload(self, sig, target_context):
+        try:
+            return super().load_overload(sig, target_context)
+        except Exception:
+            STATS["bad_numba_cache"] += 1
+            return None
+
+
+def _load(path):
+    """The `kernel` of the cache file at `path`, imported as a module of its own (Numba's cache
+    finds a function's globals through sys.modules)."""
+    name = "gradc_kernel_cache." + os.path.basename(path)[:-3]
+    module = sys.modules.get(name)
+    if module is None or getattr(module, "__file__", None) != path:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        for disp in [getattr(module, n) for n in dir(module) if n == "kernel" or n.startswith("_")]:
+            if hasattr(disp, "py_func") and type(getattr(disp, "_cache", None)) is FunctionCache:
+                disp._cache = _TolerantCache(disp.py_func)
+    return module.kernel
+
+
+def _fallback(func):
+    """The module's own function, compiled by Numba with its cache beside the module where it can be
+    written, else in memory."""
+    STATS["fallback"] += 1
+    try:
+        return njit(cache=True, **OPTIONS)(func)
+    except Exception:
+        return njit(**OPTIONS)(func)
+
+
+def cached_kernel(func):
+    """Decorator of a generated module's kernels: the Numba dispatcher of the kernel's cache file
+    (see the module docstring), or of the function itself where the cache cannot be used."""
+    path = None
+    with _LOCK:
+        try:
+            path = ensure_file(canonical_text(func))   # a corrupted file is written again here
+            disp = _load(path)
+            STATS["loaded"] += 1
+        except Exception:   # an unwritable cache, a kernel reading other globals: compile it here
+            path = None
+            disp = _fallback(func)
+        KERNELS.append((func.__module__, func.__name__, disp, path))
+    return disp
+
+
+def compile_counts(module_name=None):
+    """{"kernels": distinct kernels, "compiled": signatures Numba compiled for them (cache misses),
+    "from_cache": signatures loaded from a cache, "not_cached": kernels compiled outside the kernel
+    cache, "cache": the folder} over the kernels loaded so far (of the module of that name)."""
+    names, disps, uncached = set(), {}, set()
+    for mod, name, disp, path in KERNELS:
+        if module_name is None or mod == module_name:
+            names.add((mod, name))
+            disps[id(disp)] = disp
+            if path is None:
+                uncached.add((mod, name))
+    return {"kernels": len(names), "compiled": sum(sum(d.stats.cache_misses.values()) for d in disps.values()),
+            "from_cache": sum(sum(d.stats.cache_hits.values()) for d in disps.values()),
+            "not_cached": len(uncached), "cache": kernel_dir()}

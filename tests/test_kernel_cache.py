@@ -1,0 +1,198 @@
+"""The kernel cache (gradc/runtime/kernel_cache.py): each distinct kernel compiles once, for every build.
+
+Compile counts come from Numba's own statistics of each kernel's dispatcher (cache misses are
+compiles), never from timings. Each compile that counts runs in a fresh process, as a user's would.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import gradc as gc
+from gradc.runtime import kernel_cache
+
+RUN = textwrap.dedent('''
+    import json, sys
+    import numpy as np
+    import gradc as gc
+    from gradc.runtime import kernel_cache as kc
+
+    def mlp(name, layers, width=8):
+        m = gc.Model(name)
+        x = m.input("x", ("B", width))
+        y = m.input("y", ("B",), dtype="int64")
+        h = x
+        for i in range(layers):
+            h = gc.tanh(h @ m.param(f"W{i}", (width, width)) + m.param(f"b{i}", (width,)))
+        m.minimize(gc.softmax_cross_entropy(h, y))
+        return m
+
+    name, layers, out, how = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    if how == "compile":
+        mod = gc.compile(mlp(name, layers), out=out, order=1)
+    else:   # import a build made before
+        sys.path.insert(0, out)
+        mod = __import__(name)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 8)).astype(np.float32)
+    y = rng.integers(0, 8, 5)
+    loss, grads = mod.loss_and_grad(mod.init_params(0), x=x, y=y)
+    print(json.dumps({"counts": kc.compile_counts(name), "stats": kc.STATS, "loss": loss}))
+''')
+
+
+def run(tmp_path, cache, *args, wait=True):
+    script = tmp_path / "run.py"
+    script.write_text(RUN)
+    env = dict(os.environ, GRADC_CACHE_DIR=str(cache))
+    proc = subprocess.Popen([sys.executable, str(script), *map(str, args)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    return finish(proc) if wait else proc
+
+
+def finish(proc):
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def kernel_files(cache):
+    folder = cache / "kernels"
+    return sorted(f for f in os.listdir(folder) if f.endswith(".py")) if folder.is_dir() else []
+
+
+@pytest.mark.slow
+def test_second_model_with_the_same_layers_compiles_no_kernel(tmp_path):
+    cache = tmp_path / "cache"
+    first = run(tmp_path, cache, "first_mlp", 2, tmp_path / "a", "compile")
+    assert first["counts"]["compiled"] > 0 and first["counts"]["not_cached"] == 0
+    files = kernel_files(cache)
+    assert len(files) == first["counts"]["kernels"] == first["stats"]["written"]
+    second = run(tmp_path, cache, "second_mlp", 3, tmp_path / "b", "compile")   # another model, the same layers
+    assert second["counts"]["kernels"] > 0
+    assert second["counts"]["compiled"] == 0, second            # no Numba compile of any kernel
+    assert second["counts"]["from_cache"] >= first["counts"]["compiled"]
+    assert second["stats"]["written"] == 0 and kernel_files(cache) == files   # nothing new in the cache
+    # importing the build again later compiles nothing either
+    again = run(tmp_path, cache, "second_mlp", 3, tmp_path / "b", "import")
+    assert again["counts"]["compiled"] == 0 and again["loss"] == second["loss"]
+
+
+@pytest.mark.slow
+def test_concurrent_compiles_into_one_cache_both_succeed(tmp_path):
+    cache = tmp_path / "cache"
+    procs = [run(tmp_path, cache, f"same_{k}", 2, tmp_path / f"out{k}", "compile", wait=False) for k in range(2)]
+    results = [finish(p) for p in procs]
+    assert results[0]["loss"] == results[1]["loss"]
+    assert all(r["counts"]["not_cached"] == 0 for r in results)
+    assert not [f for f in os.listdir(cache / "kernels") if f.startswith(".tmp")]   # no temp file left
+    # what they wrote is whole: a third build loads every kernel and compiles none
+    third = run(tmp_path, cache, "same_2", 2, tmp_path / "out2", "compile")
+    assert third["counts"]["compiled"] == 0 and third["stats"]["rewritten"] == 0
+
+
+@pytest.mark.slow
+def test_corrupted_cache_files_are_compiled_again(tmp_path):
+    cache = tmp_path / "cache"
+    first = run(tmp_path, cache, "corrupt_mlp", 1, tmp_path / "a", "compile")
+    files = kernel_files(cache)
+    good = {f: (cache / "kernels" / f).read_text() for f in files}
+    (cache / "kernels" / files[0]).write_text("def broken(:\n")             # not Python
+    (cache / "kernels" / files[1]).write_text(good[files[1]].replace("def kernel(", "def kernel2("))   # wrong text
+    (cache / "kernels" / files[1]).chmod(0o644)
+    machine_code = [cache / "kernels" / "__pycache__" / f for f in os.listdir(cache / "kernels" / "__pycache__")
+                    if f.endswith(".nbc")]
+    for f in machine_code:   # Numba's data files cut in half: they no longer unpickle
+        f.write_bytes(f.read_bytes()[:len(f.read_bytes()) // 2])
+    shutil.rmtree(tmp_path / "a" / "__pycache__")   # the build's compiled entry points: they load the kernels again
+    again = run(tmp_path, cache, "corrupt_mlp", 1, tmp_path / "a", "import")
+    assert again["loss"] == first["loss"]
+    assert again["stats"]["rewritten"] == 2 and again["counts"]["not_cached"] == 0
+    assert again["stats"]["bad_numba_cache"] >= 1 and again["counts"]["compiled"] > 0
+    assert {f: (cache / "kernels" / f).read_text() for f in files} == good   # the files are whole again
+
+
+def test_unwritable_cache_still_compiles(tmp_path, monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("GRADC_CACHE_DIR", str(blocker / "cache"))   # a folder under a file: never writable, even as root
+    m = gc.Model("uncached_model")
+    x = m.input("x", (3, 4))
+    w = m.param("w", (4,))
+    m.minimize(gc.sum(gc.tanh(x * w)))
+    before = kernel_cache.STATS["fallback"]
+    mod = gc.compile(m, out=str(tmp_path / "build"), order=1, warm=False)
+    counts = kernel_cache.compile_counts("uncached_model")
+    assert counts["kernels"] > 0 and counts["not_cached"] == counts["kernels"]
+    assert kernel_cache.STATS["fallback"] - before >= counts["kernels"]
+    import numpy as np
+    xv = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    loss, grads = mod.loss_and_grad({"w": np.ones(4, np.float32)}, x=xv)
+    assert np.isclose(loss, np.tanh(xv).sum(), rtol=1e-5)
+    assert not os.path.exists(blocker / "cache")
+
+
+def test_module_keeps_kernel_sources_and_says_where_they_come_from(tmp_path):
+    m = gc.Model("readable_kernels")
+    x = m.input("x", ("B", 4))
+    w = m.param("w", (4, 4))
+    m.minimize(gc.mean(gc.tanh(x @ w)))
+    gc.compile(m, out=str(tmp_path), order=1, warm=False)
+    text = (tmp_path / "readable_kernels.py").read_text()
+    assert "from gradc.runtime.kernel_cache import cached_kernel" in text
+    assert "compiled once per content" in text and "GRADC_CACHE_DIR" in text
+    kernels = [line for line in text.splitlines() if line.startswith("def k")]
+    assert kernels and text.count("@cached_kernel\ndef k") == len(kernels)
+    assert "_tanh(" in text and "@kernel\ndef _tanh" in text   # helpers stay compiled in the module
+
+
+def test_canonical_text_names_the_content_not_the_module(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRADC_CACHE_DIR", str(tmp_path / "cache"))
+    src = textwrap.dedent('''
+        import math
+        import numpy as np
+        from numba import njit
+        from gradc.runtime.kernel_cache import cached_kernel
+        kernel = njit(cache=False)
+        DTYPE = "float32"
+        FLOAT = np.float32
+
+
+        @kernel
+        def _helper(x):
+            return x * 2.0
+
+
+        @cached_kernel
+        def k0_double(x0, out):
+            """out = 2 x0"""
+            for i in range(out.shape[0]):
+                out[i] = _helper(x0[i])
+
+
+        @cached_kernel
+        def k7_twice(x0, out):
+            """out = 2 x0"""
+            for i in range(out.shape[0]):
+                out[i] = _helper(x0[i])
+    ''')
+    path = tmp_path / "two_names.py"
+    path.write_text(src)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        mod = __import__("two_names")
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("two_names", None)
+    assert mod.k0_double is mod.k7_twice                 # one content, one kernel, whatever its name
+    (file,) = kernel_files(tmp_path / "cache")
+    text = (tmp_path / "cache" / "kernels" / file).read_text()
+    assert "def kernel(x0, out):" in text and "def _helper(x):" in text and "float32" in text
+    import numpy as np
+    out = np.zeros(3)
+    mod.k0_double(np.arange(3.0), out)
+    assert out.tolist() == [0.0, 2.0, 4.0]
