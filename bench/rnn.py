@@ -72,8 +72,9 @@ def build_gradc(Ts, scan_backward):
     return tasks, {"build_s": round(time.perf_counter() - t, 2), "module_bytes": os.path.getsize(os.path.join(out, m.name + ".py"))}
 
 
-def build_torch_rnn(Ts):
+def build_torch_rnn(Ts, threads=1):
     import torch
+    torch.set_num_threads(threads)
     torch.manual_seed(0)
     rnn, head = torch.nn.RNN(I, H, nonlinearity="tanh"), torch.nn.Linear(H, CLASSES)
     params = list(rnn.parameters()) + list(head.parameters())
@@ -90,8 +91,9 @@ def build_torch_rnn(Ts):
     return tasks, {"threads": torch.get_num_threads()}
 
 
-def build_torch_loop(Ts):
+def build_torch_loop(Ts, threads=1):
     import torch
+    torch.set_num_threads(threads)
     torch.manual_seed(0)
     W, U = torch.randn(H, H) * 0.3, torch.randn(I, H)
     b, V, c = torch.zeros(H), torch.randn(H, CLASSES) * 0.3, torch.zeros(CLASSES)
@@ -123,11 +125,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--T", type=int, nargs="*")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch's intra-op threads (default 1: gradc runs on one core; on a shared 2-core "
+                             "machine torch's second thread spin-waits and made nn.RNN 4x slower)")
     args = parser.parse_args()
     Ts = args.T or ([100, 1000] if args.quick else [100, 1000, 10000, 30000])
     builders = {"gradc reverse": (build_gradc, (Ts, "reverse")),
-                "torch nn.RNN": (build_torch_rnn, (Ts,)),
-                "torch loop": (build_torch_loop, (Ts,))}
+                "torch nn.RNN": (build_torch_rnn, (Ts, args.torch_threads)),
+                "torch loop": (build_torch_loop, (Ts, args.torch_threads))}
     try:
         from gradc.compiler import SCAN_BACKWARD
         if "bppsa" in SCAN_BACKWARD:
