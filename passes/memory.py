@@ -41,8 +41,9 @@ def liveness(graph, steps, returned, loop_from=None):
                 current[n] = i
         elif owns_buffer(graph, n) and n not in returned:
             current[n] = len(tensors)
-            # a scan's statement writes its results (scan_out): their buffers are live from its step on
-            start = last_step[graph.operands(n)[0]] if graph.op(n) == "scan_out" else t
+            # a multi-result op's statement (a scan's) writes its results (kind "project"): their
+            # buffers are live from its step on
+            start = last_step[graph.operands(n)[0]] if get_op(graph.op(n)).kind == "project" else t
             tensors.append({"node": n, "start": start, "made": t, "end": t, "recomputed": n in computed,
                             "retained": False})
         computed.add(n)

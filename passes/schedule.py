@@ -8,6 +8,8 @@ value is made close to where it is needed rather than as soon as it could be.
 """
 import heapq
 
+from gradc.ops import get_op
+
 from .storage import base, buffer_bytes
 
 
@@ -31,7 +33,7 @@ def memory_order(graph, nodes, keep=(), sizes=None):
     keep = {base(graph, k) for k in keep}
 
     def key(n):
-        if is_view_node(graph, n) or graph.op(n) == "scan_out":   # a scan's results: right after it
+        if is_view_node(graph, n) or get_op(graph.op(n)).kind == "project":   # results of a multi-result op (a scan's): right after it
             return (-1, n)
         freed = sum(sizes.get(s, 0) for s in {base(graph, u) for u in graph.operands(n)}
                     if s not in keep and readers.get(s) == {n})
