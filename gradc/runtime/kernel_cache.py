@@ -92,13 +92,16 @@ def _source(func):
     return text
 
 
+_GLOBALS = {}   # (bytecode, names) -> the global names it reads: a module imported again reads no bytecode twice
+
+
 def _globals(func):
     """The global names the function reads."""
-    names = set()
-    for ins in dis.get_instructions(func):
-        if ins.opname == "LOAD_GLOBAL":
-            names.add(ins.argval)
-    return names
+    code = func.__code__
+    key = (code.co_code, code.co_names)
+    if key not in _GLOBALS:
+        _GLOBALS[key] = {ins.argval for ins in dis.get_instructions(func) if ins.opname == "LOAD_GLOBAL"}
+    return _GLOBALS[key]
 
 
 def canonical_text(func):
