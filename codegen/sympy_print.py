@@ -57,7 +57,14 @@ def _rational_tanh_source(depth=12):
     return c * ({horner(odd)}) / ({horner(even)})'''
 
 
-HELPERS["_tanh"] = _rational_tanh_source()
+# _rational_tanh_source()'s text, written out: sympy takes about 0.35 s to derive it, on every
+# compile (tests/test_sympy_print.py checks that the two agree)
+HELPERS["_tanh"] = """\
+def _tanh(x):
+    # a Pade approximant of tanh (see codegen/sympy_print.py): it vectorises, unlike math.tanh
+    c = 9.5 if x > 9.5 else (-9.5 if x < -9.5 else x)   # NaN passes through
+    z = c * c
+    return c * (1.0 + z * (0.14666666666666667 + z * (0.0052173913043478265 + z * (6.625258799171843e-05 + z * (3.2286836253274086e-07 + z * (5.179706350792634e-10 + z * (1.264885555749117e-13))))))) / (1.0 + z * (0.48 + z * (0.03188405797101449 + z * (0.0006625258799171842 + z * (5.230467473030402e-06 + z * (1.5193805295658393e-08 + z * (1.1510458557316966e-11)))))))"""
 
 
 class KernelPrinter(PythonCodePrinter):

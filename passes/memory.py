@@ -14,7 +14,6 @@ from gradc.ops import get_op
 from gradc.runtime.arena import ALIGN_BYTES, layout_by_device
 
 from .analysis import node_flops
-from . import checkmate
 from .checkpoint import BudgetError, build_chain, plan_retention
 from .entries import by_fname, entries
 from .schedule import memory_order
@@ -218,6 +217,8 @@ def _within_budget(graph, order, roots, dims, sizes, budget, store_all):
         refusal = e
     milp_info = None
     if chain.skips:
+        # imported here: scipy.optimize takes ~0.5 s to import, and only a --memory-budget build needs it
+        from . import checkmate
         steps, milp_info = checkmate.plan(graph, order, sizes, flops_of, budget, peak_of, roots)
         if steps is not None:
             gap = milp_info["gap"]

@@ -27,3 +27,8 @@ def test_printed_expression_evaluates_like_sympy(expr):
         exec("\n".join(lines), scope)
         expected = float(expr.subs({X[j]: values[f"a{j}"] for j in range(3)}))
         assert scope["out"] == pytest.approx(expected, rel=1e-12), lines
+
+
+def test_written_out_tanh_helper_is_what_sympy_derives():
+    from gradc.codegen.sympy_print import HELPERS, _rational_tanh_source
+    assert HELPERS["_tanh"] == _rational_tanh_source()
