@@ -36,7 +36,7 @@ from gradc.ops import get_op
 
 from .autodiff import VJPContext, accumulate
 
-PRODUCTS = ("matmul", "batch_matmul", "conv2d")
+PRODUCT_KINDS = ("matmul", "conv")   # the records whose outputs are pre-activations: noise goes there
 LAYOUT = ("reshape", "transpose")
 K, KB = "K_lr", "KB_lr"          # the samples, and the stacked rows K * B
 DIMS = (K, KB)
@@ -160,7 +160,7 @@ class _Builder:
         """Chains [product, bias add, ...] whose last node gets the noise."""
         g, sites = self.g, []
         for n in g.topo_order(self.fwd):
-            if g.op(n) not in PRODUCTS or not any(self.param_of(u) is not None for u in g.operands(n)):
+            if get_op(g.op(n)).kind not in PRODUCT_KINDS or not any(self.param_of(u) is not None for u in g.operands(n)):
                 continue
             chain = [n]
             while True:
