@@ -3,7 +3,7 @@ input 1, hidden 20, batch 16, T = 100 ... 30,000, classifying the last hidden st
 step's forward + backward (loss and the gradients of every weight), side by side in one run:
 
     gradc reverse   gc.scan compiled once (gradc compile --scan-backward reverse, the default)
-    gradc bppsa     the same model built with --scan-backward bppsa (when built)
+    gradc bppsa     the same model built with --scan-backward bppsa (Blelloch scan of the Jacobians)
     torch nn.RNN    torch.nn.RNN + Linear, loss.backward()
     torch loop      a Python loop of the cell under autograd
 
@@ -113,12 +113,12 @@ def build_torch_loop(Ts, threads=1):
 
 
 def flops(T):
-    """FLOPs of one step's backward: the reverse scan's, and BPPSA's (dense per-row Jacobians)."""
-    reverse = T * B * (2 * H * H + 2 * H * H + 2 * I * H + 4 * H)     # dh W^T, h^T dh, x^T dh, tanh'
-    jac = T * B * H * H                                                   # J_t^T = W diag(1 - h_t^2)
-    scan = 2 * T * B * (2 * H ** 3)                                       # up- and down-sweep products
-    bppsa = jac + scan + T * B * 2 * H * H + (reverse - T * B * 2 * H * H)  # adjoints applied, then weight grads
-    return reverse, bppsa
+    """FLOPs of one step's backward (loss_and_grad's backward through the scan): the reverse scan's,
+    and BPPSA's as the generated loop does them (gradc.ops.scan.bppsa_flops): this RNN's Jacobians
+    take the structured form f'(h_t) * W^T; `dense` is what a step that does not match would cost."""
+    from gradc.ops.scan import bppsa_flops
+    step = B * (2 * H * H + 2 * H * H + 2 * I * H + 4 * H)     # dh W^T, h^T dh, x^T dh, tanh'
+    return T * step, bppsa_flops(T, B, H, step, dense=False), bppsa_flops(T, B, H, step, dense=True)
 
 
 def main():
@@ -147,15 +147,18 @@ def main():
           f"median of {rounds} rounds; ms")
     print("# builds:", infos)
     names = list(times)
-    print(f"{'T':>7} " + " ".join(f"{n:>15}" for n in names) + "   gradc/nn.RNN")
+    bp = "gradc bppsa" in times
+    print(f"{'T':>7} " + " ".join(f"{n:>15}" for n in names) + "   gradc/nn.RNN" + ("  bppsa/reverse" if bp else ""))
     for T in Ts:
         row = [times[n][f"T={T}"] * 1e3 for n in names]
         ratio = times["gradc reverse"][f"T={T}"] / times["torch nn.RNN"][f"T={T}"] if "torch nn.RNN" in times else float("nan")
-        print(f"{T:>7} " + " ".join(f"{v:>15.3f}" for v in row) + f"   {ratio:>11.3f}")
-    print("# backward FLOPs, reverse scan vs BPPSA (dense per-row Jacobians; BPPSA does more work, in log T steps)")
+        extra = f"  {times['gradc bppsa'][f'T={T}'] / times['gradc reverse'][f'T={T}']:>13.3f}" if bp else ""
+        print(f"{T:>7} " + " ".join(f"{v:>15.3f}" for v in row) + f"   {ratio:>11.3f}" + extra)
+    print("# backward FLOPs, reverse scan vs BPPSA as built (structured Jacobians f'(h_t) W^T here; dense: a step that")
+    print("# does not match, H VJPs per step). BPPSA does more work in ~2 log2 T sequential levels instead of T steps")
     for T in Ts:
-        r, p = flops(T)
-        print(f"{T:>7} reverse {r:.3e}  bppsa {p:.3e}  ratio {p / r:.2f}")
+        r, p, d = flops(T)
+        print(f"{T:>7} reverse {r:.3e}  bppsa {p:.3e} ({p / r:.1f}x)  bppsa dense {d:.3e} ({d / r:.1f}x)")
 
 
 if __name__ == "__main__":

@@ -97,12 +97,104 @@ def lower_scan(s):
 
     body_kernel = s.kernel(("scan_body", repr(body), skip), "scan_body", make_body)
     key += (body_kernel,)
-    kernel = s.kernel(key, "scan", lambda name: _loop_source(name, body_kernel, layouts[body_kernel], attrs, present))
+    bppsa = attrs.get("backward") == "bppsa"
+    if bppsa:
+        key += ("bppsa", repr(attrs["vjp"]))
+    kernel = s.kernel(key, "bppsa" if bppsa else "scan",
+                      lambda name: _loop_source(name, body_kernel, layouts[body_kernel], attrs, present, bppsa))
     lines.append(s.call(kernel, list(s.args) + out_args) + s.note)
     return lines
 
 
-def _loop_source(name, body_kernel, layout, attrs, present):
+def _bppsa_lines(body_kernel, attrs):
+    """BPPSA (Wang, Bai, Pekhimenko, MLSys 2020) in the loop kernel of a backward scan with one
+    carry adjoint lam (carry 0; the others are the closed values' running sums). Step t of the
+    backward scan maps the adjoint of the carry it wrote to the adjoint of the carry it read, an
+    affine map per row b: lam -> lam @ M_t[b] + v_t[b] (M_t[b] the transposed Jacobian as a right
+    factor of a row vector; v_t what the step's own outputs add). v_t: the body with lam = 0. M_t:
+    W^T scaled by f'(new carry) when the step is f(carry @ W + rest), else the body applied to the
+    H basis vectors (every row at once) with the given adjoints zero. The maps, in the order the
+    backward runs the steps (last step first for a forward scan's) and padded with identities to P = 2^k, go through a Blelloch exclusive scan (up-sweep, then
+    down-sweep) under (M1, v1) + (M2, v2) = (M1 M2, v1 M2 + v2): log2 P levels whose products are
+    independent. Entry i of the result maps the final adjoint to the adjoint the i-th step run reads as lam."""
+    body, leaves, outputs, K, X, C, M = parts(attrs)
+    from gradc.ops.scan import vjp_of
+    info = vjp_of(attrs)
+    zero, st = set(info["zero"]), info["structured"]
+    L = [
+        "nR = a0.shape[0]" if info["per_row"] else "nR = 1",
+        "hH = a0.size // nR",
+        "pP = 1",
+        "while pP < T:",
+        "    pP *= 2",
+        "Mm = np.zeros((pP, nR, hH, hH), FLOAT)",
+        "Vv = np.zeros((pP, nR, hH), FLOAT)",
+        "for i in range(T, pP):",
+        "    for b in range(nR):",
+        "        for p in range(hH):",
+        "            Mm[i, b, p, p] = 1.0",
+        "lz = np.zeros_like(a0)",
+        "eb = np.zeros_like(a0)",
+        "ebv = eb.reshape(nR, hH)",
+    ]
+    L += [f"jo{k} = np.empty_like(a{k})" for k in range(K)]
+    L += [f"z{j} = np.zeros_like(a{j}[0])" for j in sorted(zero)]
+    outs = [f"jo{k}" for k in range(K)] + [f"yb{m}" for m in range(M)]
+    real = ["lz"] + [f"a{k}" for k in range(1, K)] + [f"a{j}[t]" for j in range(K, K + X)] + \
+        [f"a{j}" for j in range(K + X, len(leaves))]
+    basis = ["eb"] + [f"a{k}" for k in range(1, K)] + [f"z{j}" if j in zero else f"a{j}[t]" for j in range(K, K + X)] + \
+        [f"a{j}" for j in range(K + X, len(leaves))]
+    L += ["for t in range(T):",
+          "    i = T - 1 - t" if attrs.get("reverse") else "    i = t",   # i: the order the steps run in
+          f"    {body_kernel}({', '.join(real + outs + ['work'])})",
+          "    Vv[i] = jo0.reshape(nR, hH)"]
+    if st:
+        from gradc.ops.scan import DERIVATIVE_FROM_OUTPUT
+        L += [f"    yv = np.ascontiguousarray(a{st['cn']}[t]).reshape(nR, hH)",
+              "    for b in range(nR):",
+              "        for p in range(hH):",
+              "            y = yv[b, p]",
+              f"            dv = {DERIVATIVE_FROM_OUTPUT[st['f']]}",
+              "            for q in range(hH):",
+              f"                Mm[i, b, p, q] = dv * a{st['W']}[q, p]"]
+    else:
+        L += ["    for p in range(hH):",
+              "        ebv[:, p] = 1.0",
+              f"        {body_kernel}({', '.join(basis + outs + ['work'])})",
+              "        Mm[i, :, p, :] = jo0.reshape(nR, hH)",
+              "        ebv[:, p] = 0.0"]
+    L += ["d = 1",                                     # up-sweep
+          "while d < pP:",
+          "    for k in range(0, pP, 2 * d):",         # independent products (plain loop: kernel is not parallel)
+          "        l = k + d - 1",
+          "        r = k + 2 * d - 1",
+          "        for b in range(nR):",
+          "            Vv[r, b] = Vv[l, b] @ Mm[r, b] + Vv[r, b]",
+          "            Mm[r, b] = Mm[l, b] @ Mm[r, b]",
+          "    d *= 2",
+          "for b in range(nR):",                      # down-sweep: the identity at the root
+          "    Mm[pP - 1, b] = 0.0",
+          "    Vv[pP - 1, b] = 0.0",
+          "    for p in range(hH):",
+          "        Mm[pP - 1, b, p, p] = 1.0",
+          "d = pP // 2",
+          "while d >= 1:",
+          "    for k in range(0, pP, 2 * d):",
+          "        l = k + d - 1",
+          "        r = k + 2 * d - 1",
+          "        for b in range(nR):",
+          "            tM = Mm[l, b].copy()",
+          "            tv = Vv[l, b].copy()",
+          "            Mm[l, b] = Mm[r, b]",
+          "            Vv[l, b] = Vv[r, b]",
+          "            Vv[r, b] = Vv[r, b] @ tM + tv",
+          "            Mm[r, b] = Mm[r, b] @ tM",
+          "    d //= 2",
+          "lf = np.ascontiguousarray(a0).reshape(nR, hH)"]
+    return ["    " + line for line in L]
+
+
+def _loop_source(name, body_kernel, layout, attrs, present, bppsa=False):
     body, leaves, outputs, K, X, C, M = parts(attrs)
     sizes, dims = layout
     work = " + ".join(sizes) or "1"
@@ -122,9 +214,13 @@ def _loop_source(name, body_kernel, layout, attrs, present):
         lines.append(f"    cur{k} = a{k}.copy()")
         lines.append(f"    nxt{k} = np.empty_like(a{k})")
     for m in range(M):
-        if index_of(attrs, YS, m) not in res:
+        if bppsa or index_of(attrs, YS, m) not in res:
             lines.append(f"    yb{m} = np.empty({shape_src(body.shape(outputs[K + m]), dims)}, FLOAT)")
     loop = ["t = T - 1 - i" if attrs.get("reverse") else "t = i"]
+    if bppsa:   # the carry adjoint each step gets is the scan's, not the previous step's output
+        lines += _bppsa_lines(body_kernel, attrs)
+        loop += ["cv = cur0.reshape(nR, hH)", "for b in range(nR):",
+                 "    cv[b] = lf[b] @ Mm[i, b] + Vv[i, b]"]
     for k in range(K):
         if index_of(attrs, STACK, k) in res:
             loop.append(f"{res[index_of(attrs, STACK, k)]}[t] = cur{k}")
@@ -141,7 +237,8 @@ def _loop_source(name, body_kernel, layout, attrs, present):
     for k in range(K):
         if index_of(attrs, FINAL, k) in res:
             lines.append(f"    {res[index_of(attrs, FINAL, k)]}[...] = cur{k}")
-    doc = (f"{'reverse ' if attrs.get('reverse') else ''}scan: {body_kernel} once per step over axis 0 of "
+    doc = (f"{'BPPSA (Blelloch scan of the carry adjoints, then the steps) ' if bppsa else ''}"
+           f"{'reverse ' if attrs.get('reverse') else ''}scan: {body_kernel} once per step over axis 0 of "
            f"{X} sequence(s), {K} carr{'y' if K == 1 else 'ies'}; writes " +
            ", ".join(f"{kind_of(attrs, i)[0]}{kind_of(attrs, i)[1]}" for i in present))
     return "\n".join(lines), doc

@@ -149,7 +149,8 @@ def build_parser():
     c.add_argument("--device-memory", type=parse_size, metavar="SIZE")
     c.add_argument("--batch-dim")
     c.add_argument("--scan-backward", choices=["reverse", "bppsa"], default="reverse",
-                   help="the backward of each gc.scan: a reverse scan (default); bppsa is not built yet")
+                   help="the backward of each gc.scan: a reverse scan (default), or bppsa: a Blelloch scan "
+                        "of the transposed Jacobians (one float carry; DESIGN.md §1.8)")
     c.add_argument("--warm", choices=list(WARM_CHOICES), default="first",
                    help="compile now: the first-order entry points (default), also hvp and hessian (all), or "
                         "nothing (none); what is not compiled now compiles on its first call")

@@ -21,7 +21,7 @@ from .version import __version__
 
 TARGETS = ("cpu", "cuda")
 DEVICE_OPTIONS = ("devices", "schedule", "device_memory", "microbatches", "batch_dim")
-SCAN_BACKWARD = ("reverse",)   # --scan-backward values built (bppsa: DESIGN.md §1.8, not built yet)
+SCAN_BACKWARD = ("reverse", "bppsa")   # --scan-backward values built (DESIGN.md §1.8)
 MAX_REPLANS = 8   # cuts tried again when the stages' memory plans need more than the cost model said
 STORE = ".gradc"        # OUT/.gradc/: the builds, and a link per model to its current build (see write_outputs)
 SVG_MAX_NODES = 3000    # graphviz takes minutes on larger graphs; NAME.graph.dot is written all the same
@@ -93,6 +93,13 @@ def check_scans(model, scan_backward, target, memory_budget, devices):
     src = g.node(scans[0])["src"]
     if scan_backward not in SCAN_BACKWARD:
         raise GradcError(f"--scan-backward {scan_backward} is not built yet: compile with --scan-backward reverse", src)
+    if scan_backward == "bppsa":
+        for n in scans:
+            K = g.attrs(n)["carries"]
+            if K != 1 or not g.dtype(g.operands(n)[0]).startswith("float"):
+                raise GradcError(f"--scan-backward bppsa: a scan with {K} carries (or a carry not float) is not built "
+                                 f"yet: BPPSA is built for one float carry (compile with --scan-backward reverse)",
+                                 g.node(n)["src"])
     why = ("--target cuda" if target == "cuda" else "--memory-budget" if memory_budget is not None else
            "--devices" if (devices.get("devices") or 1) > 1 else "--microbatches" if (devices.get("microbatches") or 1) > 1
            else None)
@@ -405,6 +412,9 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     # microbatches run the code at other batch sizes: the batch dim stays symbolic in it (the plans bind it)
     code_dims = {d: v for d, v in dims.items() if d != pipe["batch"]}
     graph = build_training_graph(model, dtype, code_dims, timings, order=order, target=target)
+    if scan_backward == "bppsa":
+        from gradc.ops.scan import use_bppsa
+        use_bppsa(graph)
     if pipe["K"] > 1 or pipe["M"] > 1:   # the stage functions are loss_and_grad's; lr_grad is not split into them
         from gradc.passes.likelihood_ratio import drop_lr
         from gradc.passes.simplify import eliminate_dead

@@ -226,10 +226,101 @@ def test_compiled_scan_runs_any_length_from_one_build(tmp_path):
 
 def test_compile_refuses_what_scans_do_not_support_yet(tmp_path):
     m = _rnn("scan_refusals")
-    for options, message in (({"scan_backward": "bppsa"}, "--scan-backward bppsa is not built yet"),
-                             ({"target": "cuda"}, "gc.scan with --target cuda is not built yet"),
+    for options, message in (({"target": "cuda"}, "gc.scan with --target cuda is not built yet"),
                              ({"memory_budget": "1MiB", "bind": {"T": 4, "B": 2}}, "gc.scan with --memory-budget"),
                              ({"scan_backward": "fast"}, "--scan-backward 'fast': use reverse or bppsa")):
         with pytest.raises(GradcError, match=message):
             gc.compile(m, out=str(tmp_path), warm=False, **options)
+    assert not list(tmp_path.iterdir())
+
+
+# ---- --scan-backward bppsa (DESIGN.md §1.8) ---------------------------------------------------------
+def _gru1(name="gru1", H=4, D=3):
+    """A GRU-like cell with one carry: the carry is read three times, so BPPSA takes its Jacobian densely."""
+    m = gc.Model(name)
+    x = m.input("x", ("T", "B", D))
+    h0 = m.input("h0", ("B", H))
+    Wz, Uz, Wh, Uh = (m.param(n, s) for n, s in (("Wz", (H, H)), ("Uz", (D, H)), ("Wh", (H, H)), ("Uh", (D, H))))
+
+    def step(h, xt):
+        z = gc.sigmoid(h @ Wz + xt @ Uz)
+        cand = gc.tanh((h * z) @ Wh + xt @ Uh)
+        h = (1 - z) * h + z * cand
+        return h, h
+
+    hT, hs = gc.scan(step, h0, x)
+    m.minimize((hT * hT).sum() + gc.sin(hs).mean())
+    return m
+
+
+def _torch_gru1(tp, inputs):
+    h, hs = torch.tensor(inputs["h0"]), []
+    for t in range(inputs["x"].shape[0]):
+        xt = torch.tensor(inputs["x"][t])
+        z = torch.sigmoid(h @ tp["Wz"] + xt @ tp["Uz"])
+        cand = torch.tanh((h * z) @ tp["Wh"] + xt @ tp["Uh"])
+        h = (1 - z) * h + z * cand
+        hs.append(h)
+    return (h * h).sum() + torch.sin(torch.stack(hs)).mean()
+
+
+def _backward_infos(m):
+    from gradc.ops.scan import vjp_of
+    g = build_training_graph(m, "float64", {}, order=1)
+    return [vjp_of(g.attrs(n)) for n in g.nx.nodes if g.op(n) == "scan" and vjp_of(g.attrs(n))]
+
+
+def test_bppsa_picks_the_structured_jacobian_only_for_f_of_carry_matmul_w():
+    (rnn,) = _backward_infos(_rnn("bp_info_rnn"))
+    assert rnn["structured"]["f"] == "tanh" and rnn["per_row"] and rnn["carries"] == 1
+    (gru,) = _backward_infos(_gru1("bp_info_gru"))
+    assert gru["structured"] is None and gru["per_row"]
+    mixing = gc.Model("bp_info_mix")
+    x = mixing.input("x", ("T", "B", 3))
+    h0 = mixing.input("h0", ("B", 3))
+    W = mixing.param("W", (3, 3))
+    hT, _ = gc.scan(lambda h, xt: (gc.tanh(h @ W + h.mean(axis=0, keepdims=True) * xt), None), h0, x)
+    mixing.minimize((hT * hT).sum())
+    (mix,) = _backward_infos(mixing)
+    assert not mix["per_row"] and mix["structured"] is None   # one dense Jacobian over the whole carry
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["rnn", "gru1", "stacked"])
+def test_bppsa_gradients_match_reverse_and_torch(case, tmp_path):
+    """float64, T = 1, 5 and 11 (not powers of two): BPPSA's loss and gradients are the reverse scan's
+    to rounding and torch's; the vanilla RNN's Jacobians are the structured W^T diag(1 - h^2), the
+    GRU-like cell's are taken densely (the step's VJP on the H basis vectors); `stacked` has a
+    reverse=True scan (its backward runs forward) over another scan's ys."""
+    make, torch_loss = {"rnn": (_rnn, _torch_rnn), "gru1": (_gru1, _torch_gru1), "stacked": (_stacked, _torch_stacked)}[case]
+    order = 2 if case == "rnn" else 1
+    rev = gc.compile(make(f"bp_{case}_rev"), out=str(tmp_path / "rev"), dtype="float64", order=order, warm=False)
+    bp = gc.compile(make(f"bp_{case}"), out=str(tmp_path / "bp"), dtype="float64", order=order, warm=False,
+                    scan_backward="bppsa")
+    text = (tmp_path / "bp" / f"bp_{case}.py").read_text()
+    assert "_bppsa(" in text and ("dv = 1.0 - y * y" in text) == (case != "gru1")
+    g = build_training_graph(make(), "float64", {}, order=1)
+    rng = np.random.default_rng(5)
+    params = {p: np.asarray(rng.normal(size=g.shape(n)) * 0.7) for p, n in g.params.items()}
+    for T in (1, 5, 11):
+        _, inputs = _data(g, rng, T=T, B=3)
+        l_rev, g_rev = rev.loss_and_grad(params, **inputs)
+        l_bp, g_bp = bp.loss_and_grad(params, **inputs)
+        tp = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+        loss = torch_loss(tp, inputs)
+        grads = dict(zip(g_rev, torch.autograd.grad(loss, [tp[p] for p in g_rev])))
+        assert l_bp == pytest.approx(l_rev, rel=1e-13) and l_bp == pytest.approx(float(loss.detach()), rel=1e-12)
+        for p in g_rev:
+            np.testing.assert_allclose(g_bp[p], g_rev[p], rtol=1e-11, atol=1e-13, err_msg=f"T={T} {p}")
+            np.testing.assert_allclose(g_bp[p], grads[p].numpy(), rtol=1e-10, atol=1e-12, err_msg=f"T={T} {p}")
+        if order == 2:
+            v = {p: rng.normal(size=params[p].shape) for p in g_rev}
+            h_rev, h_bp = rev.hvp(params, v, **inputs), bp.hvp(params, v, **inputs)
+            for p in g_rev:
+                np.testing.assert_allclose(h_bp[p], h_rev[p], rtol=1e-10, atol=1e-12, err_msg=f"hvp T={T} {p}")
+
+
+def test_bppsa_refuses_several_carries(tmp_path):
+    with pytest.raises(GradcError, match=r"--scan-backward bppsa: a scan with 2 carries .* one float carry"):
+        gc.compile(_gru("bp_two_carries"), out=str(tmp_path), warm=False, scan_backward="bppsa")
     assert not list(tmp_path.iterdir())

@@ -315,7 +315,8 @@ def _scan_vjp(ctx, n, gs):
         else:
             ops.append(operands[K + X + i])
     X2 = len(ops) - K2 - C
-    node = emit("scan", ops, body=bw, carries=K2, xs=X2, reverse=not attrs.get("reverse", False))
+    node = emit("scan", ops, body=bw, carries=K2, xs=X2, reverse=not attrs.get("reverse", False),
+                vjp=vjp_info(attrs, layout_in))
     grads = [None] * len(operands)
     battrs = g.attrs(node)
     for o, (what, i) in enumerate(layout_out):
@@ -331,6 +332,122 @@ def _scan_vjp(ctx, n, gs):
             grads[K + i] = r if g.shape(r) == g.shape(u) else emit("reshape", [r], shape=g.shape(u))
     del battrs, T
     return grads
+
+
+# ---- BPPSA (DESIGN.md §1.8): what the backward scan's loop needs to scan the adjoints in parallel --
+DERIVATIVE_FROM_OUTPUT = {"tanh": "1.0 - y * y", "sigmoid": "y * (1.0 - y)", None: "1.0"}
+
+
+class _NotPerRow(Exception):
+    pass
+
+
+def _carry_per_row(body, leaves, outputs):
+    """Whether row b of the new carry depends on row b of the old carry only (rows on axis 0):
+    the rows rule run with only the carry's rows marked."""
+    def fail(why):
+        raise _NotPerRow(why)
+    where = {leaf: (0 if j == 0 else None) for j, leaf in enumerate(leaves)}
+    try:
+        for m in body.topo_order():
+            if m in where:
+                continue
+            record = get_op(body.op(m))
+            mins = [where[u] for u in body.operands(m)]
+            if all(w is None for w in mins):
+                where[m] = None
+            elif record.rows is None:
+                return False
+            else:
+                where[m] = record.rows(body, m, mins, fail)
+    except _NotPerRow:
+        return False
+    return where.get(outputs[0]) == 0
+
+
+def _structured(body, leaves, outputs, K, X):
+    """new = f(carry @ W + rest) with W closed over, f tanh, sigmoid or none, and the carry read
+    nowhere else on the way to the new carry: (f, j) with j the closed value W, else None."""
+    out, carry = outputs[0], leaves[0]
+    f = body.op(out) if body.op(out) in ("tanh", "sigmoid") else None
+    pre = body.operands(out)[0] if f else out
+    terms, todo = [], [pre]
+    while todo:
+        m = todo.pop()
+        if body.op(m) == "add" and len(body.shape(m)) == 2:
+            todo += body.operands(m)
+        else:
+            terms.append(m)
+    hits = [m for m in terms if carry in body.ancestors([m]) or m == carry]
+    if len(hits) != 1 or body.op(hits[0]) != "matmul":
+        return None
+    a, w = body.operands(hits[0])
+    attrs = body.attrs(hits[0])
+    if a != carry or attrs.get("transpose_a") or attrs.get("transpose_b") or w not in leaves[K + X:]:
+        return None
+    shape = body.shape(carry)
+    if len(shape) != 2 or tuple(body.shape(w)) != (shape[1], shape[1]) or body.shape(out) != shape:
+        return None
+    return f, leaves.index(w) - K - X
+
+
+def vjp_info(attrs, layout_in):
+    """Recorded on a backward scan: which of its leaves are the given adjoints (zero when the loop
+    takes Jacobians), whether the carry's Jacobian is per row, and the structured form if it has one."""
+    body, leaves, outputs, K, X, C, M = parts(attrs)
+    info = {"carries": K, "zero": [j for j, (what, _) in enumerate(layout_in) if what in (YS, STACK, OSTACK)],
+            "per_row": False, "structured": None}
+    if K != 1 or not body.dtype(leaves[0]).startswith("float"):
+        return _frozen(info)
+    info["per_row"] = len(body.shape(leaves[0])) >= 1 and _carry_per_row(body, leaves, outputs)
+    found = _structured(body, leaves, outputs, K, X)
+    if found and info["per_row"] and (OSTACK + "_in", 0) in layout_in:
+        f, j = found
+        info["structured"] = {"f": f, "W": layout_in.index(("closed", j)), "cn": layout_in.index((OSTACK + "_in", 0))}
+    return _frozen(info)
+
+
+def _frozen(info):
+    """attrs are hashable (common-subexpression elimination keys on them): dicts as sorted pairs."""
+    return tuple(sorted((k, _frozen(v) if isinstance(v, dict) else tuple(v) if isinstance(v, list) else v)
+                        for k, v in info.items()))
+
+
+def vjp_of(attrs):
+    """The vjp_info of a backward scan as a dict (None for other scans)."""
+    info = attrs.get("vjp")
+    if info is None:
+        return None
+    info = dict(info)
+    if info["structured"] is not None:
+        info["structured"] = dict(info["structured"])
+    return info
+
+
+def use_bppsa(graph):
+    """--scan-backward bppsa: every backward scan of a scan with one float carry runs as BPPSA.
+    Returns the number of scans marked (the second-order scans, VJPs of backward scans with
+    several carries, stay reverse scans)."""
+    marked = 0
+    for n in graph.nx.nodes:
+        if graph.op(n) == "scan":
+            info = vjp_of(graph.attrs(n))
+            if info and info["carries"] == 1 and graph.dtype(graph.operands(n)[0]).startswith("float"):
+                graph.attrs(n)["backward"] = "bppsa"
+                marked += 1
+    return marked
+
+
+def bppsa_flops(T, rows, H, step_backward, dense):
+    """The FLOPs of a BPPSA backward as the generated loop does them (dense: Jacobian rows by H VJP
+    calls per step; else the structured f'(pre) * W^T). step_backward: one reverse step's FLOPs."""
+    P = 1 << max(T - 1, 0).bit_length()
+    combine = rows * (2 * H ** 3 + 2 * H * H + H)            # (M1 M2, v1 M2 + v2)
+    jac = T * H * step_backward if dense else T * rows * H * H
+    return (T * step_backward                                 # c_t: the step's VJP with no carry adjoint
+            + jac + 2 * (P - 1) * combine                     # up-sweep and down-sweep
+            + T * rows * (2 * H * H + H)                      # lambda_t = lambda_T M_t + v_t
+            + T * step_backward)                              # the params' and xs' gradients
 
 
 def _scan_rows(graph, n, ins, fail):
