@@ -3,7 +3,8 @@
     python bench/fuzz.py --n 1000 [--seed0 S] [--compiled K] [--per-model 3]
 
 Every seed S0 .. S0+N-1 goes through gradc's numpy interpreter: loss, gradients and H v against
-torch in float64. The first K seeds also go through the compiled module (small programs,
+torch in float64 (dense ops, conv2d and pools, indexing, concat/stack, take, batched matmul and
+seeded dropout / Gaussian noise). The first K seeds also go through the compiled module (small programs,
 --per-model of them per compiled model, as tests/test_fuzz.py does). Failures print with their
 programs; the last lines are the summary `N graphs: X passed, Y failed` and how often each op
 variant and graph feature was generated.

@@ -8,6 +8,15 @@ maximum and max) or outside a domain (log, sqrt, pow and div get bases and denom
 Shapes are tracked symbolically by rules written here, not gradc's, so a valid model that gradc
 refuses shows up as a failure instead of being avoided.
 
+Besides dense ops the programs use the ops of DESIGN.md §1.7: images (N, C, H, W) come from an
+input ("B", C, H, W) or a reshape of a (B, k) value (H, W <= 8, C <= 4) and go through conv2d
+(stride, padding, dilation, groups, bias), max_pool2d (no ties in a window) and avg_pool2d; basic
+indexing (ints, slices, steps, negatives, `...`, None), concat and stack, take (an embedding of
+an int64 input: the labels or an `ids` input), matmul with an operand of rank >= 3, and dropout /
+gaussian_noise seeded by an int64 () input. torch gets the same random values: the program knows
+each random op's stream and draws them with gradc.ops.random.draw, the reference gradc's kernels
+reproduce (a program's streams count from 0 in a combined case too; its own seed input keeps it apart).
+
 `random_case(seed)` and `combined_case(seeds)` give a `Case`; `check_interpreted` and
 `check_compiled` compare gradc with torch and raise AssertionError naming the seeds and printing
 the programs.
@@ -25,13 +34,15 @@ import torch.nn.functional as F
 
 import gradc as gc
 from gradc.interpret import evaluate
+from gradc.ops.random import draw
 from gradc.passes.pipeline import build_training_graph
 
 BATCH = "B"
 LIMIT = 20.0        # largest |value| a step may produce
 DOMAIN = 0.3        # smallest base of log/sqrt/pow and denominator of div
 KINK = 1e-3         # least distance from a kink of relu/abs/maximum/max
-MAX_PARAMS = 9
+MAX_PARAMS = 12
+SEED = "seed"       # the int64 () input random ops draw from
 
 # gc.elementwise user ops, registered once per process, each with its torch twin.
 USER_OPS = {
@@ -195,6 +206,98 @@ def _gradc_matmul(args, kw, dims):
     return args[0] @ args[1] if kw["form"] == "op" else gc.matmul(*args)
 
 
+# conv2d, pools: kw holds only the keyword arguments the program spells out (the rest are defaults)
+def _gradc_conv(args, kw, dims):
+    x, w, *b = args
+    return gc.conv2d(x, w, *b, **kw)
+
+
+def _torch_conv(args, kw, dims):
+    x, w, *b = args
+    return F.conv2d(x, w, b[0] if b else None, **kw)
+
+
+def _conv_text(step, args, batch):
+    parts = args[:2] + [f"bias={args[2]}"] * (len(args) == 3) + [f"{k}={v!r}" for k, v in step.kw.items()]
+    return f"gc.conv2d({', '.join(parts)})"
+
+
+def _pool_text(name):
+    def text(step, args, batch):
+        kw = dict(step.kw)
+        parts = [args[0], repr(kw.pop("kernel_size"))] + [f"{k}={v!r}" for k, v in kw.items()]
+        return f"gc.{name}({', '.join(parts)})"
+    return text
+
+
+def _key_items(key, rank):
+    """The index as one item per axis (None items add an axis): `...` and missing trailing axes become `:`."""
+    items = key if isinstance(key, tuple) else (key,)
+    consuming = len([i for i in items if i is not None and i is not Ellipsis])
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        return items[:at] + (slice(None),) * (rank - consuming) + items[at + 1:]
+    return items + (slice(None),) * (rank - consuming)
+
+
+def _torch_index(args, kw, dims):
+    """numpy basic indexing in torch (whose slices refuse negative steps): select and index_select."""
+    (x,) = args
+    axis = 0
+    for item in _key_items(kw["key"], x.dim()):
+        if item is None:
+            x = x.unsqueeze(axis)
+            axis += 1
+        elif isinstance(item, int):
+            x = x.select(axis, item)
+        else:
+            r = range(*item.indices(x.shape[axis]))
+            if r != range(x.shape[axis]):
+                x = x.index_select(axis, torch.tensor(list(r), dtype=torch.long))
+            axis += 1
+    return x
+
+
+def _item_text(item):
+    if item is None:
+        return "None"
+    if item is Ellipsis:
+        return "..."
+    if isinstance(item, int):
+        return str(item)
+    parts = ["" if v is None else str(v) for v in (item.start, item.stop, item.step)]
+    return ":".join(parts[:2]) + (f":{parts[2]}" if item.step is not None else "")
+
+
+def _index_text(step, args, batch):
+    key = step.kw["key"]
+    items = key if isinstance(key, tuple) else (key,)
+    return f"{args[0]}[{', '.join(_item_text(i) for i in items)}{',' * (isinstance(key, tuple) and len(key) == 1)}]"
+
+
+def _gradc_random(args, kw, dims):
+    x, seed = args
+    y = gc.dropout(x, kw["p"], seed) if kw["dist"] == "dropout" else gc.gaussian_noise(x, kw["std"], seed)
+    stream = x.model.graph.random_streams - 1
+    if stream != kw["stream"]:
+        raise AssertionError(f"fuzz_graphs: the random op drew stream {stream}, the program says {kw['stream']}")
+    return y
+
+
+def _torch_random(args, kw, dims):
+    """The same draws as gradc's: gradc.ops.random.draw is the reference its kernels reproduce."""
+    x, seed = args
+    if kw["dist"] == "dropout":
+        return x * torch.as_tensor(draw("dropout", kw["p"], seed.item(), kw["stream"], tuple(x.shape)))
+    return x + kw["std"] * torch.as_tensor(draw("normal", 0.0, seed.item(), kw["stream"], tuple(x.shape)))
+
+
+def _random_text(step, args, batch):
+    if step.kw["dist"] == "dropout":
+        return f"gc.dropout({args[0]}, {step.kw['p']!r}, {args[1]})"
+    return f"gc.gaussian_noise({args[0]}, {step.kw['std']!r}, {args[1]})"
+
+
 # Each op: how gradc builds it, how torch computes it, how it reads as DSL code.
 # gradc runners get a dims map that renames the batch dim (reshape targets name it).
 _RUN = {"gradc": {}, "torch": {}}
@@ -226,6 +329,14 @@ _RUN["gradc"].update({
     "reshape": _gradc_reshape,
     "xent": lambda args, kw, dims: gc.softmax_cross_entropy(*args),
     "mse": lambda args, kw, dims: gc.mse(*args),
+    "conv2d": _gradc_conv,
+    "max_pool2d": lambda args, kw, dims: gc.max_pool2d(args[0], **kw),
+    "avg_pool2d": lambda args, kw, dims: gc.avg_pool2d(args[0], **kw),
+    "index": lambda args, kw, dims: args[0][kw["key"]],
+    "concat": lambda args, kw, dims: gc.concat(list(args), axis=kw["axis"]),
+    "stack": lambda args, kw, dims: gc.stack(list(args), axis=kw["axis"]),
+    "take": lambda args, kw, dims: gc.take(*args),
+    "random": _gradc_random,
 })
 _RUN["torch"].update({
     "neg": lambda args, kw, dims: -args[0],
@@ -235,6 +346,14 @@ _RUN["torch"].update({
     "reshape": lambda args, kw, dims: args[0].reshape(_concrete(kw["shape"], dims)),
     "xent": lambda args, kw, dims: F.cross_entropy(*args),
     "mse": lambda args, kw, dims: F.mse_loss(*args),
+    "conv2d": _torch_conv,
+    "max_pool2d": lambda args, kw, dims: F.max_pool2d(args[0], **kw),
+    "avg_pool2d": lambda args, kw, dims: F.avg_pool2d(args[0], **kw),
+    "index": _torch_index,
+    "concat": lambda args, kw, dims: torch.cat(list(args), dim=kw["axis"]),
+    "stack": lambda args, kw, dims: torch.stack(list(args), dim=kw["axis"]),
+    "take": lambda args, kw, dims: F.embedding(args[1], args[0]),
+    "random": _torch_random,
 })
 _TEXT.update({
     "neg": lambda step, args, b: f"-{args[0]}",
@@ -244,6 +363,14 @@ _TEXT.update({
     "reshape": _reshape_text,
     "xent": lambda step, args, b: f"gc.softmax_cross_entropy({args[0]}, {args[1]})",
     "mse": lambda step, args, b: f"gc.mse({args[0]}, {args[1]})",
+    "conv2d": _conv_text,
+    "max_pool2d": _pool_text("max_pool2d"),
+    "avg_pool2d": _pool_text("avg_pool2d"),
+    "index": _index_text,
+    "concat": lambda step, args, b: f"gc.concat([{', '.join(args)}], axis={step.kw['axis']})",
+    "stack": lambda step, args, b: f"gc.stack([{', '.join(args)}], axis={step.kw['axis']})",
+    "take": lambda step, args, b: f"gc.take({args[0]}, {args[1]})",
+    "random": _random_text,
 })
 
 
@@ -264,6 +391,24 @@ def matmul_shape(a, b):
     if not (1 <= len(a) <= 2 and 1 <= len(b) <= 2) or a[-1] != b[0]:
         return None
     return a[:-1] + b[1:]
+
+
+def batch_matmul_shape(a, b):
+    """numpy's matmul shape when an operand has rank >= 3 (batch dims broadcast), or None."""
+    if not a or not b or max(len(a), len(b)) < 3 or a[-1] != (b[0] if len(b) == 1 else b[-2]):
+        return None
+    batch = broadcast(a[:-2], b[:-2])
+    if batch is None:
+        return None
+    return batch + a[-2:-1] + (b[-1:] if len(b) >= 2 else ())
+
+
+def conv_len(n, k, stride, padding, dilation=1):
+    return (n + 2 * padding - dilation * (k - 1) - 1) // stride + 1
+
+
+def _pair(v):
+    return tuple(v) if isinstance(v, tuple) else (v, v)
 
 
 def reduced_shape(shape, axis, keepdims):
@@ -304,21 +449,26 @@ class _Generator:
         self.data = {}
         self.consts = 0
         self.single_use = set()   # params no later step may read
+        self.int_high = {}        # int input -> its values' bound (take's table rows)
+        self.streams = 0          # random ops so far: the next one draws this stream
 
     # values
-    def add_input(self, name, shape, dtype="float"):
+    def add_input(self, name, shape, dtype="float", high=None):
         self.prog.inputs[name] = (shape, dtype)
-        if dtype == "int64":
-            value = self.rng.integers(0, self.C, _concrete(shape, self.prog.dims))
+        if name == SEED:
+            value = np.asarray(self.rng.integers(0, 2 ** 62), dtype=np.int64)
+        elif dtype == "int64":
+            self.int_high[name] = high or self.C
+            value = self.rng.integers(0, self.int_high[name], _concrete(shape, self.prog.dims))
         else:
             value = _draw(self.rng, _concrete(shape, self.prog.dims))
         self._leaf(name, shape, value)
         return name
 
-    def add_param(self, shape, trainable=True, decay=None):
+    def add_param(self, shape, trainable=True, decay=None, scale=1.0):
         name = f"p{len(self.prog.params)}"
         self.prog.params[name] = (shape, trainable, decay)
-        self._leaf(name, shape, _draw(self.rng, shape))
+        self._leaf(name, shape, np.asarray(_draw(self.rng, shape) * scale))
         return name
 
     def _leaf(self, name, shape, value):
@@ -399,7 +549,7 @@ class _Generator:
         a = a or self.pick(self.floats())
         op = op or str(rng.choice(list(BINARY) + ["maximum", "fuzz_mix"], p=[.2, .15, .2, .15, .1, .1, .1]))
         sa = self.shapes[a]
-        partners = [n for n in self.floats(lambda s: broadcast(s, sa) is not None and len(broadcast(s, sa)) <= 3)
+        partners = [n for n in self.floats(lambda s: broadcast(s, sa) is not None and len(broadcast(s, sa)) <= 4)
                     if n != a]
         if partners and rng.random() < 0.75:
             b = self.pick(partners)
@@ -474,10 +624,11 @@ class _Generator:
                 form = str(rng.choice(["T", "fn", "axes"]))
                 return self.emit("transpose", [v], s[::-1], tag=f"transpose[{form}]", form=form,
                                  axes=(1, 0) if form == "axes" else None)
-            axes = tuple(int(i) for i in rng.permutation(3))
-            if axes == (0, 1, 2):
-                axes = (2, 0, 1)
-            return self.emit("transpose", [v], tuple(s[i] for i in axes), tag="transpose[3d]", form="axes", axes=axes)
+            axes = tuple(int(i) for i in rng.permutation(len(s)))
+            if axes == tuple(range(len(s))):
+                axes = axes[1:] + axes[:1]
+            return self.emit("transpose", [v], tuple(s[i] for i in axes), tag=f"transpose[{len(s)}d]", form="axes",
+                             axes=axes)
         target = self.reshape_target(s)
         shown = list(target)
         ints = [i for i, d in enumerate(target) if isinstance(d, int)]
@@ -499,6 +650,225 @@ class _Generator:
             t = self.layout(t) if len(self.shapes[t]) == 3 else t
         return self.reduce(t) if len(self.shapes[t]) == 3 else t
 
+    # images (N, C, H, W), convolutions, pools
+    def image(self):
+        """A 4-D value from a (B, k) one: reshaped when k factors as C*H*W, else through a new weight."""
+        rng = self.rng
+        a = self.pick(self.floats(lambda s: len(s) == 2 and s[0] == BATCH and isinstance(s[1], int)))
+        k = self.shapes[a][1]
+        chw = [(c, h, k // (c * h)) for c in range(1, 5) for h in range(1, 9)
+               if k % (c * h) == 0 and 1 <= k // (c * h) <= 8 and h * (k // (c * h)) > 1]
+        if not chw or rng.random() < 0.6:
+            if len(self.prog.params) >= MAX_PARAMS:
+                raise _Reject("no room for a weight")
+            c, h, w = int(rng.integers(1, 4)), int(rng.integers(2, 7)), int(rng.integers(2, 7))
+            a = self.matmul(a, self.add_param((k, c * h * w), scale=1 / math.sqrt(k)))
+        else:
+            c, h, w = chw[rng.integers(len(chw))]
+        target = (BATCH, c, h, w)
+        return self.emit("reshape", [a], target, tag="reshape[image]", form=str(rng.choice(["method", "fn"])),
+                         shape=target)
+
+    def images(self):
+        names = self.floats(lambda s: len(s) == 4 and all(isinstance(d, int) for d in s[1:]))
+        if not names:
+            self.image()
+            names = self.floats(lambda s: len(s) == 4 and all(isinstance(d, int) for d in s[1:]))
+        return names
+
+    def conv(self):
+        rng = self.rng
+        x = self.pick(self.images())
+        _, c, h, w = self.shapes[x]
+        groups = int(rng.choice([g for g in range(1, c + 1) if c % g == 0])) if rng.random() < 0.35 else 1
+        o = groups * int(rng.integers(1, max(1, 4 // groups) + 1))
+        kh, kw = (int(k) for k in rng.integers(1, 4, 2))
+        kw_ = {}
+        stride, padding, dilation = (1, 1), (0, 0), (1, 1)
+        if rng.random() < 0.4:
+            stride = (int(rng.integers(1, 3)), int(rng.integers(1, 3)))
+        if rng.random() < 0.5:
+            padding = (int(rng.integers(0, 2)), int(rng.integers(0, 3)))
+        if rng.random() < 0.25:
+            dilation = (int(rng.integers(1, 3)), int(rng.integers(1, 3)))
+        for name, v, default in (("stride", stride, (1, 1)), ("padding", padding, (0, 0)),
+                                 ("dilation", dilation, (1, 1))):
+            if v != default or rng.random() < 0.1:
+                kw_[name] = v[0] if v[0] == v[1] and rng.random() < 0.7 else v
+        if groups > 1 or rng.random() < 0.1:
+            kw_["groups"] = groups
+        ho, wo = (conv_len(n, k, s, p, d) for n, k, s, p, d in zip((h, w), (kh, kw), stride, padding, dilation))
+        if ho < 1 or wo < 1:
+            raise _Reject("kernel larger than the input")
+        wshape = (o, c // groups, kh, kw)
+        shared = [p for p in self.floats(lambda s: s == wshape) if p in self.prog.params]
+        if shared and rng.random() < 0.5:
+            weight = self.pick(shared)
+        elif len(self.prog.params) < MAX_PARAMS:
+            weight = self.add_param(wshape, scale=1 / math.sqrt(c // groups * kh * kw))
+        else:
+            raise _Reject("no room for a weight")
+        args = [x, weight]
+        if rng.random() < 0.5 and len(self.prog.params) < MAX_PARAMS:
+            args.append(self.add_param((o,), scale=0.5))
+        tag = "conv2d[" + ", ".join(["bias"] * (len(args) == 3) + sorted(kw_)) + "]"
+        return self.emit("conv2d", args, (self.shapes[x][0], o, ho, wo), tag=tag.replace("[]", ""), **kw_)
+
+    def pool(self):
+        rng = self.rng
+        x = self.pick(self.images())
+        n, c, h, w = self.shapes[x]
+        op = str(rng.choice(["max_pool2d", "avg_pool2d"]))
+        kernel = (int(rng.integers(1, 4)), int(rng.integers(1, 4)))
+        if kernel == (1, 1):
+            kernel = (2, 2)
+        stride = kernel
+        kw = {"kernel_size": kernel[0] if kernel[0] == kernel[1] and rng.random() < 0.7 else kernel}
+        if rng.random() < 0.5:
+            stride = (int(rng.integers(1, 3)), int(rng.integers(1, 3)))
+            kw["stride"] = stride[0] if stride[0] == stride[1] else stride
+        padding = (0, 0)
+        if rng.random() < 0.35:
+            padding = tuple(int(rng.integers(0, k // 2 + 1)) for k in kernel)
+            kw["padding"] = padding[0] if padding[0] == padding[1] else padding
+        ho, wo = (conv_len(d, k, s, p) for d, k, s, p in zip((h, w), kernel, stride, padding))
+        if ho < 1 or wo < 1:
+            raise _Reject("window larger than the input")
+        tag = op + ("[" + ", ".join(k for k in ("stride", "padding") if k in kw) + "]" if len(kw) > 1 else "")
+        return self.emit(op, [x], (n, c, ho, wo), tag=tag, **kw)
+
+    # indexing, joins, embeddings, batched matmul, random ops
+    def index(self):
+        rng = self.rng
+        v = self.pick(self.floats(lambda s: len(s) >= 1 and any(isinstance(d, int) and d > 1 for d in s)))
+        s = self.shapes[v]
+        items, shape = [], []
+        for d in s:
+            kind = rng.random()
+            if isinstance(d, str) or kind < 0.3:
+                items.append(slice(None))
+                shape.append(d)
+            elif kind < 0.5:
+                i = int(rng.integers(d))
+                items.append(i - d if rng.random() < 0.4 else i)
+            else:
+                step = [None, None, 1, 2, -1, -2][rng.integers(6)]
+                start, stop = (None if rng.random() < 0.35 else int(rng.integers(-d, d + 1)) for _ in range(2))
+                item = slice(start, stop, step)
+                n = len(range(*item.indices(d)))
+                if n == 0:
+                    raise _Reject("empty slice")
+                items.append(item)
+                shape.append(n)
+        if all(isinstance(i, slice) and (isinstance(d, str) or i.indices(d) == (0, d, 1)) for i, d in zip(items, s)):
+            raise _Reject("the whole value")
+        if rng.random() < 0.1:
+            at = int(rng.integers(len(items) + 1))
+            items.insert(at, None)
+            shape.insert(at - sum(isinstance(i, int) for i in items[:at]), 1)
+        # a run of whole axes written as `...` (at most one), or trailing ones left out
+        whole = [j for j, i in enumerate(items) if i == slice(None)]
+        if whole and rng.random() < 0.4:
+            j = whole[rng.integers(len(whole))]
+            end = j
+            while end + 1 < len(items) and items[end + 1] == slice(None):
+                end += 1
+            items[j:end + 1] = [Ellipsis]
+        while Ellipsis not in items and items and items[-1] == slice(None) and rng.random() < 0.6:   # after `...` they count
+            items.pop()
+        if not items:
+            raise _Reject("no index")
+        key = items[0] if len(items) == 1 and rng.random() < 0.8 else tuple(items)
+        tags = {"int" if isinstance(i, int) else "None" if i is None else "..." if i is Ellipsis else
+                "step" if isinstance(i, slice) and i.step not in (None, 1) else "slice" for i in items}
+        if any(isinstance(i, int) and i < 0 or isinstance(i, slice) and any(
+                b is not None and b < 0 for b in (i.start, i.stop, i.step)) for i in items):
+            tags.add("negative")
+        return self.emit("index", [v], tuple(shape), tag=f"index[{', '.join(sorted(tags))}]", key=key)
+
+    def join(self):
+        rng = self.rng
+        op = "stack" if rng.random() < 0.35 else "concat"
+        if op == "stack":
+            a = self.pick(self.floats(lambda s: 1 <= len(s) <= 3))
+            s = self.shapes[a]
+            others = self.floats(lambda t: t == s)
+            axis = int(rng.integers(-len(s) - 1, len(s) + 1))
+        else:
+            a = self.pick(self.floats(lambda s: any(isinstance(d, int) for d in s)))
+            s = self.shapes[a]
+            ax = int(rng.choice([i for i, d in enumerate(s) if isinstance(d, int)]))
+            others = self.floats(lambda t: len(t) == len(s) and isinstance(t[ax], int) and
+                                 all(d == e for i, (d, e) in enumerate(zip(s, t)) if i != ax))
+            axis = ax - len(s) if rng.random() < 0.3 else ax
+        operands = [a] + [self.pick(others) for _ in range(1 if rng.random() < 0.75 else 2)]
+        if op == "stack":
+            r = axis % (len(s) + 1)
+            shape = s[:r] + (len(operands),) + s[r:]
+        else:
+            shape = s[:ax] + (sum(self.shapes[o][ax] for o in operands),) + s[ax + 1:]
+        return self.emit(op, operands, shape, tag=f"{op}[{len(operands)}]", axis=axis)
+
+    def take(self):
+        rng = self.rng
+        ints = [n for n in self.int_high if n in self.prog.inputs]
+        if not ints or rng.random() < 0.3:
+            name = f"ids{len(self.int_high)}"
+            shape = (BATCH,) if rng.random() < 0.5 else (BATCH, int(rng.integers(2, 4)))
+            ints.append(self.add_input(name, shape, "int64", high=int(rng.integers(3, 8))))
+        idx = ints[rng.integers(len(ints))]
+        rows = self.int_high[idx]
+        tables = self.floats(lambda s: len(s) == 2 and s[0] == rows and isinstance(s[1], int))
+        if tables and rng.random() < 0.5:
+            table = self.pick(tables)
+        elif len(self.prog.params) < MAX_PARAMS:
+            table = self.add_param((rows, int(rng.choice([self.N, self.M, self.C]))))
+        else:
+            raise _Reject("no table")
+        tag = "take[" + ("param" if table in self.prog.params else "value") + f", idx rank {len(self.shapes[idx])}]"
+        return self.emit("take", [table, idx], self.shapes[idx] + self.shapes[table][1:], tag=tag)
+
+    def batch_matmul(self):
+        """matmul with an operand of rank >= 3 (batched over the leading dims, broadcast as numpy)."""
+        rng = self.rng
+        a = self.pick(self.floats(lambda s: len(s) >= 3))
+        sa = self.shapes[a]
+        partners = self.floats(lambda s: batch_matmul_shape(sa, s) is not None)
+        left = False
+        if partners and rng.random() < 0.5:
+            b = self.pick(partners)
+        else:
+            if len(self.prog.params) >= MAX_PARAMS or not isinstance(sa[-1], int):
+                raise _Reject("no partner")
+            k = int(rng.choice([self.N, self.M, self.C]))
+            left = isinstance(sa[-2], int) and rng.random() < 0.3
+            kind = rng.random()
+            batch = tuple(1 if isinstance(d, str) or rng.random() < 0.5 else d for d in sa[-3:-2]) if kind < 0.3 else ()
+            if left:   # weight @ a: (.., k, sa[-2]) @ (.., sa[-2], sa[-1])
+                b = self.add_param(batch + (k, sa[-2]), scale=1 / math.sqrt(sa[-2]))
+            else:
+                b = self.add_param(batch + (sa[-1], k) if kind < 0.85 else (sa[-1],), scale=1 / math.sqrt(sa[-1]))
+        a, b = (b, a) if left else (a, b)
+        shape = batch_matmul_shape(self.shapes[a], self.shapes[b])
+        if shape is None:
+            raise _Reject("inner dims differ")
+        tag = f"matmul[batched {len(self.shapes[a])}d @ {len(self.shapes[b])}d]"
+        return self.emit("matmul", [a, b], shape, tag=tag, form=str(rng.choice(["op", "fn"])))
+
+    def random(self):
+        rng = self.rng
+        if SEED not in self.prog.inputs:
+            self.add_input(SEED, (), "int64")
+        v = self.pick(self.floats(lambda s: len(s) >= 1))
+        if rng.random() < 0.5:
+            kw = {"dist": "dropout", "p": float(rng.choice([0.1, 0.25, 0.5]))}
+        else:
+            kw = {"dist": "normal", "std": float(rng.choice([0.1, 0.5, 1.0]))}
+        out = self.emit("random", [v, SEED], self.shapes[v], tag="dropout" if kw["dist"] == "dropout"
+                        else "gaussian_noise", stream=self.streams, **kw)
+        self.streams += 1
+        return out
+
     def reshape_target(self, s):
         rng = self.rng
         options = []
@@ -512,6 +882,8 @@ class _Generator:
         for i in range(len(s) - 1):
             if isinstance(s[i], int) and isinstance(s[i + 1], int):
                 options.append(s[:i] + (s[i] * s[i + 1],) + s[i + 2:])
+        if len(s) >= 3 and all(isinstance(d, int) for d in s[1:]):   # flatten: (B, C, H, W) -> (B, C*H*W)
+            options += [(s[0], math.prod(s[1:]))] * 2
         for i, d in enumerate(s):
             if isinstance(d, int) and d in (4, 6) and len(s) < 3:
                 options.append(s[:i] + (2, d // 2) + s[i + 1:])
@@ -526,8 +898,8 @@ class _Generator:
         op = str(rng.choice(["sum", "mean", "max"]))
         if rng.random() < 0.25:
             axis = None
-        elif len(s) == 3 and rng.random() < 0.5:
-            axis = tuple(sorted(int(i) for i in rng.choice(3, 2, replace=False)))
+        elif len(s) >= 3 and rng.random() < 0.5:
+            axis = tuple(sorted(int(i) for i in rng.choice(len(s), 2, replace=False)))
         else:
             axis = int(rng.integers(len(s))) - (len(s) if rng.random() < 0.3 else 0)
         keepdims = bool(rng.random() < 0.4)
@@ -594,6 +966,15 @@ def _check_conditioning(op, vals, out, kw, bounded):
         raise _Reject("domain")
     if op in ("exp", "softplus", "fuzz_mish") and x.max() > 3:
         raise _Reject("large")
+    if op == "max_pool2d":
+        kernel, stride, padding = (_pair(kw.get(k, d)) for k, d in (("kernel_size", None), ("stride", kw["kernel_size"]),
+                                                                    ("padding", 0)))
+        xp = F.pad(x, (padding[1], padding[1], padding[0], padding[0]), value=-math.inf)
+        windows = xp.unfold(2, kernel[0], stride[0]).unfold(3, kernel[1], stride[1]).reshape(-1, kernel[0] * kernel[1])
+        if windows.shape[1] > 1:
+            top = windows.topk(2, dim=1).values
+            if (top[:, 0] - top[:, 1]).min() < KINK:
+                raise _Reject("tie")
     if op == "max":
         axes = list(range(x.dim())) if kw["axis"] is None else [a % x.dim() for a in np.atleast_1d(kw["axis"])]
         rest = [a for a in range(x.dim()) if a not in axes]
@@ -634,10 +1015,16 @@ def _generate(seed, small=False):
     g.attempt(lambda: g.matmul(g.pick(g.floats(lambda s: s == (BATCH, g.N))), g.add_param((g.N, g.M))))
     if "z" in g.prog.inputs and rng.random() < 0.85:   # else z stays unused: a valid model too
         g.attempt(g.binary, "z")
-    moves = [g.unary, g.binary, g.matmul, g.const_matmul, g.layout, g.reduce, g.softmax, g.rank3]
-    weights = np.array([0.24, 0.28, 0.12, 0.03, 0.1, 0.12, 0.06, 0.05])
+    if rng.random() < 0.3:   # an image input (B, C, H, W); else images come from reshapes of (B, k) values
+        g.add_input("img", (BATCH, int(rng.integers(1, 5)), int(rng.integers(2, 9)), int(rng.integers(2, 9))))
+    # about half the programs are image programs: their moves lean to convolutions and pools
+    vision = "img" in g.prog.inputs or rng.random() < 0.35
+    moves = [g.unary, g.binary, g.matmul, g.const_matmul, g.layout, g.reduce, g.softmax, g.rank3,
+             g.conv, g.pool, g.index, g.join, g.take, g.batch_matmul, g.random]
+    weights = np.array([0.24, 0.28, 0.12, 0.03, 0.1, 0.12, 0.06, 0.05] +
+                       ([0.2, 0.14, 0.1, 0.05, 0.05, 0.06, 0.05] if vision else [0.0, 0.0, 0.1, 0.05, 0.05, 0.04, 0.05]))
     for _ in range(int(rng.integers(3, 7) if small else rng.integers(8, 18))):
-        g.attempt(moves[rng.choice(len(moves), p=weights)])
+        g.attempt(moves[rng.choice(len(moves), p=weights / weights.sum())])
     # objective: every unused step (so nothing is dead) plus cross-entropy
     terms = []
     if xent:
@@ -705,6 +1092,9 @@ class Case:
             dims = {BATCH: prefix + BATCH}
             env = {n: m.input(prefix + n, _concrete(s, dims), dtype=None if d == "float" else d)
                    for n, (s, d) in prog.inputs.items()}
+            # each program's random ops draw streams 0, 1, ... as when it was generated (by itself); the
+            # programs' own seed inputs keep their draws apart
+            m.graph.random_streams = 0
             env |= {n: m.param(prefix + n, s, trainable=t, decay=d) for n, (s, t, d) in prog.params.items()}
             env = prog.run(env, "gradc", dims)
             for o, v in prog.outputs.items():
@@ -746,6 +1136,11 @@ class Case:
             counts["feature: frozen param"] += any(not t for _, t, _ in prog.params.values())
             counts["feature: weight decay"] += prog.weight_decay > 0
             counts["feature: batch of 1"] += prog.dims[BATCH] == 1
+            counts["feature: image input"] += "img" in prog.inputs
+            counts["feature: conv then pool"] += any(
+                s.op in ("max_pool2d", "avg_pool2d") and any(t.out == s.args[0] and t.op == "conv2d" for t in prog.steps)
+                for s in prog.steps)
+            counts["feature: random ops seeded by an input"] += SEED in prog.inputs
         return counts
 
 
@@ -777,7 +1172,7 @@ def torch_reference(case):
         hv = [None] * len(case.trainable)
 
     def array(t, name):
-        return np.zeros(np.shape(leaves[name])) if t is None else t.detach().numpy()
+        return np.zeros(np.shape(leaves[name])) if t is None else t.detach().numpy(force=True)   # (a ZeroTensor too)
     return {"loss": objective.item(), "outputs": {k: v.detach().numpy() for k, v in outputs.items()},
             "grads": {p: array(grads[p], p) for p in case.trainable},
             "input_grads": {i: array(grads[i], i) for i in case.float_inputs},
