@@ -264,6 +264,25 @@ def _torch_gru1(tp, inputs):
     return (h * h).sum() + torch.sin(torch.stack(hs)).mean()
 
 
+def _mixing(name="mixing"):
+    """A step that mixes the batch rows of its carry: one dense Jacobian over the whole carry."""
+    m = gc.Model(name)
+    x = m.input("x", ("T", "B", 3))
+    h0 = m.input("h0", ("B", 3))
+    W = m.param("W", (3, 3))
+    hT, hs = gc.scan(lambda h, xt: (gc.tanh(h @ W + h.mean(axis=0, keepdims=True) * xt), h), h0, x)
+    m.minimize((hT * hT).sum() + (hs * hs).mean())
+    return m
+
+
+def _torch_mixing(tp, inputs):
+    h, hs = torch.tensor(inputs["h0"]), []
+    for t in range(inputs["x"].shape[0]):
+        hs.append(h)
+        h = torch.tanh(h @ tp["W"] + h.mean(0, keepdim=True) * torch.tensor(inputs["x"][t]))
+    return (h * h).sum() + (torch.stack(hs) ** 2).mean()
+
+
 def _backward_infos(m):
     from gradc.ops.scan import vjp_of
     g = build_training_graph(m, "float64", {}, order=1)
@@ -275,30 +294,27 @@ def test_bppsa_picks_the_structured_jacobian_only_for_f_of_carry_matmul_w():
     assert rnn["structured"]["f"] == "tanh" and rnn["per_row"] and rnn["carries"] == 1
     (gru,) = _backward_infos(_gru1("bp_info_gru"))
     assert gru["structured"] is None and gru["per_row"]
-    mixing = gc.Model("bp_info_mix")
-    x = mixing.input("x", ("T", "B", 3))
-    h0 = mixing.input("h0", ("B", 3))
-    W = mixing.param("W", (3, 3))
-    hT, _ = gc.scan(lambda h, xt: (gc.tanh(h @ W + h.mean(axis=0, keepdims=True) * xt), None), h0, x)
-    mixing.minimize((hT * hT).sum())
-    (mix,) = _backward_infos(mixing)
+    (mix,) = _backward_infos(_mixing("bp_info_mix"))
     assert not mix["per_row"] and mix["structured"] is None   # one dense Jacobian over the whole carry
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["rnn", "gru1", "stacked"])
+@pytest.mark.parametrize("case", ["rnn", "gru1", "stacked", "mixing"])
 def test_bppsa_gradients_match_reverse_and_torch(case, tmp_path):
     """float64, T = 1, 5 and 11 (not powers of two): BPPSA's loss and gradients are the reverse scan's
     to rounding and torch's; the vanilla RNN's Jacobians are the structured W^T diag(1 - h^2), the
     GRU-like cell's are taken densely (the step's VJP on the H basis vectors); `stacked` has a
-    reverse=True scan (its backward runs forward) over another scan's ys."""
-    make, torch_loss = {"rnn": (_rnn, _torch_rnn), "gru1": (_gru1, _torch_gru1), "stacked": (_stacked, _torch_stacked)}[case]
+    reverse=True scan (its backward runs forward) over another scan's ys; `mixing` a step that
+    mixes its carry's rows (one dense Jacobian over the whole carry)."""
+    make, torch_loss = {"rnn": (_rnn, _torch_rnn), "gru1": (_gru1, _torch_gru1), "stacked": (_stacked, _torch_stacked),
+                          "mixing": (_mixing, _torch_mixing)}[case]
     order = 2 if case == "rnn" else 1
     rev = gc.compile(make(f"bp_{case}_rev"), out=str(tmp_path / "rev"), dtype="float64", order=order, warm=False)
     bp = gc.compile(make(f"bp_{case}"), out=str(tmp_path / "bp"), dtype="float64", order=order, warm=False,
                     scan_backward="bppsa")
     text = (tmp_path / "bp" / f"bp_{case}.py").read_text()
-    assert "_bppsa(" in text and ("dv = 1.0 - y * y" in text) == (case != "gru1")
+    assert "_bppsa(" in text and ("dv = 1.0 - y * y" in text) == (case in ("rnn", "stacked"))
+    assert ("nR = 1\n" in text) == (case == "mixing")
     g = build_training_graph(make(), "float64", {}, order=1)
     rng = np.random.default_rng(5)
     params = {p: np.asarray(rng.normal(size=g.shape(n)) * 0.7) for p, n in g.params.items()}
