@@ -130,33 +130,40 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser():
-    ap = _Parser(prog="gradc", description="Symbolic graph compiler for training code.")
+    ap = _Parser(prog="gradc", description="Symbolic graph compiler for training code.", allow_abbrev=False)
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
-    sub = ap.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("compile", help="compile a model file into a Python module")
-    c.add_argument("model_file")
+    # no abbreviations: `--dtyp` is a typo to report, not an option to guess
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    c = sub.add_parser("compile", help="compile a model file into a Python module", allow_abbrev=False)
+    c.add_argument("model_file", help="a Python file that defines gc.Model objects at module level")
     c.add_argument("-o", "--out", default="build", help="output folder (default: build)")
     c.add_argument("--model", help="which Model of the file (when it defines several)")
-    c.add_argument("--target", choices=["cpu", "cuda"], default="cpu")
-    c.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    c.add_argument("--target", choices=["cpu", "cuda"], default="cpu", help="Numba CPU (default) or CUDA kernels")
+    c.add_argument("--dtype", choices=["float32", "float64"], default="float32",
+                   help="the float type of params, inputs and kernels (default float32)")
     c.add_argument("--order", type=int, choices=[1, 2], default=2,
                    help="1: gradients only; 2 (default): also hvp and hessian")
     c.add_argument("--bind", action="append", metavar="DIM=INT", help="bind a symbolic dim at compile time")
-    c.add_argument("--memory-budget", type=parse_size, metavar="SIZE|auto")
-    c.add_argument("--devices", type=int)
-    c.add_argument("--schedule", choices=["sequential", "gpipe", "1f1b"])
-    c.add_argument("--microbatches", type=int)
-    c.add_argument("--device-memory", type=parse_size, metavar="SIZE")
-    c.add_argument("--batch-dim")
+    c.add_argument("--memory-budget", type=parse_size, metavar="SIZE|auto",
+                   help="activation bytes loss_and_grad may hold (e.g. 64MiB, 1.5GB; auto: a share of free "
+                        "memory); values are recomputed to fit; needs every dim bound with --bind")
+    c.add_argument("--devices", type=int, metavar="K", help="cut the model into K pipeline stages (needs --bind)")
+    c.add_argument("--schedule", choices=["sequential", "gpipe", "1f1b"],
+                   help="how the stages run the microbatches (default sequential)")
+    c.add_argument("--microbatches", type=int, metavar="M", help="split each batch into M microbatches")
+    c.add_argument("--device-memory", type=parse_size, metavar="SIZE",
+                   help="memory per device; the stages are cut so that each fits")
+    c.add_argument("--batch-dim", metavar="NAME",
+                   help="the dim microbatches split (default: the first input's leading symbolic dim)")
     c.add_argument("--scan-backward", choices=["reverse", "bppsa"], default="reverse",
                    help="the backward of each gc.scan: a reverse scan (default), or bppsa: a Blelloch scan "
                         "of the transposed Jacobians (one float carry; DESIGN.md §1.8)")
     c.add_argument("--warm", choices=list(WARM_CHOICES), default="first",
-                   help="compile now: the first-order entry points (default), also hvp and hessian (all), or "
+                   help="compile now: the first-order entry points (default), also hvp, hessian and lr_grad (all), or "
                         "nothing (none); what is not compiled now compiles on its first call")
     c.add_argument("--no-warm", action="store_true", help="the same as --warm none")
     c.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
-    i = sub.add_parser("inspect", help="summarise what `compile` wrote for OUT/NAME")
+    i = sub.add_parser("inspect", help="summarise what `compile` wrote for OUT/NAME", allow_abbrev=False)
     i.add_argument("build", metavar="OUT/NAME")
     i.add_argument("--graph", action="store_true", help="every node, by phase")
     i.add_argument("--memory", action="store_true", help="values kept for the backward, with bytes")

@@ -566,7 +566,8 @@ def take(table, idx):
     if not isinstance(table, Tensor):
         raise GradcError(f"take: the table must be a gradc Tensor (a param (V, D)), got {type(table).__name__}", src)
     if not isinstance(idx, Tensor) or not idx.dtype.startswith("int"):
-        got = f"dtype {idx.dtype}" if isinstance(idx, Tensor) else type(idx).__name__
+        got = (f"{idx.model.graph.describe(idx.node)} of dtype {idx.dtype}" if isinstance(idx, Tensor)
+               else type(idx).__name__)
         raise GradcError(f"take: the indices must be an int gradc Tensor (an input with dtype='int64'), got {got}", src)
     if table.ndim != 2:
         raise GradcError(f"take: the table must have shape (V, D), got {fmt(table.shape)}", src)

@@ -79,6 +79,10 @@ def layers_report(base, data):
     outputs = [ob for *_, ob in rows]
     total_out = None if None in outputs else sum(outputs)
     lines.append(f"  {'total':<22} {'':<12} {'':<22} {_size(sum(r[3] for r in rows)):>12} {_size(total_out):>12}")
+    if total_out is None:
+        unbound = sorted({d for _, _, shape, _, _ in rows for d in shape if isinstance(d, str)})
+        return lines + [f"  (?: dims {', '.join(unbound)} are symbolic; compile with --bind "
+                        f"{unbound[0]}=INT for bytes and peaks)"]
     path = base + ".memplan.json"
     if not os.path.isfile(path):
         return lines + [f"  ({path} not found: no peaks)"]

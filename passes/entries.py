@@ -61,7 +61,8 @@ ENTRIES = (
           "(laid out as GRAD_SLICES), from K noised copies of the forward stacked on the rows.",
           scalars=lambda g: [g.objective], flat=_lr_grads, warm="second",
           present=lambda g: bool(g.lr) and g.lr.get("why") is None,
-          call=lambda mod, params, inputs: mod.lr_grad(params, samples=2, **inputs)),
+          # a model lr_grad refuses (it says why when called) has nothing to warm
+          call=lambda mod, params, inputs: not mod._LR.info.get("why") and mod.lr_grad(params, samples=2, **inputs)),
 )
 
 

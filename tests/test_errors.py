@@ -178,15 +178,15 @@ def test_runtime_input_errors(small):
         small.loss_and_grad(p, x=x.astype(np.float64), y=y)
     with pytest.raises(ValueError, match="input 'y' has dtype int32, expected int64"):
         small.loss_and_grad(p, x=x, y=y.astype(np.int32))
-    with pytest.raises(ValueError, match=r"input 'x' has shape \(0, 3\): dim B is 0; give at least one row"):
+    with pytest.raises(ValueError, match=r"input 'x' has shape \(0, 3\): dim B is 0; it must be at least 1"):
         small.loss_and_grad(p, x=x[:0], y=y[:0])
     with pytest.raises(ValueError, match="dim B is 0"):
         small.Trainer(p).step(x=x[:0], y=y[:0])
     with pytest.raises(ValueError, match="dim B is 4 in input 'x'"):
         small.loss_and_grad(p, x=x, y=y[:3])
-    with pytest.raises(ValueError, match=r"label 4, outside 0..3"):
+    with pytest.raises(ValueError, match=r"holds 4, outside 0..3"):
         small.loss_and_grad(p, x=x, y=np.array([0, 1, 2, 4]))
-    with pytest.raises(ValueError, match=r"label -1, outside 0..3"):
+    with pytest.raises(ValueError, match=r"holds -1, outside 0..3"):
         small.forward(p, x=x, y=np.array([0, -1, 2, 3]))
     with pytest.raises(ValueError, match=r"params missing \['w'\]"):
         small.loss_and_grad({}, x=x, y=y)
@@ -302,3 +302,12 @@ def test_cuda_arrays_are_checked_from_their_interface():
     cpu = Signature("m", {"w": (2, 3)}, {}, "float32", {})
     with pytest.raises(ValueError, match="param 'w' must be a numpy array, got TorchLike"):
         cpu.params({"w": TorchLike((2, 3))})
+
+
+def test_cli_refuses_an_abbreviated_option(capsys):
+    """`--dtyp` is a typo, not --dtype: argparse's prefix matching is off."""
+    from gradc.cli import build_parser
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["compile", "model.py", "--dtyp", "float64"])
+    assert e.value.code == 2
+    assert "--dtyp" in capsys.readouterr().err

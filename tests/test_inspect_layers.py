@@ -52,3 +52,27 @@ def test_memory_plan_counts_the_conv_workspace_in_the_budget(tmp_path):
     squeezed = plan_memory(graph, {"B": 4}, 1, budget=tight - 1)["_loss_and_grad"]
     assert squeezed["recompute_flops"] > 0
     assert squeezed["peak_bytes"] + squeezed["workspace_bytes"] <= tight - 1
+
+
+def test_budget_planning_of_a_conv_net_with_a_bias():
+    """The MILP's coarse graph skips a view of a param (a conv bias reshaped to broadcast): budgets
+    are planned or refused with the minimum, never a crash (found by trying it as a new user)."""
+    import pytest
+    from gradc.passes.checkpoint import BudgetError
+    from gradc.passes.memory import plan_memory
+    from gradc.passes.pipeline import build_training_graph
+
+    m = gc.Model("biased")
+    x = m.input("x", ("B", 1, 8, 8))
+    y = m.input("y", ("B",), dtype="int64")
+    h = gc.max_pool2d(gc.relu(gc.conv2d(x, m.param("w1", (8, 1, 3, 3)), bias=m.param("b1", (8,)), padding=1)), 2)
+    h = gc.max_pool2d(gc.relu(gc.conv2d(h, m.param("w2", (16, 8, 3, 3)), padding=1)), 2)
+    logits = h.reshape(("B", -1)) @ m.param("W", (64, 10)) + m.param("b", (10,))
+    m.minimize(gc.softmax_cross_entropy(logits, y))
+    graph = build_training_graph(m, "float32", {"B": 64})
+    full = plan_memory(graph, {"B": 64}, 1)["_loss_and_grad"]
+    with pytest.raises(BudgetError) as refused:
+        plan_memory(graph, {"B": 64}, 1, budget=1024)
+    assert refused.value.minimum > full["workspace_bytes"]
+    enough = full["peak_bytes"] + full["workspace_bytes"]
+    assert plan_memory(graph, {"B": 64}, 1, budget=enough)["_loss_and_grad"]["peak_bytes"] <= full["peak_bytes"]

@@ -120,7 +120,7 @@ class Signature:
                 if isinstance(d, str):
                     if actual == 0:   # a mean over no rows is 0/0: refuse it rather than return NaN
                         raise ValueError(f"{self.model}.{entry}: input {name!r} has shape {_fmt(v.shape)}: dim {d} is "
-                                         f"0; give at least one row")
+                                         f"0; it must be at least 1")
                     seen = dims.setdefault(d, (actual, name))
                     if seen[0] != actual:
                         raise ValueError(f"{self.model}.{entry}: input {name!r} has shape {_fmt(v.shape)}, but dim {d} "
@@ -144,8 +144,8 @@ class Signature:
             lo, hi = int(labels.min()), int(labels.max())
             if lo < 0 or hi >= n:
                 bad = lo if lo < 0 else hi
-                raise ValueError(f"{self.model}.{entry}: input {name!r} holds label {bad}, outside 0..{n - 1} "
-                                 f"for {n} classes")
+                raise ValueError(f"{self.model}.{entry}: input {name!r} holds {bad}, outside 0..{n - 1}: its values "
+                                 f"index {n} classes or table rows")
 
     def _dim_of(self, inputs, dim):
         for name, v in inputs.items():
