@@ -282,7 +282,10 @@ def test_budgeted_plans_give_store_all_gradients_within_budget(tmp_path, make):
                          dtype="float64")
     with open(tmp_path / "full" / f"{model.name}.memplan.json") as f:
         doc = json.load(f)
-    for entry in doc["entries"].values():
+    for name, entry in doc["entries"].items():
+        if name == "lr_grad":   # its K * B rows are known at call time only: laid out then
+            assert entry["peak_bytes"] is None
+            continue
         _check_plan_buffers(entry)
     store_all = full.MEMORY_PLAN["peak_bytes"]
     assert full.MEMORY_PLAN["method"] == "store-all"
