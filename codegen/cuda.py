@@ -58,7 +58,7 @@ class CudaKernels:
     def elementwise(self, expr, patterns, out_rank, hint):
         """patterns[j]: None for a scalar operand (a one-element array), else per operand dim the
         out dim it runs along (-1 where the operand has size 1 and is broadcast)."""
-        key = ("ew", sp.srepr(expr), tuple(patterns), out_rank)
+        key = ("ew", expr, tuple(patterns), out_rank)   # sympy expressions hash and compare by structure
         return self._get(key, hint, lambda name: self._elementwise_source(name, expr, patterns, out_rank))
 
     def _elementwise_source(self, name, expr, patterns, out_rank):
