@@ -347,22 +347,30 @@ def _carry_per_row(body, leaves, outputs):
     the rows rule run with only the carry's rows marked."""
     def fail(why):
         raise _NotPerRow(why)
-    where = {leaf: (0 if j == 0 else None) for j, leaf in enumerate(leaves)}
     try:
-        for m in body.topo_order():
-            if m in where:
-                continue
-            record = get_op(body.op(m))
-            mins = [where[u] for u in body.operands(m)]
-            if all(w is None for w in mins):
-                where[m] = None
-            elif record.rows is None:
-                return False
-            else:
-                where[m] = record.rows(body, m, mins, fail)
+        where = _follow_rows(body, {leaf: (0 if j == 0 else None) for j, leaf in enumerate(leaves)}, fail,
+                             lambda record: fail(record.name))
     except _NotPerRow:
         return False
     return where.get(outputs[0]) == 0
+
+
+def _follow_rows(body, seeds, fail, unknown):
+    """Where the batch rows lie in every value of the body, from where they lie in its leaves
+    (`seeds`), by each op's rows rule; `unknown(record)` for an op that has none."""
+    where = dict(seeds)
+    for m in body.topo_order():
+        if m in where:
+            continue
+        record = get_op(body.op(m))
+        mins = [where[u] for u in body.operands(m)]
+        if all(w is None for w in mins):
+            where[m] = None
+        elif record.rows is None:
+            unknown(record)
+        else:
+            where[m] = record.rows(body, m, mins, fail)
+    return where
 
 
 def _structured(body, leaves, outputs, K, X):
@@ -464,18 +472,8 @@ def _scan_rows(graph, n, ins, fail):
             w -= 1
         seeds[leaf] = w
     for _ in range(2):   # the carries' rows after one step must be where they were before it
-        where = dict(seeds)
-        for m in body.topo_order():
-            if m in where:
-                continue
-            record = get_op(body.op(m))
-            mins = [where[u] for u in body.operands(m)]
-            if all(w is None for w in mins):
-                where[m] = None
-            elif record.rows is None:
-                fail(f"runs {record.name!r} in its step, which gradc cannot follow the rows through")
-            else:
-                where[m] = record.rows(body, m, mins, fail)
+        where = _follow_rows(body, seeds, fail, lambda record: fail(
+            f"runs {record.name!r} in its step, which gradc cannot follow the rows through"))
         changed = False
         for k in range(K):
             if where[outputs[k]] != seeds[leaves[k]]:
