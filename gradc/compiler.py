@@ -1,7 +1,6 @@
 """`gradc compile`: model -> passes -> generated module, written atomically into OUT and warmed."""
 import copy
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -16,7 +15,7 @@ from gradc.passes.analysis import index_inputs
 from gradc.passes.entries import ENTRIES
 
 from .errors import GradcError
-from .files import remove_stale, temp_name
+from .files import import_path, remove_stale, temp_name
 from .version import __version__
 
 TARGETS = ("cpu", "cuda")
@@ -239,15 +238,7 @@ def import_file(path, name):
     if current is not None and not hasattr(current, "GRADC_VERSION"):
         raise GradcError(f"model name {name!r} is also the name of an imported module ({getattr(current, '__file__', current)}); "
                          f"give the Model another name")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
+    return import_path(name, path)
 
 
 def resolve_budget(graph, memory_budget, src):

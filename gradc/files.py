@@ -6,10 +6,12 @@ Temp files and folders carry their writer's pid (`PREFIX<pid>-<random>`): the ne
 the same folder removes those of processes that are gone, and leaves those of live (concurrent)
 writers alone. A pid reused by an unrelated process only delays the removal.
 """
+import importlib.util
 import os
 import re
 import secrets
 import shutil
+import sys
 
 import numpy as np
 
@@ -87,3 +89,18 @@ def read_npz(path):
                 return {k: data[k] for k in data.files}
         except Exception as e:   # BadZipFile, EOFError, zlib or format errors: numpy raises many kinds
             raise ValueError(f"{path}: a damaged .npz archive ({type(e).__name__}: {e})") from e
+
+
+def import_path(name, path):
+    """Import the Python file at `path` as module `name`, registered in sys.modules (Numba's
+    cache finds a compiled function's globals through its module's name); nothing is left
+    registered when the file fails to run."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module

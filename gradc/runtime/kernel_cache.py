@@ -21,7 +21,6 @@ beside the module, or in memory). Nothing here raises for a cache problem.
 import builtins
 import dis
 import hashlib
-import importlib.util
 import inspect
 import os
 import sys
@@ -32,6 +31,7 @@ import numba
 from numba import njit
 from numba.core.caching import FunctionCache
 
+from gradc.files import import_path
 from gradc.version import __version__
 
 ENV = "GRADC_CACHE_DIR"
@@ -195,14 +195,7 @@ def _load(path):
     name = "gradc_kernel_cache." + os.path.basename(path)[:-3]
     module = sys.modules.get(name)
     if module is None or getattr(module, "__file__", None) != path:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
+        module = import_path(name, path)
         for disp in [getattr(module, n) for n in dir(module) if n == "kernel" or n.startswith("_")]:
             if hasattr(disp, "py_func") and type(getattr(disp, "_cache", None)) is FunctionCache:
                 disp._cache = _TolerantCache(disp.py_func)
