@@ -46,26 +46,38 @@ class EntryWriter:
             return self.names[n] if g.shape(n) != () else f"{self.names[n]}[0]"
         return f"t{n}"
 
-    def write(self, fname, plan, doc, flat_roots=None, received=()):
+    def write(self, fname, plan, doc, flat_roots=None, received=(), ready_names=None):
         """The compiled function, running `plan`'s steps; `flat_roots` are returned together as one
         flat `grads` buffer; intermediates are views of `arena` at the plan's offsets `offs`.
-        `received`: values computed elsewhere (another stage) that come in as arguments r<id>."""
+        `received`: values computed elsewhere (another stage) that come in as arguments r<id>.
+        `ready_names` (one param name per flat root): write a plain-Python function that also takes
+        `ready` and calls ready(names) as soon as those params' gradients are final in `grads`, so a
+        data-parallel Trainer can start reducing them while the rest of the backward runs."""
         g = self.graph
         layout, _ = self._layout(flat_roots or ())
         roots = plan["roots"]
         order = plan["steps"]
         self._start_plan(plan)
-        self.compiled = len(order) <= COMPILED_ENTRY_MAX_STEPS
+        self.compiled = len(order) <= COMPILED_ENTRY_MAX_STEPS and ready_names is None
         leaves, consts = self._arguments(order, exclude=(), received=received)
         args = [self.names[n] for n in leaves] + [self.names[n] for n in received] + [f"c{n}" for n in consts]
         args += (["grads"] if flat_roots is not None else []) + list(self.tail_args)
         dims = self._dims(order, leaves)
         body = [f"{dims[d]} = {src}" for d, src in self._dim_sources(order, list(leaves) + list(received)).items()]
+        final_at = {}   # node -> the layout rows (and param names) it makes final; None: final before any step
+        if ready_names is not None:
+            args.append("ready")
+            computed = {n for n in order if g.op(n) not in ("param", "input", "const")}
+            for (r, start, size), name in zip(layout, ready_names):
+                final_at.setdefault(r if r in computed else None, []).append(((r, start, size), name))
+            body += self._announce(final_at.pop(None, ()))
         for step, n in enumerate(order):
             if g.op(n) in ("param", "input", "const"):
                 continue
             body += self.statement(n, dims, step)
-        body += self._fill_flat(layout)
+            body += self._announce(final_at.get(n, ()))
+        if ready_names is None:
+            body += self._fill_flat(layout)
         returned, seen = [], set()
         if flat_roots is not None:
             roots = [r for r in roots if r not in {f for f, _ in flat_roots}]
@@ -77,7 +89,7 @@ class EntryWriter:
         return "\n".join(lines), leaves, consts
 
     def _def(self, fname, args, doc):
-        if self.decorator and not self.compiled:
+        if self.decorator and not self.compiled and "ready" not in args:
             doc += " Runs as plain Python over the compiled kernels (a graph this large compiles slowly as one function)."
         return ([self.decorator] if self.decorator and self.compiled else []) + [
             f"def {fname}({', '.join(args)}):", f'    """{doc}"""']
@@ -127,15 +139,23 @@ class EntryWriter:
 
     def _fill_flat(self, layout):
         """Copies into the flat buffer for roots no kernel wrote there; zeros where a root is zero."""
-        lines = []
-        for r, start, size in layout:
-            if r is None:
-                lines.append(f"grads[{start}:{start + size}] = 0.0")
-            elif not (r in self.placed and self.flat[r][0] == start):
-                v = self.var(r)
-                lines.append(f"grads[{start}] = {v}" if self.graph.shape(r) == () else
-                             f"grads[{start}:{start + size}] = {v}.reshape({size})")
-        return lines
+        return [line for row in layout for line in self._fill_row(*row)]
+
+    def _fill_row(self, r, start, size):
+        if r is None:
+            return [f"grads[{start}:{start + size}] = 0.0"]
+        if r in self.placed and self.flat[r][0] == start:
+            return []
+        v = self.var(r)
+        return [f"grads[{start}] = {v}" if self.graph.shape(r) == () else
+                f"grads[{start}:{start + size}] = {v}.reshape({size})"]
+
+    def _announce(self, rows):
+        """A streamed entry's lines once `rows` of the flat buffer are final: fill them, call ready."""
+        if not rows:
+            return []
+        lines = [line for row, _ in rows for line in self._fill_row(*row)]
+        return lines + [f"ready({tuple(name for _, name in rows)!r})"]
 
     def write_hvp_block(self, fname, plan, flat_roots, tangents, doc):
         """H V[r] into OUT[r] for every row r of V: the forward and backward once, then per row only

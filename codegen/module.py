@@ -11,7 +11,7 @@ import re
 import numpy as np
 
 from gradc.ops.elementwise import X
-from gradc.passes.entries import entries as entry_table
+from gradc.passes.entries import by_fname, entries as entry_table
 from gradc.passes.stage_split import stage_index
 from gradc.runtime.cuda import BIG, THREADS, TILE
 
@@ -20,7 +20,7 @@ from .cpu import Kernels
 from .cuda import CudaKernels
 from .cuda_api import CUDA_HEADER, cuda_api
 from .cuda_entry import CudaEntryWriter
-from .entry import EntryWriter
+from .entry import COMPILED_ENTRY_MAX_STEPS, EntryWriter
 from .lr_api import lr_api_source
 from .sympy_print import HELPERS
 
@@ -49,6 +49,7 @@ from gradc.runtime import Signature, TrainerBase, init_from, load_data
 from gradc.runtime.arena import Arena
 from gradc.runtime.hessian import hessian_buffer, in_blocks, second_order_missing, symmetrize
 from gradc.runtime.kernel_cache import cached_kernel
+from gradc.runtime.parallel import no_one
 from gradc.runtime.pipeline import HostMemory, Pipeline
 from gradc.runtime.views import plain_view, view
 
@@ -128,6 +129,20 @@ def generate(graph, plans, info):
             entry(e.fname, roots, e.doc, e.scalars(g), flat)
 
     pipeline = info.get("pipeline")
+    streamed, lg_tail = None, []   # the streamed twin's source; what every call of _loss_and_grad adds
+    if "_loss_and_grad" in entries and not cuda and not pipeline:   # Trainer(parallel="data") reduces each gradient while the rest of the backward runs
+        writer.scalar_roots = {g.objective}
+        flat = [(r, shapes[p]) for p, r in zip(trainable, by_fname("_loss_and_grad").flat(g))]
+        doc = ("_loss_and_grad's steps as plain Python, calling ready(names) as soon as those params' gradients "
+               "are final in `grads`: a data-parallel Trainer starts reducing them while the backward goes on.")
+        if len(plans["_loss_and_grad"]["steps"]) > COMPILED_ENTRY_MAX_STEPS:
+            # _loss_and_grad runs as plain Python anyway: it is this function, told of no one
+            source, leaves, consts = writer.write("_loss_and_grad", plans["_loss_and_grad"], doc, flat, ready_names=trainable)
+            entries["_loss_and_grad"] = (entries["_loss_and_grad"][0], source, leaves, consts)
+            streamed, lg_tail = "_loss_and_grad_streamed = _loss_and_grad", ["no_one"]
+        else:
+            streamed, _, _ = writer.write("_loss_and_grad_streamed", plans["_loss_and_grad"], doc, flat,
+                                              ready_names=trainable)
     stage_specs = {}   # (stage, kind) -> (fname, argument spec, roots)
     for f in (pipeline or {}).get("functions", ()):
         for r in f["received"]:
@@ -249,7 +264,7 @@ def generate(graph, plans, info):
     if cuda and kernels.sites:
         kernel_src.append("# GEMM sites: each picks its kernel per call by the product's size (gradc/runtime/cuda_gemm.py)\n"
                           + "\n".join(src for _, src in kernels.sites))
-    body = [source for _, source, _, _ in entries.values()]
+    body = [source for _, source, _, _ in entries.values()] + ([streamed] if streamed else [])
 
     if cuda:
         pipeline_src = pipeline_source(g, pipeline, stage_specs, trainable, "DeviceMemory(_CUDA, _TRAINER_KERNELS)") \
@@ -282,7 +297,8 @@ def generate(graph, plans, info):
         return ",\n        ".join(f'"{p}": {buffer}[{a}:{b}].reshape({shapes[p]!r})' for p, (a, b) in grad_slices.items())
 
     gdict = views("grads")
-    run_loss_and_grad = f"(loss,) = _loss_and_grad({', '.join(call('_loss_and_grad') + ['grads', arena('_loss_and_grad')])})"
+    lg_args = call('_loss_and_grad') + ['grads', arena('_loss_and_grad')]
+    run_loss_and_grad = f"(loss,) = _loss_and_grad({', '.join(lg_args + lg_tail)})"
     if pipeline:
         run_loss_and_grad = "loss = _PIPELINE.loss_and_grad(p, a, grads)"
         api.append(pipeline_source(g, pipeline, stage_specs, trainable, "HostMemory(_ARENA, DATA)"))
@@ -353,7 +369,16 @@ def generate(graph, plans, info):
         '        if self.gradient == "lr":   # the likelihood-ratio estimate; step t draws its noise from seed + t',
         "            return _lr_into(p, a, grads, seed=self.lr_seed + self.steps, **self.lr_options)",
         f"        {run_loss_and_grad}",
-        "        return loss"]) + "\n")
+        "        return loss",
+        *(["",
+           "    def _gradients_streamed(self, p, a, grads, ready):",
+           '        """_gradients, calling ready(names) as those params\' gradients become final (parallel="data")."""',
+           '        if self.gradient == "lr":',
+           "            loss = self._gradients(p, a, grads)",
+           "            ready(TRAINABLE)",
+           "            return loss",
+           f"        (loss,) = _loss_and_grad_streamed({', '.join(lg_args + ['ready'])})",
+           "        return loss"] if streamed else [])]) + "\n")
 
     return _assemble(info, out, helper_src, kernel_src, body, api, kernels, g, entries, stored)
 

@@ -16,7 +16,7 @@ import pytest
 import gradc as gc
 from gradc.compiler import compile_model
 
-from test_memory import _mlp
+from test_memory import _dag, _mlp
 from test_pipeline import _sum_loss_model
 
 pytest.importorskip("mpi4py", reason="the mpi extra (pip install 'gradc[mpi]') is not installed")
@@ -230,6 +230,40 @@ def test_data_parallel_with_pipeline_stages(tmp_path):
     for run in runs:
         run["parallel"] = {"stage_ranks": 1}
     _check(_run(tmp_path, build, model.name, runs, 2), runs, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make", [_digits_like, _dag, lambda: _mlp(layers=30, width=4)], ids=["mlp", "dag", "deep"])
+def test_streamed_backward_announces_each_gradient_once_it_is_final(tmp_path, make):
+    """What overlaps the reduction with the backward: _loss_and_grad_streamed calls ready(names) with
+    those params' gradients already final in `grads` (the shared weight of the DAG only after both of
+    its uses), every trainable param exactly once, the last layer's long before the first layer's. The
+    deep MLP's _loss_and_grad runs as plain Python anyway, so it is the streamed function itself."""
+    model = make()
+    mod = compile_model(model, out=str(tmp_path / "b"), order=1, dtype="float64", warm_cache=False)
+    inputs = _inputs(mod, np.random.default_rng(5))
+    params = mod.init_params(1)
+    loss, expected = mod.loss_and_grad(params, **inputs)
+    tr = mod.Trainer(params)
+    grads = np.full(mod.GRAD_SIZE, np.nan)
+    announced = []
+
+    def ready(names):
+        for name in names:
+            start, stop = mod.GRAD_SLICES[name]
+            # (rtol: the compiled function's products may run in another BLAS than numpy's)
+            np.testing.assert_allclose(grads[start:stop].reshape(mod.PARAM_SHAPES[name]), expected[name],
+                                       rtol=1e-12, atol=1e-14, err_msg=f"{name} announced before its gradient was final")
+        announced.append(tuple(names))
+
+    got = tr._gradients_streamed(mod._SIGNATURE.params(params), mod._SIGNATURE.inputs(inputs, mod._LOSS_INPUTS, "t"),
+                                 grads, ready)
+    assert got == pytest.approx(loss, rel=1e-12)
+    flat = [name for names in announced for name in names]
+    assert sorted(flat) == sorted(mod.TRAINABLE) and len(announced) > len(mod.TRAINABLE) // 2
+    first_layer = mod.TRAINABLE[0]
+    assert flat.index(first_layer) > flat.index(mod.TRAINABLE[-1])
+    assert (mod._loss_and_grad_streamed is mod._loss_and_grad) == (model.name == "plan_mlp")
 
 
 def test_parallel_options_are_checked(tmp_path):

@@ -131,7 +131,7 @@ class CudaTrainerBase(TrainerBase):
         self.kernels["copy"][flat(loss, stream)](loss, status[0:1])
         return ()
 
-    def _dp_gradients(self, a, grads, ready):
+    def _dp_gradients(self, a, grads, final, streamed=True):
         run = self.runner
         p = dict(self.params)
         if self.pipeline is None:

@@ -10,14 +10,15 @@ the params of one process stepping on the concatenated batch, up to rounding: th
 the reduced gradient's, and a step is refused on every rank when it is refused anywhere.
 
 Buckets follow the params in reverse order (the backward makes the last layer's gradients first).
-A bucket's `Iallreduce` starts as soon as its gradients are final: with the module's one compiled
-`_loss_and_grad` every gradient becomes final when that call returns, so the buckets start together
-after it and overlap only each other; with a pipeline build (--devices K, its stages run in this
-process) a stage's buckets start when its last backward function has run, and the reduction of the
-later layers overlaps the backward of the earlier ones (each stage call is followed by an
-MPI_Testall, which moves the pending reductions on). `overlap=False` reduces every bucket with a
-blocking `Allreduce` after the whole backward instead; `tr.comm_seconds` adds up the time spent in
-MPI calls of the reduction (issuing, testing and waiting), for benchmarks.
+A bucket's `Iallreduce` starts as soon as its gradients are final. A CPU build's module has
+`_loss_and_grad_streamed`, the training step's kernels run from plain Python with a call after each
+gradient is written, so the reduction of the last layers overlaps the backward of the earlier ones
+(CUDA builds start every bucket when the step returns); with a pipeline build (--devices K, its
+stages run in this process) a stage's buckets start when its last backward function has run. Each
+such call ends with an MPI_Testall, which moves the pending reductions on. `overlap=False` runs
+the compiled `_loss_and_grad` and reduces every bucket with a blocking `Allreduce` after it;
+`tr.comm_seconds` adds up the time spent in MPI calls of the reduction (issuing, testing and
+waiting), for benchmarks.
 
 With a pipeline build of K stages under mpiexec -n R*K, ranks r*K .. r*K+K-1 run replica r's K
 stages (one stage a rank, as a plain pipeline run does) and each stage's gradients are reduced over
@@ -34,6 +35,10 @@ from .optim import adam_update, clip_scale, sgd_update, sum_squares
 from .pipeline import mpi_world
 
 BUCKET_BYTES = 1 << 20   # PyTorch DDP takes 25 MiB; a smaller bucket starts sooner on small models
+
+
+def no_one(names):
+    """What a generated module's streamed _loss_and_grad tells when nobody is reducing gradients."""
 
 
 def world(comm):
@@ -120,18 +125,19 @@ class DataParallel:
             groups = {0: list(slices)}
         self.owned = [n for g in groups.values() for n in g]
         itemsize = np.dtype(tr.signature.float).itemsize
-        self.buckets = {}   # group -> [(start, stop)], later params first
+        self.buckets = []   # (start, stop, param names): runs of the flat buffer, later params first
         for g, names in groups.items():
-            out = []
             for name in sorted(names, key=lambda n: -slices[n][0]):
                 a, b = slices[name]
                 if b == a:
                     continue
-                if out and out[-1][0] == b and (out[-1][1] - out[-1][0]) * itemsize < bucket_bytes:
-                    out[-1] = (a, out[-1][1])
+                last = self.buckets[-1] if self.buckets else None
+                if last and last[3] == g and last[0] == b and (last[1] - last[0]) * itemsize < bucket_bytes:
+                    self.buckets[-1] = (a, last[1], last[2] + (name,), g)
                 else:
-                    out.append((a, b))
-            self.buckets[g] = out
+                    self.buckets.append((a, b, (name,), g))
+        self.buckets = [(a, b, names) for a, b, names, _ in self.buckets]
+        self.bucket_of = {name: i for i, (_, _, names) in enumerate(self.buckets) for name in names}
         self._same_params()
 
     # ---- every replica starts from rank 0's params ---------------------------------------------
@@ -176,31 +182,35 @@ class DataParallel:
             raise error or ValueError(f"{tr.model_name}.Trainer.step {tr.steps + 1}: the inputs of {counts[1]} other "
                                       f"rank(s) were refused; this step changed nothing")
         w = rows / int(counts[0]) if self.reduction == "mean" else 1.0
-        grads, pending, signalled = tr._dp_buffer(), [], set()
+        grads, pending = tr._dp_buffer(), []
+        waiting = [set(names) for _, _, names in self.buckets]   # each bucket's params not final yet
 
-        def ready(group):
-            signalled.add(group)
+        def final(names):
+            """Those params' gradients are final: start reducing every bucket they complete."""
             t = time.perf_counter()
-            for start, stop in self.buckets.get(group, ()):
-                if w != 1.0:
-                    grads[start:stop] *= w
-                if self.overlap:
-                    pending.append(self.comm.Iallreduce(MPI.IN_PLACE, grads[start:stop]))
+            for name in names:
+                i = self.bucket_of.get(name)
+                if i is None or not waiting[i]:
+                    continue
+                waiting[i].discard(name)
+                if not waiting[i]:
+                    start, stop, _ = self.buckets[i]
+                    if w != 1.0:
+                        grads[start:stop] *= w
+                    if self.overlap:
+                        pending.append(self.comm.Iallreduce(MPI.IN_PLACE, grads[start:stop]))
             if pending:
                 MPI.Request.Testall(pending)   # (progress for the reductions already started)
             self.comm_seconds += time.perf_counter() - t
 
-        loss, weight_sum = tr._dp_gradients(a, grads, ready)
-        for group in self.buckets:
-            if group not in signalled:
-                ready(group)
+        loss, weight_sum = tr._dp_gradients(a, grads, final, streamed=self.overlap)
+        final(self.bucket_of)   # whatever the backward did not announce is final now
         t = time.perf_counter()
         if self.overlap:
             MPI.Request.Waitall(pending)
         else:
-            for bucket in self.buckets.values():
-                for start, stop in bucket:
-                    self.comm.Allreduce(MPI.IN_PLACE, grads[start:stop])
+            for start, stop, _ in self.buckets:
+                self.comm.Allreduce(MPI.IN_PLACE, grads[start:stop])
         tail = np.array([w * loss, w * weight_sum])
         self.comm.Allreduce(MPI.IN_PLACE, tail)
         self.comm_seconds += time.perf_counter() - t

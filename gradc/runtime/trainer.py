@@ -179,15 +179,18 @@ class TrainerBase:
     def _dp_params(self):
         return self._flat
 
-    def _dp_gradients(self, a, grads, ready):
+    def _dp_gradients(self, a, grads, final, streamed=True):
         """This rank's objective and gradients into `grads`, and how many times its objective holds the weight
-        decay term; ready(group) when a group's gradients are final."""
+        decay term; final(names) as soon as those params' gradients are final (with `streamed`, while the
+        backward still runs: the module's _loss_and_grad_streamed, or the pipeline's stages)."""
         p = self.signature.params(self.params, exact=True)
         if self.pipeline is None:
-            loss = self._gradients(p, a, grads)
-            ready(0)
-            return loss, 1.0
-        loss = self.pipeline.loss_and_grad(p, a, grads, decay_once=False, on_ready=ready)
+            if streamed and hasattr(self, "_gradients_streamed"):
+                return self._gradients_streamed(p, a, grads, final), 1.0
+            return self._gradients(p, a, grads), 1.0
+        stage_of = self.pipeline.grad_stages
+        loss = self.pipeline.loss_and_grad(p, a, grads, decay_once=False, on_ready=lambda k: final(
+            [name for name in self.grad_slices if stage_of.get(name, 0) == k]))
         return loss, self.pipeline.weight_sum
 
     def _dp_update(self, loss, grads, dp):
