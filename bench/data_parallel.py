@@ -7,10 +7,10 @@ thread per process. Samples per second of
   data R        Trainer(parallel="data") under mpiexec -n R; R > cores is marked oversubscribed
 and the seconds per step each rank spends in the MPI calls of the gradient reduction, with
 overlap (bucketed Iallreduce started as buckets are final) and without (blocking Allreduce per
-bucket after the backward). The module's compiled _loss_and_grad makes every gradient final at
-once, so its buckets can only overlap each other; "4 stages" is the same MLP compiled with
---devices 4 and run with stage_ranks=1 (every stage in the rank's process), whose later stages'
-buckets are reduced while the earlier stages' backward runs.
+bucket after the module's one-call compiled backward). With overlap the rank runs the module's
+_loss_and_grad_streamed, which starts a bucket's reduction as soon as its gradients are written;
+"4 stages" is the same MLP compiled with --devices 4 and run with stage_ranks=1 (every stage in
+the rank's process), whose buckets start as each stage's backward ends.
 
 Parameter server: the digits MLP (64 -> 128 -> 128 -> 10), 2 workers of 32 rows a step, SGD with
 momentum, the same epochs: final test accuracy and worker samples/s at staleness 0, 1, 4 (1 server

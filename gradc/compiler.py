@@ -1,7 +1,6 @@
 """`gradc compile`: model -> passes -> generated module, written atomically into OUT and warmed."""
 import copy
 import hashlib
-import json
 import os
 import shutil
 import signal
@@ -15,7 +14,8 @@ from gradc.passes.analysis import index_inputs
 from gradc.passes.entries import ENTRIES
 
 from .errors import GradcError
-from .files import import_path, remove_stale, temp_name
+from .files import import_path, json_text, remove_stale, temp_name
+from .shapes import expr_text
 from .version import __version__
 
 TARGETS = ("cpu", "cuda")
@@ -444,16 +444,16 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
              "params": {p: {"shape": list(graph.shape(n)), "trainable": model.param_info[p]["trainable"],
                             "decay": model.param_info[p]["decay"]} for p, n in graph.params.items()},
              "weight_decay": model.weight_decay,
-             "flops": {"forward": str(flops(graph, fwd_nodes)), "loss_and_grad": str(flops(graph, lg_nodes))} | (
-                 {"hvp": str(flops(graph, graph.ancestors(meta["entries"]["_hvp_block"]["roots"])))} if order == 2 else {}),
+             "flops": {"forward": expr_text(flops(graph, fwd_nodes)), "loss_and_grad": expr_text(flops(graph, lg_nodes))} | (
+                 {"hvp": expr_text(flops(graph, graph.ancestors(meta["entries"]["_hvp_block"]["roots"])))} if order == 2 else {}),
              "kernels": meta["kernels"],
              "saved_for_backward": [{"node": n, "op": graph.op(n), "name": graph.node(n).get("name"),
-                                     "shape": [str(d) for d in graph.shape(n)], "bytes": str(nbytes(graph, n)), "src": graph.node(n)["src"]} for n in saved],
+                                     "shape": [str(d) for d in graph.shape(n)], "bytes": expr_text(nbytes(graph, n)), "src": graph.node(n)["src"]} for n in saved],
              "pass_seconds": {k: round(v, 4) for k, v in timings.items()}}
     files = {f"{name}.py": text, f"{name}.graph.json": graph.to_json(extra), f"{name}.graph.dot": graph.to_dot(),
-             f"{name}.memplan.json": json.dumps(memplan, indent=1)}
+             f"{name}.memplan.json": json_text(memplan)}
     if partition is not None:
-        files[f"{name}.partition.json"] = json.dumps(partition, indent=1)
+        files[f"{name}.partition.json"] = json_text(partition)
     # a CUDA module compiles its kernels on the GPU, at its first call with each set of shapes
     return write_outputs(out, name, files, stored, dims if warm_cache and target == "cpu" else None, timings,
                          [] if notes is None else notes, graph.nx.number_of_nodes(), warm_cache == "all", progress)

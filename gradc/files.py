@@ -7,6 +7,7 @@ the same folder removes those of processes that are gone, and leaves those of li
 writers alone. A pid reused by an unrelated process only delays the removal.
 """
 import importlib.util
+import json
 import os
 import re
 import secrets
@@ -104,3 +105,18 @@ def import_path(name, path):
         del sys.modules[name]
         raise
     return module
+
+
+def json_text(data, default=None, pad=""):
+    """`data` as JSON a person can read and Python writes fast: a dict one key a line, a list of dicts
+    or lists one item a line, and anything inside those items (or a list of numbers) on one line, by
+    json's C encoder (json.dumps with `indent` runs in Python: seconds for a deep model's dumps)."""
+    inner = pad + " "
+    if isinstance(data, dict) and data:
+        rows = [f"{inner}{json.dumps(str(k))}: {json_text(v, default, inner)}" for k, v in data.items()]
+    elif isinstance(data, (list, tuple)) and data and isinstance(data[0], (dict, list, tuple)):
+        rows = [inner + json.dumps(x, default=default) for x in data]
+    else:
+        return json.dumps(data, default=default)
+    brackets = "{}" if isinstance(data, dict) else "[]"
+    return brackets[0] + "\n" + ",\n".join(rows) + "\n" + pad + brackets[1]

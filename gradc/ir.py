@@ -6,13 +6,16 @@ it helps build (it runs on that node's device). Each operand is also an edge who
 operand position, so `x * x` is two edges. The forward, backward and update parts of a model
 all live in the same graph; `phase` tells them apart.
 """
+import hashlib
 import heapq
-import json
 
 import networkx as nx
+import numpy as np
+import sympy as sp
 
 from .errors import GradcError, ShapeError
-from .shapes import fmt
+from .files import json_text
+from .shapes import expr_text, fmt
 
 PHASES = ("forward", "backward", "second", "transfer", "update")
 FLOAT_DTYPES = ("float32", "float64")
@@ -102,7 +105,6 @@ class Graph:
 
     def __repr__(self):
         """Content, not identity (a body in a node's attrs is part of the model's fingerprint)."""
-        import hashlib
         h = hashlib.sha256()
         for n in self.topo_order():
             d = self.nx.nodes[n]
@@ -113,8 +115,8 @@ class Graph:
     def bodies(self):
         """The sub-graphs in node attrs (scan bodies), nested ones too, innermost first."""
         found = []
-        for n in self.topo_order():
-            for v in self.nx.nodes[n]["attrs"].values():
+        for _, attrs in self.nx.nodes(data="attrs"):   # (in the order nodes were made: no sort needed)
+            for v in attrs.values():
                 if isinstance(v, Graph):
                     found += v.bodies() + [v]
         return found
@@ -230,7 +232,7 @@ class Graph:
                          "outputs": self.outputs, "loss": self.loss, "objective": self.objective,
                          "grads": self.grads, "input_grads": self.input_grads, "tangents": self.tangents,
                          "hvps": self.hvps, **(extra or {})}
-        return json.dumps(data, indent=1, default=_jsonable)
+        return json_text(data, default=_jsonable)
 
     def to_dot(self):
         colors = {"forward": "#cfe2ff", "backward": "#ffd8b0", "second": "#e3c8ff",
@@ -240,7 +242,7 @@ class Graph:
             d = self.nx.nodes[n]
             label = f"%{n} {d['op']}" + (f" {d['name']}" if d.get("name") else "") + f"\\n{fmt(d['shape'])} {d['dtype']}"
             if "expr" in d["attrs"]:
-                label += "\\n" + str(d["attrs"]["expr"]).replace('"', "'")
+                label += "\\n" + expr_text(d["attrs"]["expr"]).replace('"', "'")
             lines.append(f'  n{n} [label="{label}", fillcolor="{colors[d["phase"]]}", tooltip="{d["src"]}"];')
         for u, v, k in self.nx.edges(keys=True):
             many = len(self.nx.nodes[v]["inputs"]) > 1
@@ -250,7 +252,6 @@ class Graph:
 
 
 def _jsonable(v):
-    import numpy as np
     if isinstance(v, np.ndarray):
         return {"array_shape": list(v.shape), "dtype": str(v.dtype)}
     if isinstance(v, (np.integer, np.floating)):
@@ -259,4 +260,4 @@ def _jsonable(v):
         return [_jsonable(x) for x in v]
     if isinstance(v, (int, float, str, bool)) or v is None:
         return v
-    return str(v)
+    return expr_text(v) if isinstance(v, sp.Basic) else str(v)

@@ -1,4 +1,6 @@
 """Shapes with symbolic dims: ints broadcast as in numpy; a str dim matches only the same name."""
+import functools
+
 import sympy as sp
 
 from .errors import ShapeError
@@ -8,6 +10,13 @@ def fmt(shape):
     """(B, 64) as the user wrote it, without quotes around symbolic dims."""
     inner = ", ".join(str(d) for d in shape)
     return f"({inner},)" if len(shape) == 1 else f"({inner})"
+
+
+@functools.lru_cache(maxsize=4096)
+def expr_text(expr):
+    """str(expr) for a sympy expression, remembered: sympy prints slowly (about 0.3 ms), and a deep
+    model's dumps and plans print the same few expressions (sizes, fused layers) hundreds of times."""
+    return str(expr)
 
 
 def check_shape(shape):

@@ -8,12 +8,13 @@ from gradc.shapes import size
 
 def flops(graph, nodes):
     """Total FLOPs of `nodes`; a sympy expression in the symbolic dims."""
-    total = sp.Integer(0)
+    terms = []
     for n in nodes:
         node = graph.node(n)
         shapes = [graph.shape(u) for u in node["inputs"]]
-        total += sp.sympify(get_op(node["op"]).flops(node["attrs"], shapes, node["shape"]))
-    return sp.expand(total)
+        terms.append(get_op(node["op"]).flops(node["attrs"], shapes, node["shape"]))
+    # one Add of every term: adding them one by one re-sorts the growing sum each time
+    return sp.expand(sp.Add(*map(sp.sympify, terms)))
 
 
 def saved_for_backward(graph, nodes):

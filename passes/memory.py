@@ -11,6 +11,7 @@ value made before the loop and read inside it lives to the end.
 import numpy as np
 
 from gradc.ops import get_op
+from gradc.shapes import expr_text
 from gradc.runtime.arena import ALIGN_BYTES, layout_by_device
 
 from .analysis import node_flops
@@ -136,7 +137,7 @@ def plan_entry(graph, entry, steps, returned, dims, loop_from=None):
     else:
         for t in tensors:
             t["offset"] = None
-            t["bytes"] = str(t["bytes"])
+            t["bytes"] = expr_text(t["bytes"])
         plan["live_bytes"] = plan["workspace_bytes"] = None
         plan["peak_bytes"] = plan["peak_step"] = plan["lower_bound_bytes"] = None
         plan["arena_bytes"] = {d: None for d in devices}
