@@ -328,7 +328,24 @@ def cuda_avg_grad_source(name):
         "the sum of g over the windows that hold this element / (kh kw): one thread per input element", ("flat", -1)
 
 
+def _lower_cpu(hint, make):
+    """CPU: one kernel per window (kernel, stride, padding), those six ints written into its text: the
+    window loops then have constant trip counts that Numba unrolls (LeNet's 2x2 pools ran 3-4x slower
+    with them as arguments), and a module has one kernel per distinct pool, a handful."""
+    def lower(s):
+        window = tuple(int(v) for v in (*s.attrs["kernel"], *s.attrs["stride"], *s.attrs["padding"]))
+
+        def written_in(name):
+            source, doc = make(name)
+            head, _, body = source.partition("\n")
+            constants = f"    {_ARGS} = {', '.join(map(str, window))}   # this pool's window"
+            return f"{head.replace(_ARGS + ', ', '')}\n{constants}\n{body}", doc
+        return s.into_out(s.kernel((hint, window), hint, written_in))
+    return lower
+
+
 def _lower(hint, make):
+    """CUDA: one kernel per op, the window as arguments."""
     def lower(s):
         ints = [*s.attrs["kernel"], *s.attrs["stride"], *s.attrs["padding"]]
         return s.into_out(s.kernel((hint,), hint, make), list(s.args) + [str(int(v)) for v in ints])
@@ -345,27 +362,27 @@ def _rows_per_image(graph, n, ins, fail):
 register(Op("max_pool2d", "pool", _pool_infer("max_pool2d"),
             lambda attrs, values, out_shape, dims: max_pool2d_np(values[0], *_attrs(attrs)),
             _window_flops, vjp=_max_vjp, arity=1, rows=_rows_per_image,
-            cpu=_lower("max_pool2d", cpu_max_pool_source), cuda=_lower("max_pool2d", cuda_max_pool_source),
+            cpu=_lower_cpu("max_pool2d", cpu_max_pool_source), cuda=_lower("max_pool2d", cuda_max_pool_source),
             doc="max over each kernel window (padding is -inf); attrs kernel, stride, padding (pairs)"))
 register(Op("max_pool2d_grad", "pool", _grad_infer("max_pool2d_grad", first=0),
             lambda attrs, values, out_shape, dims: max_pool2d_grad_np(*values, *_attrs(attrs)),
             _window_flops, vjp=_max_grad_vjp, arity=2, rows=_rows_per_image,
-            cpu=_lower("max_pool2d_grad", cpu_max_grad_source), cuda=_lower("max_pool2d_grad", cuda_max_grad_source),
+            cpu=_lower_cpu("max_pool2d_grad", cpu_max_grad_source), cuda=_lower("max_pool2d_grad", cuda_max_grad_source),
             doc="max_pool2d's adjoint: g of each window added at the window's first maximum of x; attrs as "
                 "max_pool2d's plus input_hw"))
 register(Op("max_pool2d_pick", "pool", _pick_infer,
             lambda attrs, values, out_shape, dims: max_pool2d_pick_np(*values, *_attrs(attrs)),
             _window_flops, vjp=_max_pick_vjp, arity=2, rows=_rows_per_image,
-            cpu=_lower("max_pool2d_pick", cpu_max_pick_source), cuda=_lower("max_pool2d_pick", cuda_max_pick_source),
+            cpu=_lower_cpu("max_pool2d_pick", cpu_max_pick_source), cuda=_lower("max_pool2d_pick", cuda_max_pick_source),
             doc="u at each window's first maximum of x: max_pool2d_grad's adjoint in g"))
 register(Op("avg_pool2d", "pool", _pool_infer("avg_pool2d"),
             lambda attrs, values, out_shape, dims: avg_pool2d_np(values[0], *_attrs(attrs)),
             _window_flops, vjp=_avg_vjp, arity=1, rows=_rows_per_image,
-            cpu=_lower("avg_pool2d", cpu_avg_pool_source), cuda=_lower("avg_pool2d", cuda_avg_pool_source),
+            cpu=_lower_cpu("avg_pool2d", cpu_avg_pool_source), cuda=_lower("avg_pool2d", cuda_avg_pool_source),
             doc="mean over each kernel window, padding counted as zeros (divisor kh kw); attrs kernel, stride, padding"))
 register(Op("avg_pool2d_grad", "pool", _grad_infer("avg_pool2d_grad", first=None),
             lambda attrs, values, out_shape, dims: avg_pool2d_grad_np(values[0], *_attrs(attrs),
                                                                       tuple(attrs["input_hw"])),
             _window_flops, vjp=_avg_grad_vjp, arity=1, rows=_rows_per_image,
-            cpu=_lower("avg_pool2d_grad", cpu_avg_grad_source), cuda=_lower("avg_pool2d_grad", cuda_avg_grad_source),
+            cpu=_lower_cpu("avg_pool2d_grad", cpu_avg_grad_source), cuda=_lower("avg_pool2d_grad", cuda_avg_grad_source),
             doc="avg_pool2d's adjoint: g / (kh kw) added over each window; attrs as avg_pool2d's plus input_hw"))
