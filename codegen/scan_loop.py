@@ -8,7 +8,7 @@ a step's values are few). The loop kernel keeps the carry in two buffers that sw
 copies it into the carry stacks when the entry reads them (the backward does), and writes each
 y_t into ys[t]. Code size and compile time do not depend on T, which may stay symbolic.
 """
-from gradc.ops.scan import FINAL, OSTACK, STACK, YS, index_of, kind_of, parts
+from gradc.ops.scan import DERIVATIVE_FROM_OUTPUT, FINAL, OSTACK, STACK, YS, index_of, kind_of, parts, vjp_of
 
 from .entry import EntryWriter
 from .statement import shape_src
@@ -107,49 +107,51 @@ def lower_scan(s):
 
 
 def _bppsa_lines(body_kernel, attrs):
-    """BPPSA (Wang, Bai, Pekhimenko, MLSys 2020) in the loop kernel of a backward scan with one
-    carry adjoint lam (carry 0; the others are the closed values' running sums). Step t of the
-    backward scan maps the adjoint of the carry it wrote to the adjoint of the carry it read, an
-    affine map per row b: lam -> lam @ M_t[b] + v_t[b] (M_t[b] the transposed Jacobian as a right
-    factor of a row vector; v_t what the step's own outputs add). v_t: the body with lam = 0. M_t:
-    W^T scaled by f'(new carry) when the step is f(carry @ W + rest), else the body applied to the
-    H basis vectors (every row at once) with the given adjoints zero. The maps, in the order the
-    backward runs the steps (last step first for a forward scan's) and padded with identities to P = 2^k, go through a Blelloch exclusive scan (up-sweep, then
-    down-sweep) under (M1, v1) + (M2, v2) = (M1 M2, v1 M2 + v2): log2 P levels whose products are
-    independent. Entry i of the result maps the final adjoint to the adjoint the i-th step run reads as lam."""
+    """BPPSA (Wang, Bai, Pekhimenko, MLSys 2020) in the loop kernel of a backward scan whose first F
+    carries are the adjoints lam_k of the forward's F carries (the others are the closed values'
+    running sums). Step t of the backward scan maps the adjoint of the carries it wrote to the adjoint
+    of the carries it read, an affine map per row b of lam = [lam_0 | ... | lam_{F-1}] (each carry's
+    row flattened, the carries side by side: hH values a row): lam -> lam @ M_t[b] + v_t[b] (M_t[b]
+    the transposed Jacobian as a right factor of a row vector; v_t what the step's own outputs add).
+    v_t: the body with lam = 0. M_t: W^T scaled by f'(new carry) when the step is f(carry @ W + rest)
+    (one carry), else the body applied to the hH basis vectors (every row at once) with the given
+    adjoints zero. The maps, in the order the backward runs the steps (last step first for a forward
+    scan's) and padded with identities to P = 2^k, go through a Blelloch exclusive scan (up-sweep,
+    then down-sweep) under (M1, v1) + (M2, v2) = (M1 M2, v1 M2 + v2): log2 P levels whose products
+    are independent. Entry i of the result maps the final adjoint to the adjoint the i-th step run
+    reads as lam."""
     body, leaves, outputs, K, X, C, M = parts(attrs)
-    from gradc.ops.scan import vjp_of
     info = vjp_of(attrs)
+    F = info["carries"]
     zero, st = set(info["zero"]), info["structured"]
-    L = [
-        "nR = a0.shape[0]" if info["per_row"] else "nR = 1",
-        "hH = a0.size // nR",
-        "pP = 1",
-        "while pP < T:",
-        "    pP *= 2",
-        "Mm = np.zeros((pP, nR, hH, hH), FLOAT)",
-        "Vv = np.zeros((pP, nR, hH), FLOAT)",
-        "for i in range(T, pP):",
-        "    for b in range(nR):",
-        "        for p in range(hH):",
-        "            Mm[i, b, p, p] = 1.0",
-        "lz = np.zeros_like(a0)",
-        "eb = np.zeros_like(a0)",
-        "ebv = eb.reshape(nR, hH)",
-    ]
+    L = ["nR = a0.shape[0]" if info["per_row"] else "nR = 1"]
+    L += [f"h{k} = a{k}.size // nR" for k in range(F)]
+    L += [f"o{k} = {' + '.join(f'h{j}' for j in range(k)) or '0'}" for k in range(F)]
+    L += [f"hH = {' + '.join(f'h{k}' for k in range(F))}",
+          "pP = 1",
+          "while pP < T:",
+          "    pP *= 2",
+          "Mm = np.zeros((pP, nR, hH, hH), FLOAT)",
+          "Vv = np.zeros((pP, nR, hH), FLOAT)",
+          "for i in range(T, pP):",
+          "    for b in range(nR):",
+          "        for p in range(hH):",
+          "            Mm[i, b, p, p] = 1.0"]
+    for k in range(F):
+        L += [f"lz{k} = np.zeros_like(a{k})", f"eb{k} = np.zeros_like(a{k})", f"ebv{k} = eb{k}.reshape(nR, h{k})"]
     L += [f"jo{k} = np.empty_like(a{k})" for k in range(K)]
     L += [f"z{j} = np.zeros_like(a{j}[0])" for j in sorted(zero)]
     outs = [f"jo{k}" for k in range(K)] + [f"yb{m}" for m in range(M)]
-    real = ["lz"] + [f"a{k}" for k in range(1, K)] + [f"a{j}[t]" for j in range(K, K + X)] + \
+    rest = [f"a{k}" for k in range(F, K)]
+    real = [f"lz{k}" for k in range(F)] + rest + [f"a{j}[t]" for j in range(K, K + X)] + \
         [f"a{j}" for j in range(K + X, len(leaves))]
-    basis = ["eb"] + [f"a{k}" for k in range(1, K)] + [f"z{j}" if j in zero else f"a{j}[t]" for j in range(K, K + X)] + \
+    basis = [f"eb{k}" for k in range(F)] + rest + [f"z{j}" if j in zero else f"a{j}[t]" for j in range(K, K + X)] + \
         [f"a{j}" for j in range(K + X, len(leaves))]
     L += ["for t in range(T):",
           "    i = T - 1 - t" if attrs.get("reverse") else "    i = t",   # i: the order the steps run in
-          f"    {body_kernel}({', '.join(real + outs + ['work'])})",
-          "    Vv[i] = jo0.reshape(nR, hH)"]
+          f"    {body_kernel}({', '.join(real + outs + ['work'])})"]
+    L += [f"    Vv[i, :, o{k}:o{k} + h{k}] = jo{k}.reshape(nR, h{k})" for k in range(F)]
     if st:
-        from gradc.ops.scan import DERIVATIVE_FROM_OUTPUT
         L += [f"    yv = np.ascontiguousarray(a{st['cn']}[t]).reshape(nR, hH)",
               "    for b in range(nR):",
               "        for p in range(hH):",
@@ -157,12 +159,13 @@ def _bppsa_lines(body_kernel, attrs):
               f"            dv = {DERIVATIVE_FROM_OUTPUT[st['f']]}",
               "            for q in range(hH):",
               f"                Mm[i, b, p, q] = dv * a{st['W']}[q, p]"]
-    else:
-        L += ["    for p in range(hH):",
-              "        ebv[:, p] = 1.0",
-              f"        {body_kernel}({', '.join(basis + outs + ['work'])})",
-              "        Mm[i, :, p, :] = jo0.reshape(nR, hH)",
-              "        ebv[:, p] = 0.0"]
+    else:   # row o_k + p of M_t: the step's VJP of the basis vector p of carry k
+        for k in range(F):
+            L += [f"    for p in range(h{k}):",
+                  f"        ebv{k}[:, p] = 1.0",
+                  f"        {body_kernel}({', '.join(basis + outs + ['work'])})"]
+            L += [f"        Mm[i, :, o{k} + p, o{j}:o{j} + h{j}] = jo{j}.reshape(nR, h{j})" for j in range(F)]
+            L += [f"        ebv{k}[:, p] = 0.0"]
     L += ["d = 1",                                     # up-sweep
           "while d < pP:",
           "    for k in range(0, pP, 2 * d):",         # independent products (plain loop: kernel is not parallel)
@@ -190,7 +193,8 @@ def _bppsa_lines(body_kernel, attrs):
           "            Vv[r, b] = Vv[r, b] @ tM + tv",
           "            Mm[r, b] = Mm[r, b] @ tM",
           "    d //= 2",
-          "lf = np.ascontiguousarray(a0).reshape(nR, hH)"]
+          "lf = np.empty((nR, hH), FLOAT)"]         # the final adjoints, side by side
+    L += [f"lf[:, o{k}:o{k} + h{k}] = np.ascontiguousarray(a{k}).reshape(nR, h{k})" for k in range(F)]
     return ["    " + line for line in L]
 
 
@@ -219,8 +223,8 @@ def _loop_source(name, body_kernel, layout, attrs, present, bppsa=False):
     loop = ["t = T - 1 - i" if attrs.get("reverse") else "t = i"]
     if bppsa:   # the carry adjoint each step gets is the scan's, not the previous step's output
         lines += _bppsa_lines(body_kernel, attrs)
-        loop += ["cv = cur0.reshape(nR, hH)", "for b in range(nR):",
-                 "    cv[b] = lf[b] @ Mm[i, b] + Vv[i, b]"]
+        loop += ["for b in range(nR):", "    cv = lf[b] @ Mm[i, b] + Vv[i, b]"]
+        loop += [f"    cur{k}.reshape(nR, h{k})[b] = cv[o{k}:o{k} + h{k}]" for k in range(vjp_of(attrs)["carries"])]
     for k in range(K):
         if index_of(attrs, STACK, k) in res:
             loop.append(f"{res[index_of(attrs, STACK, k)]}[t] = cur{k}")

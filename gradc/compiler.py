@@ -92,13 +92,6 @@ def check_scans(model, scan_backward, target, memory_budget, devices):
     src = g.node(scans[0])["src"]
     if scan_backward not in SCAN_BACKWARD:
         raise GradcError(f"--scan-backward {scan_backward} is not built yet: compile with --scan-backward reverse", src)
-    if scan_backward == "bppsa":
-        for n in scans:
-            K = g.attrs(n)["carries"]
-            if K != 1 or not g.dtype(g.operands(n)[0]).startswith("float"):
-                raise GradcError(f"--scan-backward bppsa: a scan with {K} carries (or a carry not float) is not built "
-                                 f"yet: BPPSA is built for one float carry (compile with --scan-backward reverse)",
-                                 g.node(n)["src"])
     why = ("--target cuda" if target == "cuda" else "--memory-budget" if memory_budget is not None else
            "--devices" if (devices.get("devices") or 1) > 1 else "--microbatches" if (devices.get("microbatches") or 1) > 1
            else None)

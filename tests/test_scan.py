@@ -296,18 +296,21 @@ def test_bppsa_picks_the_structured_jacobian_only_for_f_of_carry_matmul_w():
     assert gru["structured"] is None and gru["per_row"]
     (mix,) = _backward_infos(_mixing("bp_info_mix"))
     assert not mix["per_row"] and mix["structured"] is None   # one dense Jacobian over the whole carry
+    (two,) = _backward_infos(_gru("bp_info_two"))
+    assert two["carries"] == 2 and two["per_row"] and two["structured"] is None
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["rnn", "gru1", "stacked", "mixing"])
+@pytest.mark.parametrize("case", ["rnn", "gru1", "gru", "stacked", "mixing"])
 def test_bppsa_gradients_match_reverse_and_torch(case, tmp_path):
     """float64, T = 1, 5 and 11 (not powers of two): BPPSA's loss and gradients are the reverse scan's
     to rounding and torch's; the vanilla RNN's Jacobians are the structured W^T diag(1 - h^2), the
-    GRU-like cell's are taken densely (the step's VJP on the H basis vectors); `stacked` has a
+    GRU-like cell's are taken densely (the step's VJP on the H basis vectors); `gru` has two carries
+    (one map over both, side by side) and ys of its own; `stacked` has a
     reverse=True scan (its backward runs forward) over another scan's ys; `mixing` a step that
     mixes its carry's rows (one dense Jacobian over the whole carry)."""
-    make, torch_loss = {"rnn": (_rnn, _torch_rnn), "gru1": (_gru1, _torch_gru1), "stacked": (_stacked, _torch_stacked),
-                          "mixing": (_mixing, _torch_mixing)}[case]
+    make, torch_loss = {"rnn": (_rnn, _torch_rnn), "gru1": (_gru1, _torch_gru1), "gru": (_gru, _torch_gru),
+                        "stacked": (_stacked, _torch_stacked), "mixing": (_mixing, _torch_mixing)}[case]
     order = 2 if case == "rnn" else 1
     rev = gc.compile(make(f"bp_{case}_rev"), out=str(tmp_path / "rev"), dtype="float64", order=order, warm=False)
     bp = gc.compile(make(f"bp_{case}"), out=str(tmp_path / "bp"), dtype="float64", order=order, warm=False,
@@ -334,9 +337,3 @@ def test_bppsa_gradients_match_reverse_and_torch(case, tmp_path):
             h_rev, h_bp = rev.hvp(params, v, **inputs), bp.hvp(params, v, **inputs)
             for p in g_rev:
                 np.testing.assert_allclose(h_bp[p], h_rev[p], rtol=1e-10, atol=1e-12, err_msg=f"hvp T={T} {p}")
-
-
-def test_bppsa_refuses_several_carries(tmp_path):
-    with pytest.raises(GradcError, match=r"--scan-backward bppsa: a scan with 2 carries .* one float carry"):
-        gc.compile(_gru("bp_two_carries"), out=str(tmp_path), warm=False, scan_backward="bppsa")
-    assert not list(tmp_path.iterdir())

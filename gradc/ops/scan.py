@@ -342,17 +342,19 @@ class _NotPerRow(Exception):
     pass
 
 
-def _carry_per_row(body, leaves, outputs):
-    """Whether row b of the new carry depends on row b of the old carry only (rows on axis 0):
-    the rows rule run with only the carry's rows marked."""
+def _carry_per_row(body, leaves, outputs, K):
+    """Whether row b of the new carries depends on row b of the old carries only (rows on axis 0 of
+    every carry, all of one length): the rows rule run with only the carries' rows marked."""
     def fail(why):
         raise _NotPerRow(why)
+    if any(len(body.shape(leaves[k])) < 1 for k in range(K)) or len({body.shape(leaves[k])[0] for k in range(K)}) > 1:
+        return False
     try:
-        where = _follow_rows(body, {leaf: (0 if j == 0 else None) for j, leaf in enumerate(leaves)}, fail,
+        where = _follow_rows(body, {leaf: (0 if j < K else None) for j, leaf in enumerate(leaves)}, fail,
                              lambda record: fail(record.name))
     except _NotPerRow:
         return False
-    return where.get(outputs[0]) == 0
+    return all(where.get(outputs[k]) == 0 for k in range(K))
 
 
 def _follow_rows(body, seeds, fail, unknown):
@@ -404,11 +406,11 @@ def vjp_info(attrs, layout_in):
     takes Jacobians), whether the carry's Jacobian is per row, and the structured form if it has one."""
     body, leaves, outputs, K, X, C, M = parts(attrs)
     info = {"carries": K, "zero": [j for j, (what, _) in enumerate(layout_in) if what in (YS, STACK, OSTACK)],
-            "per_row": False, "structured": None}
-    if K != 1 or not body.dtype(leaves[0]).startswith("float"):
+            "per_row": False, "structured": None, "second_order": attrs.get("vjp") is not None}
+    if not all(body.dtype(leaves[k]).startswith("float") for k in range(K)):
         return _frozen(info)
-    info["per_row"] = len(body.shape(leaves[0])) >= 1 and _carry_per_row(body, leaves, outputs)
-    found = _structured(body, leaves, outputs, K, X)
+    info["per_row"] = _carry_per_row(body, leaves, outputs, K)
+    found = _structured(body, leaves, outputs, K, X) if K == 1 else None
     if found and info["per_row"] and (OSTACK + "_in", 0) in layout_in:
         f, j = found
         info["structured"] = {"f": f, "W": layout_in.index(("closed", j)), "cn": layout_in.index((OSTACK + "_in", 0))}
@@ -433,14 +435,17 @@ def vjp_of(attrs):
 
 
 def use_bppsa(graph):
-    """--scan-backward bppsa: every backward scan of a scan with one float carry runs as BPPSA.
-    Returns the number of scans marked (the second-order scans, VJPs of backward scans with
-    several carries, stay reverse scans)."""
+    """--scan-backward bppsa: every backward scan of a scan whose carries are float runs as BPPSA.
+    Returns the number of scans marked. The second-order scans (VJPs of backward scans) stay reverse
+    scans: their carries include the running sums of the weights' gradients, whose dense Jacobians
+    would be (weights x weights) per step."""
     marked = 0
     for n in graph.nx.nodes:
         if graph.op(n) == "scan":
             info = vjp_of(graph.attrs(n))
-            if info and info["carries"] == 1 and graph.dtype(graph.operands(n)[0]).startswith("float"):
+            ops = graph.operands(n)
+            if info and not info["second_order"] and all(graph.dtype(ops[k]).startswith("float")
+                                                         for k in range(info["carries"])):
                 graph.attrs(n)["backward"] = "bppsa"
                 marked += 1
     return marked
