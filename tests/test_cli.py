@@ -8,7 +8,6 @@ import textwrap
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = pytest.mark.slow
 
 
 def gradc(*args, cwd):
@@ -146,6 +145,7 @@ def test_compile_float64_with_bind(tmp_path):
     assert r.stdout.strip() == "float64 ((8, 6), 'float64')", r.stderr
 
 
+@pytest.mark.slow
 def test_budgeted_compile_and_memory_report(tmp_path):
     deep = MODEL.replace('h = gc.tanh(x @ m.param("W0", (6, 16)) + m.param("b0", (16,)))',
                          'h = gc.tanh(x @ m.param("W0", (6, 16)) + m.param("b0", (16,)))\n'
@@ -185,6 +185,7 @@ def test_cuda_build_compiles_and_inspects_without_a_gpu(tmp_path):
     assert r.returncode == 2 and "--ptx no_such_kernel: no kernel of that name" in r.stderr
 
 
+@pytest.mark.slow
 def test_second_order_entries_compile_on_first_use_unless_warm_all(compiled, tmp_path):
     """Pay for what is used: the default warm-up leaves hvp and hessian out; --warm all compiles them."""
     def cached(folder):

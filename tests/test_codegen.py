@@ -7,7 +7,6 @@ import gradc as gc
 from gradc.interpret import evaluate
 from gradc.passes.pipeline import build_training_graph
 
-pytestmark = pytest.mark.slow   # each model is compiled by Numba
 
 
 def mlp_weight_decay():
@@ -208,7 +207,12 @@ def _inputs(module, rng, batch=5):
     return out
 
 
-@pytest.mark.parametrize("make", MODELS, ids=lambda f: f.__name__)
+# the default run compiles four: the (1, N) params, broadcasting, fan-out and a residual DAG
+DEFAULT_MODELS = [row_params_and_objective_output, broadcast_patterns, shared_weights, residual]
+
+
+@pytest.mark.parametrize("make", [m if m in DEFAULT_MODELS else pytest.param(m, marks=pytest.mark.slow) for m in MODELS],
+                         ids=lambda f: f.__name__)
 def test_generated_matches_interpreter(make, build_dir, rng):
     model = make()
     mod = gc.compile(model, out=build_dir, dtype="float64", warm_cache=False)
@@ -284,6 +288,7 @@ def test_float32_build_matches_float64_reference(build_dir, rng):
         np.testing.assert_allclose(grads[p], ref[node], rtol=1e-4, atol=1e-6, err_msg=p)
 
 
+@pytest.mark.slow
 def test_float32_build_with_a_float64_constant(build_dir, rng):
     """The constant (float64 in the model) is converted once at compile time to the build's dtype."""
     model = row_params_and_objective_output()

@@ -302,13 +302,11 @@ def test_conv2d_takes_a_numpy_weight_and_bias_as_constants(rng):
 
 
 # ---- the kernels (gradc/ops/conv.py, pool.py) and a compiled conv net -------------------------------
-@pytest.mark.slow
 def test_cpu_kernels_match_numpy():
     from conv_kernel_cases import worst_error
     assert worst_error("cpu") <= 1e-12
 
 
-@pytest.mark.slow
 def test_cuda_kernels_match_numpy_under_the_simulator():
     pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
     import subprocess

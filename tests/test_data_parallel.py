@@ -143,8 +143,7 @@ def builds(tmp_path_factory):
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("R", [2, 3])
+@pytest.mark.parametrize("R", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_data_parallel_equals_one_process_on_the_concatenated_batch(tmp_path, builds, R):
     """Unequal shards; SGD with momentum and Adam with clipping; a mean loss and a sum loss, both with
     weight decay; a checkpoint written once by rank 0 and loaded on every rank."""
@@ -232,7 +231,6 @@ def test_data_parallel_with_pipeline_stages(tmp_path):
     _check(_run(tmp_path, build, model.name, runs, 2), runs, expected)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("make", [_digits_like, _dag, lambda: _mlp(layers=30, width=4)], ids=["mlp", "dag", "deep"])
 def test_streamed_backward_announces_each_gradient_once_it_is_final(tmp_path, make):
     """What overlaps the reduction with the backward: _loss_and_grad_streamed calls ready(names) with

@@ -6,7 +6,6 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = pytest.mark.slow
 
 
 def run(script, tmp_path):
@@ -22,12 +21,14 @@ def test_mlp_digits_quick(tmp_path):
     assert accuracy >= 0.95, r.stdout
 
 
+@pytest.mark.slow
 def test_residual_quick(tmp_path):
     r = run("residual.py", tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "validation objective" in r.stdout
 
 
+@pytest.mark.slow
 def test_curvature_digits_quick(tmp_path):
     pytest.importorskip("sklearn", reason="the digits examples need the 'examples' extra")
     r = run("curvature_digits.py", tmp_path)
@@ -35,6 +36,7 @@ def test_curvature_digits_quick(tmp_path):
     assert "largest relative difference" in r.stdout
 
 
+@pytest.mark.slow
 def test_lenet_digits_quick(tmp_path):
     pytest.importorskip("sklearn", reason="the digits examples need the 'examples' extra")
     r = run("lenet_digits.py", tmp_path)

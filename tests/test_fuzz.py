@@ -23,8 +23,7 @@ def test_interpreter_matches_torch(seed):
     check_interpreted(random_case(seed))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("seeds", COMPILED_SEEDS)
+@pytest.mark.parametrize("seeds", [COMPILED_SEEDS[0]] + [pytest.param(s, marks=pytest.mark.slow) for s in COMPILED_SEEDS[1:]])
 def test_compiled_float64_matches_torch(seeds, tmp_path, monkeypatch):
     if seeds == (3, 4, 5):   # these through entry points run as plain Python (what a large graph gets)
         monkeypatch.setattr(entry, "COMPILED_ENTRY_MAX_STEPS", 0)

@@ -94,7 +94,6 @@ def test_cpu_module_matches_the_interpreter_and_torch(build_dir):
         mod.forward(params, **(inputs | {"i": -np.ones((3, 3), dtype=np.int64)}))
 
 
-@pytest.mark.slow
 def test_cuda_module_under_the_simulator_matches_the_interpreter(tmp_path):
     pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
     script = os.path.join(os.path.dirname(__file__), "indexing_cuda_runs.py")

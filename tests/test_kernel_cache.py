@@ -65,7 +65,6 @@ def kernel_files(cache):
     return sorted(f for f in os.listdir(folder) if f.endswith(".py")) if folder.is_dir() else []
 
 
-@pytest.mark.slow
 def test_second_model_with_the_same_layers_compiles_no_kernel(tmp_path):
     cache = tmp_path / "cache"
     first = run(tmp_path, cache, "first_mlp", 2, tmp_path / "a", "compile")

@@ -169,7 +169,6 @@ def test_bad_arguments_are_refused_by_name():
     assert lr.check(**(good | dict(samples=5, antithetic=False)))[0] == 5
 
 
-@pytest.mark.slow
 def test_compiled_lr_grad_and_trainer(build_dir):
     m = mlp()
     mod = gc.compile(m, out=build_dir, dtype="float64", order=1, warm_cache=False)

@@ -325,7 +325,6 @@ def test_budgeted_plans_give_store_all_gradients_within_budget(tmp_path, make):
     assert methods == ({"dp-chain"} if make is _mlp else {"dp-chain", "checkmate-milp"})
 
 
-@pytest.mark.slow
 def test_dag_plan_falls_back_to_the_chain_dp_when_the_milp_finds_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(checkmate, "TIME_LIMIT_S", 0.0)
     model = _dag()
@@ -339,7 +338,6 @@ def test_dag_plan_falls_back_to_the_chain_dp_when_the_milp_finds_nothing(tmp_pat
     assert mod.MEMORY_PLAN["method"] == doc["method"]
 
 
-@pytest.mark.slow
 def test_budget_below_minimum_is_refused_and_writes_nothing(tmp_path):
     model = _mlp(layers=4)
     out = tmp_path / "out"
@@ -384,7 +382,6 @@ ALLOCATION_PROBE = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.slow
 def test_a_call_allocates_nothing_beyond_its_outputs(tmp_path):
     """Numba's own allocator (NRT statistics) makes nothing during steps; Python-side, a step
     allocates a few small objects and loss_and_grad its gradient buffer, never an activation."""

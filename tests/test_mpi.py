@@ -96,7 +96,6 @@ def _check_ranks(ranks, grad_stages, loss, grads, losses, params, tol):
     assert seen == set(grads)
 
 
-@pytest.mark.slow
 def test_two_mpi_ranks_match_one_process(tmp_path):
     model = _dag()
     mod = compile_model(model, out=str(tmp_path / "build"), order=1, bind={"B": 9}, warm_cache=False,

@@ -127,7 +127,6 @@ def test_piecewise_linear_ops_have_zero_curvature(rng):
 
 
 # ---- the generated module ------------------------------------------------------------------------
-@pytest.mark.slow
 def test_quadratic_hessian_is_its_matrix(build_dir, rng):
     a = rng.standard_normal((6, 6))
     a = a @ a.T
@@ -147,7 +146,6 @@ def test_quadratic_hessian_is_its_matrix(build_dir, rng):
     assert hv["c"].shape == () and float(hv["c"]) == pytest.approx(10.0)
 
 
-@pytest.mark.slow
 def test_hessian_of_shared_weights_dag_matches_fd_and_is_symmetric(build_dir, rng):
     m = gc.Model("h_shared")
     x = m.input("x", ("B", 3))
@@ -183,7 +181,6 @@ def test_hessian_of_shared_weights_dag_matches_fd_and_is_symmetric(build_dir, rn
     np.testing.assert_allclose(flat(hv), H @ flat(v), rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.slow
 def test_bad_second_order_input(build_dir, tmp_path):
     m = gc.Model("h_bad")
     x = m.input("x", ("B", 4))
