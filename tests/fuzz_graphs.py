@@ -13,7 +13,9 @@ input ("B", C, H, W) or a reshape of a (B, k) value (H, W <= 8, C <= 4) and go t
 (stride, padding, dilation, groups, bias), max_pool2d (no ties in a window) and avg_pool2d; basic
 indexing (ints, slices, steps, negatives, `...`, None), concat and stack, take (an embedding of
 an int64 input: the labels or an `ids` input), matmul with an operand of rank >= 3, and dropout /
-gaussian_noise seeded by an int64 () input. torch gets the same random values: the program knows
+gaussian_noise seeded by an int64 () input, and gc.scan (DESIGN.md §1.8) over a random recurrent
+cell: one or two carries, one or two sequences (a new input, a stack of activations, or the ys of
+an earlier scan), gates, closed-over params and activations, forward or reverse. torch gets the same random values: the program knows
 each random op's stream and draws them with gradc.ops.random.draw, the reference gradc's kernels
 reproduce (a program's streams count from 0 in a combined case too; its own seed input keeps it apart).
 
@@ -80,6 +82,30 @@ class Step:
     tag: str            # op plus variant, for coverage counts
 
 
+class Cell:
+    """The step of a scan as a small program of its own: its carries and slices by body names, the
+    outer values it closes over by their names, the new carries and the y_t it returns."""
+
+    def __init__(self, name, carries, xs, closed, steps, new, ys):
+        self.name, self.carries, self.xs, self.closed = name, carries, xs, closed
+        self.steps, self.new, self.ys = steps, new, ys
+
+    def run(self, carry, xt, closed, backend, dims):
+        env = dict(zip(self.carries, carry)) | dict(zip(self.xs, xt)) | dict(zip(self.closed, closed))
+        for step in self.steps:
+            args = [_const(a, backend) if isinstance(a, Const) else env[a] for a in step.args]
+            env[step.out] = _RUN[backend][step.op](args, step.kw, dims)
+        return [env[n] for n in self.new], [env[n] for n in self.ys]
+
+    def text(self, batch):
+        def joined(names):
+            return names[0] if len(names) == 1 else "(" + ", ".join(names) + ")"
+        lines = [f"def {self.name}(carry, xt):", f"    {', '.join(self.carries)} = carry", f"    {', '.join(self.xs)} = xt"]
+        lines += [f"    {st.out} = {_TEXT[st.op](st, [_arg_text(a) for a in st.args], batch)}" for st in self.steps]
+        lines.append(f"    return {joined(list(self.new))}, {joined(list(self.ys)) if self.ys else None}")
+        return lines
+
+
 @dataclass
 class Program:
     seed: int
@@ -106,6 +132,8 @@ class Program:
                 if isinstance(a, Const) and a.name:
                     lines.append(f"{a.name} = np.array({np.array2string(a.value, separator=', ', precision=17)})")
         for step in self.steps:
+            if step.op == "scan":
+                lines += step.kw["cell"].text(b)
             lines.append(f"{step.out} = {_TEXT[step.op](step, [_arg_text(a) for a in step.args], b)}")
         lines += [f"m.output({prefix + o!r}, {v})" for o, v in self.outputs.items()]
         lines.append(f"m.minimize({self.loss}, weight_decay={self.weight_decay})")
@@ -298,6 +326,43 @@ def _random_text(step, args, batch):
     return f"gc.gaussian_noise({args[0]}, {step.kw['std']!r}, {args[1]})"
 
 
+def _gradc_scan(args, kw, dims):
+    """gc.scan over the cell; its results as one flat tuple: the final carries, then the ys."""
+    cell = kw["cell"]
+    K, X = len(cell.carries), len(cell.xs)
+    init, xs, closed = args[:K], args[K:K + X], args[K + X:]
+
+    def step(carry, xt):
+        new, ys = cell.run(carry if K > 1 else (carry,), xt if X > 1 else (xt,), closed, "gradc", dims)
+        return (tuple(new) if K > 1 else new[0]), (tuple(ys) if len(ys) > 1 else ys[0] if ys else None)
+    carry, ys = gc.scan(step, tuple(init) if K > 1 else init[0], tuple(xs) if X > 1 else xs[0], reverse=kw["reverse"])
+    return (tuple(carry) if K > 1 else (carry,)) + (tuple(ys) if len(cell.ys) > 1 else (ys,) if cell.ys else ())
+
+
+def _torch_scan(args, kw, dims):
+    """The same as a Python loop over the steps (from the last one when reverse); ys[t] is step t's."""
+    cell = kw["cell"]
+    K, X = len(cell.carries), len(cell.xs)
+    carry, xs, closed = list(args[:K]), args[K:K + X], args[K + X:]
+    T = xs[0].shape[0]
+    ys = [[None] * T for _ in cell.ys]
+    for t in (range(T - 1, -1, -1) if kw["reverse"] else range(T)):
+        carry, y = cell.run(carry, [x[t] for x in xs], closed, "torch", dims)
+        for m, v in enumerate(y):
+            ys[m][t] = v
+    return tuple(carry) + tuple(torch.stack(v) for v in ys)
+
+
+def _scan_text(step, args, b):
+    cell = step.kw["cell"]
+    K, X = len(cell.carries), len(cell.xs)
+
+    def joined(names):
+        return names[0] if len(names) == 1 else "(" + ", ".join(names) + ")"
+    return (f"gc.scan({cell.name}, {joined(args[:K])}, {joined(args[K:K + X])}"
+            f"{', reverse=True' if step.kw['reverse'] else ''})")
+
+
 # Each op: how gradc builds it, how torch computes it, how it reads as DSL code.
 # gradc runners get a dims map that renames the batch dim (reshape targets name it).
 _RUN = {"gradc": {}, "torch": {}}
@@ -337,6 +402,8 @@ _RUN["gradc"].update({
     "stack": lambda args, kw, dims: gc.stack(list(args), axis=kw["axis"]),
     "take": lambda args, kw, dims: gc.take(*args),
     "random": _gradc_random,
+    "scan": _gradc_scan,
+    "item": lambda args, kw, dims: args[0][kw["i"]],
 })
 _RUN["torch"].update({
     "neg": lambda args, kw, dims: -args[0],
@@ -354,6 +421,8 @@ _RUN["torch"].update({
     "stack": lambda args, kw, dims: torch.stack(list(args), dim=kw["axis"]),
     "take": lambda args, kw, dims: F.embedding(args[1], args[0]),
     "random": _torch_random,
+    "scan": _torch_scan,
+    "item": lambda args, kw, dims: args[0][kw["i"]],
 })
 _TEXT.update({
     "neg": lambda step, args, b: f"-{args[0]}",
@@ -371,6 +440,8 @@ _TEXT.update({
     "stack": lambda step, args, b: f"gc.stack([{', '.join(args)}], axis={step.kw['axis']})",
     "take": lambda step, args, b: f"gc.take({args[0]}, {args[1]})",
     "random": _random_text,
+    "scan": _scan_text,
+    "item": lambda step, args, b: args[0] + "".join(f"[{i}]" for i in step.kw["path"]),
 })
 
 
@@ -869,6 +940,93 @@ class _Generator:
         self.streams += 1
         return out
 
+    def scan(self):
+        """gc.scan of a random recurrent cell over a sequence; its carries and ys join the values."""
+        rng = self.rng
+        if len(self.prog.params) >= MAX_PARAMS:
+            raise _Reject("params")
+        rows = self.floats(lambda s: len(s) == 2 and s[0] == BATCH and isinstance(s[1], int))
+        a = self.pick(rows)
+        H = self.shapes[a][1]
+        K = 2 if rng.random() < 0.35 else 1
+        init = [a] + ([self.pick([n for n in rows if self.shapes[n] == (BATCH, H)])] if K == 2 else [])
+        seqs = self.floats(lambda s: len(s) == 3 and isinstance(s[0], int) and s[1] == BATCH and isinstance(s[2], int))
+        r = rng.random()
+        if seqs and r < 0.4:   # another scan's ys, or any (T, B, D) value
+            xs = [self.pick(seqs)]
+        elif r < 0.7:
+            xs = [self.add_input(f"s{len(self.prog.inputs)}", (int(rng.integers(2, 6)), BATCH, int(rng.choice([self.N, self.M]))))]
+        else:   # activations stacked into a sequence: their gradients come out of the scan's
+            first = self.pick(rows)
+            same = [n for n in rows if self.shapes[n] == self.shapes[first]]
+            parts = [first] + [self.pick(same) for _ in range(int(rng.integers(1, 4)))]
+            xs = [self.emit("stack", parts, (len(parts),) + self.shapes[first], tag="stack[scan xs]", axis=0)]
+        T = self.shapes[xs[0]][0]
+        if rng.random() < 0.25:
+            xs.append(self.add_input(f"s{len(self.prog.inputs)}", (T, BATCH, int(rng.choice([self.M, self.C])))))
+        steps, closed = [], []
+        hs, xn = [f"h{k}" for k in range(K)], [f"x{j}" for j in range(len(xs))]
+
+        def op(name, args, **kw):
+            for u in args:
+                if isinstance(u, str) and u in self.shapes and u not in closed:
+                    closed.append(u)
+            steps.append(Step(f"u{len(steps)}", name, tuple(args), kw, name))
+            return steps[-1].out
+
+        def weight(n_in, n_out):
+            return self.add_param((n_in, n_out), scale=0.9 / math.sqrt(n_in))
+
+        terms = [op("matmul", [hs[0], weight(H, H)], form="op")]
+        if K == 2 and rng.random() < 0.5:
+            terms.append(op("matmul", [hs[1], weight(H, H)], form="fn"))
+        terms += [op("matmul", [x, weight(self.shapes[s][2], H)], form="op") for x, s in zip(xn, xs)]
+        if rng.random() < 0.6:
+            terms.append(self.add_param((H,), scale=0.5))
+        outer = [n for n in rows if self.shapes[n] == (BATCH, H) and n not in init]
+        if outer and rng.random() < 0.3:   # a closed-over activation: its gradient sums over the steps
+            terms.append(op("mul", [self.pick(outer), Const(0.3)]))
+        pre = terms[0]
+        for t in terms[1:]:
+            pre = op("add", [pre, t])
+        f = str(rng.choice(["tanh", "sigmoid", "sin", "fuzz_rational"]))
+        cand = op(f, [pre])
+        gated = rng.random() < 0.4
+        if gated:   # GRU-like: z * h + (1 - z) * cand
+            z = op("sigmoid", [op("add", [op("matmul", [hs[0], weight(H, H)], form="op"),
+                                          op("matmul", [xn[0], weight(self.shapes[xs[0]][2], H)], form="op")])])
+            cand = op("add", [op("mul", [z, hs[0]]), op("mul", [op("sub", [Const(1.0), z]), cand])])
+        new = [cand]
+        if K == 2:
+            new.append(op("add", [op("mul", [hs[1], Const(0.6)]), op("mul", [cand, op("tanh", [hs[1]])])])
+                       if rng.random() < 0.5 else op("fuzz_mix", [hs[1], cand]))
+        kinds = rng.permutation(4)[:int(rng.choice([0, 1, 1, 2]))]
+        ys = [[lambda: cand, lambda: op("tanh", [op("mul", [cand, hs[0]])]),
+               lambda: op("matmul", [cand, weight(H, self.C)], form="op"),
+               lambda: op("softmax", [cand], axis=-1)][k]() for k in kinds]
+        cell = Cell(f"cell{len(self.prog.steps)}", tuple(hs), tuple(xn), tuple(closed), steps, tuple(new), tuple(ys))
+        reverse = bool(rng.random() < 0.3)
+        args = init + xs + closed
+        kw = {"cell": cell, "reverse": reverse}
+        out = _RUN["torch"]["scan"]([self.values[u] for u in args], kw, self.prog.dims)
+        if not all(torch.isfinite(o).all() and o.abs().max() <= LIMIT for o in out):
+            raise _Reject("large")
+        name = f"v{len(self.prog.steps)}"
+        tag = (f"scan[{K} carr{'y' if K == 1 else 'ies'}, {len(xs)} xs, {len(ys)} ys" + ", gated" * gated +
+               ", reverse" * reverse + ", over a scan" * any(self.prog_step(x) == "item" for x in xs) + "]")
+        self.prog.steps.append(Step(name, "scan", tuple(args), kw, tag))
+        self.uses.update(args)
+        self.values[name] = out   # a tuple: no operand of other steps, so no shape
+        results = [((BATCH, H), (0,) if K == 1 else (0, k)) for k in range(K)]
+        results += [((T, BATCH) + tuple(out[K + m].shape[2:]), (1,) if len(ys) == 1 else (1, m)) for m in range(len(ys))]
+        for i, (shape, path) in enumerate(results):
+            self.emit("item", [name], shape, tag="scan result", i=i, path=path)
+        return name
+
+    def prog_step(self, name):
+        """The op of the step that made `name` (None for a leaf)."""
+        return next((st.op for st in self.prog.steps if st.out == name), None)
+
     def reshape_target(self, s):
         rng = self.rng
         options = []
@@ -1025,6 +1183,12 @@ def _generate(seed, small=False):
                        ([0.2, 0.14, 0.1, 0.05, 0.05, 0.06, 0.05] if vision else [0.0, 0.0, 0.1, 0.05, 0.05, 0.04, 0.05]))
     for _ in range(int(rng.integers(3, 7) if small else rng.integers(8, 18))):
         g.attempt(moves[rng.choice(len(moves), p=weights / weights.sum())])
+    # scans draw from a stream of their own: every other move of a seed stays what it was
+    g.rng, main = np.random.default_rng([seed, 7]), rng
+    for chance in (0.3, 0.4):
+        if g.rng.random() >= chance or not g.attempt(g.scan):
+            break
+    g.rng = main
     # objective: every unused step (so nothing is dead) plus cross-entropy
     terms = []
     if xent:

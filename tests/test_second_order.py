@@ -208,3 +208,24 @@ def test_bad_second_order_input(build_dir, tmp_path):
         first.hvp(p, good, x=X)
     with pytest.raises(RuntimeError, match="--order 2"):
         first.hessian(p, x=X)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_hessian_blocks_fill_every_row_once_with_or_without_threads(monkeypatch, shared):
+    """in_blocks runs the first block alone (it starts Numba's threading layer), then the rest on
+    threads, or in order where two threads may not share the module's parallel kernels."""
+    from gradc.runtime import hessian
+    monkeypatch.setattr(hessian, "_threads_may_share_parallel_kernels", lambda: shared)
+    calls = []
+
+    def hvp_block(V, out):
+        calls.append(int(np.argmax(V[0])))
+        out[...] = V * 2.0 + np.arange(V.shape[1])
+
+    H = np.full((70, 75), np.nan)
+    hessian.in_blocks(hvp_block, H, first_row=5, workers=2)
+    expected = 2.0 * np.eye(75)[5:75] + np.arange(75)
+    np.testing.assert_array_equal(H, expected)
+    assert sorted(calls) == [5, 5 + hessian.BLOCK_ROWS, 5 + 2 * hessian.BLOCK_ROWS] and calls[0] == 5
+    if not shared:
+        assert calls == sorted(calls)
