@@ -3,7 +3,9 @@ input 1, hidden 20, batch 16, T = 100 ... 30,000, classifying the last hidden st
 step's forward + backward (loss and the gradients of every weight), side by side in one run:
 
     gradc reverse   gc.scan compiled once (gradc compile --scan-backward reverse, the default)
-    gradc bppsa     the same model built with --scan-backward bppsa (Blelloch scan of the Jacobians)
+    gradc bppsa     the same model built with --scan-backward bppsa (Blelloch scan of the Jacobians):
+                    the products of each sweep level on Numba's threads (every core)
+    bppsa 1 thread  the same, with Numba held to one thread (what the threads buy)
     torch nn.RNN    torch.nn.RNN + Linear, loss.backward()
     torch loop      a Python loop of the cell under autograd
 
@@ -54,8 +56,12 @@ def rnn_model(name="rnn_bench"):
     return m
 
 
-def build_gradc(Ts, scan_backward):
+def build_gradc(Ts, scan_backward, numba_threads=None):
+    import numba
+
     import gradc as gc
+    if numba_threads:
+        numba.set_num_threads(numba_threads)
     m = rnn_model(f"rnn_{scan_backward}")
     out = tempfile.mkdtemp(prefix="gradc_rnn_")
     t = time.perf_counter()
@@ -69,7 +75,8 @@ def build_gradc(Ts, scan_backward):
         tasks[f"T={T}"] = lambda x=x, y=y: mod.loss_and_grad(params, x=x, y=y, h0=h0)
     for fn in tasks.values():
         fn()
-    return tasks, {"build_s": round(time.perf_counter() - t, 2), "module_bytes": os.path.getsize(os.path.join(out, m.name + ".py"))}
+    return tasks, {"build_s": round(time.perf_counter() - t, 2), "module_bytes": os.path.getsize(os.path.join(out, m.name + ".py")),
+                   "numba_threads": numba.get_num_threads()}
 
 
 def build_torch_rnn(Ts, threads=1):
@@ -137,6 +144,7 @@ def main():
         from gradc.compiler import SCAN_BACKWARD
         if "bppsa" in SCAN_BACKWARD:
             builders = {"gradc reverse": builders["gradc reverse"], "gradc bppsa": (build_gradc, (Ts, "bppsa")),
+                        "bppsa 1 thread": (build_gradc, (Ts, "bppsa", 1)),
                         **{k: v for k, v in builders.items() if k != "gradc reverse"}}
     except ImportError:
         pass

@@ -43,7 +43,7 @@ compiled function that runs its kernels in order, cached beside this file. Float
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from gradc.runtime import Signature, TrainerBase, init_from, load_data
 from gradc.runtime.arena import Arena

@@ -147,33 +147,38 @@ def _bppsa_lines(body_kernel, attrs):
         [f"a{j}" for j in range(K + X, len(leaves))]
     basis = [f"eb{k}" for k in range(F)] + rest + [f"z{j}" if j in zero else f"a{j}[t]" for j in range(K, K + X)] + \
         [f"a{j}" for j in range(K + X, len(leaves))]
+    order = "T - 1 - t" if attrs.get("reverse") else "t"   # i: the order the steps run in
     L += ["for t in range(T):",
-          "    i = T - 1 - t" if attrs.get("reverse") else "    i = t",   # i: the order the steps run in
+          f"    i = {order}",
           f"    {body_kernel}({', '.join(real + outs + ['work'])})"]
     L += [f"    Vv[i, :, o{k}:o{k} + h{k}] = jo{k}.reshape(nR, h{k})" for k in range(F)]
-    if st:
-        L += [f"    yv = np.ascontiguousarray(a{st['cn']}[t]).reshape(nR, hH)",
+    if st:   # f'(new carry) from the carry itself; no body call, so the steps run on every thread
+        L += ["for t in prange(T):",
+              f"    i = {order}",
+              f"    yv = np.ascontiguousarray(a{st['cn']}[t]).reshape(nR, hH)",
               "    for b in range(nR):",
               "        for p in range(hH):",
               "            y = yv[b, p]",
               f"            dv = {DERIVATIVE_FROM_OUTPUT[st['f']]}",
               "            for q in range(hH):",
               f"                Mm[i, b, p, q] = dv * a{st['W']}[q, p]"]
-    else:   # row o_k + p of M_t: the step's VJP of the basis vector p of carry k
+    else:   # row o_k + p of M_t: the step's VJP of the basis vector p of carry k (one work buffer: in order)
+        L += ["for t in range(T):", f"    i = {order}"]
         for k in range(F):
             L += [f"    for p in range(h{k}):",
                   f"        ebv{k}[:, p] = 1.0",
                   f"        {body_kernel}({', '.join(basis + outs + ['work'])})"]
             L += [f"        Mm[i, :, o{k} + p, o{j}:o{j} + h{j}] = jo{j}.reshape(nR, h{j})" for j in range(F)]
             L += [f"        ebv{k}[:, p] = 0.0"]
+    # the sweeps: the products of one level are independent, one (pair, row) an iteration on Numba's threads
     L += ["d = 1",                                     # up-sweep
           "while d < pP:",
-          "    for k in range(0, pP, 2 * d):",         # independent products (plain loop: kernel is not parallel)
-          "        l = k + d - 1",
-          "        r = k + 2 * d - 1",
-          "        for b in range(nR):",
-          "            Vv[r, b] = Vv[l, b] @ Mm[r, b] + Vv[r, b]",
-          "            Mm[r, b] = Mm[l, b] @ Mm[r, b]",
+          "    for j in prange((pP // (2 * d)) * nR):",
+          "        b = j % nR",
+          "        l = (j // nR) * 2 * d + d - 1",
+          "        r = l + d",
+          "        Vv[r, b] = Vv[l, b] @ Mm[r, b] + Vv[r, b]",
+          "        Mm[r, b] = Mm[l, b] @ Mm[r, b]",
           "    d *= 2",
           "for b in range(nR):",                      # down-sweep: the identity at the root
           "    Mm[pP - 1, b] = 0.0",
@@ -182,19 +187,23 @@ def _bppsa_lines(body_kernel, attrs):
           "        Mm[pP - 1, b, p, p] = 1.0",
           "d = pP // 2",
           "while d >= 1:",
-          "    for k in range(0, pP, 2 * d):",
-          "        l = k + d - 1",
-          "        r = k + 2 * d - 1",
-          "        for b in range(nR):",
-          "            tM = Mm[l, b].copy()",
-          "            tv = Vv[l, b].copy()",
-          "            Mm[l, b] = Mm[r, b]",
-          "            Vv[l, b] = Vv[r, b]",
-          "            Vv[r, b] = Vv[r, b] @ tM + tv",
-          "            Mm[r, b] = Mm[r, b] @ tM",
+          "    for j in prange((pP // (2 * d)) * nR):",
+          "        b = j % nR",
+          "        l = (j // nR) * 2 * d + d - 1",
+          "        r = l + d",
+          "        tM = Mm[l, b].copy()",
+          "        tv = Vv[l, b].copy()",
+          "        Mm[l, b] = Mm[r, b]",
+          "        Vv[l, b] = Vv[r, b]",
+          "        Vv[r, b] = Vv[r, b] @ tM + tv",
+          "        Mm[r, b] = Mm[r, b] @ tM",
           "    d //= 2",
           "lf = np.empty((nR, hH), FLOAT)"]         # the final adjoints, side by side
     L += [f"lf[:, o{k}:o{k} + h{k}] = np.ascontiguousarray(a{k}).reshape(nR, h{k})" for k in range(F)]
+    L += ["for j in prange(T * nR):",                # every step's carry adjoint, into Vv
+          "    i = j // nR",
+          "    b = j % nR",
+          "    Vv[i, b] = lf[b] @ Mm[i, b] + Vv[i, b]"]
     return ["    " + line for line in L]
 
 
@@ -223,8 +232,7 @@ def _loop_source(name, body_kernel, layout, attrs, present, bppsa=False):
     loop = ["t = T - 1 - i" if attrs.get("reverse") else "t = i"]
     if bppsa:   # the carry adjoint each step gets is the scan's, not the previous step's output
         lines += _bppsa_lines(body_kernel, attrs)
-        loop += ["for b in range(nR):", "    cv = lf[b] @ Mm[i, b] + Vv[i, b]"]
-        loop += [f"    cur{k}.reshape(nR, h{k})[b] = cv[o{k}:o{k} + h{k}]" for k in range(vjp_of(attrs)["carries"])]
+        loop += [f"cur{k}.reshape(nR, h{k})[...] = Vv[i, :, o{k}:o{k} + h{k}]" for k in range(vjp_of(attrs)["carries"])]
     for k in range(K):
         if index_of(attrs, STACK, k) in res:
             loop.append(f"{res[index_of(attrs, STACK, k)]}[t] = cur{k}")

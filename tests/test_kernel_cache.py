@@ -195,3 +195,49 @@ def test_canonical_text_names_the_content_not_the_module(tmp_path, monkeypatch):
     out = np.zeros(3)
     mod.k0_double(np.arange(3.0), out)
     assert out.tolist() == [0.0, 2.0, 4.0]
+
+
+def test_a_kernel_that_loops_with_prange_is_compiled_parallel(tmp_path, monkeypatch):
+    """BPPSA's sweeps loop with prange: the cache file compiles that kernel with parallel=True (its
+    helpers stay serial), and it gives the serial loop's result."""
+    monkeypatch.setenv("GRADC_CACHE_DIR", str(tmp_path / "cache"))
+    src = textwrap.dedent('''
+        import numpy as np
+        from numba import njit, prange
+        from gradc.runtime.kernel_cache import cached_kernel
+        kernel = njit(cache=False)
+        DTYPE = "float64"
+        FLOAT = np.float64
+
+
+        @kernel
+        def _square(x):
+            return x * x
+
+
+        @cached_kernel
+        def k0_row_sums_of_squares(x0, out):
+            """out[i] = sum_j x0[i, j]^2"""
+            for i in prange(x0.shape[0]):
+                s = 0.0
+                for j in range(x0.shape[1]):
+                    s += _square(x0[i, j])
+                out[i] = s
+    ''')
+    (tmp_path / "parallel_kernel.py").write_text(src)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        mod = __import__("parallel_kernel")
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("parallel_kernel", None)
+    (file,) = kernel_files(tmp_path / "cache")
+    text = (tmp_path / "cache" / "kernels" / file).read_text()
+    assert "from numba import njit, prange" in text
+    assert "@_njit_parallel\ndef kernel(x0, out):" in text and "@_njit\ndef _square(x):" in text
+    import numpy as np
+    x = np.random.default_rng(0).normal(size=(37, 5))
+    out = np.zeros(37)
+    mod.k0_row_sums_of_squares(x, out)
+    np.testing.assert_allclose(out, (x * x).sum(axis=1), rtol=1e-14)
+    assert mod.k0_row_sums_of_squares.targetoptions.get("parallel") is True

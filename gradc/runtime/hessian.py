@@ -2,6 +2,7 @@
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+import numba
 import numpy as np
 from numba import njit
 
@@ -44,13 +45,25 @@ def in_blocks(hvp_block, H, first_row, workers=None):
         hvp_block(V, H[start:stop])
 
     starts = range(0, rows, BLOCK_ROWS)
-    workers = min(workers or os.cpu_count() or 1, len(starts))
-    if workers <= 1:
-        for s in starts:
+    if not starts:
+        return
+    block(starts[0])   # alone: it starts Numba's threading layer if the module has parallel kernels
+    workers = min(workers or os.cpu_count() or 1, len(starts) - 1)
+    if workers <= 1 or not _threads_may_share_parallel_kernels():
+        for s in starts[1:]:
             block(s)
         return
     with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(block, starts))
+        list(pool.map(block, starts[1:]))
+
+
+def _threads_may_share_parallel_kernels():
+    """Whether two threads may run the module's parallel kernels (BPPSA's) at once: not under Numba's
+    workqueue threading layer (its fallback where neither TBB nor OpenMP loads), which aborts then."""
+    try:
+        return numba.threading_layer() != "workqueue"
+    except ValueError:   # no parallel kernel has run: the module has none
+        return True
 
 
 @njit(cache=True)

@@ -8,6 +8,8 @@ text goes once into `<cache>/kernels/k_<hash>.py`, and the kernel is loaded from
 Numba's `cache=True`: Numba keeps the machine code beside it, in `<cache>/kernels/__pycache__`.
 The 30 identical layers of one model, and the same layers in the next model, are one file and one
 compile.
+A kernel that loops with `prange` (BPPSA's sweeps) is compiled with `parallel=True`: those loops'
+iterations run on Numba's threads (NUMBA_NUM_THREADS, every core by default).
 
     <cache> = $GRADC_CACHE_DIR, else $XDG_CACHE_HOME/gradc, else ~/.cache/gradc
 
@@ -110,14 +112,18 @@ def canonical_text(func):
     reads a global this file cannot define."""
     env = func.__globals__
     dtype = env.get("DTYPE") or np_name(env.get("FLOAT"))
-    helpers, todo, uses_float = {}, [func], False
+    helpers, todo, uses_float, parallel = {}, [func], False, False
     while todo:
         f = todo.pop()
         for name in sorted(_globals(f)):
             value = env.get(name)
             if name in ("math", "np"):
                 continue
-            if name == "FLOAT":
+            if name == "prange":   # a kernel whose independent iterations run on Numba's threads
+                parallel = f is func
+                if not parallel:
+                    raise ValueError(f"{func.__name__}: a helper it calls loops with prange")
+            elif name == "FLOAT":
                 uses_float = True
             elif name in helpers or (name not in env and hasattr(builtins, name)):
                 continue
@@ -129,12 +135,14 @@ def canonical_text(func):
     body = _source(func).replace(f"def {func.__name__}(", "def kernel(", 1)
     parts = [f"# gradc kernel cache (format {FORMAT}): gradc {__version__}, {host()}, {dtype}\n"
              "# Written by gradc/runtime/kernel_cache.py; Numba's cache of it is in __pycache__ beside it.\n"
-             "import math\n\nimport numpy as np\nfrom numba import njit\n\n"
+             f"import math\n\nimport numpy as np\nfrom numba import njit{', prange' if parallel else ''}\n\n"
              f"_njit = njit(cache=True, **{OPTIONS!r})\n"]
+    if parallel:
+        parts.append(f"_njit_parallel = njit(cache=True, parallel=True, **{OPTIONS!r})\n")
     if uses_float:
         parts.append(f"FLOAT = np.{dtype}\n")
     parts += [f"\n\n@_njit\n{helpers[h]}" for h in sorted(helpers)]
-    parts.append(f"\n\n@_njit\n{body}")
+    parts.append(f"\n\n@{'_njit_parallel' if parallel else '_njit'}\n{body}")
     return "".join(parts)
 
 
@@ -206,10 +214,11 @@ def _fallback(func):
     """The module's own function, compiled by Numba with its cache beside the module where it can be
     written, else in memory."""
     STATS["fallback"] += 1
+    options = dict(OPTIONS, parallel="prange" in _globals(func))
     try:
-        return njit(cache=True, **OPTIONS)(func)
+        return njit(cache=True, **options)(func)
     except Exception:
-        return njit(**OPTIONS)(func)
+        return njit(**options)(func)
 
 
 def cached_kernel(func):
