@@ -43,3 +43,13 @@ def test_lenet_digits_quick(tmp_path):
     assert r.returncode == 0 or "test accuracy" in r.stdout, r.stdout + r.stderr
     accuracy = float(r.stdout.split("test accuracy ")[1].split("%")[0]) / 100
     assert accuracy >= 0.95, r.stdout
+
+
+@pytest.mark.slow
+def test_bitstream_rnn_quick(tmp_path):
+    """BPPSA's bitstream task, 5 epochs: well above chance (10%), below the best possible rule."""
+    r = run("bitstream_rnn.py", tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    accuracy = float(r.stdout.split("test accuracy ")[1].split("%")[0]) / 100
+    best = float(r.stdout.split("best possible rule: ")[1].split("%")[0]) / 100
+    assert 0.25 <= accuracy <= best + 0.03, r.stdout
