@@ -149,6 +149,17 @@ def test_module_keeps_kernel_sources_and_says_where_they_come_from(tmp_path):
     assert "_tanh(" in text and "@kernel\ndef _tanh" in text   # helpers stay compiled in the module
 
 
+def _import_source(folder, name, src):
+    """The module of that name made of `src`, imported as a generated module is (decorators run)."""
+    (folder / f"{name}.py").write_text(src)
+    sys.path.insert(0, str(folder))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop(name, None)
+
+
 def test_canonical_text_names_the_content_not_the_module(tmp_path, monkeypatch):
     monkeypatch.setenv("GRADC_CACHE_DIR", str(tmp_path / "cache"))
     src = textwrap.dedent('''
@@ -179,14 +190,7 @@ def test_canonical_text_names_the_content_not_the_module(tmp_path, monkeypatch):
             for i in range(out.shape[0]):
                 out[i] = _helper(x0[i])
     ''')
-    path = tmp_path / "two_names.py"
-    path.write_text(src)
-    sys.path.insert(0, str(tmp_path))
-    try:
-        mod = __import__("two_names")
-    finally:
-        sys.path.remove(str(tmp_path))
-        sys.modules.pop("two_names", None)
+    mod = _import_source(tmp_path, "two_names", src)
     assert mod.k0_double is mod.k7_twice                 # one content, one kernel, whatever its name
     (file,) = kernel_files(tmp_path / "cache")
     text = (tmp_path / "cache" / "kernels" / file).read_text()
@@ -224,13 +228,7 @@ def test_a_kernel_that_loops_with_prange_is_compiled_parallel(tmp_path, monkeypa
                     s += _square(x0[i, j])
                 out[i] = s
     ''')
-    (tmp_path / "parallel_kernel.py").write_text(src)
-    sys.path.insert(0, str(tmp_path))
-    try:
-        mod = __import__("parallel_kernel")
-    finally:
-        sys.path.remove(str(tmp_path))
-        sys.modules.pop("parallel_kernel", None)
+    mod = _import_source(tmp_path, "parallel_kernel", src)
     (file,) = kernel_files(tmp_path / "cache")
     text = (tmp_path / "cache" / "kernels" / file).read_text()
     assert "from numba import njit, prange" in text

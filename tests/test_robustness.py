@@ -76,8 +76,10 @@ def leftovers(out, name="tiny"):
 
 def spawn_and_signal(args, cwd, marker, sig, path_prefix=None):
     """Start `gradc ARGS`, wait for `marker` to appear, send `sig`; the finished process."""
+    # SIGINT as at a terminal, even where the suite itself runs as a background job (which ignores it)
     p = subprocess.Popen([sys.executable, "-m", "gradc.cli", *args], cwd=cwd, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=_env(path_prefix))
+                         stderr=subprocess.PIPE, text=True, env=_env(path_prefix),
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 60
     while not os.path.exists(marker):
         assert p.poll() is None, p.communicate()
