@@ -6,6 +6,8 @@ import numba
 import numpy as np
 from numba import njit
 
+from gradc.runtime import kernel_cache
+
 MEMORY_SHARE = 0.8   # of the memory available now, what one Hessian may take
 
 
@@ -44,25 +46,24 @@ def in_blocks(hvp_block, H, first_row, workers=None):
         V[np.arange(stop - start), first_row + np.arange(start, stop)] = 1.0
         hvp_block(V, H[start:stop])
 
-    starts = range(0, rows, BLOCK_ROWS)
-    if not starts:
-        return
-    block(starts[0])   # alone: it starts Numba's threading layer if the module has parallel kernels
-    workers = min(workers or os.cpu_count() or 1, len(starts) - 1)
+    starts = list(range(0, rows, BLOCK_ROWS))
+    if starts and kernel_cache.any_parallel():
+        block(starts.pop(0))   # alone: it starts Numba's threading layer, which says if threads may share it
+    workers = min(workers or os.cpu_count() or 1, len(starts))
     if workers <= 1 or not _threads_may_share_parallel_kernels():
-        for s in starts[1:]:
+        for s in starts:
             block(s)
         return
     with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(block, starts[1:]))
+        list(pool.map(block, starts))
 
 
 def _threads_may_share_parallel_kernels():
-    """Whether two threads may run the module's parallel kernels (BPPSA's) at once: not under Numba's
-    workqueue threading layer (its fallback where neither TBB nor OpenMP loads), which aborts then."""
+    """Whether two threads may run parallel kernels (BPPSA's) at once: not under Numba's workqueue
+    threading layer (its fallback where neither TBB nor OpenMP loads), which aborts then."""
     try:
         return numba.threading_layer() != "workqueue"
-    except ValueError:   # no parallel kernel has run: the module has none
+    except ValueError:   # no parallel kernel has run
         return True
 
 

@@ -120,9 +120,9 @@ def canonical_text(func):
             if name in ("math", "np"):
                 continue
             if name == "prange":   # a kernel whose independent iterations run on Numba's threads
-                parallel = f is func
-                if not parallel:
+                if f is not func:
                     raise ValueError(f"{func.__name__}: a helper it calls loops with prange")
+                parallel = True
             elif name == "FLOAT":
                 uses_float = True
             elif name in helpers or (name not in env and hasattr(builtins, name)):
@@ -235,6 +235,11 @@ def cached_kernel(func):
             disp = _fallback(func)
         KERNELS.append((func.__module__, func.__name__, disp, path))
     return disp
+
+
+def any_parallel():
+    """Whether a kernel loaded so far loops with prange (compiled with parallel=True)."""
+    return any(getattr(disp, "targetoptions", {}).get("parallel") for _, _, disp, _ in KERNELS)
 
 
 def compile_counts(module_name=None):
