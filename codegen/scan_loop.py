@@ -7,8 +7,14 @@ views of `work`, a small per-step arena the loop allocates once per call (no reu
 a step's values are few). The loop kernel keeps the carry in two buffers that swap each step,
 copies it into the carry stacks when the entry reads them (the backward does), and writes each
 y_t into ys[t]. Code size and compile time do not depend on T, which may stay symbolic.
+
+Under carry checkpoints (passes/scan_checkpoint.py) the forward loop copies only every k-th step's
+carry, and the backward loop walks the segments of k steps last to first: it runs the forward's
+body (a second body function, without the ys) from the segment's checkpoint into a buffer of k + 1
+carries, then the segment's backward steps read their carries from that buffer.
 """
-from gradc.ops.scan import DERIVATIVE_FROM_OUTPUT, FINAL, OSTACK, STACK, YS, index_of, kind_of, parts, vjp_of
+from gradc.ops.scan import (CHECKPOINT, DERIVATIVE_FROM_OUTPUT, FINAL, OSTACK, STACK, YS, forward_attrs, index_of, kind_of,
+                            length_operand, operand_leaves, parts, recompute_leaves, vjp_of)
 
 from .entry import EntryWriter
 from .statement import shape_src
@@ -25,6 +31,7 @@ class BodyWriter(EntryWriter):
         self.leaf_rank = {n: i for i, n in enumerate(leaves)}
         self.sizes = []        # the size (source) of each work buffer, in order
         self.output_of = {}    # node -> the output argument it was written into
+        self.skip = ()         # outputs left unwritten (the caller may hand any array for them)
 
     def var(self, n):
         if n in self.names and self.graph.shape(n) == ():
@@ -34,7 +41,7 @@ class BodyWriter(EntryWriter):
     def new_array(self, n, dims, step):
         shape = self.graph.shape(n)
         for o, out in enumerate(self.outputs):
-            if out == n and o not in self.output_of.values() and n not in self.output_of:
+            if out == n and o not in self.output_of.values() and n not in self.output_of and o not in self.skip:
                 self.output_of[n] = o
                 return f"o{o}"
         offset = " + ".join(self.sizes) or "0"
@@ -45,6 +52,7 @@ class BodyWriter(EntryWriter):
     def write_body(self, fname, skip=()):
         """skip: outputs nobody reads at this call site (their statements are left out)."""
         g = self.graph
+        self.skip = tuple(skip)
         order = g.topo_order(g.ancestors([o for i, o in enumerate(self.outputs) if i not in skip]) | set(self.leaves))
         self.plan_steps = order
         self.slot_of_step = {t: None for t in range(len(order))}   # every value gets a buffer: none is fresh
@@ -96,12 +104,27 @@ def lower_scan(s):
         return source, f"one step of a scan: {len(leaves)} leaves -> {len(outputs)} outputs, intermediates in work"
 
     body_kernel = s.kernel(("scan_body", repr(body), skip), "scan_body", make_body)
-    key += (body_kernel,)
+    key += (body_kernel, attrs.get("checkpoint_every"))
     bppsa = attrs.get("backward") == "bppsa"
     if bppsa:
         key += ("bppsa", repr(attrs["vjp"]))
+    forward = None
+    if attrs.get("recompute_every"):   # the forward's step again, for the new carries alone
+        fattrs = forward_attrs(attrs)
+        fbody, _, fouts, KF, _, _, MF = parts(fattrs)
+        fskip = tuple(range(KF, KF + MF))
+
+        def make_forward_body(name):
+            writer = BodyWriter(fbody, s.kernels)
+            source, dims = writer.write_body(name, fskip)
+            layouts[name] = (writer.sizes, dims)
+            return source, f"one forward step of a scan again, for its {KF} new carr{'y' if KF == 1 else 'ies'} alone"
+
+        forward = s.kernel(("scan_body", repr(fbody), fskip), "scan_body", make_forward_body)
+        key += ("recompute", attrs["recompute_every"], forward, repr(attrs["vjp"]))
     kernel = s.kernel(key, "bppsa" if bppsa else "scan",
-                      lambda name: _loop_source(name, body_kernel, layouts[body_kernel], attrs, present, bppsa))
+                      lambda name: _loop_source(name, body_kernel, layouts[body_kernel], attrs, present, bppsa,
+                                                forward and (forward, layouts[forward])))
     lines.append(s.call(kernel, list(s.args) + out_args) + s.note)
     return lines
 
@@ -207,21 +230,22 @@ def _bppsa_lines(body_kernel, attrs):
     return ["    " + line for line in L]
 
 
-def _loop_source(name, body_kernel, layout, attrs, present, bppsa=False):
+def _loop_source(name, body_kernel, layout, attrs, present, bppsa=False, forward=None):
+    """forward: (kernel, layout) of the forward's body on a backward scan that recomputes its carries."""
     body, leaves, outputs, K, X, C, M = parts(attrs)
     sizes, dims = layout
     work = " + ".join(sizes) or "1"
-    args = [f"a{j}" for j in range(len(leaves))]
+    held = operand_leaves(attrs)   # leaf j's operand is the argument a{j}
     res = {index: f"r{i}" for i, index in enumerate(present)}
-    lines = [f"def {name}({', '.join(args + list(res.values()))}):"]
+    lines = [f"def {name}({', '.join([f'a{j}' for j in held] + list(res.values()))}):"]
     # the body's dims, read off the operands (a slice's dims are its sequence's, one axis later)
     seen = set()
-    for j, leaf in enumerate(leaves):
-        for axis, d in enumerate(body.shape(leaf)):
+    for j in held:
+        for axis, d in enumerate(body.shape(leaves[j])):
             if isinstance(d, str) and d not in seen:
                 seen.add(d)
                 lines.append(f"    {dims.get(d, 'd_' + d)} = a{j}.shape[{axis + (1 if K <= j < K + X else 0)}]")
-    lines.append(f"    T = a{K}.shape[0]")
+    lines.append(f"    T = a{held[length_operand(attrs)]}.shape[0]")
     lines.append(f"    work = np.empty(max({work}, 1), FLOAT)")
     for k in range(K):
         lines.append(f"    cur{k} = a{k}.copy()")
@@ -233,10 +257,18 @@ def _loop_source(name, body_kernel, layout, attrs, present, bppsa=False):
     if bppsa:   # the carry adjoint each step gets is the scan's, not the previous step's output
         lines += _bppsa_lines(body_kernel, attrs)
         loop += [f"cur{k}.reshape(nR, h{k})[...] = Vv[i, :, o{k}:o{k} + h{k}]" for k in range(vjp_of(attrs)["carries"])]
+    every = attrs.get("checkpoint_every")
     for k in range(K):
         if index_of(attrs, STACK, k) in res:
             loop.append(f"{res[index_of(attrs, STACK, k)]}[t] = cur{k}")
-    call = [f"cur{k}" for k in range(K)] + [f"a{K + j}[t]" for j in range(X)] + [f"a{K + X + j}" for j in range(C)]
+        if every and index_of(attrs, CHECKPOINT, k) in res:   # where the backward starts its segments from
+            loop += [f"if i % {every} == 0:", f"    {res[index_of(attrs, CHECKPOINT, k)]}[i // {every}] = cur{k}"]
+    read = {j: f"a{j}[t]" for j in range(K, K + X)}
+    if forward:   # the carries of the segment, from the buffer the recomputation filled
+        for (what, k), j in recompute_leaves(attrs).items():
+            if what in (STACK + "_in", OSTACK + "_in"):
+                read[j] = f"sg{k}[f - f0{' + 1' if what == OSTACK + '_in' else ''}]"
+    call = [f"cur{k}" for k in range(K)] + [read[j] for j in range(K, K + X)] + [f"a{K + X + j}" for j in range(C)]
     call += [f"nxt{k}" for k in range(K)]
     call += [f"{res[index_of(attrs, YS, m)]}[t]" if index_of(attrs, YS, m) in res else f"yb{m}" for m in range(M)]
     loop.append(f"{body_kernel}({', '.join(call + ['work'])})")
@@ -244,8 +276,11 @@ def _loop_source(name, body_kernel, layout, attrs, present, bppsa=False):
         if index_of(attrs, OSTACK, k) in res:
             loop.append(f"{res[index_of(attrs, OSTACK, k)]}[t] = nxt{k}")
         loop.append(f"cur{k}, nxt{k} = nxt{k}, cur{k}")
-    lines.append("    for i in range(T):")
-    lines += ["        " + line for line in loop]
+    if forward:
+        lines += _segment_lines(attrs, *forward, loop)
+    else:
+        lines.append("    for i in range(T):")
+        lines += ["        " + line for line in loop]
     for k in range(K):
         if index_of(attrs, FINAL, k) in res:
             lines.append(f"    {res[index_of(attrs, FINAL, k)]}[...] = cur{k}")
@@ -253,4 +288,41 @@ def _loop_source(name, body_kernel, layout, attrs, present, bppsa=False):
            f"{'reverse ' if attrs.get('reverse') else ''}scan: {body_kernel} once per step over axis 0 of "
            f"{X} sequence(s), {K} carr{'y' if K == 1 else 'ies'}; writes " +
            ", ".join(f"{kind_of(attrs, i)[0]}{kind_of(attrs, i)[1]}" for i in present))
+    if every and any(kind_of(attrs, i)[0] == CHECKPOINT for i in present):
+        doc += f" (the carry every {every}th step reads)"
+    if forward:
+        doc += (f"; recomputes the forward's carries ({forward[0]}) from a checkpoint every "
+                f"{attrs['recompute_every']} steps, segment by segment")
     return "\n".join(lines), doc
+
+
+def _segment_lines(attrs, fkernel, flayout, loop):
+    """The backward loop of a scan that recomputes its forward's carries: for each segment of
+    `every` forward steps, last first, the forward body from the segment's checkpoint into sg_k
+    (sg_k[f - f0] the carry forward step f reads, sg_k[f - f0 + 1] the one it writes), then the
+    segment's backward steps (`loop`, run index i) in reverse order of f."""
+    rc, every = recompute_leaves(attrs), attrs["recompute_every"]
+    fbody, _, fouts, KF, XF, CF, MF = parts(forward_attrs(attrs))
+    fsizes, _ = flayout
+    L = [f"every = {every}",
+         "n_checkpoints = (T + every - 1) // every",
+         f"work_f = np.empty(max({' + '.join(fsizes) or '1'}, 1), FLOAT)"]
+    for k in range(KF):
+        L.append(f"sg{k} = np.empty((every + 1,) + a{rc[(STACK + '_in', k)]}.shape[1:], FLOAT)")
+    for m in range(MF):   # the forward's ys are not recomputed: its body leaves these untouched
+        L.append(f"fy{m} = np.empty({(0,) * len(fbody.shape(fouts[KF + m]))}, FLOAT)")
+    ft = "T - 1 - f" if not attrs.get("reverse") else "f"   # the forward runs the other way round
+    fcall = [f"sg{k}[f - f0]" for k in range(KF)] + [f"a{rc[('x', j)]}[t]" for j in range(XF)]
+    fcall += [f"a{rc[('closed', j)]}" for j in range(CF)] + [f"sg{k}[f - f0 + 1]" for k in range(KF)]
+    fcall += [f"fy{m}" for m in range(MF)] + ["work_f"]
+    L += ["for c in range(n_checkpoints - 1, -1, -1):",
+          "    f0 = c * every",
+          "    f1 = min(T, f0 + every)"]
+    L += [f"    sg{k}[0] = a{rc[(STACK + '_in', k)]}[c]" for k in range(KF)]
+    L += ["    for f in range(f0, f1):",
+          f"        t = {ft}",
+          f"        {fkernel}({', '.join(fcall)})",
+          "    for f in range(f1 - 1, f0 - 1, -1):",
+          "        i = T - 1 - f"]
+    L += ["        " + line for line in loop]
+    return ["    " + line for line in L]

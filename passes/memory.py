@@ -7,7 +7,13 @@ step that reads that computation. Values the entry returns (or writes into a cal
 are its outputs and get no arena buffer; a view of an arena buffer that is returned keeps that
 buffer to the end. In an hvp block the steps from `loop_from` on run once per tangent row, so a
 value made before the loop and read inside it lives to the end.
+
+Under a budget that keeping every value does not meet, a scan may keep carry checkpoints instead of
+its stacks (passes/scan_checkpoint.py): plan_memory plans the graph both ways and rewrites it when
+the checkpoints recompute less, or when only they fit.
 """
+import copy
+
 import numpy as np
 
 from gradc.ops import get_op
@@ -17,6 +23,7 @@ from gradc.runtime.arena import ALIGN_BYTES, layout_by_device
 from .analysis import node_flops
 from .checkpoint import BudgetError, build_chain, plan_retention
 from .entries import by_fname, entries
+from .scan_checkpoint import checkpoint_scans, pairs
 from .schedule import memory_order
 from .storage import base, buffer_bytes, owns_buffer
 
@@ -173,8 +180,49 @@ def representative_sizes(graph, dims, guess=64):
 
 def plan_memory(graph, dims, order, budget=None):
     """Plans of every entry point (fname -> plan). Under a `budget` (bytes, with every dim bound)
-    loss_and_grad keeps or recomputes activations (passes/checkpoint.py); raises BudgetError when
-    the budget is below what any plan needs. Other entry points keep every value they need."""
+    loss_and_grad keeps or recomputes activations (passes/checkpoint.py), and its scans may keep
+    carry checkpoints (rewriting `graph`); raises BudgetError when the budget is below what any plan
+    needs. Other entry points keep every value they need."""
+    try:
+        plans, refusal = _plan_entries(graph, dims, order, budget), None
+    except BudgetError as e:
+        plans, refusal = None, e
+    fits_as_is = plans is not None and plans["_loss_and_grad"]["method"] == "store-all"
+    if budget is None or fits_as_is or not pairs(graph):
+        if refusal:
+            raise refusal
+        return plans
+    trial = copy.deepcopy(graph)
+    done = checkpoint_scans(trial, dims)
+    try:
+        tried = _plan_entries(trial, dims, order, budget) if done else None
+    except BudgetError as e:
+        if refusal:
+            raise BudgetError(min(refusal.minimum, e.minimum), refusal.store_all) from None
+        tried = None
+    extra = _checkpoint_flops(done, tried["_loss_and_grad"]) if tried else 0
+    if tried is None or (plans is not None and plans["_loss_and_grad"]["recompute_flops"]
+                         <= tried["_loss_and_grad"]["recompute_flops"] + extra):
+        if refusal:
+            raise refusal
+        return plans
+    store_all = refusal.store_all if refusal else plans["_loss_and_grad"]["store_all_peak_bytes"]
+    done = checkpoint_scans(graph, dims)   # the same rewrite on the graph the build goes on with
+    plans = _plan_entries(graph, dims, order, budget)
+    plan = plans["_loss_and_grad"]
+    done = [d for d in done if d["backward"] in set(plan["steps"])]
+    plan.update(recompute_flops=plan["recompute_flops"] + extra, scan_checkpoints=done, store_all_peak_bytes=store_all,
+                method=f"{plan['method']} + carry checkpoints in {len(done)} scan(s)")
+    return plans
+
+
+def _checkpoint_flops(done, plan):
+    """The FLOPs the plan's backward scans spend recomputing carries (the entry's, not hvp's)."""
+    ran = set(plan["steps"])
+    return sum(d["recompute_flops"] for d in done if d["backward"] in ran)
+
+
+def _plan_entries(graph, dims, order, budget):
     sizes = representative_sizes(graph, dims)
     plans = {}
     for fname, roots in entry_roots(graph, order).items():
@@ -256,6 +304,8 @@ def _entry_document(graph, plan):
            "live_bytes": plan["live_bytes"], "tensors": tensors}
     if plan["loop_from"] is not None:
         doc["loop_from"] = plan["loop_from"]
+    if "scan_checkpoints" in plan:
+        doc["scan_checkpoints"] = plan["scan_checkpoints"]
     if "store_all_live_bytes" in plan:
         doc["store_all_live_bytes"] = plan["store_all_live_bytes"]
         doc["retention"] = plan["retention"]

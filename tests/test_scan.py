@@ -226,11 +226,109 @@ def test_compiled_scan_runs_any_length_from_one_build(tmp_path):
 def test_compile_refuses_what_scans_do_not_support_yet(tmp_path):
     m = _rnn("scan_refusals")
     for options, message in (({"target": "cuda"}, "gc.scan with --target cuda is not built yet"),
-                             ({"memory_budget": "1MiB", "bind": {"T": 4, "B": 2}}, "gc.scan with --memory-budget"),
+                             ({"memory_budget": "1KiB", "bind": {"T": 40, "B": 2}, "order": 1},
+                              r"budget 1.00 KiB \(1,024 bytes\) is below the minimum .* for this model"),
                              ({"scan_backward": "fast"}, "--scan-backward 'fast': use reverse or bppsa")):
         with pytest.raises(GradcError, match=message):
             gc.compile(m, out=str(tmp_path), warm=False, **options)
     assert not list(tmp_path.iterdir())
+
+
+# ---- carry checkpoints under --memory-budget (passes/scan_checkpoint.py) ---------------------------
+def _checkpointed(g, dims):
+    import copy
+    from gradc.passes.scan_checkpoint import checkpoint_scans
+    g2 = copy.deepcopy(g)
+    return g2, checkpoint_scans(g2, dims)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_carry_checkpoints_give_the_same_gradients_and_hvps(case):
+    """The rewritten graph (forward scans write checkpoints every ceil(sqrt(T)) steps, backward scans
+    recompute each segment's carries), through the interpreter: the loss, gradients and HVPs are
+    torch's, at lengths that are and are not multiples of the segment (7, 17) and one too short to
+    checkpoint. `stacked` has a reverse scan over another scan's ys."""
+    make, torch_loss, _ = CASES[case]
+    rng = np.random.default_rng(11)
+    for T in (2, 7, 17):
+        dims = {"T": T, "B": 3}
+        g = build_training_graph(make(), "float64", dims, order=2)
+        g2, done = _checkpointed(g, dims)
+        scans = 2 if case == "stacked" else 1
+        assert len(done) == (0 if T == 2 else 2 * scans)   # loss_and_grad's backward, and hvp's own
+        assert all(d["every"] == int(np.ceil(np.sqrt(T))) for d in done)
+        params, inputs = _data(g2, rng, T=T, B=3)
+        names = list(g2.grads)
+        got = evaluate(g2, params, inputs, [g2.objective] + [g2.grads[p] for p in names])
+        tp = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+        loss = torch_loss(tp, inputs)
+        grads = torch.autograd.grad(loss, [tp[p] for p in names], create_graph=True)
+        assert got[g2.objective] == pytest.approx(float(loss.detach()), rel=1e-12)
+        for p, gt in zip(names, grads):
+            np.testing.assert_allclose(got[g2.grads[p]], gt.detach().numpy(), rtol=1e-9, atol=1e-12, err_msg=f"T={T} {p}")
+        v = {p: rng.normal(size=params[p].shape) for p in names}
+        hv = evaluate(g2, params, inputs, [g2.hvps[p] for p in names], tangents=v)
+        dot = sum((gt * torch.tensor(v[p])).sum() for p, gt in zip(names, grads))
+        for p, ht in zip(names, torch.autograd.grad(dot, [tp[p] for p in names])):
+            np.testing.assert_allclose(hv[g2.hvps[p]], ht.numpy(), rtol=1e-8, atol=1e-11, err_msg=f"hvp T={T} {p}")
+
+
+def test_bppsa_scans_keep_their_stacks_and_their_maps_are_planned():
+    """BPPSA reads every step's carry at once: no checkpoints; its (P, rows, H, H) maps are workspace."""
+    from gradc.ops.scan import use_bppsa
+    from gradc.passes.memory import plan_memory
+    dims = {"T": 100, "B": 16}
+    g = build_training_graph(_rnn("bp_plan", H=20), "float32", dims, order=1)
+    use_bppsa(g)
+    g2, done = _checkpointed(g, dims)
+    assert done == []
+    plan = plan_memory(g, dims, 1)["_loss_and_grad"]
+    assert plan["workspace_bytes"] >= 128 * 16 * (20 * 20 + 20) * 4
+
+
+def _check_budget_build(make, name, torch_loss, tmp_path, T, order):
+    """A build under 60% of the store-all peak: the plan keeps checkpoints and fits with its
+    workspace; the loss, gradients (and HVPs) are torch's (the interpreter's on the plain graph)."""
+    import json
+    from gradc.passes.memory import plan_memory
+    dims = {"T": T, "B": 3}
+    g = build_training_graph(make(), "float64", dims, order=order)
+    peak = plan_memory(g, dims, order)["_loss_and_grad"]["peak_bytes"]
+    ck = gc.compile(make(name), out=str(tmp_path), dtype="float64", order=order, warm=False, bind=dims,
+                    memory_budget=str(int(0.6 * peak)))
+    plan = json.loads((tmp_path / f"{name}.memplan.json").read_text())
+    assert plan["scan_checkpoints"] and "carry checkpoints" in plan["method"]
+    assert plan["peak_bytes"] + plan["workspace_bytes"] <= plan["budget_bytes"] < peak
+    assert plan["store_all_peak_bytes"] == peak
+    assert plan["recompute_flops"] >= sum(d["recompute_flops"] for d in plan["scan_checkpoints"]) > 0
+    params, inputs = _data(g, np.random.default_rng(13), T=T, B=3)
+    loss, grads = ck.loss_and_grad(params, **inputs)
+    tp = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    tl = torch_loss(tp, inputs)
+    tg = dict(zip(grads, torch.autograd.grad(tl, [tp[p] for p in grads])))
+    assert loss == pytest.approx(float(tl.detach()), rel=1e-12)
+    for p in grads:
+        np.testing.assert_allclose(grads[p], tg[p].numpy(), rtol=1e-9, atol=1e-12, err_msg=p)
+    if order == 2:
+        v = {p: np.random.default_rng(3).normal(size=params[p].shape) for p in grads}
+        hv = ck.hvp(params, v, **inputs)
+        ref = evaluate(g, params, inputs, [g.hvps[p] for p in grads], tangents=v)
+        for p in grads:
+            np.testing.assert_allclose(hv[p], ref[g.hvps[p]], rtol=1e-9, atol=1e-12, err_msg=f"hvp {p}")
+
+
+def test_memory_budget_checkpoints_a_compiled_rnn(tmp_path):
+    """--memory-budget at 60% of the store-all peak, T = 50: segments of 8, the last one short."""
+    _check_budget_build(_rnn, "ck_rnn", _torch_rnn, tmp_path, 50, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["gru", "stacked"])
+def test_memory_budget_checkpoints_compiled_scans_with_hvp(case, tmp_path):
+    """Two carries with ys of their own (gru), and a reverse scan over a scan's ys (stacked), order 2:
+    hvp reads the full stacks, which loss_and_grad under the budget never writes."""
+    make, torch_loss, _ = CASES[case]
+    _check_budget_build(make, f"ck_{case}", torch_loss, tmp_path, 23, 2)
 
 
 # ---- --scan-backward bppsa (DESIGN.md §1.8) ---------------------------------------------------------

@@ -12,9 +12,20 @@ its results are `scan_out` nodes (attrs index, shape, dtype), which the scan's s
     K..K+M-1              the ys, stacked on axis 0 (T, ...), ys[t] the output of step t
     K+M..2K+M-1           the carry stacks: stack[t] the carry step t reads
     2K+M..3K+M-1          the out stacks: ostack[t] the carry step t writes
+    3K+M..4K+M-1          the checkpoints (with attrs checkpoint_every = k): checkpoint[c] the carry
+                          the (c*k)-th step run reads, ceil(T/k) of them
 
 A reverse scan runs t = T-1 .. 0 (as jax.lax.scan(reverse=True)); stacks are indexed by t either
 way. Carries and ys have rank >= 1 (the DSL and the VJP wrap scalars as (1,)).
+
+Carry checkpoints (passes/scan_checkpoint.py, under --memory-budget): a forward scan with
+attrs["checkpoint_every"] = k can also write checkpoints, the carry every k-th step reads. Its
+backward scan then has attrs["recompute_every"] = k and attrs["recompute_body"] (the forward's
+body): its stack operands are those checkpoints, it has no operands for the out stacks, and its
+loop runs the forward body again over each segment of k steps (from the segment's checkpoint)
+before that segment's backward steps: ceil(T/k) + k + 1 carries instead of 2T, for one more
+forward. The full stacks stay results of the forward scan for whatever else reads them (a
+second-order scan in the hvp entry), so an entry that does not read them never writes them.
 
 The VJP of a scan is a scan the other way round whose body is the step's VJP (built by
 passes/autodiff.py on a copy of the body): its carries are the adjoints of the carries and the
@@ -32,7 +43,7 @@ from . import Op, get_op, register
 from ..errors import ShapeError
 from ..shapes import fmt, size
 
-FINAL, YS, STACK, OSTACK = "final", "ys", "stack", "ostack"
+FINAL, YS, STACK, OSTACK, CHECKPOINT = "final", "ys", "stack", "ostack", "checkpoint"
 
 
 def parts(attrs):
@@ -45,15 +56,21 @@ def parts(attrs):
 
 def index_of(attrs, kind, i):
     _, _, _, K, _, _, M = parts(attrs)
-    return {FINAL: 0, YS: K, STACK: K + M, OSTACK: 2 * K + M}[kind] + i
+    return {FINAL: 0, YS: K, STACK: K + M, OSTACK: 2 * K + M, CHECKPOINT: 3 * K + M}[kind] + i
 
 
 def kind_of(attrs, index):
     _, _, _, K, _, _, M = parts(attrs)
-    for kind, start, count in ((FINAL, 0, K), (YS, K, M), (STACK, K + M, K), (OSTACK, 2 * K + M, K)):
+    for kind, start, count in ((FINAL, 0, K), (YS, K, M), (STACK, K + M, K), (OSTACK, 2 * K + M, K),
+                               (CHECKPOINT, 3 * K + M, K)):
         if start <= index < start + count:
             return kind, index - start
     raise ValueError(f"scan has no result {index}")
+
+
+def checkpoints(length, every):
+    """How many carries a forward scan of `length` steps keeps when it keeps every `every`-th."""
+    return -(-length // every)
 
 
 def result_type(attrs, index, length):
@@ -62,23 +79,63 @@ def result_type(attrs, index, length):
     kind, i = kind_of(attrs, index)
     node = outputs[K + i] if kind == YS else outputs[i]
     shape = tuple(body.shape(node))
+    if kind == CHECKPOINT:
+        length = checkpoints(length, attrs["checkpoint_every"])
     return (shape if kind == FINAL else (length,) + shape), body.dtype(node)
+
+
+def recompute_leaves(attrs):
+    """On a backward scan that recomputes its forward's carries: {("stack_in" | "ostack_in" | "x" |
+    "closed", i): leaf index} from its layout; {} on other scans."""
+    if not attrs.get("recompute_every"):
+        return {}
+    return {what: j for j, what in enumerate(vjp_of(attrs)["layout"])}
+
+
+def operand_leaves(attrs):
+    """The body leaves the scan's operands stand for, in operand order: all of them, except the out
+    stacks of a backward scan that recomputes them (its loop fills those leaves itself)."""
+    _, leaves, _, _, _, _, _ = parts(attrs)
+    filled = {j for (what, _), j in recompute_leaves(attrs).items() if what == OSTACK + "_in"}
+    return [j for j in range(len(leaves)) if j not in filled]
+
+
+def length_operand(attrs):
+    """The operand whose axis 0 has the scan's T steps (a sequence; not a stack of checkpoints)."""
+    _, _, _, K, _, _, _ = parts(attrs)
+    rc = recompute_leaves(attrs)
+    return operand_leaves(attrs).index(rc[("x", 0)]) if rc else K
+
+
+def steps(graph, n):
+    """T of scan node n."""
+    return graph.shape(graph.operands(n)[length_operand(graph.attrs(n))])[0]
 
 
 def _scan_infer(attrs, shapes, dtypes):
     body, leaves, outputs, K, X, C, M = parts(attrs)
     if X < 1:
         raise ShapeError("a scan needs at least one sequence to scan over")
-    if len(shapes) != len(leaves):
-        raise ShapeError(f"the body has {len(leaves)} leaves, the scan {len(shapes)} operands")
-    for j, (leaf, shape, dtype) in enumerate(zip(leaves, shapes, dtypes)):
+    held = operand_leaves(attrs)
+    if len(shapes) != len(held):
+        raise ShapeError(f"the body has {len(held)} leaves with operands, the scan {len(shapes)} operands")
+    kept = {j for (what, _), j in recompute_leaves(attrs).items() if what == STACK + "_in"}
+    for o, (j, shape, dtype) in enumerate(zip(held, shapes, dtypes)):
+        leaf = leaves[j]
         want = shape[1:] if K <= j < K + X else shape
         if tuple(body.shape(leaf)) != tuple(want) or body.dtype(leaf) != dtype:
-            raise ShapeError(f"operand {j} {fmt(shape)} {dtype} does not match the body's leaf "
+            raise ShapeError(f"operand {o} {fmt(shape)} {dtype} does not match the body's leaf "
                              f"{fmt(body.shape(leaf))} {body.dtype(leaf)}")
-    lengths = {shapes[j][0] for j in range(K, K + X)}
+    lengths = {shape[0] for j, shape in zip(held, shapes) if K <= j < K + X and j not in kept}
     if len(lengths) > 1:
         raise ShapeError(f"the scanned sequences differ in length: {', '.join(map(str, lengths))}")
+    if kept:
+        (T,) = lengths
+        want = checkpoints(T, attrs["recompute_every"]) if isinstance(T, int) else None
+        for j, shape in zip(held, shapes):
+            if j in kept and want is not None and shape[0] != want:
+                raise ShapeError(f"a stack of checkpoints has {shape[0]} carries; {T} steps kept every "
+                                 f"{attrs['recompute_every']} need {want}")
     for k in range(K):
         out = outputs[k]
         if tuple(body.shape(out)) != tuple(shapes[k]) or body.dtype(out) != dtypes[k]:
@@ -91,12 +148,65 @@ def _scan_infer(attrs, shapes, dtypes):
 
 
 def _scan_length(attrs, values):
-    _, _, _, K, X, _, _ = parts(attrs)
-    return np.shape(values[K])[0]
+    return np.shape(values[length_operand(attrs)])[0]
 
 
 def run(attrs, values, dims=None):
     """The results of a scan (a tuple in result order), by the numpy interpreter, T times."""
+    if attrs.get("recompute_every"):
+        plain = {k: v for k, v in attrs.items() if k not in ("recompute_every", "recompute_body")}
+        return run(plain, _recomputed(attrs, values, dims), dims)
+    results = _run(attrs, values, dims)
+    every = attrs.get("checkpoint_every")
+    if not every:
+        return results
+    _, _, _, K, _, _, M = parts(attrs)
+    T = _scan_length(attrs, values)
+    runs = range(0, T, every)
+    return results + tuple(r[[T - 1 - f for f in runs] if attrs.get("reverse") else list(runs)]
+                           for r in results[K + M:2 * K + M])
+
+
+def forward_attrs(attrs):
+    """The attrs of the forward scan a recomputing backward scan runs again (no checkpoints)."""
+    rc = recompute_leaves(attrs)
+    count = lambda kind: sum(1 for what, _ in rc if what == kind)
+    return {"body": attrs["recompute_body"], "carries": count(STACK + "_in"), "xs": count("x"),
+            "reverse": not attrs.get("reverse", False)}
+
+
+def _recomputed(attrs, values, dims):
+    """Every leaf value of a recomputing backward scan: its stacks and out stacks rebuilt from the
+    checkpoints by the forward body, one segment of `every` steps at a time (as its loop does)."""
+    body, leaves, _, _, _, _, _ = parts(attrs)
+    rc, every = recompute_leaves(attrs), attrs["recompute_every"]
+    full = [None] * len(leaves)
+    for j, v in zip(operand_leaves(attrs), values):
+        full[j] = np.asarray(v)
+    fattrs = forward_attrs(attrs)
+    _, _, _, KF, XF, CF, MF = parts(fattrs)
+    xs = [full[rc[("x", j)]] for j in range(XF)]
+    closed = [full[rc[("closed", j)]] for j in range(CF)]
+    kept = [full[rc[(STACK + "_in", k)]] for k in range(KF)]
+    T = len(xs[0])
+    stacks = [np.zeros((T,) + c.shape[1:], c.dtype) for c in kept]
+    ostacks = [np.zeros_like(s) for s in stacks]
+    for c in range(checkpoints(T, every)):
+        f0, f1 = c * every, min(T, (c + 1) * every)
+        seg = slice(T - f1, T - f0) if fattrs["reverse"] else slice(f0, f1)
+        got = _run(fattrs, [k[c] for k in kept] + [x[seg] for x in xs] + closed, dims)
+        for k in range(KF):
+            stacks[k][seg] = got[index_of(fattrs, STACK, k)]
+            ostacks[k][seg] = got[index_of(fattrs, OSTACK, k)]
+    for (what, k), j in rc.items():
+        if what == STACK + "_in":
+            full[j] = stacks[k]
+        elif what == OSTACK + "_in":
+            full[j] = ostacks[k]
+    return full
+
+
+def _run(attrs, values, dims=None):
     from ..interpret import evaluate
     body, leaves, outputs, K, X, C, M = parts(attrs)
     names = list(body.inputs)
@@ -133,9 +243,10 @@ def _scan_evaluate(attrs, values, out_shape, dims):
     return token
 
 
-def body_flops(body):
+def body_flops(body, outputs=None):
+    """One step's FLOPs: of the whole body, or only of what `outputs` need."""
     total = sp.Integer(0)
-    for n in body.nx.nodes:
+    for n in (body.nx.nodes if outputs is None else body.ancestors(outputs)):
         node = body.node(n)
         total += sp.sympify(get_op(node["op"]).flops(node["attrs"], [body.shape(u) for u in node["inputs"]],
                                                      node["shape"]))
@@ -143,8 +254,13 @@ def body_flops(body):
 
 
 def _scan_flops(attrs, in_shapes, out_shape):
-    _, _, _, K, _, _, _ = parts(attrs)
-    return sp.sympify(size(in_shapes[K][:1])) * body_flops(attrs["body"])
+    """T steps of the body, and on a recomputing backward scan T more of the forward's carries."""
+    T = sp.sympify(size(in_shapes[length_operand(attrs)][:1]))
+    total = T * body_flops(attrs["body"])
+    if attrs.get("recompute_every"):
+        fbody, _, fouts, KF, _, _, _ = parts(forward_attrs(attrs))
+        total += T * body_flops(fbody, fouts[:KF])
+    return total
 
 
 # ---- results ---------------------------------------------------------------------------------
@@ -165,8 +281,7 @@ def result(graph, n, kind, i, emit):
     for u in graph.users(n):
         if graph.op(u) == "scan_out" and graph.attrs(u)["index"] == index:
             return u
-    _, _, _, K, _, _, _ = parts(attrs)
-    shape, dtype = result_type(attrs, index, graph.shape(graph.operands(n)[K])[0])
+    shape, dtype = result_type(attrs, index, steps(graph, n))
     return emit("scan_out", [n], index=index, shape=shape, dtype=dtype)
 
 
@@ -290,12 +405,13 @@ def _scan_vjp(ctx, n, gs):
     g = ctx.graph
     attrs = g.attrs(n)
     fbody, fleaves, fouts, K, X, C, M = parts(attrs)
+    if attrs.get("recompute_every") or attrs.get("checkpoint_every"):
+        raise AssertionError("carry checkpoints are planned after every VJP is built (passes/scan_checkpoint.py)")
     operands = g.operands(n)
     needs = [ctx.needs(i) for i in range(len(operands))]
     present = {kind_of(attrs, i) for i, a in gs.items() if a is not None and kind_of(attrs, i)[0] != FINAL}
     bw, K2, layout_in, layout_out, diff_closed, diff_x = backward_body(attrs, needs, present, ctx.src)
     emit = ctx.emit
-    T = g.shape(operands[K])[0]
     ops = []
     for what, i in layout_in:
         if what == "lam":
@@ -330,7 +446,7 @@ def _scan_vjp(ctx, n, gs):
             u = operands[K + i]
             r = result(g, node, YS, o - K2, emit)
             grads[K + i] = r if g.shape(r) == g.shape(u) else emit("reshape", [r], shape=g.shape(u))
-    del battrs, T
+    del battrs
     return grads
 
 
@@ -402,10 +518,12 @@ def _structured(body, leaves, outputs, K, X):
 
 
 def vjp_info(attrs, layout_in):
-    """Recorded on a backward scan: which of its leaves are the given adjoints (zero when the loop
-    takes Jacobians), whether the carry's Jacobian is per row, and the structured form if it has one."""
+    """Recorded on a backward scan: what each of its leaves stands for (`layout`, as backward_body
+    returns it), which are the given adjoints (zero when the loop takes Jacobians), whether the
+    carry's Jacobian is per row, and the structured form if it has one."""
     body, leaves, outputs, K, X, C, M = parts(attrs)
-    info = {"carries": K, "zero": [j for j, (what, _) in enumerate(layout_in) if what in (YS, STACK, OSTACK)],
+    info = {"carries": K, "layout": list(layout_in),
+            "zero": [j for j, (what, _) in enumerate(layout_in) if what in (YS, STACK, OSTACK)],
             "per_row": False, "structured": None, "second_order": attrs.get("vjp") is not None}
     if not all(body.dtype(leaves[k]).startswith("float") for k in range(K)):
         return _frozen(info)
@@ -464,9 +582,14 @@ def bppsa_flops(T, rows, H, step_backward, dense):
 def _scan_rows(graph, n, ins, fail):
     """Per-row when each step is: the batch rows of the carries stay on their axis through the body,
     and the sequences carry them on an axis other than the time axis 0."""
-    body, leaves, outputs, K, X, C, M = parts(graph.attrs(n))
-    seeds = {}
-    for j, (leaf, w) in enumerate(zip(leaves, ins)):
+    attrs = graph.attrs(n)
+    body, leaves, outputs, K, X, C, M = parts(attrs)
+    seeds, at = {}, dict(zip(operand_leaves(attrs), ins))
+    for (what, k), j in recompute_leaves(attrs).items():
+        if what == OSTACK + "_in":   # filled by the loop from the stack of checkpoints: rows where those are
+            at[j] = at[recompute_leaves(attrs)[(STACK + "_in", k)]]
+    for j, leaf in enumerate(leaves):
+        w = at[j]
         if isinstance(w, tuple):
             fail("reads the loss after its reduction over rows")
         if K <= j < K + X and w is not None:
@@ -513,6 +636,28 @@ def _out_rows(graph, n, ins, fail):
     return w.of(graph.attrs(n)["index"], M) if isinstance(w, ScanRows) else w
 
 
+def _scan_workspace(graph, n, dims):
+    """Bytes the loop allocates beyond its results while it runs: a recomputing backward's segment of
+    carries (every + 1 of each), BPPSA's affine maps ((P, rows, H, H) and (P, rows, H), P = T rounded up
+    to a power of two); None while a dim is unbound."""
+    attrs = graph.attrs(n)
+    body, leaves, _, _, _, _, _ = parts(attrs)
+    bound = lambda shape: tuple(dims.get(d, d) if isinstance(d, str) else d for d in shape)
+    shapes = [bound(body.shape(leaf)) for leaf in leaves]
+    T = bound((steps(graph, n),))[0]
+    if any(isinstance(d, str) for shape in shapes for d in shape) or isinstance(T, str):
+        return None
+    values = sum((attrs["recompute_every"] + 1) * int(np.prod(shapes[j]))
+                 for (what, _), j in recompute_leaves(attrs).items() if what == STACK + "_in")
+    if attrs.get("backward") == "bppsa":
+        info = vjp_of(attrs)
+        rows = shapes[0][0] if info["per_row"] else 1
+        H = sum(int(np.prod(shapes[k])) for k in range(info["carries"])) // rows
+        P = 1 << max(T - 1, 0).bit_length()
+        values += P * rows * (H * H + H)
+    return values * np.dtype(graph.dtype(n)).itemsize
+
+
 def _scan_cpu(s):
     from gradc.codegen.scan_loop import lower_scan
     return lower_scan(s)
@@ -523,7 +668,7 @@ def _out_cpu(s):
 
 
 register(Op("scan", "region", _scan_infer, _scan_evaluate, _scan_flops, vjp=_scan_vjp, rows=_scan_rows,
-            cpu=_scan_cpu,
+            cpu=_scan_cpu, workspace=_scan_workspace,
             doc="runs attrs['body'] once per step over axis 0 of the sequences; results are scan_out nodes"))
 register(Op("scan_out", "project", _out_infer, _out_evaluate, lambda a, i, o: 0, arity=1, rows=_out_rows,
             cpu=_out_cpu, doc="one result of a scan (attrs index, shape, dtype): see gradc/ops/scan.py"))
