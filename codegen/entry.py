@@ -235,6 +235,21 @@ class EntryWriter:
             raise AssertionError(f"dims {missing} are not carried by any input of the entry point")
         return sources
 
+    def body_kernel(self, body, skip, doc):
+        """A sub-graph (a scan's step) as one kernel body(leaves..., outputs..., work), outputs in
+        `skip` left unwritten; one per distinct body and skip per module. Returns (its name, the
+        sizes of its work buffers as source, the body's dim variables)."""
+        layouts = self.kernels.__dict__.setdefault("body_layouts", {})
+
+        def make(name):
+            writer = BodyWriter(body, self.kernels)
+            source, dims = writer.write_body(name, skip)
+            layouts[name] = (writer.sizes, dims)
+            return source, doc
+
+        name = self.kernels._get(("scan_body", repr(body), tuple(skip)), "scan_body", make)
+        return (name,) + layouts[name]
+
     def statement(self, n, dims, step):
         """The lines computing node n: its record's lowering for this target (gradc/ops)."""
         record = get_op(self.graph.op(n))
@@ -242,3 +257,58 @@ class EntryWriter:
         if lower is None:
             raise NotImplementedError(f"{self.target} codegen: op {record.name!r} has no lowering on this target")
         return lower(self.Statement(self, n, dims, step))
+
+
+class BodyWriter(EntryWriter):
+    """Writes a scan body as one function body(l0, l1, ..., o0, o1, ..., work)."""
+    decorator = None
+
+    def __init__(self, body, kernels):
+        leaves, outputs = list(body.inputs.values()), list(body.outputs.values())
+        super().__init__(body, kernels, {n: f"l{i}" for i, n in enumerate(leaves)})
+        self.leaves, self.outputs = leaves, outputs
+        self.leaf_rank = {n: i for i, n in enumerate(leaves)}
+        self.sizes = []        # the size (source) of each work buffer, in order
+        self.output_of = {}    # node -> the output argument it was written into
+        self.skip = ()         # outputs left unwritten (the caller may hand any array for them)
+
+    def var(self, n):
+        if n in self.names and self.graph.shape(n) == ():
+            return self.names[n]   # scalar leaves come in as numbers
+        return super().var(n)
+
+    def new_array(self, n, dims, step):
+        shape = self.graph.shape(n)
+        for o, out in enumerate(self.outputs):
+            if out == n and o not in self.output_of.values() and n not in self.output_of and o not in self.skip:
+                self.output_of[n] = o
+                return f"o{o}"
+        offset = " + ".join(self.sizes) or "0"
+        size = "*".join(dims[d] if isinstance(d, str) else str(d) for d in shape) or "1"
+        self.sizes.append(f"({size})")
+        return f"view(work, {offset}, {_shape_src(shape, dims)})"
+
+    def write_body(self, fname, skip=()):
+        """skip: outputs nobody reads at this call site (their statements are left out)."""
+        g = self.graph
+        self.skip = tuple(skip)
+        order = g.topo_order(g.ancestors([o for i, o in enumerate(self.outputs) if i not in skip]) | set(self.leaves))
+        self.plan_steps = order
+        self.slot_of_step = {t: None for t in range(len(order))}   # every value gets a buffer: none is fresh
+        self.flat, self.placed = {}, set()
+        self.compiled = True
+        consts = [n for n in order if g.op(n) == "const" and self.const_argument(n, order)]
+        if consts:
+            raise NotImplementedError("cpu codegen: a constant array inside a scan body")
+        dims = self._dims(order, self.leaves)
+        body = [f"{dims[d]} = {src}" for d, src in self._dim_sources(order, self.leaves).items()]
+        for step, n in enumerate(order):
+            if g.op(n) in ("param", "input", "const"):
+                continue
+            body += self.statement(n, dims, step)
+        for o, n in enumerate(self.outputs):
+            if self.output_of.get(n) != o and o not in skip:
+                body.append(f"o{o}[...] = {self.var(n)}")
+        args = [self.names[n] for n in self.leaves] + [f"o{o}" for o in range(len(self.outputs))] + ["work"]
+        lines = [f"def {fname}({', '.join(args)}):"] + ["    " + b for b in body] + ["    return"]
+        return "\n".join(lines), dims

@@ -74,6 +74,10 @@ class Statement:
     def call(self, kernel, args):
         return f"{kernel}({', '.join(args)})"
 
+    def body_kernel(self, body, skip, doc):
+        """A sub-graph as one kernel of the module: (name, work sizes, dims); see EntryWriter.body_kernel."""
+        return self._writer.body_kernel(body, skip, doc)
+
     def into_out(self, kernel, args=None):
         """The node's buffer, then kernel(args..., out) writing it (args: the operands by default)."""
         return [self.alloc(), self.call(kernel, list(self.args if args is None else args) + [self.out]) + self.note]

@@ -6,7 +6,7 @@ that grow with T when nothing else of a recurrent model does. Keeping every k-th
 running the step again over each segment (from its checkpoint, into a buffer of k + 1 carries)
 holds ceil(T/k) + k + 1 carries, fewest near k = sqrt(T), for one more forward of the scan's
 carries whatever k is (each step runs once more). gradc/ops/scan.py says what the two scans' attrs
-then mean; codegen/scan_loop.py writes their loops.
+then mean; gradc/ops/scan_loop.py writes their loops.
 
 Only a first-order reverse backward reads checkpoints: BPPSA reads every step's carry at once.
 The full stacks stay results of the forward scan for a second-order scan (hvp) that reads them;

@@ -124,6 +124,11 @@ def test_gradients_and_hvps_match_torch(case):
     g = build_training_graph(m, "float64", {}, order=2)
     rng = np.random.default_rng(1)
     params, inputs = _data(g, rng)
+    _assert_interpreted_matches_torch(g, params, inputs, torch_loss, rng)
+
+
+def _assert_interpreted_matches_torch(g, params, inputs, torch_loss, rng, what=""):
+    """Loss, gradients and an HVP of graph g by the interpreter against torch autograd's."""
     names = list(g.grads)
     got = evaluate(g, params, inputs, [g.objective] + [g.grads[p] for p in names])
     tp = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
@@ -131,12 +136,12 @@ def test_gradients_and_hvps_match_torch(case):
     grads = torch.autograd.grad(loss, [tp[p] for p in names], create_graph=True)
     assert got[g.objective] == pytest.approx(float(loss.detach()), rel=1e-12)
     for p, gt in zip(names, grads):
-        np.testing.assert_allclose(got[g.grads[p]], gt.detach().numpy(), rtol=1e-9, atol=1e-12, err_msg=p)
+        np.testing.assert_allclose(got[g.grads[p]], gt.detach().numpy(), rtol=1e-9, atol=1e-12, err_msg=what + p)
     v = {p: rng.normal(size=params[p].shape) for p in names}
     hv = evaluate(g, params, inputs, [g.hvps[p] for p in names], tangents=v)
     dot = sum((gt * torch.tensor(v[p])).sum() for p, gt in zip(names, grads))
     for p, ht in zip(names, torch.autograd.grad(dot, [tp[p] for p in names])):
-        np.testing.assert_allclose(hv[g.hvps[p]], ht.numpy(), rtol=1e-8, atol=1e-11, err_msg=p)
+        np.testing.assert_allclose(hv[g.hvps[p]], ht.numpy(), rtol=1e-8, atol=1e-11, err_msg=f"hvp {what}{p}")
 
 
 @pytest.mark.parametrize("case", ["rnn", "stacked"])
@@ -258,19 +263,7 @@ def test_carry_checkpoints_give_the_same_gradients_and_hvps(case):
         assert len(done) == (0 if T == 2 else 2 * scans)   # loss_and_grad's backward, and hvp's own
         assert all(d["every"] == int(np.ceil(np.sqrt(T))) for d in done)
         params, inputs = _data(g2, rng, T=T, B=3)
-        names = list(g2.grads)
-        got = evaluate(g2, params, inputs, [g2.objective] + [g2.grads[p] for p in names])
-        tp = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
-        loss = torch_loss(tp, inputs)
-        grads = torch.autograd.grad(loss, [tp[p] for p in names], create_graph=True)
-        assert got[g2.objective] == pytest.approx(float(loss.detach()), rel=1e-12)
-        for p, gt in zip(names, grads):
-            np.testing.assert_allclose(got[g2.grads[p]], gt.detach().numpy(), rtol=1e-9, atol=1e-12, err_msg=f"T={T} {p}")
-        v = {p: rng.normal(size=params[p].shape) for p in names}
-        hv = evaluate(g2, params, inputs, [g2.hvps[p] for p in names], tangents=v)
-        dot = sum((gt * torch.tensor(v[p])).sum() for p, gt in zip(names, grads))
-        for p, ht in zip(names, torch.autograd.grad(dot, [tp[p] for p in names])):
-            np.testing.assert_allclose(hv[g2.hvps[p]], ht.numpy(), rtol=1e-8, atol=1e-11, err_msg=f"hvp T={T} {p}")
+        _assert_interpreted_matches_torch(g2, params, inputs, torch_loss, rng, f"T={T} ")
 
 
 def test_bppsa_scans_keep_their_stacks_and_their_maps_are_planned():

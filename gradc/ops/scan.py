@@ -42,36 +42,10 @@ import sympy as sp
 from . import Op, get_op, register
 from ..errors import ShapeError
 from ..shapes import fmt, size
-
-FINAL, YS, STACK, OSTACK, CHECKPOINT = "final", "ys", "stack", "ostack", "checkpoint"
-
-
-def parts(attrs):
-    """(body, leaves, outputs, K, X, C, M): the body, its placeholder leaves and outputs in order."""
-    body = attrs["body"]
-    leaves, outputs = list(body.inputs.values()), list(body.outputs.values())
-    K, X = attrs["carries"], attrs["xs"]
-    return body, leaves, outputs, K, X, len(leaves) - K - X, len(outputs) - K
-
-
-def index_of(attrs, kind, i):
-    _, _, _, K, _, _, M = parts(attrs)
-    return {FINAL: 0, YS: K, STACK: K + M, OSTACK: 2 * K + M, CHECKPOINT: 3 * K + M}[kind] + i
-
-
-def kind_of(attrs, index):
-    _, _, _, K, _, _, M = parts(attrs)
-    for kind, start, count in ((FINAL, 0, K), (YS, K, M), (STACK, K + M, K), (OSTACK, 2 * K + M, K),
-                               (CHECKPOINT, 3 * K + M, K)):
-        if start <= index < start + count:
-            return kind, index - start
-    raise ValueError(f"scan has no result {index}")
-
-
-def checkpoints(length, every):
-    """How many carries a forward scan of `length` steps keeps when it keeps every `every`-th."""
-    return -(-length // every)
-
+from .scan_layout import (CHECKPOINT, DERIVATIVE_FROM_OUTPUT, FINAL, OSTACK, STACK, YS, checkpoints,  # noqa: F401
+                          forward_attrs, index_of, kind_of, length_operand, operand_leaves, parts, recompute_leaves,
+                          vjp_of, _frozen)
+from .scan_loop import lower_scan
 
 def result_type(attrs, index, length):
     """(shape, dtype) of result `index` of a scan whose sequences have `length` steps."""
@@ -82,29 +56,6 @@ def result_type(attrs, index, length):
     if kind == CHECKPOINT:
         length = checkpoints(length, attrs["checkpoint_every"])
     return (shape if kind == FINAL else (length,) + shape), body.dtype(node)
-
-
-def recompute_leaves(attrs):
-    """On a backward scan that recomputes its forward's carries: {("stack_in" | "ostack_in" | "x" |
-    "closed", i): leaf index} from its layout; {} on other scans."""
-    if not attrs.get("recompute_every"):
-        return {}
-    return {what: j for j, what in enumerate(vjp_of(attrs)["layout"])}
-
-
-def operand_leaves(attrs):
-    """The body leaves the scan's operands stand for, in operand order: all of them, except the out
-    stacks of a backward scan that recomputes them (its loop fills those leaves itself)."""
-    _, leaves, _, _, _, _, _ = parts(attrs)
-    filled = {j for (what, _), j in recompute_leaves(attrs).items() if what == OSTACK + "_in"}
-    return [j for j in range(len(leaves)) if j not in filled]
-
-
-def length_operand(attrs):
-    """The operand whose axis 0 has the scan's T steps (a sequence; not a stack of checkpoints)."""
-    _, _, _, K, _, _, _ = parts(attrs)
-    rc = recompute_leaves(attrs)
-    return operand_leaves(attrs).index(rc[("x", 0)]) if rc else K
 
 
 def steps(graph, n):
@@ -165,14 +116,6 @@ def run(attrs, values, dims=None):
     runs = range(0, T, every)
     return results + tuple(r[[T - 1 - f for f in runs] if attrs.get("reverse") else list(runs)]
                            for r in results[K + M:2 * K + M])
-
-
-def forward_attrs(attrs):
-    """The attrs of the forward scan a recomputing backward scan runs again (no checkpoints)."""
-    rc = recompute_leaves(attrs)
-    count = lambda kind: sum(1 for what, _ in rc if what == kind)
-    return {"body": attrs["recompute_body"], "carries": count(STACK + "_in"), "xs": count("x"),
-            "reverse": not attrs.get("reverse", False)}
 
 
 def _recomputed(attrs, values, dims):
@@ -451,9 +394,6 @@ def _scan_vjp(ctx, n, gs):
 
 
 # ---- BPPSA (DESIGN.md §1.8): what the backward scan's loop needs to scan the adjoints in parallel --
-DERIVATIVE_FROM_OUTPUT = {"tanh": "1.0 - y * y", "sigmoid": "y * (1.0 - y)", None: "1.0"}
-
-
 class _NotPerRow(Exception):
     pass
 
@@ -533,23 +473,6 @@ def vjp_info(attrs, layout_in):
         f, j = found
         info["structured"] = {"f": f, "W": layout_in.index(("closed", j)), "cn": layout_in.index((OSTACK + "_in", 0))}
     return _frozen(info)
-
-
-def _frozen(info):
-    """attrs are hashable (common-subexpression elimination keys on them): dicts as sorted pairs."""
-    return tuple(sorted((k, _frozen(v) if isinstance(v, dict) else tuple(v) if isinstance(v, list) else v)
-                        for k, v in info.items()))
-
-
-def vjp_of(attrs):
-    """The vjp_info of a backward scan as a dict (None for other scans)."""
-    info = attrs.get("vjp")
-    if info is None:
-        return None
-    info = dict(info)
-    if info["structured"] is not None:
-        info["structured"] = dict(info["structured"])
-    return info
 
 
 def use_bppsa(graph):
@@ -658,17 +581,12 @@ def _scan_workspace(graph, n, dims):
     return values * np.dtype(graph.dtype(n)).itemsize
 
 
-def _scan_cpu(s):
-    from gradc.codegen.scan_loop import lower_scan
-    return lower_scan(s)
-
-
 def _out_cpu(s):
     return []   # the scan's statement wrote it
 
 
 register(Op("scan", "region", _scan_infer, _scan_evaluate, _scan_flops, vjp=_scan_vjp, rows=_scan_rows,
-            cpu=_scan_cpu, workspace=_scan_workspace,
+            cpu=lower_scan, workspace=_scan_workspace,
             doc="runs attrs['body'] once per step over axis 0 of the sequences; results are scan_out nodes"))
 register(Op("scan_out", "project", _out_infer, _out_evaluate, lambda a, i, o: 0, arity=1, rows=_out_rows,
             cpu=_out_cpu, doc="one result of a scan (attrs index, shape, dtype): see gradc/ops/scan.py"))

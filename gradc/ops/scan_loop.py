@@ -1,7 +1,7 @@
 """A scan on the CPU target: its body as one compiled function, called T times by one loop kernel.
 
-The body function is written once per distinct body (by the same statement lowerings as an entry
-point, gradc/ops): its leaves are its arguments (carries, the slices x_t, the closed-over values),
+The body function is written once per distinct body (s.body_kernel: codegen/entry.py's BodyWriter,
+by the same statement lowerings as an entry point): its leaves are its arguments (carries, the slices x_t, the closed-over values),
 it writes the new carries and the y_t into arrays the loop hands it, and its intermediates are
 views of `work`, a small per-step arena the loop allocates once per call (no reuse inside a step:
 a step's values are few). The loop kernel keeps the carry in two buffers that swap each step,
@@ -13,66 +13,10 @@ carry, and the backward loop walks the segments of k steps last to first: it run
 body (a second body function, without the ys) from the segment's checkpoint into a buffer of k + 1
 carries, then the segment's backward steps read their carries from that buffer.
 """
-from gradc.ops.scan import (CHECKPOINT, DERIVATIVE_FROM_OUTPUT, FINAL, OSTACK, STACK, YS, forward_attrs, index_of, kind_of,
-                            length_operand, operand_leaves, parts, recompute_leaves, vjp_of)
+from gradc.codegen.statement import shape_src
 
-from .entry import EntryWriter
-from .statement import shape_src
-
-
-class BodyWriter(EntryWriter):
-    """Writes a scan body as one function body(l0, l1, ..., o0, o1, ..., work)."""
-    decorator = None
-
-    def __init__(self, body, kernels):
-        leaves, outputs = list(body.inputs.values()), list(body.outputs.values())
-        super().__init__(body, kernels, {n: f"l{i}" for i, n in enumerate(leaves)})
-        self.leaves, self.outputs = leaves, outputs
-        self.leaf_rank = {n: i for i, n in enumerate(leaves)}
-        self.sizes = []        # the size (source) of each work buffer, in order
-        self.output_of = {}    # node -> the output argument it was written into
-        self.skip = ()         # outputs left unwritten (the caller may hand any array for them)
-
-    def var(self, n):
-        if n in self.names and self.graph.shape(n) == ():
-            return self.names[n]   # scalar leaves come in as numbers
-        return super().var(n)
-
-    def new_array(self, n, dims, step):
-        shape = self.graph.shape(n)
-        for o, out in enumerate(self.outputs):
-            if out == n and o not in self.output_of.values() and n not in self.output_of and o not in self.skip:
-                self.output_of[n] = o
-                return f"o{o}"
-        offset = " + ".join(self.sizes) or "0"
-        size = "*".join(dims[d] if isinstance(d, str) else str(d) for d in shape) or "1"
-        self.sizes.append(f"({size})")
-        return f"view(work, {offset}, {shape_src(shape, dims)})"
-
-    def write_body(self, fname, skip=()):
-        """skip: outputs nobody reads at this call site (their statements are left out)."""
-        g = self.graph
-        self.skip = tuple(skip)
-        order = g.topo_order(g.ancestors([o for i, o in enumerate(self.outputs) if i not in skip]) | set(self.leaves))
-        self.plan_steps = order
-        self.slot_of_step = {t: None for t in range(len(order))}   # every value gets a buffer: none is fresh
-        self.flat, self.placed = {}, set()
-        self.compiled = True
-        consts = [n for n in order if g.op(n) == "const" and self.const_argument(n, order)]
-        if consts:
-            raise NotImplementedError("cpu codegen: a constant array inside a scan body")
-        dims = self._dims(order, self.leaves)
-        body = [f"{dims[d]} = {src}" for d, src in self._dim_sources(order, self.leaves).items()]
-        for step, n in enumerate(order):
-            if g.op(n) in ("param", "input", "const"):
-                continue
-            body += self.statement(n, dims, step)
-        for o, n in enumerate(self.outputs):
-            if self.output_of.get(n) != o and o not in skip:
-                body.append(f"o{o}[...] = {self.var(n)}")
-        args = [self.names[n] for n in self.leaves] + [f"o{o}" for o in range(len(self.outputs))] + ["work"]
-        lines = [f"def {fname}({', '.join(args)}):"] + ["    " + b for b in body] + ["    return"]
-        return "\n".join(lines), dims
+from .scan_layout import (CHECKPOINT, DERIVATIVE_FROM_OUTPUT, FINAL, OSTACK, STACK, YS, forward_attrs, index_of, kind_of,
+                          length_operand, operand_leaves, parts, recompute_leaves, vjp_of)
 
 
 def lower_scan(s):
@@ -93,38 +37,21 @@ def lower_scan(s):
             present.append(index)
     scalar_leaves = tuple(j for j, leaf in enumerate(leaves) if body.shape(leaf) == ())
     key = ("scan", repr(body), tuple(present), bool(attrs.get("reverse")), scalar_leaves)
-    layouts = s.kernels.__dict__.setdefault("scan_bodies", {})   # body kernel -> (work sizes, dims)
-
     skip = tuple(K + m for m in range(M) if index_of(attrs, YS, m) not in present)
-
-    def make_body(name):
-        writer = BodyWriter(body, s.kernels)
-        source, dims = writer.write_body(name, skip)
-        layouts[name] = (writer.sizes, dims)
-        return source, f"one step of a scan: {len(leaves)} leaves -> {len(outputs)} outputs, intermediates in work"
-
-    body_kernel = s.kernel(("scan_body", repr(body), skip), "scan_body", make_body)
-    key += (body_kernel, attrs.get("checkpoint_every"))
+    body_kernel = s.body_kernel(body, skip, f"one step of a scan: {len(leaves)} leaves -> {len(outputs)} outputs, "
+                                            f"intermediates in work")
+    key += (body_kernel[0], attrs.get("checkpoint_every"))
     bppsa = attrs.get("backward") == "bppsa"
     if bppsa:
         key += ("bppsa", repr(attrs["vjp"]))
     forward = None
     if attrs.get("recompute_every"):   # the forward's step again, for the new carries alone
-        fattrs = forward_attrs(attrs)
-        fbody, _, fouts, KF, _, _, MF = parts(fattrs)
-        fskip = tuple(range(KF, KF + MF))
-
-        def make_forward_body(name):
-            writer = BodyWriter(fbody, s.kernels)
-            source, dims = writer.write_body(name, fskip)
-            layouts[name] = (writer.sizes, dims)
-            return source, f"one forward step of a scan again, for its {KF} new carr{'y' if KF == 1 else 'ies'} alone"
-
-        forward = s.kernel(("scan_body", repr(fbody), fskip), "scan_body", make_forward_body)
-        key += ("recompute", attrs["recompute_every"], forward, repr(attrs["vjp"]))
+        fbody, _, _, KF, _, _, MF = parts(forward_attrs(attrs))
+        forward = s.body_kernel(fbody, tuple(range(KF, KF + MF)),
+                                f"one forward step of a scan again, for its {KF} new carr{'y' if KF == 1 else 'ies'} alone")
+        key += ("recompute", attrs["recompute_every"], forward[0], repr(attrs["vjp"]))
     kernel = s.kernel(key, "bppsa" if bppsa else "scan",
-                      lambda name: _loop_source(name, body_kernel, layouts[body_kernel], attrs, present, bppsa,
-                                                forward and (forward, layouts[forward])))
+                      lambda name: _loop_source(name, body_kernel, attrs, present, bppsa, forward))
     lines.append(s.call(kernel, list(s.args) + out_args) + s.note)
     return lines
 
@@ -230,10 +157,11 @@ def _bppsa_lines(body_kernel, attrs):
     return ["    " + line for line in L]
 
 
-def _loop_source(name, body_kernel, layout, attrs, present, bppsa=False, forward=None):
-    """forward: (kernel, layout) of the forward's body on a backward scan that recomputes its carries."""
+def _loop_source(name, body, attrs, present, bppsa=False, forward=None):
+    """body: (kernel, work sizes, dims) of the step; forward: the same of the forward's step on a
+    backward scan that recomputes its carries."""
+    body_kernel, sizes, dims = body
     body, leaves, outputs, K, X, C, M = parts(attrs)
-    sizes, dims = layout
     work = " + ".join(sizes) or "1"
     held = operand_leaves(attrs)   # leaf j's operand is the argument a{j}
     res = {index: f"r{i}" for i, index in enumerate(present)}
@@ -296,14 +224,13 @@ def _loop_source(name, body_kernel, layout, attrs, present, bppsa=False, forward
     return "\n".join(lines), doc
 
 
-def _segment_lines(attrs, fkernel, flayout, loop):
+def _segment_lines(attrs, fkernel, fsizes, fdims, loop):
     """The backward loop of a scan that recomputes its forward's carries: for each segment of
     `every` forward steps, last first, the forward body from the segment's checkpoint into sg_k
     (sg_k[f - f0] the carry forward step f reads, sg_k[f - f0 + 1] the one it writes), then the
     segment's backward steps (`loop`, run index i) in reverse order of f."""
     rc, every = recompute_leaves(attrs), attrs["recompute_every"]
     fbody, _, fouts, KF, XF, CF, MF = parts(forward_attrs(attrs))
-    fsizes, _ = flayout
     L = [f"every = {every}",
          "n_checkpoints = (T + every - 1) // every",
          f"work_f = np.empty(max({' + '.join(fsizes) or '1'}, 1), FLOAT)"]
