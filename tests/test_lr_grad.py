@@ -203,3 +203,32 @@ def test_compiled_lr_grad_and_trainer(build_dir):
         mod.Trainer(params, gradient="evolution")
     with pytest.raises(ValueError, match="odd"):
         mod.Trainer(params, gradient="lr", samples=7)
+    _check_lr_checkpoints(mod, tr, X, Y, build_dir)
+
+
+def _check_lr_checkpoints(mod, tr, X, Y, build_dir):
+    """The gradient mode is training state: a checkpoint restores gradient="lr", its options and its
+    seed, so the resumed run takes the very steps the first one would have."""
+    path = os.path.join(build_dir, "lr.npz")
+    tr.save(path)
+    back = mod.Trainer.load(path)
+    assert back.gradient == "lr" and back.lr_options == tr.lr_options and back.lr_seed == tr.lr_seed
+    assert back.steps == tr.steps
+    for _ in range(2):
+        assert back.step(x=X, y=Y) == tr.step(x=X, y=Y)
+    for p in mod.TRAINABLE:
+        np.testing.assert_array_equal(back.params[p], tr.params[p])
+    bp = mod.Trainer(mod.init_params(0), optimizer="adam")
+    bp.save(path)
+    assert mod.Trainer.load(path).gradient == "backprop"
+    arrays = dict(np.load(path))
+    meta = json.loads(str(arrays["meta"]))
+    for bad in ({"gradient": "lr"}, {"gradient": "evolution"}, {"gradient": "lr", "lr_options": {"samples": 4}}):
+        arrays["meta"] = np.array(json.dumps(meta | bad))
+        np.savez(path, **arrays)
+        with pytest.raises(ValueError, match=r"lr.npz: meta 'gradient'"):
+            mod.Trainer.load(path)
+    del meta["gradient"]   # written before gradient modes were recorded: backprop
+    arrays["meta"] = np.array(json.dumps(meta))
+    np.savez(path, **arrays)
+    assert mod.Trainer.load(path).gradient == "backprop"

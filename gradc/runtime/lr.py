@@ -105,3 +105,21 @@ class LRTrainer:
             self.lr_options = {"samples": samples, "sigma": sigma, "antithetic": antithetic, "layerwise": layerwise,
                                "baseline": baseline}
         super().__init__(params, *args, **kwargs)
+
+    def _gradient_meta(self):
+        """gradient="lr" and its options are training state: a resumed run draws step t's noise from seed + t."""
+        if self.gradient == "backprop":
+            return {"gradient": "backprop"}
+        return {"gradient": "lr", "lr_options": dict(self.lr_options, seed=self.lr_seed)}
+
+    @classmethod
+    def _gradient_options(cls, meta, path):
+        gradient = meta.get("gradient", "backprop")   # checkpoints from before gradient modes were recorded
+        if gradient == "backprop":
+            return {}
+        options = meta.get("lr_options")
+        known = {"samples", "sigma", "seed", "antithetic", "layerwise", "baseline"}
+        if gradient != "lr" or not isinstance(options, dict) or set(options) != known:
+            raise ValueError(f"{path}: meta 'gradient' {gradient!r} with options {options!r} is not a gradient mode "
+                             f"this module has (backprop, or lr with {', '.join(sorted(known))})")
+        return {"gradient": "lr", **options}

@@ -239,7 +239,7 @@ class TrainerBase:
     def _write(self, path):
         meta = {"model": self.model_name, "fingerprint": self.fingerprint, "optimizer": self.optimizer,
                 "lr": self.lr, "momentum": self.momentum, "betas": list(self.betas), "eps": self.eps,
-                "clip_norm": self.clip_norm, "steps": self.steps}
+                "clip_norm": self.clip_norm, "steps": self.steps} | self._gradient_meta()
         arrays = {"meta": np.array(json.dumps(meta))}
         arrays |= {f"param/{k}": self._host(v) for k, v in self.params.items()}
         arrays |= {f"state/{slot}": self._host(v) for slot, v in self.state.items()}
@@ -295,7 +295,7 @@ class TrainerBase:
         try:   # the constructor checks the hyperparameters and the params' shapes and dtypes
             tr = cls({k: arrays[f"param/{k}"] for k in cls.param_order}, optimizer=meta["optimizer"], lr=meta["lr"],
                      momentum=meta["momentum"], betas=tuple(betas), eps=meta["eps"], clip_norm=meta["clip_norm"],
-                     **parallel_options)
+                     **cls._gradient_options(meta, path), **parallel_options)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
         for slot, v in tr.state.items():
@@ -308,6 +308,15 @@ class TrainerBase:
             tr._restore(slot, saved)
         tr.steps = steps
         return tr
+
+    def _gradient_meta(self):
+        """What the checkpoint records of how gradients are made (a subclass's gradient modes)."""
+        return {}
+
+    @classmethod
+    def _gradient_options(cls, meta, path):
+        """The constructor options that restore the recorded gradient mode."""
+        return {}
 
     # ---- hyperparameter checks -------------------------------------------------------------
     def _positive(self, name, value):
