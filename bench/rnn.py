@@ -3,6 +3,9 @@ input 1, hidden 20, batch 16, T = 100 ... 30,000, classifying the last hidden st
 step's forward + backward (loss and the gradients of every weight), side by side in one run:
 
     gradc reverse   gc.scan compiled once (gradc compile --scan-backward reverse, the default)
+    reverse budget  the same under --memory-budget at a quarter of its store-all peak (T bound, one
+                    build per T): carry checkpoints every ceil(sqrt(T)) steps, each segment recomputed
+                    before its backward steps (the memory table after the times says what it keeps)
     gradc bppsa     the same model built with --scan-backward bppsa (Blelloch scan of the Jacobians):
                     the products of each sweep level on Numba's threads (every core)
     bppsa 1 thread  the same, with Numba held to one thread (what the threads buy)
@@ -79,6 +82,34 @@ def build_gradc(Ts, scan_backward, numba_threads=None):
                    "numba_threads": numba.get_num_threads()}
 
 
+def build_gradc_budgeted(Ts, share=0.25):
+    """One build per T under --memory-budget at `share` of loss_and_grad's store-all peak."""
+    import json
+
+    import gradc as gc
+    from gradc.passes.memory import plan_memory
+    from gradc.passes.pipeline import build_training_graph
+    tasks, memory, t = {}, {}, time.perf_counter()
+    h0 = np.zeros((B, H), np.float32)
+    for T in Ts:
+        dims = {"T": T, "B": B}
+        peak = plan_memory(build_training_graph(rnn_model(), "float32", dims, order=1), dims, 1)["_loss_and_grad"]["peak_bytes"]
+        m = rnn_model(f"rnn_budget_{T}")
+        out = tempfile.mkdtemp(prefix="gradc_rnn_")
+        mod = gc.compile(m, out=out, order=1, warm=False, bind=dims, memory_budget=str(int(share * peak)))
+        with open(os.path.join(out, m.name + ".memplan.json")) as f:
+            plan = json.load(f)
+        (ck,) = plan["scan_checkpoints"]
+        memory[T] = {"store_all": plan["store_all_peak_bytes"], "peak": plan["peak_bytes"],
+                     "workspace": plan["workspace_bytes"], "every": ck["every"]}
+        params = mod.init_params(0)
+        x, y = data(T)
+        tasks[f"T={T}"] = lambda mod=mod, params=params, x=x, y=y: mod.loss_and_grad(params, x=x, y=y, h0=h0)
+    for fn in tasks.values():
+        fn()
+    return tasks, {"build_s": round(time.perf_counter() - t, 2), "memory": memory}
+
+
 def build_torch_rnn(Ts, threads=1):
     import torch
     torch.set_num_threads(threads)
@@ -138,12 +169,14 @@ def main():
     args = parser.parse_args()
     Ts = args.T or ([100, 1000] if args.quick else [100, 1000, 10000, 30000])
     builders = {"gradc reverse": (build_gradc, (Ts, "reverse")),
+                "reverse budget": (build_gradc_budgeted, (Ts,)),
                 "torch nn.RNN": (build_torch_rnn, (Ts, args.torch_threads)),
                 "torch loop": (build_torch_loop, (Ts, args.torch_threads))}
     try:
         from gradc.compiler import SCAN_BACKWARD
         if "bppsa" in SCAN_BACKWARD:
-            builders = {"gradc reverse": builders["gradc reverse"], "gradc bppsa": (build_gradc, (Ts, "bppsa")),
+            builders = {"gradc reverse": builders["gradc reverse"], "reverse budget": builders["reverse budget"],
+                        "gradc bppsa": (build_gradc, (Ts, "bppsa")),
                         "bppsa 1 thread": (build_gradc, (Ts, "bppsa", 1)),
                         **{k: v for k, v in builders.items() if k != "gradc reverse"}}
     except ImportError:
@@ -162,6 +195,12 @@ def main():
         ratio = times["gradc reverse"][f"T={T}"] / times["torch nn.RNN"][f"T={T}"] if "torch nn.RNN" in times else float("nan")
         extra = f"  {times['gradc bppsa'][f'T={T}'] / times['gradc reverse'][f'T={T}']:>13.3f}" if bp else ""
         print(f"{T:>7} " + " ".join(f"{v:>15.3f}" for v in row) + f"   {ratio:>11.3f}" + extra)
+    memory = infos["reverse budget"]["memory"]
+    print("# loss_and_grad's planned peak (arena, plus the workspace of the recomputed segment), bytes:")
+    for T in Ts:
+        mm = memory[T]
+        print(f"{T:>7} store-all {mm['store_all']:>11,}  under the budget {mm['peak'] + mm['workspace']:>9,} "
+              f"({(mm['peak'] + mm['workspace']) / mm['store_all']:.3f}x; checkpoints every {mm['every']} steps)")
     print("# backward FLOPs, reverse scan vs BPPSA as built (structured Jacobians f'(h_t) W^T here; dense: a step that")
     print("# does not match, H VJPs per step). BPPSA does more work in ~2 log2 T sequential levels instead of T steps")
     for T in Ts:
