@@ -97,10 +97,14 @@ def memory_report(base):
              f"  keeping every activation: {format_size(plan['store_all_peak_bytes'])}; one step alone needs "
              f"{format_size(plan['lower_bound_bytes'])}"]
     if plan.get("workspace_bytes"):
-        lines.append(f"  kernel workspace (a convolution's im2col tile, outside the arena): at most "
-                     f"{format_size(plan['workspace_bytes'])}")
+        lines.append(f"  kernel workspace (a convolution's im2col tile, a scan's recomputed segment or BPPSA's maps, "
+                     f"outside the arena): at most {format_size(plan['workspace_bytes'])}")
     if plan["budget_bytes"] is not None:
         lines.append(f"  budget {format_size(plan['budget_bytes'])}; recomputed {plan['recompute_flops']:,} FLOPs")
+    for ck in plan.get("scan_checkpoints", ()):
+        lines.append(f"  scan %{ck['scan']} ({ck['src']}): {ck['steps']} steps, keeps the carry every {ck['every']} "
+                     f"steps ({ck['checkpoints']} checkpoints); its backward %{ck['backward']} recomputes each segment "
+                     f"({ck['recompute_flops']:,} FLOPs)")
     live = [t for t in plan["tensors"] if t["start"] <= at <= t["end"]]
     lines.append(f"  largest values live at the peak ({len(live)} in all):")
     for t in sorted(live, key=lambda t: -t["bytes"])[:8]:

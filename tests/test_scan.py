@@ -283,6 +283,7 @@ def _check_budget_build(make, name, torch_loss, tmp_path, T, order):
     """A build under 60% of the store-all peak: the plan keeps checkpoints and fits with its
     workspace; the loss, gradients (and HVPs) are torch's (the interpreter's on the plain graph)."""
     import json
+    from gradc.inspect_build import memory_report
     from gradc.passes.memory import plan_memory
     dims = {"T": T, "B": 3}
     g = build_training_graph(make(), "float64", dims, order=order)
@@ -291,6 +292,8 @@ def _check_budget_build(make, name, torch_loss, tmp_path, T, order):
                     memory_budget=str(int(0.6 * peak)))
     plan = json.loads((tmp_path / f"{name}.memplan.json").read_text())
     assert plan["scan_checkpoints"] and "carry checkpoints" in plan["method"]
+    every = int(np.ceil(np.sqrt(T)))
+    assert f"keeps the carry every {every} steps" in "\n".join(memory_report(str(tmp_path / name)))
     assert plan["peak_bytes"] + plan["workspace_bytes"] <= plan["budget_bytes"] < peak
     assert plan["store_all_peak_bytes"] == peak
     assert plan["recompute_flops"] >= sum(d["recompute_flops"] for d in plan["scan_checkpoints"]) > 0
