@@ -739,7 +739,7 @@ def scan(step, init, xs, reverse=False):
     finally:
         body.done = True
     if not isinstance(out, (tuple, list)) or len(out) != 2:
-        raise GradcError(f"scan: the step {getattr(step, '__name__', 'step')} ({step_src}) must return "
+        raise GradcError(f"scan: the step ({step_src}) must return "
                          f"(new_carry, y), got {type(out).__name__}" +
                          (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""), src)
     new, ys = out

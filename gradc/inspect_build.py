@@ -113,7 +113,8 @@ def memory_report(base):
     kept = [t for t in plan["tensors"] if t["retained"]]
     again = [t for t in plan["tensors"] if t["recomputed"]]
     lines.append(f"  kept for the backward: {len(kept)} values, {format_size(sum(t['bytes'] for t in kept))}; "
-                 f"recomputed: {len(again)} computations, {format_size(sum(t['bytes'] for t in again))}")
+                 f"recomputed: {len(again)} computations, {format_size(sum(t['bytes'] for t in again))}"
+                 + (" (besides the scans' segments above)" if plan.get("scan_checkpoints") else ""))
     lines.append("  other entry points: " + "; ".join(
         f"{e} peak {format_size(d['peak_bytes'])}" for e, d in plan["entries"].items() if d["peak_bytes"] is not None))
     png = _live_bytes_png(base, plan)

@@ -277,12 +277,14 @@ def steps_of(chain, ops, leaves):
 
 
 class BudgetError(Exception):
-    """The budget is below the least peak this model can be planned to."""
+    """The budget is below the least peak this model can be planned to (bytes; `workspace`: the
+    kernels' own, which both figures include)."""
 
-    def __init__(self, minimum, store_all):
+    def __init__(self, minimum, store_all, workspace=0):
         super().__init__(minimum)
         self.minimum = minimum
         self.store_all = store_all
+        self.workspace = workspace
 
 
 def plan_retention(graph, chain, order, budget, peak_of, store_all_peak):

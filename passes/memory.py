@@ -198,7 +198,7 @@ def plan_memory(graph, dims, order, budget=None):
         tried = _plan_entries(trial, dims, order, budget) if done else None
     except BudgetError as e:
         if refusal:
-            raise BudgetError(min(refusal.minimum, e.minimum), refusal.store_all) from None
+            raise BudgetError(min(refusal.minimum, e.minimum), refusal.store_all, refusal.workspace) from None
         tried = None
     extra = _checkpoint_flops(done, tried["_loss_and_grad"]) if tried else 0
     if tried is None or (plans is not None and plans["_loss_and_grad"]["recompute_flops"]
@@ -242,7 +242,7 @@ def _plan_entries(graph, dims, order, budget):
                 try:
                     plan = _within_budget(graph, steps, roots, dims, sizes, room, plan)
                 except BudgetError as e:
-                    raise BudgetError(e.minimum + work, e.store_all + work) from None
+                    raise BudgetError(e.minimum + work, e.store_all + work, work) from None
                 plan["budget_bytes"] = budget
         plan["roots"] = roots
         plans[fname] = plan
