@@ -233,6 +233,8 @@ def test_compile_refuses_what_scans_do_not_support_yet(tmp_path):
     for options, message in (({"target": "cuda"}, "gc.scan with --target cuda is not built yet"),
                              ({"memory_budget": "1KiB", "bind": {"T": 40, "B": 2}, "order": 1},
                               r"budget 1.00 KiB \(1,024 bytes\) is below the minimum .* for this model"),
+                             ({"memory_budget": "1KiB", "bind": {"T": 40, "B": 2}, "order": 1, "scan_backward": "bppsa"},
+                              r"needs .*, of which .* is kernel workspace \(BPPSA's maps: --scan-backward reverse"),
                              ({"scan_backward": "fast"}, "--scan-backward 'fast': use reverse or bppsa")):
         with pytest.raises(GradcError, match=message):
             gc.compile(m, out=str(tmp_path), warm=False, **options)
