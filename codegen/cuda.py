@@ -44,6 +44,8 @@ class CudaKernels:
         self.launch = {}
         self.sites = []       # (name, source): the GEMM sites (gradc/runtime/cuda_gemm.py), after the kernels
         self._site_by_key = {}
+        self.host_functions = []   # (name, source, doc): scans' steps, host code that launches kernels
+        self._host_by_key = {}     # key -> (name, facts)
 
     def _get(self, key, hint, make):
         if key not in self._by_key:
@@ -53,6 +55,17 @@ class CudaKernels:
             self.sources.append((name, source, doc))
             self.launch[name] = grid
         return self._by_key[key]
+
+    def host_function(self, key, hint, make):
+        """A host function of the module (not a kernel), once per key: make(name) -> (source, doc, facts);
+        returns (name,) + facts."""
+        if key not in self._host_by_key:
+            name = f"h{len(self.host_functions)}_{hint}"
+            source, doc, facts = make(name)
+            self.host_functions.append((name, source, doc))
+            self._host_by_key[key] = (name, facts)
+        name, facts = self._host_by_key[key]
+        return (name,) + tuple(facts)
 
     # ---- elementwise ----------------------------------------------------------------------
     def elementwise(self, expr, patterns, out_rank, hint):

@@ -13,7 +13,7 @@ import sympy as sp
 from gradc.ops import get_op
 from gradc.ops.elementwise import X
 
-from .entry import EntryWriter
+from .entry import BodyWriter, EntryWriter
 from .statement import CudaStatement, shape_src as _shape_src
 
 
@@ -92,6 +92,17 @@ class CudaEntryWriter(EntryWriter):
             config = "block(stream)"
         return f"{kernel}[{config}]({', '.join(args)})"
 
+    def body_kernel(self, body, skip, doc):
+        """A scan's step on CUDA: a host function step(leaves..., outputs..., work, scal, stream) that
+        launches its kernels (CudaBodyWriter), one per distinct body and skip per module. Returns (its
+        name, the sizes of its work buffers as source, the body's dim variables, its scalar slots)."""
+        def make(name):
+            writer = CudaBodyWriter(body, self.kernels)
+            source, dims = writer.write_body(name, skip)
+            return source, doc, (writer.sizes, dims, writer.scalar_count())
+
+        return self.kernels.host_function(("scan_step", repr(body), tuple(skip)), "scan_step", make)
+
     def _fill_flat(self, layout):
         lines = []
         for r, start, size in layout:
@@ -107,3 +118,54 @@ class CudaEntryWriter(EntryWriter):
     def returned(self, r, seen):
         """Every returned value is a device array; the caller copies it out before the next call."""
         return self.var(r)
+
+
+class CudaBodyWriter(BodyWriter, CudaEntryWriter):
+    """A scan's step as a host function on CUDA: intermediates are slices of the device array `work`,
+    scalars slots of `scal` (one-element arrays, as in an entry), and a scalar constant that a kernel
+    reads as an array is made on the device by the function itself."""
+    body_tail = ("work", "scal", "stream")
+
+    def __init__(self, body, kernels):
+        super().__init__(body, kernels)
+        self.scalar_slot = {}
+
+    def var(self, n):
+        return CudaEntryWriter.var(self, n)
+
+    def const_argument(self, n, order):
+        if np.ndim(self.graph.attrs(n)["value"]) > 0:
+            return True   # an array constant: refused (BodyWriter.write_body)
+        return False      # scalars are folded into elementwise kernels, or made by const_lines
+
+    def new_array(self, n, dims, step):
+        shape = self.graph.shape(n)
+        for o, out in enumerate(self.outputs):
+            if out == n and o not in self.output_of.values() and n not in self.output_of and o not in self.skip:
+                self.output_of[n] = o
+                return f"o{o}"
+        if shape == ():
+            k = self.scalar_slot.setdefault(n, len(self.scalar_slot))
+            return f"scal[{k}:{k + 1}]"
+        offset = " + ".join(self.sizes) or "0"
+        count = " * ".join(dims[d] if isinstance(d, str) else str(d) for d in shape) or "1"
+        self.sizes.append(f"({count})")
+        view = f"work[{offset}:{offset} + {count}]"
+        return view if len(shape) == 1 else f"{view}.reshape({_shape_src(shape, dims)})"
+
+    def statement(self, n, dims, step):
+        g = self.graph
+        made = [u for u in g.operands(n) if g.op(u) == "const" and np.ndim(g.attrs(u)["value"]) == 0
+                and get_op(g.op(n)).kind != "elementwise" and u not in self.placed_consts]
+        self.placed_consts |= set(made)
+        return [f"c{u} = cuda.to_device(np.full(1, {float(g.attrs(u)['value'])!r}, FLOAT), stream=stream)"
+                for u in made] + super().statement(n, dims, step)
+
+    def write_body(self, fname, skip=()):
+        self.placed_consts = set()
+        return super().write_body(fname, skip)
+
+    def copy_into(self, out, n):
+        rank = len(self.graph.shape(n))
+        copy = self.kernels.elementwise(X[0], [tuple(range(rank))], rank, "copy")
+        return [self.launch(copy, [self.var(n), out])]

@@ -262,6 +262,7 @@ class EntryWriter:
 class BodyWriter(EntryWriter):
     """Writes a scan body as one function body(l0, l1, ..., o0, o1, ..., work)."""
     decorator = None
+    body_tail = ("work",)    # the arguments after the outputs
 
     def __init__(self, body, kernels):
         leaves, outputs = list(body.inputs.values()), list(body.outputs.values())
@@ -299,7 +300,7 @@ class BodyWriter(EntryWriter):
         self.compiled = True
         consts = [n for n in order if g.op(n) == "const" and self.const_argument(n, order)]
         if consts:
-            raise NotImplementedError("cpu codegen: a constant array inside a scan body")
+            raise NotImplementedError(f"{self.target} codegen: a constant array inside a scan body")
         dims = self._dims(order, self.leaves)
         body = [f"{dims[d]} = {src}" for d, src in self._dim_sources(order, self.leaves).items()]
         for step, n in enumerate(order):
@@ -308,7 +309,11 @@ class BodyWriter(EntryWriter):
             body += self.statement(n, dims, step)
         for o, n in enumerate(self.outputs):
             if self.output_of.get(n) != o and o not in skip:
-                body.append(f"o{o}[...] = {self.var(n)}")
-        args = [self.names[n] for n in self.leaves] + [f"o{o}" for o in range(len(self.outputs))] + ["work"]
+                body += self.copy_into(f"o{o}", n)
+        args = [self.names[n] for n in self.leaves] + [f"o{o}" for o in range(len(self.outputs))] + list(self.body_tail)
         lines = [f"def {fname}({', '.join(args)}):"] + ["    " + b for b in body] + ["    return"]
         return "\n".join(lines), dims
+
+    def copy_into(self, out, n):
+        """Lines that copy value n into the output argument `out`."""
+        return [f"{out}[...] = {self.var(n)}"]

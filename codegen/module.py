@@ -264,6 +264,9 @@ def generate(graph, plans, info):
     if cuda and kernels.sites:
         kernel_src.append("# GEMM sites: each picks its kernel per call by the product's size (gradc/runtime/cuda_gemm.py)\n"
                           + "\n".join(src for _, src in kernels.sites))
+    if cuda and kernels.host_functions:
+        kernel_src += ["# scans' steps: host functions that launch one step's kernels (a scan's loop calls one per step)"]
+        kernel_src += [_with_doc(src, doc) for _, src, doc in kernels.host_functions]
     body = [source for _, source, _, _ in entries.values()] + ([streamed] if streamed else [])
 
     if cuda:

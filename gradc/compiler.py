@@ -81,7 +81,7 @@ def device_options(options, model, dims, memory_budget, src):
     return {"K": K, "M": M, "schedule": schedule, "device_memory": memory, "batch": batch, "reduction": reduction}
 
 
-def check_scans(model, scan_backward, target, devices):
+def check_scans(model, scan_backward, target, memory_budget, devices):
     """What a model with gc.scan can be compiled with today (DESIGN.md §1.8)."""
     if scan_backward not in ("reverse", "bppsa"):
         raise GradcError(f"--scan-backward {scan_backward!r}: use reverse or bppsa", model.src)
@@ -92,11 +92,13 @@ def check_scans(model, scan_backward, target, devices):
     src = g.node(scans[0])["src"]
     if scan_backward not in SCAN_BACKWARD:
         raise GradcError(f"--scan-backward {scan_backward} is not built yet: compile with --scan-backward reverse", src)
-    why = ("--target cuda" if target == "cuda" else
+    why = ("--target cuda and --scan-backward bppsa" if target == "cuda" and scan_backward == "bppsa" else
+           "--target cuda and --memory-budget" if target == "cuda" and memory_budget is not None else
            "--devices" if (devices.get("devices") or 1) > 1 else "--microbatches" if (devices.get("microbatches") or 1) > 1
            else None)
     if why:
-        raise GradcError(f"gc.scan with {why} is not built yet (a scan compiles for the CPU target, on one device)", src)
+        raise GradcError(f"gc.scan with {why} is not built yet (BPPSA and carry checkpoints are built for the CPU "
+                         f"target; every scan runs on one device)", src)
 
 
 def fingerprint(model, dtype, dims):
@@ -390,7 +392,7 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
             raise GradcError(f"--bind {d}={v}: a dim must be bound to an int >= 1", model.src)
     timings = {} if timings is None else timings
     t0 = time.perf_counter()
-    check_scans(model, scan_backward, target, devices)
+    check_scans(model, scan_backward, target, memory_budget, devices)
     pipe = device_options(devices, model, dims, memory_budget, model.src)
     # microbatches run the code at other batch sizes: the batch dim stays symbolic in it (the plans bind it)
     code_dims = {d: v for d, v in dims.items() if d != pipe["batch"]}

@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gradc as gc  # noqa: E402
 import test_codegen as zoo  # noqa: E402
+import test_scan as scans  # noqa: E402
 from gradc.interpret import evaluate  # noqa: E402
 from gradc.passes.pipeline import build_training_graph  # noqa: E402
 
@@ -78,28 +79,41 @@ def run_models(build):
         model = make()
         order = 2 if model.name in WITH_HVP else 1
         dev = gc.compile(model, out=os.path.join(build, "cuda"), target="cuda", dtype="float64", order=order)
-        params, inputs = dev.init_params(seed=3), zoo._inputs(dev, rng)
-        tangents = {k: rng.standard_normal(np.shape(params[k])) for k in dev.TRAINABLE} if order == 2 else None
-        ref = reference(model, params, inputs, order, tangents)
-        e = errors[model.name] = {}
-        e["forward"] = err(ref["outputs"] | {"loss": ref["loss"]}, dev.forward(params, **inputs))
-        loss, grads = dev.loss_and_grad(params, **inputs)
-        e["loss"], e["grads"] = err(ref["loss"], loss), err(ref["grads"], grads)
-        e["input_grads"] = err(ref["input_grads"], dev.input_grads(params, **inputs))
-        if order == 2:
-            e["hvp"] = err(ref["hvp"], dev.hvp(params, tangents, **inputs))
-        if model.name == "cg_scalars":   # every row of the Hessian is an hvp with a basis vector
-            rows = []
-            for p in dev.TRAINABLE:
-                for i in range(int(np.prod(np.shape(params[p])))):
-                    basis = {q: np.zeros(np.shape(params[q])) for q in dev.TRAINABLE}
-                    basis[p].reshape(-1)[i] = 1.0
-                    hv = reference(model, params, inputs, 2, basis)["hvp"]
-                    rows.append(np.concatenate([np.reshape(hv[q], -1) for q in dev.TRAINABLE]))
-            expected = np.array(rows)
-            e["hessian"] = err((expected + expected.T) / 2, dev.hessian(params, **inputs))
+        errors[model.name] = entry_errors(model, dev, dev.init_params(seed=3), zoo._inputs(dev, rng), order, rng)
+        print(model.name, round(time.perf_counter() - t0, 1), file=sys.stderr)
+    # gc.scan: a host loop calling the step's launches; gradients and HVPs go through reverse scans
+    for make in (scans._rnn, scans._gru, scans._stacked):
+        t0 = time.perf_counter()
+        model = make(f"cg_scan_{make.__name__[1:]}")
+        dev = gc.compile(model, out=os.path.join(build, "cuda"), target="cuda", dtype="float64", order=2)
+        params, inputs = scans._data(build_training_graph(model, "float64", order=2), rng, T=3, B=2)
+        errors[model.name] = entry_errors(model, dev, params, inputs, 2, rng)
         print(model.name, round(time.perf_counter() - t0, 1), file=sys.stderr)
     return errors
+
+
+def entry_errors(model, dev, params, inputs, order, rng):
+    """Every entry point of CUDA module `dev` against the interpreter."""
+    tangents = {k: rng.standard_normal(np.shape(params[k])) for k in dev.TRAINABLE} if order == 2 else None
+    ref = reference(model, params, inputs, order, tangents)
+    e = {}
+    e["forward"] = err(ref["outputs"] | {"loss": ref["loss"]}, dev.forward(params, **inputs))
+    loss, grads = dev.loss_and_grad(params, **inputs)
+    e["loss"], e["grads"] = err(ref["loss"], loss), err(ref["grads"], grads)
+    e["input_grads"] = err(ref["input_grads"], dev.input_grads(params, **inputs))
+    if order == 2:
+        e["hvp"] = err(ref["hvp"], dev.hvp(params, tangents, **inputs))
+    if model.name == "cg_scalars":   # every row of the Hessian is an hvp with a basis vector
+        rows = []
+        for p in dev.TRAINABLE:
+            for i in range(int(np.prod(np.shape(params[p])))):
+                basis = {q: np.zeros(np.shape(params[q])) for q in dev.TRAINABLE}
+                basis[p].reshape(-1)[i] = 1.0
+                hv = reference(model, params, inputs, 2, basis)["hvp"]
+                rows.append(np.concatenate([np.reshape(hv[q], -1) for q in dev.TRAINABLE]))
+        expected = np.array(rows)
+        e["hessian"] = err((expected + expected.T) / 2, dev.hessian(params, **inputs))
+    return e
 
 
 def finite_differences(dev, params, inputs, rng, probes=4, h=1e-6):

@@ -45,7 +45,7 @@ from ..shapes import fmt, size
 from .scan_layout import (CHECKPOINT, DERIVATIVE_FROM_OUTPUT, FINAL, OSTACK, STACK, YS, checkpoints,  # noqa: F401
                           forward_attrs, index_of, kind_of, length_operand, operand_leaves, parts, recompute_leaves,
                           vjp_of, _frozen)
-from .scan_loop import lower_scan
+from .scan_loop import lower_scan, lower_scan_cuda
 
 def result_type(attrs, index, length):
     """(shape, dtype) of result `index` of a scan whose sequences have `length` steps."""
@@ -586,7 +586,7 @@ def _out_cpu(s):
 
 
 register(Op("scan", "region", _scan_infer, _scan_evaluate, _scan_flops, vjp=_scan_vjp, rows=_scan_rows,
-            cpu=lower_scan, workspace=_scan_workspace,
+            cpu=lower_scan, cuda=lower_scan_cuda, workspace=_scan_workspace,
             doc="runs attrs['body'] once per step over axis 0 of the sequences; results are scan_out nodes"))
 register(Op("scan_out", "project", _out_infer, _out_evaluate, lambda a, i, o: 0, arity=1, rows=_out_rows,
-            cpu=_out_cpu, doc="one result of a scan (attrs index, shape, dtype): see gradc/ops/scan.py"))
+            cpu=_out_cpu, cuda=_out_cpu, doc="one result of a scan (attrs index, shape, dtype): see gradc/ops/scan.py"))

@@ -14,6 +14,7 @@ body (a second body function, without the ys) from the segment's checkpoint into
 carries, then the segment's backward steps read their carries from that buffer.
 """
 from gradc.codegen.statement import shape_src
+from gradc.ops.elementwise import X as OPERAND
 
 from .scan_layout import (CHECKPOINT, DERIVATIVE_FROM_OUTPUT, FINAL, OSTACK, STACK, YS, forward_attrs, index_of, kind_of,
                           length_operand, operand_leaves, parts, recompute_leaves, vjp_of)
@@ -253,3 +254,71 @@ def _segment_lines(attrs, fkernel, fsizes, fdims, loop):
           "        i = T - 1 - f"]
     L += ["        " + line for line in loop]
     return ["    " + line for line in L]
+
+
+def lower_scan_cuda(s):
+    """The scan node's statement on CUDA: the loop runs on the host, calling the step's host function
+    (s.body_kernel: its kernels' launches) once per step; carries are device arrays that swap, copied
+    into the stacks and the final carries by a copy kernel. BPPSA and carry checkpoints are CPU only
+    (compiler.check_scans refuses them on CUDA)."""
+    g, n, attrs = s.graph, s.n, s.attrs
+    body, leaves, outputs, K, X, C, M = parts(attrs)
+    if attrs.get("backward") == "bppsa" or attrs.get("recompute_every") or attrs.get("checkpoint_every"):
+        raise NotImplementedError("cuda codegen: BPPSA and carry checkpoints of gc.scan are built for the CPU only")
+    results = {}
+    for u in g.users(n):
+        if g.op(u) == "scan_out":
+            results.setdefault(g.attrs(u)["index"], u)
+    lines, res = [], {}
+    for index in sorted(results):
+        alloc = s.alloc_for(results[index])
+        if alloc is not None:
+            lines.append(alloc)
+            res[index] = s.var(results[index])
+    skip = tuple(K + m for m in range(M) if index_of(attrs, YS, m) not in res)
+    step, sizes, dims, scalars = s.body_kernel(body, skip, f"one step of a scan: {len(leaves)} leaves -> "
+                                                           f"{len(outputs)} outputs, launched from the host")
+    a = s.args
+    v = f"s{n}_"   # this scan's locals in the entry function
+    copy = lambda src, dst, rank: s.call(s.kernels.elementwise(OPERAND[0], [tuple(range(rank))], rank, "copy"), [src, dst])
+    lines.append(f"{v}work = cuda.device_array(max({' + '.join(sizes) or '1'}, 1), FLOAT)")
+    lines.append(f"{v}scal = cuda.device_array({max(scalars, 1)}, FLOAT)")
+    for k in range(K):
+        rank = len(body.shape(leaves[k]))
+        lines += [f"{v}cur{k} = cuda.device_array_like({a[k]})", f"{v}nxt{k} = cuda.device_array_like({a[k]})",
+                  copy(a[k], f"{v}cur{k}", rank)]
+    for m in range(M):
+        if index_of(attrs, YS, m) not in res:
+            lines.append(f"{v}y{m} = cuda.device_array({_body_shape_src(body, outputs[K + m], leaves, K, X, a)}, FLOAT)")
+    lines.append(f"{v}T = {a[K]}.shape[0]")
+    loop = [f"t = {v}T - 1 - i" if attrs.get("reverse") else "t = i"]
+    at = lambda arr, leaf: f"{arr}[t:t + 1]" if body.shape(leaf) == () else f"{arr}[t]"
+    for k in range(K):
+        if index_of(attrs, STACK, k) in res:
+            loop.append(copy(f"{v}cur{k}", f"{res[index_of(attrs, STACK, k)]}[t]", len(body.shape(leaves[k]))))
+    call = [f"{v}cur{k}" for k in range(K)] + [at(a[K + j], leaves[K + j]) for j in range(X)] + list(a[K + X:])
+    call += [f"{v}nxt{k}" for k in range(K)]
+    call += [f"{res[index_of(attrs, YS, m)]}[t]" if index_of(attrs, YS, m) in res else f"{v}y{m}" for m in range(M)]
+    loop.append(f"{step}({', '.join(call + [f'{v}work', f'{v}scal', 'stream'])})")
+    for k in range(K):
+        if index_of(attrs, OSTACK, k) in res:
+            loop.append(copy(f"{v}nxt{k}", f"{res[index_of(attrs, OSTACK, k)]}[t]", len(body.shape(leaves[k]))))
+        loop.append(f"{v}cur{k}, {v}nxt{k} = {v}nxt{k}, {v}cur{k}")
+    lines.append(f"for i in range({v}T):{s.note}")
+    lines += ["    " + line for line in loop]
+    for k in range(K):
+        if index_of(attrs, FINAL, k) in res:
+            lines.append(copy(f"{v}cur{k}", res[index_of(attrs, FINAL, k)], len(body.shape(leaves[k]))))
+    return lines
+
+
+def _body_shape_src(body, node, leaves, K, X, args):
+    """The shape of a body value at run time, its symbolic dims read off the scan's operands."""
+    out = []
+    for d in body.shape(node):
+        if not isinstance(d, str):
+            out.append(str(d))
+            continue
+        j, axis = next((j, axis) for j, leaf in enumerate(leaves) for axis, e in enumerate(body.shape(leaf)) if e == d)
+        out.append(f"{args[j]}.shape[{axis + (1 if K <= j < K + X else 0)}]")
+    return f"({out[0]},)" if len(out) == 1 else f"({', '.join(out)})"
