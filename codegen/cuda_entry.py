@@ -140,10 +140,9 @@ class CudaBodyWriter(BodyWriter, CudaEntryWriter):
 
     def new_array(self, n, dims, step):
         shape = self.graph.shape(n)
-        for o, out in enumerate(self.outputs):
-            if out == n and o not in self.output_of.values() and n not in self.output_of and o not in self.skip:
-                self.output_of[n] = o
-                return f"o{o}"
+        out = self.output_argument(n)
+        if out is not None:
+            return out
         if shape == ():
             k = self.scalar_slot.setdefault(n, len(self.scalar_slot))
             return f"scal[{k}:{k + 1}]"

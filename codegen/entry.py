@@ -278,12 +278,19 @@ class BodyWriter(EntryWriter):
             return self.names[n]   # scalar leaves come in as numbers
         return super().var(n)
 
-    def new_array(self, n, dims, step):
-        shape = self.graph.shape(n)
+    def output_argument(self, n):
+        """`o{k}` when n is output k of the body (and written there), else None."""
         for o, out in enumerate(self.outputs):
             if out == n and o not in self.output_of.values() and n not in self.output_of and o not in self.skip:
                 self.output_of[n] = o
                 return f"o{o}"
+        return None
+
+    def new_array(self, n, dims, step):
+        shape = self.graph.shape(n)
+        out = self.output_argument(n)
+        if out is not None:
+            return out
         offset = " + ".join(self.sizes) or "0"
         size = "*".join(dims[d] if isinstance(d, str) else str(d) for d in shape) or "1"
         self.sizes.append(f"({size})")
