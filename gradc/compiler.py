@@ -420,7 +420,8 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
         plans = plan_memory(graph, dims, order, budget)
     except BudgetError as e:
         work = (f", of which {format_size(e.workspace)} is kernel workspace"
-                + (" (BPPSA's maps: --scan-backward reverse needs none)" if scan_backward == "bppsa" else "")
+                + (" (with --scan-backward bppsa that includes BPPSA's maps; reverse has none)" if scan_backward == "bppsa"
+                   else "")
                 if e.workspace else "")
         raise GradcError(f"budget {format_size(budget)} is below the minimum {format_size(e.minimum)} for this model "
                          f"(loss_and_grad, the arena's peak and its kernels' workspace; keeping every activation needs "

@@ -188,12 +188,13 @@ def plan_memory(graph, dims, order, budget=None):
     except BudgetError as e:
         plans, refusal = None, e
     fits_as_is = plans is not None and plans["_loss_and_grad"]["method"] == "store-all"
-    if budget is None or fits_as_is or not pairs(graph):
+    budgeted = graph.ancestors(entry_roots(graph, order)["_loss_and_grad"]) if budget is not None else set()
+    if budget is None or fits_as_is or not pairs(graph, budgeted):
         if refusal:
             raise refusal
         return plans
     trial = copy.deepcopy(graph)
-    done = checkpoint_scans(trial, dims)
+    done = checkpoint_scans(trial, dims, budgeted)
     try:
         tried = _plan_entries(trial, dims, order, budget) if done else None
     except BudgetError as e:
@@ -206,18 +207,17 @@ def plan_memory(graph, dims, order, budget=None):
         if refusal:
             raise refusal
         return plans
-    store_all = refusal.store_all if refusal else plans["_loss_and_grad"]["store_all_peak_bytes"]
-    done = checkpoint_scans(graph, dims)   # the same rewrite on the graph the build goes on with
+    store_all = refusal.store_all - refusal.workspace if refusal else plans["_loss_and_grad"]["store_all_peak_bytes"]
+    done = checkpoint_scans(graph, dims, budgeted)   # the same rewrite on the graph the build goes on with
     plans = _plan_entries(graph, dims, order, budget)
     plan = plans["_loss_and_grad"]
-    done = [d for d in done if d["backward"] in set(plan["steps"])]
     plan.update(recompute_flops=plan["recompute_flops"] + extra, scan_checkpoints=done, store_all_peak_bytes=store_all,
                 method=f"{plan['method']} + carry checkpoints in {len(done)} scan(s)")
     return plans
 
 
 def _checkpoint_flops(done, plan):
-    """The FLOPs the plan's backward scans spend recomputing carries (the entry's, not hvp's)."""
+    """The FLOPs the plan's backward scans spend recomputing carries."""
     ran = set(plan["steps"])
     return sum(d["recompute_flops"] for d in done if d["backward"] in ran)
 

@@ -8,16 +8,16 @@ holds ceil(T/k) + k + 1 carries, fewest near k = sqrt(T), for one more forward o
 carries whatever k is (each step runs once more). gradc/ops/scan.py says what the two scans' attrs
 then mean; gradc/ops/scan_loop.py writes their loops.
 
-Only a first-order reverse backward reads checkpoints: BPPSA reads every step's carry at once.
-The full stacks stay results of the forward scan for a second-order scan (hvp) that reads them;
-loss_and_grad, the budgeted entry, then never writes them.
+Only a first-order reverse backward of the budgeted entry (loss_and_grad) reads checkpoints: BPPSA
+reads every step's carry at once, and hvp's scans keep reading the full stacks, which stay results
+of the forward scan (loss_and_grad then never writes them).
 """
 import math
 
 import sympy as sp
 
-from gradc.ops.scan import (CHECKPOINT, OSTACK, STACK, body_flops, forward_attrs, kind_of, parts, result, steps,
-                            vjp_of)
+from gradc.ops.scan import (CHECKPOINT, OSTACK, STACK, body_flops, checkpoints, forward_attrs, kind_of, parts, result,
+                            steps, vjp_of)
 
 
 def _results(graph, n, kinds):
@@ -25,11 +25,12 @@ def _results(graph, n, kinds):
     return [u for u in graph.users(n) if graph.op(u) == "scan_out" and kind_of(graph.attrs(n), graph.attrs(u)["index"])[0] in kinds]
 
 
-def pairs(graph):
-    """(forward scan, its backward scan) for every first-order reverse backward scan that can read
-    checkpoints instead of its forward's stacks (the stacks stay results for other readers)."""
+def pairs(graph, within=None):
+    """(forward scan, its backward scan) for every first-order reverse backward scan (among the nodes
+    `within`, default all) that can read checkpoints instead of its forward's stacks (the stacks stay
+    results for other readers)."""
     found = []
-    for b in sorted(graph.nx.nodes):
+    for b in sorted(graph.nx.nodes if within is None else within):
         battrs = graph.attrs(b)
         info = vjp_of(battrs) if graph.op(b) == "scan" else None
         if info is None or info["second_order"] or battrs.get("backward") == "bppsa" or battrs.get("recompute_every"):
@@ -70,7 +71,7 @@ def worth_it(graph, n, b):
     layout = vjp_of(graph.attrs(b))["layout"]
     stacks = sum(1 for what, _ in layout if what in (STACK + "_in", OSTACK + "_in"))
     carries = parts(graph.attrs(n))[3]
-    return (-(-T // k) + k + 1) * carries < T * stacks
+    return (checkpoints(T, k) + k + 1) * carries < T * stacks
 
 
 def checkpoint(graph, n, b, dims):
@@ -90,7 +91,7 @@ def checkpoint(graph, n, b, dims):
     graph.node(b)["attrs"] = battrs
     graph.set_operands(b, ops)
     graph.remove([u for u in _results(graph, n, (STACK, OSTACK)) if not list(graph.users(u))])
-    return {"scan": n, "backward": b, "steps": T, "every": k, "checkpoints": -(-T // k),
+    return {"scan": n, "backward": b, "steps": T, "every": k, "checkpoints": checkpoints(T, k),
             "src": graph.node(n)["src"], "recompute_flops": recompute_flops(graph, b, dims)}
 
 
@@ -101,8 +102,9 @@ def recompute_flops(graph, b, dims):
     return int(sp.sympify(work).subs({sp.Symbol(d): v for d, v in dims.items()}))
 
 
-def checkpoint_scans(graph, dims):
-    """Checkpoint every scan where that holds fewer carries; returns what was done, per scan."""
-    done = [checkpoint(graph, n, b, dims) for n, b in pairs(graph) if worth_it(graph, n, b)]
+def checkpoint_scans(graph, dims, within=None):
+    """Checkpoint every scan (whose backward is among `within`) where that holds fewer carries;
+    returns what was done, per scan."""
+    done = [checkpoint(graph, n, b, dims) for n, b in pairs(graph, within) if worth_it(graph, n, b)]
     graph.validate()
     return done

@@ -226,8 +226,9 @@ def _check_lr_checkpoints(mod, tr, X, Y, build_dir):
     for bad in ({"gradient": "lr"}, {"gradient": "evolution"}, {"gradient": "lr", "lr_options": {"samples": 4}}):
         arrays["meta"] = np.array(json.dumps(meta | bad))
         np.savez(path, **arrays)
-        with pytest.raises(ValueError, match=r"lr.npz: meta 'gradient'"):
+        with pytest.raises(ValueError, match=r"lr.npz: meta 'gradient'") as e:
             mod.Trainer.load(path)
+        assert str(e.value).count("lr.npz") == 1
     del meta["gradient"]   # written before gradient modes were recorded: backprop
     arrays["meta"] = np.array(json.dumps(meta))
     np.savez(path, **arrays)

@@ -18,8 +18,8 @@ lines of the entry function that compute it. `s` (codegen/statement.py) offers:
   (source, doc) on the CPU and (source, doc, grid) on CUDA, grid as codegen/cuda.py describes),
   s.call(kernel, args) (a call, or a CUDA launch), s.into_out(kernel) ([alloc, kernel(args..., out)]),
   s.kernels (the target's shared kernels: elementwise, GEMM, fill),
-  s.body_kernel(body, skip, doc) (a sub-graph as one kernel of its leaves, outputs and a work
-  arena: (name, work sizes, dims); a scan's step).
+  s.body_kernel(body, skip, doc) (a sub-graph as one function of its leaves, outputs and a work
+  arena, a scan's step: (name, work sizes, dims) on the CPU, plus its scalar slots on CUDA).
 Kernel text helpers shared by the records are in gradc/ops/kernel_text.py.
 
 Rows: `rows(graph, n, ins, fail)` says on which axis of n the batch rows lie, given where they

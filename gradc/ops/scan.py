@@ -42,9 +42,8 @@ import sympy as sp
 from . import Op, get_op, register
 from ..errors import ShapeError
 from ..shapes import fmt, size
-from .scan_layout import (CHECKPOINT, DERIVATIVE_FROM_OUTPUT, FINAL, OSTACK, STACK, YS, checkpoints,  # noqa: F401
-                          forward_attrs, index_of, kind_of, length_operand, operand_leaves, parts, recompute_leaves,
-                          vjp_of, _frozen)
+from .scan_layout import (CHECKPOINT, FINAL, OSTACK, STACK, YS, checkpoints, forward_attrs, index_of,  # noqa: F401
+                          kind_of, length_operand, operand_leaves, parts, recompute_leaves, vjp_of, _frozen)
 from .scan_loop import lower_scan, lower_scan_cuda
 
 def result_type(attrs, index, length):
@@ -121,13 +120,13 @@ def run(attrs, values, dims=None):
 def _recomputed(attrs, values, dims):
     """Every leaf value of a recomputing backward scan: its stacks and out stacks rebuilt from the
     checkpoints by the forward body, one segment of `every` steps at a time (as its loop does)."""
-    body, leaves, _, _, _, _, _ = parts(attrs)
+    _, leaves, _, _, _, _, _ = parts(attrs)
     rc, every = recompute_leaves(attrs), attrs["recompute_every"]
     full = [None] * len(leaves)
     for j, v in zip(operand_leaves(attrs), values):
         full[j] = np.asarray(v)
     fattrs = forward_attrs(attrs)
-    _, _, _, KF, XF, CF, MF = parts(fattrs)
+    _, _, _, KF, XF, CF, _ = parts(fattrs)
     xs = [full[rc[("x", j)]] for j in range(XF)]
     closed = [full[rc[("closed", j)]] for j in range(CF)]
     kept = [full[rc[(STACK + "_in", k)]] for k in range(KF)]
@@ -560,18 +559,22 @@ def _out_rows(graph, n, ins, fail):
 
 
 def _scan_workspace(graph, n, dims):
-    """Bytes the loop allocates beyond its results while it runs: a recomputing backward's segment of
-    carries (every + 1 of each), BPPSA's affine maps ((P, rows, H, H) and (P, rows, H), P = T rounded up
-    to a power of two); None while a dim is unbound."""
+    """Bytes the loop allocates beyond its results while it runs: the two buffers of each carry, a
+    buffer per value of the step (its work arena; outputs counted too, an upper bound), and a
+    recomputing backward's segment of carries (every + 1 of each) with the forward step's work, or
+    BPPSA's affine maps ((P, rows, H, H) and (P, rows, H), P = T rounded up to a power of two);
+    None while a dim is unbound."""
     attrs = graph.attrs(n)
-    body, leaves, _, _, _, _, _ = parts(attrs)
+    body, leaves, _, K, _, _, _ = parts(attrs)
     bound = lambda shape: tuple(dims.get(d, d) if isinstance(d, str) else d for d in shape)
     shapes = [bound(body.shape(leaf)) for leaf in leaves]
     T = bound((steps(graph, n),))[0]
-    if any(isinstance(d, str) for shape in shapes for d in shape) or isinstance(T, str):
+    step_values = [_step_values(b, bound) for b in [body] + ([attrs["recompute_body"]] if "recompute_body" in attrs else [])]
+    if any(isinstance(d, str) for shape in shapes for d in shape) or isinstance(T, str) or None in step_values:
         return None
-    values = sum((attrs["recompute_every"] + 1) * int(np.prod(shapes[j]))
-                 for (what, _), j in recompute_leaves(attrs).items() if what == STACK + "_in")
+    values = 2 * sum(int(np.prod(shapes[k])) for k in range(K)) + sum(step_values)
+    values += sum((attrs["recompute_every"] + 1) * int(np.prod(shapes[j]))
+                  for (what, _), j in recompute_leaves(attrs).items() if what == STACK + "_in")
     if attrs.get("backward") == "bppsa":
         info = vjp_of(attrs)
         rows = shapes[0][0] if info["per_row"] else 1
@@ -579,6 +582,18 @@ def _scan_workspace(graph, n, dims):
         P = 1 << max(T - 1, 0).bit_length()
         values += P * rows * (H * H + H)
     return values * np.dtype(graph.dtype(n)).itemsize
+
+
+def _step_values(body, bound):
+    """How many values one step of `body` computes (every one gets a buffer in the loop's work arena)."""
+    total = 0
+    for m in body.nx.nodes:
+        if body.op(m) not in ("param", "input", "const"):
+            shape = bound(body.shape(m))
+            if any(isinstance(d, str) for d in shape):
+                return None
+            total += int(np.prod(shape))
+    return total
 
 
 def _out_cpu(s):

@@ -1,5 +1,5 @@
 """What a scan node's attrs, operands and results mean (gradc/ops/scan.py has the whole story):
-the pieces the op record (scan.py) and its CPU loop (scan_loop.py) both read."""
+the pieces the op record (scan.py) and its lowerings (scan_loop.py) both read."""
 
 
 FINAL, YS, STACK, OSTACK, CHECKPOINT = "final", "ys", "stack", "ostack", "checkpoint"

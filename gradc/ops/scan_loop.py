@@ -1,4 +1,5 @@
-"""A scan on the CPU target: its body as one compiled function, called T times by one loop kernel.
+"""A scan's lowerings: on the CPU its body as one compiled function, called T times by one loop
+kernel; on CUDA (lower_scan_cuda, at the end) a host loop calling the step's launches.
 
 The body function is written once per distinct body (s.body_kernel: codegen/entry.py's BodyWriter,
 by the same statement lowerings as an entry point): its leaves are its arguments (carries, the slices x_t, the closed-over values),
@@ -22,20 +23,10 @@ from .scan_layout import (CHECKPOINT, DERIVATIVE_FROM_OUTPUT, FINAL, OSTACK, STA
 
 def lower_scan(s):
     """The scan node's statement: its results' buffers, then one call of its loop kernel."""
-    g, n = s.graph, s.n
     attrs = s.attrs
     body, leaves, outputs, K, X, C, M = parts(attrs)
-    results = {}
-    for u in g.users(n):
-        if g.op(u) == "scan_out":
-            results.setdefault(g.attrs(u)["index"], u)
-    lines, out_args, present = [], [], []
-    for index in sorted(results):
-        alloc = s.alloc_for(results[index])
-        if alloc is not None:
-            lines.append(alloc)
-            out_args.append(s.var(results[index]))
-            present.append(index)
+    lines, res = _result_buffers(s)
+    present, out_args = list(res), list(res.values())
     scalar_leaves = tuple(j for j, leaf in enumerate(leaves) if body.shape(leaf) == ())
     key = ("scan", repr(body), tuple(present), bool(attrs.get("reverse")), scalar_leaves)
     skip = tuple(K + m for m in range(M) if index_of(attrs, YS, m) not in present)
@@ -55,6 +46,23 @@ def lower_scan(s):
                       lambda name: _loop_source(name, body_kernel, attrs, present, bppsa, forward))
     lines.append(s.call(kernel, list(s.args) + out_args) + s.note)
     return lines
+
+
+def _result_buffers(s):
+    """The lines giving the scan's results their buffers, and {result index: its variable} for those
+    the entry computes (in result order)."""
+    g, n = s.graph, s.n
+    results = {}
+    for u in g.users(n):
+        if g.op(u) == "scan_out":
+            results.setdefault(g.attrs(u)["index"], u)
+    lines, res = [], {}
+    for index in sorted(results):
+        alloc = s.alloc_for(results[index])
+        if alloc is not None:
+            lines.append(alloc)
+            res[index] = s.var(results[index])
+    return lines, res
 
 
 def _bppsa_lines(body_kernel, attrs):
@@ -225,7 +233,7 @@ def _loop_source(name, body, attrs, present, bppsa=False, forward=None):
     return "\n".join(lines), doc
 
 
-def _segment_lines(attrs, fkernel, fsizes, fdims, loop):
+def _segment_lines(attrs, fkernel, fsizes, _dims, loop):
     """The backward loop of a scan that recomputes its forward's carries: for each segment of
     `every` forward steps, last first, the forward body from the segment's checkpoint into sg_k
     (sg_k[f - f0] the carry forward step f reads, sg_k[f - f0 + 1] the one it writes), then the
@@ -261,20 +269,11 @@ def lower_scan_cuda(s):
     (s.body_kernel: its kernels' launches) once per step; carries are device arrays that swap, copied
     into the stacks and the final carries by a copy kernel. BPPSA and carry checkpoints are CPU only
     (compiler.check_scans refuses them on CUDA)."""
-    g, n, attrs = s.graph, s.n, s.attrs
+    n, attrs = s.n, s.attrs
     body, leaves, outputs, K, X, C, M = parts(attrs)
     if attrs.get("backward") == "bppsa" or attrs.get("recompute_every") or attrs.get("checkpoint_every"):
         raise NotImplementedError("cuda codegen: BPPSA and carry checkpoints of gc.scan are built for the CPU only")
-    results = {}
-    for u in g.users(n):
-        if g.op(u) == "scan_out":
-            results.setdefault(g.attrs(u)["index"], u)
-    lines, res = [], {}
-    for index in sorted(results):
-        alloc = s.alloc_for(results[index])
-        if alloc is not None:
-            lines.append(alloc)
-            res[index] = s.var(results[index])
+    lines, res = _result_buffers(s)
     skip = tuple(K + m for m in range(M) if index_of(attrs, YS, m) not in res)
     step, sizes, dims, scalars = s.body_kernel(body, skip, f"one step of a scan: {len(leaves)} leaves -> "
                                                            f"{len(outputs)} outputs, launched from the host")

@@ -113,13 +113,13 @@ class LRTrainer:
         return {"gradient": "lr", "lr_options": dict(self.lr_options, seed=self.lr_seed)}
 
     @classmethod
-    def _gradient_options(cls, meta, path):
+    def _gradient_options(cls, meta):
         gradient = meta.get("gradient", "backprop")   # checkpoints from before gradient modes were recorded
         if gradient == "backprop":
             return {}
         options = meta.get("lr_options")
         known = {"samples", "sigma", "seed", "antithetic", "layerwise", "baseline"}
         if gradient != "lr" or not isinstance(options, dict) or set(options) != known:
-            raise ValueError(f"{path}: meta 'gradient' {gradient!r} with options {options!r} is not a gradient mode "
+            raise ValueError(f"meta 'gradient' {gradient!r} with options {options!r} is not a gradient mode "
                              f"this module has (backprop, or lr with {', '.join(sorted(known))})")
         return {"gradient": "lr", **options}

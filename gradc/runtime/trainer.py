@@ -295,7 +295,7 @@ class TrainerBase:
         try:   # the constructor checks the hyperparameters and the params' shapes and dtypes
             tr = cls({k: arrays[f"param/{k}"] for k in cls.param_order}, optimizer=meta["optimizer"], lr=meta["lr"],
                      momentum=meta["momentum"], betas=tuple(betas), eps=meta["eps"], clip_norm=meta["clip_norm"],
-                     **cls._gradient_options(meta, path), **parallel_options)
+                     **cls._gradient_options(meta), **parallel_options)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
         for slot, v in tr.state.items():
@@ -314,8 +314,8 @@ class TrainerBase:
         return {}
 
     @classmethod
-    def _gradient_options(cls, meta, path):
-        """The constructor options that restore the recorded gradient mode."""
+    def _gradient_options(cls, meta):
+        """The constructor options that restore the recorded gradient mode (ValueError if it is not one)."""
         return {}
 
     # ---- hyperparameter checks -------------------------------------------------------------
