@@ -285,13 +285,13 @@ def test_bppsa_scans_keep_their_stacks_and_their_maps_are_planned():
     assert plan["workspace_bytes"] >= 128 * 16 * (20 * 20 + 20) * 4
 
 
-def _check_budget_build(make, name, torch_loss, tmp_path, T, order):
+def _check_budget_build(make, name, torch_loss, tmp_path, T, order, batch=3):
     """A build under 75% of the store-all peak and workspace: the plan keeps checkpoints and fits with its
     workspace; the loss, gradients (and HVPs) are torch's (the interpreter's on the plain graph)."""
     import json
     from gradc.inspect_build import memory_report
     from gradc.passes.memory import plan_memory
-    dims = {"T": T, "B": 3}
+    dims = {"T": T} | ({"B": batch} if batch else {})
     g = build_training_graph(make(), "float64", dims, order=order)
     store_all = plan_memory(g, dims, order)["_loss_and_grad"]
     peak, whole = store_all["peak_bytes"], store_all["peak_bytes"] + store_all["workspace_bytes"]
@@ -332,6 +332,31 @@ def test_memory_budget_checkpoints_compiled_scans_with_hvp(case, tmp_path):
     hvp reads the full stacks, which loss_and_grad under the budget never writes."""
     make, torch_loss, _ = CASES[case]
     _check_budget_build(make, f"ck_{case}", torch_loss, tmp_path, 23, 2)
+
+
+def _scalar_rnn(name="scalar_rnn", H=3):
+    """Scalar slices (x is (T,)) and a scalar closed-over param, one carry with no batch dim."""
+    m = gc.Model(name)
+    x = m.input("x", ("T",))
+    h0 = m.input("h0", (H,))
+    W, s = m.param("W", (H, H)), m.param("s", ())
+    hT, hs = gc.scan(lambda h, xt: (gc.tanh(h @ W + xt * s), h * s), h0, x)
+    m.minimize((hT * hT).sum() + (hs * hs).mean())
+    return m
+
+
+def _torch_scalar_rnn(tp, inputs):
+    h, hs = torch.tensor(inputs["h0"]), []
+    for t in range(len(inputs["x"])):
+        hs.append(h * tp["s"])
+        h = torch.tanh(h @ tp["W"] + float(inputs["x"][t]) * tp["s"])
+    return (h * h).sum() + (torch.stack(hs) ** 2).mean()
+
+
+@pytest.mark.slow
+def test_memory_budget_checkpoints_scalar_slices_and_params(tmp_path):
+    """Checkpoints where each step reads a scalar slice and a scalar param, T = 30 (segments of 6)."""
+    _check_budget_build(_scalar_rnn, "ck_scalar", _torch_scalar_rnn, tmp_path, 30, 1, batch=None)
 
 
 # ---- --scan-backward bppsa (DESIGN.md §1.8) ---------------------------------------------------------
