@@ -29,6 +29,15 @@ def _fold_constants(expr, operands, is_scalar_const, value_of):
     return expr.xreplace(subs), kept
 
 
+def _device_view(array, start, shape, dims):
+    """(source of the view of `shape` at `start` in the flat device array, its element count)."""
+    count = " * ".join(dims[d] if isinstance(d, str) else str(d) for d in shape if d != 1) or "1"
+    if all(isinstance(d, int) for d in shape):
+        count = str(int(np.prod(shape)))
+    view = f"{array}[{start}:{start} + {count}]"
+    return (view if len(shape) == 1 else f"{view}.reshape({_shape_src(shape, dims)})"), count
+
+
 class CudaEntryWriter(EntryWriter):
     decorator = None                     # a host function, not a compiled one
     tail_args = ("arena", "offs", "scal", "stream")
@@ -66,11 +75,7 @@ class CudaEntryWriter(EntryWriter):
 
     def arena_view(self, k, shape, dims):
         """A view of the device arena (host code: slicing a device array costs no compile)."""
-        count = " * ".join(dims[d] if isinstance(d, str) else str(d) for d in shape if d != 1) or "1"
-        if all(isinstance(d, int) for d in shape):
-            count = str(int(np.prod(shape)))
-        view = f"arena[offs[{k}]:offs[{k}] + {count}]"
-        return view if len(shape) == 1 else f"{view}.reshape({_shape_src(shape, dims)})"
+        return _device_view("arena", f"offs[{k}]", shape, dims)[0]
 
     def fresh_array(self, shape_src):
         return f"cuda.device_array({shape_src}, FLOAT)"
@@ -130,13 +135,10 @@ class CudaBodyWriter(BodyWriter, CudaEntryWriter):
         super().__init__(body, kernels)
         self.scalar_slot = {}
 
-    def var(self, n):
-        return CudaEntryWriter.var(self, n)
-
     def const_argument(self, n, order):
         if np.ndim(self.graph.attrs(n)["value"]) > 0:
             return True   # an array constant: refused (BodyWriter.write_body)
-        return False      # scalars are folded into elementwise kernels, or made by const_lines
+        return False      # scalars are folded into elementwise kernels, or made by `statement`
 
     def new_array(self, n, dims, step):
         shape = self.graph.shape(n)
@@ -146,11 +148,9 @@ class CudaBodyWriter(BodyWriter, CudaEntryWriter):
         if shape == ():
             k = self.scalar_slot.setdefault(n, len(self.scalar_slot))
             return f"scal[{k}:{k + 1}]"
-        offset = " + ".join(self.sizes) or "0"
-        count = " * ".join(dims[d] if isinstance(d, str) else str(d) for d in shape) or "1"
+        view, count = _device_view("work", "(" + (" + ".join(self.sizes) or "0") + ")", shape, dims)
         self.sizes.append(f"({count})")
-        view = f"work[{offset}:{offset} + {count}]"
-        return view if len(shape) == 1 else f"{view}.reshape({_shape_src(shape, dims)})"
+        return view
 
     def statement(self, n, dims, step):
         g = self.graph

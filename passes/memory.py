@@ -208,8 +208,8 @@ def plan_memory(graph, dims, order, budget=None):
             raise refusal
         return plans
     store_all = refusal.store_all - refusal.workspace if refusal else plans["_loss_and_grad"]["store_all_peak_bytes"]
-    done = checkpoint_scans(graph, dims, budgeted)   # the same rewrite on the graph the build goes on with
-    plans = _plan_entries(graph, dims, order, budget)
+    graph.__dict__.update(trial.__dict__)   # the build goes on with the rewritten graph (same node ids as the plans)
+    plans = tried
     plan = plans["_loss_and_grad"]
     plan.update(recompute_flops=plan["recompute_flops"] + extra, scan_checkpoints=done, store_all_peak_bytes=store_all,
                 method=f"{plan['method']} + carry checkpoints in {len(done)} scan(s)")

@@ -16,8 +16,8 @@ import math
 
 import sympy as sp
 
-from gradc.ops.scan import (CHECKPOINT, OSTACK, STACK, body_flops, checkpoints, forward_attrs, kind_of, parts, result,
-                            steps, vjp_of)
+from gradc.ops.scan import (CHECKPOINT, OSTACK, STACK, checkpoints, kind_of, parts, recompute_step_flops, result, steps,
+                            vjp_of)
 
 
 def _results(graph, n, kinds):
@@ -97,8 +97,7 @@ def checkpoint(graph, n, b, dims):
 
 def recompute_flops(graph, b, dims):
     """The FLOPs backward scan b spends running its forward's carries again."""
-    fbody, _, fouts, KF, _, _, _ = parts(forward_attrs(graph.attrs(b)))
-    work = steps(graph, b) * body_flops(fbody, fouts[:KF])
+    work = steps(graph, b) * recompute_step_flops(graph.attrs(b))
     return int(sp.sympify(work).subs({sp.Symbol(d): v for d, v in dims.items()}))
 
 

@@ -46,6 +46,7 @@ from .scan_layout import (CHECKPOINT, FINAL, OSTACK, STACK, YS, checkpoints, for
                           kind_of, length_operand, operand_leaves, parts, recompute_leaves, vjp_of, _frozen)
 from .scan_loop import lower_scan, lower_scan_cuda
 
+
 def result_type(attrs, index, length):
     """(shape, dtype) of result `index` of a scan whose sequences have `length` steps."""
     body, leaves, outputs, K, _, _, _ = parts(attrs)
@@ -200,9 +201,14 @@ def _scan_flops(attrs, in_shapes, out_shape):
     T = sp.sympify(size(in_shapes[length_operand(attrs)][:1]))
     total = T * body_flops(attrs["body"])
     if attrs.get("recompute_every"):
-        fbody, _, fouts, KF, _, _, _ = parts(forward_attrs(attrs))
-        total += T * body_flops(fbody, fouts[:KF])
+        total += T * recompute_step_flops(attrs)
     return total
+
+
+def recompute_step_flops(attrs):
+    """What a recomputing backward scan spends per step running its forward's carries again."""
+    fbody, _, fouts, KF, _, _, _ = parts(forward_attrs(attrs))
+    return body_flops(fbody, fouts[:KF])
 
 
 # ---- results ---------------------------------------------------------------------------------

@@ -277,6 +277,7 @@ def lower_scan_cuda(s):
     skip = tuple(K + m for m in range(M) if index_of(attrs, YS, m) not in res)
     step, sizes, dims, scalars = s.body_kernel(body, skip, f"one step of a scan: {len(leaves)} leaves -> "
                                                            f"{len(outputs)} outputs, launched from the host")
+    # sizes and shapes name the body's dims by the variables the entry already has for them (d_<dim>)
     a = s.args
     v = f"s{n}_"   # this scan's locals in the entry function
     copy = lambda src, dst, rank: s.call(s.kernels.elementwise(OPERAND[0], [tuple(range(rank))], rank, "copy"), [src, dst])
@@ -288,7 +289,7 @@ def lower_scan_cuda(s):
                   copy(a[k], f"{v}cur{k}", rank)]
     for m in range(M):
         if index_of(attrs, YS, m) not in res:
-            lines.append(f"{v}y{m} = cuda.device_array({_body_shape_src(body, outputs[K + m], leaves, K, X, a)}, FLOAT)")
+            lines.append(f"{v}y{m} = cuda.device_array({shape_src(body.shape(outputs[K + m]), dims)}, FLOAT)")
     lines.append(f"{v}T = {a[K]}.shape[0]")
     loop = [f"t = {v}T - 1 - i" if attrs.get("reverse") else "t = i"]
     at = lambda arr, leaf: f"{arr}[t:t + 1]" if body.shape(leaf) == () else f"{arr}[t]"
@@ -310,14 +311,3 @@ def lower_scan_cuda(s):
             lines.append(copy(f"{v}cur{k}", res[index_of(attrs, FINAL, k)], len(body.shape(leaves[k]))))
     return lines
 
-
-def _body_shape_src(body, node, leaves, K, X, args):
-    """The shape of a body value at run time, its symbolic dims read off the scan's operands."""
-    out = []
-    for d in body.shape(node):
-        if not isinstance(d, str):
-            out.append(str(d))
-            continue
-        j, axis = next((j, axis) for j, leaf in enumerate(leaves) for axis, e in enumerate(body.shape(leaf)) if e == d)
-        out.append(f"{args[j]}.shape[{axis + (1 if K <= j < K + X else 0)}]")
-    return f"({out[0]},)" if len(out) == 1 else f"({', '.join(out)})"
