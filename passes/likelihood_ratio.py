@@ -33,19 +33,14 @@ the reason (graph.lr["why"]); compile never fails because of this pass.
 """
 from gradc.errors import GradcError
 from gradc.ops import get_op
+from gradc.ops.scan_layout import index_of, kind_of, parts
 
 from .autodiff import VJPContext, accumulate
+from .lr_scan import ScanNoise
+from .lr_sites import DIMS, K, KB, LAYOUT, Site, Unsupported, chains, misuses  # noqa: F401 (DIMS: for importers)
 
-PRODUCT_KINDS = ("matmul", "conv")   # the records whose outputs are pre-activations: noise goes there
-LAYOUT = ("reshape", "transpose")
-K, KB = "K_lr", "KB_lr"          # the samples, and the stacked rows K * B
-DIMS = (K, KB)
 STREAM = 1 << 20                 # noise streams, apart from the model's own random ops
 PHASE = "forward"                # an estimate is forward work: nothing here is kept for a backward
-
-
-class Unsupported(Exception):
-    pass
 
 
 def build_lr(graph, trainable, decayed=(), weight_decay=0.0):
@@ -71,6 +66,8 @@ class _Builder:
         self.src = g.node(g.loss)["src"]
         self.leaves, self.tiled, self.copy, self.where = {}, {}, {}, {}
         self.mixing = []
+        self.sites = []            # Site, in the order of their masks and noise streams
+        self.scans = ScanNoise(self)
 
     # ---- small builders ----------------------------------------------------------------
     def leaf(self, key, shape, dtype):
@@ -99,41 +96,36 @@ class _Builder:
     # ---- the pass --------------------------------------------------------------------------
     def build(self):
         g = self.g
-        self.batch = self.batch_dim()
-        sites = self.find_sites()
+        self.batch, self.axes = self.batch_axes()
+        sites = chains(g, g.topo_order(self.fwd), self.param_of)
         self.check_params(sites)
         tops = {chain[-1]: chain for chain in sites}
-        seed = self.leaf("seed", (), "int64")
-        half = self.leaf("half", (), "int64")
+        self.seed = self.leaf("seed", (), "int64")
+        self.half = self.leaf("half", (), "int64")
         rows = self.leaf("rows", (K, self.batch), self.float)   # each (sample, row)'s weight (ones); carries K_lr, B
         scale = self.leaf("scale", (), self.float)
         baseline = self.leaf("baseline", (), self.float)
-        perturbed = {}
         for n in g.topo_order(self.fwd):
             self.where[n] = self.track(n)
             if n in tops:
                 if self.where[n] != 0:
                     raise Unsupported(f"{g.node(n)['src']}: {g.describe(n)} has its batch rows on axis "
                                       f"{self.where[n]}, not the first: the estimate perturbs products of rows")
-                i = len(perturbed)
                 z = self.copy[n]
-                shape = g.shape(z)
-                noise = self.apply("random", [seed, half], g.node(n)["src"], dist="normal", p=0.0, stream=STREAM + i,
-                                   shape=shape, dtype=self.float)
-                mask = self.leaf(f"mask{i}", (KB,) + (1,) * (len(shape) - 1), self.float)
+                noise, mask = self.noise(g.shape(z), g.node(n)["src"], g.op(tops[n][0]))
                 pert = self.apply("mul", [noise, mask], g.node(n)["src"])
                 self.copy[n] = self.apply("add", [z, pert], g.node(n)["src"])
-                perturbed[n] = (z, pert, f"mask{i}")
+                self.sites[-1].copies = [self.copy[x] for x in tops[n][:-1]] + [z]
+                self.sites[-1].pert = pert
         if not isinstance(self.where[g.loss], tuple):
             raise Unsupported(f"{self.src}: the loss does not reduce over the batch rows ({self.batch!r}), so there "
                               f"is no loss per row or per sample to pair with the noise")
         coef = self.coefficients(self.copy[g.loss], baseline, rows)
         contributions = {p: [] for p in self.trainable}
-        for top, (z, pert, _) in perturbed.items():
-            rank = len(g.shape(pert))
-            c = self.view(coef, (KB,) + (1,) * (rank - 1)) if rank > 1 else coef
-            cot = self.apply("mul", [self.apply("mul", [c, pert]), scale])
-            for p, gp in self.local_vjp(tops[top], z, cot).items():
+        for site in self.sites:
+            c = self.view(coef, (KB,) + (1,) * (site.rank - 1)) if site.rank > 1 else coef
+            cot = self.apply("mul", [self.apply("mul", [c, site.pert]), scale])
+            for p, gp in self.local_vjp(site.copies, cot).items():
                 contributions[p].append(gp)
         grads = {}
         for p, name in self.trainable.items():
@@ -144,62 +136,62 @@ class _Builder:
                 term = self.apply("mul", [wd, p])
                 total = term if total is None else self.apply("add", [total, term])
             grads[name] = total
-        sites_doc = [{"node": top, "op": g.op(tops[top][0]), "shape": [str(d) for d in g.shape(top)],
-                      "src": g.node(top)["src"], "mask": key} for top, (_, _, key) in perturbed.items()]
-        return {"why": None, "grads": grads, "leaves": self.leaves, "tiled": self.tiled, "sites": sites_doc,
+        return {"why": None, "grads": grads, "leaves": self.leaves, "tiled": self.tiled,
+                "sites": [site.doc for site in self.sites],
                 "per_row": not self.mixing, "batch": self.batch,
                 "mixing": [g.node(n)["src"] for n in self.mixing]}
 
-    def batch_dim(self):
-        for name, n in self.g.inputs.items():
-            if self.g.shape(n):
-                return self.g.shape(n)[0]
-        raise Unsupported("the model has no input with rows to perturb")
+    def noise(self, shape, src, what, steps=None):
+        """A new site's noise (`shape`, or one such per step stacked on a new axis 0 when `steps` is
+        given) and its mask leaf (KB_lr, 1, ...); the Site is appended to self.sites, to be completed."""
+        i = len(self.sites)
+        drawn = shape if steps is None else (shape[0], steps) + tuple(shape[1:])
+        noise = self.apply("random", [self.seed, self.half], src, dist="normal", p=0.0, stream=STREAM + i,
+                           shape=drawn, dtype=self.float)
+        if steps is not None:   # drawn rows first, so the antithetic half is the second half of the rows
+            noise = self.apply("transpose", [noise], src, axes=(1, 0) + tuple(range(2, len(drawn))))
+        mask = self.leaf(f"mask{i}", (KB,) + (1,) * (len(shape) - 1), self.float)
+        self.sites.append(Site(None, None, len(shape), {"op": what, "shape": [str(d) for d in shape], "src": src,
+                                                         "mask": f"mask{i}"}))
+        return noise, mask
 
-    def find_sites(self):
-        """Chains [product, bias add, ...] whose last node gets the noise."""
-        g, sites = self.g, []
-        for n in g.topo_order(self.fwd):
-            if get_op(g.op(n)).kind not in PRODUCT_KINDS or not any(self.param_of(u) is not None for u in g.operands(n)):
-                continue
-            chain = [n]
-            while True:
-                users = [u for u in g.users(chain[-1]) if u in self.fwd]
-                if len(users) != 1 or g.op(users[0]) != "add" or g.shape(users[0]) != g.shape(chain[-1]):
-                    break
-                other = [u for u in g.operands(users[0]) if u != chain[-1]]
-                if len(other) != 1 or self.param_of(other[0]) is None:
-                    break
-                chain.append(users[0])
-            sites.append(chain)
-        return sites
+    def batch_axes(self):
+        """The batch dim, and for each input the axis it has the rows on (None: it is shared). An input
+        that reaches a scan's sequences has time on axis 0, so its rows on axis 1 when its dim there is
+        the batch dim; the batch dim is axis 0 of the first input that reaches no sequence."""
+        g = self.g
+        sequences = set()
+        for n in self.fwd:
+            if g.op(n) == "scan":
+                _, _, _, K, X, _, _ = parts(g.attrs(n))
+                sequences |= g.ancestors(g.operands(n)[K:K + X])
+        shaped = [(n, (1, 0) if n in sequences else (0,)) for n in g.inputs.values() if n in self.fwd]
+        candidates = [g.shape(n)[order[0]] for n, order in shaped if len(g.shape(n)) > order[0]]
+        if not candidates:
+            raise Unsupported("the model has no input with rows to perturb")
+        plain = [g.shape(n)[0] for n, order in shaped if order == (0,) and g.shape(n)]
+        batch = plain[0] if plain else candidates[0]
+        axes = {n: next((a for a in order if len(g.shape(n)) > a and g.shape(n)[a] == batch), None)
+                for n, order in shaped}
+        return batch, axes
 
     def check_params(self, sites):
         """Every use of a trainable param must be a factor of a site's product or a bias in its chain."""
         g = self.g
-        allowed = {(x, u) for chain in sites for x in chain for u in g.operands(x) if self.param_of(u) is not None}
         bad = []
-        for p, name in self.trainable.items():
-            if p not in self.fwd:
-                continue
-            stack = [p]
-            while stack:
-                x = stack.pop()
-                for u in g.users(x):
-                    if u not in self.fwd:
-                        continue
-                    if g.op(u) in LAYOUT:
-                        stack.append(u)
-                    elif (u, x) not in allowed:
-                        bad.append((name, u))
-        scans = [u for _, u in bad if g.op(u) == "scan"]
-        if scans:
-            raise Unsupported(f"{g.node(scans[0])['src']}: lr_grad does not cover gc.scan yet (its params are read "
-                              f"inside the scan's body, where no noise site is built); unroll the recurrence in Python "
-                              f"to train it with lr_grad, or use loss_and_grad")
+        for p, u in misuses(g, [p for p in self.trainable if p in self.fwd], self.fwd, sites, self.param_of):
+            if g.op(u) == "scan":   # its step must read the param only as a factor or bias, like the graph
+                bad += self.scans.misuses(u)
+            else:
+                bad.append((self.trainable[p], u, g))
         if bad:
-            names = ", ".join(dict.fromkeys(repr(n) for n, _ in bad))
-            name, u = bad[0]
+            self.refuse_params(bad)
+
+    def refuse_params(self, bad):
+        """bad: [(param name, the node that reads it, the graph it is in)]."""
+        if bad:
+            names = ", ".join(dict.fromkeys(repr(n) for n, _, _ in bad))
+            name, u, g = bad[0]
             raise Unsupported(f"param {names} reach(es) the loss other than as a factor of a matmul or conv2d (or a "
                               f"bias added to one): {name!r} is read by {g.describe(u)} at {g.node(u)['src']}. The "
                               f"likelihood-ratio estimate perturbs only the products' outputs, so it has nothing to "
@@ -217,23 +209,37 @@ class _Builder:
             adjacency = len(shape) == 2 and shape[0] == shape[1] and all(
                 g.op(u) == "matmul" and g.operands(u)[0] == n and n not in g.operands(u)[1:]
                 and not g.attrs(u).get("transpose_a") for u in g.users(n) if u in self.fwd)
-            if not shape or shape[0] != self.batch or adjacency:
+            axis = self.axes.get(n)
+            if axis is None or adjacency:
                 return None
             name = node["name"]
-            self.tiled[name] = f"tile:{name}"
-            self.copy[n] = self.leaf(f"tile:{name}", (KB,) + tuple(shape[1:]), node["dtype"])
-            return 0
+            self.tiled[name] = (f"tile:{name}", axis)
+            stacked = list(shape)
+            stacked[axis] = KB
+            self.copy[n] = self.leaf(f"tile:{name}", stacked, node["dtype"])
+            return axis
         if op in ("param", "const"):
             return None
         ins = [self.where[u] for u in g.operands(n)]
-        if all(w is None for w in ins):
-            return None
-        operands = [self.copy.get(u, u) for u in g.operands(n)]
-        attrs = dict(node["attrs"])
         src = node["src"]
 
         def fail(why):
             raise Unsupported(f"{src}: {g.describe(n)} {why}; lr_grad stacks the K perturbed copies on the rows")
+
+        if all(w is None for w in ins):
+            if op == "scan" and self.scans.sites(n):
+                fail("reads trainable params in its step but has no batch rows (the estimate perturbs products "
+                     "of rows)")
+            return None
+        operands = [self.copy.get(u, u) for u in g.operands(n)]
+        attrs = dict(node["attrs"])
+        if op == "scan":
+            where = get_op(op).rows(g, n, ins, fail)
+            self.copy[n] = self.scans.copy(n, ins, operands, fail)
+            return where
+        if op == "scan_out":   # the copy's results are laid out for its own ys
+            old, new = g.operands(n)[0], operands[0]
+            attrs["index"] = index_of(g.attrs(new), *kind_of(g.attrs(old), attrs["index"]))
 
         if op == "matmul" and ins[0] is None and ins[1] == 0 and not attrs.get("transpose_a") \
                 and not attrs.get("transpose_b") and g.shape(g.operands(n)[0]) == (self.batch, self.batch):
@@ -293,11 +299,11 @@ class _Builder:
         c2 = self.apply("mul", [self.apply("sub", [r2, self.apply("mul", [baseline, mean])]), rows])
         return self.view(c2, (KB,))
 
-    def local_vjp(self, chain, z, cot):
+    def local_vjp(self, copies, cot):
         """The params' parts of the estimate at one site: the VJPs of the chain's copies (product, bias adds)
-        and of the layout ops between them and the params, with cotangent `cot` at the chain's output z."""
+        and of the layout ops between them and the params, with cotangent `cot` at the last copy z."""
         g = self.g
-        copies = [self.copy_of_chain(x) for x in chain[:-1]] + [z]
+        z = copies[-1]
         active = set(copies)
         for x in copies:
             for u in g.operands(x):
@@ -321,6 +327,3 @@ class _Builder:
                 if gu is not None and u in active:
                     adjoints.setdefault(u, []).append(gu)
         return result
-
-    def copy_of_chain(self, x):
-        return self.copy[x]

@@ -510,6 +510,14 @@ def bppsa_flops(T, rows, H, step_backward, dense):
 def _scan_rows(graph, n, ins, fail):
     """Per-row when each step is: the batch rows of the carries stay on their axis through the body,
     and the sequences carry them on an axis other than the time axis 0."""
+    _, _, outputs, K, _, _, _ = parts(graph.attrs(n))
+    where = body_rows(graph, n, ins, fail)
+    return ScanRows(tuple(where[o] for o in outputs), K)
+
+
+def body_rows(graph, n, ins, fail):
+    """Where the batch rows lie in every value of scan n's body ({body node: axis or None}), from
+    where they lie in its operands (`ins`); `fail(why)` when a step does not keep them per row."""
     attrs = graph.attrs(n)
     body, leaves, outputs, K, X, C, M = parts(attrs)
     seeds, at = {}, dict(zip(operand_leaves(attrs), ins))
@@ -537,7 +545,7 @@ def _scan_rows(graph, n, ins, fail):
                 changed = True
         if not changed:
             break
-    return ScanRows(tuple(where[o] for o in outputs), K)
+    return where
 
 
 class ScanRows:

@@ -14,7 +14,8 @@ SAMPLES = 64
 
 
 class LikelihoodRatio:
-    """info: {"why": None or the reason lr_grad is not built, "tiled": {input: leaf key}, "masks": [(key, rank)],
+    """info: {"why": None or the reason lr_grad is not built, "tiled": {input: (leaf key, rows axis)},
+    "masks": [(key, rank)],
     "per_row": bool, "sites": [...]} (written into the module)."""
 
     def __init__(self, model_name, float_type, info):
@@ -58,13 +59,13 @@ class LikelihoodRatio:
         F = self.float
         total = self.copies(samples, layerwise)
         tiled = self.info["tiled"]
-        rows = next((a[name].shape[0] for name in tiled if name in a), None)
+        rows = next((a[name].shape[axis] for name, (_, axis) in tiled.items() if name in a), None)
         if rows is None:
             raise ValueError(f"{self.model_name}.lr_grad: no batch input given")
         out = dict(a)
-        for name, key in tiled.items():
+        for name, (key, axis) in tiled.items():   # copies sample-major along the rows' axis
             x = a[name]
-            out[f"lr:{key}"] = np.tile(x, (total,) + (1,) * (x.ndim - 1))
+            out[f"lr:{key}"] = np.tile(x, tuple(total if d == axis else 1 for d in range(x.ndim)))
         # sample k perturbs site s with sign: copies are sample-major; with antithetic pairs the second half of
         # the copies mirrors the first (the noise kernel repeats its draws there) with the opposite sign
         half = total // 2 if antithetic else total

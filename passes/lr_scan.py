@@ -1,0 +1,178 @@
+"""lr_grad through gc.scan (passes/likelihood_ratio.py, DESIGN.md §1.9): noise on the pre-activation
+at every step.
+
+A product in a scan's step with a trainable param as a factor (h @ W + b, the param closed over) is a
+noise site like one outside: at step t its output z_t gets sigma * eps_t. For the estimate
+
+    dL/dW ~ sum_t h_t^T (c * eps_t) / sigma,        dL/db ~ the same summed over the rows,
+
+the perturbed copy of the scan (every value with rows stacked K times, as outside) gets per site one
+more sequence, the noise of every step (T, KB_lr, ...), drawn outside the loop by the `random` op
+(rows first, so its antithetic half is the second half of the rows), and one more closed-over value,
+the site's mask; its step adds eps_t * mask to z_t and returns the product's row operand h_t as one
+more y. After the loop the site's part of the estimate is the product's own VJP over the stacked
+steps: the same product with h's stack (T, KB_lr, ...) as its row operand (a batch_matmul, whose VJP
+sums over the steps), with cotangent c * eps * mask / sigma. Nothing flows back through the loop,
+so the estimate stays a forward graph; it keeps each site's h_t and noise for every step, as the
+estimate outside a scan keeps each site's h and noise.
+"""
+import copy
+
+from gradc.errors import GradcError
+from gradc.ops import get_op
+from gradc.ops.scan import body_rows, result
+from gradc.ops.scan_layout import YS, parts
+
+from .lr_sites import KB, LAYOUT, Unsupported, chains, misuses
+from .simplify import eliminate_dead
+
+
+class ScanNoise:
+    """The scans of one estimate: their sites, the checks of their params, their perturbed copies."""
+
+    def __init__(self, builder):
+        self.b = builder
+
+    def param_of(self, n):
+        """A function: the trainable param (of the outer graph) a value of scan n's step is, through
+        reshapes and transposes of a closed-over leaf, or None."""
+        g = self.b.g
+        body, leaves, _, K, X, _, _ = parts(g.attrs(n))
+        outer = dict(zip(leaves[K + X:], g.operands(n)[K + X:]))
+
+        def param(m):
+            while body.op(m) in LAYOUT:
+                m = body.operands(m)[0]
+            return self.b.param_of(outer[m]) if m in outer else None
+        return param
+
+    def sites(self, n):
+        """The chains [product, bias add, ...] of scan n's step that get noise."""
+        body = self.b.g.attrs(n)["body"]
+        return chains(body, body.topo_order(), self.param_of(n))
+
+    def misuses(self, n):
+        """[(param name, node of the step, the step's graph)] for each use of a trainable param in scan
+        n's step other than as a factor of a site's product or a bias in its chain."""
+        g = self.b.g
+        body, leaves, _, K, X, _, _ = parts(g.attrs(n))
+        param = self.param_of(n)
+        closed = [leaf for leaf in leaves[K + X:] if param(leaf) is not None]
+        bad = misuses(body, closed, set(body.topo_order()), self.sites(n), param)
+        return [(self.b.trainable[param(leaf)], u, body) for leaf, u in bad]
+
+    def copy(self, n, ins, operands, fail):
+        """The perturbed copy of scan n (its operands' stacked copies `operands`, their rows at `ins`);
+        its sites are added to the builder's."""
+        b, g = self.b, self.b.g
+        attrs = g.attrs(n)
+        body, leaves, outputs, K, X, C, M = parts(attrs)
+        where = body_rows(g, n, ins, fail)
+        tops = {chain[-1]: chain for chain in self.sites(n)}
+        new = copy.deepcopy(body)
+        new.name = body.name + "_lr"
+        names = list(body.inputs)
+        copies = {}
+        for j, leaf in enumerate(leaves):
+            if where[leaf] is None:
+                continue
+            if ins[j] is None:
+                fail(f"has a carry ({names[j]}) whose rows come from the step while its initial value has none")
+            shape = list(body.shape(leaf))
+            shape[where[leaf]] = KB
+            copies[leaf] = new.add_node("input", [], {"shape": tuple(shape), "dtype": body.dtype(leaf)}, shape,
+                                        body.dtype(leaf), src=body.node(leaf)["src"], name=names[j])
+
+        def apply(op, inputs, attrs, src):
+            try:
+                return new.apply(op, inputs, attrs, src=src)
+            except GradcError as e:
+                raise Unsupported(f"{src}: {e}") from None
+
+        sites = []   # (chain, its noise leaf, its mask leaf, the product's row operand in the step, noise, mask)
+        for m in body.topo_order():
+            w = where[m]
+            if m in leaves or w is None:
+                continue
+            src = body.node(m)["src"]
+            if isinstance(w, tuple):
+                raise Unsupported(f"{src}: {body.describe(m)} reduces over the batch rows inside the step of a scan")
+            op, a = body.op(m), dict(body.attrs(m))
+            if op == "scan":
+                raise Unsupported(f"{src}: lr_grad does not follow a scan nested in another scan's step")
+            if "shape" in a:
+                target = list(a["shape"])
+                target[w] = KB
+                a["shape"] = tuple(target)
+            copies[m] = apply(op, [copies.get(u, u) for u in body.operands(m)], a, src)
+            if m in tops:
+                if w != 0:
+                    raise Unsupported(f"{src}: {body.describe(m)} has its batch rows on axis {w}, not the first: "
+                                      f"the estimate perturbs products of rows")
+                shape = new.shape(copies[m])
+                noise, mask = b.noise(shape, src, body.op(tops[m][0]), steps=g.shape(operands[K])[0])
+                eps = new.add_node("input", [], {"shape": shape, "dtype": b.float}, shape, b.float, src=src,
+                                   name=f"lr_eps{len(sites)}")
+                scale = new.add_node("input", [], {"shape": g.shape(mask), "dtype": b.float}, g.shape(mask), b.float,
+                                     src=src, name=f"lr_mask{len(sites)}")
+                copies[m] = apply("add", [copies[m], apply("mul", [eps, scale], {}, src)], {}, src)
+                rows = {}   # each product of the site -> its row operand in the step, returned as a y
+                for product in tops[m]:
+                    if body.op(product) == "add":
+                        continue
+                    left = body.operands(product)[0]
+                    if where[left] is None or any(where[u] is not None for u in body.operands(product)[1:]):
+                        raise Unsupported(f"{body.node(product)['src']}: {body.describe(product)} has its rows in "
+                                          f"its right factor; lr_grad perturbs products whose left factor has them")
+                    rows[product] = copies[left]
+                sites.append((tops[m], eps, scale, rows, noise, mask))
+        for top in tops.keys() - {s[0][-1] for s in sites}:
+            raise Unsupported(f"{body.node(top)['src']}: {body.describe(top)} reads a trainable param but has no "
+                              f"batch rows: the estimate perturbs products of rows")
+        inputs = list(zip(names, [copies.get(leaf, leaf) for leaf in leaves]))
+        new.inputs = dict(inputs[:K + X] + [(new.node(s[1])["name"], s[1]) for s in sites] + inputs[K + X:]
+                          + [(new.node(s[2])["name"], s[2]) for s in sites])
+        new.outputs = {name: copies.get(o, o) for name, o in body.outputs.items()}
+        ys = [(product, row) for site in sites for product, row in site[3].items()]
+        new.outputs |= {f"lr_rows{i}": row for i, (_, row) in enumerate(ys)}
+        eliminate_dead(new)
+        ops = operands[:K + X] + [s[4] for s in sites] + operands[K + X:] + [s[5] for s in sites]
+        scan = b.apply("scan", ops, g.node(n)["src"], **dict(attrs, body=new, xs=X + len(sites)))
+        emit = lambda op, inputs, **a: b.apply(op, inputs, g.node(n)["src"], **a)
+        stacked = {product: result(g, scan, YS, M + i, emit) for i, (product, _) in enumerate(ys)}
+        for i, (tree, _, _, _, noise, mask) in enumerate(sites):
+            site = b.sites[len(b.sites) - len(sites) + i]
+            site.pert = emit("mul", [noise, mask])
+            site.copies = self.over_steps(n, body, tree, stacked, emit)
+        return scan
+
+    def over_steps(self, n, body, tree, stacked, emit):
+        """A site's products and adds again in the outer graph, over the stacked steps: each product's
+        row operand's stack (T, KB_lr, ...) from `stacked` and the closed-over params (through the step's
+        reshapes and transposes) as its factors (a batch_matmul: its VJP sums over the steps), the adds
+        of params as they are; a term that is neither is left out (the estimate never reads it)."""
+        g = self.b.g
+        _, leaves, _, K, X, _, _ = parts(g.attrs(n))
+        outer = dict(zip(leaves[K + X:], g.operands(n)[K + X:]))
+        param = self.param_of(n)
+
+        def lift(m):   # a param's value in the step, in the outer graph
+            if m in outer:
+                return outer[m]
+            return emit(body.op(m), [lift(body.operands(m)[0])], **body.attrs(m))
+
+        copies = {}
+        for x in tree:
+            if x in stacked:
+                if body.op(x) not in ("matmul", "batch_matmul"):
+                    raise Unsupported(f"{body.node(x)['src']}: lr_grad perturbs matmuls in a scan's step, not "
+                                      f"{body.describe(x)}")
+                a = body.attrs(x)
+                copies[x] = emit("batch_matmul", [stacked[x], lift(body.operands(x)[1])],
+                                 transpose_a=bool(a.get("transpose_a")), transpose_b=bool(a.get("transpose_b")),
+                                 reduce_batch=False)
+                continue
+            terms = [copies[u] if u in copies else lift(u) for u in body.operands(x)
+                     if u in copies or param(u) is not None]
+            copies[x] = terms[0] if len(terms) == 1 else emit("add", terms)
+        return [copies[x] for x in tree]

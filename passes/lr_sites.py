@@ -1,0 +1,65 @@
+"""The noise sites of lr_grad's estimate (passes/likelihood_ratio.py): which values get noise, and
+which uses of a trainable param the estimate can attribute; shared by the graph and the steps of
+its scans (passes/lr_scan.py)."""
+from gradc.ops import get_op
+
+PRODUCT_KINDS = ("matmul", "conv")   # the records whose outputs are pre-activations: noise goes there
+LAYOUT = ("reshape", "transpose")
+K, KB = "K_lr", "KB_lr"          # the samples, and the stacked rows K * B
+DIMS = (K, KB)
+
+
+class Unsupported(Exception):
+    pass
+
+
+class Site:
+    """One noise site as the estimate reads it: `copies`, the product and bias adds whose VJP gives the
+    params' parts (their last one, z, gets the cotangent); `pert`, the noise added at z (times the mask);
+    `rank`, the rank of the site's value in one step (the mask's rank). Outside a scan, copies are the
+    chain's stacked copies and pert has that rank; for a site in a scan's step, copies are the same
+    products over the stacked steps (T, KB_lr, ...) and pert is the stack of every step's noise."""
+
+    def __init__(self, copies, pert, rank, doc):
+        self.copies, self.pert, self.rank, self.doc = copies, pert, rank, doc
+
+
+def chains(graph, nodes, param_of):
+    """The noise sites among `nodes` (in topological order): each product with a trainable param as a
+    factor (param_of(value) is not None), up through the adds of its sum while it is their only use and
+    they keep its shape (x @ U + h @ W + b: the products meet at one pre-activation). Returns each site
+    as its nodes in topological order, the one that gets the noise last."""
+    nodes = list(nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    trees = {}
+    for n in nodes:
+        if get_op(graph.op(n)).kind not in PRODUCT_KINDS or not any(param_of(u) is not None
+                                                                      for u in graph.operands(n)):
+            continue
+        path = [n]
+        while True:
+            users = [u for u in graph.users(path[-1]) if u in order]
+            if len(users) != 1 or graph.op(users[0]) != "add" or graph.shape(users[0]) != graph.shape(path[-1]):
+                break
+            path.append(users[0])
+        trees.setdefault(path[-1], set()).update(path)
+    return [sorted(tree, key=order.get) for tree in trees.values()]
+
+
+def misuses(graph, starts, nodes, sites, param_of):
+    """(start, user) for each use of a start value (through reshapes and transposes) among `nodes`
+    that is not as a factor of a site's product or a bias in its chain."""
+    allowed = {(x, u) for chain in sites for x in chain for u in graph.operands(x) if param_of(u) is not None}
+    bad = []
+    for p in starts:
+        stack = [p]
+        while stack:
+            x = stack.pop()
+            for u in graph.users(x):
+                if u not in nodes:
+                    continue
+                if graph.op(u) in LAYOUT:
+                    stack.append(u)
+                elif (u, x) not in allowed:
+                    bad.append((p, u))
+    return bad

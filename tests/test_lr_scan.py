@@ -1,0 +1,126 @@
+"""lr_grad through gc.scan (passes/lr_scan.py, DESIGN.md §1.9): noise on the pre-activation at every
+step. Statistics through the numpy interpreter in float64 (the mean over seeds converges to
+loss_and_grad's gradient like 1/sqrt(K)); one compiled module against the interpreter; refusals."""
+import numpy as np
+import pytest
+
+import gradc as gc
+from gradc.passes.pipeline import build_training_graph
+
+from test_lr_grad import interpret_lr
+from test_scan import _rnn
+
+
+def _gru(H=3, D=2):
+    """A GRU-style cell: two carries (h and a running mean), gates, the candidate's row operand h * z."""
+    m = gc.Model("lrgru")
+    x = m.input("x", ("T", "B", D))
+    h0 = m.input("h0", ("B", H))
+    y = m.input("y", ("B",), dtype="int64")
+    Wz, Uz, Wh, Uh = (m.param(n, s) for n, s in (("Wz", (H, H)), ("Uz", (D, H)), ("Wh", (H, H)), ("Uh", (D, H))))
+    bz = m.param("bz", (H,), init="zeros")
+
+    def step(carry, xt):
+        h, acc = carry
+        z = gc.sigmoid(h @ Wz + xt @ Uz + bz)
+        h = (1 - z) * h + z * gc.tanh((h * z) @ Wh + xt @ Uh)
+        return (h, 0.5 * acc + 0.5 * h), None
+
+    (hT, acc), _ = gc.scan(step, (h0, h0 * 0.5), x)
+    m.minimize(gc.softmax_cross_entropy(hT + acc, y))
+    return m
+
+
+def _stacked_reverse(H=3, D=2):
+    """A reverse scan over the ys of another scan (rows on axis 1 of the sequence), each closing over its
+    own weights, the first step's pre-activation a sum of two products and a bias."""
+    m = gc.Model("lrstacked")
+    x = m.input("x", ("T", "B", D))
+    h0 = m.input("h0", ("B", H))
+    y = m.input("y", ("B",), dtype="int64")
+    W1, U1, b1, W2 = m.param("W1", (H, H)), m.param("U1", (D, H)), m.param("b1", (H,)), m.param("W2", (H, H))
+    _, hs = gc.scan(lambda h, xt: (gc.tanh(xt @ U1 + h @ W1 + b1),) * 2, h0, x)
+    h2, _ = gc.scan(lambda h, ht: (gc.tanh(h @ W2 + ht), None), h0, hs, reverse=True)
+    m.minimize(gc.softmax_cross_entropy(h2, y))
+    return m
+
+
+def _problem(name, rng, T=5, B=6):
+    model = {"rnn": _rnn, "gru": _gru, "stacked": _stacked_reverse}[name]()
+    graph = build_training_graph(model, "float64", order=1)
+    params = {p: 0.6 * rng.normal(size=graph.shape(n)) for p, n in graph.params.items()}
+    D = graph.shape(graph.inputs["x"])[2]
+    H = graph.shape(graph.inputs["h0"])[1]
+    inputs = {"x": rng.normal(size=(T, B, D)), "h0": rng.normal(size=(B, H))}
+    classes = graph.shape(graph.params["V"])[1] if "V" in params else H
+    inputs["y"] = rng.integers(0, classes, B)
+    return graph, params, inputs
+
+
+@pytest.mark.parametrize("name", ["rnn", "gru", "stacked"])
+def test_mean_over_seeds_converges_to_the_gradient_through_scans(name):
+    graph, params, inputs = _problem(name, np.random.default_rng(0))
+    assert graph.lr["why"] is None, graph.lr["why"]
+    assert graph.lr["tiled"]["x"] == ("tile:x", 1)   # the sequence has its rows on axis 1
+    errors = []
+    for samples in (16, 256):
+        runs = [interpret_lr(graph, params, inputs, samples, 1e-3, seed) for seed in range(12)]
+        true = runs[0][1]
+        assert np.linalg.norm(true) > 1e-3
+        mean = np.mean([e for e, _ in runs], axis=0)
+        errors.append(np.linalg.norm(mean - true) / np.linalg.norm(true))
+    # 16x the samples: the error of the mean shrinks like 1/sqrt(K), by about 4
+    assert errors[1] < errors[0] / 2.5, errors
+    assert errors[1] < 0.4, errors
+
+
+def test_layerwise_and_plain_noise_through_a_scan_are_unbiased():
+    graph, params, inputs = _problem("rnn", np.random.default_rng(1))
+    for mode in (dict(antithetic=False), dict(layerwise=True)):
+        runs = [interpret_lr(graph, params, inputs, 128, 0.05 if mode.get("antithetic") is False else 1e-3, seed,
+                             **mode) for seed in range(24)]
+        true = runs[0][1]
+        mean = np.mean([e for e, _ in runs], axis=0)
+        assert np.linalg.norm(mean - true) / np.linalg.norm(true) < 0.15, mode
+
+
+def test_every_step_has_its_own_noise():
+    """Sites in a step draw a sequence of noise, one slice per step: with the noise of one step only the
+    estimate is far from the gradient, so the test above would catch a step reusing another's noise."""
+    graph, _, _ = _problem("gru", np.random.default_rng(2))
+    sites = graph.lr["sites"]
+    assert len(sites) == 2 and all(s["shape"][0] == "KB_lr" for s in sites)   # the gate and the candidate
+    noise = [n for n in graph.nx.nodes if graph.op(n) == "random"]
+    assert sorted(graph.shape(n)[:2] for n in noise) == [("KB_lr", "T")] * 2   # drawn rows first, all T steps
+
+
+def test_compiled_lr_grad_through_a_scan_matches_the_interpreter(build_dir):
+    model = _rnn("lrscan")
+    mod = gc.compile(model, out=build_dir, dtype="float64", order=1, warm_cache=False)
+    graph, params, inputs = _problem("rnn", np.random.default_rng(3), T=7, B=4)
+    for mode in (dict(), dict(antithetic=False, layerwise=True)):
+        loss, grads = mod.lr_grad(params, samples=6, sigma=1e-2, seed=5, **inputs, **mode)
+        est, _ = interpret_lr(graph, params, inputs, 6, 1e-2, 5, **mode)
+        np.testing.assert_allclose(np.concatenate([grads[p].ravel() for p in mod.TRAINABLE]), est, rtol=1e-9,
+                                   atol=1e-12)
+        assert loss == mod.loss_and_grad(params, **inputs)[0]
+    # Trainer(gradient="lr") trains the recurrence: the loss falls
+    rng = np.random.default_rng(4)
+    X = rng.normal(size=(6, 32, 3))
+    Y = (X.sum(axis=(0, 2)) > 0).astype(np.int64)
+    tr = mod.Trainer(mod.init_params(0), optimizer="adam", lr=0.03, gradient="lr", samples=32, sigma=1e-2)
+    first = tr.step(x=X, y=Y, h0=np.zeros((32, 4)))
+    for _ in range(60):
+        last = tr.step(x=X, y=Y, h0=np.zeros((32, 4)))
+    assert last < 0.8 * first
+
+
+def test_a_param_used_in_a_step_other_than_as_a_factor_is_named():
+    m = gc.Model("gated")
+    x = m.input("x", ("T", "B", 3))
+    h0 = m.input("h0", ("B", 2))
+    W, gamma = m.param("W", (3, 2)), m.param("gamma", (2,), init="ones")
+    hT, _ = gc.scan(lambda h, xt: (gc.tanh(xt @ W) * gamma + h, None), h0, x)
+    m.minimize((hT * hT).mean())
+    why = build_training_graph(m, "float64", order=1).lr["why"]
+    assert "'gamma'" in why and "test_lr_scan.py" in why and "not pretend" in why
