@@ -402,6 +402,26 @@ def test_draws_are_a_pure_function_of_seed_stream_and_index():
     assert not np.array_equal(draw("normal", 0.0, np.array(3), 2, (10,)), draw("normal", 0.0, np.array(3), 3, (10,)))
 
 
+@pytest.mark.parametrize("dist", ["normal", "dropout"])
+def test_the_cpu_kernel_draws_what_draw_does_for_odd_and_even_sizes(dist):
+    """The kernel writes each pair of normals from one pair of uniforms and copies the antithetic half:
+    element for element the reference `draw`, for every size (odd ones leave one element unpaired)."""
+    import math
+    import numba
+    from gradc.ops.random import GAMMA, _cpu_source, mix
+    for paired in (False, True):
+        source, _ = _cpu_source("kernel", dist, 1, paired)
+        scope = {"np": np, "math": math}
+        exec(source, scope)
+        kernel = numba.njit(scope["kernel"])
+        key = np.uint64(int(mix(np.uint64((4 + 1) * GAMMA % 2 ** 64))))
+        for size in range(1, 10):
+            for half in ((0, 1) if paired else (0,)):
+                out = np.full(size, np.nan)
+                kernel(*((np.int64(11), half) if paired else (np.int64(11),)), key, 0.25, 1 / 0.75, out)
+                np.testing.assert_allclose(out, draw(dist, 0.25, np.array(11), 4, (size,), half), rtol=1e-13, atol=0)
+
+
 def test_random_ops_gradient_and_hvp_reuse_the_mask(rng):
     """FD of the objective and of the gradient at one seed match: every pass draws the same mask."""
     m = gc.Model("rnd")

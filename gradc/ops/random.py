@@ -20,8 +20,9 @@ comes from a mask), chosen at call time without a second kernel.
 attrs["dist"]:
   "dropout": keep element i when u(i) >= p; the value is 1/(1-p) where kept, else 0
              (gc.dropout(x, p, seed) is x * that: inverted dropout, as torch's)
-  "normal":  N(0, 1) by Box-Muller from u1 = 1 - u(2i) in (0, 1] and u2 = u(2i + 1):
-             sqrt(-2 log u1) * cos(2 pi u2)   (gc.gaussian_noise(x, std, seed) is x + std * that)
+  "normal":  N(0, 1) by Box-Muller, both of its values: elements 2q and 2q + 1 from u1 = 1 - u(2q) in
+             (0, 1] and u2 = u(2q + 1), as sqrt(-2 log u1) times cos(2 pi u2) and sin(2 pi u2)
+             (gc.gaussian_noise(x, std, seed) is x + std * that)
 """
 import math
 
@@ -70,9 +71,11 @@ def draw(dist, p, seed, stream, shape, half=0):
         i = np.where(i >= count // 2, i - np.uint64(count // 2), i)
     if dist == "dropout":
         return np.where(uniform(key, i) >= p, 1.0 / (1.0 - p), 0.0).reshape(shape)
-    u1 = 1.0 - uniform(key, 2 * i)
-    u2 = uniform(key, 2 * i + np.uint64(1))
-    return (np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * math.pi * u2)).reshape(shape)
+    q = i // np.uint64(2)
+    u1 = 1.0 - uniform(key, 2 * q)
+    u2 = uniform(key, 2 * q + np.uint64(1))
+    trig = np.where(i % np.uint64(2) == 0, np.cos(2.0 * math.pi * u2), np.sin(2.0 * math.pi * u2))
+    return (np.sqrt(-2.0 * np.log(u1)) * trig).reshape(shape)
 
 
 def _infer(attrs, shapes, dtypes):
@@ -120,8 +123,13 @@ def _value_lines(dist, pad):
     """The value of element i into `v` (p and scale are arguments of the kernel)."""
     if dist == "dropout":
         return _uniform_lines("u", "i", pad) + [f"{pad}v = scale if u >= p else 0.0"]
-    return (_uniform_lines("u1", "2 * i", pad) + _uniform_lines("u2", "2 * i + 1", pad) +
-            [f"{pad}v = math.sqrt(-2.0 * math.log(1.0 - u1)) * math.cos({2 * math.pi!r} * u2)"])
+    return _pair_lines("i // 2", pad) + [f"{pad}v = r * (math.cos(a) if i % 2 == 0 else math.sin(a))"]
+
+
+def _pair_lines(q, pad):
+    """Box-Muller's radius `r` and angle `a` of pair q (elements 2q and 2q + 1 are r cos a, r sin a)."""
+    return (_uniform_lines("u1", f"2 * ({q})", pad) + _uniform_lines("u2", f"2 * ({q}) + 1", pad) +
+            [f"{pad}r = math.sqrt(-2.0 * math.log(1.0 - u1))", f"{pad}a = {2 * math.pi!r} * u2"])
 
 
 def _key_lines(seed, pad):
@@ -129,15 +137,22 @@ def _key_lines(seed, pad):
 
 
 def _cpu_source(name, dist, rank, paired=False):
+    """The distinct draws first (elements 0 .. size - mid - 1), then with half != 0 the second half
+    copied from them: element j >= mid has what element j - mid draws (copied last to first, so an
+    element is read before it is overwritten)."""
     head = "seed, half, stream_key, p, scale, out" if paired else "seed, stream_key, p, scale, out"
     lines = [f"def {name}({head}):"] + _key_lines("seed", "    ")
     lines += ["    flat = out.reshape(out.size)"]
-    if paired:   # element i of the second half draws what element i - size // 2 draws
-        lines += ["    mid = out.size // 2 if half != 0 else out.size", "    for j in range(out.size):",
-                  "        i = j - mid if j >= mid else j"]
-        lines += _value_lines(dist, "        ") + ["        flat[j] = v"]
-    else:
-        lines += ["    for i in range(out.size):"] + _value_lines(dist, "        ") + ["        flat[i] = v"]
+    lines += (["    mid = out.size // 2 if half != 0 else out.size", "    n = out.size - mid if half != 0 else out.size"]
+              if paired else ["    n = out.size"])
+    if dist == "dropout":
+        lines += ["    for i in range(n):"] + _value_lines(dist, "        ") + ["        flat[i] = v"]
+    else:   # a pair of normals per pair of uniforms
+        lines += ["    for q in range((n + 1) // 2):"] + _pair_lines("q", "        ")
+        lines += ["        flat[2 * q] = r * math.cos(a)", "        if 2 * q + 1 < n:",
+                  "            flat[2 * q + 1] = r * math.sin(a)"]
+    if paired:
+        lines += ["    if half != 0:", "        for j in range(out.size - 1, mid - 1, -1):", "            flat[j] = flat[j - mid]"]
     what = " (the second half repeats the first's when half != 0)" if paired else ""
     return "\n".join(lines), f"out = {dist} draws of (seed, stream, element index){what}"
 
