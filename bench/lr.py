@@ -1,6 +1,6 @@
 """lr_grad's variance and cost (DESIGN.md §1.9): per model, the estimate's relative error and cosine to
 loss_and_grad's gradient against the samples K (antithetic pairs or not, layer-wise or not), and the
-time of one estimate against one loss_and_grad. float64 builds, one batch, the mean over seeds of
+time of one estimate against one loss_and_grad (medians, after a warm-up call). float64 builds, one batch, the mean over seeds of
 each single estimate's error (not the error of a mean).
 
     python bench/lr.py [--quick]
@@ -58,7 +58,19 @@ def gcn(N):
     return m, {"x": np.eye(34), "y": labels}
 
 
-MODELS = {"mlp B=64": (mlp, 64), "conv B=32": (convnet, 32), "gcn karate": (gcn, 34)}
+def rnn(B, T=16):
+    """An Elman RNN as a gc.scan: one noise site per step (x_t @ U + h @ W + b), T steps."""
+    m = gc.Model("lr_bench_rnn")
+    x = m.input("x", ("T", "B", 8))
+    y = m.input("y", ("B",), dtype="int64")
+    U, W, b = m.param("U", (8, 32)), m.param("W", (32, 32)), m.param("b", (32,), init="zeros")
+    h, _ = gc.scan(lambda h, xt: (gc.tanh(xt @ U + h @ W + b), None), m.input("h0", ("B", 32)), x)
+    m.minimize(gc.softmax_cross_entropy(h @ m.param("V", (32, 10)), y))
+    rng = np.random.default_rng(0)
+    return m, {"x": rng.normal(size=(T, B, 8)), "y": rng.integers(0, 10, B), "h0": np.zeros((B, 32))}
+
+
+MODELS = {"mlp B=64": (mlp, 64), "conv B=32": (convnet, 32), "gcn karate": (gcn, 34), "rnn scan T=16 B=32": (rnn, 32)}
 
 
 def main():
@@ -70,18 +82,19 @@ def main():
     modes = {"antithetic": dict(antithetic=True), "plain+baseline": dict(antithetic=False),
              "antithetic layer-wise": dict(antithetic=True, layerwise=True)}
     out = tempfile.mkdtemp(prefix="gradc-lr-bench-")
-    print(f"{'model':<12} {'mode':<22} {'K':>5} {'rel.err':>8} {'cosine':>7} {'ms/est':>8} {'ms/l&g':>7} {'ratio':>6}")
+    print(f"{'model':<20} {'mode':<22} {'K':>5} {'rel.err':>8} {'cosine':>7} {'ms/est':>8} {'ms/l&g':>7} {'ratio':>6}")
     for label, (make, B) in MODELS.items():
         m, inputs = make(B)
         mod = gc.compile(m, out=out, dtype="float64", order=1, warm_cache=False)
         params = mod.init_params(0)
         _, true = mod.loss_and_grad(params, **inputs)
         t = np.concatenate([true[p].ravel() for p in mod.TRAINABLE])
-        n = 20
-        start = time.perf_counter()
-        for _ in range(n):
+        times = []
+        for _ in range(21):   # the first call warms up
+            start = time.perf_counter()
             mod.loss_and_grad(params, **inputs)
-        t_bp = (time.perf_counter() - start) / n
+            times.append(time.perf_counter() - start)
+        t_bp = float(np.median(times[1:]))
         for mode, opts in modes.items():
             for K in Ks:
                 mod.lr_grad(params, samples=K, seed=0, **opts, **inputs)   # compile / lay out the arena
@@ -94,7 +107,7 @@ def main():
                     errs.append(np.linalg.norm(e - t) / np.linalg.norm(t))
                     coss.append(e @ t / (np.linalg.norm(e) * np.linalg.norm(t)))
                 t_lr = float(np.median(times))
-                print(f"{label:<12} {mode:<22} {K:>5} {np.mean(errs):>8.3f} {np.mean(coss):>7.3f} "
+                print(f"{label:<20} {mode:<22} {K:>5} {np.mean(errs):>8.3f} {np.mean(coss):>7.3f} "
                       f"{1e3 * t_lr:>8.2f} {1e3 * t_bp:>7.3f} {t_lr / t_bp:>6.1f}", flush=True)
 
 
