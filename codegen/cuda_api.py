@@ -44,9 +44,10 @@ FLOAT = np.{dtype}
 
 
 def cuda_api(g, trainable, outputs, input_grads, order, grad_slices, shapes, call, inputs_of, trainer_kernels,
-             pipeline_src=None):
+             pipeline_src=None, lr_src="", lr_built=False):
     """Source of the entry points, in the order of the CPU target's; with `pipeline_src` (a
-    --devices / --microbatches build) loss_and_grad and the Trainer run the stage functions."""
+    --devices / --microbatches build) loss_and_grad and the Trainer run the stage functions; lr_src:
+    lr_grad's (codegen/lr_api.py), whose entry the Trainer runs with gradient="lr" when lr_built."""
     api = [INIT_PARAMS, textwrap.dedent('''\
         def _loss_value(loss, a, entry):
             """The objective as a float. Labels on the device are checked only when it is NaN (a label
@@ -107,6 +108,8 @@ def cuda_api(g, trainable, outputs, input_grads, order, grad_slices, shapes, cal
         (f"    return loss, _PIPELINE.owned({{\n        {views('grads')},\n    }})" if pipeline_src else
          f"    return loss, {{\n        {views('grads')},\n    }}") if grad_slices else "    return loss, {}"]) + "\n")
 
+    api.append(lr_src)
+
     api.append(input_grads_source(g, input_grads, run("_input_grads") if input_grads else "",
                                   lambda i: out("gi_" + i, g.inputs[i]),
                                   lambda i: f'_CUDA.zeros_like(a["{i}"])'))
@@ -156,12 +159,21 @@ def cuda_api(g, trainable, outputs, input_grads, order, grad_slices, shapes, cal
         '    return {"arena_bytes": _CUDA.held_bytes()}']) + "\n")
 
     api.append("\n".join([
-        *trainer_head("CudaTrainerBase"),
+        "class _CudaTrainer(LRTrainer, CudaTrainerBase):",
+        '    __doc__ = CudaTrainerBase.__doc__ + "\\n" + LRTrainer.__doc__',
+        "",
+        "",
+        *trainer_head("_CudaTrainer"),
         "    runner = _CUDA",
         "    entry = staticmethod(_loss_and_grad)",
         "    kernels = _TRAINER_KERNELS",
         f"    pipeline = {'_PIPELINE' if pipeline_src else 'None'}",
+        "    _lr = _LR",
+        *([f"    lr_entry = staticmethod(_lr_grad)"] if lr_built else []),
         "",
         "    def loss_args(self, p, a):",
-        f"        return [{', '.join(call('_loss_and_grad', '_CUDA.data'))}]"]) + "\n")
+        f"        return [{', '.join(call('_loss_and_grad', '_CUDA.data'))}]",
+        *(["",
+           "    def lr_args(self, p, a):",
+           f"        return [{', '.join(call('_lr_grad', '_CUDA.data'))}]"] if lr_built else [])]) + "\n")
     return api

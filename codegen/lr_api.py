@@ -12,9 +12,10 @@ def lr_info(g):
             "sites": [f"{s['op']} at {s['src']}" for s in lr["sites"]]}
 
 
-def lr_api_source(g, built, run_src, views_src):
+def lr_api_source(g, built, run_src, views_src, cuda=False):
     """`lr_grad` and `_lr_into` (what Trainer(gradient="lr") calls). run_src: the compiled entry's call
-    (None when the build has none); views_src: the gradient dict over the flat buffer `grads`."""
+    (None when the build has none); views_src: the gradient dict over the flat buffer `grads`. On CUDA
+    the estimate goes into a device buffer, copied out as the caller's gradients."""
     lines = ["from gradc.runtime.lr import LikelihoodRatio, LRTrainer, SAMPLES as LR_SAMPLES, SIGMA as LR_SIGMA", "",
              f"_LR = LikelihoodRatio(MODEL_NAME, FLOAT, {lr_info(g)!r})", "", "",
              "def lr_grad(params, /, *, samples=LR_SAMPLES, sigma=LR_SIGMA, seed=0, antithetic=True, layerwise=False,",
@@ -27,14 +28,23 @@ def lr_api_source(g, built, run_src, views_src):
              '    Returns (objective of the unperturbed forward, dict of estimated gradients)."""',
              "    options = _LR.check(samples, sigma, seed, antithetic, layerwise, baseline)",
              "    p = _SIGNATURE.params(params)",
-             '    a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS, "lr_grad")',
-             "    grads = np.empty(GRAD_SIZE, FLOAT)",
-             "    loss = _lr_into(p, a, grads, *options)",
-             f"    return float(loss), {{\n        {views_src},\n    }}" if views_src else "    return float(loss), {}",
-             "", "",
-             "def _lr_into(p, a, grads, samples, sigma, seed, antithetic, layerwise, baseline):",
-             '    """The estimate into the flat buffer `grads` (laid out as GRAD_SLICES); the objective."""']
-    if built:
+             '    a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS, "lr_grad")']
+    if cuda:
+        lines += ['    grads = _CUDA.buffer("lr_grads", (max(GRAD_SIZE, 1),))',
+                  "    loss = _lr_into(p, a, grads, *options)",
+                  "    grads = _CUDA.out(grads)"]
+    else:
+        lines += ["    grads = np.empty(GRAD_SIZE, FLOAT)",
+                  "    loss = _lr_into(p, a, grads, *options)"]
+    lines += [f"    return float(loss), {{\n        {views_src},\n    }}" if views_src else "    return float(loss), {}",
+              "", "",
+              "def _lr_into(p, a, grads, samples, sigma, seed, antithetic, layerwise, baseline):",
+              '    """The estimate into the flat buffer `grads` (laid out as GRAD_SLICES); the objective."""']
+    if built and cuda:
+        lines += ["    a = _LR.leaves(a, samples, sigma, seed, antithetic, layerwise, baseline, host=_CUDA.host)",
+                  f"    (loss,) = {run_src}",
+                  '    return _loss_value(loss, a, "lr_grad")']
+    elif built:
         lines += ["    a = _LR.leaves(a, samples, sigma, seed, antithetic, layerwise, baseline)",
                   f"    (loss,) = {run_src}",
                   "    return loss"]

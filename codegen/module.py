@@ -272,9 +272,13 @@ def generate(graph, plans, info):
     if cuda:
         pipeline_src = pipeline_source(g, pipeline, stage_specs, trainable, "DeviceMemory(_CUDA, _TRAINER_KERNELS)") \
             if pipeline else None
+        lr_built = "_lr_grad" in entries and not pipeline
+        lr_args = ", ".join(call("_lr_grad", "_CUDA.data") + ["grads"]) if lr_built else ""
+        lr_src = lr_api_source(g, lr_built, f"_CUDA.run(_lr_grad, [{lr_args}], a)",
+                               ",\n        ".join(f'"{p}": grads[{a}:{b}].reshape({shapes[p]!r})'
+                                                  for p, (a, b) in grad_slices.items()), cuda=True)
         api = cuda_api(g, trainable, outputs, input_grads, order, grad_slices, shapes, call, inputs_of, trainer_kernels,
-                       pipeline_src)
-        api.append(lr_api_source(g, False, None, None))
+                       pipeline_src, lr_src, lr_built)
         return _assemble(info, out, helper_src, kernel_src, body, api, kernels, g, entries, stored)
     api = []
     api.append(INIT_PARAMS)

@@ -11,7 +11,7 @@ from gradc.ir import FLOAT_DTYPES
 from .autodiff import build_backward
 from .fusion import fuse_elementwise, split_second_order_uses
 from .gemm_fusion import fuse_gemms
-from .likelihood_ratio import build_lr, drop_lr
+from .likelihood_ratio import build_lr
 from .objective import add_objective
 from .second_order import build_hvp
 from .simplify import simplify
@@ -85,10 +85,7 @@ PASSES = (
     ("bind", lambda g, b: bind(g, b.dtype, b.dims, b.model.src), None),
     ("objective", lambda g, b: add_objective(g, b.decayed, b.model.weight_decay), None),
     # lr_grad's forward-only graph: K noised copies of the forward stacked on the rows (DESIGN.md §1.9)
-    ("likelihood_ratio", lambda g, b: build_lr(g, b.trainable, b.decayed, b.model.weight_decay),
-     lambda b: b.target == "cpu"),
-    ("likelihood_ratio", lambda g, b: drop_lr(g, "lr_grad is built for the CPU target only (not yet for CUDA)"),
-     lambda b: b.target != "cpu"),
+    ("likelihood_ratio", lambda g, b: build_lr(g, b.trainable, b.decayed, b.model.weight_decay), None),
     ("autodiff", lambda g, b: build_backward(g, b.trainable), None),
     ("second_order", lambda g, b: build_hvp(g, b.trainable), lambda b: b.order == 2),
     ("simplify", lambda g, b: simplify(g), None),

@@ -5,8 +5,8 @@
 Prints one JSON line of errors (float64, same params and inputs): every entry point of each zoo
 model's CUDA module against the interpreter (the reference the CPU target is tested against);
 the MLP's CUDA module against its CPU target's, its gradients against finite differences, and
-the CUDA Trainer against the CPU Trainer; device arrays in and out, refusals, pipelines, the
-cuBLAS path and the CUDA-graph path.
+the CUDA Trainer against the CPU Trainer; lr_grad and Trainer(gradient="lr") against the CPU's;
+device arrays in and out, refusals, pipelines, the cuBLAS path and the CUDA-graph path.
 """
 import json
 import os
@@ -195,6 +195,35 @@ def run_trainer(build):
     t2.save(path)
     t3 = dev_s.Trainer.load(path)
     out["scalar_param"] = max(worst, abs(t1.step(**inputs_s) - t3.step(**inputs_s)))
+    return out
+
+
+def run_lr(build):
+    """lr_grad and Trainer(gradient="lr") on CUDA against the CPU target: the same noise (drawn in the
+    kernels from the seed), so the same estimate; an MLP and an RNN as a gc.scan, device inputs too."""
+    from numba import cuda
+    rng = np.random.default_rng(2)
+    out = {}
+    model, cpu, dev = both(zoo.mlp_weight_decay, os.path.join(build, "mlp"))
+    params, inputs = cpu.init_params(seed=5), zoo._inputs(cpu, rng, batch=6)
+    for label, mode in (("antithetic", dict()), ("layerwise", dict(antithetic=False, layerwise=True))):
+        l1, g1 = cpu.lr_grad(params, samples=4, seed=3, **inputs, **mode)
+        l2, g2 = dev.lr_grad(params, samples=4, seed=3, **inputs, **mode)
+        out[f"mlp_{label}"] = max(abs(l1 - l2), err(g1, g2))
+    t1 = cpu.Trainer(params, optimizer="adam", lr=0.05, gradient="lr", samples=4)
+    t2 = dev.Trainer(params, optimizer="adam", lr=0.05, gradient="lr", samples=4)
+    worst = max(abs(t1.step(**inputs) - t2.step(**inputs)) for _ in range(3))
+    out["trainer"] = max(worst, err(t1.params, {k: v.copy_to_host() for k, v in t2.params.items()}))
+    path = os.path.join(build, "lr.npz")
+    t2.save(path)
+    t3 = dev.Trainer.load(path)
+    out["trainer_resumed"] = abs(t1.step(**inputs) - t3.step(**inputs)) if t3.gradient == "lr" else "not lr"
+    model, cpu, dev = both(lambda: scans._rnn("lr_scan_rnn"), os.path.join(build, "rnn"))
+    params = cpu.init_params(seed=5)
+    inputs = {"x": rng.normal(size=(3, 2, 3)), "y": rng.integers(0, 2, 2), "h0": rng.normal(size=(2, 4))}
+    l1, g1 = cpu.lr_grad(params, samples=2, seed=3, **inputs)
+    l2, g2 = dev.lr_grad(params, samples=2, seed=3, **{k: cuda.to_device(v) for k, v in inputs.items()})
+    out["scan_device_inputs"] = max(abs(l1 - l2), err(g1, g2))
     return out
 
 
@@ -421,6 +450,7 @@ if __name__ == "__main__":
     if what == "models":   # (with the pipelines: the two processes then take about as long)
         result = {"zoo": run_models(build), "pipelines": run_pipelines(os.path.join(build, "pipelines"))}
     else:   # the Trainer, device arrays, refusals; then the graph path (it patches the simulator)
-        result = run_trainer(build) | {"library": run_library(os.path.join(build, "library")),
+        result = run_trainer(build) | {"lr": run_lr(os.path.join(build, "lr")),
+                                       "library": run_library(os.path.join(build, "library")),
                                        "graphs": run_graphs(os.path.join(build, "graphs"))}
     print(json.dumps(result))

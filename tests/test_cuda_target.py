@@ -55,6 +55,13 @@ def test_cuda_trainer_matches_the_cpu_trainer_and_resumes(results):
         assert r[f"{optimizer}_resumed"] <= 1e-12
 
 
+def test_lr_grad_and_its_trainer_match_the_cpu_target(results):
+    """The same noise from the same seed in the kernels: the same estimate, MLP and scan alike."""
+    lr = results["trainer"]["lr"]
+    assert set(lr) == {"mlp_antithetic", "mlp_layerwise", "trainer", "trainer_resumed", "scan_device_inputs"}
+    assert all(isinstance(v, float) and v <= TOLERANCE for v in lr.values()), lr
+
+
 def test_device_arrays_in_and_out(results):
     r = results["trainer"]
     assert r["device_inputs"] <= TOLERANCE

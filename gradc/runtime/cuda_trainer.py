@@ -20,10 +20,25 @@ class CudaTrainerBase(TrainerBase):
     runner = None            # the module's CudaRunner
     kernels = {}             # "sgd", "sgd_check", "adam", "adam_check", "sum_squares", "copy" -> the module's kernels
     entry = None             # the host function of loss_and_grad
+    lr_entry = None          # the host function of lr_grad (gradient="lr")
 
     def loss_args(self, p, a):
         """The entry's arguments before `grads` (set by the generated subclass)."""
         raise NotImplementedError
+
+    def lr_args(self, p, a):
+        """lr_grad's arguments before `grads`, `a` with its lr leaves (set by the generated subclass)."""
+        raise NotImplementedError
+
+    def _entry_args(self, p, a):
+        """(the entry's arena name, its arguments before `grads`, the inputs the arena is laid out for):
+        loss_and_grad's, or with gradient="lr" lr_grad's, step t's noise drawn from seed + t."""
+        if getattr(self, "gradient", "backprop") != "lr":
+            return "_loss_and_grad", self.loss_args(p, a), a
+        o = self.lr_options
+        a = self._lr.leaves(a, o["samples"], o["sigma"], self.lr_seed + self.steps, o["antithetic"], o["layerwise"],
+                            o["baseline"], host=self.runner.host)
+        return "_lr_grad", self.lr_args(p, a), a
 
     def _store(self, checked, size, slots):
         run = self.runner
@@ -43,6 +58,8 @@ class CudaTrainerBase(TrainerBase):
         self._hyper = run.empty((7,))
         self._status = run.empty((3,))            # the loss, |g|^2, values the update would make non-finite
         self._launch = self._launch_step          # one bound method: the captured graph's key
+        if getattr(self, "gradient", "backprop") == "lr":
+            self.entry = self.lr_entry            # the steps launch lr_grad's kernels instead
         run.sync()
 
     def _host(self, array):
@@ -137,7 +154,8 @@ class CudaTrainerBase(TrainerBase):
         if self.pipeline is None:
             if getattr(self, "_launch_g", None) is None:
                 self._launch_g = self._launch_gradients   # one bound method: the captured graph's key
-            run.run(self._launch_g, self.loss_args(p, a) + [self._grads, self._status], a, entry="_loss_and_grad")
+            entry, head, a = self._entry_args(p, a)
+            run.run(self._launch_g, head + [self._grads, self._status], a, entry=entry)
             loss, weight = float(run.host(self._status)[0]), 1.0
         else:
             loss = self.pipeline.loss_and_grad(p, a, self._grads, decay_once=False)
@@ -177,8 +195,8 @@ class CudaTrainerBase(TrainerBase):
         state = self._hyper_state()
         p = dict(self.params)
         if self.pipeline is None:
-            args = self.loss_args(p, a) + [self._grads, self._flat, *state, self._hyper, self._status]
-            run.run(self._launch, args, a, entry="_loss_and_grad")
+            entry, head, given = self._entry_args(p, a)
+            run.run(self._launch, head + [self._grads, self._flat, *state, self._hyper, self._status], given, entry=entry)
         else:   # stage functions over microbatches, then the update launched directly
             loss = self.pipeline.loss_and_grad(p, a, self._grads)   # p: device views, scalars as one-element arrays
             self._status.copy_to_device(np.array([loss, 0.0, 0.0], dtype=self.signature.float), stream=run.stream)

@@ -54,8 +54,9 @@ class LikelihoodRatio:
         """The perturbed copies one call runs: samples, or samples per site layer-wise."""
         return samples * (len(self.info["masks"]) if layerwise else 1)
 
-    def leaves(self, a, samples, sigma, seed, antithetic, layerwise, baseline):
-        """`a` (the checked inputs) with the lr leaves added under their "lr:" keys."""
+    def leaves(self, a, samples, sigma, seed, antithetic, layerwise, baseline, host=None):
+        """`a` (the checked inputs) with the lr leaves added under their "lr:" keys. host: copies a device
+        array to a numpy one (a CUDA module's inputs may be on the device; they are tiled on the host)."""
         F = self.float
         total = self.copies(samples, layerwise)
         tiled = self.info["tiled"]
@@ -64,7 +65,7 @@ class LikelihoodRatio:
             raise ValueError(f"{self.model_name}.lr_grad: no batch input given")
         out = dict(a)
         for name, (key, axis) in tiled.items():   # copies sample-major along the rows' axis
-            x = a[name]
+            x = a[name] if host is None or isinstance(a[name], np.ndarray) else host(a[name])
             out[f"lr:{key}"] = np.tile(x, tuple(total if d == axis else 1 for d in range(x.ndim)))
         # sample k perturbs site s with sign: copies are sample-major; with antithetic pairs the second half of
         # the copies mirrors the first (the noise kernel repeats its draws there) with the opposite sign
