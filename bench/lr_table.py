@@ -6,7 +6,7 @@
     model (2708 nodes, 7 blocks, noisy block-indicator features), a normalised adjacency as a constant.
 Same optimizer (Adam), same steps; float32 builds.
 
-    python bench/lr_table.py [--quick]
+    python bench/lr_table.py [--quick] [--target cuda]
 """
 import argparse
 import sys
@@ -104,9 +104,9 @@ def sbm(n=2708, k=7, f=64, seed=0):
     return normalised(nx.to_numpy_array(G)), X, y, train
 
 
-def run_batches(make, data, variants, epochs, batch):
+def run_batches(make, data, variants, epochs, batch, target):
     Xtr, ytr, Xte, yte = data
-    mod = gc.compile(make(), out=OUT, order=1, warm_cache=False)
+    mod = gc.compile(make(), out=OUT, order=1, warm_cache=False, target=target)
     rows = []
     for label, opts in variants.items():
         tr = mod.Trainer(mod.init_params(0), optimizer="adam", lr=opts.pop("lr", 3e-3), **opts)
@@ -124,10 +124,10 @@ def run_batches(make, data, variants, epochs, batch):
     return rows
 
 
-def run_graph(name, graph, variants, epochs):
+def run_graph(name, graph, variants, epochs, target):
     A, X, y, train = graph
     c = int(y.max()) + 1
-    mod = gc.compile(gcn_model(name, A, X.shape[1], c), out=OUT, order=1, warm_cache=False)
+    mod = gc.compile(gcn_model(name, A, X.shape[1], c), out=OUT, order=1, warm_cache=False, target=target)
     Y = np.eye(c, dtype=np.float32)[y] / train.sum()
     inputs = {"x": X, "y": y, "w": train, "Y": Y}
     test = train == 0
@@ -147,17 +147,20 @@ def run_graph(name, graph, variants, epochs):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--target", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the same table on a GPU, where the K copies of a small model cost little more than one")
     args = ap.parse_args()
+    t = args.target
     e = 3 if args.quick else 20
     K = 16 if args.quick else 32
     variants = lambda: {"BP": {}, f"LR K={K}": dict(gradient="lr", samples=K),
                         f"LR K={K} layer-wise": dict(gradient="lr", samples=K, layerwise=True),
                         f"LR K={K} plain+baseline": dict(gradient="lr", samples=K, antithetic=False)}
     print(f"{'task':<22} {'method':<24} {'test acc':>8} {'s/epoch':>8}")
-    table = [("MLP digits", lambda: run_batches(mlp_model, digits(), variants(), e, 64)),
-             ("RNN digits (rows)", lambda: run_batches(rnn_model, digits(), variants(), max(1, e // 2), 64)),
-             ("GCN karate", lambda: run_graph("lrt_karate", karate(), variants(), 10 * e)),
-             ("GCN SBM 2708 nodes", lambda: run_graph("lrt_sbm", sbm(), variants(), 5 * e))]
+    table = [("MLP digits", lambda: run_batches(mlp_model, digits(), variants(), e, 64, t)),
+             ("RNN digits (rows)", lambda: run_batches(rnn_model, digits(), variants(), max(1, e // 2), 64, t)),
+             ("GCN karate", lambda: run_graph("lrt_karate", karate(), variants(), 10 * e, t)),
+             ("GCN SBM 2708 nodes", lambda: run_graph("lrt_sbm", sbm(), variants(), 5 * e, t))]
     for task, run in table:
         for label, acc, sec in run():
             print(f"{task:<22} {label:<24} {100 * acc:>7.1f}% {sec:>8.3f}", flush=True)

@@ -38,6 +38,7 @@ import gradc as gc
 from gradc.interpret import evaluate
 from gradc.ops.random import draw
 from gradc.passes.pipeline import build_training_graph
+from gradc.passes.scan_checkpoint import checkpoint_scans
 
 BATCH = "B"
 LIMIT = 20.0        # largest |value| a step may produce
@@ -246,7 +247,7 @@ def _torch_conv(args, kw, dims):
 
 
 def _conv_text(step, args, batch):
-    parts = args[:2] + [f"bias={args[2]}"] * (len(args) == 3) + [f"{k}={v!r}" for k, v in step.kw.items()]
+    parts = args[:2] + ([f"bias={args[2]}"] if len(args) == 3 else []) + [f"{k}={v!r}" for k, v in step.kw.items()]
     return f"gc.conv2d({', '.join(parts)})"
 
 
@@ -1343,9 +1344,22 @@ def torch_reference(case):
             "hvps": {p: array(h, p) for p, h in zip(case.trainable, hv)}}
 
 
-def gradc_interpreted(case):
-    """The same quantities from gradc's order-2 training graph through its numpy interpreter."""
-    graph = build_training_graph(case.model, "float64", order=2)
+def gradc_interpreted(case, checkpointed=False):
+    """The same quantities from gradc's order-2 training graph through its numpy interpreter. With
+    `checkpointed`, the graph's dims are bound to the case's and every scan's backward that can reads
+    carry checkpoints (passes/scan_checkpoint.py, what --memory-budget may choose); None when no
+    scan's was rewritten."""
+    if checkpointed:
+        dims = {}
+        for name, n in case.model.graph.inputs.items():
+            for d, actual in zip(case.model.graph.shape(n), np.shape(case.inputs[name])):
+                if isinstance(d, str):
+                    dims[d] = actual
+        graph = build_training_graph(case.model, "float64", dims=dims, order=2)
+        if not checkpoint_scans(graph, dims):
+            return None
+    else:
+        graph = build_training_graph(case.model, "float64", order=2)
     tables = {"grads": graph.grads, "input_grads": graph.input_grads, "hvps": graph.hvps, "outputs": graph.outputs}
     roots = [graph.objective] + [n for t in tables.values() for n in t.values() if n is not None]
     values = evaluate(graph, case.params, case.inputs, list(dict.fromkeys(roots)), tangents=case.tangents)
@@ -1421,7 +1435,16 @@ def check_interpreted(case):
         got = gradc_interpreted(case)
     except Exception as e:
         raise _crashed(case, "interpreter", e) from e
-    compare(case, got, torch_reference(case))
+    ref = torch_reference(case)
+    compare(case, got, ref)
+    model = case.model.graph
+    if any(model.op(n) == "scan" for n in model.nx.nodes):
+        try:
+            got = gradc_interpreted(case, checkpointed=True)
+        except Exception as e:
+            raise _crashed(case, "interpreter, carry checkpoints", e) from e
+        if got is not None:
+            compare(case, got, ref, where="interpreter, carry checkpoints")
 
 
 def check_compiled(case, out, dtype="float64", rtol=1e-8, rtol_hvp=1e-7):

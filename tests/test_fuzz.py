@@ -3,7 +3,9 @@ of the params and float inputs, and Hessian-vector products. The programs mix de
 convolutions, pools, indexing, concat/stack, embeddings (take), batched matmul, seeded random ops and
 scans of random recurrent cells.
 
-Many seeds go through gradc's numpy interpreter of the order-2 training graph (fast); a few go
+Many seeds go through gradc's numpy interpreter of the order-2 training graph (fast), and those with
+scans a second time with their dims bound and carry checkpoints in every backward scan that can
+read them (passes/scan_checkpoint.py, what --memory-budget may choose); a few go
 through the module gc.compile writes (forward, loss_and_grad, input_grads, hvp, hessian @ v),
 three small programs per compiled model to spread Numba's compile time. A failure names the seeds
 and prints the programs; `python bench/fuzz.py --n N` runs more seeds.
