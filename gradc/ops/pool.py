@@ -220,9 +220,10 @@ def _cpu_argmax(pad):
         "for i in range(i_lo, i_hi):",
         "    for j in range(j_lo, j_hi):",
         "        v = x[b, c, h0 + i, w0 + j]",
-        "        if v > m or (v != v and m == m):",
-        "            m = v",
-        "            bi, bj = i, j"]]
+        "        take = (v > m) | ((v != v) & (m == m))   # no branch: a random window's order is unpredictable",
+        "        m = v if take else m",
+        "        bi = i if take else bi",
+        "        bj = j if take else bj"]]
 
 
 PAD = " " * 20
