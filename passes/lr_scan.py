@@ -52,14 +52,17 @@ class ScanNoise:
         return chains(body, body.topo_order(), self.param_of(n))
 
     def misuses(self, n):
-        """[(param name, node of the step, the step's graph)] for each use of a trainable param in scan
-        n's step other than as a factor of a site's product or a bias in its chain."""
+        """[(param name, the node reading it, its graph)] for each use of a trainable param by scan n
+        other than as a factor of a site's product or a bias in its sum, in the step."""
         g = self.b.g
         body, leaves, _, K, X, _, _ = parts(g.attrs(n))
         param = self.param_of(n)
         closed = [leaf for leaf in leaves[K + X:] if param(leaf) is not None]
         bad = misuses(body, closed, set(body.topo_order()), self.sites(n), param)
-        return [(self.b.trainable[param(leaf)], u, body) for leaf, u in bad]
+        # a param as an initial carry (a learned h0) or a sequence gets no noise of its own either
+        entering = [self.b.param_of(u) for u in g.operands(n)[:K + X]]
+        return [(self.b.trainable[p], n, g) for p in entering if p is not None] + \
+            [(self.b.trainable[param(leaf)], u, body) for leaf, u in bad]
 
     def copy(self, n, ins, operands, fail):
         """The perturbed copy of scan n (its operands' stacked copies `operands`, their rows at `ins`);

@@ -124,3 +124,13 @@ def test_a_param_used_in_a_step_other_than_as_a_factor_is_named():
     m.minimize((hT * hT).mean())
     why = build_training_graph(m, "float64", order=1).lr["why"]
     assert "'gamma'" in why and "test_lr_scan.py" in why and "not pretend" in why
+
+
+def test_a_learned_initial_state_is_named():
+    m = gc.Model("learned_h0")
+    x = m.input("x", ("T", 2, 3))
+    W, h0 = m.param("W", (3, 2)), m.param("h0", (2, 2))
+    hT, _ = gc.scan(lambda h, xt: (gc.tanh(xt @ W + h), None), h0, x)
+    m.minimize((hT * hT).mean())
+    why = build_training_graph(m, "float64", order=1).lr["why"]
+    assert "'h0'" in why and "scan" in why
