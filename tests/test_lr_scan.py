@@ -104,7 +104,11 @@ def test_compiled_lr_grad_through_a_scan_matches_the_interpreter(build_dir):
         np.testing.assert_allclose(np.concatenate([grads[p].ravel() for p in mod.TRAINABLE]), est, rtol=1e-9,
                                    atol=1e-12)
         assert loss == mod.loss_and_grad(params, **inputs)[0]
-    # Trainer(gradient="lr") trains the recurrence: the loss falls
+
+
+@pytest.mark.slow
+def test_trainer_with_lr_gradients_trains_a_recurrence(build_dir):
+    mod = gc.compile(_rnn("lrscan_train"), out=build_dir, dtype="float64", order=1, warm_cache=False)
     rng = np.random.default_rng(4)
     X = rng.normal(size=(6, 32, 3))
     Y = (X.sum(axis=(0, 2)) > 0).astype(np.int64)
