@@ -583,6 +583,9 @@ def _seed_and_model(op, x, seed, src):
                          f"(m.input('seed', (), dtype='int64')), got {got}", src)
     if not x.dtype.startswith("float"):
         raise GradcError(f"{op}: the operand has dtype {x.dtype}; it must be float", src)
+    if isinstance(x.model, _Body) or isinstance(seed.model, _Body):
+        raise GradcError(f"{op}: random ops inside the step of gc.scan are not supported (each step would need its "
+                         f"own draws); apply {op} to the scan's sequences or results, outside the step", src)
     if seed.model is not x.model:
         raise GradcError(f"{op}: the seed belongs to model {seed.model.name!r}, the operand to {x.model.name!r}", src)
     graph = x.model.graph

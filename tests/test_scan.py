@@ -462,3 +462,11 @@ def test_bppsa_gradients_match_reverse_and_torch(case, tmp_path):
             h_rev, h_bp = rev.hvp(params, v, **inputs), bp.hvp(params, v, **inputs)
             for p in g_rev:
                 np.testing.assert_allclose(h_bp[p], h_rev[p], rtol=1e-10, atol=1e-12, err_msg=f"hvp T={T} {p}")
+
+
+def test_a_random_op_in_a_step_is_refused_by_name():
+    m = gc.Model("noisy_step")
+    x, h0 = m.input("x", ("T", "B", 3)), m.input("h0", ("B", 3))
+    seed = m.input("seed", (), dtype="int64")
+    with pytest.raises(GradcError, match=r"test_scan.py:\d+: gaussian_noise: random ops inside the step of gc.scan"):
+        gc.scan(lambda h, xt: (gc.gaussian_noise(h + xt, 0.1, seed), None), h0, x)
