@@ -374,7 +374,7 @@ def generate(graph, plans, info):
         "",
         "    def _gradients(self, p, a, grads):",
         '        if self.gradient == "lr":   # the likelihood-ratio estimate; step t draws its noise from seed + t',
-        "            return _lr_into(p, a, grads, seed=self.lr_seed + self.steps, **self.lr_options)",
+        "            return _lr_into(p, a, grads, *self._step_options())",
         f"        {run_loss_and_grad}",
         "        return loss",
         *(["",

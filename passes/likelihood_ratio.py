@@ -176,7 +176,7 @@ class _Builder:
         return batch, axes
 
     def check_params(self, sites):
-        """Every use of a trainable param must be a factor of a site's product or a bias in its chain."""
+        """Every use of a trainable param must be a factor of a site's product or a bias in its sum."""
         g = self.g
         bad = []
         for p, u in misuses(g, [p for p in self.trainable if p in self.fwd], self.fwd, sites, self.param_of):
@@ -188,15 +188,14 @@ class _Builder:
             self.refuse_params(bad)
 
     def refuse_params(self, bad):
-        """bad: [(param name, the node that reads it, the graph it is in)]."""
-        if bad:
-            names = ", ".join(dict.fromkeys(repr(n) for n, _, _ in bad))
-            name, u, g = bad[0]
-            raise Unsupported(f"param {names} reach(es) the loss other than as a factor of a matmul or conv2d (or a "
-                              f"bias added to one): {name!r} is read by {g.describe(u)} at {g.node(u)['src']}. The "
-                              f"likelihood-ratio estimate perturbs only the products' outputs, so it has nothing to "
-                              f"attribute to such a param (it would not be zero, and lr_grad will not pretend it is): "
-                              f"declare it trainable=False, or train with loss_and_grad")
+        """bad: [(param name, the node that reads it, the graph it is in)], not empty."""
+        names = ", ".join(dict.fromkeys(repr(n) for n, _, _ in bad))
+        name, u, g = bad[0]
+        raise Unsupported(f"param {names} reach(es) the loss other than as a factor of a matmul or conv2d (or a "
+                          f"bias added to one): {name!r} is read by {g.describe(u)} at {g.node(u)['src']}. The "
+                          f"likelihood-ratio estimate perturbs only the products' outputs, so it has nothing to "
+                          f"attribute to such a param (it would not be zero, and lr_grad will not pretend it is): "
+                          f"declare it trainable=False, or train with loss_and_grad")
 
     def track(self, n):
         """Where n's batch rows lie (an axis, None when it has none, ("reduced", kind) after the loss's
@@ -234,8 +233,7 @@ class _Builder:
         operands = [self.copy.get(u, u) for u in g.operands(n)]
         attrs = dict(node["attrs"])
         if op == "scan":
-            where = get_op(op).rows(g, n, ins, fail)
-            self.copy[n] = self.scans.copy(n, ins, operands, fail)
+            self.copy[n], where = self.scans.copy(n, ins, operands, fail)
             return where
         if op == "scan_out":   # the copy's results are laid out for its own ys
             old, new = g.operands(n)[0], operands[0]
@@ -300,7 +298,7 @@ class _Builder:
         return self.view(c2, (KB,))
 
     def local_vjp(self, copies, cot):
-        """The params' parts of the estimate at one site: the VJPs of the chain's copies (product, bias adds)
+        """The params' parts of the estimate at one site: the VJPs of its copies (products, adds)
         and of the layout ops between them and the params, with cotangent `cot` at the last copy z."""
         g = self.g
         z = copies[-1]

@@ -17,14 +17,19 @@ so the estimate stays a forward graph; it keeps each site's h_t and noise for ev
 estimate outside a scan keeps each site's h and noise.
 """
 import copy
+from collections import namedtuple
 
 from gradc.errors import GradcError
-from gradc.ops import get_op
-from gradc.ops.scan import body_rows, result
+from gradc.ops.scan import ScanRows, body_rows, result
 from gradc.ops.scan_layout import YS, parts
 
 from .lr_sites import KB, LAYOUT, Unsupported, chains, misuses
 from .simplify import eliminate_dead
+
+
+# a site in a step: its nodes (the noised one last), its noise and mask leaves in the step, each product's
+# row operand there (returned as a y), and the outer noise sequence and mask leaf those leaves stand for
+StepSite = namedtuple("StepSite", "tree eps mask_leaf rows noise mask")
 
 
 class ScanNoise:
@@ -33,12 +38,16 @@ class ScanNoise:
     def __init__(self, builder):
         self.b = builder
 
+    def closed(self, n):
+        """{closed-over leaf of scan n's step: the outer value it stands for}."""
+        g = self.b.g
+        _, leaves, _, K, X, _, _ = parts(g.attrs(n))
+        return dict(zip(leaves[K + X:], g.operands(n)[K + X:]))
+
     def param_of(self, n):
         """A function: the trainable param (of the outer graph) a value of scan n's step is, through
         reshapes and transposes of a closed-over leaf, or None."""
-        g = self.b.g
-        body, leaves, _, K, X, _, _ = parts(g.attrs(n))
-        outer = dict(zip(leaves[K + X:], g.operands(n)[K + X:]))
+        body, outer = self.b.g.attrs(n)["body"], self.closed(n)
 
         def param(m):
             while body.op(m) in LAYOUT:
@@ -47,7 +56,7 @@ class ScanNoise:
         return param
 
     def sites(self, n):
-        """The chains [product, bias add, ...] of scan n's step that get noise."""
+        """The noise sites of scan n's step (lr_sites.chains)."""
         body = self.b.g.attrs(n)["body"]
         return chains(body, body.topo_order(), self.param_of(n))
 
@@ -65,8 +74,8 @@ class ScanNoise:
             [(self.b.trainable[param(leaf)], u, body) for leaf, u in bad]
 
     def copy(self, n, ins, operands, fail):
-        """The perturbed copy of scan n (its operands' stacked copies `operands`, their rows at `ins`);
-        its sites are added to the builder's."""
+        """The perturbed copy of scan n (its operands' stacked copies `operands`, their rows at `ins`) and
+        where the rows lie in scan n's results (its rows rule); its sites are added to the builder's."""
         b, g = self.b, self.b.g
         attrs = g.attrs(n)
         body, leaves, outputs, K, X, C, M = parts(attrs)
@@ -76,6 +85,10 @@ class ScanNoise:
         new.name = body.name + "_lr"
         names = list(body.inputs)
         copies = {}
+
+        def placeholder(name, shape, dtype, src):   # new.inputs is laid out once every leaf is made
+            return new.add_node("input", [], {"shape": tuple(shape), "dtype": dtype}, shape, dtype, src=src, name=name)
+
         for j, leaf in enumerate(leaves):
             if where[leaf] is None:
                 continue
@@ -83,8 +96,7 @@ class ScanNoise:
                 fail(f"has a carry ({names[j]}) whose rows come from the step while its initial value has none")
             shape = list(body.shape(leaf))
             shape[where[leaf]] = KB
-            copies[leaf] = new.add_node("input", [], {"shape": tuple(shape), "dtype": body.dtype(leaf)}, shape,
-                                        body.dtype(leaf), src=body.node(leaf)["src"], name=names[j])
+            copies[leaf] = placeholder(names[j], shape, body.dtype(leaf), body.node(leaf)["src"])
 
         def apply(op, inputs, attrs, src):
             try:
@@ -92,7 +104,7 @@ class ScanNoise:
             except GradcError as e:
                 raise Unsupported(f"{src}: {e}") from None
 
-        sites = []   # (chain, its noise leaf, its mask leaf, the product's row operand in the step, noise, mask)
+        sites = []   # StepSite
         for m in body.topo_order():
             w = where[m]
             if m in leaves or w is None:
@@ -114,10 +126,8 @@ class ScanNoise:
                                       f"the estimate perturbs products of rows")
                 shape = new.shape(copies[m])
                 noise, mask = b.noise(shape, src, body.op(tops[m][0]), steps=g.shape(operands[K])[0])
-                eps = new.add_node("input", [], {"shape": shape, "dtype": b.float}, shape, b.float, src=src,
-                                   name=f"lr_eps{len(sites)}")
-                scale = new.add_node("input", [], {"shape": g.shape(mask), "dtype": b.float}, g.shape(mask), b.float,
-                                     src=src, name=f"lr_mask{len(sites)}")
+                eps = placeholder(f"lr_eps{len(sites)}", shape, b.float, src)
+                scale = placeholder(f"lr_mask{len(sites)}", g.shape(mask), b.float, src)
                 copies[m] = apply("add", [copies[m], apply("mul", [eps, scale], {}, src)], {}, src)
                 rows = {}   # each product of the site -> its row operand in the step, returned as a y
                 for product in tops[m]:
@@ -128,36 +138,32 @@ class ScanNoise:
                         raise Unsupported(f"{body.node(product)['src']}: {body.describe(product)} has its rows in "
                                           f"its right factor; lr_grad perturbs products whose left factor has them")
                     rows[product] = copies[left]
-                sites.append((tops[m], eps, scale, rows, noise, mask))
-        for top in tops.keys() - {s[0][-1] for s in sites}:
+                sites.append(StepSite(tops[m], eps, scale, rows, noise, mask))
+        for top in tops.keys() - {s.tree[-1] for s in sites}:
             raise Unsupported(f"{body.node(top)['src']}: {body.describe(top)} reads a trainable param but has no "
                               f"batch rows: the estimate perturbs products of rows")
         inputs = list(zip(names, [copies.get(leaf, leaf) for leaf in leaves]))
-        new.inputs = dict(inputs[:K + X] + [(new.node(s[1])["name"], s[1]) for s in sites] + inputs[K + X:]
-                          + [(new.node(s[2])["name"], s[2]) for s in sites])
+        new.inputs = dict(inputs[:K + X] + [(new.node(s.eps)["name"], s.eps) for s in sites] + inputs[K + X:]
+                          + [(new.node(s.mask_leaf)["name"], s.mask_leaf) for s in sites])
         new.outputs = {name: copies.get(o, o) for name, o in body.outputs.items()}
-        ys = [(product, row) for site in sites for product, row in site[3].items()]
+        ys = [(product, row) for site in sites for product, row in site.rows.items()]
         new.outputs |= {f"lr_rows{i}": row for i, (_, row) in enumerate(ys)}
         eliminate_dead(new)
-        ops = operands[:K + X] + [s[4] for s in sites] + operands[K + X:] + [s[5] for s in sites]
+        ops = operands[:K + X] + [s.noise for s in sites] + operands[K + X:] + [s.mask for s in sites]
         scan = b.apply("scan", ops, g.node(n)["src"], **dict(attrs, body=new, xs=X + len(sites)))
         emit = lambda op, inputs, **a: b.apply(op, inputs, g.node(n)["src"], **a)
         stacked = {product: result(g, scan, YS, M + i, emit) for i, (product, _) in enumerate(ys)}
-        for i, (tree, _, _, _, noise, mask) in enumerate(sites):
-            site = b.sites[len(b.sites) - len(sites) + i]
-            site.pert = emit("mul", [noise, mask])
-            site.copies = self.over_steps(n, body, tree, stacked, emit)
-        return scan
+        for site, step_site in zip(b.sites[len(b.sites) - len(sites):], sites):
+            site.pert = emit("mul", [step_site.noise, step_site.mask])
+            site.copies = self.over_steps(n, body, step_site.tree, stacked, emit)
+        return scan, ScanRows(tuple(where[o] for o in outputs), K)
 
     def over_steps(self, n, body, tree, stacked, emit):
         """A site's products and adds again in the outer graph, over the stacked steps: each product's
         row operand's stack (T, KB_lr, ...) from `stacked` and the closed-over params (through the step's
         reshapes and transposes) as its factors (a batch_matmul: its VJP sums over the steps), the adds
         of params as they are; a term that is neither is left out (the estimate never reads it)."""
-        g = self.b.g
-        _, leaves, _, K, X, _, _ = parts(g.attrs(n))
-        outer = dict(zip(leaves[K + X:], g.operands(n)[K + X:]))
-        param = self.param_of(n)
+        outer, param = self.closed(n), self.param_of(n)
 
         def lift(m):   # a param's value in the step, in the outer graph
             if m in outer:

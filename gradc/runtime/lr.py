@@ -108,6 +108,11 @@ class LRTrainer:
                                "baseline": baseline}
         super().__init__(params, *args, **kwargs)
 
+    def _step_options(self):
+        """lr_grad's options for this step, in LikelihoodRatio.leaves' order: step t draws from seed + t."""
+        o = self.lr_options
+        return (o["samples"], o["sigma"], self.lr_seed + self.steps, o["antithetic"], o["layerwise"], o["baseline"])
+
     def _gradient_meta(self):
         """gradient="lr" and its options are training state: a resumed run draws step t's noise from seed + t."""
         if self.gradient == "backprop":
