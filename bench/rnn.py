@@ -17,6 +17,8 @@ One gradc build serves every T (T and B stay symbolic).
 
     python bench/rnn.py                 # T = 100, 1000, 10000, 30000
     python bench/rnn.py --quick         # T = 100, 1000
+    python bench/rnn.py --target cuda   # on a GPU: gradc --target cuda, reverse and bppsa, against
+                                        # torch nn.RNN on cuDNN (inputs on the device, each call synchronized)
 """
 import argparse
 import os
@@ -110,23 +112,53 @@ def build_gradc_budgeted(Ts, share=0.25):
     return tasks, {"build_s": round(time.perf_counter() - t, 2), "memory": memory}
 
 
-def build_torch_rnn(Ts, threads=1):
+def build_gradc_cuda(Ts, scan_backward):
+    """The --target cuda build: inputs on the device once, params from the host each call (small)."""
+    from numba import cuda
+
+    import gradc as gc
+    m = rnn_model(f"rnn_cuda_{scan_backward}")
+    t = time.perf_counter()
+    mod = gc.compile(m, out=tempfile.mkdtemp(prefix="gradc_rnn_"), order=1, target="cuda", warm=False,
+                     scan_backward=scan_backward)
+    params = mod.init_params(0)
+    h0 = cuda.to_device(np.zeros((B, H), np.float32))
+    tasks = {}
+    for T in Ts:
+        x, y = (cuda.to_device(a) for a in data(T))
+
+        def run(x=x, y=y):
+            mod.loss_and_grad(params, x=x, y=y, h0=h0)
+            cuda.synchronize()
+        tasks[f"T={T}"] = run
+    for fn in tasks.values():
+        fn()
+    device = cuda.get_current_device().name
+    return tasks, {"build_s": round(time.perf_counter() - t, 2),
+                   "device": device.decode() if isinstance(device, bytes) else str(device)}
+
+
+def build_torch_rnn(Ts, threads=1, device="cpu"):
     import torch
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ImportError("this torch has no CUDA device")
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    rnn, head = torch.nn.RNN(I, H, nonlinearity="tanh"), torch.nn.Linear(H, CLASSES)
+    rnn, head = torch.nn.RNN(I, H, nonlinearity="tanh").to(device), torch.nn.Linear(H, CLASSES).to(device)
     params = list(rnn.parameters()) + list(head.parameters())
     tasks = {}
     for T in Ts:
-        x, y = (torch.from_numpy(a) for a in data(T))
+        x, y = (torch.from_numpy(a).to(device) for a in data(T))
 
         def run(x=x, y=y):
             for p in params:
                 p.grad = None
             out, h = rnn(x)
             torch.nn.functional.cross_entropy(head(h[0]), y).backward()
+            if device == "cuda":
+                torch.cuda.synchronize()
         tasks[f"T={T}"] = run
-    return tasks, {"threads": torch.get_num_threads()}
+    return tasks, {"threads": torch.get_num_threads(), "cudnn": device == "cuda" and torch.backends.cudnn.is_available()}
 
 
 def build_torch_loop(Ts, threads=1):
@@ -152,9 +184,9 @@ def build_torch_loop(Ts, threads=1):
 
 def flops(T):
     """FLOPs of one step's backward (loss_and_grad's backward through the scan): the reverse scan's,
-    and BPPSA's as the generated loop does them (gradc.ops.scan.bppsa_flops): this RNN's Jacobians
+    and BPPSA's as the generated loop does them (gradc.ops.bppsa.bppsa_flops): this RNN's Jacobians
     take the structured form f'(h_t) * W^T; `dense` is what a step that does not match would cost."""
-    from gradc.ops.scan import bppsa_flops
+    from gradc.ops.bppsa import bppsa_flops
     step = B * (2 * H * H + 2 * H * H + 2 * I * H + 4 * H)     # dh W^T, h^T dh, x^T dh, tanh'
     return T * step, bppsa_flops(T, B, H, step, dense=False), bppsa_flops(T, B, H, step, dense=True)
 
@@ -166,8 +198,11 @@ def main():
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch's intra-op threads (default 1: gradc runs on one core; on a shared 2-core "
                              "machine torch's second thread spin-waits and made nn.RNN 4x slower)")
+    parser.add_argument("--target", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     Ts = args.T or ([100, 1000] if args.quick else [100, 1000, 10000, 30000])
+    if args.target == "cuda":
+        return gpu_table(Ts, 3 if args.quick else 5)
     builders = {"gradc reverse": (build_gradc, (Ts, "reverse")),
                 "reverse budget": (build_gradc_budgeted, (Ts,)),
                 "torch nn.RNN": (build_torch_rnn, (Ts, args.torch_threads)),
@@ -206,6 +241,25 @@ def main():
     for T in Ts:
         r, p, d = flops(T)
         print(f"{T:>7} reverse {r:.3e}  bppsa {p:.3e} ({p / r:.1f}x)  bppsa dense {d:.3e} ({d / r:.1f}x)")
+
+
+def gpu_table(Ts, rounds):
+    """gradc --target cuda (reverse, and BPPSA's sweeps as kernels) against torch nn.RNN on cuDNN."""
+    builders = {"cuda reverse": (build_gradc_cuda, (Ts, "reverse")), "cuda bppsa": (build_gradc_cuda, (Ts, "bppsa")),
+                "torch cuDNN": (build_torch_rnn, (Ts, 1, "cuda"))}
+    times, infos = interleaved(builders, rounds, {f"T={T}": max(1, 2000 // T) for T in Ts}, warmup=1)
+    print(f"# vanilla tanh RNN on the GPU, input {I}, hidden {H}, batch {B}; forward + backward of one step, "
+          f"float32, median of {rounds} rounds; ms")
+    print("# builds:", infos)
+    names = list(times)
+    print(f"{'T':>7} " + " ".join(f"{n:>14}" for n in names) + ("   bppsa/cuDNN  bppsa/reverse" if len(names) == 3 else ""))
+    for T in Ts:
+        row = [times[n][f"T={T}"] * 1e3 for n in names]
+        ratios = ""
+        if len(names) == 3:
+            bp = times["cuda bppsa"][f"T={T}"]
+            ratios = f"   {bp / times['torch cuDNN'][f'T={T}']:>11.3f}  {bp / times['cuda reverse'][f'T={T}']:>13.3f}"
+        print(f"{T:>7} " + " ".join(f"{v:>14.3f}" for v in row) + ratios)
 
 
 if __name__ == "__main__":

@@ -92,13 +92,12 @@ def check_scans(model, scan_backward, target, memory_budget, devices):
     src = g.node(scans[0])["src"]
     if scan_backward not in SCAN_BACKWARD:
         raise GradcError(f"--scan-backward {scan_backward} is not built yet: compile with --scan-backward reverse", src)
-    why = ("--target cuda and --scan-backward bppsa" if target == "cuda" and scan_backward == "bppsa" else
-           "--target cuda and --memory-budget" if target == "cuda" and memory_budget is not None else
+    why = ("--target cuda and --memory-budget" if target == "cuda" and memory_budget is not None else
            "--devices" if (devices.get("devices") or 1) > 1 else "--microbatches" if (devices.get("microbatches") or 1) > 1
            else None)
     if why:
-        raise GradcError(f"gc.scan with {why} is not built yet (BPPSA and carry checkpoints are built for the CPU "
-                         f"target; every scan runs on one device)", src)
+        raise GradcError(f"gc.scan with {why} is not built yet (carry checkpoints are built for the CPU target; "
+                         f"every scan runs on one device)", src)
 
 
 def fingerprint(model, dtype, dims):

@@ -1,6 +1,6 @@
 """Runs generated `--target cuda` modules under numba-cuda's simulator (tests/test_cuda_target.py).
 
-    NUMBA_ENABLE_CUDASIM=1 python tests/cuda_target_runs.py models|trainer BUILD_DIR
+    NUMBA_ENABLE_CUDASIM=1 python tests/cuda_target_runs.py models|trainer|bppsa BUILD_DIR
 
 Prints one JSON line of errors (float64, same params and inputs): every entry point of each zoo
 model's CUDA module against the interpreter (the reference the CPU target is tested against);
@@ -90,6 +90,31 @@ def run_models(build):
         errors[model.name] = entry_errors(model, dev, params, inputs, 2, rng)
         print(model.name, round(time.perf_counter() - t0, 1), file=sys.stderr)
     return errors
+
+
+def run_bppsa(build):
+    """--scan-backward bppsa on CUDA: every entry point against the interpreter (whose backward is the
+    reverse scan): the vanilla RNN (structured Jacobians, with HVPs) at T = 1 and 5 (no level, and
+    identity padding), a step that mixes its carry's rows (one dense map over all rows) at T = 4, a
+    reverse scan over another scan's ys, and the GRU-style cell (dense Jacobians; two carries side
+    by side). Small T and B: the dense Jacobians are a step call per basis vector, slow in the
+    simulator."""
+    rng = np.random.default_rng(4)
+    errors, kernels = {}, {}
+    for make, lengths in ((scans._rnn, (1, 5)), (scans._mixing, (4,)), (scans._stacked, (3,)), (scans._gru, (3,))):
+        t0 = time.perf_counter()
+        model = make(f"bp_{make.__name__[1:]}")
+        order = 2 if make is scans._rnn else 1
+        dev = gc.compile(model, out=os.path.join(build, "cuda"), target="cuda", dtype="float64", order=order,
+                         scan_backward="bppsa")
+        text = open(os.path.join(build, "cuda", f"{model.name}.py")).read()
+        kernels[model.name] = sorted(w for w in ("bppsa_compose_pairs", "bppsa_push_adjoints", "bppsa_tanh_jacobians")
+                                     if f"_{w}[" in text)
+        for T in lengths:
+            params, inputs = scans._data(build_training_graph(model, "float64", order=order), rng, T=T, B=2)
+            errors[f"{model.name} T={T}"] = entry_errors(model, dev, params, inputs, order, rng)
+        print(model.name, round(time.perf_counter() - t0, 1), file=sys.stderr)
+    return {"errors": errors, "kernels": kernels}
 
 
 def entry_errors(model, dev, params, inputs, order, rng):
@@ -449,6 +474,8 @@ if __name__ == "__main__":
     what, build = sys.argv[1], sys.argv[2]
     if what == "models":   # (with the pipelines: the two processes then take about as long)
         result = {"zoo": run_models(build), "pipelines": run_pipelines(os.path.join(build, "pipelines"))}
+    elif what == "bppsa":
+        result = run_bppsa(build)
     else:   # the Trainer, device arrays, refusals; then the graph path (it patches the simulator)
         result = run_trainer(build) | {"lr": run_lr(os.path.join(build, "lr")),
                                        "library": run_library(os.path.join(build, "library")),

@@ -23,7 +23,7 @@ def results(tmp_path_factory):
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     procs = {what: subprocess.Popen([sys.executable, RUNS, what, str(tmp_path_factory.mktemp(what))], env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for what in ("models", "trainer")}
+             for what in ("models", "trainer", "bppsa")}
     out = {}
     for what, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=1200)
@@ -41,6 +41,17 @@ def test_every_entry_point_matches_the_cpu_target(results):
                                                             "cg_scan_rnn", "cg_scan_gru", "cg_scan_stacked"}
     assert "hessian" in models["cg_scalars"]
     bad = {(m, k): v for m, e in models.items() for k, v in e.items() if not v <= TOLERANCE}
+    assert not bad, bad
+
+
+def test_bppsa_on_cuda_matches_the_interpreter(results):
+    """--scan-backward bppsa: the maps, sweeps and adjoints as kernels; the same gradients and HVPs."""
+    r = results["bppsa"]
+    assert set(r["errors"]) == {"bp_rnn T=1", "bp_rnn T=5", "bp_mixing T=4", "bp_stacked T=3", "bp_gru T=3"}
+    assert "hvp" in r["errors"]["bp_rnn T=5"]
+    assert r["kernels"]["bp_rnn"] == ["bppsa_compose_pairs", "bppsa_push_adjoints", "bppsa_tanh_jacobians"]
+    assert r["kernels"]["bp_gru"] == ["bppsa_compose_pairs", "bppsa_push_adjoints"]   # dense: by basis vectors
+    bad = {(m, k): v for m, e in r["errors"].items() for k, v in e.items() if not v <= TOLERANCE}
     assert not bad, bad
 
 

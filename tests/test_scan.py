@@ -230,9 +230,7 @@ def test_compiled_scan_runs_any_length_from_one_build(tmp_path):
 
 def test_compile_refuses_what_scans_do_not_support_yet(tmp_path):
     m = _rnn("scan_refusals")
-    for options, message in (({"target": "cuda", "scan_backward": "bppsa"},
-                              "gc.scan with --target cuda and --scan-backward bppsa is not built yet"),
-                             ({"target": "cuda", "memory_budget": "1MiB", "bind": {"T": 4, "B": 2}},
+    for options, message in (({"target": "cuda", "memory_budget": "1MiB", "bind": {"T": 4, "B": 2}},
                               "gc.scan with --target cuda and --memory-budget is not built yet"),
                              ({"devices": 2}, "gc.scan with --devices is not built yet"),
                              ({"memory_budget": "1KiB", "bind": {"T": 40, "B": 2}, "order": 1},

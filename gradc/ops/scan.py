@@ -495,18 +495,6 @@ def use_bppsa(graph):
     return marked
 
 
-def bppsa_flops(T, rows, H, step_backward, dense):
-    """The FLOPs of a BPPSA backward as the generated loop does them (dense: Jacobian rows by H VJP
-    calls per step; else the structured f'(pre) * W^T). step_backward: one reverse step's FLOPs."""
-    P = 1 << max(T - 1, 0).bit_length()
-    combine = rows * (2 * H ** 3 + 2 * H * H + H)            # (M1 M2, v1 M2 + v2)
-    jac = T * H * step_backward if dense else T * rows * H * H
-    return (T * step_backward                                 # c_t: the step's VJP with no carry adjoint
-            + jac + 2 * (P - 1) * combine                     # up-sweep and down-sweep
-            + T * rows * (2 * H * H + H)                      # lambda_t = lambda_T M_t + v_t
-            + T * step_backward)                              # the params' and xs' gradients
-
-
 def _scan_rows(graph, n, ins, fail):
     """Per-row when each step is: the batch rows of the carries stay on their axis through the body,
     and the sequences carry them on an axis other than the time axis 0."""

@@ -17,7 +17,8 @@ carries, then the segment's backward steps read their carries from that buffer.
 from gradc.codegen.statement import shape_src
 from gradc.ops.elementwise import X as OPERAND
 
-from .scan_layout import (CHECKPOINT, DERIVATIVE_FROM_OUTPUT, FINAL, OSTACK, STACK, YS, forward_attrs, index_of, kind_of,
+from .bppsa import bppsa_cpu_lines, bppsa_cuda_lines
+from .scan_layout import (CHECKPOINT, FINAL, OSTACK, STACK, YS, forward_attrs, index_of, kind_of,
                           length_operand, operand_leaves, parts, recompute_leaves, vjp_of)
 
 
@@ -65,107 +66,6 @@ def _result_buffers(s):
     return lines, res
 
 
-def _bppsa_lines(body_kernel, attrs):
-    """BPPSA (Wang, Bai, Pekhimenko, MLSys 2020) in the loop kernel of a backward scan whose first F
-    carries are the adjoints lam_k of the forward's F carries (the others are the closed values'
-    running sums). Step t of the backward scan maps the adjoint of the carries it wrote to the adjoint
-    of the carries it read, an affine map per row b of lam = [lam_0 | ... | lam_{F-1}] (each carry's
-    row flattened, the carries side by side: hH values a row): lam -> lam @ M_t[b] + v_t[b] (M_t[b]
-    the transposed Jacobian as a right factor of a row vector; v_t what the step's own outputs add).
-    v_t: the body with lam = 0. M_t: W^T scaled by f'(new carry) when the step is f(carry @ W + rest)
-    (one carry), else the body applied to the hH basis vectors (every row at once) with the given
-    adjoints zero. The maps, in the order the backward runs the steps (last step first for a forward
-    scan's) and padded with identities to P = 2^k, go through a Blelloch exclusive scan (up-sweep,
-    then down-sweep) under (M1, v1) + (M2, v2) = (M1 M2, v1 M2 + v2): log2 P levels whose products
-    are independent. Entry i of the result maps the final adjoint to the adjoint the i-th step run
-    reads as lam."""
-    body, leaves, outputs, K, X, C, M = parts(attrs)
-    info = vjp_of(attrs)
-    F = info["carries"]
-    zero, st = set(info["zero"]), info["structured"]
-    L = ["nR = a0.shape[0]" if info["per_row"] else "nR = 1"]
-    L += [f"h{k} = a{k}.size // nR" for k in range(F)]
-    L += [f"o{k} = {' + '.join(f'h{j}' for j in range(k)) or '0'}" for k in range(F)]
-    L += [f"hH = {' + '.join(f'h{k}' for k in range(F))}",
-          "pP = 1",
-          "while pP < T:",
-          "    pP *= 2",
-          "Mm = np.zeros((pP, nR, hH, hH), FLOAT)",
-          "Vv = np.zeros((pP, nR, hH), FLOAT)",
-          "for i in range(T, pP):",
-          "    for b in range(nR):",
-          "        for p in range(hH):",
-          "            Mm[i, b, p, p] = 1.0"]
-    for k in range(F):
-        L += [f"lz{k} = np.zeros_like(a{k})", f"eb{k} = np.zeros_like(a{k})", f"ebv{k} = eb{k}.reshape(nR, h{k})"]
-    L += [f"jo{k} = np.empty_like(a{k})" for k in range(K)]
-    L += [f"z{j} = np.zeros_like(a{j}[0])" for j in sorted(zero)]
-    outs = [f"jo{k}" for k in range(K)] + [f"yb{m}" for m in range(M)]
-    rest = [f"a{k}" for k in range(F, K)]
-    real = [f"lz{k}" for k in range(F)] + rest + [f"a{j}[t]" for j in range(K, K + X)] + \
-        [f"a{j}" for j in range(K + X, len(leaves))]
-    basis = [f"eb{k}" for k in range(F)] + rest + [f"z{j}" if j in zero else f"a{j}[t]" for j in range(K, K + X)] + \
-        [f"a{j}" for j in range(K + X, len(leaves))]
-    order = "T - 1 - t" if attrs.get("reverse") else "t"   # i: the order the steps run in
-    L += ["for t in range(T):",
-          f"    i = {order}",
-          f"    {body_kernel}({', '.join(real + outs + ['work'])})"]
-    L += [f"    Vv[i, :, o{k}:o{k} + h{k}] = jo{k}.reshape(nR, h{k})" for k in range(F)]
-    if st:   # f'(new carry) from the carry itself; no body call, so the steps run on every thread
-        L += ["for t in prange(T):",
-              f"    i = {order}",
-              f"    yv = np.ascontiguousarray(a{st['cn']}[t]).reshape(nR, hH)",
-              "    for b in range(nR):",
-              "        for p in range(hH):",
-              "            y = yv[b, p]",
-              f"            dv = {DERIVATIVE_FROM_OUTPUT[st['f']]}",
-              "            for q in range(hH):",
-              f"                Mm[i, b, p, q] = dv * a{st['W']}[q, p]"]
-    else:   # row o_k + p of M_t: the step's VJP of the basis vector p of carry k (one work buffer: in order)
-        L += ["for t in range(T):", f"    i = {order}"]
-        for k in range(F):
-            L += [f"    for p in range(h{k}):",
-                  f"        ebv{k}[:, p] = 1.0",
-                  f"        {body_kernel}({', '.join(basis + outs + ['work'])})"]
-            L += [f"        Mm[i, :, o{k} + p, o{j}:o{j} + h{j}] = jo{j}.reshape(nR, h{j})" for j in range(F)]
-            L += [f"        ebv{k}[:, p] = 0.0"]
-    # the sweeps: the products of one level are independent, one (pair, row) an iteration on Numba's threads
-    L += ["d = 1",                                     # up-sweep
-          "while d < pP:",
-          "    for j in prange((pP // (2 * d)) * nR):",
-          "        b = j % nR",
-          "        l = (j // nR) * 2 * d + d - 1",
-          "        r = l + d",
-          "        Vv[r, b] = Vv[l, b] @ Mm[r, b] + Vv[r, b]",
-          "        Mm[r, b] = Mm[l, b] @ Mm[r, b]",
-          "    d *= 2",
-          "for b in range(nR):",                      # down-sweep: the identity at the root
-          "    Mm[pP - 1, b] = 0.0",
-          "    Vv[pP - 1, b] = 0.0",
-          "    for p in range(hH):",
-          "        Mm[pP - 1, b, p, p] = 1.0",
-          "d = pP // 2",
-          "while d >= 1:",
-          "    for j in prange((pP // (2 * d)) * nR):",
-          "        b = j % nR",
-          "        l = (j // nR) * 2 * d + d - 1",
-          "        r = l + d",
-          "        tM = Mm[l, b].copy()",
-          "        tv = Vv[l, b].copy()",
-          "        Mm[l, b] = Mm[r, b]",
-          "        Vv[l, b] = Vv[r, b]",
-          "        Vv[r, b] = Vv[r, b] @ tM + tv",
-          "        Mm[r, b] = Mm[r, b] @ tM",
-          "    d //= 2",
-          "lf = np.empty((nR, hH), FLOAT)"]         # the final adjoints, side by side
-    L += [f"lf[:, o{k}:o{k} + h{k}] = np.ascontiguousarray(a{k}).reshape(nR, h{k})" for k in range(F)]
-    L += ["for j in prange(T * nR):",                # every step's carry adjoint, into Vv
-          "    i = j // nR",
-          "    b = j % nR",
-          "    Vv[i, b] = lf[b] @ Mm[i, b] + Vv[i, b]"]
-    return ["    " + line for line in L]
-
-
 def _loop_source(name, body, attrs, present, bppsa=False, forward=None):
     """body: (kernel, work sizes, dims) of the step; forward: the same of the forward's step on a
     backward scan that recomputes its carries."""
@@ -192,7 +92,7 @@ def _loop_source(name, body, attrs, present, bppsa=False, forward=None):
             lines.append(f"    yb{m} = np.empty({shape_src(body.shape(outputs[K + m]), dims)}, FLOAT)")
     loop = ["t = T - 1 - i" if attrs.get("reverse") else "t = i"]
     if bppsa:   # the carry adjoint each step gets is the scan's, not the previous step's output
-        lines += _bppsa_lines(body_kernel, attrs)
+        lines += bppsa_cpu_lines(body_kernel, attrs)
         loop += [f"cur{k}.reshape(nR, h{k})[...] = Vv[i, :, o{k}:o{k} + h{k}]" for k in range(vjp_of(attrs)["carries"])]
     every = attrs.get("checkpoint_every")
     for k in range(K):
@@ -267,12 +167,14 @@ def _segment_lines(attrs, fkernel, fsizes, _dims, loop):
 def lower_scan_cuda(s):
     """The scan node's statement on CUDA: the loop runs on the host, calling the step's host function
     (s.body_kernel: its kernels' launches) once per step; carries are device arrays that swap, copied
-    into the stacks and the final carries by a copy kernel. BPPSA and carry checkpoints are CPU only
-    (compiler.check_scans refuses them on CUDA)."""
+    into the stacks and the final carries by a copy kernel. A BPPSA backward (gradc/ops/bppsa.py)
+    first leaves every step's carry adjoint in a device array, and each step starts from its own.
+    Carry checkpoints are CPU only (compiler.check_scans refuses them on CUDA)."""
     n, attrs = s.n, s.attrs
     body, leaves, outputs, K, X, C, M = parts(attrs)
-    if attrs.get("backward") == "bppsa" or attrs.get("recompute_every") or attrs.get("checkpoint_every"):
-        raise NotImplementedError("cuda codegen: BPPSA and carry checkpoints of gc.scan are built for the CPU only")
+    if attrs.get("recompute_every") or attrs.get("checkpoint_every"):
+        raise NotImplementedError("cuda codegen: carry checkpoints of gc.scan are built for the CPU only")
+    bppsa = attrs.get("backward") == "bppsa"
     lines, res = _result_buffers(s)
     skip = tuple(K + m for m in range(M) if index_of(attrs, YS, m) not in res)
     step, sizes, dims, scalars = s.body_kernel(body, skip, f"one step of a scan: {len(leaves)} leaves -> "
@@ -288,11 +190,16 @@ def lower_scan_cuda(s):
         lines += [f"{v}cur{k} = cuda.device_array_like({a[k]})", f"{v}nxt{k} = cuda.device_array_like({a[k]})",
                   copy(a[k], f"{v}cur{k}", rank)]
     for m in range(M):
-        if index_of(attrs, YS, m) not in res:
+        if bppsa or index_of(attrs, YS, m) not in res:
             lines.append(f"{v}y{m} = cuda.device_array({shape_src(body.shape(outputs[K + m]), dims)}, FLOAT)")
     lines.append(f"{v}T = {a[K]}.shape[0]")
-    loop = [f"t = {v}T - 1 - i" if attrs.get("reverse") else "t = i"]
     at = lambda arr, leaf: f"{arr}[t:t + 1]" if body.shape(leaf) == () else f"{arr}[t]"
+    loop = [f"t = {v}T - 1 - i" if attrs.get("reverse") else "t = i"]
+    if bppsa:   # the carry adjoint each step gets is the scan's, not the previous step's output
+        prelude, feed = bppsa_cuda_lines(s, [step, f"{v}work", f"{v}scal", "stream"],
+                                         lambda j: at(a[j], leaves[j]), copy)
+        lines += prelude
+        loop += feed
     for k in range(K):
         if index_of(attrs, STACK, k) in res:
             loop.append(copy(f"{v}cur{k}", f"{res[index_of(attrs, STACK, k)]}[t]", len(body.shape(leaves[k]))))
@@ -310,4 +217,3 @@ def lower_scan_cuda(s):
         if index_of(attrs, FINAL, k) in res:
             lines.append(copy(f"{v}cur{k}", res[index_of(attrs, FINAL, k)], len(body.shape(leaves[k]))))
     return lines
-
