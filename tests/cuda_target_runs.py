@@ -117,6 +117,28 @@ def run_bppsa(build):
     return {"errors": errors, "kernels": kernels}
 
 
+def run_fuzz(build):
+    """Random programs with scans (tests/fuzz_graphs.py, seeds 0 and 2: random cells, a reverse scan)
+    through --target cuda, reverse and BPPSA backward, against torch autograd: the loss, outputs,
+    gradients and HVPs (not the Hessian: one hvp per param element is slow in the simulator).
+    Returns {backward: None, or the mismatches the fuzzer reports}."""
+    from fuzz_graphs import combined_case, compare, gradc_compiled, torch_reference
+    case = combined_case((0, 2))
+    ref = torch_reference(case)
+    found = {}
+    for backward in ("reverse", "bppsa"):
+        t0 = time.perf_counter()
+        try:
+            got = gradc_compiled(case, os.path.join(build, backward), "float64", hessian=False, target="cuda",
+                                 scan_backward=backward)
+            compare(case, got, ref, where=f"cuda {backward}")
+            found[backward] = None
+        except AssertionError as e:
+            found[backward] = str(e)[-3000:]
+        print("fuzz", backward, round(time.perf_counter() - t0, 1), file=sys.stderr)
+    return found
+
+
 def entry_errors(model, dev, params, inputs, order, rng):
     """Every entry point of CUDA module `dev` against the interpreter."""
     tangents = {k: rng.standard_normal(np.shape(params[k])) for k in dev.TRAINABLE} if order == 2 else None
@@ -475,7 +497,7 @@ if __name__ == "__main__":
     if what == "models":   # (with the pipelines: the two processes then take about as long)
         result = {"zoo": run_models(build), "pipelines": run_pipelines(os.path.join(build, "pipelines"))}
     elif what == "bppsa":
-        result = run_bppsa(build)
+        result = run_bppsa(build) | {"fuzz": run_fuzz(os.path.join(build, "fuzz"))}
     else:   # the Trainer, device arrays, refusals; then the graph path (it patches the simulator)
         result = run_trainer(build) | {"lr": run_lr(os.path.join(build, "lr")),
                                        "library": run_library(os.path.join(build, "library")),

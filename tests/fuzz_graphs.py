@@ -1370,9 +1370,10 @@ def gradc_interpreted(case, checkpointed=False):
     return got
 
 
-def gradc_compiled(case, out, dtype="float64"):
-    """The same quantities from the module gc.compile writes (plus the Hessian times v, as "hessian_v")."""
-    mod = gc.compile(case.model, out=out, dtype=dtype, warm_cache=False)
+def gradc_compiled(case, out, dtype="float64", hessian=True, **options):
+    """The same quantities from the module gc.compile writes (plus the Hessian times v, as "hessian_v",
+    unless hessian=False); options go to gc.compile (target, scan_backward)."""
+    mod = gc.compile(case.model, out=out, dtype=dtype, **({"warm_cache": False} | options))
     cast = lambda d: {k: v.astype(dtype) if v.dtype.kind == "f" else v for k, v in d.items()}
     params, inputs, v = cast(case.params), cast(case.inputs), cast(case.tangents)
     loss, grads = mod.loss_and_grad(params, **inputs)
@@ -1381,11 +1382,11 @@ def gradc_compiled(case, out, dtype="float64"):
     # with only the inputs the outputs read (when those are all the objective reads, "loss" comes too)
     fwd_outputs_only = {k: x for k, x in mod.forward(params, **{k: inputs[k] for k in needed}).items() if k != "loss"}
     flat_v = np.concatenate([case.tangents[p].ravel() for p in mod.PARAM_ORDER if p in case.trainable])
-    hessian_v = mod.hessian(params, **inputs) @ flat_v
-    return {"loss": loss, "forward_loss": fwd["loss"],
+    hessian_v = {"hessian_v": mod.hessian(params, **inputs) @ flat_v} if hessian else {}
+    return hessian_v | {"loss": loss, "forward_loss": fwd["loss"],
             "outputs": {k: x for k, x in fwd.items() if k != "loss"}, "outputs_only": fwd_outputs_only,
             "grads": grads, "input_grads": mod.input_grads(params, **inputs), "hvps": mod.hvp(params, v, **inputs),
-            "hessian_v": hessian_v, "param_order": [p for p in mod.PARAM_ORDER if p in case.trainable]}
+            "param_order": [p for p in mod.PARAM_ORDER if p in case.trainable]}
 
 
 def compare(case, got, ref, rtol=1e-8, rtol_hvp=1e-7, where="interpreter"):
@@ -1413,8 +1414,9 @@ def compare(case, got, ref, rtol=1e-8, rtol_hvp=1e-7, where="interpreter"):
         check("forward loss", got["forward_loss"], ref["loss"], rtol, abs(ref["loss"]))
         for k, v in got["outputs_only"].items():
             check(f"forward (no labels) output {k}", v, ref["outputs"][k], rtol, np.abs(ref["outputs"][k]).max())
-        hv = np.concatenate([ref["hvps"][p].ravel() for p in got["param_order"]])
-        check("hessian @ v", got["hessian_v"], hv, rtol_hvp, np.abs(hv).max(initial=1e-12))
+        if "hessian_v" in got:
+            hv = np.concatenate([ref["hvps"][p].ravel() for p in got["param_order"]])
+            check("hessian @ v", got["hessian_v"], hv, rtol_hvp, np.abs(hv).max(initial=1e-12))
     for key, tol in (("outputs", rtol), ("grads", rtol), ("input_grads", rtol), ("hvps", rtol_hvp)):
         if set(got[key]) != set(ref[key]):
             problems.append(f"{key}: names {sorted(got[key])}, expected {sorted(ref[key])}")

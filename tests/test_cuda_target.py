@@ -55,6 +55,11 @@ def test_bppsa_on_cuda_matches_the_interpreter(results):
     assert not bad, bad
 
 
+def test_random_programs_with_scans_match_torch_on_cuda(results):
+    """The fuzzer's programs (random cells, a reverse scan) on CUDA, reverse and BPPSA backward."""
+    assert results["bppsa"]["fuzz"] == {"reverse": None, "bppsa": None}, results["bppsa"]["fuzz"]
+
+
 def test_cuda_gradients_match_finite_differences(results):
     assert results["trainer"]["fd"] < 1e-7
 

@@ -7,7 +7,8 @@ Many seeds go through gradc's numpy interpreter of the order-2 training graph (f
 scans a second time with their dims bound and carry checkpoints in every backward scan that can
 read them (passes/scan_checkpoint.py, what --memory-budget may choose); a few go
 through the module gc.compile writes (forward, loss_and_grad, input_grads, hvp, hessian @ v),
-three small programs per compiled model to spread Numba's compile time. A failure names the seeds
+three small programs per compiled model to spread Numba's compile time; tests/cuda_target_runs.py runs
+seeds 0 and 2 through --target cuda (reverse and BPPSA) under the simulator. A failure names the seeds
 and prints the programs; `python bench/fuzz.py --n N` runs more seeds.
 """
 import pytest
