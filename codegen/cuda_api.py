@@ -44,10 +44,11 @@ FLOAT = np.{dtype}
 
 
 def cuda_api(g, trainable, outputs, input_grads, order, grad_slices, shapes, call, inputs_of, trainer_kernels,
-             pipeline_src=None, lr_src="", lr_built=False):
+             pipeline_src=None, lr_src="", lr_built=False, streamed=False):
     """Source of the entry points, in the order of the CPU target's; with `pipeline_src` (a
     --devices / --microbatches build) loss_and_grad and the Trainer run the stage functions; lr_src:
-    lr_grad's (codegen/lr_api.py), whose entry the Trainer runs with gradient="lr" when lr_built."""
+    lr_grad's (codegen/lr_api.py), whose entry the Trainer runs with gradient="lr" when lr_built;
+    streamed: the module has _loss_and_grad_streamed (a data-parallel Trainer overlaps its reductions)."""
     api = [INIT_PARAMS, textwrap.dedent('''\
         def _loss_value(loss, a, entry):
             """The objective as a float. Labels on the device are checked only when it is NaN (a label
@@ -166,6 +167,7 @@ def cuda_api(g, trainable, outputs, input_grads, order, grad_slices, shapes, cal
         *trainer_head("_CudaTrainer"),
         "    runner = _CUDA",
         "    entry = staticmethod(_loss_and_grad)",
+        *(["    streamed_entry = staticmethod(_loss_and_grad_streamed)"] if streamed else []),
         "    kernels = _TRAINER_KERNELS",
         f"    pipeline = {'_PIPELINE' if pipeline_src else 'None'}",
         "    _lr = _LR",

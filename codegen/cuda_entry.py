@@ -108,17 +108,16 @@ class CudaEntryWriter(EntryWriter):
 
         return self.kernels.host_function(("scan_step", repr(body), tuple(skip)), "scan_step", make)
 
-    def _fill_flat(self, layout):
-        lines = []
-        for r, start, size in layout:
-            view = f"grads[{start}:{start + size}]"
-            if r is None:
-                lines.append(self.launch(self.kernels.fill(), [view, "0.0"]))
-            elif not (r in self.placed and self.flat[r][0] == start):
-                v = self.var(r)
-                source = v if self.graph.shape(r) == () else f"{v}.reshape({size})"
-                lines.append(self.launch(self.kernels.elementwise(X[0], [(0,)], 1, "copy"), [source, view]))
-        return lines
+    def _fill_row(self, r, start, size):
+        """A copy kernel into the flat buffer for a root no kernel wrote there; a fill for a zero root."""
+        view = f"grads[{start}:{start + size}]"
+        if r is None:
+            return [self.launch(self.kernels.fill(), [view, "0.0"])]
+        if r in self.placed and self.flat[r][0] == start:
+            return []
+        v = self.var(r)
+        source = v if self.graph.shape(r) == () else f"{v}.reshape({size})"
+        return [self.launch(self.kernels.elementwise(X[0], [(0,)], 1, "copy"), [source, view])]
 
     def returned(self, r, seen):
         """Every returned value is a device array; the caller copies it out before the next call."""

@@ -52,7 +52,9 @@ class EntryWriter:
         `received`: values computed elsewhere (another stage) that come in as arguments r<id>.
         `ready_names` (one param name per flat root): write a plain-Python function that also takes
         `ready` and calls ready(names) as soon as those params' gradients are final in `grads`, so a
-        data-parallel Trainer can start reducing them while the rest of the backward runs."""
+        data-parallel Trainer can start reducing them while the rest of the backward runs (on CUDA:
+        as soon as the kernels that write them are launched on `stream`, so ready orders its copy
+        after them on that stream)."""
         g = self.graph
         layout, _ = self._layout(flat_roots or ())
         roots = plan["roots"]

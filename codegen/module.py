@@ -130,19 +130,26 @@ def generate(graph, plans, info):
 
     pipeline = info.get("pipeline")
     streamed, lg_tail = None, []   # the streamed twin's source; what every call of _loss_and_grad adds
-    if "_loss_and_grad" in entries and not cuda and not pipeline:   # Trainer(parallel="data") reduces each gradient while the rest of the backward runs
+    if "_loss_and_grad" in entries and not pipeline:   # Trainer(parallel="data") reduces each gradient while the rest of the backward runs
         writer.scalar_roots = {g.objective}
         flat = [(r, shapes[p]) for p, r in zip(trainable, by_fname("_loss_and_grad").flat(g))]
         doc = ("_loss_and_grad's steps as plain Python, calling ready(names) as soon as those params' gradients "
                "are final in `grads`: a data-parallel Trainer starts reducing them while the backward goes on.")
-        if len(plans["_loss_and_grad"]["steps"]) > COMPILED_ENTRY_MAX_STEPS:
+        if not cuda and len(plans["_loss_and_grad"]["steps"]) > COMPILED_ENTRY_MAX_STEPS:
             # _loss_and_grad runs as plain Python anyway: it is this function, told of no one
             source, leaves, consts = writer.write("_loss_and_grad", plans["_loss_and_grad"], doc, flat, ready_names=trainable)
             entries["_loss_and_grad"] = (entries["_loss_and_grad"][0], source, leaves, consts)
             streamed, lg_tail = "_loss_and_grad_streamed = _loss_and_grad", ["no_one"]
         else:
+            if cuda:
+                doc = ("_loss_and_grad's launches, calling ready(names) as soon as the kernels that write those "
+                       "params' gradients into `grads` are launched: a data-parallel Trainer copies each bucket out "
+                       "after them on the stream and reduces it while the device runs the rest of the backward "
+                       "(launched directly, never captured in a graph: ready is host code).")
             streamed, _, _ = writer.write("_loss_and_grad_streamed", plans["_loss_and_grad"], doc, flat,
-                                              ready_names=trainable)
+                                          ready_names=trainable)
+            if cuda and writer.scalar_count() != scalar_slots["_loss_and_grad"]:   # it runs in _loss_and_grad's slots
+                raise AssertionError("_loss_and_grad_streamed: other scalar slots than _loss_and_grad's")
     stage_specs = {}   # (stage, kind) -> (fname, argument spec, roots)
     for f in (pipeline or {}).get("functions", ()):
         for r in f["received"]:
@@ -278,7 +285,7 @@ def generate(graph, plans, info):
                                ",\n        ".join(f'"{p}": grads[{a}:{b}].reshape({shapes[p]!r})'
                                                   for p, (a, b) in grad_slices.items()), cuda=True)
         api = cuda_api(g, trainable, outputs, input_grads, order, grad_slices, shapes, call, inputs_of, trainer_kernels,
-                       pipeline_src, lr_src, lr_built)
+                       pipeline_src, lr_src, lr_built, streamed is not None)
         return _assemble(info, out, helper_src, kernel_src, body, api, kernels, g, entries, stored)
     api = []
     api.append(INIT_PARAMS)

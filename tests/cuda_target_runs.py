@@ -242,7 +242,33 @@ def run_trainer(build):
     t2.save(path)
     t3 = dev_s.Trainer.load(path)
     out["scalar_param"] = max(worst, abs(t1.step(**inputs_s) - t3.step(**inputs_s)))
+    out["streamed"] = {"mlp": streamed_backward(dev, params, inputs), "scalars": streamed_backward(dev_s, params_s, inputs_s)}
+    _, _, dev_w = both(zoo.shared_weights, os.path.join(build, "shared"))
+    out["streamed"]["shared"] = streamed_backward(dev_w, dev_w.init_params(seed=4), zoo._inputs(dev_w, rng))
     return out
+
+
+def streamed_backward(dev, params, inputs):
+    """What a data-parallel Trainer of a CUDA module overlaps its reductions with: the streamed
+    backward's final(names) sees those params' gradients already copied into the host buffer (so
+    ready came after the kernels that write them), every trainable param once, the last layer first."""
+    loss, expected = dev.loss_and_grad(params, **inputs)
+    tr = dev.Trainer(params)
+    host = tr._dp_buffer()
+    host[...] = np.nan
+    announced, worst = [], [0.0]
+
+    def final(names):
+        for name in names:
+            start, stop = dev.GRAD_SLICES[name]
+            worst[0] = max(worst[0], err(expected[name], host[start:stop].reshape(dev.PARAM_SHAPES[name])))
+        announced.extend(names)
+
+    a = dev._SIGNATURE.inputs(inputs, dev._LOSS_INPUTS, "test", device_labels_later=True)
+    got, weight = tr._dp_gradients(a, host, final)
+    return {"error": max(worst[0], abs(got - loss)), "weight": weight, "once": sorted(announced) == sorted(dev.TRAINABLE),
+            "last_first": announced.index(dev.TRAINABLE[-1]) <= announced.index(dev.TRAINABLE[0]),
+            "host_type": type(host).__name__}
 
 
 def run_lr(build):

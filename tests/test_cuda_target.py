@@ -71,6 +71,15 @@ def test_cuda_trainer_matches_the_cpu_trainer_and_resumes(results):
         assert r[f"{optimizer}_resumed"] <= 1e-12
 
 
+def test_streamed_backward_hands_each_gradient_over_after_its_kernels(results):
+    """parallel="data" on CUDA: each bucket's copy and reduction start as the backward goes on."""
+    streamed = results["trainer"]["streamed"]
+    assert set(streamed) == {"mlp", "scalars", "shared"}
+    for name, r in streamed.items():
+        assert r["error"] <= TOLERANCE and r["weight"] == 1.0, (name, r)
+        assert r["once"] and r["last_first"], (name, r)
+
+
 def test_lr_grad_and_its_trainer_match_the_cpu_target(results):
     """The same noise from the same seed in the kernels: the same estimate, MLP and scan alike."""
     lr = results["trainer"]["lr"]

@@ -293,13 +293,15 @@ def test_parallel_digits_example_runs(tmp_path):
 @pytest.mark.slow
 def test_data_parallel_of_a_cuda_module_under_the_simulator(tmp_path, builds):
     """--target cuda, 2 ranks each on its own simulated GPU: the gradients go through host memory for
-    the reduction; against the CPU module in one process."""
+    the reduction, bucket by bucket as the streamed backward hands them over (and, without overlap,
+    all after the captured step); against the CPU module in one process."""
     pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
     _, mod, inputs = builds["dp_mlp"]
     build = str(tmp_path / "cuda")
     compile_model(_digits_like(), out=build, order=1, dtype="float64", target="cuda")
     np.savez(tmp_path / "inputs.npz", **inputs)
-    runs = [{"mode": "data", "options": OPTIONS[1], "steps": 2, "shards": SHARDS[2]}]
+    runs = [{"mode": "data", "options": OPTIONS[1], "steps": 2, "shards": SHARDS[2]},
+            {"mode": "data", "options": OPTIONS[0], "steps": 2, "shards": SHARDS[2], "parallel": {"overlap": False}}]
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     mpiexec = shutil.which("mpiexec") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
     (tmp_path / "rank.py").write_text(RANK_SCRIPT.replace("results[f\"p{i}_{k}\"] = v",
@@ -310,4 +312,4 @@ def test_data_parallel_of_a_cuda_module_under_the_simulator(tmp_path, builds):
                           "dp_mlp"], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     ranks = [np.load(tmp_path / f"rank{r}.npz") for r in range(2)]
-    _check(ranks, runs, [_serial(mod, inputs, OPTIONS[1], 2)])
+    _check(ranks, runs, [_serial(mod, inputs, OPTIONS[1], 2), _serial(mod, inputs, OPTIONS[0], 2)])

@@ -200,9 +200,7 @@ class CudaRunner:
         self._start()
         entry = entry or fn.__name__
         with self._lock:
-            arena, offs = self.arena.get(entry, inputs)
-            offs = offs.tolist()
-            scal = self.buffer(f"{entry}/scalars", (max(1, self.scalars.get(entry, 0)),))
+            arena, offs, scal = self._buffers(entry, inputs)
             if not self.use_graphs:
                 return fn(*[self.device(a) for a in args], arena, offs, scal, self.stream)
             key = (fn, tuple((tuple(a.shape), array_dtype(a).str, self._place(a)) for a in args))
@@ -214,6 +212,36 @@ class CudaRunner:
                     buffer.copy_to_device(a if not is_device_array(a) else self.device(a), stream=self.stream)
             captured.graph.launch(self.stream)
             return captured.results
+
+    @on_its_gpu
+    def launch(self, fn, args, inputs, entry, *tail):
+        """fn(*args, arena, offs, scal, stream, *tail) launched directly, never captured in a graph: for
+        a host function that calls back into host code as it goes (the streamed backward's `ready`)."""
+        self._start()
+        with self._lock:
+            arena, offs, scal = self._buffers(entry, inputs)
+            return fn(*[self.device(a) for a in args], arena, offs, scal, self.stream, *tail)
+
+    def _buffers(self, entry, inputs):
+        """The arena laid out for `inputs`, its offsets, and the entry's scalar slots."""
+        arena, offs = self.arena.get(entry, inputs)
+        return arena, offs.tolist(), self.buffer(f"{entry}/scalars", (max(1, self.scalars.get(entry, 0)),))
+
+    @on_its_gpu
+    def mark(self):
+        """An event recorded on the stream now: its synchronize() waits for the work launched before it."""
+        self._start()
+        event = self.cuda.event()
+        event.record(self.stream)
+        return event
+
+    @on_its_gpu
+    def pinned_zeros(self, n):
+        """A zeroed host array in page-locked memory, so that copies into it run asynchronously."""
+        self._start()
+        out = self.cuda.pinned_array(n, self.dtype)
+        out[...] = 0
+        return out
 
     def _place(self, a):
         """The pointer of an array the runner owns (used in place), else None (copied in)."""

@@ -20,6 +20,7 @@ class CudaTrainerBase(TrainerBase):
     runner = None            # the module's CudaRunner
     kernels = {}             # "sgd", "sgd_check", "adam", "adam_check", "sum_squares", "copy" -> the module's kernels
     entry = None             # the host function of loss_and_grad
+    streamed_entry = None    # loss_and_grad's, calling ready(names) as it goes (parallel="data"; not in pipelines)
     lr_entry = None          # the host function of lr_grad (gradient="lr")
 
     def loss_args(self, p, a):
@@ -133,7 +134,7 @@ class CudaTrainerBase(TrainerBase):
     # ---- parallel="data": the gradients go through host memory for the reduction -----------------
     def _dp_buffer(self):
         if getattr(self, "_host_grads", None) is None:
-            self._host_grads = np.zeros(self._grads.shape[0], dtype=self.signature.float)
+            self._host_grads = self.runner.pinned_zeros(self._grads.shape[0])
         return self._host_grads
 
     def _dp_params(self):
@@ -153,6 +154,8 @@ class CudaTrainerBase(TrainerBase):
             if getattr(self, "_launch_g", None) is None:
                 self._launch_g = self._launch_gradients   # one bound method: the captured graph's key
             entry, head, a = self._entry_args(p, a)
+            if streamed and self.streamed_entry is not None and entry == "_loss_and_grad":
+                return self._streamed_gradients(head, a, grads, final), 1.0
             run.run(self._launch_g, head + [self._grads, self._status], a, entry=entry)
             loss, weight = float(run.host(self._status)[0]), 1.0
         else:
@@ -160,6 +163,27 @@ class CudaTrainerBase(TrainerBase):
             weight = self.pipeline.weight_sum
         grads[...] = run.host(self._grads)
         return loss, weight   # (the reduction starts every bucket now)
+
+    def _streamed_gradients(self, head, a, grads, final):
+        """The backward launched directly; after the kernels of each group of gradients, their copy into
+        the host buffer `grads` and an event, on the stream. Then, in launch order, final(names) as soon
+        as that group's event has passed: its bucket is reduced while the device runs the rest."""
+        run, device = self.runner, self._grads
+        copied = []   # (event, names): what the backward has made so far
+
+        def ready(names):
+            for name in names:
+                start, stop = self.grad_slices[name]
+                if stop > start:
+                    device[start:stop].copy_to_host(grads[start:stop], stream=run.stream)
+            copied.append((run.mark(), names))
+
+        (loss,) = run.launch(self.streamed_entry, head + [device], a, "_loss_and_grad", ready)
+        self.kernels["copy"][flat(loss, run.stream)](loss, self._status[0:1])
+        for event, names in copied:
+            event.synchronize()
+            final(names)
+        return float(run.host(self._status)[0])
 
     def _dp_update(self, loss, grads, dp):
         import math

@@ -13,7 +13,8 @@ Buckets follow the params in reverse order (the backward makes the last layer's 
 A bucket's `Iallreduce` starts as soon as its gradients are final. A CPU build's module has
 `_loss_and_grad_streamed`, the training step's kernels run from plain Python with a call after each
 gradient is written, so the reduction of the last layers overlaps the backward of the earlier ones
-(CUDA builds start every bucket when the step returns); with a pipeline build (--devices K, its
+(a CUDA build's copies each gradient to host memory after its kernels on the stream, and a bucket
+starts once its copy is done, while the device runs the rest); with a pipeline build (--devices K, its
 stages run in this process) a stage's buckets start when its last backward function has run. Each
 such call ends with an MPI_Testall, which moves the pending reductions on. `overlap=False` runs
 the compiled `_loss_and_grad` and reduces every bucket with a blocking `Allreduce` after it;
