@@ -22,9 +22,14 @@ import shutil
 import subprocess
 import sys
 
+import matplotlib
 import numpy as np
+from matplotlib.ticker import MaxNLocator
 
 import gradc as gc
+
+matplotlib.use("Agg")   # (before pyplot is imported: no display needed)
+import matplotlib.pyplot as plt  # noqa: E402
 
 model = gc.Model("parallel_digits")
 x = model.input("x", ("B", 64))
@@ -66,7 +71,7 @@ def train(mod, role, epochs, out):
         tr, me, n = mod.Trainer(mod.init_params(0), **options), 0, 1
     elif role == "data":
         tr = mod.Trainer(mod.init_params(0), **options, parallel="data")
-        me, n = tr._parallel.replica, tr.workers
+        me, n = tr.worker, tr.workers
     else:
         tr = mod.Trainer(mod.init_params(0), **options, parallel="ps", servers=1, staleness=2)
         me, n = tr.worker, tr.workers
@@ -87,7 +92,7 @@ def train(mod, role, epochs, out):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument("--out", default=os.path.join("build", "examples"))
     ap.add_argument("--role", choices=("serial", "data", "ps"), help=argparse.SUPPRESS)
@@ -118,13 +123,15 @@ def main(argv=None):
               "ps": "parameter server (1 server, 2 workers, staleness 2)"}
     for role, r in results.items():
         print(f"{labels[role]:<52} final loss {r['losses'][-1]:.4f}  test accuracy {r['accuracy']:.2%}")
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    legend = {"serial": "serial (1 process)",
+              "data": "data parallel (2 ranks): the serial curve, the same global batches",
+              "ps": "parameter server (staleness 2): the workers' own losses"}
+    style = {"serial": dict(lw=5, alpha=0.35), "data": dict(ls="--", marker="o", ms=3), "ps": dict(marker="s", ms=3)}
     fig, ax = plt.subplots(figsize=(7, 4))
     for role, r in results.items():
-        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], marker="o", ms=3,
-                label=f"{labels[role]}: {r['accuracy']:.1%}")
+        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=f"{legend[role]}: {r['accuracy']:.1%}",
+                **style[role])
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("epoch")
     ax.set_ylabel("mean training loss")
     ax.set_yscale("log")

@@ -273,6 +273,60 @@ def test_parallel_options_are_checked(tmp_path):
         mod.Trainer(mod.init_params(0), parallel="data", servers=2)
     with pytest.raises(ValueError, match="run at least 2"):   # one process: no worker beside the server
         mod.Trainer(mod.init_params(0), parallel="ps")
+    with pytest.raises(TypeError, match="unknown keyword argument.*momentun"):   # a misspelt option, no parallel=
+        mod.Trainer(mod.init_params(0), optimizer="sgd", momentun=0.9)
+    for bad, match in (({"overlap": "no"}, "overlap must be True or False"), ({"bucket_bytes": 0}, "bucket_bytes"),
+                       ({"bucket_bytes": 1.5}, "bucket_bytes"), ({"stage_ranks": 2}, "this build has one stage")):
+        with pytest.raises(ValueError, match=match):
+            mod.Trainer(mod.init_params(0), parallel="data", **bad)
+
+
+MISMATCH_SCRIPT = textwrap.dedent('''
+    import sys
+    import numpy as np
+    from mpi4py import MPI
+    sys.path.insert(0, sys.argv[1])
+    m = __import__("dp_seq")
+    rank = MPI.COMM_WORLD.Get_rank()
+    tr = m.Trainer(m.init_params(0), parallel="data")
+    rng = np.random.default_rng(rank)
+    for T, bad_rank in ((3 + 4 * rank, None), (3, 1)):   # T differs between the ranks; then rank 1 sends a y of the wrong shape
+        x = rng.standard_normal((2 + rank, T, 4))
+        y = rng.standard_normal((2 + rank, T, 2))
+        if rank == bad_rank:
+            y = y[:, :, :1]
+        try:
+            tr.step(x=x, y=y)
+            print(f"rank {rank}: accepted")
+        except ValueError as e:
+            print(f"rank {rank}: {e}")
+    print(f"rank {rank}: steps {tr.steps}")
+''')
+
+
+def test_ranks_whose_inputs_differ_beside_the_batch_dim_are_refused(tmp_path):
+    """Ranks whose rows are not rows of one batch (a sequence length T that differs) would be weighted
+    by rows without a word: every rank refuses the step, naming each rank's shapes; a rank that refuses
+    its own inputs is named on the others."""
+    m = gc.Model("dp_seq")
+    x = m.input("x", ("B", "T", 4))
+    y = m.input("y", ("B", "T", 2))
+    m.minimize(gc.mse(gc.tanh(x @ m.param("W", (4, 2))), y))
+    compile_model(m, out=str(tmp_path / "b"), order=1, dtype="float64", warm_cache=False)
+    (tmp_path / "mismatch.py").write_text(MISMATCH_SCRIPT)
+    mpiexec = shutil.which("mpiexec") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    out = subprocess.run([mpiexec, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, "-m", "mpi4py",
+                          str(tmp_path / "mismatch.py"), str(tmp_path / "b")], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    for rank in (0, 1):
+        said = [line for line in lines if line.startswith(f"rank {rank}:")]
+        assert "differ in a dim other than the batch dim 'B'" in said[0], said
+        assert "rank 0: x (3, 4), y (3, 2); rank 1: x (7, 4), y (7, 2)" in said[0], said
+        assert said[-1] == f"rank {rank}: steps 0", said
+    assert "input 'y' has shape" in [line for line in lines if line.startswith("rank 1:")][1]
+    assert "the inputs of rank(s) 1 were refused" in [line for line in lines if line.startswith("rank 0:")][1]
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ the R ranks that run that stage (`stage_ranks=1` runs each replica's K stages in
 """
 import math
 import time
+import zlib
 
 import numpy as np
 
@@ -66,6 +67,24 @@ def _rows(tr, a):
                      f"{facts.get('batch')!r}, so ranks cannot be weighted by rows")
 
 
+NO_KEY = -(1 << 62)   # what a rank that refused its inputs adds to the comparison of shapes (below any crc32)
+
+
+def _beside_rows(tr, a):
+    """The shapes of this rank's inputs without the batch axis (the whole shape of an input without it)."""
+    batch = set((tr.rows or {}).get("batch_inputs", ()))
+    return tuple((k, tuple(v.shape[1:]) if k in batch else tuple(v.shape)) for k, v in sorted(a.items()))
+
+
+def _differing_shapes(tr, every):
+    """The error when the replicas' inputs differ in a dim other than the batch dim."""
+    seen = "; ".join(f"rank {r}: " + ", ".join(f"{k} {shape}" for k, shape in shapes)
+                     for r, shapes in enumerate(every) if shapes is not None)
+    return ValueError(f"{tr.model_name}.Trainer.step {tr.steps + 1}: the ranks' inputs differ in a dim other than the "
+                      f"batch dim {(tr.rows or {}).get('batch')!r} (shapes without the batch axis: {seen}); every "
+                      f"rank's rows must be rows of one batch; this step changed nothing")
+
+
 def _weighting(tr, what):
     """The loss's reduction over rows ("mean" or "sum"), or a ValueError saying why ranks cannot split it."""
     facts = tr.rows
@@ -88,6 +107,10 @@ class DataParallel:
         if comm is None:
             raise RuntimeError(f"{tr.model_name}.Trainer(parallel='data') needs mpi4py: pip install 'gradc[mpi]'")
         self.world = comm
+        if not isinstance(overlap, bool):
+            raise ValueError(f"{tr.model_name}.Trainer: overlap must be True or False, got {overlap!r}")
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"{tr.model_name}.Trainer: bucket_bytes must be an int >= 1, got {bucket_bytes!r}")
         self.overlap = overlap
         self.comm_seconds = 0.0
         pipe = tr.pipeline
@@ -96,8 +119,9 @@ class DataParallel:
         if stage_ranks is None:
             stage_ranks = K if K > 1 and size % K == 0 else 1
         if stage_ranks not in (1, K):
-            raise ValueError(f"{tr.model_name}.Trainer: stage_ranks={stage_ranks!r}: use 1 (each replica runs its "
-                             f"{K} stages in one process) or {K} (one stage a rank)")
+            raise ValueError(f"{tr.model_name}.Trainer: stage_ranks={stage_ranks!r}: " + (
+                f"use 1 (each replica runs its {K} stages in one process) or {K} (one stage a rank)" if K > 1 else
+                "this build has one stage: leave it None (or 1)"))
         if size % stage_ranks:
             raise ValueError(f"{tr.model_name}.Trainer(parallel='data'): this build has {K} stages, one a rank, but "
                              f"mpiexec started {size} processes: run mpiexec -n R*{K} (R replicas), or pass "
@@ -174,14 +198,23 @@ class DataParallel:
             tr._adopt()
         except ValueError as e:
             error, rows = e, 0
-        # every rank learns the global batch, and whether some rank refused its inputs (then all raise)
+        # every rank learns the global batch, whether some rank refused its inputs, and whether the replicas'
+        # inputs differ beside the batch dim (then there is no one batch they are rows of); then all raise
+        shapes = _beside_rows(tr, a) if error is None else None
         counts = np.array([rows, error is not None], dtype=np.int64)
         self.comm.Allreduce(MPI.IN_PLACE, counts)
+        key = zlib.crc32(repr(shapes).encode()) if shapes is not None else NO_KEY
+        keys = np.array([key, -key if shapes is not None else NO_KEY], dtype=np.int64)
+        self.comm.Allreduce(MPI.IN_PLACE, keys, op=MPI.MAX)
+        differ = int(keys[0] != -keys[1])
+        if differ:
+            error = error or _differing_shapes(tr, self.comm.allgather(shapes))
         if self.pipe_comm is not None:
-            counts[1] = self.pipe_comm.allreduce(int(counts[1]))
-        if counts[1]:
-            raise error or ValueError(f"{tr.model_name}.Trainer.step {tr.steps + 1}: the inputs of {counts[1]} other "
-                                      f"rank(s) were refused; this step changed nothing")
+            counts[1] = self.pipe_comm.allreduce(int(counts[1]) + differ)
+        if counts[1] or differ:
+            refused = [r for r, bad in enumerate(self.world.allgather(error is not None)) if bad]
+            raise error or ValueError(f"{tr.model_name}.Trainer.step {tr.steps + 1}: the inputs of rank(s) "
+                                      f"{', '.join(map(str, refused))} were refused; this step changed nothing")
         w = rows / int(counts[0]) if self.reduction == "mean" else 1.0
         grads, pending = tr._dp_buffer(), []
         waiting = [set(names) for _, _, names in self.buckets]   # each bucket's params not final yet
@@ -390,7 +423,9 @@ class ParameterServer:
         requests = [self.comm.Irecv(replies[s], source=s, tag=TAG_REPLY) for s in range(self.S)]
         requests += [self.comm.Irecv(tr._flat[lo:hi], source=s, tag=TAG_PARAMS) for s, (lo, hi) in enumerate(self.shards)]
         self._wait(requests + sent, lambda: f"worker {self.worker} (rank {self.rank}) got no params back from the "
-                                            f"servers for {self.timeout:g} s after its push {self.pushes}")
+                                            f"servers for {self.timeout:g} s after its push {self.pushes} (a server "
+                                            f"died or hangs, or holds the reply back while another worker is more "
+                                            f"than staleness={self.staleness} pushes behind)")
         self.comm_seconds += time.perf_counter() - t
         status = max(int(r[0]) for r in replies)
         if status:
@@ -455,9 +490,10 @@ class ParameterServer:
                     raise RuntimeError(f"parameter server: unexpected message tag {tag} from rank {source}")
             else:
                 now = time.monotonic()
-                stalled = [w for w in range(W) if not done[w] and now - last_seen[w] > self.timeout]
+                held = {w for w, *_ in waiting} | set(round_)   # these wait for us, not we for them
+                stalled = [w for w in range(W) if not done[w] and w not in held and now - last_seen[w] > self.timeout]
                 if stalled:
-                    w = stalled[0]
+                    w = min(stalled, key=lambda v: last_seen[v])   # the one silent longest
                     raise RuntimeError(f"{tr.model_name} parameter server (rank {self.rank}): worker {w} (rank "
                                        f"{w + self.S}) sent nothing for {self.timeout:g} s (it died or hangs; a "
                                        f"worker must push or finish at least every `timeout` seconds)")

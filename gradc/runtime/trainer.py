@@ -73,6 +73,11 @@ class TrainerBase:
         from . import parallel as par
         known = {"data": ("comm", "overlap", "bucket_bytes", "stage_ranks"),
                  "ps": ("comm", "servers", "staleness", "timeout")}
+        if parallel is None:   # (the options of no parallel mode: most likely a misspelt keyword)
+            raise TypeError(f"{self.model_name}.Trainer: unknown keyword argument(s) {', '.join(options)} (it takes "
+                            f"optimizer, lr, momentum, betas, eps, clip_norm, gradient, samples, sigma, seed, "
+                            f"antithetic, layerwise, baseline, parallel; parallel='data' also "
+                            f"{', '.join(known['data'])}; parallel='ps' also {', '.join(known['ps'])})")
         if parallel not in known:
             raise ValueError(f"{self.model_name}.Trainer: parallel={parallel!r}: use None, 'data' (data parallel over "
                              f"MPI ranks) or 'ps' (a parameter server)")
@@ -89,7 +94,10 @@ class TrainerBase:
 
     @property
     def worker(self):
-        return getattr(self._parallel, "worker", 0) if self._parallel is not None else 0
+        """This rank's index among the ranks that step: 0..workers-1 (parallel="data": its replica)."""
+        if self._parallel is None:
+            return 0
+        return getattr(self._parallel, "worker", getattr(self._parallel, "replica", 0))
 
     @property
     def workers(self):
