@@ -27,9 +27,11 @@ class Kernels:
 
     def _get(self, key, hint, make):
         if key not in self._by_key:
-            name = f"k{len(self.sources)}_{hint}"
-            source, doc = make(name)
+            # numbered by the keys seen: a scan body's `make` asks for its own kernels (a nested scan's
+            # body too) before it returns, so the sources written so far do not count it yet
+            name = f"k{len(self._by_key)}_{hint}"
             self._by_key[key] = name
+            source, doc = make(name)
             self.sources.append((name, source, doc))
         return self._by_key[key]
 

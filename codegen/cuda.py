@@ -49,9 +49,9 @@ class CudaKernels:
 
     def _get(self, key, hint, make):
         if key not in self._by_key:
-            name = f"g{len(self.sources)}_{hint}"
-            source, doc, grid = make(name)
+            name = f"g{len(self._by_key)}_{hint}"   # (numbered by the keys seen, as codegen/cpu.py's)
             self._by_key[key] = name
+            source, doc, grid = make(name)
             self.sources.append((name, source, doc))
             self.launch[name] = grid
         return self._by_key[key]
@@ -60,7 +60,8 @@ class CudaKernels:
         """A host function of the module (not a kernel), once per key: make(name) -> (source, doc, facts);
         returns (name,) + facts."""
         if key not in self._host_by_key:
-            name = f"h{len(self.host_functions)}_{hint}"
+            name = f"h{len(self._host_by_key)}_{hint}"   # (a nested scan's step is made inside its parent's)
+            self._host_by_key[key] = (name, None)
             source, doc, facts = make(name)
             self.host_functions.append((name, source, doc))
             self._host_by_key[key] = (name, facts)

@@ -13,7 +13,7 @@ import sympy as sp
 from gradc.ops import get_op
 from gradc.ops.elementwise import X
 
-from .entry import BodyWriter, EntryWriter
+from .entry import BodyWriter, EntryWriter, array_source
 from .statement import CudaStatement, shape_src as _shape_src
 
 
@@ -135,9 +135,10 @@ class CudaBodyWriter(BodyWriter, CudaEntryWriter):
         self.scalar_slot = {}
 
     def const_argument(self, n, order):
-        if np.ndim(self.graph.attrs(n)["value"]) > 0:
-            return True   # an array constant: refused (BodyWriter.write_body)
-        return False      # scalars are folded into elementwise kernels, or made by `statement`
+        return False      # arrays are made by const_array; scalars folded into kernels, or made by `statement`
+
+    def const_array(self, n):
+        return f"c{n} = cuda.to_device({array_source(self.graph.attrs(n)['value'])}, stream=stream)"
 
     def new_array(self, n, dims, step):
         shape = self.graph.shape(n)

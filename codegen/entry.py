@@ -307,11 +307,9 @@ class BodyWriter(EntryWriter):
         self.slot_of_step = {t: None for t in range(len(order))}   # every value gets a buffer: none is fresh
         self.flat, self.placed = {}, set()
         self.compiled = True
-        consts = [n for n in order if g.op(n) == "const" and self.const_argument(n, order)]
-        if consts:
-            raise NotImplementedError(f"{self.target} codegen: a constant array inside a scan body")
         dims = self._dims(order, self.leaves)
         body = [f"{dims[d]} = {src}" for d, src in self._dim_sources(order, self.leaves).items()]
+        body += [self.const_array(n) for n in order if g.op(n) == "const" and np.ndim(g.attrs(n)["value"]) > 0]
         for step, n in enumerate(order):
             if g.op(n) in ("param", "input", "const"):
                 continue
@@ -323,6 +321,27 @@ class BodyWriter(EntryWriter):
         lines = [f"def {fname}({', '.join(args)}):"] + ["    " + b for b in body] + ["    return"]
         return "\n".join(lines), dims
 
+    def const_array(self, n):
+        """The line making constant array n in the body (a body has no constant arguments: a user's
+        constants are closed over, but the VJP of a scan nested in this step starts its accumulators
+        from zeros): np.full when its values are all one value, else the values written in."""
+        return f"c{n} = {array_source(self.graph.attrs(n)['value'])}"
+
     def copy_into(self, out, n):
         """Lines that copy value n into the output argument `out`."""
         return [f"{out}[...] = {self.var(n)}"]
+
+
+BODY_CONST_LIMIT = 256   # the most values a non-uniform constant array in a scan body may have (written in)
+
+
+def array_source(value):
+    """Source of a float array equal to `value`, on the module's FLOAT."""
+    value = np.asarray(value, dtype=float)
+    flat = value.ravel()
+    number = lambda v: repr(float(v)) if np.isfinite(v) else ("math.nan" if np.isnan(v) else f"{'-' * (v < 0)}math.inf")
+    if flat.size and (flat == flat[0]).all():
+        return f"np.full({value.shape!r}, {number(flat[0])}, FLOAT)"
+    if flat.size > BODY_CONST_LIMIT:
+        raise NotImplementedError(f"codegen: a constant array of {flat.size} distinct values made inside a scan body")
+    return f"np.array([{', '.join(number(v) for v in flat)}], FLOAT).reshape({value.shape!r})"

@@ -84,7 +84,7 @@ def memory_report(base):
     if plan["peak_bytes"] is None:
         return [f"memory plan of {plan['entry']}: dims are symbolic, so bytes are formulas; "
                 f"compile with --bind DIM=INT for byte counts"] + [
-                f"  %{t['node']:<6} {t['op']:<12} {t['bytes']:>16} B  steps {t['start']}..{t['end']}" for t in plan["tensors"]]
+                f"  %{t['node']:<6} {t['op']:<12} {t['bytes']:>16} bytes  steps {t['start']}..{t['end']}" for t in plan["tensors"]]
     steps = plan["schedule"]
     at = plan["peak_step"]
     arena = sum(plan["arena_bytes"].values())

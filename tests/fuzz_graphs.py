@@ -15,7 +15,8 @@ indexing (ints, slices, steps, negatives, `...`, None), concat and stack, take (
 an int64 input: the labels or an `ids` input), matmul with an operand of rank >= 3, and dropout /
 gaussian_noise seeded by an int64 () input, and gc.scan (DESIGN.md §1.8) over a random recurrent
 cell: one or two carries, one or two sequences (a new input, a stack of activations, or the ys of
-an earlier scan), gates, closed-over params and activations, forward or reverse. torch gets the same random values: the program knows
+an earlier scan), gates, closed-over params and activations, a scan in the step (over the whole
+sequence, from the step's carry), forward or reverse. torch gets the same random values: the program knows
 each random op's stream and draws them with gradc.ops.random.draw, the reference gradc's kernels
 reproduce (a program's streams count from 0 in a combined case too; its own seed input keeps it apart).
 
@@ -102,7 +103,10 @@ class Cell:
         def joined(names):
             return names[0] if len(names) == 1 else "(" + ", ".join(names) + ")"
         lines = [f"def {self.name}(carry, xt):", f"    {', '.join(self.carries)} = carry", f"    {', '.join(self.xs)} = xt"]
-        lines += [f"    {st.out} = {_TEXT[st.op](st, [_arg_text(a) for a in st.args], batch)}" for st in self.steps]
+        for st in self.steps:
+            if st.op == "scan":   # a nested scan: its step is defined in this one's (it closes over our values)
+                lines += ["    " + line for line in st.kw["cell"].text(batch)]
+            lines.append(f"    {st.out} = {_TEXT[st.op](st, [_arg_text(a) for a in st.args], batch)}")
         lines.append(f"    return {joined(list(self.new))}, {joined(list(self.ys)) if self.ys else None}")
         return lines
 
@@ -984,6 +988,22 @@ class _Generator:
         terms += [op("matmul", [x, weight(self.shapes[s][2], H)], form="op") for x, s in zip(xn, xs)]
         if rng.random() < 0.6:
             terms.append(self.add_param((H,), scale=0.5))
+        nested = self.nest_rng.random() < 0.3
+        if nested:   # a scan in the step: over the whole first sequence, from the carry it also closes over
+            seq = xs[0]
+            Wi, Ui = weight(H, H), weight(self.shapes[seq][2], H)
+            inner_steps = []
+
+            def inner_op(name, args, **kw):
+                inner_steps.append(Step(f"w{len(self.prog.steps)}_{len(inner_steps)}", name, tuple(args), kw, name))
+                return inner_steps[-1].out
+
+            pre = inner_op("add", [inner_op("matmul", ["g0", Wi], form="op"), inner_op("matmul", ["y0", Ui], form="op")])
+            pre = inner_op("add", [pre, inner_op("mul", [hs[0], Const(0.5)])])
+            inner = Cell(f"cell{len(self.prog.steps)}_in", ("g0",), ("y0",), (Wi, Ui, hs[0]), inner_steps,
+                         (inner_op(str(self.nest_rng.choice(["tanh", "sigmoid"])), [pre]),), ())
+            res = op("scan", [hs[0], seq, Wi, Ui, hs[0]], cell=inner, reverse=bool(self.nest_rng.random() < 0.5))
+            terms.append(op("mul", [op("item", [res], i=0, path=(0,)), Const(0.5)]))
         outer = [n for n in rows if self.shapes[n] == (BATCH, H) and n not in init]
         if outer and rng.random() < 0.3:   # a closed-over activation: its gradient sums over the steps
             terms.append(op("mul", [self.pick(outer), Const(0.3)]))
@@ -1014,6 +1034,7 @@ class _Generator:
             raise _Reject("large")
         name = f"v{len(self.prog.steps)}"
         tag = (f"scan[{K} carr{'y' if K == 1 else 'ies'}, {len(xs)} xs, {len(ys)} ys" + ", gated" * gated +
+               ", a scan in the step" * nested +
                ", reverse" * reverse + ", over a scan" * any(self.prog_step(x) == "item" for x in xs) + "]")
         self.prog.steps.append(Step(name, "scan", tuple(args), kw, tag))
         self.uses.update(args)
@@ -1186,6 +1207,7 @@ def _generate(seed, small=False):
         g.attempt(moves[rng.choice(len(moves), p=weights / weights.sum())])
     # scans draw from a stream of their own: every other move of a seed stays what it was
     g.rng, main = np.random.default_rng([seed, 7]), rng
+    g.nest_rng = np.random.default_rng([seed, 11])   # (whether a scan's step holds a scan: a stream of its own too)
     for chance in (0.3, 0.4):
         if g.rng.random() >= chance or not g.attempt(g.scan):
             break

@@ -105,7 +105,44 @@ def _torch_stacked(tp, inputs):
     return (h2 * h2).mean() + tp["s"] * tp["s"]
 
 
-CASES = {"rnn": (_rnn, _torch_rnn, 3), "gru": (_gru, _torch_gru, 2), "stacked": (_stacked, _torch_stacked, 2)}
+def _nested(name="nested", H=3, D=2):
+    """A scan in another scan's step: each outer step runs an inner scan over the whole sequence
+    from the outer carry (the inner step closes over a param and the outer step's slice)."""
+    m = gc.Model(name)
+    x = m.input("x", ("T", "B", D))
+    W, U, V = m.param("W", (H, H)), m.param("U", (D, H)), m.param("V", (D, H))
+    h0 = m.input("h0", ("B", H))
+
+    def outer(h, xt):
+        drive = xt @ V
+
+        def inner(g, xs):
+            return gc.tanh(g @ W + xs @ U + drive), None
+
+        g, _ = gc.scan(inner, h, x)
+        return gc.tanh(g + xt @ U), g.sum(axis=1)
+
+    hT, ys = gc.scan(outer, h0, x)
+    m.minimize((hT * hT).mean() + (ys * ys).mean())
+    return m
+
+
+def _torch_nested(tp, inputs):
+    x = torch.tensor(inputs["x"])
+    h, ys = torch.tensor(inputs["h0"]), []
+    for t in range(x.shape[0]):
+        drive = x[t] @ tp["V"]
+        g = h
+        for s in range(x.shape[0]):
+            g = torch.tanh(g @ tp["W"] + x[s] @ tp["U"] + drive)
+        h = torch.tanh(g + x[t] @ tp["U"])
+        ys.append(g.sum(dim=1))
+    ys = torch.stack(ys)
+    return (h * h).mean() + (ys * ys).mean()
+
+
+CASES = {"rnn": (_rnn, _torch_rnn, 3), "gru": (_gru, _torch_gru, 2), "stacked": (_stacked, _torch_stacked, 2),
+         "nested": (_nested, _torch_nested, 2)}
 
 
 def _data(graph, rng, T=4, B=2):
@@ -226,6 +263,29 @@ def test_compiled_scan_runs_any_length_from_one_build(tmp_path):
         assert mod.forward(params, **inputs)["hs"].shape == (T, 2, 4)
     # one loop kernel per scan: the module's size does not depend on T, which stays symbolic
     assert mod.INPUTS["x"][0] == ("T", "B", 3)
+
+
+def test_a_compiled_scan_nested_in_a_step_matches_torch(tmp_path):
+    """A scan inside a scan's step: the two bodies are two functions (they once got one name, and the
+    module did not run), gradients and an HVP against torch."""
+    m = _nested("nested_compiled")
+    mod = gc.compile(m, out=str(tmp_path), dtype="float64", order=2, warm=False)
+    g = build_training_graph(m, "float64", {}, order=2)
+    rng = np.random.default_rng(4)
+    params, inputs = _data(g, rng, T=5, B=3)
+    names = list(g.grads)
+    loss, grads = mod.loss_and_grad(params, **inputs)
+    tp = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    expected = _torch_nested(tp, inputs)
+    tg = torch.autograd.grad(expected, [tp[p] for p in names], create_graph=True)
+    assert loss == pytest.approx(float(expected.detach()), rel=1e-12)
+    for p, gt in zip(names, tg):
+        np.testing.assert_allclose(grads[p], gt.detach().numpy(), rtol=1e-10, atol=1e-13, err_msg=p)
+    v = {p: rng.normal(size=params[p].shape) for p in names}
+    hv = mod.hvp(params, v, **inputs)
+    dot = sum((gt * torch.tensor(v[p])).sum() for p, gt in zip(names, tg))
+    for p, ht in zip(names, torch.autograd.grad(dot, [tp[p] for p in names])):
+        np.testing.assert_allclose(hv[p], ht.numpy(), rtol=1e-9, atol=1e-12, err_msg=f"hvp {p}")
 
 
 def test_compile_refuses_what_scans_do_not_support_yet(tmp_path):
