@@ -337,9 +337,11 @@ BODY_CONST_LIMIT = 256   # the most values a non-uniform constant array in a sca
 
 def array_source(value):
     """Source of a float array equal to `value`, on the module's FLOAT."""
+    def number(v):
+        return repr(float(v)) if np.isfinite(v) else "math.nan" if np.isnan(v) else ("-math.inf" if v < 0 else "math.inf")
+
     value = np.asarray(value, dtype=float)
     flat = value.ravel()
-    number = lambda v: repr(float(v)) if np.isfinite(v) else ("math.nan" if np.isnan(v) else f"{'-' * (v < 0)}math.inf")
     if flat.size and (flat == flat[0]).all():
         return f"np.full({value.shape!r}, {number(flat[0])}, FLOAT)"
     if flat.size > BODY_CONST_LIMIT:

@@ -988,7 +988,7 @@ class _Generator:
         terms += [op("matmul", [x, weight(self.shapes[s][2], H)], form="op") for x, s in zip(xn, xs)]
         if rng.random() < 0.6:
             terms.append(self.add_param((H,), scale=0.5))
-        nested = self.nest_rng.random() < 0.3
+        nested = self.nest_rng.random() < self.nest_chance
         if nested:   # a scan in the step: over the whole first sequence, from the carry it also closes over
             seq = xs[0]
             Wi, Ui = weight(H, H), weight(self.shapes[seq][2], H)
@@ -1165,7 +1165,7 @@ def _check_conditioning(op, vals, out, kw, bounded):
                 raise _Reject("tie")
 
 
-def _generate(seed, small=False):
+def _generate(seed, small=False, nested=True):
     g = _Generator(seed)
     rng = g.rng
     x = g.add_input("x", (BATCH, g.N))
@@ -1208,6 +1208,7 @@ def _generate(seed, small=False):
     # scans draw from a stream of their own: every other move of a seed stays what it was
     g.rng, main = np.random.default_rng([seed, 7]), rng
     g.nest_rng = np.random.default_rng([seed, 11])   # (whether a scan's step holds a scan: a stream of its own too)
+    g.nest_chance = 0.3 if nested else 0.0
     for chance in (0.3, 0.4):
         if g.rng.random() >= chance or not g.attempt(g.scan):
             break
@@ -1337,9 +1338,10 @@ def random_case(seed, small=False):
     return Case([prog], [data], f"fuzz{seed}{'s' * small}")
 
 
-def combined_case(seeds, small=True):
-    """One model holding the programs of several seeds (leaf names and batch dims prefixed g0_, g1_, ...)."""
-    made = [_generate(s, small) for s in seeds]
+def combined_case(seeds, small=True, nested=True):
+    """One model holding the programs of several seeds (leaf names and batch dims prefixed g0_, g1_, ...);
+    nested=False: no scan in a scan's step (the seeds' programs are otherwise the same)."""
+    made = [_generate(s, small, nested) for s in seeds]
     return Case([p for p, _ in made], [d for _, d in made], "fuzz_" + "_".join(map(str, seeds)) + "s" * small)
 
 

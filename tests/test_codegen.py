@@ -1,9 +1,12 @@
 """The generated module against the interpreter on composite DAGs (float64), and float32 behaviour."""
+import math
+
 import numpy as np
 import pytest
 import sympy as sp
 
 import gradc as gc
+from gradc.codegen.entry import BODY_CONST_LIMIT, array_source
 from gradc.interpret import evaluate
 from gradc.passes.pipeline import build_training_graph
 
@@ -373,3 +376,16 @@ def test_fused_kernels_in_generated_source(build_dir):
     assert "_tanh(a0 + a1)" in source                    # forward: bias add and tanh in one loop
     assert "(1.0 - (a1 * a1))" in source                 # backward: g * (1 - y*y) from the saved output
     assert "np.dot(" in source and ".T" in source        # transposed products, no transpose copies
+
+
+def test_a_constant_array_made_in_a_scan_body_has_its_values():
+    """What a body writes for a constant array (it takes none as an argument): np.full for one value,
+    else the values written in, inf and nan included; a large array of many values is refused."""
+    scope = {"np": np, "math": math, "FLOAT": np.float32}
+    for value in (np.zeros((1, 1)), np.full((2, 3), -2.5), np.array([[1.0, np.inf], [-np.inf, 0.125]]),
+                  np.array([np.nan, 3.0])):
+        made = eval(array_source(value), scope)
+        assert made.dtype == np.float32 and made.shape == value.shape
+        np.testing.assert_array_equal(made, value.astype(np.float32))
+    with pytest.raises(NotImplementedError, match="distinct values"):
+        array_source(np.arange(BODY_CONST_LIMIT + 1.0))
