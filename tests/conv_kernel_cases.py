@@ -46,10 +46,16 @@ def worst_error(target):
 
     rng = np.random.default_rng(1)
     worst = 0.0
+    # (channels, outputs, groups, kernel, stride, padding, dilation, H, W[, images]); unit strides take one run
+    # of the band per tap: with padding and dilation, several bands of rows (the last one short), and
+    # tiles of several whole images (the last tile short)
     conv_cases = [(3, 4, 1, (3, 3), (1, 1), (0, 0), (1, 1), 6, 6), (4, 6, 2, (3, 2), (2, 1), (1, 2), (1, 2), 7, 9),
-                  (4, 4, 4, (2, 3), (3, 2), (1, 0), (2, 1), 8, 7), (2, 3, 1, (1, 1), (2, 2), (1, 1), (1, 1), 5, 4)]
-    for (c, o, G, k, s, p, d, h, w) in conv_cases:
-        x = rng.standard_normal((2, c, h, w)); wt = rng.standard_normal((o, c // G) + k)
+                  (4, 4, 4, (2, 3), (3, 2), (1, 0), (2, 1), 8, 7), (2, 3, 1, (1, 1), (2, 2), (1, 1), (1, 1), 5, 4),
+                  (64, 3, 1, (3, 3), (1, 1), (1, 2), (1, 2), 32, 30), (8, 6, 2, (3, 2), (1, 1), (1, 0), (2, 1), 10, 9, 20)]
+    if target == "cuda":   # (the simulator runs a thread in Python: the CPU's tiling cases would take minutes)
+        conv_cases = conv_cases[:4]
+    for (c, o, G, k, s, p, d, h, w, *n) in conv_cases:
+        x = rng.standard_normal((n[0] if n else 2, c, h, w)); wt = rng.standard_normal((o, c // G) + k)
         y = C.conv2d_np(x, wt, s, p, d, G); g = rng.standard_normal(y.shape)
         ints = [*s, *p, *d, G]
         for got, ref in [(run("conv", [x, wt, *ints], y.shape), y),

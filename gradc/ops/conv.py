@@ -237,14 +237,19 @@ def _weight_grad_flops(attrs, in_shapes, out_shape):
 # CPU: tiles of im2col times the weight through BLAS (np.dot), never a whole-image column buffer. A tile
 # is either whole images (as many as fit TILE column values) or a band of output rows of one image
 # (as many rows as fit, at least one). For each tile, the input rows the tile reads are copied once into
-# a zero-padded band, so that each output row's columns of tap k are one strided run of the band from
-# tap[k] (a small offset table: no bounds tests, no divisions, and with stride 1 a contiguous copy that
-# vectorises, as does the col2im add of the input gradient). VGG-16's conv1_2 (64 channels, 3x3, 224
-# wide) takes one output row per tile: 576 x 224 column values (0.5 MB in float32) and a 3-row band,
-# where a whole image's im2col would need 115 MB. The workspace is allocated once per call and is
-# bounded by TILE values plus one row band. Stride, padding, dilation and groups are arguments, so every
-# conv of a module shares one kernel per op.
-TILE = 1 << 17
+# a zero-padded band, and tap k's columns are read from the band at offset tap[k] (a small offset
+# table: no bounds tests, no divisions). With unit strides a tile's rows are whole band rows (its pitch
+# is the padded width wp, not w_out): tap k's columns for an image are then one contiguous run of the
+# band, a copy that vectorises (and so is the col2im add of the input gradient), for wp - w_out
+# columns a row that are computed and dropped (g's tile is zero there, so they add nothing to the
+# gradients). Other strides take the columns row by row. TILE is 2^19 column values (2 MB in float32):
+# a GEMM of 2^17 ran on both cores no faster than on one (the threads' hand-off between tiles cost what
+# the second core gained), and one of 2^19 runs 1.7x as fast; 2^21 spills the cache. VGG-16's conv1_2
+# (64 channels, 3x3, 224 wide) takes 4 output rows per tile, 576 x 904 column values, where a whole
+# image's im2col would need 115 MB. The workspace is allocated once per call and is bounded by TILE
+# values, g's tile and one band. Stride, padding, dilation and groups are arguments, so every conv of a
+# module shares one kernel per op.
+TILE = 1 << 19
 
 _CPU_HEAD = [
     "    n_img, c_in, h_in, w_in = {x}.shape",
@@ -253,12 +258,15 @@ _CPU_HEAD = [
     "    og = c_out // groups",
     "    k_len = cg * kh * kw",
     "    wp = w_in + 2 * pw",
-    f"    rows = max(1, min(h_out, {TILE} // max(1, k_len * w_out)))",
-    f"    nb = min(n_img, max(1, {TILE} // max(1, k_len * h_out * w_out))) if rows == h_out else 1",
+    "    unit = sh == 1 and sw == 1",
+    "    pitch = wp if unit else w_out",
+    f"    rows = max(1, min(h_out, {TILE} // max(1, k_len * pitch)))",
+    f"    nb = min(n_img, max(1, {TILE} // max(1, k_len * h_out * pitch))) if rows == h_out else 1",
     "    band = (rows - 1) * sh + (kh - 1) * dh + 1",
-    "    col_buf = np.empty(k_len * nb * rows * w_out, dtype=out.dtype)",
-    "    res_buf = np.empty(og * nb * rows * w_out, dtype=out.dtype)",
-    "    xp = np.zeros(nb * cg * band * wp, dtype=out.dtype)",
+    "    slack = (kw - 1) * dw",
+    "    col_buf = np.empty(k_len * nb * rows * pitch, dtype=out.dtype)",
+    "    res_buf = np.empty(og * nb * rows * pitch, dtype=out.dtype)",
+    "    xp = np.zeros(nb * cg * band * wp + slack, dtype=out.dtype)",
     "    tap = np.empty(k_len, dtype=np.int64)",
     "    for c in range(cg):",
     "        for i in range(kh):",
@@ -271,7 +279,7 @@ _TILE_LOOP = [
     "            b1 = min(n_img, b0 + nb)",
     "            for r0 in range(0, h_out, rows):",
     "                r1 = min(h_out, r0 + rows)",
-    "                p_img = (r1 - r0) * w_out",
+    "                p_img = (r1 - r0) * pitch",
     "                p = (b1 - b0) * p_img",
     "                top = r0 * sh - ph",
     "                col = col_buf[:k_len * p].reshape(k_len, p)",
@@ -281,47 +289,72 @@ _TILE_LOOP = [
 
 def _band_rows(body):
     """For each image t of the tile, channel c of the group and row hb of the band: the input row h and
-    the band row's offset row0 in xp; body runs where the row is inside the input."""
+    the band row brow (a view of xp); body runs where the row is inside the input."""
     return ["                for t in range(b1 - b0):",
             "                    for c in range(cg):",
             "                        for hb in range(band):",
             "                            h = top + hb",
             "                            row0 = ((t * cg + c) * band + hb) * wp",
+            "                            brow = xp[row0:row0 + wp]",
             ] + ["                            " + line for line in body]
 
 
 _FILL_BAND = _band_rows([
     "if 0 <= h < h_in:",
+    "    xrow = x[b0 + t, g * cg + c, h]",
     "    for ww in range(pw):",
-    "        xp[row0 + ww] = 0.0",
+    "        brow[ww] = 0.0",
     "    for ww in range(w_in):",
-    "        xp[row0 + pw + ww] = x[b0 + t, g * cg + c, h, ww]",
+    "        brow[pw + ww] = xrow[ww]",
     "    for ww in range(pw + w_in, wp):",
-    "        xp[row0 + ww] = 0.0",
+    "        brow[ww] = 0.0",
     "else:",
     "    for ww in range(wp):",
-    "        xp[row0 + ww] = 0.0",
+    "        brow[ww] = 0.0",
 ])
 
-_COLUMNS = [   # the tile's columns, per image t and output row r: col[k, dst + wo] <-> xp[src + wo sw]
-    "                for t in range(b1 - b0):",
-    "                    for k in range(k_len):",
-    "                        for r in range(r1 - r0):",
-    "                            src = t * cg * band * wp + tap[k] + r * sh * wp",
-    "                            dst = t * p_img + r * w_out",
-]
-_FILL_COLUMNS = _FILL_BAND + _COLUMNS + [
-    "                            for wo in range(w_out):",
-    "                                col[k, dst + wo] = xp[src + wo * sw]",
-]
 
-_GATHER_G = [   # res[o, t p_img + q] = gy[b0 + t, g og + o, r0 + q // w_out, q % w_out]
-    "                for t in range(b1 - b0):",
-    "                    for o in range(og):",
-    "                        for r in range(r1 - r0):",
-    "                            for wo in range(w_out):",
-    "                                res[o, t * p_img + r * w_out + wo] = gy[b0 + t, g * og + o, r0 + r, wo]",
-]
+def _columns(unit_move, strided_move):
+    """The tile's columns col[k, t p_img + r pitch + wo] <-> xp[t cg band wp + tap[k] + r sh wp + wo sw]:
+    with unit strides one run of p_img values per image and tap (the pitch is the band's width, so the
+    rows follow each other; the last wp - w_out columns of a row are computed and dropped), else per
+    output row, strided. unit_move / strided_move: the line that moves one value (run/band_run, or col/xp)."""
+    return ["                for t in range(b1 - b0):",
+            "                    for k in range(k_len):",
+            "                        src = t * cg * band * wp + tap[k]",
+            "                        dst = t * p_img",
+            "                        if unit:",
+            "                            run = col[k, dst:dst + p_img]",
+            "                            band_run = xp[src:src + p_img]",
+            "                            for q in range(p_img):",
+            f"                                {unit_move}",
+            "                        else:",
+            "                            for r in range(r1 - r0):",
+            "                                for wo in range(w_out):",
+            f"                                    {strided_move}"]
+
+
+_FILL_COLUMNS = _FILL_BAND + _columns("run[q] = band_run[q]",
+                                      "col[k, dst + r * w_out + wo] = xp[src + r * sh * wp + wo * sw]")
+
+
+def _tile_rows(body):
+    """For each image t of the tile, output channel o of the group and output row r: the tile's row
+    trow (a view of res: pitch values, the first w_out of them an output row's); then body."""
+    return ["                for t in range(b1 - b0):",
+            "                    for o in range(og):",
+            "                        for r in range(r1 - r0):",
+            "                            trow = res[o, t * p_img + r * pitch:t * p_img + (r + 1) * pitch]",
+            ] + ["                            " + line for line in body]
+
+
+_GATHER_G = _tile_rows([   # g's rows into the tile; the dropped columns zero, so they add nothing
+    "grow = gy[b0 + t, g * og + o, r0 + r]",
+    "for wo in range(w_out):",
+    "    trow[wo] = grow[wo]",
+    "for wo in range(w_out, pitch):",
+    "    trow[wo] = 0.0",
+])
 
 
 def _weight_matrix(target, index):
@@ -338,12 +371,10 @@ def cpu_conv2d_source(name):
     lines += ["    wg = np.empty((og, k_len), dtype=out.dtype)", "    for g in range(groups):"]
     lines += _weight_matrix("wg", "o, (c * kh + i) * kw + j")
     lines += _TILE_LOOP + _FILL_COLUMNS
-    lines += ["                np.dot(wg, col, res)",
-              "                for t in range(b1 - b0):",
-              "                    for o in range(og):",
-              "                        for r in range(r1 - r0):",
-              "                            for wo in range(w_out):",
-              "                                out[b0 + t, g * og + o, r0 + r, wo] = res[o, t * p_img + r * w_out + wo]"]
+    lines += ["                np.dot(wg, col, res)"]
+    lines += _tile_rows(["orow = out[b0 + t, g * og + o, r0 + r]",
+                         "for wo in range(w_out):",
+                         "    orow[wo] = trow[wo]"])
     return "\n".join(lines), "conv2d: per group, tiles of im2col columns times the weight matrix (BLAS)"
 
 
@@ -354,12 +385,12 @@ def cpu_input_grad_source(name):
     lines += _weight_matrix("wt", "(c * kh + i) * kw + j, o")
     lines += _TILE_LOOP + _GATHER_G
     lines += ["                np.dot(wt, res, col)",
-              "                xp[:(b1 - b0) * cg * band * wp] = 0.0"]
-    lines += _COLUMNS + ["                            for wo in range(w_out):",
-                         "                                xp[src + wo * sw] += col[k, dst + wo]"]
+              "                xp[:(b1 - b0) * cg * band * wp + slack] = 0.0"]
+    lines += _columns("band_run[q] += run[q]", "xp[src + r * sh * wp + wo * sw] += col[k, dst + r * w_out + wo]")
     lines += _band_rows(["if 0 <= h < h_in:",
+                         "    xrow = out[b0 + t, g * cg + c, h]",
                          "    for ww in range(w_in):",
-                         "        out[b0 + t, g * cg + c, h, ww] += xp[row0 + pw + ww]"])
+                         "        xrow[ww] += brow[pw + ww]"])
     return "\n".join(lines), ("conv2d_input_grad: per group, the weight matrix transposed times tiles of g, "
                               "the columns added into a padded band and the band into the input's rows (col2im)")
 
@@ -455,9 +486,10 @@ def cuda_weight_grad_source(name):
     ]), "conv2d_weight_grad: one thread per weight, summing over images and output pixels", ("flat", -1)
 
 
-def _workspace(x_at, w_at, g_at):
-    """The bytes _CPU_HEAD's buffers take for one call, given where x, w and g are among the
-    operands and the output (index 2): memory planning counts them at the conv's step."""
+def _workspace(x_at, w_at, g_at, weight_matrices=1):
+    """The bytes _CPU_HEAD's buffers and the kernel's `weight_matrices` (og, k_len) matrices take for
+    one call, given where x, w and g are among the operands and the output (index 2): memory
+    planning counts them at the conv's step."""
     def workspace(graph, n, dims):
         shapes = [graph.shape(u) for u in graph.operands(n)] + [graph.shape(n)]
         shapes = [tuple(dims.get(d, d) if isinstance(d, str) else d for d in s) for s in shapes]
@@ -465,16 +497,17 @@ def _workspace(x_at, w_at, g_at):
         if any(isinstance(d, str) for d in x + w + g):
             return None
         a = graph.attrs(n)
-        (sh, _), (_, pw), (dh, _) = a["stride"], a["padding"], a.get("dilation", (1, 1))
+        (sh, sw), (_, pw), (dh, dw) = a["stride"], a["padding"], a.get("dilation", (1, 1))
         n_img, w_in = x[0], x[3]
         c_out, cg, kh, kw = w
         h_out, w_out = g[2], g[3]
-        k_len = cg * kh * kw
-        rows = max(1, min(h_out, TILE // max(1, k_len * w_out)))
-        nb = min(n_img, max(1, TILE // max(1, k_len * h_out * w_out))) if rows == h_out else 1
+        og, k_len, wp = c_out // a.get("groups", 1), cg * kh * kw, w_in + 2 * pw
+        pitch = wp if (sh, sw) == (1, 1) else w_out
+        rows = max(1, min(h_out, TILE // max(1, k_len * pitch)))
+        nb = min(n_img, max(1, TILE // max(1, k_len * h_out * pitch))) if rows == h_out else 1
         band = (rows - 1) * sh + (kh - 1) * dh + 1
-        values = k_len * nb * rows * w_out + c_out // a.get("groups", 1) * nb * rows * w_out + nb * cg * band * (w_in + 2 * pw)
-        return values * np.dtype(graph.dtype(n)).itemsize + (k_len + rows * w_out) * 8   # + the offset tables
+        values = (k_len + og) * nb * rows * pitch + nb * cg * band * wp + (kw - 1) * dw + weight_matrices * og * k_len
+        return values * np.dtype(graph.dtype(n)).itemsize + k_len * 8   # + the offset table
     return workspace
 
 
@@ -507,7 +540,7 @@ register(Op("conv2d_input_grad", "conv", _input_grad_infer, _input_grad_evaluate
             cpu=_lower("conv2d_input_grad", cpu_input_grad_source), cuda=_lower("conv2d_input_grad", cuda_input_grad_source),
             doc="the transposed convolution of g by w: conv2d's adjoint for x; attrs as conv2d's plus input_hw"))
 register(Op("conv2d_weight_grad", "conv", _weight_grad_infer, _weight_grad_evaluate, _weight_grad_flops,
-            vjp=_weight_grad_vjp, arity=2, rows=_rows_summed, workspace=_workspace(0, 2, 1),
+            vjp=_weight_grad_vjp, arity=2, rows=_rows_summed, workspace=_workspace(0, 2, 1, weight_matrices=2),
             cpu=_lower("conv2d_weight_grad", cpu_weight_grad_source),
             cuda=_lower("conv2d_weight_grad", cuda_weight_grad_source),
             doc="dw[o, c, i, j] = sum over n, h, w of g[n, o, h, w] x_pad[n, c, h s + i d, w s + j d]: conv2d's adjoint "
