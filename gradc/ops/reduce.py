@@ -75,6 +75,22 @@ def cpu_reduction_source(name, op, rank, axes, keepdims):
     lines = [f"def {name}(x0{'' if scalar else ', out'}):"] + dims_line("x0", rank)
     read = f"x0[{index([f'i{d}' for d in range(rank)])}]" if rank else "x0[()]"
     if op in ("sum", "mean"):
+        last = rank - 1
+        if last in axes and len(axes) >= 2:
+            # the last axis and others reduced: each kept index sums its rows into a row of partial sums,
+            # elementwise (it vectorises, where one running sum would not without reassociation; the
+            # partial sums are shorter, so rounding is smaller too), then that row into one number
+            outer = [d for d in axes if d != last]
+            lines.append("    row = np.empty(n%d, dtype=x0.dtype)" % last)
+            body = ["row[:] = 0.0"] + loops(outer + [last], [f"row[i{last}] += {read}"], indent=0)
+            total = ["acc = 0.0", f"for i{last} in range(n{last}):", f"    acc += row[i{last}]"]
+            result = f"acc{' / (' + count + ')' if op == 'mean' else ''}"
+            body += total + ([f"return {result}"] if scalar else [f"out[{out_idx}] = {result}"])
+            if scalar:
+                lines += ["    " + b for b in body]
+            else:
+                lines += loops(kept, body)
+            return "\n".join(lines), f"{op} over axes {tuple(axes)}"
         if scalar:
             lines.append("    acc = 0.0")
             lines += loops(range(rank), [f"acc += {read}"])
