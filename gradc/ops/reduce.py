@@ -81,15 +81,11 @@ def cpu_reduction_source(name, op, rank, axes, keepdims):
             # elementwise (it vectorises, where one running sum would not without reassociation; the
             # partial sums are shorter, so rounding is smaller too), then that row into one number
             outer = [d for d in axes if d != last]
-            lines.append("    row = np.empty(n%d, dtype=x0.dtype)" % last)
+            lines.append(f"    row = np.empty(n{last}, dtype=x0.dtype)")
             body = ["row[:] = 0.0"] + loops(outer + [last], [f"row[i{last}] += {read}"], indent=0)
-            total = ["acc = 0.0", f"for i{last} in range(n{last}):", f"    acc += row[i{last}]"]
+            body += ["acc = 0.0", f"for i{last} in range(n{last}):", f"    acc += row[i{last}]"]
             result = f"acc{' / (' + count + ')' if op == 'mean' else ''}"
-            body += total + ([f"return {result}"] if scalar else [f"out[{out_idx}] = {result}"])
-            if scalar:
-                lines += ["    " + b for b in body]
-            else:
-                lines += loops(kept, body)
+            lines += loops(kept, body + [f"return {result}" if scalar else f"out[{out_idx}] = {result}"])
             return "\n".join(lines), f"{op} over axes {tuple(axes)}"
         if scalar:
             lines.append("    acc = 0.0")
