@@ -44,6 +44,9 @@ class CudaEntryWriter(EntryWriter):
     target = "cuda"
     Statement = CudaStatement
 
+    def entry_tail(self):
+        return self.tail_args
+
     def _start_plan(self, plan):
         super()._start_plan(plan)
         self.scalar_slot = {}            # scalar node -> its index in `scal`

@@ -1,12 +1,15 @@
 """The function of one entry point on the CPU target: its kernels in plan order.
 
-A small graph's function is one Numba function (a call crosses from Python into machine code
-once). A large graph's runs as plain Python that calls the compiled kernels: Numba compiles a
-function of N statements in time that grows faster than N (a 30-layer MLP's loss_and_grad took
-13 s of its 16 s compile; as plain Python the whole module compiles in 3 s), while each call from
-Python costs about a microsecond, small beside the kernels of a large graph. Either way it runs
-over buffers carved from the arena at the memory plan's offsets; codegen/cuda_entry.py writes the
-CUDA target's host function by overriding how values are stored and computed.
+An entry point runs as plain Python that calls the compiled kernels, over views of the arena at
+the memory plan's offsets (made once per shape and reused: gradc/runtime/arena.py). Numba links
+and optimises again every kernel a compiled function calls, so one compiled function per entry
+made each build optimise the same kernels four to six times, and deep graphs took time growing
+faster than their size (README digits MLP: 3.3 s of Numba against 0.35 s as plain Python, with
+the kernels in the cache); as plain Python nothing but the kernels is compiled, and a call costs
+about a microsecond a kernel. The exception is hvp's block function, which loops over the rows
+of V: a small graph's is one compiled function (compiled on first use), so a Hessian of many rows
+pays no Python per row. codegen/cuda_entry.py writes the CUDA target's host function by overriding
+how values are stored and computed.
 """
 import numpy as np
 
@@ -15,13 +18,13 @@ from gradc.ops import get_op
 from .statement import Statement, shape_src as _shape_src
 
 
-COMPILED_ENTRY_MAX_STEPS = 120   # larger entries run as plain Python (see the module docstring)
+COMPILED_ENTRY_MAX_STEPS = 120   # a larger hvp block function runs as plain Python too
 
 
 class EntryWriter:
     """Writes the function of one entry point."""
-    decorator = "@kernel"            # a small entry is one compiled Numba function
-    tail_args = ("arena", "offs")    # what every entry takes after its values
+    decorator = "@kernel"            # a small hvp block function is one compiled Numba function
+    tail_args = ("arena", "offs")    # what a compiled entry takes after its values
     compiled = True                  # whether the entry being written is compiled (set per entry)
     target = "cpu"                   # which lowering of each op record it writes
     Statement = Statement
@@ -34,6 +37,7 @@ class EntryWriter:
         self.scalar_roots = set()    # roots returned as plain numbers
         self.flat = {}               # root -> (offset, size) in the flat `grads` buffer it is written to
         self.placed = set()          # flat roots whose kernel wrote straight into the buffer
+        self.plain = set()           # entries written as plain Python (they take `buffers`, ready views)
 
     def var(self, n):
         g = self.graph
@@ -60,10 +64,10 @@ class EntryWriter:
         roots = plan["roots"]
         order = plan["steps"]
         self._start_plan(plan)
-        self.compiled = len(order) <= COMPILED_ENTRY_MAX_STEPS and ready_names is None
+        self._set_compiled(fname, False)
         leaves, consts = self._arguments(order, exclude=(), received=received)
         args = [self.names[n] for n in leaves] + [self.names[n] for n in received] + [f"c{n}" for n in consts]
-        args += (["grads"] if flat_roots is not None else []) + list(self.tail_args)
+        args += (["grads"] if flat_roots is not None else []) + list(self.entry_tail())
         dims = self._dims(order, leaves)
         body = [f"{dims[d]} = {src}" for d, src in self._dim_sources(order, list(leaves) + list(received)).items()]
         final_at = {}   # node -> the layout rows (and param names) it makes final; None: final before any step
@@ -90,9 +94,17 @@ class EntryWriter:
         lines = self._def(fname, args, doc) + ["    " + b for b in body]
         return "\n".join(lines), leaves, consts
 
+    def _set_compiled(self, fname, compiled):
+        """Write `fname` as one compiled function or as plain Python (see the module docstring)."""
+        self.compiled = compiled
+        if not compiled:
+            self.plain.add(fname)
+
+    def entry_tail(self):
+        """What the entry being written takes after its values: a plain one, its buffers as views."""
+        return self.tail_args if self.compiled else ("buffers",)
+
     def _def(self, fname, args, doc):
-        if self.decorator and not self.compiled and "ready" not in args:
-            doc += " Runs as plain Python over the compiled kernels (a graph this large compiles slowly as one function)."
         return ([self.decorator] if self.decorator and self.compiled else []) + [
             f"def {fname}({', '.join(args)}):", f'    """{doc}"""']
 
@@ -166,7 +178,7 @@ class EntryWriter:
         layout, _ = self._layout(flat_roots)
         order, loop_from = plan["steps"], plan["loop_from"]
         self._start_plan(plan)
-        self.compiled = len(order) <= COMPILED_ENTRY_MAX_STEPS
+        self._set_compiled(fname, len(order) <= COMPILED_ENTRY_MAX_STEPS)
         tangent_nodes = set(tangents.values())
         leaves, consts = self._arguments(order, exclude=tangent_nodes)
         dims = self._dims(order, leaves)
@@ -184,7 +196,7 @@ class EntryWriter:
                 loop += self.statement(n, dims, step)
         loop += self._fill_flat(layout)
         body += ["for row in range(V.shape[0]):"] + ["    " + line for line in loop]
-        args = [self.names[n] for n in leaves] + [f"c{n}" for n in consts] + ["V", "OUT", *self.tail_args]
+        args = [self.names[n] for n in leaves] + [f"c{n}" for n in consts] + ["V", "OUT", *self.entry_tail()]
         lines = self._def(fname, args, doc) + ["    " + b for b in body]
         return "\n".join(lines), leaves, consts
 
@@ -192,6 +204,7 @@ class EntryWriter:
         """Which step creates which arena buffer (the k-th tensor of the plan reads offs[k])."""
         self.slot_of_step = {t.get("made", t["start"]): k for k, t in enumerate(plan["tensors"])}
         self.plan_steps = plan["steps"]
+        self.plan_tensors = plan["tensors"]
 
     def new_array(self, n, dims, step):
         """Where node n's kernel writes: its slot in `grads`, its arena buffer, or (a returned value) a new array."""
@@ -206,9 +219,13 @@ class EntryWriter:
         return self.fresh_array(_shape_src(shape, dims))
 
     def arena_view(self, k, shape, dims):
-        """The k-th planned buffer, as a call to gradc.runtime.views.view: slicing and reshaping
-        inline for every buffer made deep models' entry functions slow to compile (about 1.6x)."""
-        return f"{'view' if self.compiled else 'plain_view'}(arena, offs[{k}], {_shape_src(shape, dims)})"
+        """The k-th planned buffer: in a plain entry, its ready view; in a compiled one a call to
+        gradc.runtime.views.view (slicing and reshaping inline for every buffer made deep models'
+        functions slow to compile, about 1.6x)."""
+        if not self.compiled:
+            planned = tuple(self.graph.shape(self.plan_tensors[k]["node"]))
+            return f"buffers[{k}]" + ("" if planned == tuple(shape) else f".reshape({_shape_src(shape, dims)})")
+        return f"view(arena, offs[{k}], {_shape_src(shape, dims)})"
 
     def fresh_array(self, shape_src):
         return f"np.empty({shape_src}, FLOAT)"

@@ -1,10 +1,10 @@
 """Graph -> the source of one generated module.
 
-Layout of the module: contract constants; scalar helpers; kernels; one compiled function per
-entry point that runs its kernels in schedule order (so a call crosses from Python into
-machine code once); the Python entry points, which check their arguments and call it; the
-Trainer, which gets the gradients in one flat buffer and updates every param in one loop
-(gradc/runtime/optim.py). With --order 2, hvp and hessian share one compiled block function.
+Layout of the module: contract constants; scalar helpers; kernels; one function per entry point
+that calls its kernels in schedule order (codegen/entry.py); the Python entry points, which check
+their arguments and call it; the Trainer, which gets the gradients in one flat buffer and updates
+every param in one loop (gradc/runtime/optim.py). With --order 2, hvp and hessian share one block
+function.
 """
 import re
 
@@ -20,7 +20,7 @@ from .cpu import Kernels
 from .cuda import CudaKernels
 from .cuda_api import CUDA_HEADER, cuda_api
 from .cuda_entry import CudaEntryWriter
-from .entry import COMPILED_ENTRY_MAX_STEPS, EntryWriter
+from .entry import EntryWriter
 from .lr_api import lr_api_source
 from .sympy_print import HELPERS
 
@@ -37,8 +37,9 @@ Do not edit: change the model and run `gradc compile` again.
     trainer = Trainer(params, optimizer="sgd", lr=0.1, momentum=0.9); trainer.step({example})
 
 Each kernel is compiled once per content for all of your builds, and kept in gradc's kernel cache
-($GRADC_CACHE_DIR, by default ~/.cache/gradc; see `@cached_kernel` below); each entry point is one
-compiled function that runs its kernels in order, cached beside this file. Float values are {dtype}.
+($GRADC_CACHE_DIR, by default ~/.cache/gradc; see `@cached_kernel` below); each entry point is a
+Python function that calls its kernels in order over ready views of one arena (hvp's block function
+of a small graph is one compiled function, cached beside this file). Float values are {dtype}.
 """
 import math
 
@@ -51,7 +52,7 @@ from gradc.runtime.hessian import hessian_buffer, in_blocks, second_order_missin
 from gradc.runtime.kernel_cache import cached_kernel
 from gradc.runtime.parallel import no_one
 from gradc.runtime.pipeline import HostMemory, Pipeline
-from gradc.runtime.views import plain_view, view
+from gradc.runtime.views import view
 
 # float errors give inf/nan as in numpy, never raise; nogil lets Hessian blocks run on every core
 kernel = njit(cache=True, error_model="numpy", nogil=True)
@@ -135,8 +136,7 @@ def generate(graph, plans, info):
         flat = [(r, shapes[p]) for p, r in zip(trainable, by_fname("_loss_and_grad").flat(g))]
         doc = ("_loss_and_grad's steps as plain Python, calling ready(names) as soon as those params' gradients "
                "are final in `grads`: a data-parallel Trainer starts reducing them while the backward goes on.")
-        if not cuda and len(plans["_loss_and_grad"]["steps"]) > COMPILED_ENTRY_MAX_STEPS:
-            # _loss_and_grad runs as plain Python anyway: it is this function, told of no one
+        if not cuda:   # _loss_and_grad runs as plain Python anyway: it is this function, told of no one
             source, leaves, consts = writer.write("_loss_and_grad", plans["_loss_and_grad"], doc, flat, ready_names=trainable)
             entries["_loss_and_grad"] = (entries["_loss_and_grad"][0], source, leaves, consts)
             streamed, lg_tail = "_loss_and_grad_streamed = _loss_and_grad", ["no_one"]
@@ -231,7 +231,7 @@ def generate(graph, plans, info):
     out.append(f"_LABELS = {info['labels']!r}   # int inputs used as class labels -> number of classes")
     out.append("_SIGNATURE = Signature(MODEL_NAME, PARAM_SHAPES, INPUTS, FLOAT, _LABELS" + (", devices=True)" if cuda else ")"))
     several = len({t["device"] for plan in plans.values() for t in plan["tensors"]}) > 1
-    out.append("# the arena buffers of each compiled entry point, in the order of its `offs`: (shape, first step, last step"
+    out.append("# the arena buffers of each entry point, in the order it reads them: (shape, first step, last step"
                + (", device)" if several else ")"))
     out.append("_ARENA_TABLES = {")
     for fname, plan in plans.items():
@@ -252,7 +252,8 @@ def generate(graph, plans, info):
         out.append(f"# scalars each host function keeps on the device (slots of `scal`)\n_SCALARS = {scalar_slots!r}")
         out.append(f"_CUDA = CudaRunner(MODEL_NAME, FLOAT, _ARENA_TABLES, {dim_sources!r}, _SCALARS, DATA)")
     else:
-        out.append(f"_ARENA = Arena(FLOAT, _ARENA_TABLES, dim_sources={dim_sources!r})")
+        out.append(f"_ARENA = Arena(FLOAT, _ARENA_TABLES, dim_sources={dim_sources!r},\n"
+                   f"               plain={tuple(f for f in plans if f in writer.plain)!r})   # these take ready views")
     out.append(f"# the batch dim, how the loss reduces it, and the weight decay: how a data-parallel Trainer weights ranks\n"
                f"_ROWS = {info.get('rows')!r}")
     out.append(f"_LOSS_INPUTS = {inputs_of('_forward_loss')!r}")

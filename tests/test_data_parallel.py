@@ -261,7 +261,7 @@ def test_streamed_backward_announces_each_gradient_once_it_is_final(tmp_path, ma
     assert sorted(flat) == sorted(mod.TRAINABLE) and len(announced) > len(mod.TRAINABLE) // 2
     first_layer = mod.TRAINABLE[0]
     assert flat.index(first_layer) > flat.index(mod.TRAINABLE[-1])
-    assert (mod._loss_and_grad_streamed is mod._loss_and_grad) == (model.name == "plan_mlp")
+    assert mod._loss_and_grad_streamed is mod._loss_and_grad   # a CPU entry runs as plain Python: one function
 
 
 def test_parallel_options_are_checked(tmp_path):

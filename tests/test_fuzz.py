@@ -30,7 +30,7 @@ def test_interpreter_matches_torch(seed):
 
 @pytest.mark.parametrize("seeds", [s if s == (38,) else pytest.param(s, marks=pytest.mark.slow) for s in COMPILED_SEEDS])
 def test_compiled_float64_matches_torch(seeds, tmp_path, monkeypatch):
-    if seeds == (3, 4, 8):   # these through entry points run as plain Python (what a large graph gets)
+    if seeds == (3, 4, 8):   # these with hvp's block function as plain Python too (what a large graph gets)
         monkeypatch.setattr(entry, "COMPILED_ENTRY_MAX_STEPS", 0)
     check_compiled(combined_case(seeds), str(tmp_path))
 

@@ -63,12 +63,25 @@ def _matmul_rows(graph, n, ins, fail):
 
 
 def _matmul_cpu(s):
-    """BLAS through np.dot, into the planned buffer (a returned value: numpy allocates it)."""
-    product = f"np.dot({s.args[0]}{'.T' if s.attrs.get('transpose_a') else ''}, " \
-              f"{s.args[1]}{'.T' if s.attrs.get('transpose_b') else ''}"
-    if s.fresh or s.shape == ():
-        return [f"{s.out} = {product}){s.note}"]
-    return [s.alloc(), f"{product}, {s.out}){s.note}"]
+    """BLAS through np.dot inside a kernel, into the planned buffer (a returned value or a scalar:
+    the kernel returns it). A kernel, not np.dot in the entry: entries run as plain Python, and
+    numpy's np.dot would call numpy's own OpenBLAS while the conv kernels call the one Numba links
+    (scipy's); two BLAS thread pools spinning on the same cores slow each other."""
+    ta, tb = bool(s.attrs.get("transpose_a")), bool(s.attrs.get("transpose_b"))
+    returns = s.fresh or s.shape == ()
+    tag = f"{'t' if ta else 'n'}{'t' if tb else 'n'}"
+    name = s.kernel(("matmul", ta, tb, returns), f"matmul_{tag}", lambda name: _dot_source(name, ta, tb, returns))
+    if returns:
+        return [f"{s.out} = {s.call(name, s.args)}{s.note}"]
+    return s.into_out(name)
+
+
+def _dot_source(name, ta, tb, returns):
+    product = f"np.dot(a{'.T' if ta else ''}, b{'.T' if tb else ''}"
+    what = f"a{'.T' if ta else ''} @ b{'.T' if tb else ''}"
+    if returns:
+        return f"def {name}(a, b):\n    return {product})", f"returns {what} (BLAS)"
+    return f"def {name}(a, b, out):\n    {product}, out)", f"out = {what} (BLAS)"
 
 
 def _gemm_cuda(s):

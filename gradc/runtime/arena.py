@@ -5,6 +5,7 @@ left by the buffers it overlaps in time (as XLA's heap simulator does). The comp
 write the plan; the generated module uses the same function when a dim was left symbolic, so a
 bound build and a module laid out at run time agree offset for offset.
 """
+import math
 import threading
 
 import numpy as np
@@ -81,9 +82,13 @@ class Arena:
     in the order the compiled function reads its offsets; with devices, each has its own region. Offsets are computed once per entry and shape (cached); the
     buffer grows to the largest entry seen and is then reused by every call. Each thread has its
     own buffer, so concurrent calls (Hessian blocks) never share one.
+
+    A compiled entry takes (buffer, offsets) and makes its views in machine code; an entry that runs
+    as plain Python (those named in `plain`) takes one tuple of ready views instead, made once per
+    entry, shape and buffer and then reused, so a call makes no views at all.
     """
 
-    def __init__(self, dtype, tables, dim_sources, device="cpu", allocate=np.empty):
+    def __init__(self, dtype, tables, dim_sources, device="cpu", allocate=np.empty, plain=()):
         self.dtype = np.dtype(dtype)
         self.align = max(1, ALIGN_BYTES // self.dtype.itemsize)
         self.tables = tables
@@ -91,6 +96,7 @@ class Arena:
         self._dims_used = {e: sorted({d for row in t for d in row[0] if isinstance(d, str)}) for e, t in tables.items()}
         self.dim_sources = dim_sources   # dim -> [(input name, axis) that carry it]
         self.device = device
+        self.plain = frozenset(plain)    # entries that take their buffers as ready views
         self.allocate = allocate         # (elements, dtype) -> a flat buffer: host memory, or a device's
         self._layouts = {}
         self._regions = {}               # device -> the largest region any layout gave it
@@ -122,16 +128,26 @@ class Arena:
         return found
 
     def get(self, entry, inputs):
-        """This thread's buffer (grown if needed) and the offsets of `entry` for these inputs."""
-        offsets, total = self.layout(entry, self.dims_of(inputs))
+        """What `entry` takes after its values: this thread's buffer (grown if needed) and the offsets
+        of `entry` for these inputs; for a plain entry, the tuple of its buffers' views there."""
+        dims = self.dims_of(inputs)
+        offsets, total = self.layout(entry, dims)
         buffer = getattr(self._local, "buffer", None)
         if buffer is None or buffer.size < total:
             buffer = self.allocate(max(total, 1), self.dtype)
             self._local.buffer = buffer
+            self._local.views = {}
             with self._lock:
                 self._forget_finished_threads()
                 self._buffers[threading.get_ident()] = buffer
-        return buffer, offsets
+        if entry not in self.plain:
+            return buffer, offsets
+        made = self._local.views.get(entry)
+        if made is None or made[0] is not offsets:   # views of this buffer, for this layout
+            shapes = [tuple(dims[d] if isinstance(d, str) else d for d in row[0]) for row in self.tables[entry]]
+            made = self._local.views[entry] = (offsets, tuple(
+                buffer[o:o + math.prod(s)].reshape(s) for o, s in zip(offsets.tolist(), shapes)))
+        return made[1],
 
     def _forget_finished_threads(self):
         alive = {t.ident for t in threading.enumerate()}

@@ -1,7 +1,6 @@
-"""Views of a host arena for the CPU target's entry functions: compiled ones call `view`, those that
-run as plain Python (large graphs, codegen/entry.py) call `plain_view`."""
-import math
-
+"""Views of a host arena for the CPU target's compiled entry functions (hvp's block function of a
+small graph: codegen/entry.py); entries that run as plain Python get theirs ready-made from
+gradc/runtime/arena.py."""
 from numba import njit
 
 
@@ -14,8 +13,3 @@ def view(arena, offset, shape):
     for d in shape:
         n *= d
     return arena[offset:offset + n].reshape(shape)
-
-
-def plain_view(arena, offset, shape):
-    """The same view from plain Python: numpy slices it without a call into Numba."""
-    return arena[offset:offset + math.prod(shape)].reshape(shape)
