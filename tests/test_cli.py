@@ -191,15 +191,17 @@ def test_cuda_build_compiles_and_inspects_without_a_gpu(tmp_path):
 @pytest.mark.slow
 def test_second_order_entries_compile_on_first_use_unless_warm_all(compiled, tmp_path):
     """Pay for what is used: the default warm-up leaves hvp and hessian out; --warm all compiles them."""
-    def cached(folder):
+    def cached(folder):   # the functions Numba compiled beside the module (the kernels live in the kernel cache)
+        if not os.path.isdir(folder / "__pycache__"):
+            return set()
         return {f.split(".")[1].split("-")[0] for f in os.listdir(folder / "__pycache__") if f.endswith(".nbi")}
 
-    default = cached(compiled / "out")
-    assert "_loss_and_grad" in default and "_hvp_block" not in default
+    assert "_hvp_block" not in cached(compiled / "out")
+    assert re.search(r"kernels: [1-9]\d* compiled|kernels: \d+ compiled, [1-9]\d* from", (compiled / "compile.out").read_text())
     (tmp_path / "model.py").write_text(MODEL)
     r = gradc("compile", "model.py", "-o", "out", "--warm", "all", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "_hvp_block" in cached(tmp_path / "out")
     r = gradc("compile", "model.py", "-o", "none", "--warm", "none", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert not cached(tmp_path / "none") if os.path.isdir(tmp_path / "none" / "__pycache__") else True
+    assert not cached(tmp_path / "none")
