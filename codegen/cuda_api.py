@@ -16,7 +16,8 @@ Do not edit: change the model and run `gradc compile` again.
     loss, grads = loss_and_grad(params, {example})
     trainer = Trainer(params, optimizer="sgd", lr=0.1, momentum=0.9); trainer.step({example})
 
-Kernels are Numba CUDA kernels. Each entry point has a host function that launches them in the
+Kernels are Numba CUDA kernels, each compiled once per content for all of your builds (gradc's
+kernel cache: see `@cached_cuda_kernel` below). Each entry point has a host function that launches them in the
 memory plan's order over one device arena; gradc.runtime.cuda_host runs it, directly on the first
 call with new shapes and from a captured CUDA graph after that. Arguments may be numpy arrays or
 CUDA arrays (numba, torch, cupy: read in place); results are numpy arrays, or device arrays after
@@ -35,6 +36,7 @@ from gradc.runtime.cuda_stages import DeviceMemory
 from gradc.runtime.pipeline import Pipeline
 from gradc.runtime.cuda_trainer import CudaTrainerBase
 from gradc.runtime.hessian import hessian_buffer, in_blocks, second_order_missing, symmetrize
+from gradc.runtime.kernel_cache import cached_cuda_kernel
 
 cuda = load_cuda()
 kernel = cuda.jit

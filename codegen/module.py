@@ -425,16 +425,16 @@ LAUNCH_WORDS = {"flat": f"one thread per output element, {THREADS} a block",
 
 
 KERNEL_CACHE_NOTE = """\
-# Each kernel is compiled once per content, for every build of yours: @cached_kernel
-# (gradc/runtime/kernel_cache.py) writes its source, with the helpers it calls, to the kernel cache
-# ($GRADC_CACHE_DIR, else ~/.cache/gradc)/kernels/k_<hash of the text, dtype, gradc, Numba, CPU>.py
+# Each kernel is compiled once per content, for every build of yours: @cached_kernel (CUDA:
+# @cached_cuda_kernel; gradc/runtime/kernel_cache.py) writes its source, with the helpers it calls, to
+# ($GRADC_CACHE_DIR, else ~/.cache/gradc)/kernels/k_<hash of the text, dtype, gradc, Numba, CPU or CUDA>.py
 # and loads it from there; Numba keeps the machine code beside it. The code is what you read here."""
 
 
 def _assemble(info, out, helper_src, kernel_src, body, api, kernels, g, entries, stored):
     """The module's sections in order, and the facts for the dumps."""
-    if info.get("target", "cpu") == "cpu":   # CPU kernels come from the kernel cache
-        kernel_src = [KERNEL_CACHE_NOTE] + [re.sub(r"\A@kernel\n", "@cached_kernel\n", s) for s in kernel_src]
+    decorator = "@cached_cuda_kernel" if info.get("target") == "cuda" else "@cached_kernel"
+    kernel_src = [KERNEL_CACHE_NOTE] + [re.sub(r"\A@kernel\n", decorator + "\n", s) for s in kernel_src]
     sections = ["\n".join(out)] + (["# ---- scalar helpers " + "-" * 70, *helper_src] if helper_src else []) + [
                 "# ---- kernels " + "-" * 77, *kernel_src,
                 "# ---- compiled entry points " + "-" * 63, *body,

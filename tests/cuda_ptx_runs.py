@@ -24,6 +24,7 @@ CC = (9, 0)   # an H100
 def record(build):
     import gradc as gc
     import test_codegen as zoo
+    from gradc.runtime import kernel_cache
     from numba.cuda.simulator.kernel import FakeCUDAKernel
     launches = {}
     original = FakeCUDAKernel.__call__
@@ -39,11 +40,19 @@ def record(build):
                 types.append(["array", a.dtype.name, a.ndim, layout])
             else:
                 types.append(["float" if isinstance(a, float) else "int"])
-        module = kernel.fn.__globals__["__file__"]   # builds of one model share its name, not its file
-        launches.setdefault(module, {}).setdefault(kernel.fn.__name__, [])
-        if types not in launches[module][kernel.fn.__name__]:
-            launches[module][kernel.fn.__name__].append(types)
+        module, name = module_and_name(kernel)
+        launches.setdefault(module, {}).setdefault(name, [])
+        if types not in launches[module][name]:
+            launches[module][name].append(types)
         return original(kernel, *args)
+
+    def module_and_name(kernel, prefer=None):
+        """The module file and name of a kernel: loaded from the kernel cache, its function is `kernel`
+        in the cache file, so the first module that loaded it (or `prefer`, where that one did too)
+        names it; builds of one model share their name, not their file."""
+        found = [(sys.modules[module].__file__, name) for module, name, loaded, _ in kernel_cache.KERNELS
+                 if loaded is kernel]
+        return next((f for f in found if f[0] == prefer), found[0])
     FakeCUDAKernel.__call__ = call
 
     rng = np.random.default_rng(0)
@@ -64,8 +73,8 @@ def record(build):
         # the register-tiled GEMM and the cuBLAS epilogues are chosen by size on a GPU: note their types
         # too (those of the 16x16 kernel at the same site, and of an in-place epilogue)
         for site in [v for k, v in vars(dev).items() if type(v).__name__ == "Gemm"]:
-            small = launches.get(dev.__file__, {}).get(site.small.fn.__name__, [])
-            large = site.large.fn.__name__
+            small = launches.get(dev.__file__, {}).get(module_and_name(site.small, dev.__file__)[1], [])
+            large = module_and_name(site.large, dev.__file__)[1]
             for types in small:
                 launches[dev.__file__].setdefault(large, [])
                 if types not in launches[dev.__file__][large]:

@@ -239,3 +239,61 @@ def test_a_kernel_that_loops_with_prange_is_compiled_parallel(tmp_path, monkeypa
     mod.k0_row_sums_of_squares(x, out)
     np.testing.assert_allclose(out, (x * x).sum(axis=1), rtol=1e-14)
     assert mod.k0_row_sums_of_squares.targetoptions.get("parallel") is True
+
+
+CUDA_RUN = textwrap.dedent('''
+    import json, os, sys
+    import numpy as np
+    import gradc as gc
+    from gradc.runtime import kernel_cache as kc
+
+    def mlp(name, layers, width=6):
+        m = gc.Model(name)
+        x = m.input("x", ("B", width))
+        y = m.input("y", ("B",), dtype="int64")
+        h = x
+        for i in range(layers):
+            h = gc.tanh(h @ m.param(f"W{i}", (width, width)) + m.param(f"b{i}", (width,)))
+        m.minimize(gc.softmax_cross_entropy(h, y))
+        return m
+
+    name, layers, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    dev = gc.compile(mlp(name, layers), out=os.path.join(out, "cuda"), target="cuda", dtype="float64", order=1)
+    cpu = gc.compile(mlp(name + "_cpu", layers), out=os.path.join(out, "cpu"), dtype="float64", order=1,
+                     warm_cache=False)
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((3, 6)), rng.integers(0, 6, 3)
+    params = cpu.init_params(2)
+    loss, grads = dev.loss_and_grad(params, x=x, y=y)
+    want, want_grads = cpu.loss_and_grad(params, x=x, y=y)
+    err = max([abs(loss - want) / abs(want)] +
+              [float(np.max(np.abs(grads[k] - want_grads[k])) / np.max(np.abs(want_grads[k]))) for k in grads])
+    files = sorted({os.path.basename(path) for mod, _, _, path in kc.KERNELS if mod == name and path})
+    text = open(os.path.join(kc.kernel_dir(), files[0])).read()
+    print(json.dumps({"counts": kc.compile_counts(name), "stats": kc.STATS, "err": err, "files": files,
+                      "header": text.splitlines()[0], "jit": "cuda.jit(cache=True)" in text}))
+''')
+
+
+def test_cuda_kernels_come_from_the_cache_too(tmp_path):
+    """--target cuda under numba-cuda's simulator: every kernel is loaded from its cache file, the
+    second model shares the first one's kernels, and the results are the CPU target's."""
+    pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
+    script, cache = tmp_path / "cuda_run.py", tmp_path / "cache"
+    script.write_text(CUDA_RUN)
+    env = dict(os.environ, GRADC_CACHE_DIR=str(cache), NUMBA_ENABLE_CUDASIM="1")
+    runs = []
+    for name, layers in (("cuda_two", 2), ("cuda_three", 3)):
+        proc = subprocess.run([sys.executable, str(script), name, str(layers), str(tmp_path / name)], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    for run_ in runs:
+        assert run_["err"] < 1e-12, run_
+        assert run_["counts"]["kernels"] > 0 and run_["counts"]["not_cached"] == 0, run_
+        assert run_["jit"] and "numba-cuda simulator" in run_["header"]
+    assert set(first["files"]) <= set(second["files"])                  # the same layers: the same kernels
+    cuda_files = [f for f in kernel_files(cache) if "numba-cuda" in (cache / "kernels" / f).read_text().splitlines()[0]]
+    assert sorted(cuda_files) == sorted(set(first["files"]) | set(second["files"]))
+    assert second["stats"]["written"] < second["counts"]["kernels"]      # most of them were there already

@@ -10,6 +10,10 @@ The 30 identical layers of one model, and the same layers in the next model, are
 compile.
 A kernel that loops with `prange` (BPPSA's sweeps) is compiled with `parallel=True`: those loops'
 iterations run on Numba's threads (NUMBA_NUM_THREADS, every core by default).
+A `--target cuda` module's kernels (`@cached_cuda_kernel`) go the same way: their file imports
+CUDA through gradc's shim and decorates them `cuda.jit(cache=True)` (device functions with
+device=True), so numba-cuda keeps the compiled code beside it, per GPU architecture; the header
+names the CUDA package and its version instead of the CPU.
 
     <cache> = $GRADC_CACHE_DIR, else $XDG_CACHE_HOME/gradc, else ~/.cache/gradc
 
@@ -23,6 +27,7 @@ beside the module, or in memory). Nothing here raises for a cache problem.
 import builtins
 import dis
 import hashlib
+import importlib.metadata
 import inspect
 import os
 import sys
@@ -106,20 +111,21 @@ def _globals(func):
     return _GLOBALS[key]
 
 
-def canonical_text(func):
+def canonical_text(func, target="cpu"):
     """The cache file of a kernel: a header naming what the machine code depends on, the scalar
     helpers it calls, and the kernel itself as `kernel`. Raises ValueError for a function that
     reads a global this file cannot define."""
     env = func.__globals__
     dtype = env.get("DTYPE") or np_name(env.get("FLOAT"))
     helpers, todo, uses_float, parallel = {}, [func], False, False
+    free = ("math", "np") + (("cuda", "FLOAT_T", "float64") if target == "cuda" else ())
     while todo:
         f = todo.pop()
         for name in sorted(_globals(f)):
             value = env.get(name)
-            if name in ("math", "np"):
+            if name in free:
                 continue
-            if name == "prange":   # a kernel whose independent iterations run on Numba's threads
+            if name == "prange" and target == "cpu":   # a kernel whose independent iterations run on Numba's threads
                 if f is not func:
                     raise ValueError(f"{func.__name__}: a helper it calls loops with prange")
                 parallel = True
@@ -133,17 +139,40 @@ def canonical_text(func):
             else:
                 raise ValueError(f"{func.__name__} reads the global {name!r}")
     body = _source(func).replace(f"def {func.__name__}(", "def kernel(", 1)
-    parts = [f"# gradc kernel cache (format {FORMAT}): gradc {__version__}, {host()}, {dtype}\n"
-             "# Written by gradc/runtime/kernel_cache.py; Numba's cache of it is in __pycache__ beside it.\n"
-             f"import math\n\nimport numpy as np\nfrom numba import njit{', prange' if parallel else ''}\n\n"
-             f"_njit = njit(cache=True, **{OPTIONS!r})\n"]
-    if parallel:
-        parts.append(f"_njit_parallel = njit(cache=True, parallel=True, **{OPTIONS!r})\n")
+    if target == "cuda":
+        parts = [f"# gradc kernel cache (format {FORMAT}): gradc {__version__}, {cuda_host()}, {dtype}\n"
+                 "# Written by gradc/runtime/kernel_cache.py; numba-cuda's cache of it is in __pycache__ beside it.\n"
+                 f"import math\n\nimport numpy as np\nfrom numba import {dtype} as FLOAT_T, float64\n\n"
+                 "from gradc.runtime.cuda import load_cuda\n\n"
+                 "cuda = load_cuda()\n_device = cuda.jit(device=True, cache=True)\n_kernel = cuda.jit(cache=True)\n"]
+        helper_decorator, decorator = "_device", "_kernel"
+    else:
+        parts = [f"# gradc kernel cache (format {FORMAT}): gradc {__version__}, {host()}, {dtype}\n"
+                 "# Written by gradc/runtime/kernel_cache.py; Numba's cache of it is in __pycache__ beside it.\n"
+                 f"import math\n\nimport numpy as np\nfrom numba import njit{', prange' if parallel else ''}\n\n"
+                 f"_njit = njit(cache=True, **{OPTIONS!r})\n"]
+        if parallel:
+            parts.append(f"_njit_parallel = njit(cache=True, parallel=True, **{OPTIONS!r})\n")
+        helper_decorator, decorator = "_njit", "_njit_parallel" if parallel else "_njit"
     if uses_float:
         parts.append(f"FLOAT = np.{dtype}\n")
-    parts += [f"\n\n@_njit\n{helpers[h]}" for h in sorted(helpers)]
-    parts.append(f"\n\n@{'_njit_parallel' if parallel else '_njit'}\n{body}")
+    parts += [f"\n\n@{helper_decorator}\n{helpers[h]}" for h in sorted(helpers)]
+    parts.append(f"\n\n@{decorator}\n{body}")
     return "".join(parts)
+
+
+def cuda_host():
+    """What a CUDA kernel's compiled code depends on besides its source: the CUDA package and its
+    version (numba-cuda keys its own cache by the GPU's architecture)."""
+    from .cuda import load_cuda, simulated
+    if simulated():
+        return "numba-cuda simulator"
+    module = load_cuda().__name__.split(".")[0]
+    try:
+        version = importlib.metadata.version(module.replace("_", "-") if module != "numba" else "numba-cuda")
+    except importlib.metadata.PackageNotFoundError:
+        version = "?"
+    return f"{module} {version}"
 
 
 def np_name(dtype):
@@ -210,10 +239,13 @@ def _load(path):
     return module.kernel
 
 
-def _fallback(func):
+def _fallback(func, target):
     """The module's own function, compiled by Numba with its cache beside the module where it can be
-    written, else in memory."""
+    written, else in memory (CUDA: by cuda.jit, which compiles at the first launch)."""
     STATS["fallback"] += 1
+    if target == "cuda":
+        from .cuda import load_cuda
+        return load_cuda().jit(func)
     options = dict(OPTIONS, parallel="prange" in _globals(func))
     try:
         return njit(cache=True, **options)(func)
@@ -221,20 +253,29 @@ def _fallback(func):
         return njit(**options)(func)
 
 
-def cached_kernel(func):
-    """Decorator of a generated module's kernels: the Numba dispatcher of the kernel's cache file
-    (see the module docstring), or of the function itself where the cache cannot be used."""
+def _cached(func, target):
     path = None
     with _LOCK:
         try:
-            path = ensure_file(canonical_text(func))   # a corrupted file is written again here
+            path = ensure_file(canonical_text(func, target))   # a corrupted file is written again here
             disp = _load(path)
             STATS["loaded"] += 1
         except Exception:   # an unwritable cache, a kernel reading other globals: compile it here
             path = None
-            disp = _fallback(func)
+            disp = _fallback(func, target)
         KERNELS.append((func.__module__, func.__name__, disp, path))
     return disp
+
+
+def cached_kernel(func):
+    """Decorator of a generated module's kernels: the Numba dispatcher of the kernel's cache file
+    (see the module docstring), or of the function itself where the cache cannot be used."""
+    return _cached(func, "cpu")
+
+
+def cached_cuda_kernel(func):
+    """The same for a --target cuda module's kernels: numba-cuda's dispatcher of the cache file."""
+    return _cached(func, "cuda")
 
 
 def any_parallel():
@@ -253,6 +294,7 @@ def compile_counts(module_name=None):
             disps[id(disp)] = disp
             if path is None:
                 uncached.add((mod, name))
-    return {"kernels": len(names), "compiled": sum(sum(d.stats.cache_misses.values()) for d in disps.values()),
-            "from_cache": sum(sum(d.stats.cache_hits.values()) for d in disps.values()),
+    stats = [d.stats for d in disps.values() if hasattr(d, "stats")]   # CUDA dispatchers keep none
+    return {"kernels": len(names), "compiled": sum(sum(st.cache_misses.values()) for st in stats),
+            "from_cache": sum(sum(st.cache_hits.values()) for st in stats),
             "not_cached": len(uncached), "cache": kernel_dir()}
