@@ -177,7 +177,7 @@ def test_cuda_build_compiles_and_inspects_without_a_gpu(tmp_path):
     assert r.returncode == 0, r.stderr
     name = next(p.stem for p in (tmp_path / "out").glob("*.py"))
     text = (tmp_path / "out" / f"{name}.py").read_text()
-    assert "TARGET = 'cuda'" in text and "@kernel\ndef g0_gemm" in text and "_CUDA = CudaRunner(" in text
+    assert "TARGET = 'cuda'" in text and "@cached_cuda_kernel\ndef g0_gemm" in text and "_CUDA = CudaRunner(" in text
     graph = json.loads((tmp_path / "out" / f"{name}.graph.json").read_text())
     assert {n["device"] for n in graph["nodes"]} == {"cuda:0"}
     r = gradc("inspect", f"out/{name}", "--kernels", cwd=tmp_path)

@@ -63,25 +63,27 @@ def _matmul_rows(graph, n, ins, fail):
 
 
 def _matmul_cpu(s):
-    """BLAS through np.dot inside a kernel, into the planned buffer (a returned value or a scalar:
-    the kernel returns it). A kernel, not np.dot in the entry: entries run as plain Python, and
-    numpy's np.dot would call numpy's own OpenBLAS while the conv kernels call the one Numba links
-    (scipy's); two BLAS thread pools spinning on the same cores slow each other."""
+    """BLAS through np.dot inside one kernel for every matmul of the module, into the node's buffer.
+    A kernel, not np.dot in the entry: entries run as plain Python, and numpy's np.dot calls numpy's
+    own OpenBLAS while the conv kernels call the one Numba links (scipy's); two BLAS thread pools
+    spinning on the same cores slowed a LeNet step 5x. The transposes are arguments, so one
+    compile serves every product (one kernel per transpose pair took 3x the compile time)."""
     ta, tb = bool(s.attrs.get("transpose_a")), bool(s.attrs.get("transpose_b"))
-    returns = s.fresh or s.shape == ()
-    tag = f"{'t' if ta else 'n'}{'t' if tb else 'n'}"
-    name = s.kernel(("matmul", ta, tb, returns), f"matmul_{tag}", lambda name: _dot_source(name, ta, tb, returns))
-    if returns:
-        return [f"{s.out} = {s.call(name, s.args)}{s.note}"]
-    return s.into_out(name)
+    name = s.kernel(("matmul",), "matmul", _dot_source)
+    return s.into_out(name, list(s.args) + [str(ta), str(tb)])
 
 
-def _dot_source(name, ta, tb, returns):
-    product = f"np.dot(a{'.T' if ta else ''}, b{'.T' if tb else ''}"
-    what = f"a{'.T' if ta else ''} @ b{'.T' if tb else ''}"
-    if returns:
-        return f"def {name}(a, b):\n    return {product})", f"returns {what} (BLAS)"
-    return f"def {name}(a, b, out):\n    {product}, out)", f"out = {what} (BLAS)"
+def _dot_source(name):
+    return (f"def {name}(a, b, ta, tb, out):\n"
+            "    if ta:\n"
+            "        if tb:\n"
+            "            np.dot(a.T, b.T, out)\n"
+            "        else:\n"
+            "            np.dot(a.T, b, out)\n"
+            "    elif tb:\n"
+            "        np.dot(a, b.T, out)\n"
+            "    else:\n"
+            "        np.dot(a, b, out)"), "out = a @ b, a and b transposed where ta, tb say (BLAS)"
 
 
 def _gemm_cuda(s):
