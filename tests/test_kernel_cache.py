@@ -16,8 +16,9 @@ import pytest
 import gradc as gc
 from gradc.runtime import kernel_cache
 
-RUN = textwrap.dedent('''
-    import json, sys
+# the scripts' common start: imports and a tanh MLP of `layers` layers of `width`
+PRELUDE = textwrap.dedent('''
+    import json, os, sys
     import numpy as np
     import gradc as gc
     from gradc.runtime import kernel_cache as kc
@@ -31,7 +32,9 @@ RUN = textwrap.dedent('''
             h = gc.tanh(h @ m.param(f"W{i}", (width, width)) + m.param(f"b{i}", (width,)))
         m.minimize(gc.softmax_cross_entropy(h, y))
         return m
+''')
 
+RUN = PRELUDE + textwrap.dedent('''
     name, layers, out, how = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     if how == "compile":
         mod = gc.compile(mlp(name, layers), out=out, order=1)
@@ -241,25 +244,10 @@ def test_a_kernel_that_loops_with_prange_is_compiled_parallel(tmp_path, monkeypa
     assert mod.k0_row_sums_of_squares.targetoptions.get("parallel") is True
 
 
-CUDA_RUN = textwrap.dedent('''
-    import json, os, sys
-    import numpy as np
-    import gradc as gc
-    from gradc.runtime import kernel_cache as kc
-
-    def mlp(name, layers, width=6):
-        m = gc.Model(name)
-        x = m.input("x", ("B", width))
-        y = m.input("y", ("B",), dtype="int64")
-        h = x
-        for i in range(layers):
-            h = gc.tanh(h @ m.param(f"W{i}", (width, width)) + m.param(f"b{i}", (width,)))
-        m.minimize(gc.softmax_cross_entropy(h, y))
-        return m
-
+CUDA_RUN = PRELUDE + textwrap.dedent('''
     name, layers, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    dev = gc.compile(mlp(name, layers), out=os.path.join(out, "cuda"), target="cuda", dtype="float64", order=1)
-    cpu = gc.compile(mlp(name + "_cpu", layers), out=os.path.join(out, "cpu"), dtype="float64", order=1,
+    dev = gc.compile(mlp(name, layers, 6), out=os.path.join(out, "cuda"), target="cuda", dtype="float64", order=1)
+    cpu = gc.compile(mlp(name + "_cpu", layers, 6), out=os.path.join(out, "cpu"), dtype="float64", order=1,
                      warm_cache=False)
     rng = np.random.default_rng(1)
     x, y = rng.standard_normal((3, 6)), rng.integers(0, 6, 3)
