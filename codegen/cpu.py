@@ -60,6 +60,21 @@ class Kernels:
         lines += loops(range(out_rank), loads + block)
         return "\n".join(lines), f"out = {expr}"
 
+    def scalar(self, expr, count, hint):
+        """A kernel returning the scalar expr of its `count` scalar operands x0, x1, ...: a plain-Python
+        entry computes scalars through it, so a log of 0, an overflowing exp or 0/0 give inf and nan
+        as the kernels do (Python's math would raise)."""
+        key = ("scalar", expr, count)
+        return self._get(key, hint, lambda name: self._scalar_source(name, expr, count))
+
+    def _scalar_source(self, name, expr, count):
+        args = [f"x{j}" for j in range(count)]
+        block, helpers = print_block(expr, {X[j]: sp.Symbol(a, real=True) for j, a in enumerate(args)}, "out",
+                                     self.fast_tanh)
+        self.helpers |= helpers
+        lines = [f"def {name}({', '.join(args)}):"] + ["    " + b for b in block] + ["    return out"]
+        return "\n".join(lines), f"returns {expr}"
+
     def scalar_expression(self, expr, operand_names, result):
         """Lines of the entry function that compute a scalar elementwise value in place."""
         names = {X[j]: sp.Symbol(v, real=True) for j, v in enumerate(operand_names)}

@@ -51,11 +51,12 @@ class EntryWriter:
         return f"t{n}"
 
     def write(self, fname, plan, doc, flat_roots=None, received=(), ready_names=None):
-        """The compiled function, running `plan`'s steps; `flat_roots` are returned together as one
-        flat `grads` buffer; intermediates are views of `arena` at the plan's offsets `offs`.
+        """The entry's function (plain Python on the CPU), running `plan`'s steps; `flat_roots` are
+        returned together as one flat `grads` buffer; intermediates are the arena's buffers, handed
+        in ready-made as `buffers` (on CUDA, views of `arena` at the plan's offsets `offs`).
         `received`: values computed elsewhere (another stage) that come in as arguments r<id>.
-        `ready_names` (one param name per flat root): write a plain-Python function that also takes
-        `ready` and calls ready(names) as soon as those params' gradients are final in `grads`, so a
+        `ready_names` (one param name per flat root): the function also takes `ready` and calls
+        ready(names) as soon as those params' gradients are final in `grads`, so a
         data-parallel Trainer can start reducing them while the rest of the backward runs (on CUDA:
         as soon as the kernels that write them are launched on `stream`, so ready orders its copy
         after them on that stream)."""
@@ -204,7 +205,6 @@ class EntryWriter:
         """Which step creates which arena buffer (the k-th tensor of the plan reads offs[k])."""
         self.slot_of_step = {t.get("made", t["start"]): k for k, t in enumerate(plan["tensors"])}
         self.plan_steps = plan["steps"]
-        self.plan_tensors = plan["tensors"]
 
     def new_array(self, n, dims, step):
         """Where node n's kernel writes: its slot in `grads`, its arena buffer, or (a returned value) a new array."""
@@ -222,9 +222,8 @@ class EntryWriter:
         """The k-th planned buffer: in a plain entry, its ready view; in a compiled one a call to
         gradc.runtime.views.view (slicing and reshaping inline for every buffer made deep models'
         functions slow to compile, about 1.6x)."""
-        if not self.compiled:
-            planned = tuple(self.graph.shape(self.plan_tensors[k]["node"]))
-            return f"buffers[{k}]" + ("" if planned == tuple(shape) else f".reshape({_shape_src(shape, dims)})")
+        if not self.compiled:   # the planned buffer of the node that makes it: already this shape
+            return f"buffers[{k}]"
         return f"view(arena, offs[{k}], {_shape_src(shape, dims)})"
 
     def fresh_array(self, shape_src):

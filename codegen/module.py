@@ -141,14 +141,13 @@ def generate(graph, plans, info):
             entries["_loss_and_grad"] = (entries["_loss_and_grad"][0], source, leaves, consts)
             streamed, lg_tail = "_loss_and_grad_streamed = _loss_and_grad", ["no_one"]
         else:
-            if cuda:
-                doc = ("_loss_and_grad's launches, calling ready(names) as soon as the kernels that write those "
-                       "params' gradients into `grads` are launched: a data-parallel Trainer copies each bucket out "
-                       "after them on the stream and reduces it while the device runs the rest of the backward "
-                       "(launched directly, never captured in a graph: ready is host code).")
+            doc = ("_loss_and_grad's launches, calling ready(names) as soon as the kernels that write those "
+                   "params' gradients into `grads` are launched: a data-parallel Trainer copies each bucket out "
+                   "after them on the stream and reduces it while the device runs the rest of the backward "
+                   "(launched directly, never captured in a graph: ready is host code).")
             streamed, _, _ = writer.write("_loss_and_grad_streamed", plans["_loss_and_grad"], doc, flat,
                                           ready_names=trainable)
-            if cuda and writer.scalar_count() != scalar_slots["_loss_and_grad"]:   # it runs in _loss_and_grad's slots
+            if writer.scalar_count() != scalar_slots["_loss_and_grad"]:   # it runs in _loss_and_grad's slots
                 raise AssertionError("_loss_and_grad_streamed: other scalar slots than _loss_and_grad's")
     stage_specs = {}   # (stage, kind) -> (fname, argument spec, roots)
     for f in (pipeline or {}).get("functions", ()):
@@ -352,7 +351,7 @@ def generate(graph, plans, info):
         api.append("\n".join([
             "def hessian_rows(params, start, stop, /, **inputs):",
             '    """Rows start..stop of the Hessian as a (stop - start, GRAD_SIZE) array: blocks of basis vectors,',
-            '    each block one compiled call, the blocks spread over the cores."""',
+            '    each block one call, the blocks spread over the cores."""',
             "    if not 0 <= start <= stop <= GRAD_SIZE:",
             '        raise ValueError(f"{MODEL_NAME}.hessian_rows: rows {start}..{stop} are outside 0..{GRAD_SIZE}")',
             "    p = _SIGNATURE.params(params)",
@@ -437,7 +436,7 @@ def _assemble(info, out, helper_src, kernel_src, body, api, kernels, g, entries,
     kernel_src = [KERNEL_CACHE_NOTE] + [re.sub(r"\A@kernel\n", decorator + "\n", s) for s in kernel_src]
     sections = ["\n".join(out)] + (["# ---- scalar helpers " + "-" * 70, *helper_src] if helper_src else []) + [
                 "# ---- kernels " + "-" * 77, *kernel_src,
-                "# ---- compiled entry points " + "-" * 63, *body,
+                "# ---- entry points: their kernels in plan order " + "-" * 42, *body,
                 "# ---- Python entry points " + "-" * 65, *api]
     source = "\n\n\n".join(s.rstrip("\n") for s in sections) + "\n"
     kernel_meta = [{"name": name, "computes": doc} for name, _, doc in kernels.sources]

@@ -34,6 +34,7 @@ class Statement:
         self.note = f"  # {node['op']} {node['src']}"
         self.kernels = writer.kernels
         self.fresh = step not in writer.slot_of_step and n not in writer.flat
+        self.compiled = writer.compiled   # in one compiled function, or in a plain-Python entry
         self._writer, self._dims, self._step = writer, dims, step
 
     def alloc(self):

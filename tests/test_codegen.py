@@ -337,6 +337,38 @@ def test_extreme_inputs_stay_finite_in_float32(build_dir):
                                  rel=1e-4)
 
 
+def test_scalar_arithmetic_gives_inf_and_nan_never_an_exception(build_dir):
+    """Scalars the entries compute (a loss made of means) follow numpy: log(0) = -inf, an overflowing
+    exp = inf, 0/0 and a negative to the power 1.5 = nan, in forward, loss_and_grad and the Trainer,
+    whose step then refuses with FloatingPointError as documented."""
+    m = gc.Model("cg_scalar_edges")
+    x = m.input("x", ("B", 3))
+    w, v, u, z = (m.param(k, (3, 2)) for k in "WVUZ")
+    square_mean = gc.mean(gc.square(x @ w))
+    ratio = gc.mean(x @ z) / gc.mean(gc.square(x @ z))
+    m.minimize(gc.log(square_mean) + gc.exp(gc.mean(x @ v)) + gc.mean(x @ u) ** 1.5 + ratio)
+    mod = gc.compile(m, out=build_dir, dtype="float64", warm_cache=False)
+    ones, fine = np.ones((3, 2)), {k: np.full((3, 2), 0.1) for k in "WVUZ"}
+    x_val = np.ones((4, 3))
+
+    def terms(p, xv):
+        h = {k: xv @ p[k] for k in "WVUZ"}
+        with np.errstate(all="ignore"):
+            return (np.log(np.mean(h["W"] ** 2)) + np.exp(np.mean(h["V"])) + np.float64(np.mean(h["U"])) ** 1.5
+                    + np.mean(h["Z"]) / np.mean(h["Z"] ** 2))
+
+    assert mod.loss_and_grad(fine, x=x_val)[0] == pytest.approx(terms(fine, x_val), rel=1e-12)
+    cases = [(fine | {"W": 0 * ones}, x_val, -np.inf), (fine | {"V": ones}, np.full((4, 3), 300.0), np.inf),
+             (fine | {"U": -ones}, x_val, np.nan), (fine | {"Z": 0 * ones}, x_val, np.nan)]
+    for params, xv, want in cases:
+        assert np.isnan(want) and np.isnan(terms(params, xv)) or terms(params, xv) == want
+        loss, grads = mod.loss_and_grad(params, x=xv)
+        assert (np.isnan(loss) if np.isnan(want) else loss == want), (want, loss)
+        assert np.isnan(mod.forward(params, x=xv)["loss"]) if np.isnan(want) else mod.forward(params, x=xv)["loss"] == want
+        with pytest.raises(FloatingPointError, match="the loss is"):
+            mod.Trainer(params, optimizer="sgd", lr=0.1).step(x=xv)
+
+
 def test_trainer_matches_reference_optimizers(build_dir, rng):
     """SGD momentum, Adam and clip_norm against straightforward numpy versions of PyTorch's rules."""
     mod = gc.compile(mlp_weight_decay(), out=build_dir, dtype="float64", warm_cache=False)

@@ -97,9 +97,14 @@ def kernel_name(graph, n):
 
 def lower(s):
     """Both targets: one kernel per distinct expression and broadcast pattern (codegen shares it
-    between nodes); a scalar value on the CPU is a local of the entry, computed in line."""
+    between nodes); a scalar value on the CPU is a local of the entry, computed in line where the
+    entry is compiled and by a scalar kernel where it is plain Python (numpy's inf and nan, not
+    Python's exceptions)."""
     expr = expr_of(s.graph, s.n)
     if s.shape == () and s.scalars_in_locals:
+        if not s.compiled:
+            kernel = s.kernels.scalar(expr, len(s.args), kernel_name(s.graph, s.n))
+            return [f"{s.out} = {s.call(kernel, s.args)}{s.note}"]
         lines = s.kernels.scalar_expression(expr, s.args, s.out)
         return lines[:-1] + [lines[-1] + s.note]
     kernel, args = s.elementwise(expr, s.operands, kernel_name(s.graph, s.n))

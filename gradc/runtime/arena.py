@@ -79,7 +79,7 @@ class Arena:
     """The arena of one device for a generated module.
 
     tables: entry -> tuple of (shape, start, end) or (shape, start, end, device), one per buffer,
-    in the order the compiled function reads its offsets; with devices, each has its own region. Offsets are computed once per entry and shape (cached); the
+    in the order the entry reads them; with devices, each has its own region. Offsets are computed once per entry and shape (cached); the
     buffer grows to the largest entry seen and is then reused by every call. Each thread has its
     own buffer, so concurrent calls (Hessian blocks) never share one.
 
@@ -142,12 +142,13 @@ class Arena:
                 self._buffers[threading.get_ident()] = buffer
         if entry not in self.plain:
             return buffer, offsets
-        made = self._local.views.get(entry)
-        if made is None or made[0] is not offsets:   # views of this buffer, for this layout
+        key = (entry, id(offsets))   # one offsets array per layout, kept for good by layout()
+        views = self._local.views.get(key)
+        if views is None:            # views of this thread's buffer, for this layout
             shapes = [tuple(dims[d] if isinstance(d, str) else d for d in row[0]) for row in self.tables[entry]]
-            made = self._local.views[entry] = (offsets, tuple(
-                buffer[o:o + math.prod(s)].reshape(s) for o, s in zip(offsets.tolist(), shapes)))
-        return made[1],
+            views = self._local.views[key] = tuple(
+                buffer[o:o + math.prod(s)].reshape(s) for o, s in zip(offsets.tolist(), shapes))
+        return views,
 
     def _forget_finished_threads(self):
         alive = {t.ident for t in threading.enumerate()}

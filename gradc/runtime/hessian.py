@@ -35,9 +35,9 @@ BLOCK_ROWS = 32
 def in_blocks(hvp_block, H, first_row, workers=None):
     """Fill H with rows first_row.. of the Hessian: hvp_block(V, OUT) on blocks of basis vectors.
 
-    Each block is one compiled call that runs the forward and backward once and then one tangent
-    per row; the generated kernels release the GIL, so the blocks run on every core (`workers`
-    threads; default: one per core)."""
+    Each block is one call (one compiled function for a graph of up to 120 steps) that runs the
+    forward and backward once and then one tangent per row; the generated kernels release the GIL,
+    so the blocks run on every core (`workers` threads; default: one per core)."""
     rows, size = H.shape
 
     def block(start):

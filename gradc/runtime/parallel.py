@@ -17,7 +17,7 @@ gradient is written, so the reduction of the last layers overlaps the backward o
 starts once its copy is done, while the device runs the rest); with a pipeline build (--devices K, its
 stages run in this process) a stage's buckets start when its last backward function has run. Each
 such call ends with an MPI_Testall, which moves the pending reductions on. `overlap=False` runs
-the compiled `_loss_and_grad` and reduces every bucket with a blocking `Allreduce` after it;
+`_loss_and_grad` whole and reduces every bucket with a blocking `Allreduce` after it;
 `tr.comm_seconds` adds up the time spent in MPI calls of the reduction (issuing, testing and
 waiting), for benchmarks.
 
