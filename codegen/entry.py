@@ -4,7 +4,7 @@ An entry point runs as plain Python that calls the compiled kernels, over views 
 the memory plan's offsets (made once per shape and reused: gradc/runtime/arena.py). Numba links
 and optimises again every kernel a compiled function calls, so one compiled function per entry
 made each build optimise the same kernels four to six times, and deep graphs took time growing
-faster than their size (README digits MLP: 3.3 s of Numba against 0.35 s as plain Python, with
+faster than their size (README digits MLP: a Numba warm-up of 3.5 s against 0.3 s as plain Python, with
 the kernels in the cache); as plain Python nothing but the kernels is compiled, and a call costs
 about a microsecond a kernel. The exception is hvp's block function, which loops over the rows
 of V: a small graph's is one compiled function (compiled on first use), so a Hessian of many rows
