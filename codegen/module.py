@@ -109,12 +109,20 @@ def generate(graph, plans, info):
     shapes = {p: g.shape(g.params[p]) for p in trainable}
 
     entries = {}   # fname -> (roots, source, leaves, consts)
+    pipeline = info.get("pipeline")
+    # a CPU build's _loss_and_grad is plain Python: it is also the streamed function that tells a
+    # data-parallel Trainer each gradient as soon as it is final (CUDA writes a launch sequence of its own)
+    streams_itself = not cuda and not pipeline
 
     def entry(fname, roots, doc, scalar_roots=(), flat_roots=None):
         writer.scalar_roots = set(scalar_roots)
         if plans[fname]["roots"] != [r for r in roots if r is not None]:
             raise AssertionError(f"{fname}: the memory plan was made for other roots")
-        source, leaves, consts = writer.write(fname, plans[fname], doc, flat_roots)
+        ready = trainable if fname == "_loss_and_grad" and streams_itself else None
+        if ready is not None:
+            doc += (" Calls ready(names) as soon as those params' gradients are final in `grads`: a "
+                    "data-parallel Trainer starts reducing them while the backward goes on.")
+        source, leaves, consts = writer.write(fname, plans[fname], doc, flat_roots, ready_names=ready)
         entries[fname] = (roots, source, leaves, consts)
         scalar_slots[fname] = writer.scalar_count()
 
@@ -129,18 +137,13 @@ def generate(graph, plans, info):
         else:
             entry(e.fname, roots, e.doc, e.scalars(g), flat)
 
-    pipeline = info.get("pipeline")
     streamed, lg_tail = None, []   # the streamed twin's source; what every call of _loss_and_grad adds
     if "_loss_and_grad" in entries and not pipeline:   # Trainer(parallel="data") reduces each gradient while the rest of the backward runs
-        writer.scalar_roots = {g.objective}
-        flat = [(r, shapes[p]) for p, r in zip(trainable, by_fname("_loss_and_grad").flat(g))]
-        doc = ("_loss_and_grad's steps as plain Python, calling ready(names) as soon as those params' gradients "
-               "are final in `grads`: a data-parallel Trainer starts reducing them while the backward goes on.")
-        if not cuda:   # _loss_and_grad runs as plain Python anyway: it is this function, told of no one
-            source, leaves, consts = writer.write("_loss_and_grad", plans["_loss_and_grad"], doc, flat, ready_names=trainable)
-            entries["_loss_and_grad"] = (entries["_loss_and_grad"][0], source, leaves, consts)
+        if streams_itself:   # told of no one by a plain call
             streamed, lg_tail = "_loss_and_grad_streamed = _loss_and_grad", ["no_one"]
         else:
+            writer.scalar_roots = {g.objective}
+            flat = [(r, shapes[p]) for p, r in zip(trainable, by_fname("_loss_and_grad").flat(g))]
             doc = ("_loss_and_grad's launches, calling ready(names) as soon as the kernels that write those "
                    "params' gradients into `grads` are launched: a data-parallel Trainer copies each bucket out "
                    "after them on the stream and reduces it while the device runs the rest of the backward "
