@@ -39,6 +39,7 @@ from numba import njit
 from numba.core.caching import FunctionCache
 
 from gradc.files import import_path
+from gradc.runtime.cuda import load_cuda, simulated
 from gradc.version import __version__
 
 ENV = "GRADC_CACHE_DIR"
@@ -161,18 +162,20 @@ def canonical_text(func, target="cpu"):
     return "".join(parts)
 
 
+_CUDA_HOST = []
+
+
 def cuda_host():
     """What a CUDA kernel's compiled code depends on besides its source: the CUDA package and its
     version (numba-cuda keys its own cache by the GPU's architecture)."""
-    from .cuda import load_cuda, simulated
-    if simulated():
-        return "numba-cuda simulator"
-    module = load_cuda().__name__.split(".")[0]
-    try:
-        version = importlib.metadata.version(module.replace("_", "-") if module != "numba" else "numba-cuda")
-    except importlib.metadata.PackageNotFoundError:
-        version = "?"
-    return f"{module} {version}"
+    if not _CUDA_HOST:
+        module = load_cuda().__name__.split(".")[0]
+        try:
+            version = importlib.metadata.version("numba-cuda" if module == "numba" else module.replace("_", "-"))
+        except importlib.metadata.PackageNotFoundError:
+            version = "?"
+        _CUDA_HOST.append("numba-cuda simulator" if simulated() else f"{module} {version}")
+    return _CUDA_HOST[0]
 
 
 def np_name(dtype):
@@ -244,7 +247,6 @@ def _fallback(func, target):
     written, else in memory (CUDA: by cuda.jit, which compiles at the first launch)."""
     STATS["fallback"] += 1
     if target == "cuda":
-        from .cuda import load_cuda
         return load_cuda().jit(func)
     options = dict(OPTIONS, parallel="prange" in _globals(func))
     try:
