@@ -66,8 +66,9 @@ def _matmul_cpu(s):
     """BLAS through np.dot inside one kernel for every matmul of the module, into the node's buffer.
     A kernel, not np.dot in the entry: entries run as plain Python, and numpy's np.dot calls numpy's
     own OpenBLAS while the conv kernels call the one Numba links (scipy's); two BLAS thread pools
-    spinning on the same cores slowed a LeNet step 5x. The transposes are arguments, so one
-    compile serves every product (one kernel per transpose pair took 3x the compile time)."""
+    spinning on the same cores slowed a LeNet step 5x. The transposes are arguments: one kernel,
+    one cache file, for every product of every module (a kernel per transpose pair compiled in
+    about the same time)."""
     ta, tb = bool(s.attrs.get("transpose_a")), bool(s.attrs.get("transpose_b"))
     name = s.kernel(("matmul",), "matmul", _dot_source)
     return s.into_out(name, list(s.args) + [str(ta), str(tb)])
