@@ -69,9 +69,7 @@ class Kernels:
 
     def _scalar_source(self, name, expr, count):
         args = [f"x{j}" for j in range(count)]
-        block, helpers = print_block(expr, {X[j]: sp.Symbol(a, real=True) for j, a in enumerate(args)}, "out",
-                                     self.fast_tanh)
-        self.helpers |= helpers
+        block = self.scalar_expression(expr, args, "out")
         lines = [f"def {name}({', '.join(args)}):"] + ["    " + b for b in block] + ["    return out"]
         return "\n".join(lines), f"returns {expr}"
 
