@@ -1,5 +1,6 @@
 """The generated module against the interpreter on composite DAGs (float64), and float32 behaviour."""
 import math
+import re
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ import gradc as gc
 from gradc.codegen.entry import BODY_CONST_LIMIT, array_source
 from gradc.interpret import evaluate
 from gradc.passes.pipeline import build_training_graph
+from gradc.runtime.blas import matmul_into
 
 
 
@@ -408,7 +410,25 @@ def test_fused_kernels_in_generated_source(build_dir):
     source = open(mod.__file__).read()
     assert "_tanh(a0 + a1)" in source                    # forward: bias add and tanh in one loop
     assert "(1.0 - (a1 * a1))" in source                 # backward: g * (1 - y*y) from the saved output
-    assert "np.dot(" in source and ".T" in source        # transposed products, no transpose copies
+    # products by BLAS with transpose flags, never a transpose copy
+    assert re.search(r"matmul_into\(\w+, \w+, True, False, \w+\)", source)   # dW = x.T @ g
+    assert re.search(r"matmul_into\(\w+, \w+, False, True, \w+\)", source)   # dx = g @ W.T
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_matmul_into_is_numpys_product_for_every_transpose_and_empty_dims(dtype, rng):
+    """The BLAS call of plain entries: out is C-ordered and BLAS column-major, so a swapped
+    transpose or a copied out would be wrong silently; an empty out or inner dim must work too."""
+    for m, k, n in [(5, 7, 3), (1, 4, 6), (6, 1, 1), (0, 3, 4), (3, 0, 4), (3, 4, 0)]:
+        for ta in (False, True):
+            for tb in (False, True):
+                a = rng.standard_normal((k, m) if ta else (m, k)).astype(dtype)
+                b = rng.standard_normal((n, k) if tb else (k, n)).astype(dtype)
+                out = np.full((m, n), np.nan, dtype)
+                matmul_into(a, b, ta, tb, out)
+                want = (a.T if ta else a).astype(np.float64) @ (b.T if tb else b).astype(np.float64)
+                np.testing.assert_allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5,
+                                           err_msg=f"{(m, k, n)} ta={ta} tb={tb}")
 
 
 def test_a_constant_array_made_in_a_scan_body_has_its_values():

@@ -63,13 +63,13 @@ def _matmul_rows(graph, n, ins, fail):
 
 
 def _matmul_cpu(s):
-    """BLAS through np.dot inside one kernel for every matmul of the module, into the node's buffer.
-    A kernel, not np.dot in the entry: entries run as plain Python, and numpy's np.dot calls numpy's
-    own OpenBLAS while the conv kernels call the one Numba links (scipy's); two BLAS thread pools
-    spinning on the same cores slowed a LeNet step 5x. The transposes are arguments: one kernel,
-    one cache file, for every product of every module (a kernel per transpose pair compiled in
-    about the same time)."""
+    """In a plain-Python entry, scipy's BLAS called from Python (gradc/runtime/blas.py says why: no
+    compile, one BLAS with the kernels); in compiled code (a scan's body, a small hvp block), one
+    Numba kernel around np.dot for every matmul of the module, with the transposes as arguments:
+    one kernel, one cache file (a kernel per transpose pair compiled in about the same time)."""
     ta, tb = bool(s.attrs.get("transpose_a")), bool(s.attrs.get("transpose_b"))
+    if not s.compiled:
+        return [s.alloc(), f"matmul_into({', '.join(list(s.args) + [str(ta), str(tb), s.out])}){s.note}"]
     name = s.kernel(("matmul",), "matmul", _dot_source)
     return s.into_out(name, list(s.args) + [str(ta), str(tb)])
 
