@@ -1,12 +1,14 @@
 """conv2d, max_pool2d, avg_pool2d: values, gradients and HVPs against torch.nn.functional (float64
 double backward) and central finite differences, through the numpy interpreter; bad arguments."""
 import os
+import re
 
 import numpy as np
 import pytest
 
 import gradc as gc
 from gradc.interpret import evaluate
+from gradc.ops import conv as C
 from gradc.passes.pipeline import build_training_graph
 
 from conftest import assert_grads_match_fd
@@ -360,6 +362,42 @@ def test_compiled_conv_net_matches_torch(build_dir, rng):
     tg = torch.autograd.grad(ref, list(pt.values()), create_graph=True)
     thv = torch.autograd.grad(sum((g * torch.tensor(v[k])).sum() for k, g in zip(pt, tg)), list(pt.values()))
     np.testing.assert_allclose(mod.forward(params, x=X)["logits"], logits.detach().numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(loss, ref.item(), rtol=1e-12)
+    for k, g, h in zip(pt, tg, thv):
+        np.testing.assert_allclose(grads[k], g.detach().numpy(), rtol=1e-9, atol=1e-12, err_msg=k)
+        np.testing.assert_allclose(hv[k], h.numpy(), rtol=1e-8, atol=1e-11, err_msg=k)
+
+
+def test_convs_by_taps_match_torch_in_a_compiled_net(build_dir, rng):
+    """Unit-stride convs of >= DIRECT_MIN_CHANNELS channels a group run tap by tap on the band (no
+    im2col): loss, gradients and an hvp of a net of them (padding, dilation, groups, a 1x1) against
+    torch, float64."""
+    m = gc.Model("taps_net")
+    x = m.input("x", ("B", 32, 7, 6))
+    p = {"w1": m.param("w1", (64, 32, 3, 3), init="he_normal"), "b1": m.param("b1", (64,), init="normal"),
+         "w2": m.param("w2", (6, 32, 3, 2), init="he_normal"), "w3": m.param("w3", (32, 6, 1, 1), init="he_normal")}
+
+    def forward(lib, x, p):
+        conv, tanh = (gc.conv2d, gc.tanh) if lib is gc else (F.conv2d, torch.tanh)
+        h = tanh(conv(x, p["w1"], p["b1"], padding=1))                                # (B, 64, 7, 6)
+        h = tanh(conv(h, p["w2"], padding=(2, 0), dilation=(2, 1), groups=2))          # (B, 6, 7, 5)
+        return conv(h, p["w3"])                                                       # (B, 32, 7, 5)
+    y = forward(gc, x, p)
+    m.minimize(gc.mean(y * y))
+    assert C.DIRECT_MIN_CHANNELS <= 32
+    mod = gc.compile(m, out=build_dir, dtype="float64", warm=False)
+    source = open(mod.__file__).read()
+    for kernel in ("conv2d_by_taps", "conv2d_input_grad_by_taps", "conv2d_weight_grad_by_taps"):
+        assert re.search(rf"def k\d+_{kernel}\(", source), kernel
+    params = mod.init_params(1)
+    X = rng.standard_normal((3, 32, 7, 6))
+    loss, grads = mod.loss_and_grad(params, x=X)
+    v = {k: rng.standard_normal(params[k].shape) for k in mod.TRAINABLE}
+    hv = mod.hvp(params, v, x=X)
+    pt = {k: _t(a) for k, a in params.items()}
+    ref = (forward(torch, torch.tensor(X), pt) ** 2).mean()
+    tg = torch.autograd.grad(ref, list(pt.values()), create_graph=True)
+    thv = torch.autograd.grad(sum((g * torch.tensor(v[k])).sum() for k, g in zip(pt, tg)), list(pt.values()))
     np.testing.assert_allclose(loss, ref.item(), rtol=1e-12)
     for k, g, h in zip(pt, tg, thv):
         np.testing.assert_allclose(grads[k], g.detach().numpy(), rtol=1e-9, atol=1e-12, err_msg=k)

@@ -1,4 +1,5 @@
-"""Matrix products of plain-Python entry points, by the BLAS that Numba's kernels link.
+"""Matrix products by the BLAS that Numba's kernels link: from plain-Python entry points, and with
+explicit strides from inside kernels.
 
 A plain entry (codegen/entry.py) calls `matmul_into` rather than a Numba kernel around np.dot:
 the kernel cost about 0.6 s of Numba compile on an empty cache (a 30-layer MLP's whole warm-up was
@@ -7,6 +8,9 @@ conv and scan kernels call scipy's OpenBLAS from inside Numba, and numpy ships a
 own: two BLAS thread pools spinning on the same cores made a LeNet step 5x slower. scipy's wrapper
 releases the GIL, as the kernels do, so threaded Hessian rows still run side by side.
 """
+import numpy as np
+from numba import njit, types
+from numba.np.linalg import ensure_blas
 from scipy.linalg.blas import dgemm, sgemm
 
 _GEMM = {"f": sgemm, "d": dgemm}
@@ -17,3 +21,27 @@ def matmul_into(a, b, ta, tb, out):
     major) sees out.T and computes out.T = op(b).T @ op(a).T, reading a.T and b.T without a copy."""
     if out.size:   # BLAS refuses an empty product; a product over an empty inner dim is zeros, which gemm writes
         _GEMM[out.dtype.char](1.0, b.T, a.T, 0.0, out.T, tb, ta, 1)
+
+
+# BLAS's gemm as Numba's helper library exports it (the function np.dot calls inside Numba, which
+# calls scipy's BLAS): a kernel names it by symbol, so Numba's on-disk cache of the kernel stays valid
+_XXGEMM = types.ExternalFunction("numba_xxgemm", types.intc(
+    types.char, types.char, types.char, types.intp, types.intp, types.intp,   # kind, transa, transb, m, n, k
+    types.voidptr, types.voidptr, types.intp, types.voidptr, types.intp,      # alpha, a, lda, b, ldb
+    types.voidptr, types.voidptr, types.intp))                                # beta, c, ldc
+ensure_blas()
+
+
+@njit(nogil=True, error_model="numpy", cache=True)
+def gemm_strided(a, a_off, lda, ta, b, b_off, ldb, tb, c, c_off, ldc, m, n, k, beta):
+    """c[c_off + i ldc + j] = beta c[...] + sum over l of op(a)[i, l] op(b)[l, j], for i < m, j < n, on
+    flat row-major arrays with explicit row strides (op(a) is a's rows from a_off, lda apart; ta: a
+    holds op(a) transposed; the same for b). np.dot inside Numba takes whole contiguous matrices; a
+    convolution multiplies shifted windows of one band (gradc/ops/conv.py), which only strides can
+    name. BLAS is column-major, so it computes c.T = op(b).T @ op(a).T."""
+    if m == 0 or n == 0:
+        return
+    alpha = np.ones(1, c.dtype)
+    scale = np.full(1, beta, c.dtype)
+    _XXGEMM(115 if c.itemsize == 4 else 100, 84 if tb else 78, 84 if ta else 78, n, m, k,   # 's'/'d', 'T'/'N'
+            alpha.ctypes, b[b_off:].ctypes, ldb, a[a_off:].ctypes, lda, scale.ctypes, c[c_off:].ctypes, ldc)

@@ -39,6 +39,7 @@ from numba import njit
 from numba.core.caching import FunctionCache
 
 from gradc.files import import_path
+from gradc.runtime.blas import gemm_strided
 from gradc.runtime.cuda import load_cuda, simulated
 from gradc.version import __version__
 
@@ -50,6 +51,7 @@ STATS = {"loaded": 0, "written": 0, "rewritten": 0, "fallback": 0, "bad_numba_ca
 KERNELS = []   # (module name, kernel name, dispatcher, cache file or None), in load order
 _LOCK = threading.Lock()
 _LINES = {}    # (path, inode, mtime_ns, size) -> the file's lines
+RUNTIME_KERNELS = {"gemm_strided": gemm_strided}   # gradc's compiled helpers that a kernel may call by name
 
 
 def cache_dir():
@@ -118,7 +120,7 @@ def canonical_text(func, target="cpu"):
     reads a global this file cannot define."""
     env = func.__globals__
     dtype = env.get("DTYPE") or np_name(env.get("FLOAT"))
-    helpers, todo, uses_float, parallel = {}, [func], False, False
+    helpers, todo, uses_float, parallel, imports = {}, [func], False, False, []
     free = ("math", "np") + (("cuda", "FLOAT_T", "float64") if target == "cuda" else ())
     while todo:
         f = todo.pop()
@@ -132,6 +134,9 @@ def canonical_text(func, target="cpu"):
                 parallel = True
             elif name == "FLOAT":
                 uses_float = True
+            elif name in RUNTIME_KERNELS and target == "cpu" and value is RUNTIME_KERNELS[name]:
+                if name not in imports:   # gradc's own compiled helpers: the file imports them
+                    imports.append(name)
             elif name in helpers or (name not in env and hasattr(builtins, name)):
                 continue
             elif hasattr(value, "py_func") and name.startswith("_"):
@@ -151,7 +156,8 @@ def canonical_text(func, target="cpu"):
         parts = [f"# gradc kernel cache (format {FORMAT}): gradc {__version__}, {host()}, {dtype}\n"
                  "# Written by gradc/runtime/kernel_cache.py; Numba's cache of it is in __pycache__ beside it.\n"
                  f"import math\n\nimport numpy as np\nfrom numba import njit{', prange' if parallel else ''}\n\n"
-                 f"_njit = njit(cache=True, **{OPTIONS!r})\n"]
+                 + (f"from gradc.runtime.blas import {', '.join(sorted(imports))}\n\n" if imports else "")
+                 + f"_njit = njit(cache=True, **{OPTIONS!r})\n"]
         if parallel:
             parts.append(f"_njit_parallel = njit(cache=True, parallel=True, **{OPTIONS!r})\n")
         helper_decorator, decorator = "_njit", "_njit_parallel" if parallel else "_njit"
