@@ -1,12 +1,19 @@
 """Side-by-side timing: each framework in its own worker process, rounds interleaved.
 
 Thread pools of PyTorch, XLA and OpenBLAS spin-wait after work; on two cores one framework's
-idle threads slow another's, so each runs in its own process and only one computes at a time.
+idle threads slow another's, so each runs in its own process and only one computes at a time, and
+each timed batch starts SETTLE seconds after the last one ended. Without that pause, OpenBLAS's
+threads in gradc's worker, still spinning from its batch (about 0.1 s by OpenBLAS's default
+timeout), took a core from the framework timed next: PyTorch's conv steps measured 1.4-2x slower
+than they run (bench/conv_step.py: LeNet 9.4 ms against 4.2, the VGG block 89 against 61).
 Rounds interleave the frameworks so that machine noise hits them alike; medians are reported.
 """
 import multiprocessing as mp
 import statistics
 import time
+
+
+SETTLE = 0.5   # seconds: the spinning threads of the batch before have gone to sleep
 
 
 def time_calls(fn, n):
@@ -51,6 +58,7 @@ def interleaved(builders, rounds, calls, warmup=5):
     for _ in range(rounds):
         for name, (_, conn, tasks) in workers.items():
             for task in tasks:
+                time.sleep(SETTLE)
                 conn.send((task, calls.get(task, 1)))
                 samples[name][task].append(conn.recv())
     for proc, conn, _ in workers.values():
