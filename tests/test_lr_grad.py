@@ -206,6 +206,28 @@ def test_compiled_lr_grad_and_trainer(build_dir):
     _check_lr_checkpoints(mod, tr, X, Y, build_dir)
 
 
+def test_microbatched_build_has_lr_grad_several_devices_refuse_it(tmp_path):
+    """--microbatches on one device splits loss_and_grad only: lr_grad runs the whole batch and gives
+    the unsplit build's estimate; a build on several devices has no whole function to run, and says so."""
+    m = mlp()
+    rng = np.random.default_rng(2)
+    inputs = {"x": rng.normal(size=(12, 5)), "y": rng.integers(0, 3, 12)}
+    whole = gc.compile(m, out=str(tmp_path / "whole"), dtype="float64", order=1, warm_cache=False)
+    split = gc.compile(m, out=str(tmp_path / "split"), dtype="float64", order=1, warm_cache=False, microbatches=3)
+    params = whole.init_params(0)
+    loss, grads = split.lr_grad(params, samples=8, sigma=1e-2, seed=3, **inputs)
+    ref_loss, ref = whole.lr_grad(params, samples=8, sigma=1e-2, seed=3, **inputs)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-12)
+    for p in whole.TRAINABLE:
+        np.testing.assert_allclose(grads[p], ref[p], rtol=1e-10, atol=1e-12, err_msg=p)
+    tr = split.Trainer(params, optimizer="sgd", lr=0.1, gradient="lr", samples=4)
+    assert np.isfinite(tr.step(**inputs))
+    staged = gc.compile(m, out=str(tmp_path / "staged"), dtype="float64", order=1, warm_cache=False, devices=2,
+                        bind={"B": 12})
+    with pytest.raises(ValueError, match=r"several devices \(--devices K > 1\)"):
+        staged.lr_grad(params, **inputs)
+
+
 def _check_lr_checkpoints(mod, tr, X, Y, build_dir):
     """The gradient mode is training state: a checkpoint restores gradient="lr", its options and its
     seed, so the resumed run takes the very steps the first one would have."""
