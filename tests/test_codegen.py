@@ -429,6 +429,9 @@ def test_matmul_into_is_numpys_product_for_every_transpose_and_empty_dims(dtype,
                 want = (a.T if ta else a).astype(np.float64) @ (b.T if tb else b).astype(np.float64)
                 np.testing.assert_allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5,
                                            err_msg=f"{(m, k, n)} ta={ta} tb={tb}")
+                strided = np.full((n, m), np.nan, dtype).T   # an out BLAS cannot write in place
+                matmul_into(a, b, ta, tb, strided)
+                np.testing.assert_array_equal(strided, out)
 
 
 def test_a_constant_array_made_in_a_scan_body_has_its_values():

@@ -20,7 +20,9 @@ def matmul_into(a, b, ta, tb, out):
     """out = op(a) @ op(b), op transposing where ta / tb say. `out` is C-ordered, so BLAS (column
     major) sees out.T and computes out.T = op(b).T @ op(a).T, reading a.T and b.T without a copy."""
     if out.size:   # BLAS refuses an empty product; a product over an empty inner dim is zeros, which gemm writes
-        _GEMM[out.dtype.char](1.0, b.T, a.T, 0.0, out.T, tb, ta, 1)
+        written = _GEMM[out.dtype.char](1.0, b.T, a.T, 0.0, out.T, tb, ta, 1)
+        if written.base is not out:   # out was not contiguous, so the wrapper wrote a copy
+            out[...] = written.T
 
 
 # BLAS's gemm as Numba's helper library exports it (the function np.dot calls inside Numba, which
