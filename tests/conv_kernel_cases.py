@@ -9,7 +9,7 @@ from functools import partial
 
 import numpy as np
 
-DIRECT_TILE = 1000   # values of band or tile: a few output rows a band at 32 channels
+TAPS_TILE = 1000   # a few output rows a band at 32 channels
 
 
 def worst_error(target):
@@ -32,12 +32,11 @@ def worst_error(target):
         makers = {"conv": C.cuda_conv2d_source, "dx": C.cuda_input_grad_source, "dw": C.cuda_weight_grad_source,
                   "mp": P.cuda_max_pool_source, "mpick": P.cuda_max_pick_source, "mgrad": P.cuda_max_grad_source,
                   "ap": P.cuda_avg_pool_source, "agrad": P.cuda_avg_grad_source}
-    else:   # the CPU's direct path (unit strides, >= DIRECT_MIN_CHANNELS channels a group), with a small
+    else:   # the CPU's path by taps (unit strides, >= TAPS_MIN_CHANNELS channels a group), with a small
         # tile so that a few output rows make a band: several bands a image, the last one short
         ns["gemm_strided"] = gemm_strided
-        makers.update({"conv_d": partial(C.cpu_conv2d_direct_source, tile=DIRECT_TILE),
-                       "dx_d": partial(C.cpu_input_grad_direct_source, tile=DIRECT_TILE),
-                       "dw_d": partial(C.cpu_weight_grad_direct_source, tile=DIRECT_TILE)})
+        makers.update({"conv_t": partial(C.cpu_conv2d_by_taps_source, tile=TAPS_TILE),
+                       "dx_t": partial(C.cpu_input_grad_by_taps_source, tile=TAPS_TILE)})
     grids = {}
     for nm, make in makers.items():
         made = make(nm)
@@ -76,13 +75,12 @@ def worst_error(target):
         # (channels, outputs, groups, kernel, padding, dilation, H, W, images), unit strides
         for (c, o, G, k, p, d, h, w, n) in [(32, 8, 1, (3, 3), (1, 1), (1, 1), 9, 7, 2), (64, 6, 2, (3, 2), (1, 2), (2, 1), 10, 9, 3),
                                             (32, 32, 1, (1, 1), (0, 0), (1, 1), 5, 6, 2), (32, 40, 1, (5, 3), (2, 0), (1, 2), 13, 11, 1)]:
-            assert c // G >= C.DIRECT_MIN_CHANNELS
+            assert c // G >= C.TAPS_MIN_CHANNELS
             x = rng.standard_normal((n, c, h, w)); wt = rng.standard_normal((o, c // G) + k)
             y = C.conv2d_np(x, wt, (1, 1), p, d, G); g = rng.standard_normal(y.shape)
             ints = [1, 1, *p, *d, G]
-            for got, ref in [(run("conv_d", [x, wt, *ints], y.shape), y),
-                             (run("dx_d", [g, wt, *ints], x.shape), C.conv2d_input_grad_np(g, wt, (1, 1), p, d, G, (h, w))),
-                             (run("dw_d", [x, g, *ints], wt.shape), C.conv2d_weight_grad_np(x, g, (1, 1), p, d, G, k))]:
+            for got, ref in [(run("conv_t", [x, wt, *ints], y.shape), y),
+                             (run("dx_t", [g, wt, *ints], x.shape), C.conv2d_input_grad_np(g, wt, (1, 1), p, d, G, (h, w)))]:
                 worst = max(worst, float(np.abs(got - ref).max()))
     pool_cases = [((2, 2), (2, 2), (0, 0), 6, 6), ((3, 3), (2, 2), (1, 1), 7, 8), ((2, 3), (1, 2), (1, 0), 5, 6),
                   ((3, 2), (3, 1), (0, 1), 9, 4), ((3, 3), (1, 1), (1, 1), 4, 5)]

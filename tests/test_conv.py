@@ -368,27 +368,31 @@ def test_compiled_conv_net_matches_torch(build_dir, rng):
         np.testing.assert_allclose(hv[k], h.numpy(), rtol=1e-8, atol=1e-11, err_msg=k)
 
 
-def test_convs_by_taps_match_torch_in_a_compiled_net(build_dir, rng):
-    """Unit-stride convs of >= DIRECT_MIN_CHANNELS channels a group run tap by tap on the band (no
-    im2col): loss, gradients and an hvp of a net of them (padding, dilation, groups, a 1x1) against
-    torch, float64."""
+def test_convs_by_taps_match_torch_in_a_compiled_net(build_dir, rng, monkeypatch):
+    """Unit-stride convs of >= TAPS_MIN_CHANNELS channels a group and enough output positions run
+    tap by tap on the band (no im2col), and so do their input gradients: loss, gradients and an hvp
+    of a net of them (padding, dilation, groups, a 1x1) against torch, float64. The positions'
+    threshold is lowered so that the images stay small; a conv below it runs by im2col."""
+    monkeypatch.setattr(C, "TAPS_MIN_POSITIONS", 40)
     m = gc.Model("taps_net")
     x = m.input("x", ("B", 32, 7, 6))
     p = {"w1": m.param("w1", (64, 32, 3, 3), init="he_normal"), "b1": m.param("b1", (64,), init="normal"),
-         "w2": m.param("w2", (6, 32, 3, 2), init="he_normal"), "w3": m.param("w3", (32, 6, 1, 1), init="he_normal")}
+         "w2": m.param("w2", (6, 32, 3, 2), init="he_normal"), "w3": m.param("w3", (32, 6, 1, 1), init="he_normal"),
+         "w4": m.param("w4", (8, 32, 1, 1), init="he_normal")}
 
     def forward(lib, x, p):
         conv, tanh = (gc.conv2d, gc.tanh) if lib is gc else (F.conv2d, torch.tanh)
-        h = tanh(conv(x, p["w1"], p["b1"], padding=1))                                # (B, 64, 7, 6)
-        h = tanh(conv(h, p["w2"], padding=(2, 0), dilation=(2, 1), groups=2))          # (B, 6, 7, 5)
-        return conv(h, p["w3"])                                                       # (B, 32, 7, 5)
+        h = tanh(conv(x, p["w1"], p["b1"], padding=1))                                # (B, 64, 7, 6): 7 x 8 positions
+        h = tanh(conv(h, p["w2"], padding=(2, 0), dilation=(2, 1), groups=2))          # (B, 6, 7, 5): 7 x 6
+        h = conv(h, p["w3"])                                                          # (B, 32, 7, 5): 6 channels, im2col
+        return conv(h[:, :, :2, :], p["w4"])                                          # 2 x 5 positions: im2col
     y = forward(gc, x, p)
     m.minimize(gc.mean(y * y))
-    assert C.DIRECT_MIN_CHANNELS <= 32
     mod = gc.compile(m, out=build_dir, dtype="float64", warm=False)
     source = open(mod.__file__).read()
-    for kernel in ("conv2d_by_taps", "conv2d_input_grad_by_taps", "conv2d_weight_grad_by_taps"):
+    for kernel in ("conv2d_by_taps", "conv2d_input_grad_by_taps", "conv2d", "conv2d_input_grad"):
         assert re.search(rf"def k\d+_{kernel}\(", source), kernel
+    assert C.TAPS_MIN_CHANNELS <= 32 and "weight_grad_by_taps" not in source
     params = mod.init_params(1)
     X = rng.standard_normal((3, 32, 7, 6))
     loss, grads = mod.loss_and_grad(params, x=X)

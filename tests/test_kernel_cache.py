@@ -244,6 +244,34 @@ def test_a_kernel_that_loops_with_prange_is_compiled_parallel(tmp_path, monkeypa
     assert mod.k0_row_sums_of_squares.targetoptions.get("parallel") is True
 
 
+def test_a_kernel_calling_gemm_strided_imports_it_and_names_its_version(tmp_path, monkeypatch):
+    """A kernel may call gradc's gemm_strided (the conv kernels by taps do): its cache file imports it,
+    and its header names a hash of gemm_strided's source, because Numba's cache of the kernel holds
+    gemm_strided's machine code too (a changed helper must make a new file, not load the old code)."""
+    monkeypatch.setenv("GRADC_CACHE_DIR", str(tmp_path / "cache"))
+    src = textwrap.dedent('''
+        import numpy as np
+        from gradc.runtime.blas import gemm_strided
+        from gradc.runtime.kernel_cache import cached_kernel
+        DTYPE = "float64"
+        FLOAT = np.float64
+
+
+        @cached_kernel
+        def k0_matmul_rows(a, b, out):
+            """out = a @ b over flat row-major buffers"""
+            gemm_strided(a, 0, 3, False, b, 0, 2, False, out, 0, 2, 4, 2, 3, 0.0)
+    ''')
+    mod = _import_source(tmp_path, "strided_kernel", src)
+    (file,) = kernel_files(tmp_path / "cache")
+    text = (tmp_path / "cache" / "kernels" / file).read_text()
+    assert "from gradc.runtime.blas import gemm_strided" in text
+    assert f"# gemm_strided: {kernel_cache.runtime_kernel_digest('gemm_strided')}" in text
+    a, b, out = np.random.default_rng(0).normal(size=(4, 3)), np.random.default_rng(1).normal(size=(3, 2)), np.zeros(8)
+    mod.k0_matmul_rows(a.ravel(), b.ravel(), out)
+    np.testing.assert_allclose(out.reshape(4, 2), a @ b, rtol=1e-14)
+
+
 CUDA_RUN = PRELUDE + textwrap.dedent('''
     name, layers, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     dev = gc.compile(mlp(name, layers, 6), out=os.path.join(out, "cuda"), target="cuda", dtype="float64", order=1)

@@ -244,11 +244,11 @@ def _weight_grad_flops(attrs, in_shapes, out_shape):
 # columns a row that are computed and dropped (g's tile is zero there, so they add nothing to the
 # gradients). Other strides take the columns row by row. TILE is 2^19 column values (2 MB in float32):
 # a GEMM of 2^17 ran on both cores no faster than on one (the threads' hand-off between tiles cost what
-# the second core gained), and one of 2^19 runs 1.7x as fast; 2^21 spills the cache. VGG-16's conv1_2
-# (64 channels, 3x3, 224 wide) takes 4 output rows per tile, 576 x 904 column values, where a whole
-# image's im2col would need 115 MB. The workspace is allocated once per call and is bounded by TILE
-# values, g's tile and one band. Stride, padding, dilation and groups are arguments, so every conv of a
-# module shares one kernel per op.
+# the second core gained), and one of 2^19 runs 1.7x as fast; 2^21 spills the cache. A 64-channel 3x3
+# conv 224 wide (VGG-16's conv1_2 shape) takes 4 output rows per tile, 576 x 904 column values, where a
+# whole image's im2col would need 115 MB. The workspace is allocated once per call and is bounded by
+# TILE values, g's tile and one band. Stride, padding, dilation and groups are arguments, so every conv
+# of a module shares one kernel per op and path (im2col here, or by taps below).
 TILE = 1 << 19
 
 _CPU_HEAD = [
@@ -413,20 +413,24 @@ def cpu_weight_grad_source(name):
     return "\n".join(lines), "conv2d_weight_grad: per group, the sum over tiles of g times im2col columns transposed (BLAS)"
 
 
-# CPU, the direct path: with unit strides and at least DIRECT_MIN_CHANNELS channels per group, no
-# columns at all. Tap (i, j)'s columns are the band itself, shifted by i dh wp + j dw: a (cg, rows wp)
-# window whose rows are one band-channel (band wp values) apart, which BLAS takes as it is through
-# its leading dimension (gemm_strided, gradc/runtime/blas.py). So the convolution is kh kw GEMMs with
-# an inner dim of cg, accumulated with beta = 1 (the input gradient's into the band, in place, for
-# col2im; the weight gradient's straight into its (og, cg) tap block), and nothing is copied but the
-# band and g's tile. With no column buffer a tile is rows of one image, up to TILE values of band or
-# of tile (VGG's 56-wide 64-channel convs take a whole image, one tile). Measured on this 2-core
-# machine for a 64 -> 64 3x3 conv on 56 x 56 images: the forward's GEMMs at 166 GF/s against 140 for
-# im2col's one GEMM with its copy; with 8 channels a tap's GEMM (inner dim 8) runs at half
-# im2col's speed; they break even near 32.
-DIRECT_MIN_CHANNELS = 32
+# CPU, by taps: a conv or its input gradient with unit strides, at least TAPS_MIN_CHANNELS channels
+# a group and at least TAPS_MIN_POSITIONS output positions an image makes no columns at all. Tap
+# (i, j)'s columns are the band itself, shifted by i dh wp + j dw: a (cg, rows wp) window whose rows
+# are one band-channel (band wp values) apart, which BLAS takes as it is through its leading dimension
+# (gemm_strided, gradc/runtime/blas.py). So the product is kh kw GEMMs with an inner dim of cg,
+# accumulated with beta = 1 (the input gradient's into the band, in place, for col2im), and nothing
+# is copied but the band and g's tile. A tile is rows of one image: as many as keep the tile and one
+# band-channel's rows within TILE / max(cg, og) values each (VGG's 56-wide 64-channel convs take a
+# whole image). Measured on this 2-core machine, 3x3 convs, float32, time by taps / im2col (forward,
+# input gradient, weight gradient): 64 channels at 56 x 56, 0.58, 0.58, 1.03; at 112 x 112, 0.83,
+# 0.90, 1.04; 32 channels at 56 x 56, 0.83, 0.87, 1.09; 64 at 28 x 28, 1.00, 1.03, 1.17; 128 at
+# 14 x 14, 1.12, 1.17, 1.13; with 8 channels a tap's GEMM (inner dim 8) ran at half im2col's speed.
+# So the weight gradient always runs by im2col (its tap GEMMs are (og, cg) outputs over a long inner
+# dim, which BLAS splits poorly), and small images do too.
+TAPS_MIN_CHANNELS = 32
+TAPS_MIN_POSITIONS = 2048   # h_out times the padded width
 
-_DIRECT_HEAD = [
+_TAPS_HEAD = [
     "    n_img, c_in, h_in, w_in = {x}.shape",
     "    c_out, cg, kh, kw = {w}.shape",
     "    h_out, w_out = {g}.shape[2], {g}.shape[3]",
@@ -443,7 +447,7 @@ _DIRECT_HEAD = [
     "    wt = np.empty(kh * kw * block, dtype=out.dtype)",
 ]
 
-_DIRECT_LOOP = [   # tiles of one image (b0) and `rows` output rows; res: g's or the output's tile
+_TAPS_LOOP = [   # tiles of one image (b0) and `rows` output rows; res: g's or the output's tile
     "        for b0 in range(n_img):",
     "            b1 = b0 + 1",
     "            for r0 in range(0, h_out, rows):",
@@ -471,14 +475,14 @@ _TAP_WEIGHTS = ["        for o in range(og):",
                 "                        wt[(i * kw + j) * block + o * cg + c] = w[g * og + o, c, i, j]"]
 
 
-def _direct(head, tile):
-    return [line.format(tile=tile, **head) for line in _DIRECT_HEAD]
+def _taps_head(head, tile):
+    return [line.format(tile=tile, **head) for line in _TAPS_HEAD]
 
 
-def cpu_conv2d_direct_source(name, tile=TILE):
+def cpu_conv2d_by_taps_source(name, tile=TILE):
     lines = [f"def {name}(x, w, sh, sw, ph, pw, dh, dw, groups, out):"]
-    lines += _direct(dict(x="x", w="w", g="out"), tile)
-    lines += ["    for g in range(groups):"] + _TAP_WEIGHTS + _DIRECT_LOOP + _FILL_BAND
+    lines += _taps_head(dict(x="x", w="w", g="out"), tile)
+    lines += ["    for g in range(groups):"] + _TAP_WEIGHTS + _TAPS_LOOP + _FILL_BAND
     lines += _each_tap("gemm_strided(wt, t * block, cg, False, xp, off, ld_band, False, res_buf, 0, p_img, "
                        "og, p_img, cg, 0.0 if t == 0 else 1.0)")
     lines += _tile_rows(["orow = out[b0 + t, g * og + o, r0 + r]",
@@ -487,10 +491,10 @@ def cpu_conv2d_direct_source(name, tile=TILE):
     return "\n".join(lines), "conv2d, unit strides: per group and tap, the weight times a shifted window of the input's band (BLAS)"
 
 
-def cpu_input_grad_direct_source(name, tile=TILE):
+def cpu_input_grad_by_taps_source(name, tile=TILE):
     lines = [f"def {name}(gy, w, sh, sw, ph, pw, dh, dw, groups, out):"]
-    lines += _direct(dict(x="out", w="w", g="gy"), tile)
-    lines += ["    out[:] = 0.0", "    for g in range(groups):"] + _TAP_WEIGHTS + _DIRECT_LOOP + _GATHER_G
+    lines += _taps_head(dict(x="out", w="w", g="gy"), tile)
+    lines += ["    out[:] = 0.0", "    for g in range(groups):"] + _TAP_WEIGHTS + _TAPS_LOOP + _GATHER_G
     lines += ["                xp[:] = 0.0"]
     lines += _each_tap("gemm_strided(wt, t * block, cg, True, res_buf, 0, p_img, False, xp, off, ld_band, "
                        "cg, p_img, og, 1.0)")
@@ -500,21 +504,6 @@ def cpu_input_grad_direct_source(name, tile=TILE):
                          "        xrow[ww] += brow[pw + ww]"])
     return "\n".join(lines), ("conv2d_input_grad, unit strides: per group and tap, the weight transposed times "
                               "g's tile, added into a shifted window of a padded band, the band into the input's rows")
-
-
-def cpu_weight_grad_direct_source(name, tile=TILE):
-    lines = [f"def {name}(x, gy, sh, sw, ph, pw, dh, dw, groups, out):"]
-    lines += _direct(dict(x="x", w="out", g="gy"), tile)
-    lines += ["    for g in range(groups):", "        wt[:] = 0.0"] + _DIRECT_LOOP + _FILL_BAND + _GATHER_G
-    lines += _each_tap("gemm_strided(res_buf, 0, p_img, False, xp, off, ld_band, True, wt, t * block, cg, "
-                       "og, cg, p_img, 1.0)")
-    lines += ["        for o in range(og):",
-              "            for c in range(cg):",
-              "                for i in range(kh):",
-              "                    for j in range(kw):",
-              "                        out[g * og + o, c, i, j] = wt[(i * kw + j) * block + o * cg + c]"]
-    return "\n".join(lines), ("conv2d_weight_grad, unit strides: per group and tap, the sum over tiles of g's tile "
-                              "times a shifted window of the input's band transposed (BLAS)")
 
 
 # CUDA: one thread per output element, each summing its own products (no atomics, deterministic).
@@ -590,15 +579,19 @@ def cuda_weight_grad_source(name):
     ]), "conv2d_weight_grad: one thread per weight, summing over images and output pixels", ("flat", -1)
 
 
-def direct(attrs, w_shape):
-    """Whether the CPU runs a conv (or an adjoint) of this weight shape by the direct path."""
-    return tuple(attrs["stride"]) == (1, 1) and w_shape[1] >= DIRECT_MIN_CHANNELS
+def by_taps(attrs, w_shape, h_out, w_in):
+    """Whether the CPU runs a conv or its input gradient (weight w_shape, h_out output rows, input
+    width w_in) tap by tap rather than by im2col."""
+    wp = w_in + 2 * attrs["padding"][1]
+    return (tuple(attrs["stride"]) == (1, 1) and w_shape[1] >= TAPS_MIN_CHANNELS
+            and h_out * wp >= TAPS_MIN_POSITIONS)
 
 
-def _workspace(x_at, w_at, g_at, weight_matrices=1):
+def _workspace(x_at, w_at, g_at, weight_matrices=1, taps=False):
     """The bytes a CPU kernel allocates for one call (its head's buffers, and for im2col its
     `weight_matrices` (og, k_len) matrices), given where x, w and g are among the operands and the
-    output (index 2): memory planning counts them at the conv's step."""
+    output (index 2), and whether the op has a path by taps: memory planning counts them at the
+    conv's step."""
     def workspace(graph, n, dims):
         shapes = [graph.shape(u) for u in graph.operands(n)] + [graph.shape(n)]
         shapes = [tuple(dims.get(d, d) if isinstance(d, str) else d for d in s) for s in shapes]
@@ -612,7 +605,7 @@ def _workspace(x_at, w_at, g_at, weight_matrices=1):
         h_out, w_out = g[2], g[3]
         og, k_len, wp = c_out // a.get("groups", 1), cg * kh * kw, w_in + 2 * pw
         itemsize = np.dtype(graph.dtype(n)).itemsize
-        if direct(a, w):   # _DIRECT_HEAD: the band, one tile, the taps' weight matrices
+        if taps and by_taps(a, w, h_out, w_in):   # _TAPS_HEAD: the band, one tile, the taps' weights
             rows = max(1, min(h_out, TILE // max(1, max(cg, og) * wp)))
             values = cg * (rows + (kh - 1) * dh) * wp + (kw - 1) * dw + og * rows * wp + kh * kw * og * cg
             return values * itemsize
@@ -625,16 +618,16 @@ def _workspace(x_at, w_at, g_at, weight_matrices=1):
     return workspace
 
 
-def _lower(hint, make, make_direct, w_at):
+def _lower(hint, make, make_by_taps=None, x_at=0, w_at=1, g_at=2):
     """One kernel per module and target for each op and path (stride, padding, dilation, groups are
-    arguments); w_at: where the weight is among the operands and the output (index 2)."""
+    arguments); x_at, w_at, g_at: where x, w and g are among the operands and the output (index 2)."""
     def lower(s):
         a = s.attrs
-        w_shape = (list(map(s.operand_shape, range(len(s.operands)))) + [s.shape])[w_at]
-        by_taps = make_direct is not None and direct(a, w_shape)
+        shapes = [s.operand_shape(j) for j in range(len(s.operands))] + [s.shape]
+        x, w, g = shapes[x_at], shapes[w_at], shapes[g_at]
         ints = [*a["stride"], *a["padding"], *a.get("dilation", (1, 1)), a.get("groups", 1)]
-        kernel = (s.kernel((hint, "by_taps"), f"{hint}_by_taps", make_direct) if by_taps
-                  else s.kernel((hint,), hint, make))
+        kernel = (s.kernel((hint, "by_taps"), f"{hint}_by_taps", make_by_taps)
+                  if make_by_taps is not None and by_taps(a, w, g[2], x[3]) else s.kernel((hint,), hint, make))
         return s.into_out(kernel, list(s.args) + [str(int(v)) for v in ints])
     return lower
 
@@ -651,18 +644,18 @@ def _rows_summed(graph, n, ins, fail):
 
 
 register(Op("conv2d", "conv", _conv_infer, _conv_evaluate, _conv_flops, vjp=_conv_vjp, arity=2,
-            rows=_rows_of_first, workspace=_workspace(0, 1, 2), cpu=_lower("conv2d", cpu_conv2d_source, cpu_conv2d_direct_source, 1),
-            cuda=_lower("conv2d", cuda_conv2d_source, None, 1),
+            rows=_rows_of_first, workspace=_workspace(0, 1, 2, taps=True), cpu=_lower("conv2d", cpu_conv2d_source, cpu_conv2d_by_taps_source, 0, 1, 2),
+            cuda=_lower("conv2d", cuda_conv2d_source),
             doc="y[n, o] = sum over c in o's group, taps (i, j) of w[o, c, i, j] * x_pad[n, c, h s + i d, w s + j d]; "
                 "attrs stride, padding, dilation (pairs), groups"))
 register(Op("conv2d_input_grad", "conv", _input_grad_infer, _input_grad_evaluate, _input_grad_flops,
-            vjp=_input_grad_vjp, arity=2, rows=_rows_of_first, workspace=_workspace(2, 1, 0),
-            cpu=_lower("conv2d_input_grad", cpu_input_grad_source, cpu_input_grad_direct_source, 1),
-            cuda=_lower("conv2d_input_grad", cuda_input_grad_source, None, 1),
+            vjp=_input_grad_vjp, arity=2, rows=_rows_of_first, workspace=_workspace(2, 1, 0, taps=True),
+            cpu=_lower("conv2d_input_grad", cpu_input_grad_source, cpu_input_grad_by_taps_source, 2, 1, 0),
+            cuda=_lower("conv2d_input_grad", cuda_input_grad_source),
             doc="the transposed convolution of g by w: conv2d's adjoint for x; attrs as conv2d's plus input_hw"))
 register(Op("conv2d_weight_grad", "conv", _weight_grad_infer, _weight_grad_evaluate, _weight_grad_flops,
             vjp=_weight_grad_vjp, arity=2, rows=_rows_summed, workspace=_workspace(0, 2, 1, weight_matrices=2),
-            cpu=_lower("conv2d_weight_grad", cpu_weight_grad_source, cpu_weight_grad_direct_source, 2),
-            cuda=_lower("conv2d_weight_grad", cuda_weight_grad_source, None, 2),
+            cpu=_lower("conv2d_weight_grad", cpu_weight_grad_source),
+            cuda=_lower("conv2d_weight_grad", cuda_weight_grad_source),
             doc="dw[o, c, i, j] = sum over n, h, w of g[n, o, h, w] x_pad[n, c, h s + i d, w s + j d]: conv2d's adjoint "
                 "for w; attrs as conv2d's plus kernel"))

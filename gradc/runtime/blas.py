@@ -20,8 +20,9 @@ def matmul_into(a, b, ta, tb, out):
     """out = op(a) @ op(b), op transposing where ta / tb say. `out` is C-ordered, so BLAS (column
     major) sees out.T and computes out.T = op(b).T @ op(a).T, reading a.T and b.T without a copy."""
     if out.size:   # BLAS refuses an empty product; a product over an empty inner dim is zeros, which gemm writes
-        written = _GEMM[out.dtype.char](1.0, b.T, a.T, 0.0, out.T, tb, ta, 1)
-        if written.base is not out:   # out was not contiguous, so the wrapper wrote a copy
+        target = out.T
+        written = _GEMM[out.dtype.char](1.0, b.T, a.T, 0.0, target, tb, ta, 1)
+        if written is not target:   # out was not C-ordered, so the wrapper wrote a copy
             out[...] = written.T
 
 
@@ -45,5 +46,7 @@ def gemm_strided(a, a_off, lda, ta, b, b_off, ldb, tb, c, c_off, ldc, m, n, k, b
         return
     alpha = np.ones(1, c.dtype)
     scale = np.full(1, beta, c.dtype)
-    _XXGEMM(115 if c.itemsize == 4 else 100, 84 if tb else 78, 84 if ta else 78, n, m, k,   # 's'/'d', 'T'/'N'
-            alpha.ctypes, b[b_off:].ctypes, ldb, a[a_off:].ctypes, lda, scale.ctypes, c[c_off:].ctypes, ldc)
+    status = _XXGEMM(115 if c.itemsize == 4 else 100, 84 if tb else 78, 84 if ta else 78, n, m, k,   # 's'/'d', 'T'/'N'
+                     alpha.ctypes, b[b_off:].ctypes, ldb, a[a_off:].ctypes, lda, scale.ctypes, c[c_off:].ctypes, ldc)
+    if status != 0:   # Numba could not load scipy's BLAS: c is unwritten
+        raise RuntimeError("gemm_strided: Numba's BLAS (scipy.linalg.cython_blas) is not available")

@@ -7,7 +7,9 @@ of its content together with the build's dtype, the gradc and Numba versions and
 text goes once into `<cache>/kernels/k_<hash>.py`, and the kernel is loaded from there with
 Numba's `cache=True`: Numba keeps the machine code beside it, in `<cache>/kernels/__pycache__`.
 The 30 identical layers of one model, and the same layers in the next model, are one file and one
-compile.
+compile. A kernel may call gradc's own compiled helpers (RUNTIME_KERNELS, e.g. `gemm_strided`): its
+file imports them, and its header names a hash of each one's source, since Numba's cache of the
+kernel holds their machine code too.
 A kernel that loops with `prange` (BPPSA's sweeps) is compiled with `parallel=True`: those loops'
 iterations run on Numba's threads (NUMBA_NUM_THREADS, every core by default).
 A `--target cuda` module's kernels (`@cached_cuda_kernel`) go the same way: their file imports
@@ -156,6 +158,7 @@ def canonical_text(func, target="cpu"):
         parts = [f"# gradc kernel cache (format {FORMAT}): gradc {__version__}, {host()}, {dtype}\n"
                  "# Written by gradc/runtime/kernel_cache.py; Numba's cache of it is in __pycache__ beside it.\n"
                  f"import math\n\nimport numpy as np\nfrom numba import njit{', prange' if parallel else ''}\n\n"
+                 + "".join(f"# {name}: {runtime_kernel_digest(name)}\n" for name in sorted(imports))
                  + (f"from gradc.runtime.blas import {', '.join(sorted(imports))}\n\n" if imports else "")
                  + f"_njit = njit(cache=True, **{OPTIONS!r})\n"]
         if parallel:
@@ -166,6 +169,18 @@ def canonical_text(func, target="cpu"):
     parts += [f"\n\n@{helper_decorator}\n{helpers[h]}" for h in sorted(helpers)]
     parts.append(f"\n\n@{decorator}\n{body}")
     return "".join(parts)
+
+
+_DIGESTS = {}
+
+
+def runtime_kernel_digest(name):
+    """A hash of the source of gradc's compiled helper `name`: Numba's cache of a kernel holds the
+    helper's machine code too, so a cache file names the helper's version in its header (a changed
+    helper is a new file, compiled anew)."""
+    if name not in _DIGESTS:
+        _DIGESTS[name] = hashlib.sha256(inspect.getsource(RUNTIME_KERNELS[name].py_func).encode()).hexdigest()[:16]
+    return _DIGESTS[name]
 
 
 _CUDA_HOST = []
