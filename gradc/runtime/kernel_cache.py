@@ -8,8 +8,8 @@ text goes once into `<cache>/kernels/k_<hash>.py`, and the kernel is loaded from
 Numba's `cache=True`: Numba keeps the machine code beside it, in `<cache>/kernels/__pycache__`.
 The 30 identical layers of one model, and the same layers in the next model, are one file and one
 compile. A kernel may call gradc's own compiled helpers (RUNTIME_KERNELS, e.g. `gemm_strided`): its
-file imports them, and its header names a hash of each one's source, since Numba's cache of the
-kernel holds their machine code too.
+file imports them, and its header names a hash of the source that defines each, since Numba's
+cache of the kernel holds their machine code too.
 A kernel that loops with `prange` (BPPSA's sweeps) is compiled with `parallel=True`: those loops'
 iterations run on Numba's threads (NUMBA_NUM_THREADS, every core by default).
 A `--target cuda` module's kernels (`@cached_cuda_kernel`) go the same way: their file imports
@@ -175,11 +175,12 @@ _DIGESTS = {}
 
 
 def runtime_kernel_digest(name):
-    """A hash of the source of gradc's compiled helper `name`: Numba's cache of a kernel holds the
-    helper's machine code too, so a cache file names the helper's version in its header (a changed
-    helper is a new file, compiled anew)."""
+    """A hash of the source of the module that defines gradc's compiled helper `name` (the helper and
+    what it calls): Numba's cache of a kernel holds the helper's machine code too, so a cache file
+    names the helper's version in its header (a changed helper is a new file, compiled anew)."""
     if name not in _DIGESTS:
-        _DIGESTS[name] = hashlib.sha256(inspect.getsource(RUNTIME_KERNELS[name].py_func).encode()).hexdigest()[:16]
+        module = inspect.getmodule(RUNTIME_KERNELS[name].py_func)
+        _DIGESTS[name] = hashlib.sha256(inspect.getsource(module).encode()).hexdigest()[:16]
     return _DIGESTS[name]
 
 
