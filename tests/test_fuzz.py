@@ -11,9 +11,12 @@ three small programs per compiled model to spread Numba's compile time; tests/cu
 seeds 0 and 2 through --target cuda (reverse and BPPSA) under the simulator. A failure names the seeds
 and prints the programs; `python bench/fuzz.py --n N` runs more seeds.
 """
+import glob
+
 import pytest
 
 import gradc.codegen.entry as entry
+from gradc.ops import conv
 from fuzz_graphs import check_compiled, check_interpreted, combined_case, random_case
 
 INTERPRETED_SEEDS = range(120)   # about 50 s of CPU on one core; bench/fuzz.py runs more
@@ -33,6 +36,17 @@ def test_compiled_float64_matches_torch(seeds, tmp_path, monkeypatch):
     if seeds == (3, 4, 8):   # these with hvp's block function as plain Python too (what a large graph gets)
         monkeypatch.setattr(entry, "COMPILED_ENTRY_MAX_STEPS", 0)
     check_compiled(combined_case(seeds), str(tmp_path))
+
+
+@pytest.mark.slow
+def test_compiled_convs_by_taps_match_torch(tmp_path, monkeypatch):
+    """Programs with unit-stride convs (seeds 7, 12 and 15), each conv and its input gradient run by
+    taps (the channel and position thresholds lowered to 1; the kernels do not depend on them)."""
+    monkeypatch.setattr(conv, "TAPS_MIN_CHANNELS", 1)
+    monkeypatch.setattr(conv, "TAPS_MIN_POSITIONS", 1)
+    check_compiled(combined_case((7, 12, 15)), str(tmp_path))
+    sources = "".join(open(f).read() for f in glob.glob(str(tmp_path / "**" / "*.py"), recursive=True))
+    assert "_conv2d_by_taps(" in sources and "_conv2d_input_grad_by_taps(" in sources
 
 
 @pytest.mark.slow
