@@ -153,7 +153,8 @@ def main():
         for name in args.models.split(","):
             params = gc.compile(model(name), out=out, warm=False).init_params(0)
             builders = {f: (build, (f, name, params, out)) for f in ("gradc", "torch eager", "jax jit")}
-            med, first = interleaved(builders, rounds, {"step": MODELS[name][3]}, warmup=3)
+            spread = {}
+            med, first = interleaved(builders, rounds, {"step": MODELS[name][3]}, warmup=3, spread=spread)
             t = {k: med.get(k, {}).get("step") for k in ("gradc", "torch eager", "jax jit")}
             fmt = lambda v: "n/a" if v is None else f"{v * 1e3:.3f}"
             ratio = lambda k: "n/a" if t[k] is None or t["gradc"] is None else f"{t['gradc'] / t[k]:.2f}x"
@@ -161,6 +162,9 @@ def main():
                   f"{fmt(t['jax jit'])} | {ratio('torch eager')} | {ratio('jax jit')} |", flush=True)
             print(f"#   first-step loss (same params): {', '.join(f'{k} {v:.6f}' for k, v in first.items())}",
                   flush=True)
+            # the machine is shared: a median alone hides a framework that ran slow for some rounds
+            extremes = ", ".join(f"{k} {v['step'][0] * 1e3:.1f}-{v['step'][1] * 1e3:.1f}" for k, v in spread.items())
+            print(f"#   fastest-slowest round, ms: {extremes}", flush=True)
     return 0
 
 

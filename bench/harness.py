@@ -38,9 +38,10 @@ def _worker(build, args, warmup, conn):
         conn.send(time_calls(tasks[name], n))
 
 
-def interleaved(builders, rounds, calls, warmup=5):
+def interleaved(builders, rounds, calls, warmup=5, spread=None):
     """builders: framework -> (build, args); build(*args) -> ({task: fn}, info), run in a worker.
-    calls: task -> calls per round. Returns ({framework: {task: median seconds}}, {framework: info})."""
+    calls: task -> calls per round. Returns ({framework: {task: median seconds}}, {framework: info});
+    `spread`, a dict if given, gets {framework: {task: (fastest, slowest round)}} in seconds."""
     ctx = mp.get_context("spawn")
     workers, infos = {}, {}
     for name, (build, args) in builders.items():
@@ -64,4 +65,6 @@ def interleaved(builders, rounds, calls, warmup=5):
     for proc, conn, _ in workers.values():
         conn.send(None)
         proc.join()
+    if spread is not None:
+        spread.update({n: {t: (min(v), max(v)) for t, v in ts.items()} for n, ts in samples.items()})
     return {n: {t: statistics.median(v) for t, v in ts.items()} for n, ts in samples.items()}, infos
