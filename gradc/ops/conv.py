@@ -357,6 +357,20 @@ _GATHER_G = _tile_rows([   # g's rows into the tile; the dropped columns zero, s
 ])
 
 
+_SCATTER_OUT = _tile_rows([   # the tile's rows into the output, the dropped columns left out
+    "orow = out[b0 + t, g * og + o, r0 + r]",
+    "for wo in range(w_out):",
+    "    orow[wo] = trow[wo]",
+])
+
+_BAND_INTO_INPUT = _band_rows([   # col2im's last step: the band's real columns added into the input gradient
+    "if 0 <= h < h_in:",
+    "    xrow = out[b0 + t, g * cg + c, h]",
+    "    for ww in range(w_in):",
+    "        xrow[ww] += brow[pw + ww]",
+])
+
+
 def _weight_matrix(target, index):
     return ["        for o in range(og):",
             "            for c in range(cg):",
@@ -372,9 +386,7 @@ def cpu_conv2d_source(name):
     lines += _weight_matrix("wg", "o, (c * kh + i) * kw + j")
     lines += _TILE_LOOP + _FILL_COLUMNS
     lines += ["                np.dot(wg, col, res)"]
-    lines += _tile_rows(["orow = out[b0 + t, g * og + o, r0 + r]",
-                         "for wo in range(w_out):",
-                         "    orow[wo] = trow[wo]"])
+    lines += _SCATTER_OUT
     return "\n".join(lines), "conv2d: per group, tiles of im2col columns times the weight matrix (BLAS)"
 
 
@@ -387,10 +399,7 @@ def cpu_input_grad_source(name):
     lines += ["                np.dot(wt, res, col)",
               "                xp[:(b1 - b0) * cg * band * wp + slack] = 0.0"]
     lines += _columns("band_run[q] += run[q]", "xp[src + r * sh * wp + wo * sw] += col[k, dst + r * w_out + wo]")
-    lines += _band_rows(["if 0 <= h < h_in:",
-                         "    xrow = out[b0 + t, g * cg + c, h]",
-                         "    for ww in range(w_in):",
-                         "        xrow[ww] += brow[pw + ww]"])
+    lines += _BAND_INTO_INPUT
     return "\n".join(lines), ("conv2d_input_grad: per group, the weight matrix transposed times tiles of g, "
                               "the columns added into a padded band and the band into the input's rows (col2im)")
 
@@ -486,9 +495,7 @@ def cpu_conv2d_by_taps_source(name, tile=TILE):
     lines += ["    for g in range(groups):"] + _TAP_WEIGHTS + _TAPS_LOOP + _FILL_BAND
     lines += _each_tap("gemm_strided(wt, t * block, cg, False, xp, off, ld_band, False, res_buf, 0, p_img, "
                        "og, p_img, cg, 0.0 if t == 0 else 1.0)")
-    lines += _tile_rows(["orow = out[b0 + t, g * og + o, r0 + r]",
-                         "for wo in range(w_out):",
-                         "    orow[wo] = trow[wo]"])
+    lines += _SCATTER_OUT
     return "\n".join(lines), "conv2d, unit strides: per group and tap, the weight times a shifted window of the input's band (BLAS)"
 
 
@@ -499,10 +506,7 @@ def cpu_input_grad_by_taps_source(name, tile=TILE):
     lines += ["                xp[:] = 0.0"]
     lines += _each_tap("gemm_strided(wt, t * block, cg, True, res_buf, 0, p_img, False, xp, off, ld_band, "
                        "cg, p_img, og, 1.0)")
-    lines += _band_rows(["if 0 <= h < h_in:",
-                         "    xrow = out[b0 + t, g * cg + c, h]",
-                         "    for ww in range(w_in):",
-                         "        xrow[ww] += brow[pw + ww]"])
+    lines += _BAND_INTO_INPUT
     return "\n".join(lines), ("conv2d_input_grad, unit strides: per group and tap, the weight transposed times "
                               "g's tile, added into a shifted window of a padded band, the band into the input's rows")
 
