@@ -172,11 +172,12 @@ class Graph:
 
     def topo_order(self, nodes=None):
         """Iterative topological order (no recursion limit), ties broken by node id."""
-        nodes = set(self.nx.nodes) if nodes is None else set(nodes)
+        operands = dict(self.nx.nodes(data="inputs"))   # one pass over networkx's views: passes call this often
+        nodes = set(operands) if nodes is None else set(nodes)
         waiting = {}
         users = {}
         for n in nodes:
-            ins = {u for u in self.nx.nodes[n]["inputs"] if u in nodes}
+            ins = [u for u in dict.fromkeys(operands[n]) if u in nodes]
             waiting[n] = len(ins)
             for u in ins:
                 users.setdefault(u, []).append(n)
