@@ -12,10 +12,12 @@ def lr_info(g):
             "sites": [f"{s['op']} at {s['src']}" for s in lr["sites"]]}
 
 
-def lr_api_source(g, built, run_src, views_src, cuda=False):
+def lr_api_source(g, built, run_src, views_src, cuda=False, pipeline=False):
     """`lr_grad` and `_lr_into` (what Trainer(gradient="lr") calls). run_src: the compiled entry's call
     (None when the build has none); views_src: the gradient dict over the flat buffer `grads`. On CUDA
-    the estimate goes into a device buffer, copied out as the caller's gradients."""
+    the estimate goes into a device buffer, copied out as the caller's gradients. With `pipeline` (a
+    --devices / --microbatches build) the estimate still runs whole: under mpiexec on every rank, with
+    the params their owners hold, each rank keeping its own params' gradients, as loss_and_grad does."""
     lines = ["from gradc.runtime.lr import LikelihoodRatio, LRTrainer, SAMPLES as LR_SAMPLES, SIGMA as LR_SIGMA", "",
              f"_LR = LikelihoodRatio(MODEL_NAME, FLOAT, {lr_info(g)!r})", "", "",
              "def lr_grad(params, /, *, samples=LR_SAMPLES, sigma=LR_SIGMA, seed=0, antithetic=True, layerwise=False,",
@@ -36,17 +38,20 @@ def lr_api_source(g, built, run_src, views_src, cuda=False):
     else:
         lines += ["    grads = np.empty(GRAD_SIZE, FLOAT)",
                   "    loss = _lr_into(p, a, grads, *options)"]
-    lines += [f"    return float(loss), {{\n        {views_src},\n    }}" if views_src else "    return float(loss), {}",
+    owned = "_PIPELINE.owned({{\n        {}\n    }})" if pipeline else "{{\n        {}\n    }}"
+    lines += [f"    return float(loss), {owned.format(views_src + ',')}" if views_src else "    return float(loss), {}",
               "", "",
               "def _lr_into(p, a, grads, samples, sigma, seed, antithetic, layerwise, baseline):",
               '    """The estimate into the flat buffer `grads` (laid out as GRAD_SLICES); the objective."""']
+    from_owners = ["    p = _PIPELINE.params_from_owners(p)"] if pipeline else []
+    keep_owned = ["    _PIPELINE.keep_owned(grads)"] if pipeline else []
     if built and cuda:
         lines += ["    a = _LR.leaves(a, samples, sigma, seed, antithetic, layerwise, baseline, host=_CUDA.host)",
-                  f"    (loss,) = {run_src}",
+                  *from_owners, f"    (loss,) = {run_src}", *keep_owned,
                   '    return _loss_value(loss, a, "lr_grad")']
     elif built:
         lines += ["    a = _LR.leaves(a, samples, sigma, seed, antithetic, layerwise, baseline)",
-                  f"    (loss,) = {run_src}",
+                  *from_owners, f"    (loss,) = {run_src}", *keep_owned,
                   "    return loss"]
     else:
         lines += ["    _LR.refuse()"]

@@ -283,11 +283,12 @@ def generate(graph, plans, info):
     if cuda:
         pipeline_src = pipeline_source(g, pipeline, stage_specs, trainable, "DeviceMemory(_CUDA, _TRAINER_KERNELS)") \
             if pipeline else None
-        lr_built = "_lr_grad" in entries and not pipeline
+        lr_built = "_lr_grad" in entries
         lr_args = ", ".join(call("_lr_grad", "_CUDA.data") + ["grads"]) if lr_built else ""
         lr_src = lr_api_source(g, lr_built, f"_CUDA.run(_lr_grad, [{lr_args}], a)",
                                ",\n        ".join(f'"{p}": grads[{a}:{b}].reshape({shapes[p]!r})'
-                                                  for p, (a, b) in grad_slices.items()), cuda=True)
+                                                  for p, (a, b) in grad_slices.items()), cuda=True,
+                               pipeline=bool(pipeline))
         api = cuda_api(g, trainable, outputs, input_grads, order, grad_slices, shapes, call, inputs_of, trainer_kernels,
                        pipeline_src, lr_src, lr_built, streamed is not None)
         return _assemble(info, out, helper_src, kernel_src, body, api, kernels, g, entries, stored)
@@ -332,7 +333,8 @@ def generate(graph, plans, info):
 
     lr_built = "_lr_grad" in entries
     api.append(lr_api_source(g, lr_built, lr_built and
-                             f"_lr_grad({', '.join(call('_lr_grad') + ['grads', arena('_lr_grad')])})", gdict))
+                             f"_lr_grad({', '.join(call('_lr_grad') + ['grads', arena('_lr_grad')])})", gdict,
+                             pipeline=bool(pipeline)))
 
     api.append(input_grads_source(
         g, input_grads, f"_input_grads({', '.join(call('_input_grads') + [arena('_input_grads')])})" if input_grads else "",

@@ -399,13 +399,6 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     if scan_backward == "bppsa":
         from gradc.ops.scan import use_bppsa
         use_bppsa(graph)
-    # the stage functions are loss_and_grad's, and lr_grad is not split into them; with one device it
-    # runs whole (microbatches split loss_and_grad only), on several there is no whole function to run
-    if pipe["K"] > 1:
-        from gradc.passes.likelihood_ratio import drop_lr
-        from gradc.passes.simplify import eliminate_dead
-        drop_lr(graph, "lr_grad is not built for builds on several devices (--devices K > 1)")
-        eliminate_dead(graph)
     name = model.name
     info = {"name": name, "version": __version__, "dtype": dtype, "fingerprint": fingerprint(model, dtype, dims),
             "param_info": model.param_info, "labels": index_inputs(graph), "order": order, "target": target,

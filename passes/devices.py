@@ -11,6 +11,7 @@ import numpy as np
 from gradc.runtime.schedules import in_flight
 
 from .analysis import node_flops
+from .likelihood_ratio import estimate_nodes
 from .partition import Infeasible, Problem, partition
 from .pipeline_schedule import bubble, simulate
 from .placement import assign_stages, device_name, home, insert_transfers
@@ -25,11 +26,12 @@ class DevicePlanError(Exception):
     pass
 
 
-def node_costs(graph, dims):
-    """Per node: flops, bytes read, bytes written (its output: what a transfer of it moves)."""
+def node_costs(graph, dims, skip=frozenset()):
+    """Per node but those in `skip`: flops, bytes read, bytes written (its output: what a transfer of
+    it moves)."""
     out = {}
     for n in graph.nx.nodes:
-        if graph.op(n) in LEAVES:
+        if graph.op(n) in LEAVES or n in skip:
             continue
         written = _value_bytes(graph, n, dims)
         read = sum(_value_bytes(graph, u, dims) for u in set(graph.operands(n)))
@@ -70,7 +72,7 @@ def plan_devices(graph, order, dims, K, target="cpu", device_memory=None, schedu
     """Cut `order`'s forward (loss_and_grad's store-all order) into K stages, place every node,
     add the transfers; returns the PARTITION document. Raises DevicePlanError."""
     memory_dims = memory_dims or dims
-    costs = node_costs(graph, dims)
+    costs = node_costs(graph, dims, estimate_nodes(graph))   # the cut is of the training step
     forward = [n for n in order if graph.node(n)["phase"] == "forward" and graph.op(n) not in LEAVES]
     if len(forward) < K:
         raise DevicePlanError(f"--devices {K}: the model has {len(forward)} forward ops, fewer than {K} stages")
@@ -123,15 +125,18 @@ def plan_devices(graph, order, dims, K, target="cpu", device_memory=None, schedu
     stage_of = {n: k for k in range(K) for g in groups[bounds[k]:bounds[k + 1]] for n in g}
     stage = assign_stages(graph, stage_of, K)
     transfers = insert_transfers(graph, stage, target, K)
-    return _document(graph, problem, bounds, stage, transfers, costs, dims, target, K, schedule, microbatches,
-                     flight, rate, link, slowest, device_memory, forward)
+    estimate = estimate_nodes(graph)   # with the transfers made for them: the stages list neither
+    doc = _document(graph, problem, bounds, stage, [t for t in transfers if t[0] not in estimate], costs, dims,
+                    target, K, schedule, microbatches, flight, rate, link, slowest, device_memory, forward, estimate)
+    doc["lr_grad_transfers"] = sorted(t[0] for t in transfers if t[0] in estimate)   # copies inside lr_grad
+    return doc
 
 
 def _document(graph, problem, bounds, stage, transfers, costs, dims, target, K, schedule, M, flight, rate, link,
-              slowest, device_memory, forward):
+              slowest, device_memory, forward, estimate):
     stages = []
     for k in range(K):
-        nodes = [n for n in graph.topo_order() if stage[n] == k and graph.op(n) not in LEAVES]
+        nodes = [n for n in graph.topo_order() if stage[n] == k and graph.op(n) not in LEAVES and n not in estimate]
         fwd = sum(costs[n]["flops"] for n in nodes if n in costs and graph.node(n)["phase"] == "forward")
         bwd = sum(costs[n]["flops"] for n in nodes if n in costs and graph.node(n)["phase"] == "backward")
         second = sum(costs[n]["flops"] for n in nodes if n in costs and graph.node(n)["phase"] == "second")

@@ -51,9 +51,13 @@ def build_lr(graph, trainable, decayed=(), weight_decay=0.0):
         graph.lr = {"why": str(e)}   # the nodes made so far are dead code: simplify removes them
 
 
-def drop_lr(graph, why):
-    """No lr_grad in this build (e.g. a pipeline): its nodes die with the next DCE."""
-    graph.lr = {"why": why}
+def estimate_nodes(graph):
+    """The estimate's own nodes: what only lr_grad computes. It is not split into stages: a pipeline
+    build (--devices, --microbatches) runs it whole, in one process or on every rank (codegen/lr_api.py),
+    so the cut neither costs nor lists them (their K * B rows are chosen at call time), and the
+    pipeline executor moves no value for them (their transfers are copies inside lr_grad)."""
+    lr_grads = set(graph.lr_grads.values())
+    return set(graph.nx.nodes) - graph.ancestors(r for r in graph.roots() if r not in lr_grads)
 
 
 class _Builder:

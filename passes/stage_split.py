@@ -7,6 +7,7 @@ transfers into k, and returns what other stages read and the gradients of the pa
 Transfer nodes run in neither: the executor hands a transfer node the value of its source
 (a copy between virtual devices, a message between MPI ranks).
 """
+from .likelihood_ratio import estimate_nodes
 from .storage import LEAVES
 
 
@@ -61,8 +62,9 @@ def split_stages(graph, order, K, trainable):
 def transfers(graph):
     """[(transfer node, source value, from stage, to stage, "F"|"B"|"param")]: when the source is made."""
     out = []
+    estimate = estimate_nodes(graph)   # lr_grad's copies: it runs whole, not in the stages
     for n in graph.nx.nodes:
-        if graph.op(n) != "transfer":
+        if graph.op(n) != "transfer" or n in estimate:
             continue
         u = graph.operands(n)[0]
         when = "param" if graph.op(u) == "param" else "F" if graph.node(u)["phase"] == "forward" else "B"

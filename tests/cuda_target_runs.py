@@ -460,6 +460,13 @@ def run_pipelines(build):
                                                                                        momentum=0.9)
     out["trainer"] = max(abs(t1.step(**inputs) - t2.step(**inputs)) for _ in range(2))
     out["trainer_params"] = err(t1.params, {k: v.copy_to_host() for k, v in t2.params.items()})
+    # lr_grad runs whole, not in the stages: the CPU build's estimate, alone and driving a Trainer
+    l1, g1 = cpu.lr_grad(params, samples=4, sigma=1e-2, seed=2, **inputs)
+    l2, g2 = dev.lr_grad(params, samples=4, sigma=1e-2, seed=2, **inputs)
+    out["lr_grad"] = max(abs(l1 - l2), err(g1, g2))
+    t1, t2 = (mod.Trainer(params, optimizer="sgd", lr=0.1, gradient="lr", samples=4) for mod in (cpu, dev))
+    out["lr_trainer"] = max(abs(t1.step(**inputs) - t2.step(**inputs)), err(
+        t1.params, {k: v.copy_to_host() for k, v in t2.params.items()}))
     out["gpus"] = run_stage_gpus(os.path.join(build, "gpus"))
     return out
 

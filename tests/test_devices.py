@@ -31,7 +31,9 @@ def _check_placement(graph, plan, K):
             raise AssertionError(f"%{u['id']} on {u['device']} is read by %{v['id']} on {v['device']}")
     transfers = [n for n in nodes.values() if n["op"] == "transfer"]
     assert transfers and all(n["phase"] == "transfer" for n in transfers)
-    assert {t["node"] for t in plan["transfers"]} == {n["id"] for n in transfers}
+    # lr_grad runs whole: the copies it makes for itself are listed apart from the stages' transfers
+    assert {t["node"] for t in plan["transfers"]} | set(plan["lr_grad_transfers"]) == {n["id"] for n in transfers}
+    assert not {t["node"] for t in plan["transfers"]} & set(plan["lr_grad_transfers"])
     for n in nodes.values():   # every derivative runs where the node it differentiates runs
         of = n.get("of")
         if n["phase"] in ("backward", "second") and n["op"] not in ("input", "const") and of in nodes \

@@ -206,26 +206,74 @@ def test_compiled_lr_grad_and_trainer(build_dir):
     _check_lr_checkpoints(mod, tr, X, Y, build_dir)
 
 
-def test_microbatched_build_has_lr_grad_several_devices_refuse_it(tmp_path):
-    """--microbatches on one device splits loss_and_grad only: lr_grad runs the whole batch and gives
-    the unsplit build's estimate; a build on several devices has no whole function to run, and says so."""
-    m = mlp()
+def staged_mlp():
+    """The MLP with its last layer pinned to stage 1: each of two stages owns params."""
+    m = gc.Model("lrstaged")
+    x = m.input("x", ("B", 5))
+    y = m.input("y", ("B",), dtype="int64")
+    h = gc.tanh(x @ m.param("W0", (5, 7)) + m.param("b0", (7,), init="normal"))
+    with m.stage(1):
+        h = h @ m.param("W1", (7, 3)) + m.param("b1", (3,), init="normal")
+    m.minimize(gc.softmax_cross_entropy(h, y), weight_decay=1e-2)
+    return m
+
+
+def test_lr_grad_runs_whole_in_pipeline_builds(tmp_path):
+    """A --microbatches or --devices build splits loss_and_grad into stages; lr_grad runs whole and
+    gives the one-device build's estimate, alone, in a Trainer and in a data-parallel Trainer (which
+    once ran backprop here). The cut's plan neither costs nor lists the estimate's nodes."""
+    m = staged_mlp()
     rng = np.random.default_rng(2)
     inputs = {"x": rng.normal(size=(12, 5)), "y": rng.integers(0, 3, 12)}
-    whole = gc.compile(m, out=str(tmp_path / "whole"), dtype="float64", order=1, warm_cache=False)
-    split = gc.compile(m, out=str(tmp_path / "split"), dtype="float64", order=1, warm_cache=False, microbatches=3)
+    options = dict(dtype="float64", order=1, warm_cache=False)
+    whole = gc.compile(m, out=str(tmp_path / "whole"), **options)
     params = whole.init_params(0)
-    loss, grads = split.lr_grad(params, samples=8, sigma=1e-2, seed=3, **inputs)
     ref_loss, ref = whole.lr_grad(params, samples=8, sigma=1e-2, seed=3, **inputs)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-12)
-    for p in whole.TRAINABLE:
-        np.testing.assert_allclose(grads[p], ref[p], rtol=1e-10, atol=1e-12, err_msg=p)
-    tr = split.Trainer(params, optimizer="sgd", lr=0.1, gradient="lr", samples=4)
-    assert np.isfinite(tr.step(**inputs))
-    staged = gc.compile(m, out=str(tmp_path / "staged"), dtype="float64", order=1, warm_cache=False, devices=2,
-                        bind={"B": 12})
-    with pytest.raises(ValueError, match=r"several devices \(--devices K > 1\)"):
-        staged.lr_grad(params, **inputs)
+    trainer = dict(optimizer="adam", lr=0.05, gradient="lr", samples=4)
+    expected = whole.Trainer(params, **trainer)
+    for _ in range(2):
+        expected.step(**inputs)
+    builds = {"microbatches": dict(microbatches=3),
+              "devices": dict(devices=2, bind={"B": 12}),
+              "devices and microbatches": dict(devices=2, microbatches=2, schedule="1f1b", bind={"B": 12})}
+    for label, build in builds.items():
+        mod = gc.compile(m, out=str(tmp_path / label.replace(" ", "_")), **options, **build)
+        loss, grads = mod.lr_grad(params, samples=8, sigma=1e-2, seed=3, **inputs)
+        assert loss == pytest.approx(ref_loss, rel=1e-12), label
+        for p in whole.TRAINABLE:
+            np.testing.assert_allclose(grads[p], ref[p], rtol=1e-10, atol=1e-12, err_msg=f"{label}: {p}")
+        for parallel in (None, "data"):
+            tr = mod.Trainer(params, **trainer, parallel=parallel)
+            for _ in range(2):
+                tr.step(**inputs)
+            for p in whole.TRAINABLE:
+                np.testing.assert_allclose(tr.params[p], expected.params[p], rtol=1e-10, atol=1e-12,
+                                           err_msg=f"{label}, parallel={parallel}: {p}")
+        if "devices" in label:
+            assert all(s["params"] for s in mod.PARTITION["stage"])   # each stage owns params
+            with open(tmp_path / label.replace(" ", "_") / "lrstaged.graph.json") as f:
+                dump = json.load(f)
+            readers = {}
+            for link in dump["links"]:
+                readers.setdefault(link["source"], []).append(link["target"])
+            # the estimate's nodes: what its own leaves (noise masks, tiled inputs, ...) reach
+            estimate = [n["id"] for n in dump["nodes"] if n["op"] == "input" and n["name"] not in mod.INPUTS]
+            seen = set()
+            while estimate:
+                n = estimate.pop()
+                if n not in seen:
+                    seen.add(n)
+                    estimate += readers.get(n, [])
+            ops = {n["id"]: n["op"] for n in dump["nodes"]}
+            grown = True
+            while grown:   # and what only the estimate reads (the transfers made for it)
+                fed = {n for n, rs in readers.items() if n not in seen and ops[n] not in ("input", "param")
+                       and set(rs) <= seen}
+                seen |= fed
+                grown = bool(fed)
+            staged = {n for s in mod.PARTITION["stage"] for n in s["nodes"]}
+            moved = {t["value"] for t in mod.PARTITION["transfers"]} | {t["node"] for t in mod.PARTITION["transfers"]}
+            assert len(seen) > 20 and staged and not (staged | moved) & seen
 
 
 def _check_lr_checkpoints(mod, tr, X, Y, build_dir):

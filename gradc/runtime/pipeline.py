@@ -182,6 +182,36 @@ class Pipeline:
         comm = self.comm
         return x if comm is None else comm.allreduce(x)
 
+    def params_from_owners(self, params):
+        """`params` with each trained param as the rank that owns (and updates) it holds it: an entry
+        that runs whole on every rank (lr_grad) reads them all. In one process, `params` itself."""
+        comm = self.comm
+        if comm is None:
+            return params
+        rank, params, sent = comm.Get_rank(), dict(params), []
+        first_tag = len(self.transfers) + 1   # past the transfers' tags
+        for i, name in enumerate(sorted(self.grad_stages)):
+            owner = self.grad_stages[name]
+            if owner == rank:
+                for dest in range(self.K):
+                    if dest != rank:
+                        sent += send(comm, self.memory.outgoing(params[name]), dest, first_tag + i)
+            else:
+                params[name] = receive(comm, self.memory, owner, first_tag + i)
+        for request in sent:
+            request.wait()
+        return params
+
+    def keep_owned(self, grads):
+        """Zero, in the flat `grads`, the gradients of params another rank owns: under MPI each rank
+        answers for its own params' gradients (as loss_and_grad's stages leave them)."""
+        comm = self.comm
+        if comm is None:
+            return
+        for name, (start, stop) in self.grad_slices.items():
+            if self.grad_stages.get(name, 0) != comm.Get_rank():
+                self.memory.zero(grads[start:stop])
+
     def reschedule(self, schedule, microbatches):
         """Run later calls under another schedule or microbatch count (the compiled stage functions
         depend on neither when the batch dim is symbolic in them: a --microbatches build)."""

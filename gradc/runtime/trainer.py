@@ -192,7 +192,8 @@ class TrainerBase:
         decay term; final(names) as soon as those params' gradients are final (with `streamed`, while the
         backward still runs: the module's _loss_and_grad_streamed, or the pipeline's stages)."""
         p = self.signature.params(self.params, exact=True)
-        if self.pipeline is None:
+        # the estimate runs whole, not in the pipeline's stages (codegen/lr_api.py)
+        if self.pipeline is None or getattr(self, "gradient", "backprop") == "lr":
             if streamed and hasattr(self, "_gradients_streamed"):
                 return self._gradients_streamed(p, a, grads, final), 1.0
             return self._gradients(p, a, grads), 1.0
