@@ -10,6 +10,7 @@ import gradc as gc
 from gradc.codegen.entry import BODY_CONST_LIMIT, array_source
 from gradc.interpret import evaluate
 from gradc.passes.pipeline import build_training_graph
+from gradc.runtime import blas
 from gradc.runtime.blas import matmul_into
 
 
@@ -432,6 +433,25 @@ def test_matmul_into_is_numpys_product_for_every_transpose_and_empty_dims(dtype,
                 strided = np.full((n, m), np.nan, dtype).T   # an out BLAS cannot write in place
                 matmul_into(a, b, ta, tb, strided)
                 np.testing.assert_array_equal(strided, out)
+
+
+def test_small_products_run_on_one_blas_thread_and_leave_blas_its_own_count():
+    """A product below SERIAL_BELOW runs on one OpenBLAS thread (its workers would spin after it, slowing
+    the kernels between products); the count goes back, so kernels' products keep BLAS's own."""
+    if blas._BLAS_THREADS < 2:
+        pytest.skip("the BLAS behind scipy is not a multithreaded OpenBLAS")
+    get, seen = blas._GET_THREADS, []
+    real = blas._GEMM["f"]
+    blas._GEMM["f"] = lambda *args: seen.append(get()) or real(*args)
+    try:
+        for m in (8, 512):   # 8 x 64 x 64 is below the threshold, 512 x 512 x 64 above
+            a, b = np.ones((m, 64), np.float32), np.ones((64, m), np.float32)
+            out = np.empty((m, m), np.float32)
+            matmul_into(a, b, False, False, out)
+            assert (out == 64).all()
+    finally:
+        blas._GEMM["f"] = real
+    assert seen == [1, blas._BLAS_THREADS] and get() == blas._BLAS_THREADS
 
 
 def test_a_constant_array_made_in_a_scan_body_has_its_values():

@@ -8,12 +8,39 @@ conv and scan kernels call scipy's OpenBLAS from inside Numba, and numpy ships a
 own: two BLAS thread pools spinning on the same cores made a LeNet step 5x slower. scipy's wrapper
 releases the GIL, as the kernels do, so threaded Hessian rows still run side by side.
 """
+import ctypes
+
 import numpy as np
+import scipy.linalg.cython_blas
 from numba import njit, types
 from numba.np.linalg import ensure_blas
 from scipy.linalg.blas import dgemm, sgemm
 
 _GEMM = {"f": sgemm, "d": dgemm}
+
+# OpenBLAS runs every product above m*n*k = 2^18 on all its threads, and its workers then spin for
+# about 0.1 s waiting for the next one. On 2 cores that spinning slowed the single-threaded kernels
+# between products 2-10x: bench/cpu_step.py's small MLP (products up to 64 x 128 x 128) stepped in
+# 180 us with one BLAS thread, and in 180-300 us with two (300 whenever the second core was
+# contended). A product below SERIAL_BELOW (8 MFLOP) gains little from a second thread, so it runs on
+# one; the count goes back to BLAS's own for everything else (kernels' products included).
+SERIAL_BELOW = 1 << 22
+
+
+def _thread_functions():
+    """(set, get) the thread count of the BLAS behind scipy's cython_blas (which Numba's kernels call
+    too) when it is an OpenBLAS, else (None, None): products then run as that BLAS decides."""
+    lib = ctypes.CDLL(scipy.linalg.cython_blas.__file__)   # dlsym searches its dependencies: the BLAS
+    for prefix in ("scipy_", ""):   # scipy's wheels rename OpenBLAS's symbols
+        setter, getter = (getattr(lib, f"{prefix}openblas_{what}_num_threads", None) for what in ("set", "get"))
+        if setter is not None and getter is not None:
+            setter.argtypes, getter.restype = [ctypes.c_int], ctypes.c_int
+            return setter, getter
+    return None, None
+
+
+_SET_THREADS, _GET_THREADS = _thread_functions()
+_BLAS_THREADS = _GET_THREADS() if _GET_THREADS is not None else 1   # its own count, from its start
 
 
 def matmul_into(a, b, ta, tb, out):
@@ -21,7 +48,14 @@ def matmul_into(a, b, ta, tb, out):
     major) sees out.T and computes out.T = op(b).T @ op(a).T, reading a.T and b.T without a copy."""
     if out.size:   # BLAS refuses an empty product; a product over an empty inner dim is zeros, which gemm writes
         target = out.T
-        written = _GEMM[out.dtype.char](1.0, b.T, a.T, 0.0, target, tb, ta, 1)
+        serial = _BLAS_THREADS > 1 and out.size * a.shape[0 if ta else 1] < SERIAL_BELOW
+        if serial:
+            _SET_THREADS(1)
+        try:
+            written = _GEMM[out.dtype.char](1.0, b.T, a.T, 0.0, target, tb, ta, 1)
+        finally:
+            if serial:
+                _SET_THREADS(_BLAS_THREADS)
         if written is not target:   # out was not C-ordered, so the wrapper wrote a copy
             out[...] = written.T
 
