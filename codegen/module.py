@@ -288,7 +288,7 @@ def generate(graph, plans, info):
         lr_src = lr_api_source(g, lr_built, f"_CUDA.run(_lr_grad, [{lr_args}], a)",
                                ",\n        ".join(f'"{p}": grads[{a}:{b}].reshape({shapes[p]!r})'
                                                   for p, (a, b) in grad_slices.items()), cuda=True,
-                               pipeline=bool(pipeline))
+                               pipeline=bool(pipeline) and pipeline["stages"] > 1)
         api = cuda_api(g, trainable, outputs, input_grads, order, grad_slices, shapes, call, inputs_of, trainer_kernels,
                        pipeline_src, lr_src, lr_built, streamed is not None)
         return _assemble(info, out, helper_src, kernel_src, body, api, kernels, g, entries, stored)
@@ -334,7 +334,7 @@ def generate(graph, plans, info):
     lr_built = "_lr_grad" in entries
     api.append(lr_api_source(g, lr_built, lr_built and
                              f"_lr_grad({', '.join(call('_lr_grad') + ['grads', arena('_lr_grad')])})", gdict,
-                             pipeline=bool(pipeline)))
+                             pipeline=bool(pipeline) and pipeline["stages"] > 1))
 
     api.append(input_grads_source(
         g, input_grads, f"_input_grads({', '.join(call('_input_grads') + [arena('_input_grads')])})" if input_grads else "",

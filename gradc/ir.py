@@ -172,12 +172,16 @@ class Graph:
 
     def topo_order(self, nodes=None):
         """Iterative topological order (no recursion limit), ties broken by node id."""
-        operands = dict(self.nx.nodes(data="inputs"))   # one pass over networkx's views: passes call this often
-        nodes = set(operands) if nodes is None else set(nodes)
+        if nodes is None:   # the whole graph: one pass over networkx's node data, not a lookup per node
+            operands = dict(self.nx.nodes(data="inputs"))
+            nodes = set(operands)
+        else:
+            nodes = set(nodes)
+            operands = {n: self.nx.nodes[n]["inputs"] for n in nodes}
         waiting = {}
         users = {}
         for n in nodes:
-            ins = [u for u in dict.fromkeys(operands[n]) if u in nodes]
+            ins = {u for u in operands[n] if u in nodes}
             waiting[n] = len(ins)
             for u in ins:
                 users.setdefault(u, []).append(n)

@@ -72,7 +72,8 @@ def plan_devices(graph, order, dims, K, target="cpu", device_memory=None, schedu
     """Cut `order`'s forward (loss_and_grad's store-all order) into K stages, place every node,
     add the transfers; returns the PARTITION document. Raises DevicePlanError."""
     memory_dims = memory_dims or dims
-    costs = node_costs(graph, dims, estimate_nodes(graph))   # the cut is of the training step
+    estimate = estimate_nodes(graph)   # lr_grad's: the cut is of the training step
+    costs = node_costs(graph, dims, estimate)
     forward = [n for n in order if graph.node(n)["phase"] == "forward" and graph.op(n) not in LEAVES]
     if len(forward) < K:
         raise DevicePlanError(f"--devices {K}: the model has {len(forward)} forward ops, fewer than {K} stages")
@@ -123,7 +124,7 @@ def plan_devices(graph, order, dims, K, target="cpu", device_memory=None, schedu
         raise DevicePlanError(f"no cut of the model into {K} contiguous stages " + " and ".join(why)) from None
     bounds = starts + [len(groups)]
     stage_of = {n: k for k in range(K) for g in groups[bounds[k]:bounds[k + 1]] for n in g}
-    stage = assign_stages(graph, stage_of, K)
+    stage = assign_stages(graph, stage_of, K, estimate)
     transfers = insert_transfers(graph, stage, target, K)
     estimate = estimate_nodes(graph)   # with the transfers made for them: the stages list neither
     doc = _document(graph, problem, bounds, stage, [t for t in transfers if t[0] not in estimate], costs, dims,

@@ -29,10 +29,11 @@ def home(graph, n):
     return n
 
 
-def assign_stages(graph, stage_of, stages):
+def assign_stages(graph, stage_of, stages, estimate=frozenset()):
     """stage per node from `stage_of` (forward nodes the partitioner placed). The rest: params with
-    their first reader; derivatives by home; other forward nodes (outputs the loss does not need)
-    with their latest operand. Replicated leaves get the stage of their first reader (a label)."""
+    their first reader (not counting lr_grad's `estimate` nodes, which run whole); derivatives by
+    home; other forward nodes (outputs the loss does not need, the estimate's) with their latest
+    operand. Replicated leaves get the stage of their first reader (a label)."""
     stage = dict(stage_of)
     order = graph.topo_order()
     rank = {n: i for i, n in enumerate(order)}
@@ -41,7 +42,7 @@ def assign_stages(graph, stage_of, stages):
             continue
         stage[n] = max((stage[u] for u in graph.operands(n) if u in stage), default=0)
     for p in graph.params.values():   # with its first reader, which is where its gradient adds up
-        readers = sorted((u for u in graph.users(p) if u in stage), key=rank.get)
+        readers = sorted((u for u in graph.users(p) if u in stage and u not in estimate), key=rank.get)
         stage[p] = stage[readers[0]] if readers else 0
     for n in graph.inputs.values():   # an input is labelled with its first forward reader's stage
         readers = [stage[u] for u in graph.users(n) if u in stage]

@@ -464,9 +464,11 @@ def run_pipelines(build):
     l1, g1 = cpu.lr_grad(params, samples=4, sigma=1e-2, seed=2, **inputs)
     l2, g2 = dev.lr_grad(params, samples=4, sigma=1e-2, seed=2, **inputs)
     out["lr_grad"] = max(abs(l1 - l2), err(g1, g2))
-    t1, t2 = (mod.Trainer(params, optimizer="sgd", lr=0.1, gradient="lr", samples=4) for mod in (cpu, dev))
-    out["lr_trainer"] = max(abs(t1.step(**inputs) - t2.step(**inputs)), err(
-        t1.params, {k: v.copy_to_host() for k, v in t2.params.items()}))
+    for key, parallel in (("lr_trainer", None), ("lr_trainer_data_parallel", "data")):
+        t1, t2 = (mod.Trainer(params, optimizer="sgd", lr=0.1, gradient="lr", samples=4, parallel=p)
+                  for mod, p in ((cpu, None), (dev, parallel)))
+        out[key] = max(abs(t1.step(**inputs) - t2.step(**inputs)), err(
+            t1.params, {k: v.copy_to_host() for k, v in t2.params.items()}))
     out["gpus"] = run_stage_gpus(os.path.join(build, "gpus"))
     return out
 

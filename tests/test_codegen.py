@@ -437,21 +437,31 @@ def test_matmul_into_is_numpys_product_for_every_transpose_and_empty_dims(dtype,
 
 def test_small_products_run_on_one_blas_thread_and_leave_blas_its_own_count():
     """A product below SERIAL_BELOW runs on one OpenBLAS thread (its workers would spin after it, slowing
-    the kernels between products); the count goes back, so kernels' products keep BLAS's own."""
-    if blas._BLAS_THREADS < 2:
+    the kernels between products); the count in force goes back after it, so kernels' products keep
+    BLAS's own, and a limit the user set (threadpoolctl's, say) stays."""
+    if not blas._MULTITHREADED:
         pytest.skip("the BLAS behind scipy is not a multithreaded OpenBLAS")
     get, seen = blas._GET_THREADS, []
+    own = get()
     real = blas._GEMM["f"]
     blas._GEMM["f"] = lambda *args: seen.append(get()) or real(*args)
-    try:
+
+    def products():
         for m in (8, 512):   # 8 x 64 x 64 is below the threshold, 512 x 512 x 64 above
             a, b = np.ones((m, 64), np.float32), np.ones((64, m), np.float32)
             out = np.empty((m, m), np.float32)
             matmul_into(a, b, False, False, out)
             assert (out == 64).all()
+    try:
+        products()
+        assert seen == [1, own] and get() == own
+        seen.clear()
+        blas._SET_THREADS(1)   # the user's limit
+        products()
+        assert seen == [1, 1] and get() == 1
     finally:
         blas._GEMM["f"] = real
-    assert seen == [1, blas._BLAS_THREADS] and get() == blas._BLAS_THREADS
+        blas._SET_THREADS(own)
 
 
 def test_a_constant_array_made_in_a_scan_body_has_its_values():

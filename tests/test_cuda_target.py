@@ -129,7 +129,8 @@ def test_pipelines_on_virtual_devices_match_one_device(results):
         assert r[key] <= 1e-12, (key, r[key])
     assert r["K3 sequential M2 devices"] == ["cuda:0", "cuda:1", "cuda:2"]
     assert r["trainer"] <= 1e-12 and r["trainer_params"] <= TOLERANCE
-    assert r["lr_grad"] <= TOLERANCE and r["lr_trainer"] <= TOLERANCE   # the estimate runs whole
+    # the estimate runs whole, in a plain and in a data-parallel Trainer
+    assert r["lr_grad"] <= TOLERANCE and r["lr_trainer"] <= TOLERANCE and r["lr_trainer_data_parallel"] <= TOLERANCE
 
 
 def test_one_stage_per_gpu_matches_one_device(results):

@@ -40,7 +40,7 @@ def _thread_functions():
 
 
 _SET_THREADS, _GET_THREADS = _thread_functions()
-_BLAS_THREADS = _GET_THREADS() if _GET_THREADS is not None else 1   # its own count, from its start
+_MULTITHREADED = _GET_THREADS is not None and _GET_THREADS() > 1
 
 
 def matmul_into(a, b, ta, tb, out):
@@ -48,14 +48,14 @@ def matmul_into(a, b, ta, tb, out):
     major) sees out.T and computes out.T = op(b).T @ op(a).T, reading a.T and b.T without a copy."""
     if out.size:   # BLAS refuses an empty product; a product over an empty inner dim is zeros, which gemm writes
         target = out.T
-        serial = _BLAS_THREADS > 1 and out.size * a.shape[0 if ta else 1] < SERIAL_BELOW
-        if serial:
+        threads = _GET_THREADS() if _MULTITHREADED and out.size * a.shape[0 if ta else 1] < SERIAL_BELOW else 1
+        if threads > 1:   # (the count in force now: a limit the user set, threadpoolctl's say, stays)
             _SET_THREADS(1)
         try:
             written = _GEMM[out.dtype.char](1.0, b.T, a.T, 0.0, target, tb, ta, 1)
         finally:
-            if serial:
-                _SET_THREADS(_BLAS_THREADS)
+            if threads > 1:
+                _SET_THREADS(threads)
         if written is not target:   # out was not C-ordered, so the wrapper wrote a copy
             out[...] = written.T
 

@@ -151,16 +151,21 @@ class CudaTrainerBase(TrainerBase):
         """gradient="lr" in a pipeline build: the estimate runs whole, not in the stages (codegen/lr_api.py)."""
         return self.pipeline is not None and getattr(self, "gradient", "backprop") == "lr"
 
-    def _lr_gradients(self, p, a):
-        """The estimate of a pipeline build into self._grads, with the params their owners hold, each
-        rank keeping its own params' gradients (under mpiexec; in one process, all); the loss."""
-        run = self.runner
+    def _gradients_launch(self):
         if getattr(self, "_launch_g", None) is None:
             self._launch_g = self._launch_gradients   # one bound method: the captured graph's key
-        entry, head, a = self._entry_args(self.pipeline.params_from_owners(p), a)
-        run.run(self._launch_g, head + [self._grads, self._status], a, entry=entry)
-        self.pipeline.keep_owned(self._grads)
-        return float(run.host(self._status)[0])
+        return self._launch_g
+
+    def _lr_gradients(self, p, a):
+        """The estimate of a pipeline build into self._grads; on several stages with the params their
+        owners hold, each rank keeping its own params' gradients (under mpiexec; in one process, all);
+        the loss."""
+        several = self.pipeline.K > 1
+        entry, head, a = self._entry_args(self.pipeline.params_from_owners(p) if several else p, a)
+        self.runner.run(self._gradients_launch(), head + [self._grads, self._status], a, entry=entry)
+        if several:
+            self.pipeline.keep_owned(self._grads)
+        return float(self.runner.host(self._status)[0])
 
     def _dp_gradients(self, a, grads, final, streamed=True):
         run = self.runner
@@ -168,12 +173,10 @@ class CudaTrainerBase(TrainerBase):
         if self._whole_lr():
             loss, weight = self._lr_gradients(p, a), 1.0
         elif self.pipeline is None:
-            if getattr(self, "_launch_g", None) is None:
-                self._launch_g = self._launch_gradients   # one bound method: the captured graph's key
             entry, head, a = self._entry_args(p, a)
             if streamed and self.streamed_entry is not None and entry == "_loss_and_grad":
                 return self._streamed_gradients(head, a, grads, final), 1.0
-            run.run(self._launch_g, head + [self._grads, self._status], a, entry=entry)
+            run.run(self._gradients_launch(), head + [self._grads, self._status], a, entry=entry)
             loss, weight = float(run.host(self._status)[0]), 1.0
         else:
             loss = self.pipeline.loss_and_grad(p, a, self._grads, decay_once=False)

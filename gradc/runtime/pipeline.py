@@ -13,8 +13,9 @@ a value off its GPU; the received copy goes to the device with the next call's a
 with GRADC_MPI_CUDA_AWARE=1 (an MPI built with CUDA support), sends and receives device buffers
 where they are. A value goes out as soon as it is made, and is received when a function first
 needs it. Messages of one transfer keep their order (MPI does not overtake between a pair of
-ranks on one tag), so the tag is the transfer's index. Every rank gets the loss; each rank's
-gradients are those of its own params.
+ranks on one tag), so the tag is the transfer's index (and past those, a param's index when
+lr_grad, which runs whole on every rank, gets the params their owners hold). Every rank gets the
+loss; each rank's gradients are those of its own params.
 """
 import os
 
