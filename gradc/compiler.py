@@ -78,6 +78,9 @@ def device_options(options, model, dims, memory_budget, src):
                 reduction = loss_reduction(model.graph, batch)
         except RowsError as e:
             raise GradcError(f"--microbatches {M}: {e}", e.src or src) from None
+        if isinstance(dims.get(batch), int) and dims[batch] < M:
+            raise GradcError(f"--microbatches {M}: the batch dim {batch} is bound to {dims[batch]} rows (--bind), "
+                             f"fewer than {M} microbatches", src)
     return {"K": K, "M": M, "schedule": schedule, "device_memory": memory, "batch": batch, "reduction": reduction}
 
 
@@ -447,7 +450,10 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     if partition is not None:
         files[f"{name}.partition.json"] = json_text(partition)
     # a CUDA module compiles its kernels on the GPU, at its first call with each set of shapes
-    return write_outputs(out, name, files, stored, dims if warm_cache and target == "cpu" else None, timings,
+    # the warm-up's synthetic batch (3 rows where the batch dim is unbound) must split into M microbatches
+    warm_dims = dims | ({pipe["batch"]: max(3, pipe["M"])} if pipe["batch"] is not None and pipe["batch"] not in dims
+                        else {})
+    return write_outputs(out, name, files, stored, warm_dims if warm_cache and target == "cpu" else None, timings,
                          [] if notes is None else notes, graph.nx.number_of_nodes(), warm_cache == "all", progress)
 
 

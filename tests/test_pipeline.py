@@ -98,3 +98,21 @@ def test_a_loss_that_mixes_rows_is_refused_for_microbatches(tmp_path, kind, why)
     assert "test_pipeline.py:" in str(e.value)
     assert not (tmp_path / "out").exists()
     compile_model(model, out=str(tmp_path / "one"), order=1, warm_cache=False)   # one batch is fine
+
+
+def test_more_microbatches_than_the_warm_up_rows_compile_and_a_bound_batch_too_small_is_refused(tmp_path):
+    """The warm-up's synthetic batch splits into M microbatches whatever M is (it had 3 rows, so
+    --microbatches 4 failed to compile); a batch dim bound to fewer rows than M is refused by name."""
+    m = _mlp()
+    mod = compile_model(m, out=str(tmp_path / "m8"), order=1, dtype="float64", microbatches=8)
+    one = compile_model(m, out=str(tmp_path / "one"), order=1, dtype="float64", warm_cache=False)
+    params = one.init_params(0)
+    inputs = _inputs(one, 11, np.random.default_rng(1))
+    loss, grads = mod.loss_and_grad(params, **inputs)
+    loss1, grads1 = one.loss_and_grad(params, **inputs)
+    assert loss == pytest.approx(loss1, abs=1e-10)
+    for k in grads1:
+        np.testing.assert_allclose(grads[k], grads1[k], rtol=0, atol=1e-10)
+    with pytest.raises(gc.GradcError, match=r"--microbatches 8: the batch dim B is bound to 4 rows"):
+        compile_model(m, out=str(tmp_path / "bad"), order=1, microbatches=8, bind={"B": 4})
+    assert not (tmp_path / "bad").exists()

@@ -231,7 +231,8 @@ class Pipeline:
             raise ValueError(f"the batch inputs {self.batch_inputs} must share their first dim, got {sorted(rows)}")
         B = rows.pop()
         if B < self.M:
-            raise ValueError(f"a batch of {B} rows cannot make {self.M} microbatches")
+            raise ValueError(f"a batch of {B} rows cannot make {self.M} microbatches (this build's --microbatches): "
+                             f"give at least {self.M} rows")
         bounds = np.linspace(0, B, self.M + 1).round().astype(int)
         micro = [{k: (v[a:b] if k in self.batch_inputs else v) for k, v in inputs.items()}
                  for a, b in zip(bounds[:-1], bounds[1:])]
