@@ -205,3 +205,15 @@ def test_second_order_entries_compile_on_first_use_unless_warm_all(compiled, tmp
     r = gradc("compile", "model.py", "-o", "none", "--warm", "none", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert not cached(tmp_path / "none")
+
+
+def test_compile_says_when_its_kernels_could_not_be_cached(tmp_path):
+    """An unwritable cache folder: the build still works, and the summary says its kernels were not
+    cached (they compile again next time) instead of only "0 from the cache"."""
+    (tmp_path / "tiny.py").write_text(MODEL)
+    (tmp_path / "a_file").write_text("")
+    env = dict(os.environ, GRADC_CACHE_DIR=str(tmp_path / "a_file" / "cache"))   # under a file: never writable
+    r = subprocess.run([sys.executable, "-m", "gradc.cli", "compile", "tiny.py", "-o", "out", "--order", "1"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"; \d+ kernels not cached: the folder could not be written or read", r.stdout), r.stdout
