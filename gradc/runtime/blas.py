@@ -23,7 +23,7 @@ _GEMM = {"f": sgemm, "d": dgemm}
 # between products 2-10x: bench/cpu_step.py's small MLP (products up to 64 x 128 x 128) stepped in
 # 180 us with one BLAS thread, and in 180-300 us with two (300 whenever the second core was
 # contended). A product below SERIAL_BELOW (8 MFLOP) gains little from a second thread, so it runs on
-# one; the count goes back to BLAS's own for everything else (kernels' products included).
+# one; the count in force goes back after it, for everything else (kernels' products included).
 SERIAL_BELOW = 1 << 22
 
 
