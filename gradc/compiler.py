@@ -34,7 +34,8 @@ def check_options(options, src):
 
 def device_options(options, model, dims, memory_budget, src):
     """--devices, --schedule, --device-memory, --microbatches, --batch-dim, checked: a dict with
-    K, schedule, device_memory (bytes or None), M, batch (the batch dim when M > 1), reduction."""
+    K, schedule, device_memory (bytes or None), M, batch (the batch dim when M > 1), reduction. A bad
+    flag value is named by the flag alone, not the model's file:line (nothing in the file is wrong)."""
     from gradc.passes.rows import RowsError, batch_dim, loss_reduction
     from gradc.runtime.schedules import SCHEDULES
     from .sizes import parse_size
@@ -45,22 +46,22 @@ def device_options(options, model, dims, memory_budget, src):
     memory = options.get("device_memory")
     for flag, value in (("--devices", K), ("--microbatches", M)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise GradcError(f"{flag} {value!r}: give a whole number >= 1", src)
+            raise GradcError(f"{flag} {value!r}: give a whole number >= 1")
     if schedule not in SCHEDULES:
-        raise GradcError(f"--schedule {schedule!r}: use one of {', '.join(SCHEDULES)}", src)
+        raise GradcError(f"--schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
     if memory is not None:
         try:
             memory = parse_size(memory)
         except ValueError as e:
-            raise GradcError(f"--device-memory: {e}", src) from None
+            raise GradcError(f"--device-memory: {e}") from None
         if memory == "auto":
-            raise GradcError("--device-memory takes a size (auto is for --memory-budget)", src)
+            raise GradcError("--device-memory takes a size (auto is for --memory-budget)")
     if K == 1 and memory is not None:
-        raise GradcError("--device-memory applies to --devices K with K > 1", src)
+        raise GradcError("--device-memory applies to --devices K with K > 1")
     if K == 1 and M == 1 and schedule != "sequential":
-        raise GradcError("--schedule applies to pipelines: --devices K > 1 or --microbatches M > 1", src)
+        raise GradcError("--schedule applies to pipelines: --devices K > 1 or --microbatches M > 1")
     if options.get("batch_dim") is not None and M == 1:
-        raise GradcError("--batch-dim names the dim --microbatches splits; give --microbatches M > 1 too", src)
+        raise GradcError("--batch-dim names the dim --microbatches splits; give --microbatches M > 1 too")
     if K > 1:
         declared = {d for n in model.graph.nx.nodes for d in model.graph.shape(n) if isinstance(d, str)}
         unbound = sorted(declared - set(dims))
@@ -69,7 +70,7 @@ def device_options(options, model, dims, memory_budget, src):
                              f"e.g. --bind {unbound[0]}=256)", src)
     if (K > 1 or M > 1) and memory_budget is not None:
         raise GradcError("--memory-budget with --devices K > 1 or --microbatches M > 1 is not built yet: each stage "
-                         "keeps every activation (use --device-memory to bound each device)", src)
+                         "keeps every activation (use --device-memory to bound each device)")
     batch = reduction = None
     if M > 1:
         try:
@@ -80,14 +81,14 @@ def device_options(options, model, dims, memory_budget, src):
             raise GradcError(f"--microbatches {M}: {e}", e.src or src) from None
         if isinstance(dims.get(batch), int) and dims[batch] < M:
             raise GradcError(f"--microbatches {M}: the batch dim {batch} is bound to {dims[batch]} rows (--bind), "
-                             f"fewer than {M} microbatches", src)
+                             f"fewer than {M} microbatches")
     return {"K": K, "M": M, "schedule": schedule, "device_memory": memory, "batch": batch, "reduction": reduction}
 
 
 def check_scans(model, scan_backward, target, memory_budget, devices):
     """What a model with gc.scan can be compiled with today (DESIGN.md §1.8)."""
     if scan_backward not in ("reverse", "bppsa"):
-        raise GradcError(f"--scan-backward {scan_backward!r}: use reverse or bppsa", model.src)
+        raise GradcError(f"--scan-backward {scan_backward!r}: use reverse or bppsa")
     g = model.graph
     scans = [n for n in g.nx.nodes if g.op(n) == "scan"]
     if not scans:
@@ -247,7 +248,7 @@ def resolve_budget(graph, memory_budget, src):
     try:
         budget = parse_size(memory_budget)
     except ValueError as e:
-        raise GradcError(f"--memory-budget: {e}", src) from None
+        raise GradcError(f"--memory-budget: {e}") from None
     from gradc.passes.likelihood_ratio import DIMS as LR_DIMS   # lr_grad's samples are chosen at call time
     unbound = sorted({d for n in graph.nx.nodes for d in graph.shape(n) if isinstance(d, str)} - set(LR_DIMS))
     if unbound:
@@ -256,7 +257,7 @@ def resolve_budget(graph, memory_budget, src):
     if budget == "auto":
         free = available_bytes()
         if free is None:
-            raise GradcError("--memory-budget auto: this system does not report its free memory; give a size", src)
+            raise GradcError("--memory-budget auto: this system does not report its free memory; give a size")
         held = sum(int(np.prod(graph.shape(n))) * np.dtype(graph.dtype(n)).itemsize
                    for n in list(graph.params.values()) + list(graph.inputs.values()))
         budget = max(0, int(MEMORY_SHARE * free) - 3 * held)   # params, their gradients, the optimizer state
@@ -383,15 +384,15 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
                          model.src)
     check_options(later_options, model.src)
     if target not in TARGETS:
-        raise GradcError(f"--target {target!r}: use one of {', '.join(TARGETS)}", model.src)
+        raise GradcError(f"--target {target!r}: use one of {', '.join(TARGETS)}")
     if model.graph.loss is None:
         raise GradcError(f"model {model.name!r} has no minimize(loss): nothing to differentiate", model.src)
     if order not in (1, 2):
-        raise GradcError(f"--order {order}: use 1 (gradients) or 2 (also hvp and hessian)", model.src)
+        raise GradcError(f"--order {order}: use 1 (gradients) or 2 (also hvp and hessian)")
     dims = dict(bind or {})
     for d, v in dims.items():
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise GradcError(f"--bind {d}={v}: a dim must be bound to an int >= 1", model.src)
+            raise GradcError(f"--bind {d}={v}: a dim must be bound to an int >= 1")
     timings = {} if timings is None else timings
     t0 = time.perf_counter()
     check_scans(model, scan_backward, target, memory_budget, devices)

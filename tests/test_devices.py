@@ -200,3 +200,13 @@ def test_cli_compile_with_devices_and_inspect_partition(tmp_path):
         assert needle in r.stdout, needle
     r = run("compile", "model.py", "-o", "out2", "--devices", "2", "--no-warm")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--bind" in r.stderr
+
+
+def test_a_bad_flag_value_names_the_flag_not_the_model_file(tmp_path):
+    """Nothing in the model file is wrong, so the error carries no file:line of it."""
+    model = _mlp(layers=2, width=4)
+    for options in (dict(devices=0), dict(microbatches=2, schedule="zigzag"), dict(order=3), dict(bind={"B": 0}),
+                    dict(device_memory="1MiB"), dict(microbatches=8, bind={"B": 4})):
+        with pytest.raises(gc.GradcError) as e:
+            compile_model(model, out=str(tmp_path / "out"), warm_cache=False, **options)
+        assert e.value.src is None and str(e.value).startswith("--"), (options, str(e.value))
