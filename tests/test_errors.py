@@ -174,8 +174,11 @@ def test_runtime_input_errors(small):
         small.loss_and_grad(p, x=x, y=y, z=x)
     with pytest.raises(ValueError, match=r"input 'x' has shape \(4, 2\), expected \(B, 3\)"):
         small.loss_and_grad(p, x=x[:, :2].copy(), y=y)
-    with pytest.raises(ValueError, match="input 'x' has dtype float64, expected float32"):
+    with pytest.raises(ValueError, match=r"input 'x' has dtype float64, expected float32 \(gradc never casts"):
         small.loss_and_grad(p, x=x.astype(np.float64), y=y)
+    with pytest.raises(ValueError, match=r"has dtype float64, expected float32 \(a list becomes a float64 array: "
+                                         r"pass np.asarray\(\.\.\., dtype=float32\)\)"):
+        small.loss_and_grad(p, x=x.tolist(), y=y)
     with pytest.raises(ValueError, match="input 'y' has dtype int32, expected int64"):
         small.loss_and_grad(p, x=x, y=y.astype(np.int32))
     with pytest.raises(ValueError, match=r"input 'x' has shape \(0, 3\): dim B is 0; it must be at least 1"):

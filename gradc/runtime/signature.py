@@ -109,11 +109,14 @@ class Signature:
             shape, dtype = self.inputs_spec[name]
             v = given[name]
             device = self._on_device(v)
-            if not device and not isinstance(v, np.ndarray):
+            given_as = None if device or isinstance(v, np.ndarray) else type(v).__name__
+            if given_as is not None:
                 v = np.asarray(v)
             if array_dtype(v) != np.dtype(dtype):
+                how = (f"a {given_as} becomes a {array_dtype(v)} array: pass np.asarray(..., dtype={dtype})"
+                       if given_as else "gradc never casts inputs")
                 raise ValueError(f"{self.model}.{entry}: input {name!r} has dtype {array_dtype(v)}, expected {dtype} "
-                                 f"(gradc never casts inputs)")
+                                 f"({how})")
             if len(v.shape) != len(shape):
                 raise ValueError(f"{self.model}.{entry}: input {name!r} has shape {_fmt(v.shape)}, expected {_fmt(shape)}")
             for d, actual in zip(shape, v.shape):
