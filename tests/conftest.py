@@ -1,5 +1,6 @@
 """Shared helpers: float64 central finite differences through the IR interpreter."""
 import itertools
+import os
 
 import numpy as np
 import pytest
@@ -46,6 +47,17 @@ def assert_grads_match_fd(model, params, inputs, rtol=1e-5, atol=1e-7):
             checked += 1
     assert checked, "nothing was differentiated"
     return graph
+
+
+def cuda_env(**extra):
+    """The environment of a subprocess that runs generated CUDA code: numba-cuda's simulator, or
+    the real driver when GRADC_TEST_ON_GPU=1 (on a lent GPU machine; README, "Tests")."""
+    env = dict(os.environ, **extra)
+    if os.environ.get("GRADC_TEST_ON_GPU") == "1":
+        env.pop("NUMBA_ENABLE_CUDASIM", None)
+    else:
+        env["NUMBA_ENABLE_CUDASIM"] = "1"
+    return env
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ import sys
 
 import numpy as np
 
-assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run under numba-cuda's simulator"
+assert "1" in (os.environ.get("NUMBA_ENABLE_CUDASIM"), os.environ.get("GRADC_TEST_ON_GPU")), \
+    "run under numba-cuda's simulator, or set GRADC_TEST_ON_GPU=1 on a GPU"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gradc as gc  # noqa: E402

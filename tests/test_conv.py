@@ -11,7 +11,7 @@ from gradc.interpret import evaluate
 from gradc.ops import conv as C
 from gradc.passes.pipeline import build_training_graph
 
-from conftest import assert_grads_match_fd
+from conftest import assert_grads_match_fd, cuda_env
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -315,7 +315,7 @@ def test_cuda_kernels_match_numpy_under_the_simulator():
     import sys
     here = os.path.dirname(os.path.abspath(__file__))
     out = subprocess.run([sys.executable, os.path.join(here, "conv_kernel_cases.py"), "cuda"], cwd=here,
-                         env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), capture_output=True, text=True, timeout=600)
+                         env=cuda_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert float(out.stdout.split()[-1]) <= 1e-12, out.stdout
 
@@ -417,7 +417,7 @@ def test_cuda_target_conv_net_matches_the_interpreter(tmp_path):
     import sys
     here = os.path.dirname(os.path.abspath(__file__))
     out = subprocess.run([sys.executable, os.path.join(here, "conv_cuda_runs.py"), str(tmp_path)], cwd=here,
-                         env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), capture_output=True, text=True, timeout=900)
+                         env=cuda_env(), capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     errors = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(errors) == {"forward", "loss", "grads", "input_grads", "hvp"}

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from codegen_cuda_cases import CASES, UPDATES, build_module
+from conftest import cuda_env
 
 pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
 
@@ -96,7 +97,7 @@ def test_cuda_kernels_match_numpy_under_the_simulator(tmp_path):
     (tmp_path / "cuda_kernels.py").write_text(build_module())
     (tmp_path / "cases.json").write_text(json.dumps(CASES))
     (tmp_path / "runner.py").write_text(RUNNER)
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    env = cuda_env()
     out = subprocess.run([sys.executable, str(tmp_path / "runner.py"), str(tmp_path), str(tmp_path / "cases.json"),
                           json.dumps(UPDATES)],
                          env=env, capture_output=True, text=True, timeout=900)

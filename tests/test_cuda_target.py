@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import cuda_env
 
 pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
 pytestmark = pytest.mark.slow
@@ -20,7 +21,7 @@ TOLERANCE = 1e-12   # relative: the same float64 arithmetic in another order
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    env = cuda_env()
     procs = {what: subprocess.Popen([sys.executable, RUNS, what, str(tmp_path_factory.mktemp(what))], env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for what in ("models", "trainer", "bppsa")}

@@ -18,6 +18,7 @@ from gradc.compiler import compile_model
 
 from test_memory import _dag, _mlp
 from test_pipeline import _sum_loss_model
+from conftest import cuda_env
 
 pytest.importorskip("mpi4py", reason="the mpi extra (pip install 'gradc[mpi]') is not installed")
 
@@ -356,7 +357,7 @@ def test_data_parallel_of_a_cuda_module_under_the_simulator(tmp_path, builds):
     np.savez(tmp_path / "inputs.npz", **inputs)
     runs = [{"mode": "data", "options": OPTIONS[1], "steps": 2, "shards": SHARDS[2]},
             {"mode": "data", "options": OPTIONS[0], "steps": 2, "shards": SHARDS[2], "parallel": {"overlap": False}}]
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    env = cuda_env()
     mpiexec = shutil.which("mpiexec") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
     (tmp_path / "rank.py").write_text(RANK_SCRIPT.replace("results[f\"p{i}_{k}\"] = v",
                                                           "results[f\"p{i}_{k}\"] = m._CUDA.host(v) if hasattr(v, 'copy_to_host') else v"))

@@ -14,6 +14,7 @@ from gradc.interpret import evaluate
 from gradc.ops.random import draw
 from gradc.passes.pipeline import build_training_graph
 from gradc.passes.rows import RowsError, loss_reduction
+from conftest import cuda_env
 
 
 def every_new_op():
@@ -97,7 +98,7 @@ def test_cpu_module_matches_the_interpreter_and_torch(build_dir):
 def test_cuda_module_under_the_simulator_matches_the_interpreter(tmp_path):
     pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
     script = os.path.join(os.path.dirname(__file__), "indexing_cuda_runs.py")
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    env = cuda_env()
     proc = subprocess.run([sys.executable, "-W", "ignore", script, str(tmp_path)], env=env, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -15,6 +15,7 @@ import pytest
 
 import gradc as gc
 from gradc.runtime import kernel_cache
+from conftest import cuda_env
 
 # the scripts' common start: imports and a tanh MLP of `layers` layers of `width`
 PRELUDE = textwrap.dedent('''
@@ -297,7 +298,7 @@ def test_cuda_kernels_come_from_the_cache_too(tmp_path):
     pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
     script, cache = tmp_path / "cuda_run.py", tmp_path / "cache"
     script.write_text(CUDA_RUN)
-    env = dict(os.environ, GRADC_CACHE_DIR=str(cache), NUMBA_ENABLE_CUDASIM="1")
+    env = cuda_env(GRADC_CACHE_DIR=str(cache))
     runs = []
     for name, layers in (("cuda_two", 2), ("cuda_three", 3)):
         proc = subprocess.run([sys.executable, str(script), name, str(layers), str(tmp_path / name)], env=env,

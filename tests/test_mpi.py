@@ -12,6 +12,7 @@ import pytest
 
 from gradc.compiler import compile_model
 
+from conftest import cuda_env
 from test_memory import _dag, _inputs, _pinned_dag
 
 pytest.importorskip("mpi4py", reason="the mpi extra (pip install 'gradc[mpi]') is not installed")
@@ -118,8 +119,10 @@ def test_two_mpi_ranks_of_a_cuda_module_match_one_process(tmp_path):
     dev = compile_model(model, out=str(tmp_path / "cuda"), target="cuda", **options)   # (its own cut: fused GEMMs)
     inputs = _inputs(cpu, 5, np.random.default_rng(5))
     np.savez(tmp_path / "inputs.npz", **inputs)
-    # one Trainer step: the simulator runs every GPU thread in Python (the CPU test above takes 3)
-    ranks = _ranks(tmp_path, str(tmp_path / "cuda"), model.name, env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"),
+    # one Trainer step: the simulator runs every GPU thread in Python (the CPU test above takes 3);
+    # always the simulator, whose device arrays CUDA_AWARE_RANK_0 patches
+    simulator = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    ranks = _ranks(tmp_path, str(tmp_path / "cuda"), model.name, env=simulator,
                    steps=1, prelude=CUDA_AWARE_RANK_0, check=CUDA_AWARE_CHECK)
     _check_ranks(ranks, dev._PIPELINE.grad_stages, *_one_process(cpu, inputs, steps=1), tol=1e-12)
 
@@ -164,7 +167,7 @@ def test_lr_grad_on_two_mpi_ranks_matches_one_process(tmp_path, target):
     loss, grads = whole.lr_grad(params, samples=6, sigma=1e-2, seed=5, **inputs)
     tr = whole.Trainer(params, optimizer="adam", lr=1e-2, clip_norm=0.5, gradient="lr", samples=4)
     losses = [tr.step(**inputs) for _ in range(3)]
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1") if target == "cuda" else None
+    env = cuda_env() if target == "cuda" else None
     if target == "cpu":
         mod.lr_grad(params, samples=6, sigma=1e-2, seed=5, **inputs)   # fills Numba's cache for the ranks
     ranks = _ranks(tmp_path, str(tmp_path / "build"), model.name, env=env, script=LR_RANK_SCRIPT)
