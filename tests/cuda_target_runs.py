@@ -24,6 +24,7 @@ import test_codegen as zoo  # noqa: E402
 import test_scan as scans  # noqa: E402
 from gradc.interpret import evaluate  # noqa: E402
 from gradc.passes.pipeline import build_training_graph  # noqa: E402
+from gradc.runtime.cuda import simulated  # noqa: E402
 
 # the models the CUDA backend must run: softmax cross-entropy, max, user elementwise ops, shared
 # weights, scalars, layout ops, broadcasting, frozen params, constant arrays, int32 labels
@@ -355,14 +356,37 @@ class FakeGraphs:
         return self.Builder()
 
 
+class CountedGraphs:
+    """On a real GPU the driver captures: this counts the runner's captures (first calls with new
+    shapes) and its replays (calls that found a captured graph)."""
+
+    def __init__(self, runner):
+        self.captures = self.replays = 0
+        first_call, run = runner._first_call, runner.run
+
+        def counted_first_call(*args):
+            self.captures += 1
+            return first_call(*args)
+
+        def counted_run(*args, **kwargs):
+            before = self.captures
+            out = run(*args, **kwargs)
+            self.replays += self.captures == before and runner.use_graphs
+            return out
+        runner._first_call, runner.run = counted_first_call, counted_run
+
+
 def run_graphs(build):
     """The runner's CUDA-graph path (capture once per shapes, copy arguments into the captured
     buffers, replay), with the driver's capture simulated by FakeGraphs."""
     rng = np.random.default_rng(2)
     model, cpu, dev = both(zoo.mlp_weight_decay, build)
-    fakes = FakeGraphs()
     dev._CUDA._start()
-    dev._CUDA.use_graphs, dev._CUDA._device = True, fakes
+    if simulated():
+        fakes = FakeGraphs()
+        dev._CUDA.use_graphs, dev._CUDA._device = True, fakes
+    else:   # a real GPU: the driver captures and replays
+        fakes = CountedGraphs(dev._CUDA)
     params = cpu.init_params(seed=7)
     out, worst = {}, 0.0
     for batch in (6, 6, 6, 4, 6):   # a new batch size is a new capture; the same one replays
@@ -430,8 +454,24 @@ def run_library(build):
     rng = np.random.default_rng(5)
     model, cpu, dev = both(zoo.mlp_weight_decay, build)
     params, inputs = cpu.init_params(seed=6), zoo._inputs(cpu, rng, batch=6)
+    library = FakeCupy
+    if not simulated():   # a real GPU: CuPy's cuBLAS itself where CuPy is installed, its products counted
+        try:
+            import cupy
+
+            class CountedCupy:
+                cuda = cupy.cuda
+                asarray = staticmethod(cupy.asarray)
+
+                @staticmethod
+                def matmul(a, b, out):
+                    calls.append((not a.flags.c_contiguous, not b.flags.c_contiguous))
+                    return cupy.matmul(a, b, out=out)
+            library = CountedCupy
+        except ImportError:
+            pass
     saved = sites._CUPY[:], sites.LIBRARY_MIN_FLOP
-    sites._CUPY[:], sites.LIBRARY_MIN_FLOP = [FakeCupy], 0
+    sites._CUPY[:], sites.LIBRARY_MIN_FLOP = [library], 0
     try:
         l1, g1 = cpu.loss_and_grad(params, **inputs)
         l2, g2 = dev.loss_and_grad(params, **inputs)
@@ -470,7 +510,8 @@ def run_pipelines(build):
                   for mod, p in ((cpu, None), (dev, parallel)))
         out[key] = max(abs(t1.step(**inputs) - t2.step(**inputs)), err(
             t1.params, {k: v.copy_to_host() for k, v in t2.params.items()}))
-    out["gpus"] = run_stage_gpus(os.path.join(build, "gpus"))
+    # the simulator is given 3 GPUs; a real machine's own GPUs are not faked
+    out["gpus"] = run_stage_gpus(os.path.join(build, "gpus")) if simulated() else None
     return out
 
 

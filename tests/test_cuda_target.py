@@ -115,7 +115,7 @@ def test_device_inputs_are_checked_by_name(results):
 
 
 def test_graph_path_captures_once_per_shape_and_replays(results):
-    """The runner's CUDA-graph path, the driver's stream capture simulated (FakeGraphs)."""
+    """The runner's CUDA-graph path: the driver's stream capture simulated (FakeGraphs), or real on a GPU."""
     r = results["trainer"]["graphs"]
     assert r["graph_error"] is None
     assert r["captures"] == 2 and r["replays"] == 3    # batches 6, 6, 6, 4, 6: two shapes, three repeats
@@ -139,6 +139,8 @@ def test_one_stage_per_gpu_matches_one_device(results):
     the module's runner on GPU 0 holding the trained state, values crossing GPUs only after the
     receiving GPU's stream waited on an event recorded on the sending GPU's."""
     r = results["models"]["pipelines"]["gpus"]
+    if r is None:
+        pytest.skip("on a real GPU: this test fakes 3 GPUs, which only the simulator can")
     assert r["error"] <= 1e-12
     assert r["runners"] == [[0, True], [1, False]] and r["held"] == ["cuda:0", "cuda:1"]
     assert r["crossings"] == [[0, 1], [1, 0]] and r["events"] % 2 == 0

@@ -192,11 +192,12 @@ def cuda_host():
     version (numba-cuda keys its own cache by the GPU's architecture)."""
     if not _CUDA_HOST:
         module = load_cuda().__name__.split(".")[0]
+        package = "numba-cuda" if module == "numba" else module.replace("_", "-")   # numba.cuda is numba-cuda's
         try:
-            version = importlib.metadata.version("numba-cuda" if module == "numba" else module.replace("_", "-"))
+            version = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             version = "?"
-        _CUDA_HOST.append("numba-cuda simulator" if simulated() else f"{module} {version}")
+        _CUDA_HOST.append("numba-cuda simulator" if simulated() else f"{package} {version}")
     return _CUDA_HOST[0]
 
 
