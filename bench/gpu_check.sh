@@ -4,6 +4,7 @@
 #
 #   here, once:   ../shared/device/fetch-wheels.sh          (numba-cuda and numpy wheels into .whl/)
 #   device tool:  run(command="bash bench/gpu_check.sh [--quick] [pytest -k EXPR]", carry=[".whl"])
+#   (TEST_SECONDS, BENCH_SECONDS: time limits; SANITIZE=1 adds compute-sanitizer runs)
 #
 # --quick: the default test tier and gpu_step.py --quick; otherwise every CUDA test, slow ones too.
 set -uo pipefail
@@ -28,3 +29,10 @@ timeout "${TEST_SECONDS:-300}" python3 -m pytest -q -p no:cacheprovider -n 6 --d
     tests/test_kernel_cache.py tests/test_data_parallel.py tests/test_mpi.py 2>&1 | tee "$OUT/tests.log"
 gpu_step=(); [ $quick = 1 ] && gpu_step=(--quick)
 timeout "${BENCH_SECONDS:-150}" python3 bench/gpu_step.py "${gpu_step[@]}" --out "$OUT" 2>&1 | tee "$OUT/gpu_step.log"
+# SANITIZE=1: the two smaller models' gradient checks under compute-sanitizer (out-of-bounds and races)
+if [ "${SANITIZE:-0}" = 1 ]; then
+    for tool in memcheck racecheck; do
+        timeout "${SANITIZE_SECONDS:-120}" compute-sanitizer --tool $tool --print-limit 20 \
+            python3 bench/gpu_step.py --quick --check-only --out "$OUT" 2>&1 | grep -v "Warning" | tail -40 | tee "$OUT/$tool.log"
+    done
+fi

@@ -83,7 +83,7 @@ def timed(step, rounds, steps):
     return out
 
 
-def step_table(quick, details, wrong):
+def step_table(quick, details, wrong, check_only=False):
     import torch
     import gradc as gc
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -102,7 +102,7 @@ def step_table(quick, details, wrong):
         l_ref, g_ref = reference(widths, params, x, y)
         errors = {}
         for label, build_ in (("cpu", cpu), ("cuda", dev)):
-            for call in (1, 2):   # the first call runs the launches; the second replays its CUDA graph
+            for call in range(1, 5):   # the first call runs the launches; later ones replay its CUDA graph
                 l_got, g_got = build_.loss_and_grad(params, x=x, y=y)
                 errors[f"{label} call {call}"] = {"loss": abs(l_got - l_ref) / max(1.0, abs(l_ref))} | {
                     k: float(np.max(np.abs(g_got[k] - g_ref[k])) / (np.max(np.abs(g_ref[k])) + 1e-12)) for k in g_ref}
@@ -116,6 +116,8 @@ def step_table(quick, details, wrong):
             wrong.append(widths)
             continue
 
+        if check_only:
+            continue
         xt, yt = torch.from_numpy(x).cuda(), torch.from_numpy(y).cuda()
         net = torch_model(widths, params)
         opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
@@ -224,13 +226,16 @@ def gemm_table(quick):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the two smaller models, one GEMM size, fewer rounds")
+    ap.add_argument("--check-only", action="store_true", help="only the gradient checks, nothing timed")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where gpu_step.json goes")
     args = ap.parse_args()
     import torch
     if not torch.cuda.is_available():
         sys.exit("bench/gpu_step.py needs a CUDA GPU (and torch with CUDA); none here")
     details, wrong = [], []
-    steps = step_table(args.quick, details, wrong)
+    steps = step_table(args.quick, details, wrong, args.check_only)
+    if args.check_only:   # (under compute-sanitizer, say)
+        sys.exit(f"wrong gradients: {wrong}" if wrong else 0)
     gemms = gemm_table(args.quick)
     with open(os.path.join(args.out, "gpu_step.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "steps": steps, "gemm": gemms, "details": details}, f, indent=1)

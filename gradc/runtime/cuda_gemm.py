@@ -43,6 +43,22 @@ def _stream_pointer(stream):
     return int(stream.handle)
 
 
+class _OnThisStream:
+    """A device array as CuPy should read it: on the stream CuPy is given (the runner's, where the
+    kernels that wrote it ran), with no stream of its own to wait on. numba-cuda cannot write an
+    array's stream into __cuda_array_interface__ when it is a cuda.core stream (a TypeError), so a
+    numba array's interface is written here from its pointer."""
+
+    def __init__(self, a):
+        self.array = a
+        if hasattr(a, "device_ctypes_pointer"):   # numba's
+            self.__cuda_array_interface__ = {
+                "shape": tuple(a.shape), "strides": tuple(a.strides), "typestr": a.dtype.str, "version": 3,
+                "data": (a.device_ctypes_pointer.value or 0, False), "stream": None}
+        else:
+            self.__cuda_array_interface__ = dict(a.__cuda_array_interface__, stream=None)
+
+
 class Gemm:
     """One GEMM site: `site(stream, *args)` launches the kernel chosen for these shapes.
 
@@ -69,7 +85,7 @@ class Gemm:
         ta, tb, epilogue = self.cublas
         cupy = library()
         with cupy.cuda.ExternalStream(_stream_pointer(stream)):
-            A, B, C = cupy.asarray(a), cupy.asarray(b), cupy.asarray(out)
+            A, B, C = (cupy.asarray(_OnThisStream(x)) for x in (a, b, out))
             cupy.matmul(A.T if ta else A, B.T if tb else B, out=C)
         if epilogue is not None:   # bias, activation, ... over the product, in place
             epilogue[flat(out, stream)](out, *epilogue_args, out)
