@@ -86,6 +86,7 @@ def timed(step, rounds, steps):
 def step_table(quick, details, wrong, check_only=False):
     import torch
     import gradc as gc
+    import gradc.runtime.cuda_gemm as sites
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     rows = []
@@ -111,6 +112,13 @@ def step_table(quick, details, wrong, check_only=False):
             dev64 = gc.compile(model, out=os.path.join(build, "f64"), target="cuda", order=1, dtype="float64")
             l64, g64 = dev64.loss_and_grad({k: v.astype(np.float64) for k, v in params.items()}, x=x.astype(np.float64), y=y)
             errors["cuda float64"] = {"loss": abs(l64 - l_ref)} | {k: float(np.max(np.abs(g64[k] - g_ref[k]))) for k in g_ref}
+            saved = sites._CUPY[:], sites.LIBRARY_MIN_FLOP
+            for label, cupy_, min_flop in (("no cuBLAS", None, 0), ("cuBLAS for every product", sites.library(), 0)):
+                sites._CUPY[:], sites.LIBRARY_MIN_FLOP = [cupy_], min_flop
+                l_got, g_got = dev.loss_and_grad(params, x=x, y=y)
+                errors[f"cuda, {label}"] = {"loss": abs(l_got - l_ref)} | {
+                    k: float(np.max(np.abs(g_got[k] - g_ref[k])) / (np.max(np.abs(g_ref[k])) + 1e-12)) for k in g_ref}
+            sites._CUPY[:], sites.LIBRARY_MIN_FLOP = saved
             print(f"WRONG: {'-'.join(map(str, widths))}: a build is off torch's float64 gradients: {json.dumps(errors)}",
                   flush=True)
             wrong.append(widths)
