@@ -53,6 +53,42 @@ def torch_model(widths, params):
     return torch.nn.Sequential(*layers)
 
 
+def cublas_sites(dev, sites, params, x, y, g_ref):
+    """Which GEMM site goes wrong on the cuBLAS path: cuBLAS at one site at a time; then at every
+    site with the device synchronised right after each product (before its epilogue)."""
+    def worst():
+        _, g = dev.loss_and_grad(params, x=x, y=y)
+        return max(float(np.max(np.abs(g[k] - g_ref[k])) / (np.max(np.abs(g_ref[k])) + 1e-12)) for k in g_ref)
+    gemms = {name: site for name, site in vars(dev).items() if isinstance(site, sites.Gemm)}
+    routes = {name: site.cublas for name, site in gemms.items()}
+    cupy, saved_min = sites.library(), sites.LIBRARY_MIN_FLOP
+    out = {}
+    sites.LIBRARY_MIN_FLOP = 0
+    try:
+        for name in gemms:
+            for other, site in gemms.items():
+                site.cublas = routes[other] if other == name else None
+            out[f"cuBLAS at {name} {routes[name] and routes[name][:2]} only"] = worst()
+        for name, site in gemms.items():
+            site.cublas = routes[name]
+
+        class Synced:
+            cuda = cupy.cuda
+            asarray = staticmethod(cupy.asarray)
+
+            @staticmethod
+            def matmul(a, b, out):
+                cupy.matmul(a, b, out=out)
+                cupy.cuda.Device().synchronize()
+        sites._CUPY[:] = [Synced]
+        out["cuBLAS everywhere, synchronised after each product"] = worst()
+    finally:
+        sites._CUPY[:], sites.LIBRARY_MIN_FLOP = [cupy], saved_min
+        for name, site in gemms.items():
+            site.cublas = routes[name]
+    return {"sites": out}
+
+
 def reference(widths, params, x, y):
     """The loss and gradients from torch's autograd in float64 on the CPU."""
     import torch
@@ -83,14 +119,14 @@ def timed(step, rounds, steps):
     return out
 
 
-def step_table(quick, details, wrong, check_only=False):
+def step_table(quick, details, wrong, check_only=False, only=None):
     import torch
     import gradc as gc
     import gradc.runtime.cuda_gemm as sites
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     rows = []
-    for widths, batch in MODELS[:2] if quick else MODELS:
+    for widths, batch in [MODELS[only]] if only is not None else MODELS[:2] if quick else MODELS:
         model = gradc_model(widths, batch)
         build = tempfile.mkdtemp(prefix="gradc-gpu-")
         dev = gc.compile(model, out=build, target="cuda", order=1)
@@ -119,6 +155,7 @@ def step_table(quick, details, wrong, check_only=False):
                 errors[f"cuda, {label}"] = {"loss": abs(l_got - l_ref)} | {
                     k: float(np.max(np.abs(g_got[k] - g_ref[k])) / (np.max(np.abs(g_ref[k])) + 1e-12)) for k in g_ref}
             sites._CUPY[:], sites.LIBRARY_MIN_FLOP = saved
+            errors |= cublas_sites(dev, sites, params, x, y, g_ref)
             print(f"WRONG: {'-'.join(map(str, widths))}: a build is off torch's float64 gradients: {json.dumps(errors)}",
                   flush=True)
             wrong.append(widths)
@@ -234,6 +271,7 @@ def gemm_table(quick):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the two smaller models, one GEMM size, fewer rounds")
+    ap.add_argument("--only", type=int, help="only this model (0, 1, 2)")
     ap.add_argument("--check-only", action="store_true", help="only the gradient checks, nothing timed")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where gpu_step.json goes")
     args = ap.parse_args()
@@ -241,7 +279,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("bench/gpu_step.py needs a CUDA GPU (and torch with CUDA); none here")
     details, wrong = [], []
-    steps = step_table(args.quick, details, wrong, args.check_only)
+    steps = step_table(args.quick, details, wrong, args.check_only, args.only)
     if args.check_only:   # (under compute-sanitizer, say)
         sys.exit(f"wrong gradients: {wrong}" if wrong else 0)
     gemms = gemm_table(args.quick)
