@@ -53,42 +53,6 @@ def torch_model(widths, params):
     return torch.nn.Sequential(*layers)
 
 
-def cublas_sites(dev, sites, params, x, y, g_ref):
-    """Which GEMM site goes wrong on the cuBLAS path: cuBLAS at one site at a time; then at every
-    site with the device synchronised right after each product (before its epilogue)."""
-    def worst():
-        _, g = dev.loss_and_grad(params, x=x, y=y)
-        return max(float(np.max(np.abs(g[k] - g_ref[k])) / (np.max(np.abs(g_ref[k])) + 1e-12)) for k in g_ref)
-    gemms = {name: site for name, site in vars(dev).items() if isinstance(site, sites.Gemm)}
-    routes = {name: site.cublas for name, site in gemms.items()}
-    cupy, saved_min = sites.library(), sites.LIBRARY_MIN_FLOP
-    out = {}
-    sites.LIBRARY_MIN_FLOP = 0
-    try:
-        for name in gemms:
-            for other, site in gemms.items():
-                site.cublas = routes[other] if other == name else None
-            out[f"cuBLAS at {name} {routes[name] and routes[name][:2]} only"] = worst()
-        for name, site in gemms.items():
-            site.cublas = routes[name]
-
-        class Synced:
-            cuda = cupy.cuda
-            asarray = staticmethod(cupy.asarray)
-
-            @staticmethod
-            def matmul(a, b, out):
-                cupy.matmul(a, b, out=out)
-                cupy.cuda.Device().synchronize()
-        sites._CUPY[:] = [Synced]
-        out["cuBLAS everywhere, synchronised after each product"] = worst()
-    finally:
-        sites._CUPY[:], sites.LIBRARY_MIN_FLOP = [cupy], saved_min
-        for name, site in gemms.items():
-            site.cublas = routes[name]
-    return {"sites": out}
-
-
 def reference(widths, params, x, y):
     """The loss and gradients from torch's autograd in float64 on the CPU."""
     import torch
@@ -122,7 +86,6 @@ def timed(step, rounds, steps):
 def step_table(quick, details, wrong, check_only=False, only=None):
     import torch
     import gradc as gc
-    import gradc.runtime.cuda_gemm as sites
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     rows = []
@@ -135,32 +98,29 @@ def step_table(quick, details, wrong, check_only=False, only=None):
         rng = np.random.default_rng(0)
         x = rng.standard_normal((batch, widths[0])).astype(np.float32)
         y = rng.integers(0, widths[-1], batch)
-        # correctness first: both builds against torch's float64 autograd on the CPU, param by param
+        # Correctness first, against torch's float64 autograd on the CPU. The float64 CUDA build runs the
+        # same generated code and must agree to rounding. A float32 build may flip a ReLU's mask where a
+        # pre-activation lies within float32 rounding of 0, and each flip moves a whole row of the
+        # gradients below it: on the 4096-wide MLP, cuBLAS's float32 products (error ~2e-6 of the
+        # largest entry) flip a few masks and give 1e-2 max-relative error on the GPU, and flips from
+        # noise of that size in a float64 numpy model give 4e-3 to 7e-3 L2-relative (against ~1e-7
+        # with none). So float32 builds are held to an L2 bound that catches a wrong kernel, not to
+        # rounding; bench/gpu_gemm_accuracy.py holds each GEMM path to rounding.
         l_ref, g_ref = reference(widths, params, x, y)
+        dev64 = gc.compile(model, out=os.path.join(build, "f64"), target="cuda", order=1, dtype="float64", warm=False)
         errors = {}
-        for label, build_ in (("cpu", cpu), ("cuda", dev)):
-            for call in range(1, 5):   # the first call runs the launches; later ones replay its CUDA graph
-                l_got, g_got = build_.loss_and_grad(params, x=x, y=y)
+        for label, build_, dtype in (("cuda float64", dev64, np.float64), ("cpu", cpu, np.float32), ("cuda", dev, np.float32)):
+            for call in range(1, 4):   # the first call runs the launches; later ones replay its CUDA graph
+                l_got, g_got = build_.loss_and_grad({k: v.astype(dtype) for k, v in params.items()}, x=x.astype(dtype), y=y)
                 errors[f"{label} call {call}"] = {"loss": abs(l_got - l_ref) / max(1.0, abs(l_ref))} | {
-                    k: float(np.max(np.abs(g_got[k] - g_ref[k])) / (np.max(np.abs(g_ref[k])) + 1e-12)) for k in g_ref}
-        grad_err = max(max(e.values()) for e in errors.values())
-        if grad_err >= 1e-4:   # not timed: say which build and param is off, and whether float64 is too
-            dev64 = gc.compile(model, out=os.path.join(build, "f64"), target="cuda", order=1, dtype="float64")
-            l64, g64 = dev64.loss_and_grad({k: v.astype(np.float64) for k, v in params.items()}, x=x.astype(np.float64), y=y)
-            errors["cuda float64"] = {"loss": abs(l64 - l_ref)} | {k: float(np.max(np.abs(g64[k] - g_ref[k]))) for k in g_ref}
-            saved = sites._CUPY[:], sites.LIBRARY_MIN_FLOP
-            for label, cupy_, min_flop in (("no cuBLAS", None, 0), ("cuBLAS for every product", sites.library(), 0)):
-                sites._CUPY[:], sites.LIBRARY_MIN_FLOP = [cupy_], min_flop
-                l_got, g_got = dev.loss_and_grad(params, x=x, y=y)
-                errors[f"cuda, {label}"] = {"loss": abs(l_got - l_ref)} | {
-                    k: float(np.max(np.abs(g_got[k] - g_ref[k])) / (np.max(np.abs(g_ref[k])) + 1e-12)) for k in g_ref}
-            sites._CUPY[:], sites.LIBRARY_MIN_FLOP = saved
-            errors |= cublas_sites(dev, sites, params, x, y, g_ref)
-            print(f"WRONG: {'-'.join(map(str, widths))}: a build is off torch's float64 gradients: {json.dumps(errors)}",
+                    k: float(np.linalg.norm(g_got[k] - g_ref[k]) / (np.linalg.norm(g_ref[k]) + 1e-30)) for k in g_ref}
+        f64_err = max(max(e.values()) for k, e in errors.items() if k.startswith("cuda float64"))
+        grad_err = max(max(e.values()) for k, e in errors.items() if not k.startswith("cuda float64"))
+        if f64_err > 1e-10 or grad_err > 1e-2:   # not timed
+            print(f"WRONG: {'-'.join(map(str, widths))}: off torch's float64 gradients (L2-relative): {json.dumps(errors)}",
                   flush=True)
             wrong.append(widths)
             continue
-
         if check_only:
             continue
         xt, yt = torch.from_numpy(x).cuda(), torch.from_numpy(y).cuda()
@@ -215,7 +175,8 @@ def step_table(quick, details, wrong, check_only=False, only=None):
         row = {"model": "-".join(map(str, widths)), "batch": batch, **{k: round(v, 4) for k, v in med.items()},
                "eager / gradc": round(med["torch eager"] / med["gradc"], 2),
                "graph / gradc": round(med["torch graph"] / med["gradc"], 2),
-               "graphs used": dev._CUDA.use_graphs, "graph error": dev._CUDA.graph_error, "grad err vs torch f64": grad_err}
+               "graphs used": dev._CUDA.use_graphs, "graph error": dev._CUDA.graph_error,
+               "float32 grad err (L2) vs torch f64": grad_err, "float64 grad err": f64_err}
         rows.append(row)
         details.append({"row": row, "times": times})
     return rows

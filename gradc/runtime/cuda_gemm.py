@@ -51,12 +51,14 @@ class _OnThisStream:
 
     def __init__(self, a):
         self.array = a
+
+    @property
+    def __cuda_array_interface__(self):
+        a = self.array
         if hasattr(a, "device_ctypes_pointer"):   # numba's
-            self.__cuda_array_interface__ = {
-                "shape": tuple(a.shape), "strides": tuple(a.strides), "typestr": a.dtype.str, "version": 3,
-                "data": (a.device_ctypes_pointer.value or 0, False), "stream": None}
-        else:
-            self.__cuda_array_interface__ = dict(a.__cuda_array_interface__, stream=None)
+            return {"shape": tuple(a.shape), "strides": tuple(a.strides), "typestr": a.dtype.str, "version": 3,
+                    "data": (a.device_ctypes_pointer.value or 0, False), "stream": None}
+        return dict(a.__cuda_array_interface__, stream=None)
 
 
 class Gemm:
