@@ -115,7 +115,7 @@ class EntryWriter:
         if self.graph.shape(r) == ():
             # the objective comes back as a number; other scalars as 1-element arrays
             return v if r in self.scalar_roots else f"np.full(1, {v}, FLOAT)"
-        if self.graph.op(r) in ("reshape", "param", "input", "const") or r in seen:
+        if get_op(self.graph.op(r)).view or self.graph.op(r) in ("param", "input", "const") or r in seen:
             return f"{v}.copy()"   # never hand out a view of another value
         return v
 

@@ -141,8 +141,9 @@ def _compiled_units(module, second_order):
     calls (and the Trainer's methods) reach through the module's globals."""
     import dis
     env = vars(module)
-    todo = [env[f] for f in ("forward", "loss_and_grad", "input_grads") + (("hvp",) if second_order else ())
-            if callable(env.get(f))]
+    publics = {e.public for e in ENTRIES if e.order <= module.ORDER and (e.warm == "first" or second_order)}
+    todo = [env[f] for f in sorted(publics) if callable(env.get(f))]   # the rows warm() calls (forward_loss: forward)
+    todo += [env["forward"]] if "forward_loss" in publics and callable(env.get("forward")) else []
     trainer = env.get("Trainer")
     todo += [f for f in vars(trainer).values() if callable(f)] if isinstance(trainer, type) else []
     seen, units = set(), []

@@ -4,68 +4,20 @@ import hashlib
 import numpy as np
 
 from gradc.ops import get_op
-from gradc.ops.elementwise import X
 
 LEAVES = ("input", "param", "const")
 
 
-def _const_value(graph, n):
-    return graph.attrs(n)["value"] if graph.op(n) == "const" else None
-
-
-def _is_scalar_const(graph, n, value):
-    v = _const_value(graph, n)
-    return v is not None and np.ndim(v) == 0 and float(v) == value
-
-
-def _identity_target(graph, n):
-    """The node n is equal to, when an identity makes n redundant; else None."""
-    op, ins, attrs, shape = graph.op(n), graph.operands(n), graph.attrs(n), graph.shape(n)
-    same = [u for u in ins if graph.shape(u) == shape]
-    if op in ("reshape", "broadcast_to") and graph.shape(ins[0]) == shape:
-        return ins[0]
-    if op == "transpose" and tuple(attrs["axes"]) == tuple(range(len(shape))):
-        return ins[0]
-    if op in ("sum", "mean", "max") and not attrs["axes"]:
-        return ins[0]
-    if op == "neg" and graph.op(ins[0]) == "neg":
-        return graph.operands(ins[0])[0]
-    if op in ("add", "sub") and _is_scalar_const(graph, ins[1], 0.0) and ins[0] in same:
-        return ins[0]
-    if op == "add" and _is_scalar_const(graph, ins[0], 0.0) and ins[1] in same:
-        return ins[1]
-    if op in ("mul", "div") and _is_scalar_const(graph, ins[1], 1.0) and ins[0] in same:
-        return ins[0]
-    if op == "mul" and _is_scalar_const(graph, ins[0], 1.0) and ins[1] in same:
-        return ins[1]
-    if op == "fused" and attrs["expr"] == X[0] and ins[0] in same:
-        return ins[0]
-    return None
-
-
-def _compose_layout(graph, n):
-    """reshape(reshape(x)) -> reshape(x); transpose(transpose(x)) -> one transpose."""
-    op, (u,) = graph.op(n), graph.operands(n) or (None,)
-    if op == "reshape" and graph.op(u) == "reshape":
-        graph.set_operands(n, graph.operands(u))
-        return True
-    if op == "transpose" and graph.op(u) == "transpose":
-        inner, outer = graph.attrs(u)["axes"], graph.attrs(n)["axes"]
-        graph.attrs(n)["axes"] = tuple(inner[i] for i in outer)
-        graph.set_operands(n, graph.operands(u))
-        return True
-    return False
-
-
 def apply_identities(graph):
+    """Each op record's identities (its `simplify` rule, gradc/ops): a node equal to another value of
+    its dtype is replaced by it everywhere; a node rewritten in place counts as a change too."""
     changed = False
     for n in graph.topo_order():
-        if graph.op(n) in LEAVES:
-            continue
-        if graph.op(n) in ("reshape", "transpose") and _compose_layout(graph, n):
+        rule = get_op(graph.op(n)).simplify
+        target = rule(graph, n) if rule is not None else None
+        if target == n:
             changed = True
-        target = _identity_target(graph, n)
-        if target is not None and target != n and graph.dtype(target) == graph.dtype(n):
+        elif target is not None and graph.dtype(target) == graph.dtype(n):
             graph.replace_uses(n, target)
             changed = True
     return changed

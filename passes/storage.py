@@ -1,10 +1,12 @@
 """Which values own a buffer, and how many bytes it has (the bytes of DESIGN.md §1.5).
 
 Params, inputs and constants belong to the caller; scalars are locals of the compiled code;
-a reshape of an array is a view of its operand's buffer. Every other value owns a buffer.
+a value whose op record is a view (a reshape of an array) lives in its operand's buffer. Every
+other value owns a buffer.
 """
 import numpy as np
 
+from gradc.ops import get_op
 from gradc.shapes import size
 
 LEAVES = ("param", "input", "const")
@@ -12,7 +14,7 @@ LEAVES = ("param", "input", "const")
 
 def base(graph, n):
     """The value whose buffer n lives in: n itself, or the value a chain of reshapes views."""
-    while graph.op(n) == "reshape" and graph.shape(n) != () and graph.shape(graph.operands(n)[0]) != ():
+    while get_op(graph.op(n)).view and graph.shape(n) != () and graph.shape(graph.operands(n)[0]) != ():
         n = graph.operands(n)[0]
     return n
 

@@ -25,7 +25,13 @@ Kernel text helpers shared by the records are in gradc/ops/kernel_text.py.
 Rows: `rows(graph, n, ins, fail)` says on which axis of n the batch rows lie, given where they
 lie in each operand (`ins`: an axis, None for no batch dim, or ("reduced", "sum"|"mean") after
 the loss's reduction over rows); it calls fail(why) when n mixes rows (passes/rows.py).
+
+Simplify: `simplify(graph, n)` gives the node n equals by one of the op's identities (x + 0 -> x,
+reshape to the same shape -> x), or n itself after rewriting it in place into a simpler form
+(transpose(transpose(x)) -> one transpose), or None; passes/simplify.py applies it to every node.
 """
+import importlib
+import pkgutil
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -47,6 +53,9 @@ class Op:
     cuda: Optional[Callable] = None   # (statement) -> source lines on the CUDA target
     indexes: Optional[Callable] = None   # (graph, n) -> (operand j, bound): its ints index 0..bound-1
     workspace: Optional[Callable] = None   # (graph, n, dims) -> bytes its CPU kernel allocates while it runs
+    simplify: Optional[Callable] = None    # (graph, n) -> the node n equals by an identity (n itself when
+                                           # rewritten in place into a simpler form), or None (passes/simplify.py)
+    view: bool = False                     # its value is a view of its operand's buffer, never a buffer of its own
     doc: str = field(default="", compare=False)
 
 
@@ -68,4 +77,7 @@ def get_op(name):
         raise GradcError(f"unknown op {name!r}") from None
 
 
-from . import leaf, elementwise, layout, matmul, reduce, softmax, labels, conv, pool, index, concat, take, batch_matmul, random, scan  # noqa: E402,F401  (registers the built-ins)
+# Registers the built-ins: every module of this package is imported, so a new op's module needs no
+# line here.
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")

@@ -137,10 +137,46 @@ def rows(graph, n, ins, fail):
     return out
 
 
-def make(name, expr, arity, doc=""):
+def make(name, expr, arity, doc="", simplify=None):
     return Op(name=name, kind="elementwise", infer=_infer, evaluate=_evaluate_with(lambda a: expr),
               flops=_flops_with(lambda a: expr), vjp=elementwise_vjp, arity=arity, expr=expr, doc=doc,
-              rows=rows, cpu=lower, cuda=lower)
+              rows=rows, cpu=lower, cuda=lower, simplify=simplify)
+
+
+def _is_scalar_const(graph, n, value):
+    if graph.op(n) != "const":
+        return False
+    v = graph.attrs(n)["value"]
+    return np.ndim(v) == 0 and float(v) == value
+
+
+def _units(*units):
+    """The identity of a binary op with a unit: (operand j, value) pairs; n equals the other operand
+    when operand j is that scalar constant and the other already has n's shape (no broadcast lost)."""
+    def simplify(graph, n):
+        ins = graph.operands(n)
+        for j, value in units:
+            other = ins[1 - j]
+            if _is_scalar_const(graph, ins[j], value) and graph.shape(other) == graph.shape(n):
+                return other
+        return None
+    return simplify
+
+
+def _same_shape_operand(graph, n):
+    """The operand itself, when n only passes it through unchanged (its shape too)."""
+    (u,) = graph.operands(n)
+    return u if graph.shape(u) == graph.shape(n) else None
+
+
+def _double_negation(graph, n):
+    (u,) = graph.operands(n)
+    return graph.operands(u)[0] if graph.op(u) == "neg" else None
+
+
+def _fused_identity(graph, n):
+    ins = graph.operands(n)
+    return ins[0] if graph.attrs(n)["expr"] == X[0] and graph.shape(ins[0]) == graph.shape(n) else None
 
 
 x0, x1 = X[0], X[1]
@@ -151,16 +187,18 @@ BUILTINS = {
     "gelu": (x0 * (1 + sp.erf(x0 / sp.sqrt(2))) / 2, 1), "sin": (sp.sin(x0), 1), "cos": (sp.cos(x0), 1),
     "sqrt": (sp.sqrt(x0), 1), "square": (x0 ** 2, 1), "abs": (AbsF(x0), 1), "maximum": (Max2(x0, x1), 2),
 }
+SIMPLIFY = {"neg": _double_negation, "add": _units((1, 0.0), (0, 0.0)), "sub": _units((1, 0.0)),
+            "mul": _units((1, 1.0), (0, 1.0)), "div": _units((1, 1.0))}
 for _name, (_expr, _arity) in BUILTINS.items():
-    register(make(_name, _expr, _arity))
+    register(make(_name, _expr, _arity, simplify=SIMPLIFY.get(_name)))
 
 # broadcast_to(x, shape): the identity, stretched to attrs["shape"].
-register(make("broadcast_to", x0, 1, doc="stretch to attrs['shape']"))
+register(make("broadcast_to", x0, 1, doc="stretch to attrs['shape']", simplify=_same_shape_operand))
 
 # A fused chain of elementwise ops: attrs["expr"] over its operands (attrs["shape"] optional).
 register(Op(name="fused", kind="elementwise", infer=_infer, evaluate=_evaluate_with(lambda a: a["expr"]),
             flops=_flops_with(lambda a: a["expr"]), vjp=elementwise_vjp, arity=None, expr=None,
-            rows=rows, cpu=lower, cuda=lower))
+            rows=rows, cpu=lower, cuda=lower, simplify=_fused_identity))
 
 
 class ElementwiseDefinitionError(Exception):

@@ -36,12 +36,25 @@ def _transpose_cuda(s):
     return s.into_out(s.kernel(("transpose", axes), "transpose", lambda kname: cuda_transpose_source(kname, axes)))
 
 
+def _transpose_simplify(graph, n):
+    """transpose(transpose(x)) -> one transpose of x; the identity permutation -> x."""
+    (u,) = graph.operands(n)
+    rewritten = graph.op(u) == "transpose"
+    if rewritten:
+        inner, outer = graph.attrs(u)["axes"], graph.attrs(n)["axes"]
+        graph.attrs(n)["axes"] = tuple(inner[i] for i in outer)
+        graph.set_operands(n, graph.operands(u))
+    if tuple(graph.attrs(n)["axes"]) == tuple(range(len(graph.shape(n)))):
+        return graph.operands(n)[0]
+    return n if rewritten else None
+
+
 register(Op("transpose", "layout", _transpose_infer,
             lambda attrs, values, out_shape, dims: np.transpose(values[0], attrs["axes"]),
             lambda attrs, in_shapes, out_shape: 0, vjp=_transpose_vjp, arity=1,
             rows=lambda graph, n, ins, fail: list(graph.attrs(n)["axes"]).index(ins[0]),
             cpu=lambda s: [s.alloc(), f"{s.out}[:] = np.transpose({s.args[0]}, {tuple(s.attrs['axes'])}){s.note}"],
-            cuda=_transpose_cuda))
+            cuda=_transpose_cuda, simplify=_transpose_simplify))
 
 
 def _reshape_infer(attrs, shapes, dtypes):
@@ -80,10 +93,23 @@ def _reshape_cuda(s):
     return [f"{s.out} = {s.args[0]}.reshape({s.shape_src(s.shape)}){s.note}"]
 
 
+def _reshape_simplify(graph, n):
+    """reshape(reshape(x)) -> reshape(x); a reshape to x's own shape -> x."""
+    (u,) = graph.operands(n)
+    rewritten = graph.op(u) == "reshape"
+    if rewritten:
+        graph.set_operands(n, graph.operands(u))
+    (u,) = graph.operands(n)
+    if graph.shape(u) == graph.shape(n):
+        return u
+    return n if rewritten else None
+
+
+# a view of its operand's buffer (passes/storage.py), so never handed out as it is (a copy is)
 register(Op("reshape", "layout", _reshape_infer,
             lambda attrs, values, out_shape, dims: np.reshape(values[0], out_shape),
             lambda attrs, in_shapes, out_shape: 0, vjp=_reshape_vjp, arity=1, rows=_reshape_rows,
-            cpu=_reshape_cpu, cuda=_reshape_cuda))
+            cpu=_reshape_cpu, cuda=_reshape_cuda, simplify=_reshape_simplify, view=True))
 
 
 def _transfer_vjp(ctx, n, g):

@@ -167,8 +167,14 @@ def _reduction_cuda(s):
     return s.into_out(s.kernel(key, name, lambda kname: cuda_reduction_source(kname, *spec)))
 
 
+def _over_no_axes(graph, n):
+    """A reduction over no axes is its operand."""
+    return graph.operands(n)[0] if not graph.attrs(n)["axes"] else None
+
+
 def _reduction(name, fn, vjp):
     return Op(name, "reduce", _reduce_infer, _np_reduce(fn), _reduce_flops, vjp=vjp, arity=1, rows=_reduce_rows,
+              simplify=_over_no_axes,
               cpu=_reduction_cpu, cuda=_reduction_cuda)
 
 
