@@ -89,3 +89,33 @@ def test_passes_for_a_100_layer_mlp_take_under_2_seconds():
     elapsed = time.perf_counter() - t
     assert len(g.grads) == 200 and all(v is not None for v in g.grads.values())
     assert elapsed < 2.0, timings
+
+
+def test_identities_on_the_op_records_remove_what_they_say_and_keep_the_values(rng):
+    """Op.simplify (gradc/ops): x + 0, 0 + x, x - 0, x * 1, 1 * x, x / 1, --x, reshape(reshape(x)) to
+    x's shape, transpose(transpose(x)) back to x, a reduction over no axes; a broadcasting x + 0 stays."""
+    from gradc.interpret import evaluate
+    from gradc.passes.simplify import simplify
+    m = gc.Model("p_identities")
+    x = m.input("x", (3, 4))
+    v = m.input("v", (4,))
+    a = ((x + 0.0) * 1.0 - 0.0) / 1.0
+    b = 1.0 * (0.0 + (-(-a)))
+    c = b.reshape(4, 3).reshape(3, 4)
+    d = gc.transpose(gc.transpose(c, (1, 0)), (1, 0))
+    e = gc.sum(d, axis=())
+    kept = v + 0.0 * x.sum()        # v stretched by a scalar: no identity applies to its own shape
+    m.output("e", e)
+    m.output("kept", kept)
+    m.minimize((e * e).sum() + kept.sum())
+    g = m.graph
+    inputs = {"x": rng.normal(size=(3, 4)), "v": rng.normal(size=4)}
+    before = evaluate(g, {}, inputs, list(g.outputs.values()))
+    want = {o: before[n] for o, n in g.outputs.items()}
+    simplify(g)
+    ops = [g.op(n) for n in g.nx.nodes]
+    assert not {"neg", "div", "reshape", "transpose"} & set(ops), ops
+    assert g.outputs["e"] == g.inputs["x"]       # the whole chain is x
+    after = evaluate(g, {}, inputs, list(g.outputs.values()))
+    for o, n in g.outputs.items():
+        np.testing.assert_array_equal(after[n], want[o])
