@@ -1,12 +1,14 @@
 """A training step on one GPU: gradc --target cuda against PyTorch eager and PyTorch with its whole
 step captured in a CUDA graph (torch.cuda.graph), in one run; and the generated GEMM against cuBLAS.
 
-    source ../shared/device/prelude.sh && python3 bench/gpu_step.py [--quick] [--out DIR]
+    bash bench/gpu_check.sh (the device tool), or, with numba-cuda working:
+    python3 bench/gpu_step.py [--quick] [--only N] [--check-only] [--out DIR]
 
 MLPs (ReLU hidden layers, softmax cross-entropy, SGD with momentum 0.9, float32, TF32 off):
 784-256-256-10 at batch 64, 784-1024-1024-10 at 256, 1024-4096-4096-4096-10 at 1024. Every
-variant starts from the same parameters and batch; the first losses must agree (and gradc's CUDA
-gradients must match its CPU target's) before anything is timed. Each variant is warmed up, then
+variant starts from the same parameters and batch. Before anything is timed, gradc's float64 CUDA
+build must match torch's float64 autograd to rounding, and its float32 CUDA and CPU builds to an L2
+bound (see step_table for why not to rounding); the first losses of gradc and torch must agree. Each variant is warmed up, then
 timed in interleaved rounds of steps with CUDA events; the step includes reading the loss back, as
 a training loop that logs it does. Medians; ratios against the gradc column. Needs a GPU and torch.
 """
