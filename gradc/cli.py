@@ -110,8 +110,9 @@ def cmd_compile(args):
     if timings.get("kernels_kernels"):   # kernel signatures compiled by Numba vs loaded from the kernel cache
         secs += (f"; kernels: {timings['kernels_compiled']} compiled, {timings['kernels_from_cache']} from the cache "
                  f"({timings['kernels_cache']})")
-        if timings.get("kernels_not_cached"):   # e.g. an unwritable cache folder: they compile again next time
-            secs += f"; {timings['kernels_not_cached']} kernels not cached: the folder could not be written or read"
+        if timings.get("kernels_not_cached"):   # they compile again in the next build
+            secs += (f"; {timings['kernels_not_cached']} kernels not cached: "
+                     + "; ".join(timings.get("kernels_not_cached_why") or ["why was not recorded"]))
     for note in notes:
         print(f"gradc: note: {note}")
     print(f"gradc: wrote {os.path.join(args.out, model.name + '.py')} ({secs})")

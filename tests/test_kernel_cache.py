@@ -132,6 +132,8 @@ def test_unwritable_cache_still_compiles(tmp_path, monkeypatch):
     mod = gc.compile(m, out=str(tmp_path / "build"), order=1, warm=False)
     counts = kernel_cache.compile_counts("uncached_model")
     assert counts["kernels"] > 0 and counts["not_cached"] == counts["kernels"]
+    assert len(counts["not_cached_why"]) == 1 and counts["not_cached_why"][0].startswith(
+        "the cache folder could not be written or read"), counts
     assert kernel_cache.STATS["fallback"] - before >= counts["kernels"]
     xv = np.linspace(-1, 2, 12, dtype=np.float32).reshape(3, 4)   # (not symmetric: the sum is no zero)
     loss, grads = mod.loss_and_grad({"w": np.ones(4, np.float32)}, x=xv)
@@ -315,3 +317,16 @@ def test_cuda_kernels_come_from_the_cache_too(tmp_path):
     cuda_files = [f for f in kernel_files(cache) if "numba-cuda" in (cache / "kernels" / f).read_text().splitlines()[0]]
     assert sorted(cuda_files) == sorted(set(first["files"]) | set(second["files"]))
     assert second["stats"]["written"] < second["counts"]["kernels"]      # most of them were there already
+
+
+def test_kernels_that_call_kernels_are_not_cached_and_say_so(tmp_path, monkeypatch):
+    """A scan's step calls other kernels, which a cache file cannot hold yet: those compile in each
+    build, and the reason recorded (and printed by `gradc compile`) says so, not a folder problem."""
+    from test_scan import _rnn
+    monkeypatch.setenv("GRADC_CACHE_DIR", str(tmp_path / "cache"))
+    gc.compile(_rnn("uncached_scan"), out=str(tmp_path / "build"), dtype="float64", warm=False)
+    counts = kernel_cache.compile_counts("uncached_scan")
+    assert 0 < counts["not_cached"] < counts["kernels"], counts
+    assert counts["not_cached_why"] == ["they call other kernels (a scan's step does), which a cache file cannot "
+                                        "hold yet"], counts
+

@@ -51,6 +51,7 @@ FORMAT = 1   # bump when the layout of a cache file changes
 
 STATS = {"loaded": 0, "written": 0, "rewritten": 0, "fallback": 0, "bad_numba_cache": 0}
 KERNELS = []   # (module name, kernel name, dispatcher, cache file or None), in load order
+NOT_CACHED = {}   # (module name, kernel name) -> why it compiled outside the cache
 _LOCK = threading.Lock()
 _LINES = {}    # (path, inode, mtime_ns, size) -> the file's lines
 RUNTIME_KERNELS = {"gemm_strided": gemm_strided}   # gradc's compiled helpers that a kernel may call by name
@@ -285,11 +286,20 @@ def _cached(func, target):
             path = ensure_file(canonical_text(func, target))   # a corrupted file is written again here
             disp = _load(path)
             STATS["loaded"] += 1
-        except Exception:   # an unwritable cache, a kernel reading other globals: compile it here
+        except Exception as e:   # compile it here, and say why
+            NOT_CACHED[(func.__module__, func.__name__)] = _why_not_cached(e)
             path = None
             disp = _fallback(func, target)
         KERNELS.append((func.__module__, func.__name__, disp, path))
     return disp
+
+
+def _why_not_cached(e):
+    if isinstance(e, OSError):
+        return f"the cache folder could not be written or read ({e.strerror or e})"
+    if isinstance(e, ValueError) and "reads the global" in str(e):   # canonical_text's refusal
+        return "they call other kernels (a scan's step does), which a cache file cannot hold yet"
+    return f"{type(e).__name__} while loading from the cache: {e}"
 
 
 def cached_kernel(func):
@@ -311,15 +321,15 @@ def any_parallel():
 def compile_counts(module_name=None):
     """{"kernels": distinct kernels, "compiled": signatures Numba compiled for them (cache misses),
     "from_cache": signatures loaded from a cache, "not_cached": kernels compiled outside the kernel
-    cache, "cache": the folder} over the kernels loaded so far (of the module of that name)."""
-    names, disps, uncached = set(), {}, set()
+    cache, "not_cached_why": the reasons, "cache": the folder} over the kernels loaded so far (of the module of that name)."""
+    names, disps, uncached = set(), {}, {}
     for mod, name, disp, path in KERNELS:
         if module_name is None or mod == module_name:
             names.add((mod, name))
             disps[id(disp)] = disp
             if path is None:
-                uncached.add((mod, name))
+                uncached[(mod, name)] = NOT_CACHED.get((mod, name), "not recorded")
     stats = [d.stats for d in disps.values() if hasattr(d, "stats")]   # CUDA dispatchers keep none
     return {"kernels": len(names), "compiled": sum(sum(st.cache_misses.values()) for st in stats),
             "from_cache": sum(sum(st.cache_hits.values()) for st in stats),
-            "not_cached": len(uncached), "cache": kernel_dir()}
+            "not_cached": len(uncached), "not_cached_why": sorted(set(uncached.values())), "cache": kernel_dir()}
