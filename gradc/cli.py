@@ -59,7 +59,10 @@ def load_models(path):
     sys.path.insert(0, folder)
     try:
         namespace = runpy.run_path(path, run_name="__gradc_model__")
-    except GradcError:
+    except GradcError as e:
+        called_from = _user_line(path, e)   # the error's line is in a helper the model file calls: name the call too
+        if called_from != path and e.src and os.path.abspath(e.src.rsplit(":", 1)[0]) != os.path.abspath(path):
+            raise GradcError(f"{e.message} (called from {called_from})", e.src) from e
         raise
     except SystemExit as e:
         raise UsageError(f"{path}: the model file called exit({e.code})") from e

@@ -232,11 +232,16 @@ def import_file(path, name):
     Numba's cache records the module name of each compiled function and imports it when the
     cache is loaded, so the module must be in sys.modules under the name a user imports it by.
     """
+    check_module_name(name)
+    return import_path(name, path)
+
+
+def check_module_name(name, src=None):
+    """A build imports under the model's name: no other imported module may hold it."""
     current = sys.modules.get(name)
     if current is not None and not hasattr(current, "GRADC_VERSION"):
         raise GradcError(f"model name {name!r} is also the name of an imported module ({getattr(current, '__file__', current)}); "
-                         f"give the Model another name")
-    return import_path(name, path)
+                         f"give the Model another name", src)
 
 
 def resolve_budget(graph, memory_budget, src):
@@ -388,6 +393,7 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
         raise GradcError(f"--target {target!r}: use one of {', '.join(TARGETS)}")
     if model.graph.loss is None:
         raise GradcError(f"model {model.name!r} has no minimize(loss): nothing to differentiate", model.src)
+    check_module_name(model.name, model.src)   # before anything is written, at the line that named it
     if order not in (1, 2):
         raise GradcError(f"--order {order}: use 1 (gradients) or 2 (also hvp and hessian)")
     dims = dict(bind or {})

@@ -37,7 +37,8 @@ TRAIN = textwrap.dedent("""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((32, 6)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.int64) + (x[:, 1] > 1).astype(np.int64)
-    tr = tiny.Trainer(tiny.init_params(seed=0), optimizer=sys.argv[2], lr=0.05, momentum=0.9)
+    own = dict(momentum=0.9) if sys.argv[2] == "sgd" else dict(betas=(0.8, 0.99))
+    tr = tiny.Trainer(tiny.init_params(seed=0), optimizer=sys.argv[2], lr=0.05, **own)
     losses = [tr.step(x=x, y=y) for _ in range(20)]
     assert losses[-1] < 0.8 * losses[0], losses
     tr.save(sys.argv[3])
@@ -100,7 +101,9 @@ def test_inspect(compiled):
 
 @pytest.mark.parametrize("source,args,message", [
     ("import gradc as gc\nm = gc.Model('b1')\nx = m.input('x', ('B', 3))\nm.minimize((x @ m.param('w', (4, 2))).sum())\n",
-     [], "model.py:4: matmul: inner dims differ"),
+     [], "model.py:4: matmul: inner dims differ: (B, 3) @ (4, 2) (3 != 4) (operands: 'x' (B, 3)"),
+    ("import gradc as gc\nm = gc.Model('numpy')\nm.minimize(m.input('x', ('B',)).sum())\n", [],
+     "model.py:2: model name 'numpy' is also the name of an imported module"),
     ("import gradc as gc\nm = gc.Model('b2')\nx = m.input('x', ('B', 3))\nm.minimize(x * 2)\n",
      [], "model.py:4: minimize: the loss must be a scalar"),
     ("import gradc as gc\nm = gc.Model('b3')\nm.output('o', m.input('x', (3,)) * 2)\n", [], "has no minimize"),
@@ -122,6 +125,18 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, source, ar
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_error_in_a_helper_names_the_model_files_call_too(tmp_path):
+    """A layer built by a helper module: the error's line is the helper's, and the model file's call is named."""
+    (tmp_path / "layers.py").write_text("def dense(m, h, a, b, name):\n    return h @ m.param(name, (a, b))\n")
+    (tmp_path / "model.py").write_text("import gradc as gc\nfrom layers import dense\nm = gc.Model('hm')\n"
+                                       "h = m.input('x', ('B', 5))\nh = dense(m, h, 4, 2, 'W2')\n")
+    r = gradc("compile", "model.py", "-o", "out", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().startswith("gradc: error: layers.py:2: matmul: inner dims differ"), r.stderr
+    assert r.stderr.strip().endswith("(called from model.py:5)"), r.stderr
     assert not (tmp_path / "out").exists()
 
 

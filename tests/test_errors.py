@@ -266,6 +266,19 @@ def test_hyperparameters_the_dtype_cannot_hold_are_refused(small):
     assert tr.lr == 0.1
 
 
+def test_a_hyperparameter_the_optimizer_does_not_use_is_refused(small):
+    """Adam has no momentum and SGD no betas or eps: given, they would be ignored without a word."""
+    p = small.init_params(0)
+    with pytest.raises(ValueError, match=r"Trainer: momentum=0.9 is not a hyperparameter of 'adam' \(adam: lr, betas, eps\)"):
+        small.Trainer(p, optimizer="adam", lr=0.01, momentum=0.9)
+    with pytest.raises(ValueError, match=r"Trainer: betas=\(0.5, 0.9\) is not a hyperparameter of 'sgd'"):
+        small.Trainer(p, optimizer="sgd", betas=[0.5, 0.9])
+    with pytest.raises(ValueError, match=r"Trainer: eps=0.001 is not a hyperparameter of 'sgd'"):
+        small.Trainer(p, eps=1e-3)
+    small.Trainer(p, optimizer="adam", lr=0.01, betas=(0.5, 0.9), eps=1e-6)   # each optimizer's own are fine
+    small.Trainer(p, optimizer="sgd", lr=0.01, momentum=0.9)
+
+
 def test_checkpoint_of_another_model_is_refused(small, tmp_path):
     m = gc.Model("e_other")
     x = m.input("x", ("B", 3))

@@ -59,6 +59,13 @@ class TrainerBase:
                  clip_norm=None, parallel=None, **parallel_options):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"{self.model_name}.Trainer: unknown optimizer {optimizer!r} (use 'sgd' or 'adam')")
+        pair = tuple(betas) if isinstance(betas, (list, tuple)) else betas
+        unused = ({"betas": (pair, (0.9, 0.999)), "eps": (eps, 1e-8)} if optimizer == "sgd"
+                  else {"momentum": (momentum, 0.0)})
+        for name, (value, default) in unused.items():   # a hyperparameter the optimizer would ignore
+            if value != default:
+                raise ValueError(f"{self.model_name}.Trainer: {name}={value!r} is not a hyperparameter of "
+                                 f"{optimizer!r} ({'sgd: lr, momentum' if optimizer == 'sgd' else 'adam: lr, betas, eps'})")
         checked = self.signature.params(params)
         self.optimizer = optimizer
         self.lr, self.momentum, self.betas, self.eps, self.clip_norm = lr, momentum, betas, eps, clip_norm
@@ -302,9 +309,10 @@ class TrainerBase:
         if not (isinstance(betas, list) and len(betas) == 2):
             raise ValueError(f"{path}: meta 'betas' must be a pair, got {betas!r}")
         try:   # the constructor checks the hyperparameters and the params' shapes and dtypes
+            own = (dict(momentum=meta["momentum"]) if meta["optimizer"] == "sgd"   # (the other's may be set, unused)
+                   else dict(betas=tuple(betas), eps=meta["eps"]))
             tr = cls({k: arrays[f"param/{k}"] for k in cls.param_order}, optimizer=meta["optimizer"], lr=meta["lr"],
-                     momentum=meta["momentum"], betas=tuple(betas), eps=meta["eps"], clip_norm=meta["clip_norm"],
-                     **cls._gradient_options(meta), **parallel_options)
+                     clip_norm=meta["clip_norm"], **own, **cls._gradient_options(meta), **parallel_options)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
         for slot, v in tr.state.items():
