@@ -273,7 +273,7 @@ def matmul(a, b, src=None):
                          f"(multiply by a scalar with *)", src)
     k_a, k_b = a.shape[-1], b.shape[0] if b.ndim == 1 else b.shape[-2]
     if k_a != k_b:   # named as the graph's shape errors name operands (a layer loop's shapes alone don't say which)
-        operands = ", ".join(f"{model.graph.describe(t.node)} {fmt(t.shape)} {t.dtype}" for t in (a, b))
+        operands = ", ".join(f"{t.model.graph.describe(t.node)} {fmt(t.shape)} {t.dtype}" for t in (a, b))
         raise GradcError(f"matmul: inner dims differ: {fmt(a.shape)} @ {fmt(b.shape)} ({k_a} != {k_b}) "
                          f"(operands: {operands})", src)
     a2 = a if a.ndim >= 2 else reshape(a, (1, a.shape[0]), src=src)
