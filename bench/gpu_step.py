@@ -118,7 +118,7 @@ def step_table(quick, details, wrong, check_only=False, only=None):
                     k: float(np.linalg.norm(g_got[k] - g_ref[k]) / (np.linalg.norm(g_ref[k]) + 1e-30)) for k in g_ref}
         f64_err = max(max(e.values()) for k, e in errors.items() if k.startswith("cuda float64"))
         grad_err = max(max(e.values()) for k, e in errors.items() if not k.startswith("cuda float64"))
-        if f64_err > 1e-10 or grad_err > 1e-2:   # not timed
+        if f64_err > 1e-10 or grad_err > 5e-2:   # not timed (a wrong kernel gives errors of order 1)
             print(f"WRONG: {'-'.join(map(str, widths))}: off torch's float64 gradients (L2-relative): {json.dumps(errors)}",
                   flush=True)
             wrong.append(widths)

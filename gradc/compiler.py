@@ -142,8 +142,7 @@ def _compiled_units(module, second_order):
     import dis
     env = vars(module)
     publics = {e.public for e in ENTRIES if e.order <= module.ORDER and (e.warm == "first" or second_order)}
-    todo = [env[f] for f in sorted(publics) if callable(env.get(f))]   # the rows warm() calls (forward_loss: forward)
-    todo += [env["forward"]] if "forward_loss" in publics and callable(env.get("forward")) else []
+    todo = [env[f] for f in sorted(publics) if callable(env.get(f))]   # the rows warm() calls
     trainer = env.get("Trainer")
     todo += [f for f in vars(trainer).values() if callable(f)] if isinstance(trainer, type) else []
     seen, units = set(), []

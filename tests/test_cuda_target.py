@@ -140,7 +140,7 @@ def test_one_stage_per_gpu_matches_one_device(results):
     the module's runner on GPU 0 holding the trained state, values crossing GPUs only after the
     receiving GPU's stream waited on an event recorded on the sending GPU's."""
     r = results["models"]["pipelines"]["gpus"]
-    if r is None:
+    if os.environ.get("GRADC_TEST_ON_GPU") == "1":
         pytest.skip("on a real GPU: this test fakes 3 GPUs, which only the simulator can")
     assert r["error"] <= 1e-12
     assert r["runners"] == [[0, True], [1, False]] and r["held"] == ["cuda:0", "cuda:1"]

@@ -93,7 +93,7 @@ def test_passes_for_a_100_layer_mlp_take_under_2_seconds():
 
 def test_identities_on_the_op_records_remove_what_they_say_and_keep_the_values(rng):
     """Op.simplify (gradc/ops): x + 0, 0 + x, x - 0, x * 1, 1 * x, x / 1, --x, reshape(reshape(x)) to
-    x's shape, transpose(transpose(x)) back to x, a reduction over no axes; a broadcasting x + 0 stays."""
+    x's shape, transpose(transpose(x)) back to x, a reduction over no axes; values stay the same."""
     from gradc.interpret import evaluate
     from gradc.passes.simplify import simplify
     m = gc.Model("p_identities")
@@ -104,7 +104,7 @@ def test_identities_on_the_op_records_remove_what_they_say_and_keep_the_values(r
     c = b.reshape(4, 3).reshape(3, 4)
     d = gc.transpose(gc.transpose(c, (1, 0)), (1, 0))
     e = gc.sum(d, axis=())
-    kept = v + 0.0 * x.sum()        # v stretched by a scalar: no identity applies to its own shape
+    kept = v + 0.0 * x.sum()        # not an identity: stays
     m.output("e", e)
     m.output("kept", kept)
     m.minimize((e * e).sum() + kept.sum())

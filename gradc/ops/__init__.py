@@ -77,7 +77,7 @@ def get_op(name):
         raise GradcError(f"unknown op {name!r}") from None
 
 
-# Registers the built-ins: every module of this package is imported, so a new op's module needs no
-# line here.
+# Registers the built-ins: every module of this package (helper modules too, so each must be safe
+# to import alone) is imported when gradc is, so a new op's module needs no line here.
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")

@@ -58,7 +58,7 @@ class _OnThisStream:
         if hasattr(a, "device_ctypes_pointer"):   # numba's
             return {"shape": tuple(a.shape), "strides": tuple(a.strides), "typestr": a.dtype.str, "version": 3,
                     "data": (a.device_ctypes_pointer.value or 0, False), "stream": None}
-        return dict(a.__cuda_array_interface__, stream=None)
+        return a.__cuda_array_interface__   # (the runner hands numba arrays only; another keeps its own stream)
 
 
 class Gemm:

@@ -59,7 +59,7 @@ class TrainerBase:
                  clip_norm=None, parallel=None, **parallel_options):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"{self.model_name}.Trainer: unknown optimizer {optimizer!r} (use 'sgd' or 'adam')")
-        pair = tuple(betas) if isinstance(betas, (list, tuple)) else betas
+        pair = tuple(float(b) for b in betas) if isinstance(betas, (list, tuple, np.ndarray)) else betas
         unused = ({"betas": (pair, (0.9, 0.999)), "eps": (eps, 1e-8)} if optimizer == "sgd"
                   else {"momentum": (momentum, 0.0)})
         for name, (value, default) in unused.items():   # a hyperparameter the optimizer would ignore
