@@ -187,21 +187,12 @@ def step_table(quick, details, wrong, check_only=False, only=None):
 def gemm_table(quick):
     """The generated register-tiled GEMM (and the 16x16 one) against cuBLAS fp32, TF32 off."""
     import torch
-    from gradc.codegen.cuda import CudaKernels
-    from gradc.codegen.sympy_print import HELPERS
+    from gpu_gemm_accuracy import kernels_module
     from gradc.runtime.cuda import big_tiles, load_cuda, tiles
     torch.backends.cuda.matmul.allow_tf32 = False
     cuda = load_cuda()
-    k = CudaKernels()
-    names = {"tiled": k.matmul_tiled(False, False), "16x16": k.matmul(False, False)}
-    source = ["import math", "from numba import float32 as FLOAT_T, float64", "from gradc.runtime.cuda import load_cuda",
-              "cuda = load_cuda()"] + [f"@cuda.jit(device=True)\n{HELPERS[h]}" for h in sorted(k.helpers)]
-    source += [f"@cuda.jit\n{src}" for _, src, _ in k.sources]
-    path = os.path.join(tempfile.mkdtemp(prefix="gradc-gemm-"), "gemm_kernels.py")
-    with open(path, "w") as f:
-        f.write("\n\n".join(source) + "\n")
-    sys.path.insert(0, os.path.dirname(path))
-    import gemm_kernels
+    kernels = kernels_module(np.float32)
+    names = {"tiled": kernels[("matmul_tiled", False, False)], "16x16": kernels[("matmul", False, False)]}
     rows = []
     for m, n, depth in ([(1024, 4096, 4096)] if quick else [(1024, 4096, 4096), (4096, 4096, 4096), (256, 1024, 784)]):
         a = torch.randn(m, depth, device="cuda")
@@ -209,8 +200,7 @@ def gemm_table(quick):
         out = torch.empty(m, n, device="cuda")
         ref = a @ b
         ours = {}
-        for label, name in names.items():
-            fn = getattr(gemm_kernels, name)
+        for label, fn in names.items():
             config = big_tiles if label == "tiled" else tiles
             da, db, dout = (cuda.as_cuda_array(t) for t in (a, b, out))
 

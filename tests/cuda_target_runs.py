@@ -443,7 +443,7 @@ def run_library(build):
         cuda = type("cuda", (), {"ExternalStream": ExternalStream})
 
         @staticmethod
-        def asarray(x):   # x: an array as cuda_gemm hands it to CuPy (_OnThisStream)
+        def asarray(x):   # x: an array as cuda_gemm hands it to CuPy (_StreamlessInterface)
             return View(x.array)
 
         @staticmethod

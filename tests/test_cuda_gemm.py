@@ -3,11 +3,11 @@ import ctypes
 
 import numpy as np
 
-from gradc.runtime.cuda_gemm import _OnThisStream
+from gradc.runtime.cuda_gemm import _StreamlessInterface
 
 
 class _NumbaLike:
-    """What _OnThisStream reads of a numba device array: a view at an offset into an arena."""
+    """What _StreamlessInterface reads of a numba device array: a view at an offset into an arena."""
 
     def __init__(self, base, offset, shape):
         self.dtype = np.dtype(np.float32)
@@ -22,8 +22,8 @@ class _NumbaLike:
 
 def test_a_numba_array_is_handed_over_by_pointer_shape_strides_and_dtype_with_no_stream():
     view = _NumbaLike(0x7F0000000000, 96, (3, 5))
-    cai = _OnThisStream(view).__cuda_array_interface__
+    cai = _StreamlessInterface(view).__cuda_array_interface__
     assert cai == {"shape": (3, 5), "strides": (20, 4), "typestr": "<f4", "version": 3,
                    "data": (0x7F0000000000 + 96 * 4, False), "stream": None}
-    empty = _OnThisStream(_NumbaLike(0x7F0000000000, 0, (0, 5))).__cuda_array_interface__
+    empty = _StreamlessInterface(_NumbaLike(0x7F0000000000, 0, (0, 5))).__cuda_array_interface__
     assert empty["data"] == (0, False) and empty["shape"] == (0, 5)

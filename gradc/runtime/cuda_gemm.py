@@ -43,7 +43,7 @@ def _stream_pointer(stream):
     return int(stream.handle)
 
 
-class _OnThisStream:
+class _StreamlessInterface:
     """A device array as CuPy should read it: on the stream CuPy is given (the runner's, where the
     kernels that wrote it ran), with no stream of its own to wait on. numba-cuda cannot write an
     array's stream into __cuda_array_interface__ when it is a cuda.core stream (a TypeError), so a
@@ -87,7 +87,7 @@ class Gemm:
         ta, tb, epilogue = self.cublas
         cupy = library()
         with cupy.cuda.ExternalStream(_stream_pointer(stream)):
-            A, B, C = (cupy.asarray(_OnThisStream(x)) for x in (a, b, out))
+            A, B, C = (cupy.asarray(_StreamlessInterface(x)) for x in (a, b, out))
             cupy.matmul(A.T if ta else A, B.T if tb else B, out=C)
         if epilogue is not None:   # bias, activation, ... over the product, in place
             epilogue[flat(out, stream)](out, *epilogue_args, out)

@@ -117,6 +117,10 @@ def _globals(func):
     return _GLOBALS[key]
 
 
+class CallsOtherKernels(ValueError):
+    """A kernel reads a global its cache file cannot define: another kernel (a scan's step does)."""
+
+
 def canonical_text(func, target="cpu"):
     """The cache file of a kernel: a header naming what the machine code depends on, the scalar
     helpers it calls, and the kernel itself as `kernel`. Raises ValueError for a function that
@@ -146,7 +150,7 @@ def canonical_text(func, target="cpu"):
                 helpers[name] = _source(value.py_func)
                 todo.append(value.py_func)
             else:
-                raise ValueError(f"{func.__name__} reads the global {name!r}")
+                raise CallsOtherKernels(f"{func.__name__} reads the global {name!r}")
     body = _source(func).replace(f"def {func.__name__}(", "def kernel(", 1)
     if target == "cuda":
         parts = [f"# gradc kernel cache (format {FORMAT}): gradc {__version__}, {cuda_host()}, {dtype}\n"
@@ -297,7 +301,7 @@ def _cached(func, target):
 def _why_not_cached(e):
     if isinstance(e, OSError):
         return f"the cache folder could not be written or read ({e.strerror or e})"
-    if isinstance(e, ValueError) and "reads the global" in str(e):   # canonical_text's refusal
+    if isinstance(e, CallsOtherKernels):
         return "they call other kernels (a scan's step does), which a cache file cannot hold yet"
     return f"{type(e).__name__} while loading from the cache: {e}"
 
