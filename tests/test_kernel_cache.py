@@ -320,14 +320,112 @@ def test_cuda_kernels_come_from_the_cache_too(tmp_path):
     assert second["stats"]["written"] < second["counts"]["kernels"]      # most of them were there already
 
 
-def test_kernels_that_call_kernels_are_not_cached_and_say_so(tmp_path, monkeypatch):
-    """A scan's step calls other kernels, which a cache file cannot hold yet: those compile in each
-    build, and the reason recorded (and printed by `gradc compile`) says so, not a folder problem."""
-    from test_scan import _rnn
-    monkeypatch.setenv("GRADC_CACHE_DIR", str(tmp_path / "cache"))
-    gc.compile(_rnn("uncached_scan"), out=str(tmp_path / "build"), dtype="float64", warm=False)
-    counts = kernel_cache.compile_counts("uncached_scan")
-    assert 0 < counts["not_cached"] < counts["kernels"], counts
-    assert counts["not_cached_why"] == ["they call other kernels (a scan's step does), which a cache file cannot "
-                                        "hold yet"], counts
+SCAN_RUN = PRELUDE + textwrap.dedent('''
+    name, out = sys.argv[1], sys.argv[2]
+    m = gc.Model(name)
+    x, h0 = m.input("x", ("T", "B", 3)), m.input("h0", ("B", 4))
+    W, U, V = m.param("W", (4, 4)), m.param("U", (3, 4)), m.param("V", (4, 2))
 
+    def step(h, xt):
+        h = gc.tanh(h @ W + xt @ U)
+        return h, h
+
+    hT, hs = gc.scan(step, h0, x)
+    m.minimize((hT @ V).sum() + (hs * hs).mean())
+    mod = gc.compile(m, out=out, dtype="float64", order=1)
+    rng = np.random.default_rng(0)
+    loss, grads = mod.loss_and_grad(mod.init_params(0), x=rng.standard_normal((5, 2, 3)), h0=rng.standard_normal((2, 4)))
+    callers = [p for _, _, _, p in kc.KERNELS if p and "kernel_in_file" in open(p).read()]
+    print(json.dumps({"counts": kc.compile_counts(name), "stats": kc.STATS, "loss": loss, "callers": callers,
+                      "grads": {k: v.tolist() for k, v in grads.items()}}))
+''')
+
+
+def test_a_scans_kernels_that_call_kernels_come_from_the_cache_too(tmp_path):
+    """A scan's step calls the step's kernels, and its loop calls the step: their cache files load
+    each callee from its own file, so a second model with the same scan compiles no kernel at all."""
+    script, cache = tmp_path / "scan_run.py", tmp_path / "cache"
+    script.write_text(SCAN_RUN)
+    env = dict(os.environ, GRADC_CACHE_DIR=str(cache))
+    runs = []
+    for name in ("scan_first", "scan_second"):
+        proc = subprocess.run([sys.executable, str(script), name, str(tmp_path / name)], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["counts"]["not_cached"] == 0 and first["counts"]["compiled"] > 0, first
+    assert first["callers"], "no cache file calls another kernel: the scan's step was not cached"
+    assert second["counts"]["compiled"] == 0 and second["stats"]["written"] == 0, second
+    assert second["loss"] == first["loss"] and second["grads"] == first["grads"]
+
+
+def test_a_caller_names_its_callee_by_content(tmp_path, monkeypatch):
+    """A kernel that calls another cached kernel loads it from the callee's file, named by its hash, in
+    place of the module's name for it: the same callee under another name is the same caller file, and
+    a changed callee is a new caller file (Numba's cache of the caller holds the callee's code too)."""
+    monkeypatch.setenv("GRADC_CACHE_DIR", str(tmp_path / "cache"))
+    template = textwrap.dedent('''
+        import numpy as np
+        from gradc.runtime.kernel_cache import cached_kernel
+        DTYPE = "float64"
+        FLOAT = np.float64
+
+
+        @cached_kernel
+        def {callee}(x0, out):
+            """out = {factor} x0"""
+            for i in range(out.shape[0]):
+                out[i] = {factor} * x0[i]
+
+
+        @cached_kernel
+        def k9_twice(x0, work, out):
+            """out = callee(callee(x0))"""
+            {callee}(x0, work)  # a comment that names a file:line is not content
+            {callee}(work, out)
+    ''')
+    texts = {}
+    for module, callee, factor in (("calls_a", "k0_scale", 2.0), ("calls_b", "k3_scale", 2.0), ("calls_c", "k0_scale", 3.0)):
+        mod = _import_source(tmp_path, module, template.format(callee=callee, factor=factor))
+        out, work = np.zeros(3), np.zeros(3)
+        mod.k9_twice(np.arange(3.0), work, out)
+        np.testing.assert_allclose(out, factor * factor * np.arange(3.0))
+        (path,) = [p for m, name, _, p in kernel_cache.KERNELS if m == module and name == "k9_twice"]
+        (callee_path,) = [p for m, name, _, p in kernel_cache.KERNELS if m == module and name == callee]
+        texts[module] = path
+        stem = os.path.basename(callee_path)[:-3]
+        text = open(path).read()
+        assert f"{stem} = kernel_in_file(__file__, '{stem}.py')" in text and f"    {stem}(x0, work)\n" in text
+        assert callee not in text and "comment" not in text
+    assert texts["calls_a"] == texts["calls_b"] != texts["calls_c"]
+
+
+def test_a_kernel_that_calls_an_uncached_kernel_is_not_cached_and_says_so(tmp_path, monkeypatch):
+    """A kernel whose callee is not in the cache (here a plain Numba function) compiles from the module,
+    and the reason recorded (printed by `gradc compile`) says so, not a folder problem."""
+    monkeypatch.setenv("GRADC_CACHE_DIR", str(tmp_path / "cache"))
+    src = textwrap.dedent('''
+        import numpy as np
+        from numba import njit
+        from gradc.runtime.kernel_cache import cached_kernel
+        DTYPE = "float64"
+        FLOAT = np.float64
+
+
+        @njit
+        def k0_scale(x0, out):
+            for i in range(out.shape[0]):
+                out[i] = 2.0 * x0[i]
+
+
+        @cached_kernel
+        def k1_apply(x0, out):
+            k0_scale(x0, out)
+    ''')
+    mod = _import_source(tmp_path, "calls_uncached", src)
+    out = np.zeros(2)
+    mod.k1_apply(np.ones(2), out)
+    assert out.tolist() == [2.0, 2.0]
+    counts = kernel_cache.compile_counts("calls_uncached")
+    assert counts["not_cached"] == 1 and counts["not_cached_why"] == ["they call a kernel that is not in the cache"]

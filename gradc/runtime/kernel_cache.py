@@ -9,7 +9,9 @@ Numba's `cache=True`: Numba keeps the machine code beside it, in `<cache>/kernel
 The 30 identical layers of one model, and the same layers in the next model, are one file and one
 compile. A kernel may call gradc's own compiled helpers (RUNTIME_KERNELS, e.g. `gemm_strided`): its
 file imports them, and its header names a hash of the source that defines each, since Numba's
-cache of the kernel holds their machine code too.
+cache of the kernel holds their machine code too. A kernel may call other cached kernels (a scan's
+step calls the step's kernels, its loop calls the step): its file loads each from that kernel's own
+cache file, named by its hash, so a changed callee is a new caller file too.
 A kernel that loops with `prange` (BPPSA's sweeps) is compiled with `parallel=True`: those loops'
 iterations run on Numba's threads (NUMBA_NUM_THREADS, every core by default).
 A `--target cuda` module's kernels (`@cached_cuda_kernel`) go the same way: their file imports
@@ -31,10 +33,13 @@ import dis
 import hashlib
 import importlib.metadata
 import inspect
+import io
 import os
+import re
 import sys
 import tempfile
 import threading
+import tokenize
 
 import numba
 from numba import njit
@@ -43,6 +48,7 @@ from numba.core.caching import FunctionCache
 from gradc.files import import_path
 from gradc.runtime.blas import gemm_strided
 from gradc.runtime.cuda import load_cuda, simulated
+from gradc.runtime.views import view
 from gradc.version import __version__
 
 ENV = "GRADC_CACHE_DIR"
@@ -54,7 +60,8 @@ KERNELS = []   # (module name, kernel name, dispatcher, cache file or None), in 
 NOT_CACHED = {}   # (module name, kernel name) -> why it compiled outside the cache
 _LOCK = threading.Lock()
 _LINES = {}    # (path, inode, mtime_ns, size) -> the file's lines
-RUNTIME_KERNELS = {"gemm_strided": gemm_strided}   # gradc's compiled helpers that a kernel may call by name
+RUNTIME_KERNELS = {"gemm_strided": gemm_strided, "view": view}   # gradc's compiled helpers a kernel may call by name
+_FILE_OF = {}  # id(dispatcher) -> the cache file it was loaded from (the dispatchers live in KERNELS)
 
 
 def cache_dir():
@@ -105,6 +112,16 @@ def _source(func):
     return text
 
 
+def _without_comments(text):
+    """The code without its comments (a scan's step notes each op's file:line, which is not content)."""
+    lines = text.splitlines(keepends=True)
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type == tokenize.COMMENT:
+            row, col = tok.start
+            lines[row - 1] = lines[row - 1][:col].rstrip() + "\n"
+    return "".join(lines)
+
+
 _GLOBALS = {}   # (bytecode, names) -> the global names it reads: a module imported again reads no bytecode twice
 
 
@@ -118,7 +135,7 @@ def _globals(func):
 
 
 class CallsOtherKernels(ValueError):
-    """A kernel reads a global its cache file cannot define: another kernel (a scan's step does)."""
+    """A kernel reads a global its cache file cannot define: a kernel that is not in the cache."""
 
 
 def canonical_text(func, target="cpu"):
@@ -127,7 +144,7 @@ def canonical_text(func, target="cpu"):
     reads a global this file cannot define."""
     env = func.__globals__
     dtype = env.get("DTYPE") or np_name(env.get("FLOAT"))
-    helpers, todo, uses_float, parallel, imports = {}, [func], False, False, []
+    helpers, todo, uses_float, parallel, imports, callees = {}, [func], False, False, [], {}
     free = ("math", "np") + (("cuda", "FLOAT_T", "float64") if target == "cuda" else ())
     while todo:
         f = todo.pop()
@@ -144,14 +161,20 @@ def canonical_text(func, target="cpu"):
             elif name in RUNTIME_KERNELS and target == "cpu" and value is RUNTIME_KERNELS[name]:
                 if name not in imports:   # gradc's own compiled helpers: the file imports them
                     imports.append(name)
-            elif name in helpers or (name not in env and hasattr(builtins, name)):
+            elif name in helpers or name in callees or (name not in env and hasattr(builtins, name)):
                 continue
+            elif target == "cpu" and id(value) in _FILE_OF:   # another cached kernel: loaded from its file
+                callees[name] = os.path.basename(_FILE_OF[id(value)])[:-3]
             elif hasattr(value, "py_func") and name.startswith("_"):
                 helpers[name] = _source(value.py_func)
                 todo.append(value.py_func)
             else:
-                raise CallsOtherKernels(f"{func.__name__} reads the global {name!r}")
-    body = _source(func).replace(f"def {func.__name__}(", "def kernel(", 1)
+                raise CallsOtherKernels(f"{func.__name__} reads the global {name!r}, not a cached kernel")
+    body = _without_comments(_source(func)).replace(f"def {func.__name__}(", "def kernel(", 1)
+    for name, stem in callees.items():   # a callee goes by its file's name: the module's numbering is not content
+        rename = re.compile(rf"\b{re.escape(name)}\b")
+        body = rename.sub(stem, body)
+        helpers = {h: rename.sub(stem, text) for h, text in helpers.items()}
     if target == "cuda":
         parts = [f"# gradc kernel cache (format {FORMAT}): gradc {__version__}, {cuda_host()}, {dtype}\n"
                  "# Written by gradc/runtime/kernel_cache.py; numba-cuda's cache of it is in __pycache__ beside it.\n"
@@ -164,7 +187,11 @@ def canonical_text(func, target="cpu"):
                  "# Written by gradc/runtime/kernel_cache.py; Numba's cache of it is in __pycache__ beside it.\n"
                  f"import math\n\nimport numpy as np\nfrom numba import njit{', prange' if parallel else ''}\n\n"
                  + "".join(f"# {name}: {runtime_kernel_digest(name)}\n" for name in sorted(imports))
-                 + (f"from gradc.runtime.blas import {', '.join(sorted(imports))}\n\n" if imports else "")
+                 + "".join(f"from {RUNTIME_KERNELS[name].py_func.__module__} import {name}\n" for name in sorted(imports))
+                 + ("from gradc.runtime.kernel_cache import kernel_in_file\n" if callees else "")
+                 + ("\n" if imports or callees else "")
+                 + "".join(f"{stem} = kernel_in_file(__file__, '{stem}.py')\n" for stem in sorted(callees.values()))
+                 + ("\n" if callees else "")
                  + f"_njit = njit(cache=True, **{OPTIONS!r})\n"]
         if parallel:
             parts.append(f"_njit_parallel = njit(cache=True, parallel=True, **{OPTIONS!r})\n")
@@ -270,6 +297,12 @@ def _load(path):
     return module.kernel
 
 
+def kernel_in_file(caller, filename):
+    """The kernel of the cache file `filename` in the folder of the cache file `caller` (a cache
+    file that calls another cached kernel loads it by this)."""
+    return _load(os.path.join(os.path.dirname(caller), filename))
+
+
 def _fallback(func, target):
     """The module's own function, compiled by Numba with its cache beside the module where it can be
     written, else in memory (CUDA: by cuda.jit, which compiles at the first launch)."""
@@ -289,6 +322,7 @@ def _cached(func, target):
         try:
             path = ensure_file(canonical_text(func, target))   # a corrupted file is written again here
             disp = _load(path)
+            _FILE_OF[id(disp)] = path
             STATS["loaded"] += 1
         except Exception as e:   # compile it here, and say why
             NOT_CACHED[(func.__module__, func.__name__)] = _why_not_cached(e)
@@ -302,7 +336,7 @@ def _why_not_cached(e):
     if isinstance(e, OSError):
         return f"the cache folder could not be written or read ({e.strerror or e})"
     if isinstance(e, CallsOtherKernels):
-        return "they call other kernels (a scan's step does), which a cache file cannot hold yet"
+        return "they call a kernel that is not in the cache"
     return f"{type(e).__name__} while loading from the cache: {e}"
 
 
