@@ -19,8 +19,8 @@ DECORATOR = "@kernel"
 class Kernels:
     """Kernel sources for one module, deduplicated by key."""
 
-    def __init__(self, fast_tanh=False):
-        self.fast_tanh = fast_tanh   # float32 builds: tanh as a vectorisable rational function
+    def __init__(self, single=False):
+        self.single = single   # float32 builds: float32 arithmetic, tanh as a vectorisable rational function
         self._by_key = {}
         self.sources = []          # (name, source, doc) in creation order
         self.helpers = set()       # scalar helpers the kernels call
@@ -53,7 +53,7 @@ class Kernels:
                 loads.append(f"a{j} = x{j}[{idx}]" if pat else f"a{j} = x{j}[()]")
                 names[X[j]] = sp.Symbol(f"a{j}", real=True)
         out_idx = index([f"i{d}" for d in range(out_rank)])
-        block, helpers = print_block(expr, names, f"out[{out_idx}]", self.fast_tanh)
+        block, helpers = print_block(expr, names, f"out[{out_idx}]", self.single)
         self.helpers |= helpers
         lines = [f"def {name}({', '.join(args + ['out'])}):"]
         lines += dims_line("out", out_rank)
@@ -76,6 +76,6 @@ class Kernels:
     def scalar_expression(self, expr, operand_names, result):
         """Lines of the entry function that compute a scalar elementwise value in place."""
         names = {X[j]: sp.Symbol(v, real=True) for j, v in enumerate(operand_names)}
-        block, helpers = print_block(expr, names, result, self.fast_tanh)
+        block, helpers = print_block(expr, names, result, self.single)
         self.helpers |= helpers
         return block

@@ -22,7 +22,7 @@ from .cuda_api import CUDA_HEADER, cuda_api
 from .cuda_entry import CudaEntryWriter
 from .entry import EntryWriter
 from .lr_api import lr_api_source
-from .sympy_print import HELPERS
+from .sympy_print import HELPERS, single_precision
 
 INLINE_CONST_LIMIT = 256   # larger constant arrays go to NAME.data.npz beside the module
 
@@ -80,7 +80,7 @@ def generate(graph, plans, info):
     """
     g = graph
     cuda = info.get("target", "cpu") == "cuda"
-    kernels = CudaKernels() if cuda else Kernels(fast_tanh=info["dtype"] == "float32")
+    kernels = CudaKernels() if cuda else Kernels(single=info["dtype"] == "float32")
     names = {n: f"p_{p}" for p, n in g.params.items()} | {n: f"in_{i}" for i, n in g.inputs.items()}
     names |= {n: f"v_{p}" for p, n in g.tangents.items()}
     writer = (CudaEntryWriter if cuda else EntryWriter)(g, kernels, names)
@@ -271,6 +271,8 @@ def generate(graph, plans, info):
         if pipeline:   # what the pipeline executor launches between stage functions
             trainer_kernels |= {"fill": kernels.fill(), "axpy": kernels.axpy()}
     helper_src = [f"{'@device_function' if cuda else '@kernel'}\n{HELPERS[h]}" for h in sorted(kernels.helpers)]
+    if getattr(kernels, "single", False):   # a float32 CPU build's helpers compute in float32, as its kernels
+        helper_src = [single_precision(src) for src in helper_src]
     kernel_src = [_with_doc(f"@kernel\n{src}", doc) for name, src, doc in kernels.sources]
     if cuda and kernels.sites:
         kernel_src.append("# GEMM sites: each picks its kernel per call by the product's size (gradc/runtime/cuda_gemm.py)\n"

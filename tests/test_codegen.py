@@ -410,7 +410,7 @@ def test_fused_kernels_in_generated_source(build_dir):
     mod = gc.compile(mlp_weight_decay(), out=build_dir, warm_cache=False)
     source = open(mod.__file__).read()
     assert "_tanh(a0 + a1)" in source                    # forward: bias add and tanh in one loop
-    assert "(1.0 - (a1 * a1))" in source                 # backward: g * (1 - y*y) from the saved output
+    assert "(FLOAT(1.0) - (a1 * a1))" in source          # backward: g * (1 - y*y) from the saved output, in float32
     # products by BLAS with transpose flags, never a transpose copy
     assert re.search(r"matmul_into\(\w+, \w+, True, False, \w+\)", source)   # dW = x.T @ g
     assert re.search(r"matmul_into\(\w+, \w+, False, True, \w+\)", source)   # dx = g @ W.T

@@ -32,3 +32,35 @@ def test_printed_expression_evaluates_like_sympy(expr):
 def test_written_out_tanh_helper_is_what_sympy_derives():
     from gradc.codegen.sympy_print import HELPERS, _rational_tanh_source
     assert HELPERS["_tanh"] == _rational_tanh_source()
+
+
+def test_single_precision_wraps_float_literals_only():
+    from gradc.codegen.sympy_print import single_precision
+    src = 'def f(x, a):\n    y = a[0] + 1.5 * x ** 2 - 3e-7   # 2.5 in a comment\n    return "0.5", y * .25, 10\n'
+    assert single_precision(src) == ('def f(x, a):\n    y = a[0] + FLOAT(1.5) * x ** 2 - FLOAT(3e-7)   # 2.5 in a comment\n'
+                                     '    return "0.5", y * FLOAT(.25), 10\n')
+
+
+@pytest.mark.parametrize("expr", [sp.tanh(x0 + x1), 1 - sp.tanh(x0) ** 2 * x1, x0 * (1 - x1) + x1 * sp.tanh(x2),
+                                  x0 / (1 + sp.exp(-x1)), sp.log(1 + x0 ** 2) * 0.5], ids=str)
+def test_float32_kernels_compute_in_float32_and_stay_accurate(expr):
+    """A float32 build's elementwise kernels compute in float32 (a float64 literal would make Numba
+    compute the expression in float64): the kernel's result type is float32, and it is within a few
+    float32 roundings of the float64 value."""
+    from numba import njit
+    from gradc.codegen.sympy_print import HELPERS, single_precision
+    names = {X[j]: sp.Symbol(f"a{j}", real=True) for j in range(3)}
+    lines, helpers = print_block(expr, names, "out", single=True)
+    scope = {"math": math, "np": np, "FLOAT": np.float32}
+    for h in helpers:
+        exec(single_precision(HELPERS[h]), scope)
+        scope[h] = njit(scope[h])
+    exec("def kernel(a0, a1, a2):\n" + "".join(f"    {line}\n" for line in lines) + "    return out\n", scope)
+    kernel = njit(scope["kernel"])
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        a = [np.float32(v) for v in rng.uniform(-3.0, 3.0, 3)]
+        got = kernel(*a)
+        want = float(expr.subs({X[j]: float(a[j]) for j in range(3)}))
+        assert abs(float(got) - want) <= 2e-6 * max(1.0, abs(want)), (lines, got, want)
+    assert str(kernel.nopython_signatures[0].return_type) == "float32", (lines, kernel.nopython_signatures)
