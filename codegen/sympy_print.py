@@ -38,7 +38,8 @@ def _rational_tanh_source(depth=12):
     Lambert's continued fraction of tanh, cut at `depth`, is a Pade approximant p(x)/q(x);
     sympy expands it. At depth 12 (degree 13/12) its relative error on |x| <= 9.5 is below
     1e-7 when evaluated in float64; a float32 build evaluates it in float32 (single_precision),
-    within 3e-7 of tanh; beyond 9.5 tanh is +-1.
+    within 4e-7 of tanh; beyond 9.5 tanh is +-1. Its value is clamped to [-1, 1]: rounding made it
+    1.0000004 at x = -8.82, and 1 - tanh(x)^2 must not go negative.
     """
     x, z = sp.symbols("x z")
     t = sp.Integer(2 * depth + 1)
@@ -58,7 +59,8 @@ def _rational_tanh_source(depth=12):
     # a Pade approximant of tanh (see codegen/sympy_print.py): it vectorises, unlike math.tanh
     c = {TANH_CLAMP} if x > {TANH_CLAMP} else (-{TANH_CLAMP} if x < -{TANH_CLAMP} else x)   # NaN passes through
     z = c * c
-    return c * ({horner(odd)}) / ({horner(even)})'''
+    t = c * ({horner(odd)}) / ({horner(even)})
+    return 1.0 if t > 1.0 else (-1.0 if t < -1.0 else t)   # rounding may pass 1 by an ulp or two'''
 
 
 # _rational_tanh_source()'s text, written out: sympy takes about 0.35 s to derive it, on every
@@ -68,7 +70,8 @@ def _tanh(x):
     # a Pade approximant of tanh (see codegen/sympy_print.py): it vectorises, unlike math.tanh
     c = 9.5 if x > 9.5 else (-9.5 if x < -9.5 else x)   # NaN passes through
     z = c * c
-    return c * (1.0 + z * (0.14666666666666667 + z * (0.0052173913043478265 + z * (6.625258799171843e-05 + z * (3.2286836253274086e-07 + z * (5.179706350792634e-10 + z * (1.264885555749117e-13))))))) / (1.0 + z * (0.48 + z * (0.03188405797101449 + z * (0.0006625258799171842 + z * (5.230467473030402e-06 + z * (1.5193805295658393e-08 + z * (1.1510458557316966e-11)))))))"""
+    t = c * (1.0 + z * (0.14666666666666667 + z * (0.0052173913043478265 + z * (6.625258799171843e-05 + z * (3.2286836253274086e-07 + z * (5.179706350792634e-10 + z * (1.264885555749117e-13))))))) / (1.0 + z * (0.48 + z * (0.03188405797101449 + z * (0.0006625258799171842 + z * (5.230467473030402e-06 + z * (1.5193805295658393e-08 + z * (1.1510458557316966e-11)))))))
+    return 1.0 if t > 1.0 else (-1.0 if t < -1.0 else t)   # rounding may pass 1 by an ulp or two"""
 
 
 def single_precision(source):
@@ -78,7 +81,9 @@ def single_precision(source):
     out, last = [], (1, 0)
     lines = source.splitlines(keepends=True)
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.NUMBER and any(c in tok.string for c in ".eE") and not tok.string.endswith("j"):
+        text = tok.string.lower()
+        if tok.type == tokenize.NUMBER and not text.startswith(("0x", "0o", "0b")) and not text.endswith("j") \
+                and any(c in text for c in ".e"):
             out.append(_between(lines, last, tok.start) + f"FLOAT({tok.string})")
             last = tok.end
     out.append(_between(lines, last, (len(lines) + 1, 0)))
@@ -104,6 +109,10 @@ class KernelPrinter(PythonCodePrinter):
         super().__init__({"fully_qualified_modules": True, "standard": "python3"})
         self.used_helpers = set()
         self.single = single
+
+    # math.pi and math.e are float64s, which would make a float32 kernel compute in float64
+    def _print_Pi(self, e): return repr(float(e)) if self.single else super()._print_Pi(e)
+    def _print_Exp1(self, e): return repr(float(e)) if self.single else super()._print_Exp1(e)
 
     def _print_tanh(self, e):
         if self.single:

@@ -42,7 +42,8 @@ def test_single_precision_wraps_float_literals_only():
 
 
 @pytest.mark.parametrize("expr", [sp.tanh(x0 + x1), 1 - sp.tanh(x0) ** 2 * x1, x0 * (1 - x1) + x1 * sp.tanh(x2),
-                                  x0 / (1 + sp.exp(-x1)), sp.log(1 + x0 ** 2) * 0.5], ids=str)
+                                  x0 / (1 + sp.exp(-x1)), sp.log(1 + x0 ** 2) * 0.5,
+                                  sp.diff(x0 * (1 + sp.erf(x0 / sp.sqrt(2))) / 2, x0) * x1], ids=str)
 def test_float32_kernels_compute_in_float32_and_stay_accurate(expr):
     """A float32 build's elementwise kernels compute in float32 (a float64 literal would make Numba
     compute the expression in float64): the kernel's result type is float32, and it is within a few
@@ -64,3 +65,25 @@ def test_float32_kernels_compute_in_float32_and_stay_accurate(expr):
         want = float(expr.subs({X[j]: float(a[j]) for j in range(3)}))
         assert abs(float(got) - want) <= 2e-6 * max(1.0, abs(want)), (lines, got, want)
     assert str(kernel.nopython_signatures[0].return_type) == "float32", (lines, kernel.nopython_signatures)
+
+
+def test_float32_tanh_helper_is_close_to_tanh_and_never_past_one():
+    """The rational tanh evaluated in float32 (a float32 build's kernels): within 4e-7 of tanh, and
+    clamped to [-1, 1] (rounding made it 1.0000004 at x = -8.82, and 1 - y*y must not go negative)."""
+    from numba import njit
+    from gradc.codegen.sympy_print import HELPERS, single_precision
+    scope = {"math": math, "np": np, "FLOAT": np.float32}
+    exec(single_precision(HELPERS["_tanh"]), scope)
+    tanh32 = njit(scope["_tanh"])
+
+    @njit
+    def over(xs):
+        out = np.empty_like(xs)
+        for i in range(xs.size):
+            out[i] = tanh32(xs[i])
+        return out
+    xs = np.concatenate([np.linspace(-12, 12, 2_000_001, dtype=np.float32), np.float32([-8.82, np.inf, -np.inf])])
+    ys = over(xs)
+    assert ys.dtype == np.float32 and np.all(np.abs(ys) <= 1.0)
+    assert np.max(np.abs(ys.astype(np.float64) - np.tanh(xs.astype(np.float64)))) < 4.5e-7
+    assert np.isnan(over(np.float32([np.nan]))[0])

@@ -190,7 +190,7 @@ def canonical_text(func, target="cpu"):
                  + "".join(f"from {RUNTIME_KERNELS[name].py_func.__module__} import {name}\n" for name in sorted(imports))
                  + ("from gradc.runtime.kernel_cache import kernel_in_file\n" if callees else "")
                  + ("\n" if imports or callees else "")
-                 + "".join(f"{stem} = kernel_in_file(__file__, '{stem}.py')\n" for stem in sorted(callees.values()))
+                 + "".join(f"{stem} = kernel_in_file(__file__, '{stem}.py')\n" for stem in sorted(set(callees.values())))
                  + ("\n" if callees else "")
                  + f"_njit = njit(cache=True, **{OPTIONS!r})\n"]
         if parallel:
@@ -300,7 +300,10 @@ def _load(path):
 def kernel_in_file(caller, filename):
     """The kernel of the cache file `filename` in the folder of the cache file `caller` (a cache
     file that calls another cached kernel loads it by this)."""
-    return _load(os.path.join(os.path.dirname(caller), filename))
+    path = os.path.join(os.path.dirname(caller), filename)
+    if not os.path.exists(path):   # removed since the caller was written: the caller compiles from its module
+        raise CallsOtherKernels(f"{os.path.basename(caller)} calls {filename}, which is not in the cache")
+    return _load(path)
 
 
 def _fallback(func, target):
