@@ -22,7 +22,7 @@ from .cuda_api import CUDA_HEADER, cuda_api
 from .cuda_entry import CudaEntryWriter
 from .entry import EntryWriter
 from .lr_api import lr_api_source
-from .sympy_print import HELPERS, single_precision
+from .sympy_print import helper_source
 
 INLINE_CONST_LIMIT = 256   # larger constant arrays go to NAME.data.npz beside the module
 
@@ -270,9 +270,8 @@ def generate(graph, plans, info):
         trainer_kernels |= {"sum_squares": kernels.sum_squares(), "copy": kernels.elementwise(X[0], [(0,)], 1, "copy")}
         if pipeline:   # what the pipeline executor launches between stage functions
             trainer_kernels |= {"fill": kernels.fill(), "axpy": kernels.axpy()}
-    helper_src = [f"{'@device_function' if cuda else '@kernel'}\n{HELPERS[h]}" for h in sorted(kernels.helpers)]
-    if getattr(kernels, "single", False):   # a float32 CPU build's helpers compute in float32, as its kernels
-        helper_src = [single_precision(src) for src in helper_src]
+    single = getattr(kernels, "single", False)   # a float32 CPU build: helpers compute in float32, as its kernels
+    helper_src = [f"{'@device_function' if cuda else '@kernel'}\n{helper_source(h, single)}" for h in sorted(kernels.helpers)]
     kernel_src = [_with_doc(f"@kernel\n{src}", doc) for name, src, doc in kernels.sources]
     if cuda and kernels.sites:
         kernel_src.append("# GEMM sites: each picks its kernel per call by the product's size (gradc/runtime/cuda_gemm.py)\n"

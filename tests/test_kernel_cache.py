@@ -121,6 +121,23 @@ def test_corrupted_cache_files_are_compiled_again(tmp_path):
     assert {f: (cache / "kernels" / f).read_text() for f in files} == good   # the files are whole again
 
 
+def test_damaged_numba_index_files_are_written_again(tmp_path):
+    """A Numba index file (.nbi) cut short or emptied: the kernel compiles again and its index is
+    written anew, in a new build and in a build made before (saving used to raise UnpicklingError)."""
+    cache = tmp_path / "cache"
+    first = run(tmp_path, cache, "index_mlp", 1, tmp_path / "a", "compile")
+    indexes = sorted((cache / "kernels" / "__pycache__").glob("*.nbi"))
+    assert indexes
+    for k, f in enumerate(indexes):
+        f.write_bytes(b"" if k % 2 else f.read_bytes()[:40])
+    again = run(tmp_path, cache, "index_mlp", 1, tmp_path / "a", "import")
+    second = run(tmp_path, cache, "index_mlp_two", 1, tmp_path / "b", "compile")
+    assert again["loss"] == second["loss"] == first["loss"]
+    assert again["counts"]["compiled"] > 0 and again["stats"]["bad_numba_cache"] >= 1
+    third = run(tmp_path, cache, "index_mlp_three", 1, tmp_path / "c", "compile")   # the indexes are whole again
+    assert third["counts"]["compiled"] == 0 and third["loss"] == first["loss"]
+
+
 def test_unwritable_cache_still_compiles(tmp_path, monkeypatch):
     blocker = tmp_path / "a_file"
     blocker.write_text("")

@@ -24,7 +24,7 @@ names the CUDA package and its version instead of the CPU.
 Concurrent compiles are safe: a file is written to a temp name and renamed into place, two
 writers of one hash write the same bytes, and Numba writes its index and data files the same way.
 A cache file whose text is not what its hash says (a corrupted file) is written again; a Numba
-cache entry that does not load is compiled again; where the cache cannot be written (a read-only
+cache entry that does not load is compiled again, and a damaged Numba index is written anew; where the cache cannot be written (a read-only
 home, a full disk) the kernel is compiled from the module's own source as before (Numba's cache
 beside the module, or in memory). Nothing here raises for a cache problem.
 """
@@ -282,6 +282,19 @@ class _TolerantCache(FunctionCache):
         except Exception:
             STATS["bad_numba_cache"] += 1
             return None
+
+    def save_overload(self, sig, data):
+        """Numba reads the index before adding to it: a damaged index is started again (the entries
+        it named compile again when asked for); where even that fails, the code stays in memory."""
+        try:
+            super().save_overload(sig, data)
+        except Exception:
+            STATS["bad_numba_cache"] += 1
+            try:
+                os.unlink(self._cache_file._index_path)
+                super().save_overload(sig, data)
+            except Exception:
+                pass
 
 
 def _load(path):
