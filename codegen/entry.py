@@ -7,8 +7,8 @@ made each build optimise the same kernels four to six times, and deep graphs too
 faster than their size (README digits MLP: a Numba warm-up of 3.5 s against 0.3 s as plain Python, with
 the kernels in the cache); as plain Python nothing but the kernels is compiled, and a call costs
 about a microsecond a kernel. The exception is hvp's block function, which loops over the rows
-of V: a small graph's is one compiled function (compiled on first use), so a Hessian of many rows
-pays no Python per row. codegen/cuda_entry.py writes the CUDA target's host function by overriding
+of V: a small graph's is one compiled function (compiled on first use, and kept in the kernel cache
+like the kernels it calls), so a Hessian of many rows pays no Python per row. codegen/cuda_entry.py writes the CUDA target's host function by overriding
 how values are stored and computed.
 """
 import numpy as np
@@ -23,7 +23,7 @@ COMPILED_ENTRY_MAX_STEPS = 120   # a larger hvp block function runs as plain Pyt
 
 class EntryWriter:
     """Writes the function of one entry point."""
-    decorator = "@kernel"            # a small hvp block function is one compiled Numba function
+    decorator = "@cached_kernel"     # a small hvp block function is one compiled Numba function, in the kernel cache
     tail_args = ("arena", "offs")    # what a compiled entry takes after its values
     compiled = True                  # whether the entry being written is compiled (set per entry)
     target = "cpu"                   # which lowering of each op record it writes

@@ -235,7 +235,8 @@ def test_plain_python_entries_match_the_interpreter(make, build_dir, rng, monkey
     model = make()
     mod = gc.compile(model, out=build_dir, dtype="float64", warm_cache=False)
     source = open(mod.__file__).read()
-    assert "@kernel\ndef _hvp_block" not in source and "def _hvp_block(" in source and "def _loss_and_grad(" in source
+    assert not re.search(r"@\w*kernel\ndef _hvp_block", source)
+    assert "def _hvp_block(" in source and "def _loss_and_grad(" in source
     assert "= buffers[" in source and "= view(arena" not in source
     _check_against_interpreter(model, mod, rng, hvp=True)
 
