@@ -8,8 +8,8 @@ faster than their size (README digits MLP: a Numba warm-up of 3.5 s against 0.3 
 the kernels in the cache); as plain Python nothing but the kernels is compiled, and a call costs
 about a microsecond a kernel. The exception is hvp's block function, which loops over the rows
 of V: a small graph's is one compiled function (compiled on first use, and kept in the kernel cache
-like the kernels it calls), so a Hessian of many rows pays no Python per row. codegen/cuda_entry.py writes the CUDA target's host function by overriding
-how values are stored and computed.
+like the kernels it calls), so a Hessian of many rows pays no Python per row. codegen/cuda_entry.py
+writes the CUDA target's host function by overriding how values are stored and computed.
 """
 import numpy as np
 

@@ -80,7 +80,8 @@ def generate(graph, plans, info):
     """
     g = graph
     cuda = info.get("target", "cpu") == "cuda"
-    kernels = CudaKernels() if cuda else Kernels(single=info["dtype"] == "float32")
+    single = not cuda and info["dtype"] == "float32"   # a float32 CPU build computes in float32
+    kernels = CudaKernels() if cuda else Kernels(single=single)
     names = {n: f"p_{p}" for p, n in g.params.items()} | {n: f"in_{i}" for i, n in g.inputs.items()}
     names |= {n: f"v_{p}" for p, n in g.tangents.items()}
     writer = (CudaEntryWriter if cuda else EntryWriter)(g, kernels, names)
@@ -270,7 +271,6 @@ def generate(graph, plans, info):
         trainer_kernels |= {"sum_squares": kernels.sum_squares(), "copy": kernels.elementwise(X[0], [(0,)], 1, "copy")}
         if pipeline:   # what the pipeline executor launches between stage functions
             trainer_kernels |= {"fill": kernels.fill(), "axpy": kernels.axpy()}
-    single = getattr(kernels, "single", False)   # a float32 CPU build: helpers compute in float32, as its kernels
     helper_src = [f"{'@device_function' if cuda else '@kernel'}\n{helper_source(h, single)}" for h in sorted(kernels.helpers)]
     kernel_src = [_with_doc(f"@kernel\n{src}", doc) for name, src, doc in kernels.sources]
     if cuda and kernels.sites:

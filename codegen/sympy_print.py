@@ -78,24 +78,16 @@ def single_precision(source):
     """`source` with each float literal written FLOAT(literal): in a float32 build's kernels a bare
     literal is a float64, and Numba would compute the whole expression in float64 (half the vector
     lanes, and conversions): a float32 tanh layer ran 8.6 us against 3.7 in float32 (64 x 128)."""
-    out, last = [], (1, 0)
     lines = source.splitlines(keepends=True)
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+    tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    for tok in reversed(tokens):   # right to left: an edit leaves the columns before it as they were
         text = tok.string.lower()
         if tok.type == tokenize.NUMBER and not text.startswith(("0x", "0o", "0b")) and not text.endswith("j") \
                 and any(c in text for c in ".e"):
-            out.append(_between(lines, last, tok.start) + f"FLOAT({tok.string})")
-            last = tok.end
-    out.append(_between(lines, last, (len(lines) + 1, 0)))
-    return "".join(out)
-
-
-def _between(lines, start, end):
-    """The text of `lines` from (row, col) `start` up to `end` (tokenize's 1-based rows)."""
-    (r0, c0), (r1, c1) = start, end
-    if r0 == r1:
-        return lines[r0 - 1][c0:c1]
-    return lines[r0 - 1][c0:] + "".join(lines[r0:r1 - 1]) + (lines[r1 - 1][:c1] if r1 <= len(lines) else "")
+            (row, start), (_, end) = tok.start, tok.end
+            line = lines[row - 1]
+            lines[row - 1] = f"{line[:start]}FLOAT({tok.string}){line[end:]}"
+    return "".join(lines)
 
 
 # Helpers a float32 build still evaluates in float64. The rational tanh evaluated in float32 was 2.3x
