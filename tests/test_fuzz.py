@@ -53,3 +53,12 @@ def test_compiled_convs_by_taps_match_torch(tmp_path, monkeypatch):
 def test_compiled_float32_matches_torch(tmp_path):
     """float32 kernels against the float64 reference: loose tolerances, one small program."""
     check_compiled(random_case(6, small=True), str(tmp_path), "float32", rtol=2e-3, rtol_hvp=2e-2)
+
+
+@pytest.mark.slow
+def test_compiled_float32_elementwise_arithmetic_matches_torch(tmp_path):
+    """A float32 build's elementwise kernels compute in float32 (literals written FLOAT(...)): the
+    programs of seeds 0, 1 and 2 (every unary op, broadcasting, fan-out) against the float64 reference."""
+    check_compiled(combined_case((0, 1, 2)), str(tmp_path), "float32", rtol=2e-3, rtol_hvp=2e-2)
+    sources = "".join(open(f).read() for f in glob.glob(str(tmp_path / "**" / "*.py"), recursive=True))
+    assert "FLOAT(1.0)" in sources
