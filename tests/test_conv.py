@@ -408,6 +408,90 @@ def test_convs_by_taps_match_torch_in_a_compiled_net(build_dir, rng, monkeypatch
         np.testing.assert_allclose(hv[k], h.numpy(), rtol=1e-8, atol=1e-11, err_msg=k)
 
 
+def _split_everything(monkeypatch, cores=3):
+    """Builds and runs from here split every conv over up to `cores` parts of its batch, with BLAS
+    seen as having that many threads (the thread counts set are recorded, not set); returns the list
+    of part counts the conv calls ran with and the thread counts set."""
+    from gradc.runtime import conv_cores
+    monkeypatch.setattr(conv_cores, "cores", lambda: cores)
+    monkeypatch.setattr(conv_cores, "PART_FLOPS", 1)
+    monkeypatch.setattr(conv_cores.blas, "threads_now", lambda: cores)
+    set_to, ran = [], []
+    monkeypatch.setattr(conv_cores.blas, "set_threads", set_to.append)
+    run = conv_cores._run_at_once
+    monkeypatch.setattr(conv_cores, "_run_at_once", lambda calls: (ran.append(len(calls)), run(calls)))
+    return ran, set_to
+
+
+def test_convs_over_parts_of_the_batch_match_torch(build_dir, rng, monkeypatch):
+    """A plain entry runs each conv, input gradient and weight gradient over parts of the batch at
+    once (gradc/runtime/conv_cores.py): 7 images in 3 parts of 2, 2 and 3, the weight gradients summed
+    over the parts; loss and gradients against torch, float64, and BLAS's thread count given back."""
+    ran, set_to = _split_everything(monkeypatch)
+    m, forward = _conv_net("conv_parts")
+    mod = gc.compile(m, out=build_dir, dtype="float64", order=1, warm=False)
+    source = open(mod.__file__).read()
+    assert len(re.findall(r"conv_on_cores\(k\d+_conv2d\(?.*most=3\)", source)) >= 2
+    assert re.search(r"conv_on_cores\(k\d+_conv2d_input_grad, .*most=3\)", source)
+    assert re.search(r"conv_weight_grad_on_cores\(k\d+_conv2d_weight_grad, .*most=3\)", source)
+    params = mod.init_params(2)
+    X, Y = rng.standard_normal((7, 1, 8, 8)), rng.integers(0, 10, 7)
+    loss, grads = mod.loss_and_grad(params, x=X, y=Y)
+    assert ran and set(ran) == {3} and set_to == [1, 3] * len(ran)
+    pt = {k: _t(a) for k, a in params.items()}
+    ref = F.cross_entropy(forward(torch, torch.tensor(X), pt), torch.tensor(Y))
+    ref = ref + 0.5e-3 * sum((pt[k] ** 2).sum() for k in ("w1", "w2", "w3"))
+    tg = torch.autograd.grad(ref, list(pt.values()))
+    np.testing.assert_allclose(loss, ref.item(), rtol=1e-12)
+    for k, g in zip(pt, tg):
+        np.testing.assert_allclose(grads[k], g.numpy(), rtol=1e-10, atol=1e-12, err_msg=k)
+    ran.clear()
+    loss1, _ = mod.loss_and_grad(params, x=X[:1], y=Y[:1])   # one image: one part, no thread
+    assert not ran and np.isfinite(loss1)
+
+
+def test_a_failing_part_ends_every_part_and_gives_blas_its_threads_back(monkeypatch):
+    from gradc.runtime import conv_cores
+    _, set_to = _split_everything(monkeypatch, cores=2)
+    done = []
+
+    def kernel(a, w, out):
+        if a[0, 0] < 0:
+            raise ValueError("part failed")
+        out[...] = a + w
+        done.append(a.shape[0])
+
+    a = np.arange(8.0).reshape(4, 2)
+    a[0] = -1.0
+    with pytest.raises(ValueError, match="part failed"):
+        conv_cores.conv_on_cores(kernel, a, np.ones(2), np.empty((4, 2)), most=2)
+    assert done == [2] and set_to == [1, 2]
+    out = np.empty((4, 2))
+    conv_cores.conv_on_cores(kernel, np.abs(a), np.ones(2), out, most=2)
+    np.testing.assert_array_equal(out, np.abs(a) + 1)
+
+
+def test_a_forked_child_gets_threads_of_its_own(monkeypatch):
+    from gradc.runtime import conv_cores
+    first = conv_cores._executor()
+    monkeypatch.setitem(conv_cores._pool, "pid", -1)   # as in a child forked after the threads started
+    assert conv_cores._executor() is not first
+
+
+def test_memory_plan_counts_a_conv_workspace_per_part(monkeypatch):
+    from gradc.passes.memory import workspace_bytes
+    from gradc.runtime import conv_cores
+    m, _ = _conv_net("conv_parts_plan")
+    g = build_training_graph(m, order=1)
+    steps = g.topo_order()
+    plans = {}
+    for cores in (1, 2, 4):
+        monkeypatch.setattr(conv_cores, "cores", lambda: cores)
+        plans[cores] = [workspace_bytes(g, steps, {"B": b, "KB_lr": b}) for b in (1, 16)]
+    assert plans[1][0] == plans[2][0] == plans[4][0]          # one image: one part
+    assert plans[1][1] < plans[2][1] < plans[4][1]
+
+
 @pytest.mark.slow
 def test_cuda_target_conv_net_matches_the_interpreter(tmp_path):
     """forward, loss_and_grad, input_grads and hvp of the conv net compiled for CUDA, under the simulator."""

@@ -31,10 +31,14 @@ def test_vgg16_table_matches_the_lecture(tmp_path):
     assert kept < peak < kept + 3   # plus little else
 
 
-def test_memory_plan_counts_the_conv_workspace_in_the_budget(tmp_path):
-    """A conv's im2col tile is bounded (never a whole image's columns) and the plan sees it."""
+def test_memory_plan_counts_the_conv_workspace_in_the_budget(tmp_path, monkeypatch):
+    """A conv's im2col tile is bounded (never a whole image's columns) and the plan sees it. On one
+    core: on more, a conv runs over parts of the batch, each with a tile of its own (test_conv.py's
+    test_memory_plan_counts_a_conv_workspace_per_part)."""
     from gradc.passes.memory import plan_memory
     from gradc.passes.pipeline import build_training_graph
+    from gradc.runtime import conv_cores
+    monkeypatch.setattr(conv_cores, "cores", lambda: 1)
 
     m = gc.Model("convs")
     x = m.input("x", ("B", 3, 32, 32))

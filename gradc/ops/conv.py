@@ -22,6 +22,7 @@ import numpy as np
 from . import Op, register
 from ..errors import ShapeError
 from ..shapes import fmt, size
+from ..runtime import conv_cores
 
 
 def out_len(n, k, s, p, d):
@@ -592,10 +593,13 @@ def by_taps(attrs, w_shape, h_out, w_in):
             and h_out * wp >= TAPS_MIN_POSITIONS)
 
 
-def _workspace(x_at, w_at, g_at, taps=False):
+def _workspace(x_at, w_at, g_at, taps=False, summed=False):
     """The bytes a CPU kernel allocates for one call (its head's buffers, and for im2col its one
     (og, k_len) weight matrix), given where x, w and g are among the operands and the output (index
-    2), and whether the op has a path by taps: memory planning counts them at the conv's step."""
+    2), and whether the op has a path by taps: memory planning counts them at the conv's step. A
+    plain entry runs the kernel over up to cores() parts of the batch at once (conv_on_cores), each
+    with a workspace of its own; `summed`: the parts' outputs are summed (the weight gradient), all
+    but the first in buffers of their own."""
     def workspace(graph, n, dims):
         shapes = [graph.shape(u) for u in graph.operands(n)] + [graph.shape(n)]
         shapes = [tuple(dims.get(d, d) if isinstance(d, str) else d for d in s) for s in shapes]
@@ -604,27 +608,35 @@ def _workspace(x_at, w_at, g_at, taps=False):
             return None
         a = graph.attrs(n)
         (sh, sw), (_, pw), (dh, dw) = a["stride"], a["padding"], a.get("dilation", (1, 1))
-        n_img, w_in = x[0], x[3]
+        w_in = x[3]
         c_out, cg, kh, kw = w
         h_out, w_out = g[2], g[3]
         og, k_len, wp = c_out // a.get("groups", 1), cg * kh * kw, w_in + 2 * pw
         itemsize = np.dtype(graph.dtype(n)).itemsize
-        if taps and by_taps(a, w, h_out, w_in):   # _TAPS_HEAD: the band, one tile, the taps' weights
-            rows = max(1, min(h_out, TILE // max(1, max(cg, og) * wp)))
-            values = cg * (rows + (kh - 1) * dh) * wp + (kw - 1) * dw + og * rows * wp + kh * kw * og * cg
-            return values * itemsize
-        pitch = wp if (sh, sw) == (1, 1) else w_out
-        rows = max(1, min(h_out, TILE // max(1, k_len * pitch)))
-        nb = min(n_img, max(1, TILE // max(1, k_len * h_out * pitch))) if rows == h_out else 1
-        band = (rows - 1) * sh + (kh - 1) * dh + 1
-        values = (k_len + og) * nb * rows * pitch + nb * cg * band * wp + (kw - 1) * dw + og * k_len
-        return values * itemsize + k_len * 8   # + the offset table
+
+        def one_call(n_img):
+            if taps and by_taps(a, w, h_out, w_in):   # _TAPS_HEAD: the band, one tile, the taps' weights
+                rows = max(1, min(h_out, TILE // max(1, max(cg, og) * wp)))
+                values = cg * (rows + (kh - 1) * dh) * wp + (kw - 1) * dw + og * rows * wp + kh * kw * og * cg
+                return values * itemsize
+            pitch = wp if (sh, sw) == (1, 1) else w_out
+            rows = max(1, min(h_out, TILE // max(1, k_len * pitch)))
+            nb = min(n_img, max(1, TILE // max(1, k_len * h_out * pitch))) if rows == h_out else 1
+            band = (rows - 1) * sh + (kh - 1) * dh + 1
+            values = (k_len + og) * nb * rows * pitch + nb * cg * band * wp + (kw - 1) * dw + og * k_len
+            return values * itemsize + k_len * 8   # + the offset table
+
+        parts = max(1, min(conv_cores.cores(), x[0]))
+        at_once = parts * one_call(-(-x[0] // parts)) + (parts - 1) * size(shapes[2]) * itemsize * summed
+        return max(one_call(x[0]), at_once)
     return workspace
 
 
-def _lower(hint, make, make_by_taps=None, x_at=0, w_at=1, g_at=2):
+def _lower(hint, make, make_by_taps=None, x_at=0, w_at=1, g_at=2, on_cores=None):
     """One kernel per module and target for each op and path (stride, padding, dilation, groups are
-    arguments); x_at, w_at, g_at: where x, w and g are among the operands and the output (index 2)."""
+    arguments); x_at, w_at, g_at: where x, w and g are among the operands and the output (index 2).
+    on_cores: the runtime function (gradc/runtime/conv_cores.py) through which a plain-Python entry
+    calls the CPU kernel, over parts of the batch at once; a compiled function calls it directly."""
     def lower(s):
         a = s.attrs
         shapes = [s.operand_shape(j) for j in range(len(s.operands))] + [s.shape]
@@ -632,7 +644,10 @@ def _lower(hint, make, make_by_taps=None, x_at=0, w_at=1, g_at=2):
         ints = [*a["stride"], *a["padding"], *a.get("dilation", (1, 1)), a.get("groups", 1)]
         kernel = (s.kernel((hint, "by_taps"), f"{hint}_by_taps", make_by_taps)
                   if make_by_taps is not None and by_taps(a, w, g[2], x[3]) else s.kernel((hint,), hint, make))
-        return s.into_out(kernel, list(s.args) + [str(int(v)) for v in ints])
+        args = list(s.args) + [str(int(v)) for v in ints]
+        if on_cores is None or s.compiled:
+            return s.into_out(kernel, args)
+        return [s.alloc(), f"{on_cores}({kernel}, {', '.join(args + [s.out])}, most={conv_cores.cores()}){s.note}"]
     return lower
 
 
@@ -648,18 +663,19 @@ def _rows_summed(graph, n, ins, fail):
 
 
 register(Op("conv2d", "conv", _conv_infer, _conv_evaluate, _conv_flops, vjp=_conv_vjp, arity=2,
-            rows=_rows_of_first, workspace=_workspace(0, 1, 2, taps=True), cpu=_lower("conv2d", cpu_conv2d_source, cpu_conv2d_by_taps_source, 0, 1, 2),
+            rows=_rows_of_first, workspace=_workspace(0, 1, 2, taps=True), cpu=_lower("conv2d", cpu_conv2d_source, cpu_conv2d_by_taps_source, 0, 1, 2, "conv_on_cores"),
             cuda=_lower("conv2d", cuda_conv2d_source),
             doc="y[n, o] = sum over c in o's group, taps (i, j) of w[o, c, i, j] * x_pad[n, c, h s + i d, w s + j d]; "
                 "attrs stride, padding, dilation (pairs), groups"))
 register(Op("conv2d_input_grad", "conv", _input_grad_infer, _input_grad_evaluate, _input_grad_flops,
             vjp=_input_grad_vjp, arity=2, rows=_rows_of_first, workspace=_workspace(2, 1, 0, taps=True),
-            cpu=_lower("conv2d_input_grad", cpu_input_grad_source, cpu_input_grad_by_taps_source, 2, 1, 0),
+            cpu=_lower("conv2d_input_grad", cpu_input_grad_source, cpu_input_grad_by_taps_source, 2, 1, 0,
+                       "conv_on_cores"),
             cuda=_lower("conv2d_input_grad", cuda_input_grad_source),
             doc="the transposed convolution of g by w: conv2d's adjoint for x; attrs as conv2d's plus input_hw"))
 register(Op("conv2d_weight_grad", "conv", _weight_grad_infer, _weight_grad_evaluate, _weight_grad_flops,
-            vjp=_weight_grad_vjp, arity=2, rows=_rows_summed, workspace=_workspace(0, 2, 1),
-            cpu=_lower("conv2d_weight_grad", cpu_weight_grad_source),
+            vjp=_weight_grad_vjp, arity=2, rows=_rows_summed, workspace=_workspace(0, 2, 1, summed=True),
+            cpu=_lower("conv2d_weight_grad", cpu_weight_grad_source, on_cores="conv_weight_grad_on_cores"),
             cuda=_lower("conv2d_weight_grad", cuda_weight_grad_source),
             doc="dw[o, c, i, j] = sum over n, h, w of g[n, o, h, w] x_pad[n, c, h s + i d, w s + j d]: conv2d's adjoint "
                 "for w; attrs as conv2d's plus kernel"))

@@ -43,6 +43,16 @@ _SET_THREADS, _GET_THREADS = _thread_functions()
 _MULTITHREADED = _GET_THREADS is not None and _GET_THREADS() > 1
 
 
+def threads_now():
+    """BLAS's thread count in force now; 1 where gradc cannot read it (a BLAS other than OpenBLAS)."""
+    return _GET_THREADS() if _GET_THREADS is not None else 1
+
+
+def set_threads(n):
+    if _SET_THREADS is not None:
+        _SET_THREADS(n)
+
+
 def matmul_into(a, b, ta, tb, out):
     """out = op(a) @ op(b), op transposing where ta / tb say. `out` is C-ordered, so BLAS (column
     major) sees out.T and computes out.T = op(b).T @ op(a).T, reading a.T and b.T without a copy."""
