@@ -36,7 +36,7 @@ from scipy.optimize import LinearConstraint, milp
 from scipy.sparse import coo_array
 
 from .checkpoint import build_chain
-from .storage import LEAVES, base, owns_buffer
+from .storage import LEAVES, base, owns_buffer, written_with_operand
 
 MILP_LAYERS = 12          # chain layers before the split: at most 3 x 12 coarse nodes
 TIME_LIMIT_S = 20.0       # for all solves of one plan
@@ -95,12 +95,14 @@ def coarsen(graph, order, sizes, flops_of, returned, peak_of):
     chain = build_chain(graph, order, sizes, flops_of, max_layers=MILP_LAYERS, even_work=True)
     nodes = []
     for j, members in enumerate(chain.layers):
-        needed = [n for n in members if n in chain.needed[j]]
-        rest = [n for n in members if n not in chain.needed[j]]
+        # a scan's results go where the scan goes: recomputing one means running the scan
+        need = chain.needed[j] | {n for n in members if written_with_operand(graph, n) and graph.operands(n)[0] in chain.needed[j]}
+        needed = [n for n in members if n in need]
+        rest = [n for n in members if n not in need]
         nodes += [part for part in (needed, rest) if part]
     forward = len(nodes)
     backward = [n for n in order if graph.op(n) not in LEAVES and graph.node(n)["phase"] != "forward"]
-    nodes += _even_pieces(backward, flops_of, MILP_LAYERS)
+    nodes += _even_pieces(graph, backward, flops_of, MILP_LAYERS)
     where = {n: i for i, members in enumerate(nodes) for n in members}
     readers = {}   # buffer -> coarse nodes other than its own that read it
     for k, members in enumerate(nodes):
@@ -124,12 +126,15 @@ def coarsen(graph, order, sizes, flops_of, returned, peak_of):
                   [peak_of(members, outputs) for members in nodes], len(chain.layers))
 
 
-def _even_pieces(nodes, flops_of, count):
-    """`nodes` (in order) cut into at most `count` runs of about equal work."""
+def _even_pieces(graph, nodes, flops_of, count):
+    """`nodes` (in order) cut into at most `count` runs of about equal work; a node written with its
+    operand (a scan's result) stays in its operand's run."""
     work = np.cumsum([flops_of(n) + 1 for n in nodes])
     piece = np.minimum((work - 1) * count // work[-1], count - 1) if len(nodes) else []
     runs = {}
     for n, p in zip(nodes, piece):
+        if runs and written_with_operand(graph, n):
+            p = max(runs)
         runs.setdefault(int(p), []).append(n)
     return [runs[p] for p in sorted(runs)]
 

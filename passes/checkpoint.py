@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .storage import LEAVES, base, owns_buffer
+from .storage import LEAVES, base, owns_buffer, written_with_operand
 
 MAX_LAYERS = 128
 MEMORY_UNITS = 128
@@ -176,7 +176,7 @@ def build_chain(graph, order, sizes, flops_of, max_layers=MAX_LAYERS, even_work=
 
 def _choose_boundaries(graph, forward, crossing, cum_flops, max_layers):
     """Layer starts: the cheapest boundaries (fewest crossing bytes), spread evenly among equals."""
-    candidates = [p for p in range(1, len(forward)) if base(graph, forward[p]) == forward[p]]   # views stay with their buffer
+    candidates = [p for p in range(1, len(forward)) if not written_with_operand(graph, forward[p])]
     if len(candidates) + 1 <= max_layers:
         return [0] + candidates
     chosen, room = [], max_layers - 1
@@ -199,7 +199,8 @@ def _choose_boundaries(graph, forward, crossing, cum_flops, max_layers):
 
 def _even_work_boundaries(graph, forward, crossing, cum_flops, max_layers):
     """In each window of forward work around a point k/max_layers of the total, the cut fewest bytes cross."""
-    candidates = np.array([p for p in range(1, len(forward)) if base(graph, forward[p]) == forward[p]], dtype=np.int64)
+    candidates = np.array([p for p in range(1, len(forward)) if not written_with_operand(graph, forward[p])],
+                          dtype=np.int64)
     if len(candidates) + 1 <= max_layers:
         return [0] + candidates.tolist()
     edges = np.linspace(0, cum_flops[-1], 2 * max_layers + 1)[1::2]   # windows centred on k/max_layers

@@ -7,6 +7,7 @@ order the passes built the graph in (forward first, then the backward from the l
 value is made close to where it is needed rather than as soon as it could be.
 """
 import heapq
+import math
 
 from gradc.ops import get_op
 
@@ -34,7 +35,7 @@ def memory_order(graph, nodes, keep=(), sizes=None):
 
     def key(n):
         if is_view_node(graph, n) or get_op(graph.op(n)).kind == "project":   # results of a multi-result op (a scan's): right after it
-            return (-1, n)
+            return (-math.inf, n)   # (before any node that frees bytes: the planners keep a scan's results with it)
         freed = sum(sizes.get(s, 0) for s in {base(graph, u) for u in graph.operands(n)}
                     if s not in keep and readers.get(s) == {n})
         return (min(sizes.get(n, 0) - freed, 0), n)

@@ -19,6 +19,13 @@ def base(graph, n):
     return n
 
 
+def written_with_operand(graph, n):
+    """Whether n is written by its operand's statement or lives in its buffer: a view, or a result
+    of a multi-result op (kind "project": a scan writes its results). A layer of a memory plan, or a
+    piece of its coarse graph, never starts at such a node: recomputing it means its operand's step."""
+    return base(graph, n) != n or get_op(graph.op(n)).kind == "project"
+
+
 def owns_buffer(graph, n):
     return graph.op(n) not in LEAVES and graph.shape(n) != () and base(graph, n) == n
 

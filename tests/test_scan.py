@@ -417,6 +417,68 @@ def test_memory_budget_checkpoints_scalar_slices_and_params(tmp_path):
     _check_budget_build(_scalar_rnn, "ck_scalar", _torch_scalar_rnn, tmp_path, 30, 1, batch=None)
 
 
+def _chained_scans(name="chained"):
+    """Two scans, the second from the first's final carry, both stacked ys unused: the memory plans
+    once read a scan's results apart from the scan (a KeyError, found by a new-user trial)."""
+    m = gc.Model(name)
+    xs, h0 = m.input("xs", ("T", "B", 3)), m.input("h0", ("B", 4))
+    W, U = m.param("W", (4, 4)), m.param("U", (3, 4))
+
+    def step(h, x_t):
+        h = gc.tanh(h @ W + x_t @ U)
+        return h, h
+    hT, _ = gc.scan(step, h0, xs)
+    gT, _ = gc.scan(step, hT, xs)
+    m.minimize((gT * hT).sum())
+    return m
+
+
+def _torch_chained_scans(tp, inputs):
+    xs, h = torch.tensor(inputs["xs"]), torch.tensor(inputs["h0"])
+    for t in range(len(xs)):
+        h = torch.tanh(h @ tp["W"] + xs[t] @ tp["U"])
+    hT = h
+    for t in range(len(xs)):
+        h = torch.tanh(h @ tp["W"] + xs[t] @ tp["U"])
+    return (h * hT).sum()
+
+
+@pytest.mark.slow
+def test_memory_budget_checkpoints_compiled_chained_scans(tmp_path):
+    _check_budget_build(_chained_scans, "ck_chained", _torch_chained_scans, tmp_path, 16, 2)
+
+
+def test_memory_budgets_keep_a_scans_results_with_the_scan():
+    """Every budget from far below the least peak to the store-all peak is planned or refused with the
+    minimum; in every plan each scan_out runs right after its scan (or another result of it), so no
+    plan recomputes a result without running the scan that writes it."""
+    import copy
+    from gradc.passes.checkpoint import BudgetError
+    from gradc.passes.memory import plan_memory
+    dims = {"T": 16, "B": 3}
+    g = build_training_graph(_chained_scans(), "float64", dims, order=2)
+    full = plan_memory(copy.deepcopy(g), dims, 2)["_loss_and_grad"]
+    whole = full["peak_bytes"] + full["workspace_bytes"]
+    planned = refused = 0
+    for budget in np.linspace(0.1 * whole, whole, 19).astype(int):
+        g2 = copy.deepcopy(g)
+        try:
+            plans = plan_memory(g2, dims, 2, budget=int(budget))
+        except BudgetError as e:
+            assert e.minimum > budget
+            refused += 1
+            continue
+        planned += 1
+        for fname, plan in plans.items():
+            steps = plan["steps"]
+            for t, n in enumerate(steps):
+                if g2.op(n) == "scan_out":
+                    before = steps[t - 1]
+                    assert before == g2.operands(n)[0] or (g2.op(before) == "scan_out" and
+                                                           g2.operands(before) == g2.operands(n)), (fname, budget, t)
+    assert planned >= 5 and refused >= 3
+
+
 # ---- --scan-backward bppsa (DESIGN.md §1.8) ---------------------------------------------------------
 def _gru1(name="gru1", H=4, D=3):
     """A GRU-like cell with one carry: the carry is read three times, so BPPSA takes its Jacobian densely."""
