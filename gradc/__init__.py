@@ -17,14 +17,15 @@ def compile(model, **options):
 
     Options (defaults shown): out="build", target="cpu", dtype="float32", order=2, bind=None (a dict such
     as {"B": 64}), memory_budget=None (bytes, a size such as "64MiB", or "auto"), devices=None,
-    schedule=None, microbatches=None, device_memory=None, batch_dim=None, warm=True (compile the kernels
-    of forward, loss_and_grad, input_grads and the Trainer now, so that Numba's cache makes their first
-    call fast; "all": hvp and hessian too, which otherwise compile on first use; False: none;
-    warm_cache= is the same option).
+    schedule=None, microbatches=None, device_memory=None, batch_dim=None, warm=True (or "first": compile
+    the kernels of forward, loss_and_grad, input_grads and the Trainer now, so that Numba's cache makes
+    their first call fast; "all": hvp and hessian too, which otherwise compile on first use; False or
+    "none": none; warm_cache= is the same option).
     A mistake in the model or the options raises GradcError; a compile that fails leaves OUT as it was.
     """
     from .compiler import compile_model
-    return compile_model(model, **options)
+    from .errors import user_src
+    return compile_model(model, options_src=user_src(), **options)
 
 
 __all__ = ["Model", "Tensor", "GradcError", "compile", "exp", "log", "tanh", "sigmoid", "relu", "softplus",

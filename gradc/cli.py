@@ -10,9 +10,6 @@ from . import sizes
 from .errors import GradcError, _short
 
 
-WARM_CHOICES = {"first": True, "all": "all", "none": False}   # --warm -> compile_model's warm=
-
-
 class UsageError(Exception):
     """A bad command line or model file: one line on stderr, exit 2."""
 
@@ -103,7 +100,7 @@ def cmd_compile(args):
     else:
         (model,) = models.values()
     timings, notes = {}, []
-    warm = WARM_CHOICES["none" if args.no_warm else args.warm]
+    warm = "none" if args.no_warm else args.warm   # compile_model takes --warm's names
     compile_model(model, out=args.out, target=args.target, dtype=args.dtype, order=args.order,
                   bind=parse_bind(args.bind), warm=warm, timings=timings, notes=notes, source=args.model_file, memory_budget=args.memory_budget, devices=args.devices, schedule=args.schedule,
                   microbatches=args.microbatches, device_memory=args.device_memory, batch_dim=args.batch_dim,
@@ -164,7 +161,7 @@ def build_parser():
     c.add_argument("--scan-backward", choices=["reverse", "bppsa"], default="reverse",
                    help="the backward of each gc.scan: a reverse scan (default), or bppsa: a Blelloch scan "
                         "of the transposed Jacobians (one float carry; DESIGN.md §1.8)")
-    c.add_argument("--warm", choices=list(WARM_CHOICES), default="first",
+    c.add_argument("--warm", choices=("first", "all", "none"), default="first",
                    help="compile now: the first-order entry points (default), also hvp, hessian and lr_grad (all), or "
                         "nothing (none); what is not compiled now compiles on its first call")
     c.add_argument("--no-warm", action="store_true", help="the same as --warm none")

@@ -15,6 +15,7 @@ from gradc.passes.entries import ENTRIES
 
 from .errors import GradcError
 from .files import import_path, json_text, remove_stale, temp_name
+from .ir import FLOAT_DTYPES
 from .shapes import expr_text
 from .version import __version__
 
@@ -134,6 +135,7 @@ def _synthetic_inputs(module, dims):
 
 
 WARM = (True, False, "all")   # warm= : the first-order entry points, nothing, or hvp and hessian too
+WARM_NAMES = {"first": True, "all": "all", "none": False}   # the same by the names of --warm
 
 
 def _compiled_units(module, second_order):
@@ -366,10 +368,12 @@ def rows_facts(model, graph, pipe):
 
 
 def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bind=None, warm_cache=True,
-                  timings=None, source=None, memory_budget=None, notes=None, progress=False, **later_options):
+                  timings=None, source=None, memory_budget=None, notes=None, progress=False, options_src=None,
+                  **later_options):
     """Compile `model` into OUT/NAME.py (plus dumps) and return the imported module.
     `warm=` (what gradc.compile documents) is `warm_cache=`; `notes` collects remarks for the CLI to print;
-    `progress`: a progress bar of the warm-up on stderr when it is a terminal."""
+    `progress`: a progress bar of the warm-up on stderr when it is a terminal; `options_src`: the file:line
+    that gave the options (gradc.compile's call), which a bad option's error names (the CLI's name flags)."""
     from gradc.codegen.module import generate
     from gradc.passes.analysis import flops, nbytes, saved_for_backward
     from gradc.passes.checkpoint import BudgetError
@@ -384,10 +388,14 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     scan_backward = later_options.pop("scan_backward", "reverse")
     if "warm" in later_options:
         warm_cache = later_options.pop("warm")
+    if isinstance(warm_cache, str) and warm_cache in WARM_NAMES:
+        warm_cache = WARM_NAMES[warm_cache]
     if not any(warm_cache is w or warm_cache == w for w in WARM):
-        raise GradcError(f"compile: warm={warm_cache!r}: use True (the first-order entry points), False or 'all'",
-                         model.src)
-    check_options(later_options, model.src)
+        raise GradcError(f"compile: warm={warm_cache!r}: use True or 'first' (the first-order entry points), "
+                         f"False or 'none', or 'all'", options_src or model.src)
+    check_options(later_options, options_src or model.src)
+    if dtype not in FLOAT_DTYPES:
+        raise GradcError(f"compile: unknown dtype {dtype!r} (use {' or '.join(FLOAT_DTYPES)})", options_src)
     if target not in TARGETS:
         raise GradcError(f"--target {target!r}: use one of {', '.join(TARGETS)}")
     if model.graph.loss is None:

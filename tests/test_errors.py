@@ -294,6 +294,38 @@ def test_checkpoint_of_another_model_is_refused(small, tmp_path):
         small.Trainer.load(str(tmp_path / "junk.npz"))
 
 
+def test_checkpoint_of_the_same_model_in_another_dtype_says_so(tmp_path):
+    """Found by a new-user trial: the message said "another model or gradc version"."""
+    def make():
+        m = gc.Model("e_dtype")
+        x = m.input("x", ("B", 3))
+        m.minimize((x @ m.param("w", (3, 2))).sum())
+        return m
+    b64 = gc.compile(make(), out=str(tmp_path / "a"), dtype="float64", warm=False)
+    path = str(tmp_path / "ckpt.npz")
+    b64.Trainer(b64.init_params(0)).save(path)
+    b32 = gc.compile(make(), out=str(tmp_path / "b"), dtype="float32", warm=False)
+    with pytest.raises(ValueError, match=r"checkpoint of a float64 build of model 'e_dtype', and this build is "
+                                         r"float32: load it into a build compiled with --dtype float64"):
+        b32.Trainer.load(path)
+
+
+def test_bad_compile_options_name_the_compile_call(tmp_path):
+    """A bad option names the line of the gradc.compile call, not the model's (found by a new-user
+    trial), and warm= takes --warm's names too."""
+    import inspect
+    m = gc.Model("e_options")
+    x = m.input("x", ("B", 3))
+    m.minimize((x @ m.param("w", (3, 2))).sum())
+    here = f"{os.path.basename(__file__)}:{inspect.currentframe().f_lineno + 2}"
+    with pytest.raises(gc.GradcError, match=rf"{here}: compile: unknown dtype 'float16'"):
+        gc.compile(m, out=str(tmp_path), dtype="float16")
+    with pytest.raises(gc.GradcError, match=r"warm='later': use True or 'first'"):
+        gc.compile(m, out=str(tmp_path), warm="later")
+    assert not list(tmp_path.iterdir())
+    assert gc.compile(m, out=str(tmp_path), warm="none").loss_and_grad
+
+
 def test_cuda_arrays_are_checked_from_their_interface():
     """A CUDA array whose dtype is not a numpy dtype (torch's) is read from __cuda_array_interface__."""
     from gradc.runtime import Signature

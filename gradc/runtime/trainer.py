@@ -295,6 +295,13 @@ class TrainerBase:
             raise ValueError(f"{path}: the meta record is not JSON ({e})") from None
         if not isinstance(meta, dict):
             raise ValueError(f"{path}: the meta record is not a JSON object")
+        saved_dtypes = {a.dtype.name for k, a in arrays.items() if k.startswith("param/")}
+        ours = np.dtype(cls.signature.float).name
+        if meta.get("fingerprint") != cls.fingerprint and meta.get("model") == cls.model_name and saved_dtypes \
+                and ours not in saved_dtypes:
+            raise ValueError(f"{path}: checkpoint of a {'/'.join(sorted(saved_dtypes))} build of model "
+                             f"{cls.model_name!r}, and this build is {ours}: load it into a build compiled with "
+                             f"--dtype {sorted(saved_dtypes)[0]}")
         if meta.get("fingerprint") != cls.fingerprint:
             raise ValueError(f"{path}: checkpoint of model {meta.get('model')!r} (fingerprint "
                              f"{str(meta.get('fingerprint'))[:12]}) does not match model {cls.model_name!r} "
