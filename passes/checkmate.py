@@ -96,7 +96,8 @@ def coarsen(graph, order, sizes, flops_of, returned, peak_of):
     nodes = []
     for j, members in enumerate(chain.layers):
         # a scan's results go where the scan goes: recomputing one means running the scan
-        need = chain.needed[j] | {n for n in members if written_with_operand(graph, n) and graph.operands(n)[0] in chain.needed[j]}
+        need = chain.needed[j] | {n for n in members
+                                  if written_with_operand(graph, n) and graph.operands(n)[0] in chain.needed[j]}
         needed = [n for n in members if n in need]
         rest = [n for n in members if n not in need]
         nodes += [part for part in (needed, rest) if part]

@@ -663,7 +663,8 @@ def _rows_summed(graph, n, ins, fail):
 
 
 register(Op("conv2d", "conv", _conv_infer, _conv_evaluate, _conv_flops, vjp=_conv_vjp, arity=2,
-            rows=_rows_of_first, workspace=_workspace(0, 1, 2, taps=True), cpu=_lower("conv2d", cpu_conv2d_source, cpu_conv2d_by_taps_source, 0, 1, 2, "conv_on_cores"),
+            rows=_rows_of_first, workspace=_workspace(0, 1, 2, taps=True),
+            cpu=_lower("conv2d", cpu_conv2d_source, cpu_conv2d_by_taps_source, 0, 1, 2, "conv_on_cores"),
             cuda=_lower("conv2d", cuda_conv2d_source),
             doc="y[n, o] = sum over c in o's group, taps (i, j) of w[o, c, i, j] * x_pad[n, c, h s + i d, w s + j d]; "
                 "attrs stride, padding, dilation (pairs), groups"))
