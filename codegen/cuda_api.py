@@ -35,7 +35,7 @@ from gradc.runtime.cuda_host import CudaRunner
 from gradc.runtime.cuda_stages import DeviceMemory
 from gradc.runtime.pipeline import Pipeline
 from gradc.runtime.cuda_trainer import CudaTrainerBase
-from gradc.runtime.hessian import hessian_buffer, in_blocks, second_order_missing, symmetrize
+from gradc.runtime.hessian import hessian_buffer, hessian_row_range, in_blocks, second_order_missing, symmetrize
 from gradc.runtime.kernel_cache import cached_cuda_kernel
 
 cuda = load_cuda()
@@ -140,8 +140,7 @@ def cuda_api(g, trainable, outputs, input_grads, order, grad_slices, shapes, cal
             "",
             "def hessian_rows(params, start, stop, /, **inputs):",
             '    """Rows start..stop of the Hessian as a (stop - start, GRAD_SIZE) numpy array, in blocks of basis vectors."""',
-            "    if not 0 <= start <= stop <= GRAD_SIZE:",
-            '        raise ValueError(f"{MODEL_NAME}.hessian_rows: rows {start}..{stop} are outside 0..{GRAD_SIZE}")',
+            "    start, stop = hessian_row_range(MODEL_NAME, start, stop, GRAD_SIZE)",
             "    p = _SIGNATURE.params(params)",
             '    a = _SIGNATURE.inputs(inputs, _HVP_INPUTS, "hessian")',
             "    H = hessian_buffer(MODEL_NAME, stop - start, GRAD_SIZE, FLOAT)",

@@ -50,7 +50,7 @@ from gradc.runtime import Signature, TrainerBase, init_from, load_data
 from gradc.runtime.arena import Arena
 from gradc.runtime.blas import gemm_strided, matmul_into
 from gradc.runtime.conv_cores import conv_on_cores, conv_weight_grad_on_cores
-from gradc.runtime.hessian import hessian_buffer, in_blocks, second_order_missing, symmetrize
+from gradc.runtime.hessian import hessian_buffer, hessian_row_range, in_blocks, second_order_missing, symmetrize
 from gradc.runtime.kernel_cache import cached_kernel
 from gradc.runtime.parallel import no_one
 from gradc.runtime.pipeline import HostMemory, Pipeline
@@ -360,8 +360,7 @@ def generate(graph, plans, info):
             "def hessian_rows(params, start, stop, /, **inputs):",
             '    """Rows start..stop of the Hessian as a (stop - start, GRAD_SIZE) array: blocks of basis vectors,',
             '    each block one call, the blocks spread over the cores."""',
-            "    if not 0 <= start <= stop <= GRAD_SIZE:",
-            '        raise ValueError(f"{MODEL_NAME}.hessian_rows: rows {start}..{stop} are outside 0..{GRAD_SIZE}")',
+            "    start, stop = hessian_row_range(MODEL_NAME, start, stop, GRAD_SIZE)",
             "    p = _SIGNATURE.params(params)",
             '    a = _SIGNATURE.inputs(inputs, _HVP_INPUTS, "hessian")',
             "    H = hessian_buffer(MODEL_NAME, stop - start, GRAD_SIZE, FLOAT)",

@@ -153,7 +153,11 @@ class Graph:
     def describe(self, n):
         """How an error names a value: the user's name, or the op and node id."""
         node = self.nx.nodes[n]
-        return repr(node["name"]) if node.get("name") else f"%{n} ({node['op']})"
+        if node.get("name"):
+            return repr(node["name"])
+        if node["op"] == "random":   # the DSL function that made it
+            return f"%{n} (gc.{'dropout' if node['attrs']['dist'] == 'dropout' else 'gaussian_noise'})"
+        return f"%{n} ({node['op']})"
 
     def roots(self):
         """Values some entry point returns: outputs, loss, objective, gradients."""

@@ -63,6 +63,9 @@ def _track(graph, n, dim, where):
             _fail(graph, n, f"has the batch dim {dim!r} on an axis other than the first")
         return 0 if shape and shape[0] == dim else NONE
     ins = [where[u] for u in graph.operands(n)]
+    if op == "random" and dim in shape:
+        _fail(graph, n, "draws each value from its seed and the element's index in the whole batch, and a "
+                        "microbatch would draw others")
     if all(w is NONE for w in ins):
         if any(d == dim for d in shape) or (op == "count" and dim in node["attrs"].get("dims", ())):
             _fail(graph, n, f"takes the batch size {dim!r} from no input row")

@@ -130,7 +130,8 @@ def test_per_row_ops(build):
 
 @pytest.mark.parametrize("build,why", [
     (lambda m, x: gc.take(gc.reshape(x, ("B", 12)), m.input("i", (2,), dtype="int64")), "reads a table that holds batch rows"),
-    (lambda m, x: gc.dropout(x, 0.5, m.input("seed", (), dtype="int64")), r"\(random\)"),
+    (lambda m, x: gc.dropout(x, 0.5, m.input("seed", (), dtype="int64")),
+     r"\(gc.dropout\) draws each value from its seed and the element's index in the whole batch"),
     (lambda m, x: gc.transpose(x, (1, 2, 0)) @ x.reshape(("B", 12)), "multiplies along the batch dim"),
 ], ids=["take_rows_table", "dropout", "bmm_across_rows"])
 def test_ops_that_mix_rows_are_named(build, why):

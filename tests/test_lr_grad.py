@@ -163,10 +163,24 @@ def test_bad_arguments_are_refused_by_name():
                        (dict(sigma=0.0), "sigma must be a finite number > 0"), (dict(sigma=-1), "sigma"),
                        (dict(sigma=float("nan")), "sigma"), (dict(sigma=1e-30), "out of float32's range"),
                        (dict(samples=5), "samples=5 is odd"), (dict(seed=1.5), "seed must be an int"),
+                       (dict(seed=2**63), r"seed must be an int in int64's range"), (dict(seed=-2**63 - 1), "range"),
                        (dict(layerwise="yes"), "layerwise must be True or False")]:
         with pytest.raises(ValueError, match=match):
             lr.check(**(good | bad))
     assert lr.check(**(good | dict(samples=5, antithetic=False)))[0] == 5
+    assert lr.check(**(good | dict(seed=2**63 - 1)))[2] == 2**63 - 1
+
+
+def test_a_models_own_random_ops_are_named():
+    """Found by a new-user trial: a dropout made lr_grad fail on an internal shape error."""
+    m = gc.Model("lr_dropout")
+    x, y = m.input("x", ("B", 6)), m.input("y", ("B",), dtype="int64")
+    h = gc.dropout(gc.tanh(x @ m.param("W1", (6, 8))), 0.2, m.input("seed", (), dtype="int64"))
+    m.minimize(gc.softmax_cross_entropy(h @ m.param("W2", (8, 3)), y))
+    graph = build_training_graph(m, "float64", order=1)
+    with pytest.raises(ValueError, match=r"test_lr_grad.py:\d+: gc.dropout: lr_grad does not take a model's own "
+                                         r"random ops"):
+        LikelihoodRatio("lr_dropout", np.float64, lr_info(graph)).check(4, 0.1, 0, True, False, True)
 
 
 def test_compiled_lr_grad_and_trainer(build_dir):
@@ -203,6 +217,16 @@ def test_compiled_lr_grad_and_trainer(build_dir):
         mod.Trainer(params, gradient="evolution")
     with pytest.raises(ValueError, match="odd"):
         mod.Trainer(params, gradient="lr", samples=7)
+    # step t draws from seed + t, wrapping around in int64 (a trial's run failed on its third step)
+    sgd = dict(optimizer="sgd", lr=0.1, gradient="lr", samples=4)
+    late = mod.Trainer(params, seed=2**63 - 1, **sgd)
+    late.step(x=X, y=Y)
+    late.step(x=X, y=Y)
+    _, g = mod.lr_grad(params, samples=4, seed=2**63 - 1, x=X, y=Y)
+    after_one = {k: params[k] - 0.1 * g[k] for k in params}
+    _, g2 = mod.lr_grad(after_one, samples=4, seed=-2**63, x=X, y=Y)
+    for k in params:
+        np.testing.assert_allclose(late.params[k], after_one[k] - 0.1 * g2[k], rtol=1e-12, atol=1e-14, err_msg=k)
     _check_lr_checkpoints(mod, tr, X, Y, build_dir)
 
 

@@ -1,4 +1,5 @@
 """Run-time helpers of the generated hvp/hessian: memory check, symmetry, order-1 stubs."""
+import numbers
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,6 +28,16 @@ def hessian_buffer(model, rows, size, dtype):
                           f"but only {free / 2**30:.1f} GiB of memory is available; use hvp(), or hessian_rows() "
                           f"for a block of rows")
     return np.empty((rows, size), dtype=dtype)
+
+
+def hessian_row_range(model, start, stop, size):
+    """hessian_rows' start and stop, checked: ints with 0 <= start <= stop <= size."""
+    for name, v in (("start", start), ("stop", stop)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise ValueError(f"{model}.hessian_rows: {name} must be an int, got {v!r}")
+    if not 0 <= start <= stop <= size:
+        raise ValueError(f"{model}.hessian_rows: rows {start}..{stop} are outside 0..{size}")
+    return int(start), int(stop)
 
 
 BLOCK_ROWS = 32

@@ -40,8 +40,8 @@ class LikelihoodRatio:
             if not (0 < s < math.inf and 0 < s * s < math.inf):
                 raise ValueError(f"{name}: sigma {sigma!r} is out of {np.dtype(self.float).name}'s range (sigma**2 "
                                  f"must be a positive finite number there)")
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-            raise ValueError(f"{name}: seed must be an int, got {seed!r}")
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -2**63 <= seed < 2**63:
+            raise ValueError(f"{name}: seed must be an int in int64's range [-2**63, 2**63), got {seed!r}")
         for flag, value in (("antithetic", antithetic), ("layerwise", layerwise), ("baseline", baseline)):
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"{name}: {flag} must be True or False, got {value!r}")
@@ -109,9 +109,11 @@ class LRTrainer:
         super().__init__(params, *args, **kwargs)
 
     def _step_options(self):
-        """lr_grad's options for this step, in LikelihoodRatio.leaves' order: step t draws from seed + t."""
+        """lr_grad's options for this step, in LikelihoodRatio.leaves' order: step t draws from seed + t
+        (wrapping around in int64, as the seed is one)."""
         o = self.lr_options
-        return (o["samples"], o["sigma"], self.lr_seed + self.steps, o["antithetic"], o["layerwise"], o["baseline"])
+        seed = (self.lr_seed + self.steps + 2**63) % 2**64 - 2**63
+        return (o["samples"], o["sigma"], seed, o["antithetic"], o["layerwise"], o["baseline"])
 
     def _gradient_meta(self):
         """gradient="lr" and its options are training state: a resumed run draws step t's noise from seed + t."""

@@ -113,7 +113,8 @@ class Signature:
             if given_as is not None:
                 v = np.asarray(v)
             if array_dtype(v) != np.dtype(dtype):
-                how = (f"a {given_as} becomes a {array_dtype(v)} array: pass np.asarray(..., dtype={dtype})"
+                article = "an" if (given_as or "x")[0] in "aeiou" else "a"
+                how = (f"{article} {given_as} becomes a {array_dtype(v)} array: pass np.asarray(..., dtype={dtype})"
                        if given_as else "gradc never casts inputs")
                 raise ValueError(f"{self.model}.{entry}: input {name!r} has dtype {array_dtype(v)}, expected {dtype} "
                                  f"({how})")
