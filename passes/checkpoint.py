@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gradc.ops import get_op
+
 from .storage import LEAVES, base, owns_buffer, written_with_operand
 
 MAX_LAYERS = 128
@@ -158,6 +160,10 @@ def build_chain(graph, order, sizes, flops_of, max_layers=MAX_LAYERS, even_work=
             break
         lo, hi = bad   # layers lo..hi must be one layer for some backward node to find its values
         starts = [p for p in starts if not (starts[lo] < p <= starts[hi])]
+    for n in forward:   # a scan's results are written by its statement: a layer recomputed alone would not
+        if get_op(graph.op(n)).kind == "project" and layer_of[n] != layer_of.get(graph.operands(n)[0], layer_of[n]):
+            raise AssertionError(f"{graph.describe(n)} is in another layer than the {graph.op(graph.operands(n)[0])} "
+                                 f"that writes it: the schedule must run a multi-result op's results right after it")
     bounds = starts + [len(forward)]
     layers = [forward[bounds[j]:bounds[j + 1]] for j in range(len(starts))]
     L = len(layers)

@@ -230,9 +230,8 @@ class _Builder:
             raise Unsupported(f"{src}: {g.describe(n)} {why}; lr_grad stacks the K perturbed copies on the rows")
 
         if op == "random":   # its draws have the batch's rows, not the K copies'
-            what = "gc.dropout" if node["attrs"]["dist"] == "dropout" else "gc.gaussian_noise"
-            raise Unsupported(f"{src}: {what}: lr_grad does not take a model's own random ops (train this model "
-                              f"with loss_and_grad, or leave the op out)")
+            raise Unsupported(f"{src}: {g.describe(n)}: lr_grad does not take a model's own random ops (train "
+                              f"this model with loss_and_grad, or leave the op out)")
         if all(w is None for w in ins):
             if op == "scan" and self.scans.sites(n):
                 fail("reads trainable params in its step but has no batch rows (the estimate perturbs products "

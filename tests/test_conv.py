@@ -418,8 +418,8 @@ def _split_everything(monkeypatch, cores=3):
     monkeypatch.setattr(conv_cores.blas, "threads_now", lambda: cores)
     set_to, ran = [], []
     monkeypatch.setattr(conv_cores.blas, "set_threads", set_to.append)
-    run = conv_cores._run_at_once
-    monkeypatch.setattr(conv_cores, "_run_at_once", lambda calls: (ran.append(len(calls)), run(calls)))
+    cuts = conv_cores._cuts
+    monkeypatch.setattr(conv_cores, "_cuts", lambda n_img, parts: (ran.append(parts), cuts(n_img, parts))[1])
     return ran, set_to
 
 
@@ -431,13 +431,13 @@ def test_convs_over_parts_of_the_batch_match_torch(build_dir, rng, monkeypatch):
     m, forward = _conv_net("conv_parts")
     mod = gc.compile(m, out=build_dir, dtype="float64", order=1, warm=False)
     source = open(mod.__file__).read()
-    assert len(re.findall(r"conv_on_cores\(k\d+_conv2d\(?.*most=3\)", source)) >= 2
+    assert len(re.findall(r"conv_on_cores\(k\d+_conv2d, .*most=3\)", source)) >= 2
     assert re.search(r"conv_on_cores\(k\d+_conv2d_input_grad, .*most=3\)", source)
     assert re.search(r"conv_weight_grad_on_cores\(k\d+_conv2d_weight_grad, .*most=3\)", source)
     params = mod.init_params(2)
     X, Y = rng.standard_normal((7, 1, 8, 8)), rng.integers(0, 10, 7)
     loss, grads = mod.loss_and_grad(params, x=X, y=Y)
-    assert ran and set(ran) == {3} and set_to == [1, 3] * len(ran)
+    assert len(ran) >= 5 and set(ran) == {3} and set_to == [1, 3] * len(ran)
     pt = {k: _t(a) for k, a in params.items()}
     ref = F.cross_entropy(forward(torch, torch.tensor(X), pt), torch.tensor(Y))
     ref = ref + 0.5e-3 * sum((pt[k] ** 2).sum() for k in ("w1", "w2", "w3"))
@@ -450,32 +450,59 @@ def test_convs_over_parts_of_the_batch_match_torch(build_dir, rng, monkeypatch):
     assert not ran and np.isfinite(loss1)
 
 
-def test_a_failing_part_ends_every_part_and_gives_blas_its_threads_back(monkeypatch):
-    from gradc.runtime import conv_cores
-    _, set_to = _split_everything(monkeypatch, cores=2)
-    done = []
-
+def _add_kernel(done):
+    """A stand-in conv kernel: out = a + w, failing on a part whose first value is negative."""
     def kernel(a, w, out):
         if a[0, 0] < 0:
             raise ValueError("part failed")
         out[...] = a + w
         done.append(a.shape[0])
+    return kernel
 
+
+@pytest.mark.parametrize("failing", [0, 2], ids=["this_threads_part", "a_worker_threads_part"])
+def test_a_failing_part_ends_every_part_and_gives_blas_its_threads_back(monkeypatch, failing):
+    from gradc.runtime import conv_cores
+    _, set_to = _split_everything(monkeypatch, cores=2)
+    done = []
     a = np.arange(8.0).reshape(4, 2)
-    a[0] = -1.0
+    a[failing] = -1.0
     with pytest.raises(ValueError, match="part failed"):
-        conv_cores.conv_on_cores(kernel, a, np.ones(2), np.empty((4, 2)), most=2)
+        conv_cores.conv_on_cores(_add_kernel(done), a, np.ones(2), np.empty((4, 2)), most=2)
     assert done == [2] and set_to == [1, 2]
     out = np.empty((4, 2))
-    conv_cores.conv_on_cores(kernel, np.abs(a), np.ones(2), out, most=2)
+    conv_cores.conv_on_cores(_add_kernel(done), np.abs(a), np.ones(2), out, most=2)
     np.testing.assert_array_equal(out, np.abs(a) + 1)
 
 
-def test_a_forked_child_gets_threads_of_its_own(monkeypatch):
+def test_a_conv_called_while_another_runs_in_parts_runs_whole(monkeypatch):
     from gradc.runtime import conv_cores
-    first = conv_cores._executor()
-    monkeypatch.setitem(conv_cores._pool, "pid", -1)   # as in a child forked after the threads started
-    assert conv_cores._executor() is not first
+    ran, set_to = _split_everything(monkeypatch, cores=2)
+    done, out = [], np.empty((4, 2))
+    with conv_cores._splitting:   # as while another thread's conv runs in parts
+        conv_cores.conv_on_cores(_add_kernel(done), np.ones((4, 2)), np.ones(2), out, most=2)
+    assert done == [4] and not ran and not set_to and (out == 2).all()
+
+
+def test_a_forked_child_runs_convs_in_parts_of_its_own(monkeypatch):
+    """A fork copies no threads: the child makes its own, and gets the parts' results."""
+    from gradc.runtime import conv_cores
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork here")
+    ran, _ = _split_everything(monkeypatch, cores=2)
+    out = np.empty((4, 2))
+    conv_cores.conv_on_cores(_add_kernel([]), np.ones((4, 2)), np.ones(2), out, most=2)   # the parent's threads start
+    assert ran == [2]
+    pid = os.fork()
+    if pid == 0:   # the child: exit 0 only if its conv ran in parts and right
+        try:
+            child_out = np.empty((6, 2))
+            conv_cores.conv_on_cores(_add_kernel([]), np.full((6, 2), 2.0), np.ones(2), child_out, most=2)
+            os._exit(0 if ran == [2, 2] and (child_out == 3).all() else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_memory_plan_counts_a_conv_workspace_per_part(monkeypatch):
@@ -485,6 +512,11 @@ def test_memory_plan_counts_a_conv_workspace_per_part(monkeypatch):
     g = build_training_graph(m, order=1)
     steps = g.topo_order()
     plans = {}
+    for cores in (1, 2, 4):
+        monkeypatch.setattr(conv_cores, "cores", lambda: cores)
+        plans[cores] = [workspace_bytes(g, steps, {"B": b, "KB_lr": b}) for b in (1, 16)]
+    assert plans[1] == plans[2] == plans[4]   # these small convs run whole: under PART_FLOPS a part
+    monkeypatch.setattr(conv_cores, "PART_FLOPS", 1)
     for cores in (1, 2, 4):
         monkeypatch.setattr(conv_cores, "cores", lambda: cores)
         plans[cores] = [workspace_bytes(g, steps, {"B": b, "KB_lr": b}) for b in (1, 16)]

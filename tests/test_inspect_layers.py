@@ -3,6 +3,8 @@ import runpy
 import time
 from pathlib import Path
 
+import pytest
+
 import gradc as gc
 from gradc.inspect_build import _load, report
 from gradc.inspect_layers import layer_rows
@@ -31,14 +33,14 @@ def test_vgg16_table_matches_the_lecture(tmp_path):
     assert kept < peak < kept + 3   # plus little else
 
 
-def test_memory_plan_counts_the_conv_workspace_in_the_budget(tmp_path, monkeypatch):
-    """A conv's im2col tile is bounded (never a whole image's columns) and the plan sees it. On one
-    core: on more, a conv runs over parts of the batch, each with a tile of its own (test_conv.py's
-    test_memory_plan_counts_a_conv_workspace_per_part)."""
+@pytest.mark.parametrize("cores", [1, 4])
+def test_memory_plan_counts_the_conv_workspace_in_the_budget(tmp_path, monkeypatch, cores):
+    """A conv's im2col tile is bounded (never a whole image's columns) and the plan sees it, in the
+    budget too; on 4 cores these convs run in 4 parts, each with a tile of its own."""
     from gradc.passes.memory import plan_memory
     from gradc.passes.pipeline import build_training_graph
     from gradc.runtime import conv_cores
-    monkeypatch.setattr(conv_cores, "cores", lambda: 1)
+    monkeypatch.setattr(conv_cores, "cores", lambda: cores)
 
     m = gc.Model("convs")
     x = m.input("x", ("B", 3, 32, 32))
@@ -49,7 +51,12 @@ def test_memory_plan_counts_the_conv_workspace_in_the_budget(tmp_path, monkeypat
     graph = build_training_graph(m, "float32", {"B": 4})
     plan = plan_memory(graph, {"B": 4}, 1)["_loss_and_grad"]
     whole_image_columns = 4 * 16 * 9 * 32 * 32 * 4
-    assert 0 < plan["workspace_bytes"] < whole_image_columns
+    assert 0 < plan["workspace_bytes"] < whole_image_columns * (1 if cores == 1 else 2)
+    if cores > 1:
+        monkeypatch.setattr(conv_cores, "cores", lambda: 1)
+        one_core = plan_memory(graph, {"B": 4}, 1)["_loss_and_grad"]["workspace_bytes"]
+        assert plan["workspace_bytes"] > one_core   # four one-image tiles against one of three images
+        monkeypatch.setattr(conv_cores, "cores", lambda: cores)
     tight = plan["peak_bytes"] + plan["workspace_bytes"]
     assert plan_memory(graph, {"B": 4}, 1, budget=tight)["_loss_and_grad"]["method"] == "store-all"
     # the same budget without room for the workspace: activations must be recomputed

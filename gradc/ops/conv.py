@@ -597,9 +597,9 @@ def _workspace(x_at, w_at, g_at, taps=False, summed=False):
     """The bytes a CPU kernel allocates for one call (its head's buffers, and for im2col its one
     (og, k_len) weight matrix), given where x, w and g are among the operands and the output (index
     2), and whether the op has a path by taps: memory planning counts them at the conv's step. A
-    plain entry runs the kernel over up to cores() parts of the batch at once (conv_on_cores), each
-    with a workspace of its own; `summed`: the parts' outputs are summed (the weight gradient), all
-    but the first in buffers of their own."""
+    plain entry runs the kernel over up to planned_parts parts of the batch at once (conv_on_cores),
+    each with a workspace of its own; `summed`: the parts' outputs are summed (the weight gradient),
+    all but the first in buffers of their own."""
     def workspace(graph, n, dims):
         shapes = [graph.shape(u) for u in graph.operands(n)] + [graph.shape(n)]
         shapes = [tuple(dims.get(d, d) if isinstance(d, str) else d for d in s) for s in shapes]
@@ -626,7 +626,8 @@ def _workspace(x_at, w_at, g_at, taps=False, summed=False):
             values = (k_len + og) * nb * rows * pitch + nb * cg * band * wp + (kw - 1) * dw + og * k_len
             return values * itemsize + k_len * 8   # + the offset table
 
-        parts = max(1, min(conv_cores.cores(), x[0]))
+        flops = conv_cores.conv_flops(size(x), size(g), k_len, weight_grad=summed)
+        parts = conv_cores.planned_parts(x[0], flops, conv_cores.cores())
         at_once = parts * one_call(-(-x[0] // parts)) + (parts - 1) * size(shapes[2]) * itemsize * summed
         return max(one_call(x[0]), at_once)
     return workspace

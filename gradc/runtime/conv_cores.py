@@ -12,10 +12,13 @@ build with the parts turned off side by side (float32 training steps): LeNet 5.5
 the VGG block 68.1 ms against 78.2.
 
 How many parts: at most `most` (the cores of the machine that compiled the module: its memory plan
-counts a kernel workspace per part), BLAS's thread count now (a limit the user set with threadpoolctl
-or OPENBLAS_NUM_THREADS holds here too; 1 where gradc cannot read it), the batch, and one part per
-PART_FLOPS of work: handing a part to a thread and back costs about 50 us here, a conv of 2^22 flops
-takes about that long on one core.
+counts a kernel workspace per part, see planned_parts), BLAS's thread count now (a limit the user
+set with threadpoolctl or OPENBLAS_NUM_THREADS holds here too; 1 where gradc cannot read it), the
+batch, and one part per PART_FLOPS of work: handing a part to a thread and back costs about 50 us
+here, a conv of 2^22 flops takes about that long on one core. One conv runs in parts at a time: a
+conv called meanwhile from another thread (hvp's blocks run on every core) runs whole, so threads
+never outnumber the cores by more than the parts of one conv, and only one caller sets BLAS's
+thread count to 1 and back.
 """
 import os
 import threading
@@ -36,21 +39,44 @@ def cores():
         return os.cpu_count() or 1
 
 
-_pool = {"pid": None, "executor": None}
+_pool = {"executor": None}
 _pool_lock = threading.Lock()
+_splitting = threading.Lock()   # held by the one conv running in parts
+_blas_threads = {"before": None}   # BLAS's thread count while a conv runs in parts, to give back
 
 
 def _executor():
-    """The worker threads, made again in a forked child (a fork copies no threads)."""
     with _pool_lock:
-        if _pool["pid"] != os.getpid():
+        if _pool["executor"] is None:
             _pool["executor"] = ThreadPoolExecutor(max(1, cores() - 1), thread_name_prefix="gradc-conv")
-            _pool["pid"] = os.getpid()
         return _pool["executor"]
 
 
-def parts_for(n_img, flops, most):
-    return max(1, min(most, blas.threads_now(), n_img, flops // PART_FLOPS))
+def _after_fork_in_child():
+    """A fork copies no threads, and a lock held by a thread of the parent stays held: start anew, and
+    give BLAS back the threads a conv running in parts at the fork had taken."""
+    global _pool_lock, _splitting
+    _pool_lock, _splitting = threading.Lock(), threading.Lock()
+    _pool["executor"] = None
+    if _blas_threads["before"] is not None:
+        blas.set_threads(_blas_threads["before"])
+        _blas_threads["before"] = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def planned_parts(n_img, flops, most):
+    """The most parts a conv of n_img images and `flops` runs in (memory planning counts a workspace
+    for each); at run time BLAS's thread count bounds them too."""
+    return max(1, min(most, n_img, flops // PART_FLOPS))
+
+
+def conv_flops(x_size, g_size, taps, weight_grad):
+    """A conv's flops as conv_on_cores counts them: x and g hold the input and the output side (either
+    order), taps = C/groups kh kw; a weight gradient's are over g's elements."""
+    return 2 * (g_size if weight_grad else max(x_size, g_size)) * taps
 
 
 def _cuts(n_img, parts):
@@ -58,45 +84,53 @@ def _cuts(n_img, parts):
     return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def _run_at_once(calls):
-    """Each (kernel, args) of `calls` on its own thread, the first on this one; BLAS on one thread meanwhile."""
+def _in_parts(n_img, flops, most, calls):
+    """Run calls(cuts) -> [(kernel, args)], one per part, each on its own thread (the first on this
+    one), BLAS on one thread meanwhile; False (nothing run) where the conv is to run whole."""
     threads = blas.threads_now()
-    if threads > 1:   # (1: another thread has BLAS on one now and gives it back; this one leaves it be)
-        blas.set_threads(1)
+    parts = min(planned_parts(n_img, flops, most), threads)
+    if parts == 1 or not _splitting.acquire(blocking=False):
+        return False
     try:
-        futures = [_executor().submit(kernel, *args) for kernel, args in calls[1:]]
+        _blas_threads["before"] = threads
+        blas.set_threads(1)
+        work = calls(_cuts(n_img, parts))
+        futures = [_executor().submit(kernel, *args) for kernel, args in work[1:]]
         try:
-            calls[0][0](*calls[0][1])
+            work[0][0](*work[0][1])
         finally:
             for f in futures:   # every part has ended before BLAS gets its threads back, or an error is raised
                 f.exception()
         for f in futures:
             f.result()
     finally:
-        if threads > 1:
+        if _blas_threads["before"] is not None:
             blas.set_threads(threads)
+            _blas_threads["before"] = None
+        _splitting.release()
+    return True
 
 
 def conv_on_cores(kernel, a, w, *args, most):
     """kernel(a, w, *ints, out) (a conv2d or its input gradient: a and out have the batch on axis 0),
     over parts of the batch at once."""
     *ints, out = args
-    flops = 2 * max(a.size, out.size) * (w.size // max(1, w.shape[0]))
-    parts = parts_for(a.shape[0], flops, most)
-    if parts == 1:
-        return kernel(a, w, *args)
-    _run_at_once([(kernel, (a[s], w, *ints, out[s])) for s in _cuts(a.shape[0], parts)])
+    flops = conv_flops(a.size, out.size, w.size // max(1, w.shape[0]), weight_grad=False)
+    if not _in_parts(a.shape[0], flops, most, lambda cuts: [(kernel, (a[s], w, *ints, out[s])) for s in cuts]):
+        kernel(a, w, *args)
 
 
 def conv_weight_grad_on_cores(kernel, x, g, *args, most):
     """kernel(x, g, *ints, out), the weight gradient (a sum over the batch), over parts of the batch at
     once: the first part's goes into out, the others' into buffers of their own, added to it after."""
     *ints, out = args
-    flops = 2 * g.size * (out.size // max(1, out.shape[0]))
-    parts = parts_for(x.shape[0], flops, most)
-    if parts == 1:
+    flops = conv_flops(x.size, g.size, out.size // max(1, out.shape[0]), weight_grad=True)
+    sums = []
+
+    def calls(cuts):
+        sums[:] = [out] + [np.empty_like(out) for _ in cuts[1:]]
+        return [(kernel, (x[s], g[s], *ints, part)) for s, part in zip(cuts, sums)]
+    if not _in_parts(x.shape[0], flops, most, calls):
         return kernel(x, g, *args)
-    sums = [out] + [np.empty_like(out) for _ in range(parts - 1)]
-    _run_at_once([(kernel, (x[s], g[s], *ints, part)) for s, part in zip(_cuts(x.shape[0], parts), sums)])
     for part in sums[1:]:
         out += part

@@ -301,7 +301,7 @@ class TrainerBase:
                 and ours not in saved_dtypes:
             raise ValueError(f"{path}: checkpoint of a {'/'.join(sorted(saved_dtypes))} build of model "
                              f"{cls.model_name!r}, and this build is {ours}: load it into a build compiled with "
-                             f"--dtype {sorted(saved_dtypes)[0]}")
+                             f"--dtype {sorted(saved_dtypes)[0]} (of the same model, if it has not changed)")
         if meta.get("fingerprint") != cls.fingerprint:
             raise ValueError(f"{path}: checkpoint of model {meta.get('model')!r} (fingerprint "
                              f"{str(meta.get('fingerprint'))[:12]}) does not match model {cls.model_name!r} "
