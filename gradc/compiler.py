@@ -397,16 +397,16 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     if dtype not in FLOAT_DTYPES:
         raise GradcError(f"compile: unknown dtype {dtype!r} (use {' or '.join(FLOAT_DTYPES)})", options_src)
     if target not in TARGETS:
-        raise GradcError(f"--target {target!r}: use one of {', '.join(TARGETS)}")
+        raise GradcError(f"--target {target!r}: use one of {', '.join(TARGETS)}", options_src)
     if model.graph.loss is None:
         raise GradcError(f"model {model.name!r} has no minimize(loss): nothing to differentiate", model.src)
     check_module_name(model.name, model.src)   # before anything is written, at the line that named it
     if order not in (1, 2):
-        raise GradcError(f"--order {order}: use 1 (gradients) or 2 (also hvp and hessian)")
+        raise GradcError(f"--order {order}: use 1 (gradients) or 2 (also hvp and hessian)", options_src)
     dims = dict(bind or {})
     for d, v in dims.items():
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise GradcError(f"--bind {d}={v}: a dim must be bound to an int >= 1")
+            raise GradcError(f"--bind {d}={v}: a dim must be bound to an int >= 1", options_src)
     timings = {} if timings is None else timings
     t0 = time.perf_counter()
     check_scans(model, scan_backward, target, memory_budget, devices)

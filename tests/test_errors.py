@@ -322,6 +322,10 @@ def test_bad_compile_options_name_the_compile_call(tmp_path):
         gc.compile(m, out=str(tmp_path), dtype="float16")
     with pytest.raises(gc.GradcError, match=r"warm='later': use True or 'first'"):
         gc.compile(m, out=str(tmp_path), warm="later")
+    for bad, message in ((dict(order=3), "--order 3"), (dict(target="tpu"), "--target 'tpu'"),
+                         (dict(bind={"B": 0}), "--bind B=0")):
+        with pytest.raises(gc.GradcError, match=rf"{os.path.basename(__file__)}:\d+: {message}"):
+            gc.compile(m, out=str(tmp_path), **bad)
     assert not list(tmp_path.iterdir())
     assert gc.compile(m, out=str(tmp_path), warm="none").loss_and_grad
 
