@@ -9,9 +9,7 @@ value is made close to where it is needed rather than as soon as it could be.
 import heapq
 import math
 
-from gradc.ops import get_op
-
-from .storage import base, buffer_bytes
+from .storage import base, buffer_bytes, written_with_operand
 
 
 def memory_order(graph, nodes, keep=(), sizes=None):
@@ -34,8 +32,8 @@ def memory_order(graph, nodes, keep=(), sizes=None):
     keep = {base(graph, k) for k in keep}
 
     def key(n):
-        if is_view_node(graph, n) or get_op(graph.op(n)).kind == "project":   # results of a multi-result op (a scan's): right after it
-            return (-math.inf, n)   # (before any node that frees bytes: the planners keep a scan's results with it)
+        if written_with_operand(graph, n):   # a view, or a scan's result: right after its operand, before
+            return (-math.inf, n)           # any node that frees bytes (the planners keep them together)
         freed = sum(sizes.get(s, 0) for s in {base(graph, u) for u in graph.operands(n)}
                     if s not in keep and readers.get(s) == {n})
         return (min(sizes.get(n, 0) - freed, 0), n)
