@@ -1,7 +1,8 @@
 """Random graphs (tests/fuzz_graphs.py) against PyTorch autograd in float64: the loss, the gradients
 of the params and float inputs, and Hessian-vector products. The programs mix dense ops with
 convolutions, pools, indexing, concat/stack, embeddings (take), batched matmul, seeded random ops and
-scans of random recurrent cells.
+scans of random recurrent cells. A slow case runs the conv programs with every conv split over parts of
+the batch (gradc/runtime/conv_cores.py).
 
 Many seeds go through gradc's numpy interpreter of the order-2 training graph (fast), and those with
 scans a second time with their dims bound and carry checkpoints in every backward scan that can
@@ -47,6 +48,22 @@ def test_compiled_convs_by_taps_match_torch(tmp_path, monkeypatch):
     check_compiled(combined_case((7, 12, 15)), str(tmp_path))
     sources = "".join(open(f).read() for f in glob.glob(str(tmp_path / "**" / "*.py"), recursive=True))
     assert "_conv2d_by_taps(" in sources and "_conv2d_input_grad_by_taps(" in sources
+
+
+@pytest.mark.slow
+def test_compiled_convs_over_parts_of_the_batch_match_torch(tmp_path, monkeypatch):
+    """Programs with convs (seeds 7, 12, 15 and 588), each conv, input gradient and weight gradient of
+    a plain entry run over up to 3 parts of the batch (gradc/runtime/conv_cores.py; the flops per part
+    lowered to 1, BLAS seen as having 3 threads: the counts it is set to are recorded, not set)."""
+    from gradc.runtime import conv_cores
+    monkeypatch.setattr(conv_cores, "cores", lambda: 3)
+    monkeypatch.setattr(conv_cores, "PART_FLOPS", 1)
+    monkeypatch.setattr(conv_cores.blas, "threads_now", lambda: 3)
+    monkeypatch.setattr(conv_cores.blas, "set_threads", lambda n: None)
+    parts, cuts = [], conv_cores._cuts
+    monkeypatch.setattr(conv_cores, "_cuts", lambda n_img, k: (parts.append(k), cuts(n_img, k))[1])
+    check_compiled(combined_case((7, 12, 15, 588)), str(tmp_path))
+    assert parts and max(parts) >= 2
 
 
 @pytest.mark.slow
