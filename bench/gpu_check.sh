@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # On a lent GPU machine, in one call: the CUDA tests on the real driver (GRADC_TEST_ON_GPU=1: the
-# same tests CI runs under numba-cuda's simulator), bench/gpu_gemm_accuracy.py, then bench/gpu_step.py.
+# same tests CI runs under numba-cuda's simulator), bench/gpu_gemm_accuracy.py, bench/gpu_step.py, then
+# bench/lr_table.py --target cuda (backprop against likelihood-ratio training, torch beside them).
 # Logs go under $OUT.
 #
 #   here, once:   ../shared/device/fetch-wheels.sh          (numba-cuda and numpy wheels into .whl/)
 #   device tool:  run(command="bash bench/gpu_check.sh [--quick] [pytest -k EXPR]", carry=[".whl"])
-#   (TEST_SECONDS, BENCH_SECONDS: time limits, TEST_SECONDS=0 runs no test; GPU_STEP_ARGS: more
+#   (TEST_SECONDS, GEMM_SECONDS, BENCH_SECONDS, LR_SECONDS: time limits, 0 skips that step; GPU_STEP_ARGS: more
 #   flags for gpu_step.py, such as --check-only; SANITIZE=1 adds compute-sanitizer runs)
 #
 # --quick: the default test tier and gpu_step.py --quick; otherwise every CUDA test, slow ones too.
@@ -29,9 +30,10 @@ tier=(-m "slow or not slow"); [ $quick = 1 ] && tier=()
 [ "${TEST_SECONDS:-300}" != 0 ] && timeout "${TEST_SECONDS:-300}" python3 -m pytest -q -p no:cacheprovider -n 6 --dist loadfile "${tier[@]}" -k "$select" \
     -rf --tb=short tests/test_cuda_target.py tests/test_cuda_kernels.py tests/test_conv.py tests/test_indexing_compiled.py \
     tests/test_kernel_cache.py tests/test_data_parallel.py tests/test_mpi.py 2>&1 | tee "$OUT/tests.log"
-timeout 120 python3 bench/gpu_gemm_accuracy.py 2>&1 | tee "$OUT/gemm_accuracy.log"
-gpu_step=(); [ $quick = 1 ] && gpu_step=(--quick)
-timeout "${BENCH_SECONDS:-150}" python3 bench/gpu_step.py "${gpu_step[@]}" ${GPU_STEP_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/gpu_step.log"
+[ "${GEMM_SECONDS:-120}" != 0 ] && timeout "${GEMM_SECONDS:-120}" python3 bench/gpu_gemm_accuracy.py 2>&1 | tee "$OUT/gemm_accuracy.log"
+quick_flag=(); [ $quick = 1 ] && quick_flag=(--quick)
+[ "${BENCH_SECONDS:-150}" != 0 ] && timeout "${BENCH_SECONDS:-150}" python3 bench/gpu_step.py "${quick_flag[@]}" ${GPU_STEP_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/gpu_step.log"
+[ "${LR_SECONDS:-300}" != 0 ] && timeout "${LR_SECONDS:-300}" python3 bench/lr_table.py --target cuda "${quick_flag[@]}" 2>&1 | tee "$OUT/lr_table.log"
 # SANITIZE=1: the two smaller models' gradient checks under compute-sanitizer (out-of-bounds and races)
 if [ "${SANITIZE:-0}" = 1 ]; then
     for tool in memcheck racecheck; do

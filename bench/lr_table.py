@@ -4,7 +4,8 @@
   - an RNN (gc.scan) on the digits read as 8 rows of 8 pixels, noise on every step's pre-activation,
   - a 2-layer GCN on networkx's karate club (features: the identity) and on a Cora-sized stochastic block
     model (2708 nodes, 7 blocks, noisy block-indicator features), a normalised adjacency as a constant.
-Same optimizer (Adam), same steps; float32 builds.
+Same optimizer (Adam), same steps, same initial params; float32 builds. The first row of each task is
+torch eager backprop on the same device (the anchor: what a user runs today).
 
     python bench/lr_table.py [--quick] [--target cuda]
 """
@@ -12,12 +13,14 @@ import argparse
 import sys
 import tempfile
 import time
+from functools import partial
 
 import numpy as np
 
 import gradc as gc
 
 OUT = tempfile.mkdtemp(prefix="gradc-lr-table-")
+TORCH = "torch eager BP (anchor)"
 
 
 def digits():
@@ -104,24 +107,75 @@ def sbm(n=2708, k=7, f=64, seed=0):
     return normalised(nx.to_numpy_array(G)), X, y, train
 
 
-def run_batches(make, data, variants, epochs, batch, target):
+def run_batches(task, make, data, variants, epochs, batch, target, weight_decay):
     Xtr, ytr, Xte, yte = data
     mod = gc.compile(make(), out=OUT, order=1, warm_cache=False, target=target)
     rows = []
     for label, opts in variants.items():
-        tr = mod.Trainer(mod.init_params(0), optimizer="adam", lr=opts.pop("lr", 3e-3), **opts)
-        tr.step(x=Xtr[:batch], y=ytr[:batch])   # compile
+        if label == TORCH:
+            step, logits = torch_trainer(task, mod.init_params(0), target, 3e-3, weight_decay)
+        else:
+            tr = mod.Trainer(mod.init_params(0), optimizer="adam", lr=opts.pop("lr", 3e-3), **opts)
+            step, logits = tr.step, lambda x: mod.forward(tr.params, x=x)["logits"]
+        step(x=Xtr[:batch], y=ytr[:batch])   # compile
         rng = np.random.default_rng(1)
         t = time.perf_counter()
         for _ in range(epochs):
             perm = rng.permutation(len(ytr))
             for s in range(0, len(ytr) - batch + 1, batch):
                 i = perm[s:s + batch]
-                tr.step(x=Xtr[i], y=ytr[i])
+                step(x=Xtr[i], y=ytr[i])
         per_epoch = (time.perf_counter() - t) / epochs
-        acc = (mod.forward(tr.params, x=Xte)["logits"].argmax(1) == yte).mean()
+        acc = (np.asarray(logits(Xte)).argmax(1) == yte).mean()
         rows.append((label, acc, per_epoch))
     return rows
+
+
+def torch_forward(task, P, x, A=None):
+    """The same model in torch (anchor): the logits from params P (tensors named as gradc's)."""
+    import torch
+    if task == "mlp":
+        return torch.tanh(x @ P["W0"] + P["b0"]) @ P["W1"] + P["b1"]
+    if task == "rnn":
+        h = torch.zeros(x.shape[0], 64, dtype=x.dtype, device=x.device)
+        for xt in x.reshape(-1, 8, 8).transpose(0, 1):
+            h = torch.tanh(xt @ P["Wx"] + h @ P["Wh"] + P["bh"])
+        return h @ P["Wo"] + P["bo"]
+    return A @ torch.relu(A @ x @ P["W0"]) @ P["W1"]
+
+
+def torch_trainer(task, params, target, lr, weight_decay):
+    """torch eager Adam on the same objective (decay on params of ndim >= 2) from the same initial
+    params: (step(x, y, **graph) -> loss, logits(x, **graph))."""
+    import torch
+    P = {k: torch_tensor(v, target).clone().requires_grad_() for k, v in params.items()}
+    opt = torch.optim.Adam(P.values(), lr=lr)
+    t = partial(torch_tensor, target=target)
+
+    def objective(x, y, w=None, A=None, Y=None):
+        logits = torch_forward(task, P, t(x), A)
+        if w is None:
+            loss = torch.nn.functional.cross_entropy(logits, t(y))
+        else:
+            loss = (t(w) * (-torch.log_softmax(logits, 1) * t(Y)).sum(1)).sum()
+        return loss + weight_decay / 2 * sum((p * p).sum() for p in P.values() if p.ndim >= 2)
+
+    def step(**inputs):
+        opt.zero_grad()
+        loss = objective(**inputs)
+        loss.backward()
+        opt.step()
+        return loss.item()   # read the loss, as Trainer.step does
+
+    def logits(x, A=None):
+        with torch.no_grad():
+            return torch_forward(task, P, t(x), A).cpu().numpy()
+    return step, logits
+
+
+def torch_tensor(a, target):
+    import torch
+    return torch.as_tensor(a, device="cuda" if target == "cuda" else "cpu")
 
 
 def run_graph(name, graph, variants, epochs, target):
@@ -133,13 +187,19 @@ def run_graph(name, graph, variants, epochs, target):
     test = train == 0
     rows = []
     for label, opts in variants.items():
-        tr = mod.Trainer(mod.init_params(0), optimizer="adam", lr=opts.pop("lr", 1e-2), **opts)
-        tr.step(**inputs)
+        if label == TORCH:
+            step, logits = torch_trainer("gcn", mod.init_params(0), target, 1e-2, 5e-4)
+            A_t = torch_tensor(A, target)
+            step, logits = partial(step, A=A_t), partial(logits, A=A_t)
+        else:
+            tr = mod.Trainer(mod.init_params(0), optimizer="adam", lr=opts.pop("lr", 1e-2), **opts)
+            step, logits = tr.step, lambda x: mod.forward(tr.params, x=x)["logits"]
+        step(**inputs)
         t = time.perf_counter()
         for _ in range(epochs):
-            tr.step(**inputs)   # full batch: an epoch is a step
+            step(**inputs)   # full batch: an epoch is a step
         per_epoch = (time.perf_counter() - t) / epochs
-        pred = mod.forward(tr.params, x=X)["logits"].argmax(1)
+        pred = np.asarray(logits(X)).argmax(1)
         rows.append((label, (pred[test] == y[test]).mean(), per_epoch))
     return rows
 
@@ -153,17 +213,25 @@ def main():
     t = args.target
     e = 3 if args.quick else 20
     K = 16 if args.quick else 32
-    variants = lambda: {"BP": {}, f"LR K={K}": dict(gradient="lr", samples=K),
+    variants = lambda: {TORCH: {}, "BP": {}, f"LR K={K}": dict(gradient="lr", samples=K),
                         f"LR K={K} layer-wise": dict(gradient="lr", samples=K, layerwise=True),
                         f"LR K={K} plain+baseline": dict(gradient="lr", samples=K, antithetic=False)}
-    print(f"{'task':<22} {'method':<24} {'test acc':>8} {'s/epoch':>8}")
-    table = [("MLP digits", lambda: run_batches(mlp_model, digits(), variants(), e, 64, t)),
-             ("RNN digits (rows)", lambda: run_batches(rnn_model, digits(), variants(), max(1, e // 2), 64, t)),
+    print(f"{'task':<22} {'method':<24} {'test acc':>8} {'ms/epoch':>9}")
+    table = [("MLP digits", lambda: run_batches("mlp", mlp_model, digits(), variants(), e, 64, t, 1e-4)),
+             ("RNN digits (rows)", lambda: run_batches("rnn", rnn_model, digits(), variants(), max(1, e // 2), 64, t, 0.0)),
              ("GCN karate", lambda: run_graph("lrt_karate", karate(), variants(), 10 * e, t)),
              ("GCN SBM 2708 nodes", lambda: run_graph("lrt_sbm", sbm(), variants(), 5 * e, t))]
+    failed = 0
     for task, run in table:
-        for label, acc, sec in run():
-            print(f"{task:<22} {label:<24} {100 * acc:>7.1f}% {sec:>8.3f}", flush=True)
+        try:
+            rows = run()
+        except Exception as e:   # one task's failure should not hide the others' rows
+            print(f"{task:<22} failed: {type(e).__name__}: {e}", flush=True)
+            failed += 1
+            continue
+        for label, acc, sec in rows:
+            print(f"{task:<22} {label:<24} {100 * acc:>7.1f}% {1e3 * sec:>9.2f}", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
