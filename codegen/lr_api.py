@@ -46,7 +46,8 @@ def lr_api_source(g, built, run_src, views_src, cuda=False, pipeline=False):
     from_owners = ["    p = _PIPELINE.params_from_owners(p)"] if pipeline else []
     keep_owned = ["    _PIPELINE.keep_owned(grads)"] if pipeline else []
     if built and cuda:
-        lines += ["    a = _LR.leaves(a, samples, sigma, seed, antithetic, layerwise, baseline, host=_CUDA.host)",
+        lines += ["    a = _LR.leaves(a, samples, sigma, seed, antithetic, layerwise, baseline, adopt=_CUDA.adopt,",
+                  "                  host=_CUDA.host)",
                   *from_owners, f"    (loss,) = {run_src}", *keep_owned,
                   '    return _loss_value(loss, a, "lr_grad")']
     elif built:

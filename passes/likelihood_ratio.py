@@ -11,12 +11,12 @@ cotangent c * eps / sigma: this pass builds exactly that with the ops' VJP rules
 site (no value flows back from one layer to another), so the estimate is a forward graph.
 
 The K perturbed copies run as one batched forward: every value that depends on a batch input is
-copied with its rows stacked K times (dim KB_lr = K * B, sample-major), the inputs tiled by the
-module. Values without rows (params, constants, a GCN's adjacency) are shared. The sites' noise
+copied with its rows stacked K times (dim KB_lr = K * B, sample-major); a float input's copies are
+a broadcast of it in the graph, an int input's (labels) are tiled by the module. Values without rows (params, constants, a GCN's adjacency) are shared. The sites' noise
 comes from the counter-based `random` op (one stream each), its second half repeating the first
-for antithetic pairs; a per-site mask of shape (KB_lr, 1, ...) holds +-sigma or 0 per row, so
-antithetic pairs, layer-wise injection (one site per block of samples) and sigma are chosen at
-call time.
+for antithetic pairs; a per-site mask of shape (KB_lr, 1, ...) holds +-sigma or 0 per row (a leaf
+of signs times the leaf sigma), so antithetic pairs, layer-wise injection (one site per block of
+samples) and sigma are chosen at call time.
 
 Which loss pairs with which noise: when no op mixes rows, row b's loss depends only on row b's
 noise, and each row's loss term (its share of the objective: l_b / B for a mean) pairs with its
@@ -107,7 +107,9 @@ class _Builder:
         self.seed = self.leaf("seed", (), "int64")
         self.half = self.leaf("half", (), "int64")
         rows = self.leaf("rows", (K, self.batch), self.float)   # each (sample, row)'s weight (ones); carries K_lr, B
-        scale = self.leaf("scale", (), self.float)
+        self.sigma = self.leaf("sigma", (), self.float)
+        # 1 / (samples * sigma**2), the part before sigma a leaf (times K / (K - 1) for a leave-one-out baseline)
+        scale = self.apply("div", [self.leaf("scale", (), self.float), self.apply("mul", [self.sigma, self.sigma])])
         baseline = self.leaf("baseline", (), self.float)
         for n in g.topo_order(self.fwd):
             self.where[n] = self.track(n)
@@ -154,7 +156,9 @@ class _Builder:
                            shape=drawn, dtype=self.float)
         if steps is not None:   # drawn rows first, so the antithetic half is the second half of the rows
             noise = self.apply("transpose", [noise], src, axes=(1, 0) + tuple(range(2, len(drawn))))
-        mask = self.leaf(f"mask{i}", (KB,) + (1,) * (len(shape) - 1), self.float)
+        # the mask: +-sigma or 0 per row, from a leaf of signs (+-1, 0) that stays the same from call to call
+        signs = self.leaf(f"mask{i}", (KB,) + (1,) * (len(shape) - 1), self.float)
+        mask = self.apply("mul", [signs, self.sigma], src)
         self.sites.append(Site(None, None, len(shape), {"op": what, "shape": [str(d) for d in shape], "src": src,
                                                          "mask": f"mask{i}"}))
         return noise, mask
@@ -216,10 +220,14 @@ class _Builder:
             if axis is None or adjacency:
                 return None
             name = node["name"]
-            self.tiled[name] = (f"tile:{name}", axis)
-            stacked = list(shape)
-            stacked[axis] = KB
-            self.copy[n] = self.leaf(f"tile:{name}", stacked, node["dtype"])
+            if node["dtype"].startswith("float"):   # stacked in the graph: a call copies in only the batch
+                self.tiled[name] = (None, axis)
+                self.copy[n] = self.stacked_input(n, tuple(shape), axis)
+            else:   # int labels (which no elementwise op copies): tiled by the module, a leaf
+                self.tiled[name] = (f"tile:{name}", axis)
+                stacked = list(shape)
+                stacked[axis] = KB
+                self.copy[n] = self.leaf(f"tile:{name}", stacked, node["dtype"])
             return axis
         if op in ("param", "const"):
             return None
@@ -274,6 +282,13 @@ class _Builder:
                 attrs[key] = tuple(target)
         self.copy[n] = self.apply(op, operands, src, **attrs)
         return where
+
+    def stacked_input(self, n, shape, axis):
+        """Float input n's K copies stacked on its rows' axis, sample-major, made from n itself (a broadcast
+        over a new samples axis, seen as KB_lr rows)."""
+        before, after = shape[:axis], shape[axis:]
+        spread = self.apply("broadcast_to", [self.view(n, before + (1,) + after)], shape=before + (K,) + after)
+        return self.view(spread, before + (KB,) + after[1:])
 
     def per_row(self, n, axis, kind):
         """The loss's reduction over rows, keeping the rows: each row's share of it, shape (KB_lr,)."""

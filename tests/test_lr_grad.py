@@ -16,7 +16,7 @@ from gradc.interpret import evaluate
 from gradc.passes.pipeline import build_training_graph
 from gradc.runtime.lr import LikelihoodRatio
 
-SCALARS = ("lr:seed", "lr:half", "lr:scale", "lr:baseline")
+SCALARS = ("lr:seed", "lr:half", "lr:sigma", "lr:scale", "lr:baseline")
 
 
 def mlp(weight_decay=1e-2):

@@ -15,6 +15,7 @@ import numpy as np
 from . import Op, register
 from ..errors import ShapeError
 from ..shapes import broadcast, fmt, size
+from .elementwise import X
 from .kernel_text import index, loops, unravel
 
 
@@ -199,7 +200,20 @@ def _lower(make):
     return lower
 
 
+def _cuda_lower(s):
+    """sum_b A[b]^T B[b] (a weight's gradient over a stack of steps or samples) as one GEMM of the
+    flattened rows, as on the CPU: the kernel above would give each output element a serial loop over
+    every row of the batch. Other products: that kernel."""
+    ta, tb, red = _plan(s)[:3]
+    if not (red and ta and not tb):
+        return _lower(_cuda_source)(s)
+    site = s.kernels.gemm_site(True, False, X[0], X[0], X[0], ())
+    last = [f"{v}.shape[{len(s.operand_shape(i)) - 1}]" for i, v in enumerate(s.args)]   # (no shape[-1] in the simulator)
+    rows = [f"{v}.reshape(({v}.size // {k}, {k}))" for v, k in zip(s.args, last)]
+    return [s.alloc(), f"{site}(stream, {', '.join(rows + [s.out])}){s.note}"]
+
+
 register(Op("batch_matmul", "matmul", _infer, _evaluate, _flops, vjp=_vjp, arity=2, rows=batch_matmul_rows,
-            cpu=_lower(_cpu_source), cuda=_lower(_cuda_source),
+            cpu=_lower(_cpu_source), cuda=_cuda_lower,
             doc="op(A) @ op(B) over broadcast batch dims (numpy's matmul); attrs transpose_a / transpose_b, "
                 "reduce_batch (sum over the batch too)"))

@@ -36,7 +36,7 @@ class CudaTrainerBase(TrainerBase):
         loss_and_grad's, or with gradient="lr" lr_grad's, step t's noise drawn from seed + t."""
         if getattr(self, "gradient", "backprop") != "lr":
             return "_loss_and_grad", self.loss_args(p, a), a
-        a = self._lr.leaves(a, *self._step_options(), host=self.runner.host)
+        a = self._lr.leaves(a, *self._step_options(), adopt=self.runner.adopt, host=self.runner.host)
         return "_lr_grad", self.lr_args(p, a), a
 
     def _store(self, checked, size, slots):

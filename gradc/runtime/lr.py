@@ -1,8 +1,8 @@
 """What a generated module's lr_grad hands its compiled function besides params and inputs
-(passes/likelihood_ratio.py builds the graph; DESIGN.md §1.9): the inputs tiled K times on the
-rows, a mask per noise site (+-sigma where the site is perturbed in that sample, 0 where not), the
-seed, the antithetic flag, the baseline flag and the estimate's scale. Also the Trainer's
-gradient="lr" options, checked when the Trainer is made.
+(passes/likelihood_ratio.py builds the graph; DESIGN.md §1.9): a mask of signs per noise site (+-1
+where the site is perturbed in that sample, 0 where not), the seed, sigma, the antithetic flag, the
+baseline flag, the estimate's scale before its 1 / sigma**2, and int inputs tiled K times on the rows. Also the Trainer's gradient="lr" options, checked when the
+Trainer is made.
 """
 import math
 import numbers
@@ -14,7 +14,8 @@ SAMPLES = 64
 
 
 class LikelihoodRatio:
-    """info: {"why": None or the reason lr_grad is not built, "tiled": {input: (leaf key, rows axis)},
+    """info: {"why": None or the reason lr_grad is not built, "tiled": {input: (its leaf key or None when the
+    graph makes its copies, its rows' axis)},
     "masks": [(key, rank)],
     "per_row": bool, "sites": [...]} (written into the module)."""
 
@@ -22,6 +23,7 @@ class LikelihoodRatio:
         self.model_name = model_name
         self.float = np.dtype(float_type)
         self.info = info
+        self._kept = {}   # (options, rows, adopt) -> the leaves calls share (LikelihoodRatio.leaves)
 
     def refuse(self, what="lr_grad"):
         if self.info.get("why"):
@@ -54,19 +56,33 @@ class LikelihoodRatio:
         """The perturbed copies one call runs: samples, or samples per site layer-wise."""
         return samples * (len(self.info["masks"]) if layerwise else 1)
 
-    def leaves(self, a, samples, sigma, seed, antithetic, layerwise, baseline, host=None):
-        """`a` (the checked inputs) with the lr leaves added under their "lr:" keys. host: copies a device
-        array to a numpy one (a CUDA module's inputs may be on the device; they are tiled on the host)."""
-        F = self.float
-        total = self.copies(samples, layerwise)
-        tiled = self.info["tiled"]
-        rows = next((a[name].shape[axis] for name, (_, axis) in tiled.items() if name in a), None)
+    def leaves(self, a, samples, sigma, seed, antithetic, layerwise, baseline, adopt=None, host=None):
+        """`a` (the checked inputs) with the lr leaves added under their "lr:" keys. Those that depend only on
+        the options other than sigma and seed, and on the batch size (the masks' signs, the flags, the rows),
+        are made once for each such set and kept: with `adopt` (a CUDA module's: an owned device copy) on
+        the device, where a replayed CUDA graph reads them in place. Only seed and sigma are new each
+        call, and the int inputs' K copies (labels, tiled here; `host` copies a device array to numpy);
+        the float inputs' copies are made in the graph."""
+        rows = next((a[name].shape[axis] for name, (_, axis) in self.info["tiled"].items() if name in a), None)
         if rows is None:
             raise ValueError(f"{self.model_name}.lr_grad: no batch input given")
-        out = dict(a)
-        for name, (key, axis) in tiled.items():   # copies sample-major along the rows' axis
-            x = a[name] if host is None or isinstance(a[name], np.ndarray) else host(a[name])
-            out[f"lr:{key}"] = np.tile(x, tuple(total if d == axis else 1 for d in range(x.ndim)))
+        key = (samples, antithetic, layerwise, baseline, rows, adopt)
+        kept = self._kept.get(key)
+        if kept is None:
+            kept = self._kept[key] = self._lasting(samples, antithetic, layerwise, baseline, rows, adopt)
+        total = self.copies(samples, layerwise)
+        out = {**a, **kept, "lr:seed": np.array([seed], dtype=np.int64), "lr:sigma": np.array([sigma], dtype=self.float)}
+        for name, (key, axis) in self.info["tiled"].items():   # int inputs: copies sample-major along the rows' axis
+            if key is not None:
+                x = a[name] if isinstance(a[name], np.ndarray) else host(a[name])
+                out[f"lr:{key}"] = np.tile(x, tuple(total if d == axis else 1 for d in range(x.ndim)))
+        return out
+
+    def _lasting(self, samples, antithetic, layerwise, baseline, rows, adopt):
+        """The leaves a call with these options and `rows` batch rows shares with every other such call."""
+        F = self.float
+        total = self.copies(samples, layerwise)
+        out = {}
         # sample k perturbs site s with sign: copies are sample-major; with antithetic pairs the second half of
         # the copies mirrors the first (the noise kernel repeats its draws there) with the opposite sign
         half = total // 2 if antithetic else total
@@ -76,16 +92,14 @@ class LikelihoodRatio:
         per_site = samples // 2 if antithetic else samples
         for s, (key, rank) in enumerate(self.info["masks"]):
             active = (within // per_site == s) if layerwise else np.ones(total, dtype=bool)
-            m = np.where(active, sign * sigma, 0.0).astype(F)
+            m = np.where(active, sign, 0.0).astype(F)
             out[f"lr:{key}"] = np.repeat(m, rows).reshape((total * rows,) + (1,) * (rank - 1))
         loo = baseline and not antithetic and total > 1   # leave-one-out mean: unbiased
-        scale = 1.0 / (samples * sigma * sigma) * (total / (total - 1) if loo else 1.0)
-        out["lr:seed"] = np.array([seed], dtype=np.int64)
+        out["lr:scale"] = np.array([1.0 / samples * (total / (total - 1) if loo else 1.0)], dtype=F)   # / sigma**2 in the graph
         out["lr:half"] = np.array([1 if antithetic else 0], dtype=np.int64)
-        out["lr:scale"] = np.array([scale], dtype=F)
         out["lr:baseline"] = np.array([1.0 if loo else 0.0], dtype=F)
         out["lr:rows"] = np.ones((total, rows), dtype=F)
-        return out
+        return out if adopt is None else {k: adopt(v) for k, v in out.items()}
 
 
 class LRTrainer:
