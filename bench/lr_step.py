@@ -37,7 +37,7 @@ def main():
     K, n = args.samples, args.steps
     X, y, _, _ = digits()
     x, y = X[:64], y[:64]
-    print(f"{'model':<6} {'what':<34} {'ms':>8}")
+    print(f"{'model':<6} {'what':<40} {'ms':>8}")
     for label, make in (("MLP", mlp_model), ("RNN", rnn_model)):
         mod = gc.compile(make(), out=OUT, order=1, warm_cache=False, target=args.target)
         params = mod.init_params(0)
@@ -45,15 +45,20 @@ def main():
         lr = mod.Trainer(params, optimizer="adam", lr=1e-3, gradient="lr", samples=K)
         options = dict(samples=K, sigma=1e-2, seed=0, antithetic=True, layerwise=False, baseline=True)
         a = mod._SIGNATURE.inputs({"x": x, "y": y}, mod._LOSS_INPUTS, "lr_step")
+        plain = mod.Trainer(params, optimizer="adam", lr=1e-3, gradient="lr", samples=K, antithetic=False)
+        layerwise = mod.Trainer(params, optimizer="adam", lr=1e-3, gradient="lr", samples=K, layerwise=True)
         rows = {"Trainer.step, backprop": lambda: bp.step(x=x, y=y),
                 f"Trainer.step, lr K={K}": lambda: lr.step(x=x, y=y),
+                f"Trainer.step, lr K={K} plain+baseline": lambda: plain.step(x=x, y=y),
+                f"Trainer.step, lr K={K} layer-wise": lambda: layerwise.step(x=x, y=y),
                 "loss_and_grad": lambda: mod.loss_and_grad(params, x=x, y=y),
                 f"lr_grad K={K}": lambda: mod.lr_grad(params, x=x, y=y, **options),
                 "  of which host leaves (masks, seed)": lambda: mod._LR.leaves(a, *options.values())}
         for what, fn in rows.items():
             for _ in range(5):
                 fn()
-            print(f"{label:<6} {what:<34} {median_ms(fn, n):>8.3f}", flush=True)
+            first = median_ms(fn, 1)   # after the warm-up: a slow one here is work redone at every call
+            print(f"{label:<6} {what:<40} {median_ms(fn, n):>8.3f}   (one call after warm-up: {first:.3f})", flush=True)
         runner = getattr(mod, "_CUDA", None)
         if runner is not None:
             print(f"{label:<6} CUDA graphs: {runner.use_graphs} ({len(runner._graphs)} captured; "

@@ -81,7 +81,7 @@ class CudaEntryWriter(EntryWriter):
         return _device_view("arena", f"offs[{k}]", shape, dims)[0]
 
     def fresh_array(self, shape_src):
-        return f"cuda.device_array({shape_src}, FLOAT)"
+        return f"temp_array({shape_src}, FLOAT)"
 
     def fold(self, expr, operands):
         """expr with its scalar-constant operands written in; the operands left (None: not a node)."""

@@ -8,6 +8,7 @@ the MLP's CUDA module against its CPU target's, its gradients against finite dif
 the CUDA Trainer against the CPU Trainer; lr_grad and Trainer(gradient="lr") against the CPU's;
 device arrays in and out, refusals, pipelines, the cuBLAS path and the CUDA-graph path.
 """
+import gc as python_gc
 import json
 import os
 import sys
@@ -408,7 +409,40 @@ def run_graphs(build):
     out["trainer_losses"], out["trainer_replays"] = max(losses), fakes.replays - before
     out["trainer_params"] = err(t1.params, {k: v.copy_to_host() for k, v in t2.params.items()})
     out["graph_error"] = dev._CUDA.graph_error
-    return out
+    return out | run_graph_temporaries(os.path.join(build, "scan"), fakes if simulated() else None)
+
+
+def run_graph_temporaries(build, fakes):
+    """A scan's carries and work space are temporaries its host function makes while the graph is
+    captured; the graph writes to them at every replay, so the runner must hold them: freed, their
+    memory would go to the next arrays made (here: many, filled with 7, after numba's pending frees
+    are flushed), and the replays would write into those."""
+    from numba import cuda
+    rng = np.random.default_rng(4)
+    model, cpu, dev = both(lambda: scans._rnn("graph_scan_rnn"), build)
+    runner = dev._CUDA
+    runner._start()
+    if fakes is not None:
+        runner.use_graphs, runner._device = True, fakes
+    else:
+        CountedGraphs(runner)
+    params = cpu.init_params(seed=5)
+    inputs = {"x": rng.normal(size=(3, 2, 3)), "y": rng.integers(0, 2, 2), "h0": rng.normal(size=(2, 4))}
+    dev.loss_and_grad(params, **inputs)   # the first call captures
+    (captured,) = runner._graphs.values()
+    held = captured.keep[2]
+    del captured
+    python_gc.collect()
+    if fakes is None:   # a real GPU: what numba would free later, freed now
+        cuda.current_context().deallocations.clear()
+    others = [cuda.to_device(np.full(a.shape, 7.0)) for a in held for _ in range(4)]
+    worst = 0.0
+    for _ in range(3):
+        l1, g1 = cpu.loss_and_grad(params, **inputs)
+        l2, g2 = dev.loss_and_grad(params, **inputs)
+        worst = max(worst, abs(l1 - l2), err(g1, g2))
+    untouched = all(bool((o.copy_to_host() == 7.0).all()) for o in others)
+    return {"scan_temporaries_held": len(held), "scan_replays": worst, "others_untouched": untouched}
 
 
 def run_library(build):

@@ -121,7 +121,16 @@ def test_graph_path_captures_once_per_shape_and_replays(results):
     assert r["graph_error"] is None
     assert r["captures"] == 2 and r["replays"] == 3    # batches 6, 6, 6, 4, 6: two shapes, three repeats
     assert r["loss_and_grad"] <= TOLERANCE                  # new inputs reach the captured buffers
-    assert r["trainer_replays"] == 3 and r["trainer_losses"] <= 1e-12   # 4 steps: one capture, 3 replays and r["trainer_params"] <= TOLERANCE
+    assert r["trainer_replays"] == 3 and r["trainer_losses"] <= 1e-12   # 4 steps: one capture, 3 replays
+    assert r["trainer_params"] <= TOLERANCE
+
+
+def test_a_captured_graph_holds_the_temporaries_it_writes(results):
+    """A scan's carries and work space, made while its graph is captured, live as long as the graph:
+    replays stay right, and arrays made after numba's frees do not get their memory."""
+    r = results["trainer"]["graphs"]
+    assert r["scan_temporaries_held"] >= 4   # work, scal, the carry's two buffers
+    assert r["scan_replays"] <= TOLERANCE and r["others_untouched"]
 
 
 def test_pipelines_on_virtual_devices_match_one_device(results):

@@ -134,20 +134,20 @@ def bppsa_cuda_lines(s, step, at, copy):
     fill = lambda array, value: launch(s.kernels.fill(), [array, value])
 
     def zeros(var, like):
-        return [f"{var} = cuda.device_array_like({like})", fill(f"{var}.reshape({var}.size)", "0.0")]
+        return [f"{var} = temp_array_like({like})", fill(f"{var}.reshape({var}.size)", "0.0")]
 
     L = _layout(attrs, a, f"{a[0]}.shape[0]", v)
     mm, vv = name("M"), name("V")
-    L += [f"{mm} = cuda.device_array(({name('pP')}, {name('nR')}, {name('hH')}, {name('hH')}), FLOAT)",
-          f"{vv} = cuda.device_array(({name('pP')}, {name('nR')}, {name('hH')}), FLOAT)",
-          f"{name('S')} = cuda.device_array((max({name('pP')} // 2, 1), {name('nR')}, {name('hH')} + 1, {name('hH')}), FLOAT)",
-          f"{name('SV')} = cuda.device_array((max({name('pP')} // 2, 1), {name('nR')}, {name('hH')}), FLOAT)",
+    L += [f"{mm} = temp_array(({name('pP')}, {name('nR')}, {name('hH')}, {name('hH')}), FLOAT)",
+          f"{vv} = temp_array(({name('pP')}, {name('nR')}, {name('hH')}), FLOAT)",
+          f"{name('S')} = temp_array((max({name('pP')} // 2, 1), {name('nR')}, {name('hH')} + 1, {name('hH')}), FLOAT)",
+          f"{name('SV')} = temp_array((max({name('pP')} // 2, 1), {name('nR')}, {name('hH')}), FLOAT)",
           f"if {name('pP')} > {name('T')}:   # the padding: identity maps",
           "    " + launch(s.kernel(("bppsa_identity",), "bppsa_identity_maps", _identity_source), [f"{mm}[{name('T')}:]"]),
           "    " + fill(f"{vv}[{name('T')}:].reshape(({name('pP')} - {name('T')}) * {name('nR')} * {name('hH')})", "0.0")]
     for k in range(F):
         L += zeros(name(f"lz{k}"), a[k]) + zeros(name(f"eb{k}"), a[k])
-    L += [f"{name(f'jo{k}')} = cuda.device_array_like({a[k]})" for k in range(K)]
+    L += [f"{name(f'jo{k}')} = temp_array_like({a[k]})" for k in range(K)]
     L += [line for j in sorted(zero) for line in zeros(name(f"z{j}"), f"{a[j]}[0:1]" if body.shape(leaves[j]) == () else f"{a[j]}[0]")]
     outs = [name(f"jo{k}") for k in range(K)] + [name(f"y{m}") for m in range(M)]
     rest = list(a[F:K])

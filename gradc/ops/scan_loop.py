@@ -183,15 +183,15 @@ def lower_scan_cuda(s):
     a = s.args
     v = f"s{n}_"   # this scan's locals in the entry function
     copy = lambda src, dst, rank: s.call(s.kernels.elementwise(OPERAND[0], [tuple(range(rank))], rank, "copy"), [src, dst])
-    lines.append(f"{v}work = cuda.device_array(max({' + '.join(sizes) or '1'}, 1), FLOAT)")
-    lines.append(f"{v}scal = cuda.device_array({max(scalars, 1)}, FLOAT)")
+    lines.append(f"{v}work = temp_array(max({' + '.join(sizes) or '1'}, 1), FLOAT)")
+    lines.append(f"{v}scal = temp_array({max(scalars, 1)}, FLOAT)")
     for k in range(K):
         rank = len(body.shape(leaves[k]))
-        lines += [f"{v}cur{k} = cuda.device_array_like({a[k]})", f"{v}nxt{k} = cuda.device_array_like({a[k]})",
+        lines += [f"{v}cur{k} = temp_array_like({a[k]})", f"{v}nxt{k} = temp_array_like({a[k]})",
                   copy(a[k], f"{v}cur{k}", rank)]
     for m in range(M):
         if bppsa or index_of(attrs, YS, m) not in res:
-            lines.append(f"{v}y{m} = cuda.device_array({shape_src(body.shape(outputs[K + m]), dims)}, FLOAT)")
+            lines.append(f"{v}y{m} = temp_array({shape_src(body.shape(outputs[K + m]), dims)}, FLOAT)")
     lines.append(f"{v}T = {a[K]}.shape[0]")
     at = lambda arr, leaf: f"{arr}[t:t + 1]" if body.shape(leaf) == () else f"{arr}[t]"
     loop = [f"t = {v}T - 1 - i" if attrs.get("reverse") else "t = i"]

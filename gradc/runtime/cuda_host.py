@@ -22,6 +22,24 @@ from .cuda import array_dtype, is_device_array, load_cuda, simulated
 from .pipeline import local_rank
 
 
+_capture = threading.local()   # .held: the temporaries allocated while a graph is being captured
+
+
+def temp_array(shape, dtype):
+    """A device array a host function makes for itself (a scan's carries and work space, BPPSA's
+    matrices). One made while a CUDA graph is captured is held with the graph: the graph keeps writing
+    to its address at every replay, so it must never be freed and handed to another array."""
+    array = load_cuda().device_array(shape, dtype)
+    held = getattr(_capture, "held", None)
+    if held is not None:
+        held.append(array)
+    return array
+
+
+def temp_array_like(x):
+    return temp_array(x.shape, x.dtype)
+
+
 def on_its_gpu(method):
     """Run a runner's method with the runner's GPU current, when it was given one (a stage of a
     multi-GPU pipeline); the module's own runner uses the thread's current GPU."""
@@ -258,6 +276,7 @@ class CudaRunner:
                 buffer.copy_to_device(a if not is_device_array(a) else self.device(a), stream=self.stream)
         results = fn(*buffers, arena, offs, scal, self.stream)   # compiles every kernel first
         self.sync()
+        _capture.held = held = []   # the temporaries fn makes: the graph writes to them at every replay
         try:
             # no frees while capturing: a free synchronises, which would break the capture
             with self.cuda.defer_cleanup():
@@ -271,7 +290,9 @@ class CudaRunner:
         except Exception as e:   # a driver or build without graph capture: launch directly from now on
             self.use_graphs, self.graph_error = False, f"{type(e).__name__}: {e}"
             return results
-        self._graphs[key] = _Captured(buffers, graph, captured_results, (arena, scal))
+        finally:
+            _capture.held = None
+        self._graphs[key] = _Captured(buffers, graph, captured_results, (arena, scal, held))
         return results
 
 
