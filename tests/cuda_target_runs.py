@@ -409,7 +409,43 @@ def run_graphs(build):
     out["trainer_losses"], out["trainer_replays"] = max(losses), fakes.replays - before
     out["trainer_params"] = err(t1.params, {k: v.copy_to_host() for k, v in t2.params.items()})
     out["graph_error"] = dev._CUDA.graph_error
+    out |= run_refused_capture(cpu, dev, params, rng)
     return out | run_graph_temporaries(os.path.join(build, "scan"), fakes if simulated() else None)
+
+
+class RefusingDevice:
+    """The runner's device, whose captures fail while `refuse` is set (as CuPy refuses cuBLAS)."""
+
+    def __init__(self, device):
+        self.device, self.refuse = device, False
+
+    def create_graph_builder(self):
+        if self.refuse:
+            raise NotImplementedError("calling cuBLAS API during stream capture is currently unsupported")
+        return self.device.create_graph_builder()
+
+    def __getattr__(self, name):
+        return getattr(self.device, name)
+
+
+def run_refused_capture(cpu, dev, params, rng):
+    """One capture refused: the calls with those shapes launch directly from then on; the others keep
+    replaying their graphs, and a new shape is still captured."""
+    from gradc.runtime.cuda_host import _DIRECT
+    runner = dev._CUDA
+    refusing = runner._device = RefusingDevice(runner._device)
+    refusing.refuse = True
+    worst = 0.0
+    for batch in (3, 3, 6, 5, 3, 6, 5):
+        inputs = zoo._inputs(cpu, rng, batch=batch)
+        l1, g1 = cpu.loss_and_grad(params, **inputs)
+        l2, g2 = dev.loss_and_grad(params, **inputs)
+        worst = max(worst, abs(l1 - l2), err(g1, g2))
+        refusing.refuse = False
+    direct = sum(v is _DIRECT for v in runner._graphs.values())
+    runner._device = refusing.device
+    return {"refused": worst, "refused_direct": direct, "refused_error": runner.graph_error,
+            "refused_captured": sum(v is not _DIRECT for v in runner._graphs.values()), "still_on": runner.use_graphs}
 
 
 def run_graph_temporaries(build, fakes):

@@ -125,6 +125,14 @@ def test_graph_path_captures_once_per_shape_and_replays(results):
     assert r["trainer_params"] <= TOLERANCE
 
 
+def test_a_refused_capture_runs_those_calls_directly_and_keeps_the_other_graphs(results):
+    """CuPy refuses cuBLAS while a graph is captured: one refusal must not turn graphs off for every call."""
+    r = results["trainer"]["graphs"]
+    assert r["refused"] <= TOLERANCE and r["still_on"]
+    assert r["refused_direct"] == 1 and "cuBLAS" in r["refused_error"]
+    assert r["refused_captured"] == 4   # batches 6 and 4 before, 5 now, and the Trainer's step
+
+
 def test_a_captured_graph_holds_the_temporaries_it_writes(results):
     """A scan's carries and work space, made while its graph is captured, live as long as the graph:
     replays stay right, and arrays made after numba's frees do not get their memory."""

@@ -9,7 +9,9 @@
   `cuda.core` GraphBuilder; later calls copy their arguments into the buffers the graph was
   captured with and replay it (about 1 us a kernel instead of about 20). Arrays the runner made
   itself (constants, a Trainer's params and state) are captured in place and never copied. Where
-  capture is not available (the simulator) or fails, every call launches directly.
+  capture is not available (the simulator), every call launches directly; where one capture fails
+  (a product large enough for cuBLAS, which CuPy will not call while capturing), the calls with that
+  function and those shapes do, and `graph_error` says why.
 Results are the device arrays the host function returned; `host()` copies one out.
 """
 import functools
@@ -62,7 +64,7 @@ class CudaRunner:
         self.use_graphs = graphs and not simulated()
         self.pinned = gpu                # the GPU this runner works on (None: the current one)
         self.outputs_on_device = False   # device_outputs(True): results stay on the device
-        self.graph_error = None        # why graphs are off, when capture failed
+        self.graph_error = None        # why graphs are off, or why the last capture failed (those calls launch directly)
         self.siblings = []             # runners of this module on other GPUs (a multi-GPU pipeline's stages)
         self._ready = False
         self._lock = threading.RLock()
@@ -225,6 +227,8 @@ class CudaRunner:
             captured = self._graphs.get(key)
             if captured is None:
                 return self._first_call(key, fn, args, arena, offs, scal)
+            if captured is _DIRECT:   # its capture failed: these launches run directly, other calls keep theirs
+                return fn(*[self.device(a) for a in args], arena, offs, scal, self.stream)
             for buffer, a in zip(captured.buffers, args):
                 if buffer is not a and self._place(a) is None:
                     buffer.copy_to_device(a if not is_device_array(a) else self.device(a), stream=self.stream)
@@ -287,13 +291,17 @@ class CudaRunner:
                 finally:
                     built = builder.end_building()   # ends the capture even when a launch failed
                 graph = built.complete()
-        except Exception as e:   # a driver or build without graph capture: launch directly from now on
-            self.use_graphs, self.graph_error = False, f"{type(e).__name__}: {e}"
+        except Exception as e:   # e.g. cuBLAS through CuPy, which refuses a capture: this call launches directly
+            self.graph_error = f"{fn.__name__}: {type(e).__name__}: {e}"
+            self._graphs[key] = _DIRECT
             return results
         finally:
             _capture.held = None
         self._graphs[key] = _Captured(buffers, graph, captured_results, (arena, scal, held))
         return results
+
+
+_DIRECT = object()   # in CudaRunner._graphs: the capture of these launches failed; they run directly
 
 
 class _Captured:
