@@ -177,7 +177,7 @@ def step_table(quick, details, wrong, check_only=False, only=None):
         row = {"model": "-".join(map(str, widths)), "batch": batch, **{k: round(v, 4) for k, v in med.items()},
                "eager / gradc": round(med["torch eager"] / med["gradc"], 2),
                "graph / gradc": round(med["torch graph"] / med["gradc"], 2),
-               "graphs used": dev._CUDA.use_graphs, "graph error": dev._CUDA.graph_error,
+               "graph calls": dict(dev._CUDA.calls), "graph error": dev._CUDA.graph_error,
                "float32 grad err (L2) vs torch f64": grad_err, "float64 grad err": f64_err}
         rows.append(row)
         details.append({"row": row, "times": times})
@@ -243,7 +243,8 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     for r in steps:
         print(f"| {r['model']} | {r['batch']} | {r['gradc']:.3f} | {r['torch eager']:.3f} | {r['torch graph']:.3f} | "
-              f"{r['eager / gradc']} | {r['graph / gradc']} | {r['graphs used']} |")
+              f"{r['eager / gradc']} | {r['graph / gradc']} | {r['graph calls']['replayed']} replayed, "
+              f"{r['graph calls']['direct']} direct |")
     print("| m,n,k | gradc tiled TFLOP/s | gradc 16x16 TFLOP/s | cuBLAS TFLOP/s | tiled/cuBLAS |")
     print("|---|---|---|---|---|")
     for r in gemms:

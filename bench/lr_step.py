@@ -1,7 +1,8 @@
 """Where one training step's time goes, backprop against likelihood-ratio (Trainer(gradient="lr")), on
 lr_table's MLP and scan RNN at batch 64: the median time of a Trainer step, of loss_and_grad and lr_grad
-alone, and of the host's part of lr_grad (tiling the inputs, making the masks); then cProfile's top
-host functions over LR steps. On a CUDA build it also says whether the steps replay CUDA graphs.
+alone, and of the host's part of lr_grad (the leaves it adds: seed, sigma, the labels' copies; its masks
+are kept); then cProfile's top host functions over LR steps. On a CUDA build it also says how the calls
+ran: captured, replayed from a CUDA graph, or launched directly.
 
     python bench/lr_step.py [--target cuda] [--samples K] [--steps N]
 """
@@ -53,7 +54,7 @@ def main():
                 f"Trainer.step, lr K={K} layer-wise": lambda: layerwise.step(x=x, y=y),
                 "loss_and_grad": lambda: mod.loss_and_grad(params, x=x, y=y),
                 f"lr_grad K={K}": lambda: mod.lr_grad(params, x=x, y=y, **options),
-                "  of which host leaves (masks, seed)": lambda: mod._LR.leaves(a, *options.values())}
+                "  of which host leaves (seed, labels)": lambda: mod._LR.leaves(a, *options.values())}
         for what, fn in rows.items():
             for _ in range(5):
                 fn()
@@ -61,8 +62,7 @@ def main():
             print(f"{label:<6} {what:<40} {median_ms(fn, n):>8.3f}   (one call after warm-up: {first:.3f})", flush=True)
         runner = getattr(mod, "_CUDA", None)
         if runner is not None:
-            print(f"{label:<6} CUDA graphs: {runner.use_graphs} ({len(runner._graphs)} captured; "
-                  f"{runner.graph_error or 'no capture error'})")
+            print(f"{label:<6} CUDA graph calls: {runner.calls} ({runner.graph_error or 'no capture error'})")
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(n):

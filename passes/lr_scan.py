@@ -12,7 +12,7 @@ more sequence, the noise of every step (T, KB_lr, ...), drawn outside the loop b
 the site's mask; its step adds eps_t * mask to z_t and returns the product's row operand h_t as one
 more y. After the loop the site's part of the estimate is the product's own VJP over the stacked
 steps: the same product with h's stack (T, KB_lr, ...) as its row operand (a batch_matmul, whose VJP
-sums over the steps), with cotangent c * eps * mask / sigma. Nothing flows back through the loop,
+sums over the steps), with cotangent c * eps * mask / sigma^2. Nothing flows back through the loop,
 so the estimate stays a forward graph; it keeps each site's h_t and noise for every step, as the
 estimate outside a scan keeps each site's h and noise.
 """

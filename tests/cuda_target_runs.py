@@ -358,23 +358,19 @@ class FakeGraphs:
 
 
 class CountedGraphs:
-    """On a real GPU the driver captures: this counts the runner's captures (first calls with new
-    shapes) and its replays (calls that found a captured graph)."""
+    """On a real GPU the driver captures: the runner's own counts of its captures (first calls with
+    new shapes) and its replays (calls that found a captured graph)."""
 
     def __init__(self, runner):
-        self.captures = self.replays = 0
-        first_call, run = runner._first_call, runner.run
+        self.runner = runner
 
-        def counted_first_call(*args):
-            self.captures += 1
-            return first_call(*args)
+    @property
+    def captures(self):
+        return self.runner.calls["captured"]
 
-        def counted_run(*args, **kwargs):
-            before = self.captures
-            out = run(*args, **kwargs)
-            self.replays += self.captures == before and runner.use_graphs
-            return out
-        runner._first_call, runner.run = counted_first_call, counted_run
+    @property
+    def replays(self):
+        return self.runner.calls["replayed"]
 
 
 def run_graphs(build):
@@ -452,7 +448,8 @@ def run_graph_temporaries(build, fakes):
     """A scan's carries and work space are temporaries its host function makes while the graph is
     captured; the graph writes to them at every replay, so the runner must hold them: freed, their
     memory would go to the next arrays made (here: many, filled with 7, after numba's pending frees
-    are flushed), and the replays would write into those."""
+    are flushed), and the replays would write into those. Under the simulator FakeGraphs keeps the
+    recorded launches' arrays alive itself, so there only the count of held temporaries can fail."""
     from numba import cuda
     rng = np.random.default_rng(4)
     model, cpu, dev = both(lambda: scans._rnn("graph_scan_rnn"), build)

@@ -9,7 +9,7 @@
   `cuda.core` GraphBuilder; later calls copy their arguments into the buffers the graph was
   captured with and replay it (about 1 us a kernel instead of about 20). Arrays the runner made
   itself (constants, a Trainer's params and state) are captured in place and never copied. Where
-  capture is not available (the simulator), every call launches directly; where one capture fails
+  capture is not available (the simulator, no `cuda.core`), every call launches directly; where one capture fails
   (a product large enough for cuBLAS, which CuPy will not call while capturing), the calls with that
   function and those shapes do, and `graph_error` says why.
 Results are the device arrays the host function returned; `host()` copies one out.
@@ -96,7 +96,8 @@ class CudaRunner:
         self.arena = Arena(self.dtype, self.tables, self.dim_sources, device=f"cuda:{self.gpu}",
                            allocate=lambda n, dtype: cuda.device_array(n, dtype))
         self.stream = 0
-        self._graphs = {}              # (fn, shapes, places) -> _Captured
+        self._graphs = {}              # (fn, shapes, places) -> _Captured, or _DIRECT where capture failed
+        self.calls = {"captured": 0, "replayed": 0, "direct": 0}   # how the calls with graphs on ran
         self._owned = set()            # device pointers of the arrays this runner allocated
         self._scal = {}
         if self.use_graphs:
@@ -124,10 +125,12 @@ class CudaRunner:
     # ---- device memory -------------------------------------------------------------------
     @on_its_gpu
     def empty(self, shape, dtype=None):
-        """A device array the runner owns (captured in place by graphs)."""
+        """A device array the runner owns (captured in place by graphs). Not while another thread
+        captures: an allocation then could break its capture."""
         self._start()
-        a = self.cuda.device_array(shape, dtype or self.dtype)
-        self._owned.add(_pointer(a))
+        with self._lock:
+            a = self.cuda.device_array(shape, dtype or self.dtype)
+            self._owned.add(_pointer(a))
         return a
 
     def own(self, a):
@@ -160,8 +163,8 @@ class CudaRunner:
 
     @on_its_gpu
     def host(self, x):
-        """A numpy copy of device array x (waits for the work that writes it)."""
-        out = x.copy_to_host(stream=self.stream)
+        """A numpy copy of device array x, numba's or any other (waits for the work that writes it)."""
+        out = self.device(x).copy_to_host(stream=self.stream)
         self.sync()
         return out
 
@@ -228,11 +231,13 @@ class CudaRunner:
             if captured is None:
                 return self._first_call(key, fn, args, arena, offs, scal)
             if captured is _DIRECT:   # its capture failed: these launches run directly, other calls keep theirs
+                self.calls["direct"] += 1
                 return fn(*[self.device(a) for a in args], arena, offs, scal, self.stream)
             for buffer, a in zip(captured.buffers, args):
                 if buffer is not a and self._place(a) is None:
                     buffer.copy_to_device(a if not is_device_array(a) else self.device(a), stream=self.stream)
             captured.graph.launch(self.stream)
+            self.calls["replayed"] += 1
             return captured.results
 
     @on_its_gpu
@@ -294,10 +299,12 @@ class CudaRunner:
         except Exception as e:   # e.g. cuBLAS through CuPy, which refuses a capture: this call launches directly
             self.graph_error = f"{fn.__name__}: {type(e).__name__}: {e}"
             self._graphs[key] = _DIRECT
+            self.calls["direct"] += 1
             return results
         finally:
             _capture.held = None
         self._graphs[key] = _Captured(buffers, graph, captured_results, (arena, scal, held))
+        self.calls["captured"] += 1
         return results
 
 

@@ -6,6 +6,7 @@ Trainer is made.
 """
 import math
 import numbers
+import threading
 
 import numpy as np
 
@@ -24,6 +25,7 @@ class LikelihoodRatio:
         self.float = np.dtype(float_type)
         self.info = info
         self._kept = {}   # (options, rows, adopt) -> the leaves calls share (LikelihoodRatio.leaves)
+        self._kept_lock = threading.Lock()
 
     def refuse(self, what="lr_grad"):
         if self.info.get("why"):
@@ -66,16 +68,17 @@ class LikelihoodRatio:
         rows = next((a[name].shape[axis] for name, (_, axis) in self.info["tiled"].items() if name in a), None)
         if rows is None:
             raise ValueError(f"{self.model_name}.lr_grad: no batch input given")
-        key = (samples, antithetic, layerwise, baseline, rows, adopt)
-        kept = self._kept.get(key)
-        if kept is None:
-            kept = self._kept[key] = self._lasting(samples, antithetic, layerwise, baseline, rows, adopt)
+        options = (samples, antithetic, layerwise, baseline, rows, adopt)
+        with self._kept_lock:   # one set per options, also when threads call at once
+            kept = self._kept.get(options)
+            if kept is None:
+                kept = self._kept[options] = self._lasting(samples, antithetic, layerwise, baseline, rows, adopt)
         total = self.copies(samples, layerwise)
         out = {**a, **kept, "lr:seed": np.array([seed], dtype=np.int64), "lr:sigma": np.array([sigma], dtype=self.float)}
-        for name, (key, axis) in self.info["tiled"].items():   # int inputs: copies sample-major along the rows' axis
-            if key is not None:
+        for name, (leaf, axis) in self.info["tiled"].items():   # int inputs: copies sample-major along the rows' axis
+            if leaf is not None:
                 x = a[name] if isinstance(a[name], np.ndarray) else host(a[name])
-                out[f"lr:{key}"] = np.tile(x, tuple(total if d == axis else 1 for d in range(x.ndim)))
+                out[f"lr:{leaf}"] = np.tile(x, tuple(total if d == axis else 1 for d in range(x.ndim)))
         return out
 
     def _lasting(self, samples, antithetic, layerwise, baseline, rows, adopt):
