@@ -10,14 +10,12 @@ c being each row's loss minus a baseline. That is the matmul's (conv2d's) own VJ
 cotangent c * eps / sigma: this pass builds exactly that with the ops' VJP rules, local to each
 site (no value flows back from one layer to another), so the estimate is a forward graph.
 
-The K perturbed copies run as one batched forward: every value that the noise reaches is copied with
-its rows stacked K times (dim KB_lr = K * B, sample-major). A value with rows that no noise reaches
-(a float input, the first layer's product, a GCN's A @ X) is "clean", the same in every copy: it is
-computed once, on B rows, and its copies are a broadcast of it where a noised value needs them; a
-site whose chain is clean gets its noise on that broadcast, and its params' parts sum the copies'
-cotangents first (K times less work). An int input's copies (labels) are tiled by the module. Values without rows (params, constants, a GCN's adjacency) are shared. The sites' noise
-comes from the counter-based `random` op (one stream each), its second half repeating the first
-for antithetic pairs; a per-site mask of shape (KB_lr, 1, ...) holds +-sigma or 0 per row (a leaf
+The K perturbed copies run as one batched forward: every value that depends on a batch input is
+copied with its rows stacked K times (dim KB_lr = K * B, sample-major); a float input's copies are
+a broadcast of it in the graph, an int input's (labels) are tiled by the module. Values without
+rows (params, constants, a GCN's adjacency) are shared. The sites' noise comes from the
+counter-based `random` op (one stream each), its second half repeating the first for antithetic
+pairs; a per-site mask of shape (KB_lr, 1, ...) holds +-sigma or 0 per row (a leaf
 of signs times the leaf sigma), so antithetic pairs, layer-wise injection (one site per block of
 samples) and sigma are chosen at call time.
 
@@ -72,8 +70,6 @@ class _Builder:
         self.float = g.dtype(g.loss)
         self.src = g.node(g.loss)["src"]
         self.leaves, self.tiled, self.copy, self.where = {}, {}, {}, {}
-        self.clean = set()         # values with rows that no noise reaches: the same in every copy, made once
-        self.inner = set()
         self.mixing = []
         self.sites = []            # Site, in the order of their masks and noise streams
         self.scans = ScanNoise(self)
@@ -109,7 +105,6 @@ class _Builder:
         sites = chains(g, g.topo_order(self.fwd), self.param_of)
         self.check_params(sites)
         tops = {chain[-1]: chain for chain in sites}
-        self.inner = {x for chain in sites for x in chain[:-1]}   # a chain's products and adds below its top
         self.seed = self.leaf("seed", (), "int64")
         self.half = self.leaf("half", (), "int64")
         rows = self.leaf("rows", (K, self.batch), self.float)   # each (sample, row)'s weight (ones); carries K_lr, B
@@ -123,27 +118,20 @@ class _Builder:
                 if self.where[n] != 0:
                     raise Unsupported(f"{g.node(n)['src']}: {g.describe(n)} has its batch rows on axis "
                                       f"{self.where[n]}, not the first: the estimate perturbs products of rows")
-                clean = n in self.clean
-                z = self.stacked(n)
+                z = self.copy[n]
                 noise, mask = self.noise(g.shape(z), g.node(n)["src"], g.op(tops[n][0]))
                 pert = self.apply("mul", [noise, mask], g.node(n)["src"])
                 self.copy[n] = self.apply("add", [z, pert], g.node(n)["src"])
-                self.clean.discard(n)
-                site = self.sites[-1]
-                # a clean site's chain is the forward's own (its value is the same in every copy)
-                site.copies = list(tops[n]) if clean else [self.copy[x] for x in tops[n][:-1]] + [z]
-                site.pert, site.clean = pert, clean
+                self.sites[-1].copies = [self.copy[x] for x in tops[n][:-1]] + [z]
+                self.sites[-1].pert = pert
         if not isinstance(self.where[g.loss], tuple):
             raise Unsupported(f"{self.src}: the loss does not reduce over the batch rows ({self.batch!r}), so there "
                               f"is no loss per row or per sample to pair with the noise")
-        coef = self.coefficients(self.stacked(g.loss), baseline, rows)
+        coef = self.coefficients(self.copy[g.loss], baseline, rows)
         contributions = {p: [] for p in self.trainable}
         for site in self.sites:
             c = self.view(coef, (KB,) + (1,) * (site.rank - 1)) if site.rank > 1 else coef
             cot = self.apply("mul", [self.apply("mul", [c, site.pert]), scale])
-            if site.clean:   # one chain for every copy: sum the copies' cotangents first (K times less work)
-                shape = g.shape(site.copies[-1])
-                cot = self.apply("sum", [self.view(cot, (K,) + tuple(shape))], axes=(0,), keepdims=False)
             for p, gp in self.local_vjp(site.copies, cot).items():
                 contributions[p].append(gp)
         grads = {}
@@ -233,9 +221,9 @@ class _Builder:
             if axis is None or adjacency:
                 return None
             name = node["name"]
-            if node["dtype"].startswith("float"):   # clean: its copies, where needed, a broadcast in the graph
+            if node["dtype"].startswith("float"):   # stacked in the graph: a call copies in only the batch
                 self.tiled[name] = (None, axis)
-                self.clean.add(n)
+                self.copy[n] = self.stacked_input(n, tuple(shape), axis)
             else:   # int labels (which no elementwise op copies): tiled by the module, a leaf
                 self.tiled[name] = (f"tile:{name}", axis)
                 stacked = list(shape)
@@ -258,13 +246,11 @@ class _Builder:
                 fail("reads trainable params in its step but has no batch rows (the estimate perturbs products "
                      "of rows)")
             return None
-        clean = all(u in self.clean for u, w in zip(g.operands(n), ins) if w is not None)
+        operands = [self.copy.get(u, u) for u in g.operands(n)]
+        attrs = dict(node["attrs"])
         if op == "scan":
-            operands = [self.stacked(u) for u in g.operands(n)]
             self.copy[n], where = self.scans.copy(n, ins, operands, fail)
             return where
-        operands = [self.stacked(u) for u in g.operands(n)] if not clean else list(g.operands(n))
-        attrs = dict(node["attrs"])
         if op == "scan_out":   # the copy's results are laid out for its own ys
             old, new = g.operands(n)[0], operands[0]
             attrs["index"] = index_of(g.attrs(new), *kind_of(g.attrs(old), attrs["index"]))
@@ -272,9 +258,6 @@ class _Builder:
         if op == "matmul" and ins[0] is None and ins[1] == 0 and not attrs.get("transpose_a") \
                 and not attrs.get("transpose_b") and g.shape(g.operands(n)[0]) == (self.batch, self.batch):
             # A @ H with A (N, N) mixing the rows of H: once per sample, as a batch_matmul over (K, N, F)
-            if clean:   # before any noise: the rows it mixes are the same in every copy
-                self.clean.add(n)
-                return 0
             a, h = operands
             h3 = self.view(h, (K, self.batch) + tuple(g.shape(h)[1:]))
             prod = self.apply("batch_matmul", [a, h3], src, transpose_a=False, transpose_b=False, reduce_batch=False)
@@ -291,39 +274,19 @@ class _Builder:
             self.copy[n] = self.per_row(n, ins[0], where[1])
             return where
         if isinstance(where, tuple):   # a scale or sum of reduced terms: the same on each row's share
-            self.copy[n] = self.apply(op, [self.stacked(u) for u in g.operands(n)], src, **attrs)
+            self.copy[n] = self.apply(op, operands, src, **attrs)
             return where
-        if clean:
-            self.clean.add(n)
-            return where
-        self.copy[n] = self.restacked(n, operands, where, attrs)
+        for key in ("shape",):
+            if key in attrs:
+                target = list(attrs[key])
+                target[where] = KB
+                attrs[key] = tuple(target)
+        self.copy[n] = self.apply(op, operands, src, **attrs)
         return where
 
-    def restacked(self, n, operands, where, attrs=None):
-        """n's op (with `attrs`, default its own) applied to stacked operands: its copy, rows on axis
-        `where` stacked K times."""
-        attrs = dict(self.g.attrs(n) if attrs is None else attrs)
-        if "shape" in attrs:
-            target = list(attrs["shape"])
-            target[where] = KB
-            attrs["shape"] = tuple(target)
-        return self.apply(self.g.op(n), operands, self.g.node(n)["src"], **attrs)
-
-    def stacked(self, n):
-        """n's K copies stacked on its rows (n itself when it has no rows). A clean value's copies are made
-        here, once: a broadcast of it, except in a site's chain below its top, where they must be the
-        chain's own ops (the site's VJP goes through them to the params)."""
-        if n in self.copy or n not in self.clean:
-            return self.copy.get(n, n)
-        if n in self.inner:
-            self.copy[n] = self.restacked(n, [self.stacked(u) for u in self.g.operands(n)], self.where[n])
-        else:
-            self.copy[n] = self.stacked_input(n, tuple(self.g.shape(n)), self.where[n])
-        return self.copy[n]
-
     def stacked_input(self, n, shape, axis):
-        """A clean value's (a float input's) K copies stacked on its rows' axis, sample-major, made from n
-        itself (a broadcast over a new samples axis, seen as KB_lr rows)."""
+        """Float input n's K copies stacked on its rows' axis, sample-major, made from n itself (a broadcast
+        over a new samples axis, seen as KB_lr rows)."""
         before, after = shape[:axis], shape[axis:]
         spread = self.apply("broadcast_to", [self.view(n, before + (1,) + after)], shape=before + (K,) + after)
         return self.view(spread, before + (KB,) + after[1:])
@@ -335,7 +298,7 @@ class _Builder:
         if g.op(n) not in ("sum", "mean") or g.attrs(n).get("keepdims"):
             raise Unsupported(f"{g.node(n)['src']}: the loss reduces the rows with {g.describe(n)}; lr_grad takes a "
                               f"sum or a mean (without keepdims)")
-        xc = self.stacked(x)
+        xc = self.copy[x]
         axes = tuple(a for a in g.attrs(n)["axes"] if a != axis)
         r = self.apply("sum", [xc], g.node(n)["src"], axes=axes, keepdims=False) if axes else xc
         if tuple(g.shape(r)) != (KB,):

@@ -22,7 +22,6 @@ class Site:
 
     def __init__(self, copies, pert, rank, doc):
         self.copies, self.pert, self.rank, self.doc = copies, pert, rank, doc
-        self.clean = False   # outside a scan: no noise reaches the chain, so `copies` are the forward's own nodes
 
 
 def chains(graph, nodes, param_of):

@@ -208,7 +208,8 @@ def _cuda_lower(s):
     if not (red and ta and not tb):
         return _lower(_cuda_source)(s)
     site = s.kernels.gemm_site(True, False, X[0], X[0], X[0], ())
-    last = [f"{v}.shape[{len(s.operand_shape(i)) - 1}]" for i, v in enumerate(s.args)]   # (no shape[-1] in the simulator)
+    # the last dim by its index: the simulator's arrays take no shape[-1]
+    last = [f"{v}.shape[{len(s.operand_shape(i)) - 1}]" for i, v in enumerate(s.args)]
     rows = [f"{v}.reshape(({v}.size // {k}, {k}))" for v, k in zip(s.args, last)]
     return [s.alloc(), f"{site}(stream, {', '.join(rows + [s.out])}){s.note}"]
 

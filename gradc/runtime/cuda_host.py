@@ -64,7 +64,7 @@ class CudaRunner:
         self.use_graphs = graphs and not simulated()
         self.pinned = gpu                # the GPU this runner works on (None: the current one)
         self.outputs_on_device = False   # device_outputs(True): results stay on the device
-        self.graph_error = None        # why graphs are off, or why the last capture failed (those calls launch directly)
+        self.graph_error = None        # why graphs are off, or why the last capture failed (those calls: direct)
         self.siblings = []             # runners of this module on other GPUs (a multi-GPU pipeline's stages)
         self._ready = False
         self._lock = threading.RLock()

@@ -1,8 +1,8 @@
 """What a generated module's lr_grad hands its compiled function besides params and inputs
 (passes/likelihood_ratio.py builds the graph; DESIGN.md §1.9): a mask of signs per noise site (+-1
 where the site is perturbed in that sample, 0 where not), the seed, sigma, the antithetic flag, the
-baseline flag, the estimate's scale before its 1 / sigma**2, and int inputs tiled K times on the rows. Also the Trainer's gradient="lr" options, checked when the
-Trainer is made.
+baseline flag, the estimate's scale before its 1 / sigma**2, and int inputs tiled K times on the
+rows. Also the Trainer's gradient="lr" options, checked when the Trainer is made.
 """
 import math
 import numbers
@@ -74,7 +74,8 @@ class LikelihoodRatio:
             if kept is None:
                 kept = self._kept[options] = self._lasting(samples, antithetic, layerwise, baseline, rows, adopt)
         total = self.copies(samples, layerwise)
-        out = {**a, **kept, "lr:seed": np.array([seed], dtype=np.int64), "lr:sigma": np.array([sigma], dtype=self.float)}
+        out = {**a, **kept, "lr:seed": np.array([seed], dtype=np.int64),
+               "lr:sigma": np.array([sigma], dtype=self.float)}
         for name, (leaf, axis) in self.info["tiled"].items():   # int inputs: copies sample-major along the rows' axis
             if leaf is not None:
                 x = a[name] if isinstance(a[name], np.ndarray) else host(a[name])
@@ -98,7 +99,8 @@ class LikelihoodRatio:
             m = np.where(active, sign, 0.0).astype(F)
             out[f"lr:{key}"] = np.repeat(m, rows).reshape((total * rows,) + (1,) * (rank - 1))
         loo = baseline and not antithetic and total > 1   # leave-one-out mean: unbiased
-        out["lr:scale"] = np.array([1.0 / samples * (total / (total - 1) if loo else 1.0)], dtype=F)   # / sigma**2 in the graph
+        # the scale before its 1 / sigma**2, which the graph applies
+        out["lr:scale"] = np.array([1.0 / samples * (total / (total - 1) if loo else 1.0)], dtype=F)
         out["lr:half"] = np.array([1 if antithetic else 0], dtype=np.int64)
         out["lr:baseline"] = np.array([1.0 if loo else 0.0], dtype=F)
         out["lr:rows"] = np.ones((total, rows), dtype=F)
