@@ -9,9 +9,10 @@
   `cuda.core` GraphBuilder; later calls copy their arguments into the buffers the graph was
   captured with and replay it (about 1 us a kernel instead of about 20). Arrays the runner made
   itself (constants, a Trainer's params and state) are captured in place and never copied. Where
-  capture is not available (the simulator, no `cuda.core`), every call launches directly; where one capture fails
-  (a product large enough for cuBLAS, which CuPy will not call while capturing), the calls with that
-  function and those shapes do, and `graph_error` says why.
+  capture is not available (the simulator, no `cuda.core`), every call launches directly; where one
+  capture fails (a product large enough for cuBLAS, which CuPy will not call while capturing), the
+  calls with that function and those shapes do, and `graph_error` says why. Temporaries a function
+  makes while it is captured (`temp_array`) are held with its graph.
 Results are the device arrays the host function returned; `host()` copies one out.
 """
 import functools
@@ -25,6 +26,7 @@ from .pipeline import local_rank
 
 
 _capture = threading.local()   # .held: the temporaries allocated while a graph is being captured
+_DIRECT = object()   # in CudaRunner._graphs: the capture of these launches failed; they run directly
 
 
 def temp_array(shape, dtype):
@@ -306,9 +308,6 @@ class CudaRunner:
         self._graphs[key] = _Captured(buffers, graph, captured_results, (arena, scal, held))
         self.calls["captured"] += 1
         return results
-
-
-_DIRECT = object()   # in CudaRunner._graphs: the capture of these launches failed; they run directly
 
 
 class _Captured:
