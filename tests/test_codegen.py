@@ -406,6 +406,32 @@ def test_trainer_matches_reference_optimizers(build_dir, rng):
         assert all(np.array_equal(params[k], mod.init_params(5)[k]) for k in params), "caller's params changed"
 
 
+@pytest.mark.parametrize("classes", [10, 3])
+def test_float32_cross_entropy_gradient_is_accurate_when_the_label_is_nearly_certain(classes, build_dir, rng):
+    """softmax - onehot at the label is p - 1, which cancels as p nears 1: the float32 kernel computes it
+    from the logits in full precision, not from a rounded softmax (whose float32 ulp of 1 would be
+    1-5% of the gradient here). Softmax, for the other entries, against float64 too."""
+    m = gc.Model("confident")
+    z = m.input("z", ("N", classes))
+    y = m.input("y", ("N",), dtype="int64")
+    m.output("p", gc.softmax(z, axis=-1))
+    m.minimize(gc.softmax_cross_entropy(z, y))
+    mod = gc.compile(m, out=build_dir, warm_cache=False)
+    rows = 16
+    labels = rng.integers(0, classes, rows)
+    logits = rng.standard_normal((rows, classes))
+    logits[np.arange(rows), labels] += rng.uniform(12, 15, rows)   # p of the label: 1 - 1e-5 or so
+    z32 = logits.astype(np.float32)
+    exact = z32.astype(np.float64)
+    p = np.exp(exact - exact.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    want = (p - np.eye(classes)[labels]) / rows
+    got = mod.input_grads({}, z=z32, y=labels)["z"]
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=0)
+    np.testing.assert_allclose(mod.forward({}, z=z32)["p"], p, rtol=2e-6, atol=0)
+
+
 def test_fused_kernels_in_generated_source(build_dir):
     """tanh(x @ W + b) is one loop, and so is its backward g * (1 - y*y)."""
     mod = gc.compile(mlp_weight_decay(), out=build_dir, warm_cache=False)
@@ -434,35 +460,39 @@ def test_matmul_into_is_numpys_product_for_every_transpose_and_empty_dims(dtype,
                 strided = np.full((n, m), np.nan, dtype).T   # an out BLAS cannot write in place
                 matmul_into(a, b, ta, tb, strided)
                 np.testing.assert_array_equal(strided, out)
+                # operands BLAS cannot read in place (every other column; column-major), and rows apart
+                # by more than their length (a slice of wider rows), which it can
+                for view in (lambda x: np.repeat(x, 2, axis=1)[:, ::2], np.asfortranarray,
+                             lambda x: np.pad(x, ((0, 0), (0, 3)), constant_values=np.nan)[:, :x.shape[1]]):
+                    again = np.full((m, n), np.nan, dtype)
+                    matmul_into(view(a), view(b), ta, tb, again)
+                    np.testing.assert_array_equal(again, out)
 
 
 def test_small_products_run_on_one_blas_thread_and_leave_blas_its_own_count():
     """A product below SERIAL_BELOW runs on one OpenBLAS thread (its workers would spin after it, slowing
     the kernels between products); the count in force goes back after it, so kernels' products keep
-    BLAS's own, and a limit the user set (threadpoolctl's, say) stays."""
+    BLAS's own, and a limit the user set (threadpoolctl's, say) stays. matmul_into returns the count
+    it ran the product on."""
     if not blas._MULTITHREADED:
         pytest.skip("the BLAS behind scipy is not a multithreaded OpenBLAS")
-    get, seen = blas._GET_THREADS, []
-    own = get()
-    real = blas._GEMM["f"]
-    blas._GEMM["f"] = lambda *args: seen.append(get()) or real(*args)
+    own = blas.threads_now()
 
     def products():
+        ran = []
         for m in (8, 512):   # 8 x 64 x 64 is below the threshold, 512 x 512 x 64 above
             a, b = np.ones((m, 64), np.float32), np.ones((64, m), np.float32)
             out = np.empty((m, m), np.float32)
-            matmul_into(a, b, False, False, out)
-            assert (out == 64).all()
+            before = blas.threads_now()
+            ran.append(matmul_into(a, b, False, False, out))
+            assert (out == 64).all() and blas.threads_now() == before
+        return ran
     try:
-        products()
-        assert seen == [1, own] and get() == own
-        seen.clear()
-        blas._SET_THREADS(1)   # the user's limit
-        products()
-        assert seen == [1, 1] and get() == 1
+        assert products() == [1, own]
+        blas.set_threads(1)   # the user's limit
+        assert products() == [1, 1] and blas.threads_now() == 1
     finally:
-        blas._GEMM["f"] = real
-        blas._SET_THREADS(own)
+        blas.set_threads(own)
 
 
 def test_a_constant_array_made_in_a_scan_body_has_its_values():

@@ -39,7 +39,7 @@ RUNNER = textwrap.dedent('''
         fn[launch_config(k.LAUNCH[case["kernel"]], args)](*args)
         errors[case["id"]] = float(np.max(np.abs(arrays["out"] - np.reshape(expected, case["out"]))))
     # the optimizer updates against the CPU target's (gradc/runtime/optim.py), a clip scale of 0.7
-    from gradc.runtime.optim import adam_update, clip_scale, sgd_update
+    from gradc.runtime.optim import CHECK, WRITE, adam_update, clip_scale, sgd_update
     names = json.loads(sys.argv[3])
     p, g = rng.standard_normal(37), rng.standard_normal(37)
     state = [rng.standard_normal(37), np.abs(rng.standard_normal(37))]
@@ -55,14 +55,14 @@ RUNNER = textwrap.dedent('''
         return np.array([1.0, sq, 5.0])
 
     p_cpu, v_cpu, p_dev, v_dev = p.copy(), state[0].copy(), p.copy(), state[0].copy()
-    sgd_update(p_cpu, v_cpu, g, 0.1, 0.9, scale, True)
+    sgd_update(p_cpu, v_cpu, g, 0.1, 0.9, scale, WRITE)
     st = status()
     sgd_check[1, 64](p_dev, v_dev, g, sgd_hyper, st)
     sgd[1, 64](p_dev, v_dev, g, sgd_hyper, st)
     errors["sgd"] = float(max(np.abs(p_cpu - p_dev).max(), np.abs(v_cpu - v_dev).max(), st[2]))
     p_cpu, m_cpu, w_cpu = p.copy(), state[0].copy(), state[1].copy()
     p_dev, m_dev, w_dev = p.copy(), state[0].copy(), state[1].copy()
-    adam_update(p_cpu, m_cpu, w_cpu, g, 1e-2, 0.9, 0.999, 1e-8, 1 - 0.9 ** 3, 1 - 0.999 ** 3, scale, True)
+    adam_update(p_cpu, m_cpu, w_cpu, g, 1e-2, 0.9, 0.999, 1e-8, 1 - 0.9 ** 3, 1 - 0.999 ** 3, scale, WRITE)
     st = status()
     adam_check[1, 64](p_dev, m_dev, w_dev, g, adam_hyper, st)
     adam[1, 64](p_dev, m_dev, w_dev, g, adam_hyper, st)
@@ -79,9 +79,9 @@ RUNNER = textwrap.dedent('''
     big = state[0].copy()
     big[:5] = 1e308
     for name, check, hyper, cpu in (
-            ("sgd", sgd_check, [10.0, 0.9, clip], lambda *a: sgd_update(*a, 10.0, 0.9, scale, False)),
+            ("sgd", sgd_check, [10.0, 0.9, clip], lambda *a: sgd_update(*a, 10.0, 0.9, scale, CHECK)),
             ("adam", adam_check, [1e300, *adam_hyper[1:]],
-             lambda *a: adam_update(*a, 1e300, 0.9, 0.999, 1e-8, 1 - 0.9 ** 3, 1 - 0.999 ** 3, scale, False))):
+             lambda *a: adam_update(*a, 1e300, 0.9, 0.999, 1e-8, 1 - 0.9 ** 3, 1 - 0.999 ** 3, scale, CHECK))):
         arrays = [p.copy(), big.copy()] + ([state[1].copy()] if name == "adam" else []) + [g]
         st = status()
         check[1, 64](*arrays, np.array(hyper), st)

@@ -221,6 +221,31 @@ def test_nan_loss_raises_with_step_number_and_keeps_params(small):
     assert tr.steps == 3
 
 
+def test_a_param_assigned_into_the_trainer_is_adopted_and_a_wrong_one_refused(small, rng):
+    """tr.params holds the trainer's own buffers; an array assigned there replaces their values (and a step
+    trains from them), while a wrong array or an unknown name is refused before anything changes."""
+    tr = small.Trainer(small.init_params(0), lr=0.1)
+    x, y = rng.uniform(0.5, 2.0, (4, 3)).astype(np.float32), rng.integers(0, 4, 4)
+    mine = rng.standard_normal((3, 4)).astype(np.float32)
+    tr.params["w"] = mine
+    loss, grads = small.loss_and_grad({"w": mine}, x=x, y=y)
+    assert tr.step(x=x, y=y) == pytest.approx(loss, rel=1e-6)
+    np.testing.assert_allclose(tr.params["w"], mine - np.float32(0.1) * grads["w"], rtol=1e-6)
+    assert tr.params["w"] is not mine and np.shares_memory(tr.params["w"], tr._flat)
+    before = tr.params["w"].copy()
+    for wrong, message in ((np.zeros((4, 3), np.float32), r"params\['w'\] must stay a float32 array of shape \(3, 4\)"),
+                           (np.zeros((3, 4)), r"params\['w'\] must stay a float32")):
+        tr.params["w"] = wrong
+        with pytest.raises(ValueError, match=message):
+            tr.step(x=x, y=y)
+        tr.params["w"] = before.copy()
+    tr.params["v"] = np.zeros(3, np.float32)
+    with pytest.raises(ValueError, match=r"params unknown \['v'\]"):
+        tr.step(x=x, y=y)
+    assert tr.steps == 1
+    np.testing.assert_array_equal(tr.params["w"], before)
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_an_update_that_overflows_changes_nothing(small, optimizer):
     """lr = 1e38 is a float32 number, but p - lr * g overflows: the step is refused as a whole."""

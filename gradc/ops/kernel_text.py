@@ -69,17 +69,46 @@ def block_sum(body, start="0.0", combine=None):
             "        step //= 2"]
 
 
-def row_max_and_sum_exp(pad):
-    """For row i of x0 (N, C): its max m (NaN wins) and total = sum_c exp(x0[i, c] - m)."""
+def row_max(pad):
+    """For row i of x0 (N, C): its max m (NaN wins)."""
     return [pad + line for line in [
         "m = -math.inf",
         "for c in range(x0.shape[1]):",
         "    v = x0[i, c]",
         "    if v > m or v != v:",
-        "        m = v",
+        "        m = v"]]
+
+
+def row_max_and_sum_exp(pad):
+    """For row i of x0 (N, C): its max m (NaN wins) and total = sum_c exp(x0[i, c] - m)."""
+    return row_max(pad) + [pad + line for line in [
         "total = 0.0",
         "for c in range(x0.shape[1]):",
         "    total += math.exp(x0[i, c] - m)"]]
+
+
+def row_max_and_exp_into_out(pad):
+    """For row i of x0 (N, C): its max m (NaN wins), out[i, c] = exp(x0[i, c] - m) and their sum
+    total (CPU: one exp per element, where recomputing them in the next loop doubled a row's cost)."""
+    return row_max(pad) + [pad + line for line in [
+        "total = 0.0",
+        "for c in range(x0.shape[1]):",
+        "    e = math.exp(x0[i, c] - m)",
+        "    out[i, c] = e",
+        "    total += e"]]
+
+
+def xent_grad_row_from_out(pad):
+    """out[i] = (softmax(x0[i]) - onehot(labels[i])) * g[i], after row_max_and_exp_into_out. The
+    label's entry is computed again in full precision: p - 1 cancels when p nears 1, and out's
+    rounded exp (float32) would leave it with an error of a float32 ulp of 1."""
+    return [pad + line for line in [
+        "scale = g[i] / total",
+        "for c in range(x0.shape[1]):",
+        "    out[i, c] = out[i, c] * scale",
+        "label = labels[i]",
+        "if 0 <= label < x0.shape[1]:   # never a wild write",
+        "    out[i, label] = math.exp(x0[i, label] - m) * scale - g[i]"]]
 
 
 def xent_grad_row(pad):

@@ -4,7 +4,8 @@ On CUDA a label out of range gives NaN, never a read outside the row."""
 import numpy as np
 
 from . import Op, register
-from .kernel_text import ROW_HEADER, row_max_and_sum_exp, xent_grad_row
+from .kernel_text import (ROW_HEADER, row_max_and_exp_into_out, row_max_and_sum_exp, xent_grad_row,
+                          xent_grad_row_from_out)
 from .softmax import _np_log_softmax
 from ..errors import ShapeError
 from ..shapes import size
@@ -59,8 +60,8 @@ CUDA_XENT_ROWS = lambda name: ("\n".join([
     "    out[i] = m + math.log(total) - x0[i, label] if 0 <= label < x0.shape[1] else math.nan"]),
     "out[i] = logsumexp(x[i]) - x[i, labels[i]]", ("flat", -1))
 CPU_XENT_GRAD = lambda name: ("\n".join([
-    f"def {name}(x0, labels, g, out):", "    for i in range(x0.shape[0]):", *row_max_and_sum_exp("        "),
-    *xent_grad_row("        ")]), "out[i] = (softmax(x[i]) - onehot(labels[i])) * g[i]")
+    f"def {name}(x0, labels, g, out):", "    for i in range(x0.shape[0]):", *row_max_and_exp_into_out("        "),
+    *xent_grad_row_from_out("        ")]), "out[i] = (softmax(x[i]) - onehot(labels[i])) * g[i]")
 CUDA_XENT_GRAD = lambda name: ("\n".join([
     f"def {name}(x0, labels, g, out):", *ROW_HEADER, *row_max_and_sum_exp("    "), *xent_grad_row("    ")]),
     "out[i] = (softmax(x[i]) - onehot(labels[i])) * g[i]", ("rows", 0, (1,)))

@@ -54,13 +54,14 @@ def cpu_softmax_source(name, op, rank, axis):
     lines += loops(kept, ["m = -math.inf"])
     lines += loops([axis], [f"v = x0[{idx}]", "if v > m or v != v:", "    m = v"], indent=1 + len(kept))
     lines.append(f"{pad}total = 0.0")
-    lines += loops([axis], [f"total += math.exp(x0[{idx}] - m)"], indent=1 + len(kept))
     if op == "log_softmax":
+        lines += loops([axis], [f"total += math.exp(x0[{idx}] - m)"], indent=1 + len(kept))
         lines.append(f"{pad}shift = m + math.log(total)")
         lines += loops([axis], [f"out[{idx}] = x0[{idx}] - shift"], indent=1 + len(kept))
-    else:
+    else:   # one exp per element, kept in out until the total is known
+        lines += loops([axis], [f"e = math.exp(x0[{idx}] - m)", f"out[{idx}] = e", "total += e"], indent=1 + len(kept))
         lines.append(f"{pad}scale = 1.0 / total")
-        lines += loops([axis], [f"out[{idx}] = math.exp(x0[{idx}] - m) * scale"], indent=1 + len(kept))
+        lines += loops([axis], [f"out[{idx}] = out[{idx}] * scale"], indent=1 + len(kept))
     return "\n".join(lines), f"{op} along axis {axis} (max subtracted first)"
 
 

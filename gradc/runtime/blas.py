@@ -1,22 +1,22 @@
 """Matrix products by the BLAS that Numba's kernels link: from plain-Python entry points, and with
 explicit strides from inside kernels.
 
-A plain entry (codegen/entry.py) calls `matmul_into` rather than a Numba kernel around np.dot:
-the kernel cost about 0.6 s of Numba compile on an empty cache (a 30-layer MLP's whole warm-up was
-1.9 s), and this costs nothing to compile. It calls scipy's gemm, not numpy's np.dot, because the
-conv and scan kernels call scipy's OpenBLAS from inside Numba, and numpy ships an OpenBLAS of its
-own: two BLAS thread pools spinning on the same cores made a LeNet step 5x slower. scipy's wrapper
-releases the GIL, as the kernels do, so threaded Hessian rows still run side by side.
+A plain entry (codegen/entry.py) calls `matmul_into`, one Numba function of this package for every
+module: compiled once per install (Numba's cache beside this file), not per model, so it costs a
+build nothing, where a kernel around np.dot per module cost about 0.6 s of compile on an empty
+cache. It calls scipy's BLAS, not numpy's, because the conv and scan kernels call scipy's OpenBLAS
+from inside Numba, and numpy ships an OpenBLAS of its own: two BLAS thread pools spinning on the
+same cores made a LeNet step 5x slower. It runs without the GIL, as the kernels do, so threaded
+Hessian rows still run side by side. Being compiled, one call costs about 0.5 us of dispatch where
+scipy's f2py wrapper and a thread toggle from Python cost 2-3 us: a small MLP's step makes eight.
 """
 import ctypes
 
 import numpy as np
 import scipy.linalg.cython_blas
-from numba import njit, types
+from llvmlite.binding import add_symbol
+from numba import cfunc, njit, types
 from numba.np.linalg import ensure_blas
-from scipy.linalg.blas import dgemm, sgemm
-
-_GEMM = {"f": sgemm, "d": dgemm}
 
 # OpenBLAS runs every product above m*n*k = 2^18 on all its threads, and its workers then spin for
 # about 0.1 s waiting for the next one. On 2 cores that spinning slowed the single-threaded kernels
@@ -43,6 +43,28 @@ _SET_THREADS, _GET_THREADS = _thread_functions()
 _MULTITHREADED = _GET_THREADS is not None and _GET_THREADS() > 1
 
 
+def _stand_ins():
+    """Thread functions for a BLAS that is not an OpenBLAS: they say "one thread" and change nothing."""
+    @cfunc(types.intc())
+    def one_thread():
+        return 1
+
+    @cfunc(types.void(types.intc))
+    def ignore_count(n):
+        pass
+    return one_thread.address, ignore_count.address
+
+
+# matmul_into names the thread functions by these symbols, so that Numba's cache of it stays valid
+# from one process to the next (an address compiled in would not)
+_ADDRESSES = (_stand_ins() if _GET_THREADS is None else
+              tuple(ctypes.cast(f, ctypes.c_void_p).value for f in (_GET_THREADS, _SET_THREADS)))
+add_symbol("gradc_blas_get_threads", _ADDRESSES[0])
+add_symbol("gradc_blas_set_threads", _ADDRESSES[1])
+_BLAS_GET_THREADS = types.ExternalFunction("gradc_blas_get_threads", types.intc())
+_BLAS_SET_THREADS = types.ExternalFunction("gradc_blas_set_threads", types.void(types.intc))
+
+
 def threads_now():
     """BLAS's thread count in force now; 1 where gradc cannot read it (a BLAS other than OpenBLAS)."""
     return _GET_THREADS() if _GET_THREADS is not None else 1
@@ -51,23 +73,6 @@ def threads_now():
 def set_threads(n):
     if _SET_THREADS is not None:
         _SET_THREADS(n)
-
-
-def matmul_into(a, b, ta, tb, out):
-    """out = op(a) @ op(b), op transposing where ta / tb say. `out` is C-ordered, so BLAS (column
-    major) sees out.T and computes out.T = op(b).T @ op(a).T, reading a.T and b.T without a copy."""
-    if out.size:   # BLAS refuses an empty product; a product over an empty inner dim is zeros, which gemm writes
-        target = out.T
-        threads = _GET_THREADS() if _MULTITHREADED and out.size * a.shape[0 if ta else 1] < SERIAL_BELOW else 1
-        if threads > 1:   # (the count in force now: a limit the user set, threadpoolctl's say, stays)
-            _SET_THREADS(1)
-        try:
-            written = _GEMM[out.dtype.char](1.0, b.T, a.T, 0.0, target, tb, ta, 1)
-        finally:
-            if threads > 1:
-                _SET_THREADS(threads)
-        if written is not target:   # out was not C-ordered, so the wrapper wrote a copy
-            out[...] = written.T
 
 
 # BLAS's gemm as Numba's helper library exports it (the function np.dot calls inside Numba, which
@@ -94,3 +99,52 @@ def gemm_strided(a, a_off, lda, ta, b, b_off, ldb, tb, c, c_off, ldc, m, n, k, b
                      alpha.ctypes, b[b_off:].ctypes, ldb, a[a_off:].ctypes, lda, scale.ctypes, c[c_off:].ctypes, ldc)
     if status != 0:   # Numba could not load scipy's BLAS: c is unwritten
         raise RuntimeError("gemm_strided: Numba's BLAS (scipy.linalg.cython_blas) is not available")
+
+
+@njit(nogil=True, error_model="numpy", cache=True)
+def _rows_apart(x):
+    """How many elements apart x's rows are, for BLAS's leading dim; -1 if its rows are not each
+    contiguous (BLAS cannot read it in place)."""
+    rows, cols = x.shape
+    if x.size and cols > 1 and x.strides[1] != x.itemsize:
+        return -1
+    if rows <= 1 or cols == 0:   # a stride BLAS never steps by is whatever numpy made it
+        return max(cols, 1)
+    apart = x.strides[0] // x.itemsize
+    return apart if x.strides[0] % x.itemsize == 0 and apart >= max(cols, 1) else -1
+
+
+@njit(nogil=True, error_model="numpy", cache=True)
+def matmul_into(a, b, ta, tb, out):
+    """out = op(a) @ op(b), op transposing where ta / tb say; returns the BLAS threads it ran on.
+    `out` is row-major, so BLAS (column-major) sees out.T and computes out.T = op(b).T @ op(a).T,
+    reading a.T and b.T without a copy. Operands whose rows are not contiguous are copied first."""
+    m, n = out.shape
+    k = a.shape[0] if ta else a.shape[1]
+    if m == 0 or n == 0:   # BLAS refuses an empty product
+        return 0
+    if k == 0:   # a sum over nothing
+        out[...] = 0
+        return 0
+    if _rows_apart(a) < 0:
+        a = np.ascontiguousarray(a)
+    if _rows_apart(b) < 0:
+        b = np.ascontiguousarray(b)
+    in_place = _rows_apart(out) > 0
+    target = out if in_place else np.empty((m, n), out.dtype)
+    in_force = _BLAS_GET_THREADS()   # (a limit the user set, threadpoolctl's say, stays)
+    serial = in_force > 1 and m * n * k < SERIAL_BELOW
+    if serial:
+        _BLAS_SET_THREADS(1)
+    alpha = np.ones(1, out.dtype)
+    beta = np.zeros(1, out.dtype)
+    status = _XXGEMM(115 if out.itemsize == 4 else 100, 84 if tb else 78, 84 if ta else 78, n, m, k,   # 's'/'d', 'T'/'N'
+                     alpha.ctypes, b.ctypes, _rows_apart(b), a.ctypes, _rows_apart(a), beta.ctypes, target.ctypes,
+                     _rows_apart(target))
+    if serial:
+        _BLAS_SET_THREADS(in_force)
+    if status != 0:
+        raise RuntimeError("matmul_into: Numba's BLAS (scipy.linalg.cython_blas) is not available")
+    if not in_place:
+        out[...] = target
+    return 1 if serial else in_force

@@ -33,7 +33,7 @@ import zlib
 
 import numpy as np
 
-from .optim import adam_update, clip_scale, sgd_update, sum_squares
+from .optim import CHECK, CHECKED_WRITE, WRITE, adam_update, clip_scale, sgd_update, sum_squares
 from .pipeline import mpi_world
 
 BUCKET_BYTES = 1 << 20   # PyTorch DDP takes 25 MiB; a smaller bucket starts sooner on small models
@@ -531,15 +531,15 @@ class ParameterServer:
         self.comm.Send(np.array([code, loss, 0.0, 0.0]), dest=rank, tag=TAG_REPLY)
         self.comm.Send(self.tr._flat[lo:hi], dest=rank, tag=TAG_PARAMS)
 
-    def _update(self, g, scale, write):
+    def _update(self, g, scale, mode):
         tr = self.tr
         lo, hi = self.lo, self.hi
         f = tr.signature.float.type
         if tr.optimizer == "sgd":
-            return sgd_update(tr._flat[lo:hi], tr.state["momentum"][lo:hi], g, f(tr.lr), f(tr.momentum), scale, write)
+            return sgd_update(tr._flat[lo:hi], tr.state["momentum"][lo:hi], g, f(tr.lr), f(tr.momentum), scale, mode)
         t = tr.steps + 1
         return adam_update(tr._flat[lo:hi], tr.state["m"][lo:hi], tr.state["v"][lo:hi], g, f(tr.lr), f(tr.betas[0]),
-                           f(tr.betas[1]), f(tr.eps), f(1.0 - tr.betas[0] ** t), f(1.0 - tr.betas[1] ** t), scale, write)
+                           f(tr.betas[1]), f(tr.eps), f(1.0 - tr.betas[0] ** t), f(1.0 - tr.betas[1] ** t), scale, mode)
 
     def _apply_async(self, header, g):
         """One optimizer step on this shard with one worker's gradient: 0 done, 1 not finite, 2 overflow."""
@@ -548,9 +548,8 @@ class ParameterServer:
         if not (math.isfinite(loss) and math.isfinite(sq)):
             return 1
         scale = tr.signature.float.type(clip_scale(sq, tr.clip))
-        if self._update(g, scale, False):
+        if self._update(g, scale, CHECKED_WRITE):
             return 2
-        self._update(g, scale, True)
         tr.steps += 1
         return 0
 
@@ -583,10 +582,10 @@ class ParameterServer:
             code = 1
         else:
             scale = tr.signature.float.type(clip_scale(sq, tr.clip))
-            if self.servers_comm.allreduce(self._update(g, scale, False), op=MPI.SUM):
+            if self.servers_comm.allreduce(self._update(g, scale, CHECK), op=MPI.SUM):
                 code = 2
             else:
-                self._update(g, scale, True)
+                self._update(g, scale, WRITE)
                 tr.steps += 1
         return code, loss
 

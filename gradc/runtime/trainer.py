@@ -7,7 +7,7 @@ import stat
 import numpy as np
 
 from ..files import read_npz, write_replacing
-from .optim import adam_update, clip_scale, sgd_update, sum_squares
+from .optim import CHECK, CHECKED_WRITE, WRITE, adam_update, clip_scale, sgd_update, sum_squares
 
 OPTIMIZERS = ("sgd", "adam")
 
@@ -144,6 +144,7 @@ class TrainerBase:
                 self._views[k] = self.params[k] = view
             else:
                 self.params[k] = np.array(checked[k], copy=True).reshape(shape)
+        self._own_call_form = {k: v.reshape(1) if v.ndim == 0 else v for k, v in self._views.items()}
         self._grads = np.empty(size, dtype=self.signature.float)   # reused by every step
         self.state = {slot: np.zeros(size, dtype=self.signature.float) for slot in slots}   # flat, like _flat
 
@@ -157,6 +158,14 @@ class TrainerBase:
     @property
     def clip(self):
         return math.inf if self.clip_norm is None else self.clip_norm
+
+    def _checked_params(self):
+        """_adopt, then the params in call form. When every param is trained, they are the trainer's own
+        views, known good, and are not checked again (4 us of a small model's step)."""
+        self._adopt()
+        if self.params.keys() == self._own_call_form.keys():
+            return self._own_call_form
+        return self.signature.params(self.params, exact=True)
 
     def _adopt(self):
         """An array assigned into tr.params replaces the values, not the trainer's buffer."""
@@ -173,17 +182,19 @@ class TrainerBase:
         if self._parallel is not None:
             return self._parallel.step(inputs)
         a = self.signature.inputs(inputs, self.loss_inputs, "Trainer.step")
-        self._adopt()
-        p = self.signature.params(self.params, exact=True)
+        p = self._checked_params()
         loss = self._gradients(p, a, self._grads)
         # under MPI each rank holds its own params' gradients: the norm and the overflow check are global
         sq = self._allreduce(sum_squares(self._grads))
         bad = 0
         if math.isfinite(loss) and math.isfinite(sq):
             scale = self.signature.float.type(clip_scale(sq, self.clip))
-            bad = self._allreduce(self._update(scale, write=False))   # a step that overflows changes nothing
-            if not bad:
-                self._update(scale, write=True)
+            if self.pipeline is None:   # a step that overflows changes nothing
+                bad = self._update(scale, CHECKED_WRITE)
+            else:   # under MPI every rank's count decides
+                bad = self._allreduce(self._update(scale, CHECK))
+                if not bad:
+                    self._update(scale, WRITE)
         self._count_step(loss, sq, bad)
         return float(loss)
 
@@ -216,29 +227,29 @@ class TrainerBase:
         bad = 0
         if ok:
             scale = self.signature.float.type(clip_scale(sq, self.clip))
-            bad = dp.pipe_sum(self._update(scale, write=False))
+            bad = dp.pipe_sum(self._update(scale, CHECK))
         refused, bad = dp.agree([not ok, bad])
         if refused and ok:
             sq = math.nan
         if not refused and not bad:
-            self._update(scale, write=True)
+            self._update(scale, WRITE)
         self._count_step(loss, sq, bad)
         return float(loss)
 
     def _allreduce(self, x):
         return x if self.pipeline is None else self.pipeline.allreduce(x)
 
-    def _update(self, scale, write):
-        """The optimizer's update of every trained value with gradients times `scale`; without
-        `write`, only the count of values it would make non-finite."""
+    def _update(self, scale, mode):
+        """The optimizer's update of every trained value with gradients times `scale`, as `mode` says
+        (optim.py: CHECK, WRITE or CHECKED_WRITE); the count of values it would make non-finite."""
         f = self.signature.float.type   # hyperparameters in the params' dtype
         if self.optimizer == "sgd":
             return sgd_update(self._flat, self.state["momentum"], self._grads, f(self.lr), f(self.momentum), scale,
-                              write)
+                              mode)
         t = self.steps + 1
         return adam_update(self._flat, self.state["m"], self.state["v"], self._grads, f(self.lr), f(self.betas[0]),
                            f(self.betas[1]), f(self.eps), f(1.0 - self.betas[0] ** t), f(1.0 - self.betas[1] ** t),
-                           scale, write)
+                           scale, mode)
 
     def _count_step(self, loss, sq, bad):
         """Count a finished step, or refuse one whose loss or |g|^2 is not finite, or whose update would
