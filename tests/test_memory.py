@@ -365,8 +365,8 @@ ALLOCATION_PROBE = textwrap.dedent('''
             return kernel(*args)
         return call
 
-    for name in dir(m):   # the plain-Python entry reads its kernels from the module at each call
-        if isinstance(getattr(m, name), CPUDispatcher) and name.startswith("k"):
+    for name in dir(m):   # the plain-Python entry reads its kernels (and matmul_into) from the module at each call
+        if isinstance(getattr(m, name), CPUDispatcher) and (name.startswith("k") or name == "matmul_into"):
             setattr(m, name, counting(getattr(m, name)))
     rng = np.random.default_rng(0)
     params = m.init_params(0)

@@ -114,6 +114,19 @@ def _rows_apart(x):
     return apart if x.strides[0] % x.itemsize == 0 and apart >= max(cols, 1) else -1
 
 
+# gemm's alpha and beta, by pointer: constants compiled into matmul_into, so that a call allocates nothing
+_ONE_ZERO_F4 = np.array([1.0, 0.0], np.float32)
+_ONE_ZERO_F8 = np.array([1.0, 0.0], np.float64)
+
+
+@njit(nogil=True, error_model="numpy", cache=True)
+def _gemm(one_zero, a, ta, b, tb, c, m, n, k):
+    """c = op(a) @ op(b) (m x n, inner dim k), every operand's rows contiguous; BLAS's status."""
+    return _XXGEMM(115 if c.itemsize == 4 else 100, 84 if tb else 78, 84 if ta else 78, n, m, k,   # 's'/'d', 'T'/'N'
+                   one_zero[:1].ctypes, b.ctypes, _rows_apart(b), a.ctypes, _rows_apart(a), one_zero[1:].ctypes,
+                   c.ctypes, _rows_apart(c))
+
+
 @njit(nogil=True, error_model="numpy", cache=True)
 def matmul_into(a, b, ta, tb, out):
     """out = op(a) @ op(b), op transposing where ta / tb say; returns the BLAS threads it ran on.
@@ -136,11 +149,10 @@ def matmul_into(a, b, ta, tb, out):
     serial = in_force > 1 and m * n * k < SERIAL_BELOW
     if serial:
         _BLAS_SET_THREADS(1)
-    alpha = np.ones(1, out.dtype)
-    beta = np.zeros(1, out.dtype)
-    status = _XXGEMM(115 if out.itemsize == 4 else 100, 84 if tb else 78, 84 if ta else 78, n, m, k,   # 's'/'d', 'T'/'N'
-                     alpha.ctypes, b.ctypes, _rows_apart(b), a.ctypes, _rows_apart(a), beta.ctypes, target.ctypes,
-                     _rows_apart(target))
+    if out.itemsize == 4:
+        status = _gemm(_ONE_ZERO_F4, a, ta, b, tb, target, m, n, k)
+    else:
+        status = _gemm(_ONE_ZERO_F8, a, ta, b, tb, target, m, n, k)
     if serial:
         _BLAS_SET_THREADS(in_force)
     if status != 0:
