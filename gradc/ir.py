@@ -42,8 +42,9 @@ class Graph:
         self.merged = {}        # node -> the node that took its value over (CSE, fusion): where its `of` lands
 
     # ---- building -------------------------------------------------------------------------
-    def apply(self, op, inputs=(), attrs=None, *, phase="forward", src=None, name=None, of=None):
-        """Add a node of registered op `op`; its shape rule checks the operands."""
+    def apply(self, op, inputs=(), attrs=None, *, phase="forward", src=None, name=None, of=None, distinct=False):
+        """Add a node of registered op `op`; its shape rule checks the operands. distinct: CSE never merges
+        it with an equal node (an entry's own copy of a value another entry computes too)."""
         from .ops import get_op
 
         record = get_op(op)
@@ -58,14 +59,15 @@ class Graph:
         except ShapeError as e:
             operands = ", ".join(f"{self.describe(i)} {fmt(s)} {d}" for i, s, d in zip(inputs, shapes, dtypes))
             raise GradcError(f"{op}: {e}" + (f" (operands: {operands})" if inputs else ""), src) from None
-        return self.add_node(op, inputs, attrs, shape, dtype, phase=phase, src=src, name=name, of=of)
+        return self.add_node(op, inputs, attrs, shape, dtype, phase=phase, src=src, name=name, of=of, distinct=distinct)
 
-    def add_node(self, op, inputs, attrs, shape, dtype, *, phase="forward", src=None, name=None, of=None):
+    def add_node(self, op, inputs, attrs, shape, dtype, *, phase="forward", src=None, name=None, of=None,
+                 distinct=False):
         assert phase in PHASES, phase
         n = self._next_id
         self._next_id += 1
         self.nx.add_node(n, op=op, inputs=list(inputs), attrs=dict(attrs), shape=tuple(shape), dtype=dtype,
-                         phase=phase, device="cpu", src=src or "<gradc>", name=name, of=of,
+                         phase=phase, device="cpu", src=src or "<gradc>", name=name, of=of, distinct=distinct,
                          stage=self.pin[0] if self.pin and phase == "forward" else None)
         for index, u in enumerate(inputs):
             self.nx.add_edge(u, n, key=index, index=index)

@@ -10,14 +10,19 @@ c being each row's loss minus a baseline. That is the matmul's (conv2d's) own VJ
 cotangent c * eps / sigma: this pass builds exactly that with the ops' VJP rules, local to each
 site (no value flows back from one layer to another), so the estimate is a forward graph.
 
-The K perturbed copies run as one batched forward: every value that depends on a batch input is
-copied with its rows stacked K times (dim KB_lr = K * B, sample-major); a float input's copies are
-a broadcast of it in the graph, an int input's (labels) are tiled by the module. Values without
-rows (params, constants, a GCN's adjacency) are shared. The sites' noise comes from the
-counter-based `random` op (one stream each), its second half repeating the first for antithetic
-pairs; a per-site mask of shape (KB_lr, 1, ...) holds +-sigma or 0 per row (a leaf
-of signs times the leaf sigma), so antithetic pairs, layer-wise injection (one site per block of
-samples) and sigma are chosen at call time.
+The K perturbed copies run as one batched forward: every value that the noise reaches is copied with
+its rows stacked K times (dim KB_lr = K * B, sample-major). A value with rows that no noise reaches
+(a float input, the first layer's product, a GCN's A @ X) is "clean", the same in every copy: the
+estimate computes it once, on B rows, and its copies are a broadcast of it where a noised value
+needs them; a site whose chain is clean gets its noise on that broadcast, and its params' parts sum
+the copies' cotangents first (K times less work). A clean value is the estimate's own node, never
+the forward's (`distinct`, which CSE leaves apart): a second reader of the forward's product would
+keep its bias and activation from fusing into it in every other entry. An int input's copies
+(labels) are tiled by the module. Values without rows (params, constants, a GCN's adjacency) are
+shared. The sites' noise comes from the counter-based `random` op (one stream each), its second half
+repeating the first for antithetic pairs; a per-site mask of shape (KB_lr, 1, ...) holds +-sigma or
+0 per row (a leaf of signs times the leaf sigma), so antithetic pairs, layer-wise injection (one site
+per block of samples) and sigma are chosen at call time.
 
 Which loss pairs with which noise: when no op mixes rows, row b's loss depends only on row b's
 noise, and each row's loss term (its share of the objective: l_b / B for a mean) pairs with its
@@ -70,6 +75,9 @@ class _Builder:
         self.float = g.dtype(g.loss)
         self.src = g.node(g.loss)["src"]
         self.leaves, self.tiled, self.copy, self.where = {}, {}, {}, {}
+        self.clean = set()         # values with rows that no noise reaches: the same in every copy, made once
+        self.owned = {}            # a clean value -> the estimate's own node of it (B rows)
+        self.inner = set()
         self.mixing = []
         self.sites = []            # Site, in the order of their masks and noise streams
         self.scans = ScanNoise(self)
@@ -105,6 +113,7 @@ class _Builder:
         sites = chains(g, g.topo_order(self.fwd), self.param_of)
         self.check_params(sites)
         tops = {chain[-1]: chain for chain in sites}
+        self.inner = {x for chain in sites for x in chain[:-1]}   # a chain's products and adds below its top
         self.seed = self.leaf("seed", (), "int64")
         self.half = self.leaf("half", (), "int64")
         rows = self.leaf("rows", (K, self.batch), self.float)   # each (sample, row)'s weight (ones); carries K_lr, B
@@ -118,20 +127,27 @@ class _Builder:
                 if self.where[n] != 0:
                     raise Unsupported(f"{g.node(n)['src']}: {g.describe(n)} has its batch rows on axis "
                                       f"{self.where[n]}, not the first: the estimate perturbs products of rows")
-                z = self.copy[n]
+                clean = n in self.clean
+                z = self.stacked(n)
                 noise, mask = self.noise(g.shape(z), g.node(n)["src"], g.op(tops[n][0]))
                 pert = self.apply("mul", [noise, mask], g.node(n)["src"])
                 self.copy[n] = self.apply("add", [z, pert], g.node(n)["src"])
-                self.sites[-1].copies = [self.copy[x] for x in tops[n][:-1]] + [z]
-                self.sites[-1].pert = pert
+                self.clean.discard(n)
+                site = self.sites[-1]
+                # a clean site's chain is one for every copy: the estimate's own, on B rows
+                site.copies = [self.own(x) for x in tops[n]] if clean else [self.copy[x] for x in tops[n][:-1]] + [z]
+                site.pert, site.clean = pert, clean
         if not isinstance(self.where[g.loss], tuple):
             raise Unsupported(f"{self.src}: the loss does not reduce over the batch rows ({self.batch!r}), so there "
                               f"is no loss per row or per sample to pair with the noise")
-        coef = self.coefficients(self.copy[g.loss], baseline, rows)
+        coef = self.coefficients(self.stacked(g.loss), baseline, rows)
         contributions = {p: [] for p in self.trainable}
         for site in self.sites:
             c = self.view(coef, (KB,) + (1,) * (site.rank - 1)) if site.rank > 1 else coef
             cot = self.apply("mul", [self.apply("mul", [c, site.pert]), scale])
+            if site.clean:   # one chain for every copy: sum the copies' cotangents first (K times less work)
+                shape = g.shape(site.copies[-1])
+                cot = self.apply("sum", [self.view(cot, (K,) + tuple(shape))], axes=(0,), keepdims=False)
             for p, gp in self.local_vjp(site.copies, cot).items():
                 contributions[p].append(gp)
         grads = {}
@@ -221,9 +237,9 @@ class _Builder:
             if axis is None or adjacency:
                 return None
             name = node["name"]
-            if node["dtype"].startswith("float"):   # stacked in the graph: a call copies in only the batch
+            if node["dtype"].startswith("float"):   # clean: its copies, where needed, a broadcast in the graph
                 self.tiled[name] = (None, axis)
-                self.copy[n] = self.stacked_input(n, tuple(shape), axis)
+                self.clean.add(n)
             else:   # int labels (which no elementwise op copies): tiled by the module, a leaf
                 self.tiled[name] = (f"tile:{name}", axis)
                 stacked = list(shape)
@@ -246,11 +262,13 @@ class _Builder:
                 fail("reads trainable params in its step but has no batch rows (the estimate perturbs products "
                      "of rows)")
             return None
-        operands = [self.copy.get(u, u) for u in g.operands(n)]
-        attrs = dict(node["attrs"])
+        clean = all(u in self.clean for u, w in zip(g.operands(n), ins) if w is not None)
         if op == "scan":
+            operands = [self.stacked(u) for u in g.operands(n)]
             self.copy[n], where = self.scans.copy(n, ins, operands, fail)
             return where
+        operands = [self.stacked(u) for u in g.operands(n)] if not clean else list(g.operands(n))
+        attrs = dict(node["attrs"])
         if op == "scan_out":   # the copy's results are laid out for its own ys
             old, new = g.operands(n)[0], operands[0]
             attrs["index"] = index_of(g.attrs(new), *kind_of(g.attrs(old), attrs["index"]))
@@ -258,6 +276,9 @@ class _Builder:
         if op == "matmul" and ins[0] is None and ins[1] == 0 and not attrs.get("transpose_a") \
                 and not attrs.get("transpose_b") and g.shape(g.operands(n)[0]) == (self.batch, self.batch):
             # A @ H with A (N, N) mixing the rows of H: once per sample, as a batch_matmul over (K, N, F)
+            if clean:   # before any noise: the rows it mixes are the same in every copy
+                self.clean.add(n)
+                return 0
             a, h = operands
             h3 = self.view(h, (K, self.batch) + tuple(g.shape(h)[1:]))
             prod = self.apply("batch_matmul", [a, h3], src, transpose_a=False, transpose_b=False, reduce_batch=False)
@@ -274,19 +295,51 @@ class _Builder:
             self.copy[n] = self.per_row(n, ins[0], where[1])
             return where
         if isinstance(where, tuple):   # a scale or sum of reduced terms: the same on each row's share
-            self.copy[n] = self.apply(op, operands, src, **attrs)
+            self.copy[n] = self.apply(op, [self.stacked(u) for u in g.operands(n)], src, **attrs)
             return where
-        for key in ("shape",):
-            if key in attrs:
-                target = list(attrs[key])
-                target[where] = KB
-                attrs[key] = tuple(target)
-        self.copy[n] = self.apply(op, operands, src, **attrs)
+        if clean:
+            self.clean.add(n)
+            return where
+        self.copy[n] = self.restacked(n, operands, where, attrs)
         return where
 
+    def restacked(self, n, operands, where, attrs=None):
+        """n's op (with `attrs`, default its own) applied to stacked operands: its copy, rows on axis
+        `where` stacked K times."""
+        attrs = dict(self.g.attrs(n) if attrs is None else attrs)
+        if "shape" in attrs:
+            target = list(attrs["shape"])
+            target[where] = KB
+            attrs["shape"] = tuple(target)
+        return self.apply(self.g.op(n), operands, self.g.node(n)["src"], **attrs)
+
+    def stacked(self, n):
+        """n's K copies stacked on its rows (n itself when it has no rows). A clean value's copies are made
+        here, once: a broadcast of it, except in a site's chain below its top, where they must be the
+        chain's own ops (the site's VJP goes through them to the params)."""
+        if n in self.copy or n not in self.clean:
+            return self.copy.get(n, n)
+        if n in self.inner:
+            self.copy[n] = self.restacked(n, [self.stacked(u) for u in self.g.operands(n)], self.where[n])
+        else:
+            self.copy[n] = self.stacked_input(self.own(n), tuple(self.g.shape(n)), self.where[n])
+        return self.copy[n]
+
+    def own(self, n):
+        """Clean value n computed by the estimate, on B rows: an input is itself; any other value is a
+        node of the estimate's own (distinct, so CSE never merges it into the forward's n: a second
+        reader of the forward's product would keep its bias and activation from fusing into it)."""
+        g = self.g
+        if g.op(n) == "input":
+            return n
+        if n not in self.owned:
+            operands = [self.own(u) if self.where[u] is not None else u for u in g.operands(n)]
+            self.owned[n] = g.apply(g.op(n), operands, g.attrs(n), phase=PHASE, src=g.node(n)["src"], distinct=True)
+        return self.owned[n]
+
     def stacked_input(self, n, shape, axis):
-        """Float input n's K copies stacked on its rows' axis, sample-major, made from n itself (a broadcast
-        over a new samples axis, seen as KB_lr rows)."""
+        """A clean value's (a float input's) K copies stacked on its rows' axis, sample-major, made from n
+        itself (a broadcast over a new samples axis, seen as KB_lr rows)."""
         before, after = shape[:axis], shape[axis:]
         spread = self.apply("broadcast_to", [self.view(n, before + (1,) + after)], shape=before + (K,) + after)
         return self.view(spread, before + (KB,) + after[1:])
@@ -298,7 +351,7 @@ class _Builder:
         if g.op(n) not in ("sum", "mean") or g.attrs(n).get("keepdims"):
             raise Unsupported(f"{g.node(n)['src']}: the loss reduces the rows with {g.describe(n)}; lr_grad takes a "
                               f"sum or a mean (without keepdims)")
-        xc = self.copy[x]
+        xc = self.stacked(x)
         axes = tuple(a for a in g.attrs(n)["axes"] if a != axis)
         r = self.apply("sum", [xc], g.node(n)["src"], axes=axes, keepdims=False) if axes else xc
         if tuple(g.shape(r)) != (KB,):

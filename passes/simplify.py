@@ -57,7 +57,7 @@ def fold_constants(graph):
 
 def _key(graph, n):
     node = graph.node(n)
-    if node["op"] in ("input", "param"):
+    if node["op"] in ("input", "param") or node.get("distinct"):
         return None
     parts = []
     for k, v in sorted(node["attrs"].items()):
@@ -68,7 +68,7 @@ def _key(graph, n):
 
 
 def eliminate_common(graph):
-    """CSE: nodes with the same op, operands and attrs become one."""
+    """CSE: nodes with the same op, operands and attrs become one (never a `distinct` node)."""
     seen, changed = {}, False
     for n in graph.topo_order():
         key = _key(graph, n)

@@ -13,6 +13,8 @@ import pytest
 import gradc as gc
 from gradc.codegen.lr_api import lr_info
 from gradc.interpret import evaluate
+from gradc.passes.likelihood_ratio import estimate_nodes
+from gradc.passes.lr_sites import KB
 from gradc.passes.pipeline import build_training_graph
 from gradc.runtime.lr import LikelihoodRatio
 
@@ -106,6 +108,31 @@ def test_mean_over_seeds_converges_to_the_gradient(name):
     # 16x the samples: the error of the mean shrinks like 1/sqrt(K), by about 4
     assert errors[1] < errors[0] / 2.5, errors
     assert errors[1] < 0.4, errors
+
+
+def reads_only_leaves_of_the_forward(graph):
+    """The estimate reads no value of the forward but leaves (inputs, params, counts): its clean values are
+    its own, so the forward's products keep their only readers and fuse as in a build without lr_grad."""
+    estimate = estimate_nodes(graph)
+    read = {u for n in estimate for u in graph.operands(n) if u not in estimate}
+    return all(not graph.operands(u) for u in read)
+
+
+def test_values_no_noise_reaches_are_computed_once():
+    """The first layer's product reads the input alone: one product on B rows, its K copies a broadcast,
+    and the site's weight gradient sums the copies' cotangents first. A GCN's A @ X likewise runs once;
+    only the A @ H after the noise runs per sample (and makes the pairing per sample)."""
+    def on_stacked_rows(graph, op):
+        return [n for n in estimate_nodes(graph) if graph.op(n) == op and graph.shape(n)[:1] == (KB,)]
+
+    graph = build_training_graph(mlp(), "float64", order=1)
+    assert len(on_stacked_rows(graph, "matmul")) == 1        # the second layer's; the first runs on B rows
+    assert reads_only_leaves_of_the_forward(graph)
+    m, _, _ = problem("gcn", np.random.default_rng(0))
+    graph = build_training_graph(m, "float64", order=1)
+    assert reads_only_leaves_of_the_forward(graph)
+    assert len([n for n in estimate_nodes(graph) if graph.op(n) == "batch_matmul"]) == 1
+    assert len(graph.lr["mixing"]) == 1
 
 
 @pytest.mark.parametrize("mode", [dict(antithetic=False), dict(layerwise=True), dict(antithetic=False, layerwise=True)])
