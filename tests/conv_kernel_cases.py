@@ -10,10 +10,17 @@ from functools import partial
 import numpy as np
 
 TAPS_TILE = 1000   # a few output rows a band at 32 channels
+WINOGRAD_TEST_BLOCK = 2000   # a few tile rows a block at 3 + 4 channels: several blocks an image, the last short
+
+
+def difference(got, ref):
+    """The largest |got - ref|; inf where got has a NaN (an output left unwritten: the kernels' outputs
+    start as NaN), which max() would pass over."""
+    return float(np.abs(got - ref).max()) if not np.isnan(got).any() else math.inf
 
 
 def worst_error(target):
-    from gradc.ops import conv as C, pool as P
+    from gradc.ops import conv as C, conv_winograd as CW, pool as P
     if target == "cuda":
         from numba import cuda
         from gradc.runtime.cuda import launch_config
@@ -36,7 +43,9 @@ def worst_error(target):
         # tile so that a few output rows make a band: several bands a image, the last one short
         ns["gemm_strided"] = gemm_strided
         makers.update({"conv_t": partial(C.cpu_conv2d_by_taps_source, tile=TAPS_TILE),
-                       "dx_t": partial(C.cpu_input_grad_by_taps_source, tile=TAPS_TILE)})
+                       "dx_t": partial(C.cpu_input_grad_by_taps_source, tile=TAPS_TILE),
+                       "conv_w": partial(CW.cpu_conv2d_winograd_source, block=WINOGRAD_TEST_BLOCK),
+                       "dx_w": partial(CW.cpu_input_grad_winograd_source, block=WINOGRAD_TEST_BLOCK)})
     grids = {}
     for nm, make in makers.items():
         made = make(nm)
@@ -70,7 +79,7 @@ def worst_error(target):
         for got, ref in [(run("conv", [x, wt, *ints], y.shape), y),
                          (run("dx", [g, wt, *ints], x.shape), C.conv2d_input_grad_np(g, wt, s, p, d, G, (h, w))),
                          (run("dw", [x, g, *ints], wt.shape), C.conv2d_weight_grad_np(x, g, s, p, d, G, k))]:
-            worst = max(worst, float(np.abs(got - ref).max()))
+            worst = max(worst, difference(got, ref))
     if target == "cpu":
         # (channels, outputs, groups, kernel, padding, dilation, H, W, images), unit strides
         for (c, o, G, k, p, d, h, w, n) in [(32, 8, 1, (3, 3), (1, 1), (1, 1), 9, 7, 2), (64, 6, 2, (3, 2), (1, 2), (2, 1), 10, 9, 3),
@@ -81,7 +90,18 @@ def worst_error(target):
             ints = [1, 1, *p, *d, G]
             for got, ref in [(run("conv_t", [x, wt, *ints], y.shape), y),
                              (run("dx_t", [g, wt, *ints], x.shape), C.conv2d_input_grad_np(g, wt, (1, 1), p, d, G, (h, w)))]:
-                worst = max(worst, float(np.abs(got - ref).max()))
+                worst = max(worst, difference(got, ref))
+        # Winograd F(2x2, 3x3): 3x3, unit strides and dilations, one group; every padding its input gradient
+        # takes (0..2), odd and even sizes (tiles cut at the bottom and right), one pixel, and blocks of a
+        # few tile rows (the last one short). The kernels do not depend on the channel threshold.
+        for (c, o, p, h, w, n) in [(3, 4, (1, 1), 6, 6, 2), (5, 2, (0, 0), 7, 9, 1), (4, 3, (2, 1), 5, 8, 2),
+                                   (3, 3, (1, 1), 1, 1, 1), (3, 4, (1, 2), 29, 13, 2), (2, 5, (2, 2), 12, 3, 1)]:
+            x = rng.standard_normal((n, c, h, w)); wt = rng.standard_normal((o, c, 3, 3))
+            y = C.conv2d_np(x, wt, (1, 1), p, (1, 1), 1); g = rng.standard_normal(y.shape)
+            ints = [1, 1, *p, 1, 1, 1]
+            for got, ref in [(run("conv_w", [x, wt, *ints], y.shape), y),
+                             (run("dx_w", [g, wt, *ints], x.shape), C.conv2d_input_grad_np(g, wt, (1, 1), p, (1, 1), 1, (h, w)))]:
+                worst = max(worst, difference(got, ref))
     pool_cases = [((2, 2), (2, 2), (0, 0), 6, 6), ((3, 3), (2, 2), (1, 1), 7, 8), ((2, 3), (1, 2), (1, 0), 5, 6),
                   ((3, 2), (3, 1), (0, 1), 9, 4), ((3, 3), (1, 1), (1, 1), 4, 5)]
     for ties in (False, True):

@@ -408,6 +408,50 @@ def test_convs_by_taps_match_torch_in_a_compiled_net(build_dir, rng, monkeypatch
         np.testing.assert_allclose(hv[k], h.numpy(), rtol=1e-8, atol=1e-11, err_msg=k)
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_convs_by_winograd_match_torch_in_a_compiled_net(dtype, build_dir, rng):
+    """3x3 unit-stride convs of >= WINOGRAD_MIN_CHANNELS channels run by Winograd F(2x2, 3x3), and so do
+    their input gradients while the padding is at most 2 (padding 3's runs by taps or im2col): loss,
+    gradients and an hvp of a net of them against torch in float64; a float32 build within float32's
+    precision of it."""
+    m = gc.Model("winograd_net")
+    x = m.input("x", ("B", 32, 9, 7))
+    p = {f"w{i}": m.param(f"w{i}", (32, 32, 3, 3), init="he_normal") for i in range(4)}
+    p["b0"] = m.param("b0", (32,), init="normal")
+
+    def forward(lib, x, p):
+        conv, tanh = (gc.conv2d, gc.tanh) if lib is gc else (F.conv2d, torch.tanh)
+        h = tanh(conv(x, p["w0"], p["b0"], padding=1))    # (B, 32, 9, 7)
+        h = tanh(conv(h, p["w1"], padding=0))             # (B, 32, 7, 5)
+        h = tanh(conv(h, p["w2"], padding=2))             # (B, 32, 9, 7)
+        return conv(h, p["w3"], padding=3)                # (B, 32, 13, 11): its input gradient not by Winograd
+    y = forward(gc, x, p)
+    m.minimize(gc.mean(y * y))
+    mod = gc.compile(m, out=build_dir, dtype=dtype, warm=False)
+    source = open(mod.__file__).read()
+    assert re.search(r"def k\d+_conv2d_winograd\(", source) and re.search(r"def k\d+_conv2d_input_grad_winograd\(", source)
+    assert re.search(r"def k\d+_conv2d_input_grad\(", source) or re.search(r"def k\d+_conv2d_input_grad_by_taps\(", source)
+    params = {k: v.astype(np.float64) for k, v in mod.init_params(1).items()}
+    X = rng.standard_normal((3, 32, 9, 7))
+    cast = (lambda a: a.astype(np.float32)) if dtype == "float32" else (lambda a: a)
+    loss, grads = mod.loss_and_grad({k: cast(v) for k, v in params.items()}, x=cast(X))
+    pt = {k: _t(a) for k, a in params.items()}
+    ref = (forward(torch, torch.tensor(X), pt) ** 2).mean()
+    tg = torch.autograd.grad(ref, list(pt.values()), create_graph=True)
+    tight = dtype == "float64"
+    np.testing.assert_allclose(loss, ref.item(), rtol=1e-12 if tight else 2e-5)
+    for k, g in zip(pt, tg):
+        scale = float(np.abs(g.detach().numpy()).max())
+        np.testing.assert_allclose(grads[k], g.detach().numpy(), rtol=1e-9 if tight else 0,
+                                   atol=1e-12 if tight else 2e-5 * scale, err_msg=k)
+    if tight:
+        v = {k: rng.standard_normal(params[k].shape) for k in mod.TRAINABLE}
+        hv = mod.hvp(params, v, x=X)
+        thv = torch.autograd.grad(sum((g * torch.tensor(v[k])).sum() for k, g in zip(pt, tg)), list(pt.values()))
+        for k, h in zip(pt, thv):
+            np.testing.assert_allclose(hv[k], h.numpy(), rtol=1e-8, atol=1e-11, err_msg=k)
+
+
 def _split_everything(monkeypatch, cores=3):
     """Builds and runs from here split every conv over up to `cores` parts of its batch, with BLAS
     seen as having that many threads (the thread counts set are recorded, not set); returns the list

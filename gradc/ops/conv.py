@@ -20,6 +20,8 @@ the next elementwise kernel.
 import numpy as np
 
 from . import Op, register
+from .conv_winograd import (cpu_conv2d_winograd_source, cpu_input_grad_winograd_source, winograd,
+                            workspace_values as winograd_values)
 from ..errors import ShapeError
 from ..shapes import fmt, size
 from ..runtime import conv_cores
@@ -593,10 +595,11 @@ def by_taps(attrs, w_shape, h_out, w_in):
             and h_out * wp >= TAPS_MIN_POSITIONS)
 
 
-def _workspace(x_at, w_at, g_at, taps=False, summed=False):
+def _workspace(x_at, w_at, g_at, taps=False, summed=False, input_grad=False):
     """The bytes a CPU kernel allocates for one call (its head's buffers, and for im2col its one
     (og, k_len) weight matrix), given where x, w and g are among the operands and the output (index
-    2), and whether the op has a path by taps: memory planning counts them at the conv's step. A
+    2), and whether the op has paths by taps and by Winograd (taps; input_grad: it is the input
+    gradient, whose Winograd path reads g): memory planning counts them at the conv's step. A
     plain entry runs the kernel over up to planned_parts parts of the batch at once (conv_on_cores),
     each with a workspace of its own; `summed`: the parts' outputs are summed (the weight gradient),
     all but the first in buffers of their own."""
@@ -615,6 +618,9 @@ def _workspace(x_at, w_at, g_at, taps=False, summed=False):
         itemsize = np.dtype(graph.dtype(n)).itemsize
 
         def one_call(n_img):
+            if taps and winograd(a, w, input_grad):   # conv_winograd.py: U, one block's V and M, its band
+                made, c_src, c_dst = (x, c_out, cg) if input_grad else (g, cg, c_out)
+                return winograd_values(made[2], made[3], c_src, c_dst) * itemsize
             if taps and by_taps(a, w, h_out, w_in):   # _TAPS_HEAD: the band, one tile, the taps' weights
                 rows = max(1, min(h_out, TILE // max(1, max(cg, og) * wp)))
                 values = cg * (rows + (kh - 1) * dh) * wp + (kw - 1) * dw + og * rows * wp + kh * kw * og * cg
@@ -633,9 +639,11 @@ def _workspace(x_at, w_at, g_at, taps=False, summed=False):
     return workspace
 
 
-def _lower(hint, make, make_by_taps=None, x_at=0, w_at=1, g_at=2, on_cores=None):
+def _lower(hint, make, make_by_taps=None, x_at=0, w_at=1, g_at=2, on_cores=None, make_winograd=None,
+           input_grad=False):
     """One kernel per module and target for each op and path (stride, padding, dilation, groups are
-    arguments); x_at, w_at, g_at: where x, w and g are among the operands and the output (index 2).
+    arguments; the paths: Winograd, by taps, im2col); x_at, w_at, g_at: where x, w and g are among the
+    operands and the output (index 2); input_grad: the op is the input gradient (for the Winograd rule).
     on_cores: the runtime function (gradc/runtime/conv_cores.py) through which a plain-Python entry
     calls the CPU kernel, over parts of the batch at once; a compiled function calls it directly."""
     def lower(s):
@@ -643,8 +651,12 @@ def _lower(hint, make, make_by_taps=None, x_at=0, w_at=1, g_at=2, on_cores=None)
         shapes = [s.operand_shape(j) for j in range(len(s.operands))] + [s.shape]
         x, w, g = shapes[x_at], shapes[w_at], shapes[g_at]
         ints = [*a["stride"], *a["padding"], *a.get("dilation", (1, 1)), a.get("groups", 1)]
-        kernel = (s.kernel((hint, "by_taps"), f"{hint}_by_taps", make_by_taps)
-                  if make_by_taps is not None and by_taps(a, w, g[2], x[3]) else s.kernel((hint,), hint, make))
+        if make_winograd is not None and winograd(a, w, input_grad):
+            kernel = s.kernel((hint, "winograd"), f"{hint}_winograd", make_winograd)
+        elif make_by_taps is not None and by_taps(a, w, g[2], x[3]):
+            kernel = s.kernel((hint, "by_taps"), f"{hint}_by_taps", make_by_taps)
+        else:
+            kernel = s.kernel((hint,), hint, make)
         args = list(s.args) + [str(int(v)) for v in ints]
         if on_cores is None or s.compiled:
             return s.into_out(kernel, args)
@@ -665,14 +677,16 @@ def _rows_summed(graph, n, ins, fail):
 
 register(Op("conv2d", "conv", _conv_infer, _conv_evaluate, _conv_flops, vjp=_conv_vjp, arity=2,
             rows=_rows_of_first, workspace=_workspace(0, 1, 2, taps=True),
-            cpu=_lower("conv2d", cpu_conv2d_source, cpu_conv2d_by_taps_source, 0, 1, 2, "conv_on_cores"),
+            cpu=_lower("conv2d", cpu_conv2d_source, cpu_conv2d_by_taps_source, 0, 1, 2, "conv_on_cores",
+                       cpu_conv2d_winograd_source),
             cuda=_lower("conv2d", cuda_conv2d_source),
             doc="y[n, o] = sum over c in o's group, taps (i, j) of w[o, c, i, j] * x_pad[n, c, h s + i d, w s + j d]; "
                 "attrs stride, padding, dilation (pairs), groups"))
 register(Op("conv2d_input_grad", "conv", _input_grad_infer, _input_grad_evaluate, _input_grad_flops,
-            vjp=_input_grad_vjp, arity=2, rows=_rows_of_first, workspace=_workspace(2, 1, 0, taps=True),
+            vjp=_input_grad_vjp, arity=2, rows=_rows_of_first,
+            workspace=_workspace(2, 1, 0, taps=True, input_grad=True),
             cpu=_lower("conv2d_input_grad", cpu_input_grad_source, cpu_input_grad_by_taps_source, 2, 1, 0,
-                       "conv_on_cores"),
+                       "conv_on_cores", cpu_input_grad_winograd_source, input_grad=True),
             cuda=_lower("conv2d_input_grad", cuda_input_grad_source),
             doc="the transposed convolution of g by w: conv2d's adjoint for x; attrs as conv2d's plus input_hw"))
 register(Op("conv2d_weight_grad", "conv", _weight_grad_infer, _weight_grad_evaluate, _weight_grad_flops,
