@@ -193,8 +193,8 @@ def main(argv=None):
     try:
         return cmd_compile(args) if args.command == "compile" else cmd_inspect(args)
     except (GradcError, UsageError) as e:
-        if args.debug:
-            raise
+        if args.debug:   # the traceback, then the same line and exit status as without --debug
+            traceback.print_exc()
         print(f"gradc: error: {e}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, Terminated) as e:

@@ -379,7 +379,7 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     from gradc.passes.checkpoint import BudgetError
     from gradc.passes.memory import memplan_document, plan_memory, summary
     from .sizes import format_size
-    from gradc.passes.pipeline import build_training_graph
+    from gradc.passes.pipeline import build_training_graph, check_bound_dims
     from .dsl import Model
 
     if not isinstance(model, Model):
@@ -407,6 +407,7 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     for d, v in dims.items():
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise GradcError(f"--bind {d}={v}: a dim must be bound to an int >= 1", options_src)
+    check_bound_dims(model.graph, dims, options_src or model.src)
     timings = {} if timings is None else timings
     t0 = time.perf_counter()
     check_scans(model, scan_backward, target, memory_budget, devices)

@@ -21,15 +21,20 @@ def _bind_shape(shape, dims):
     return tuple(dims.get(d, d) if isinstance(d, str) else d for d in shape)
 
 
-def bind(graph, dtype, dims, src):
-    """Concrete float dtype everywhere; symbolic dims named in `dims` become ints."""
-    if dtype not in FLOAT_DTYPES:
-        raise GradcError(f"unknown dtype {dtype!r} (use {' or '.join(FLOAT_DTYPES)})", src)
+def check_bound_dims(graph, dims, src):
+    """GradcError at `src` when `dims` (--bind) names a dim the model does not have."""
     declared = {d for n in graph.nx.nodes for d in graph.shape(n) if isinstance(d, str)}
     unknown = sorted(set(dims) - declared)
     if unknown:
         raise GradcError(f"--bind names dim {', '.join(unknown)} that model {graph.name!r} does not have "
                          f"(its dims: {', '.join(sorted(declared)) or 'none'})", src)
+
+
+def bind(graph, dtype, dims, src):
+    """Concrete float dtype everywhere; symbolic dims named in `dims` become ints."""
+    if dtype not in FLOAT_DTYPES:
+        raise GradcError(f"unknown dtype {dtype!r} (use {' or '.join(FLOAT_DTYPES)})", src)
+    check_bound_dims(graph, dims, src)
     for name, n in graph.inputs.items():
         d = graph.dtype(n)
         if d.startswith("float") and d != "float" and d != dtype:

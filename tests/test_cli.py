@@ -151,7 +151,8 @@ def test_model_file_that_raises_names_its_line(tmp_path):
 def test_debug_shows_the_traceback(tmp_path):
     (tmp_path / "model.py").write_text("x = 1\n")
     r = gradc("--debug", "compile", "model.py", cwd=tmp_path)
-    assert r.returncode != 0 and "Traceback" in r.stderr
+    assert r.returncode == 2 and "Traceback" in r.stderr   # the same status as without --debug
+    assert r.stderr.rstrip().splitlines()[-1].startswith("gradc: error: ")
 
 
 def test_compile_float64_with_bind(tmp_path):

@@ -221,9 +221,10 @@ def test_nan_loss_raises_with_step_number_and_keeps_params(small):
     assert tr.steps == 3
 
 
-def test_a_param_assigned_into_the_trainer_is_adopted_and_a_wrong_one_refused(small, rng):
+def test_a_param_assigned_into_the_trainer_is_adopted_and_a_wrong_one_refused(small, rng, tmp_path):
     """tr.params holds the trainer's own buffers; an array assigned there replaces their values (and a step
-    trains from them), while a wrong array or an unknown name is refused before anything changes."""
+    trains from them), while a wrong array, a missing or an unknown name is refused, by a step and by
+    save, before anything changes: the checkpoint on disk stays the good one."""
     tr = small.Trainer(small.init_params(0), lr=0.1)
     x, y = rng.uniform(0.5, 2.0, (4, 3)).astype(np.float32), rng.integers(0, 4, 4)
     mine = rng.standard_normal((3, 4)).astype(np.float32)
@@ -233,17 +234,30 @@ def test_a_param_assigned_into_the_trainer_is_adopted_and_a_wrong_one_refused(sm
     np.testing.assert_allclose(tr.params["w"], mine - np.float32(0.1) * grads["w"], rtol=1e-6)
     assert tr.params["w"] is not mine and np.shares_memory(tr.params["w"], tr._flat)
     before = tr.params["w"].copy()
-    for wrong, message in ((np.zeros((4, 3), np.float32), r"params\['w'\] must stay a float32 array of shape \(3, 4\)"),
-                           (np.zeros((3, 4)), r"params\['w'\] must stay a float32")):
-        tr.params["w"] = wrong
-        with pytest.raises(ValueError, match=message):
-            tr.step(x=x, y=y)
-        tr.params["w"] = before.copy()
+    path = tmp_path / "ckpt.npz"
+    tr.save(path)
+    saved = path.read_bytes()
+    for wrong, message in ((np.zeros((4, 3), np.float32), r"params\['w'\] must stay a float32 array of shape \(3, 4\), "
+                            r"got a float32 array of shape \(4, 3\)"),
+                           (np.zeros((3, 4)), r"params\['w'\] must stay a float32 .* got a float64 array"),
+                           ([[0.0] * 4] * 3, r"params\['w'\] must stay .* got a list"),
+                           (None, r"params\['w'\] is missing")):
+        for call in (lambda: tr.step(x=x, y=y), lambda: tr.save(path)):   # a checkpoint is never written with it
+            if wrong is None:
+                del tr.params["w"]
+            else:
+                tr.params["w"] = wrong
+            with pytest.raises(ValueError, match=message):
+                call()
+            tr.params["w"] = before.copy()
     tr.params["v"] = np.zeros(3, np.float32)
-    with pytest.raises(ValueError, match=r"params unknown \['v'\]"):
-        tr.step(x=x, y=y)
-    assert tr.steps == 1
+    for call in (lambda: tr.step(x=x, y=y), lambda: tr.save(path)):
+        with pytest.raises(ValueError, match=r"params unknown \['v'\]"):
+            call()
+    del tr.params["v"]
+    assert tr.steps == 1 and path.read_bytes() == saved
     np.testing.assert_array_equal(tr.params["w"], before)
+    np.testing.assert_array_equal(small.Trainer.load(path).params["w"], before)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
@@ -348,8 +362,9 @@ def test_bad_compile_options_name_the_compile_call(tmp_path):
     with pytest.raises(gc.GradcError, match=r"warm='later': use True or 'first'"):
         gc.compile(m, out=str(tmp_path), warm="later")
     for bad, message in ((dict(order=3), "--order 3"), (dict(target="tpu"), "--target 'tpu'"),
-                         (dict(bind={"B": 0}), "--bind B=0")):
-        with pytest.raises(gc.GradcError, match=rf"{os.path.basename(__file__)}:\d+: {message}"):
+                         (dict(bind={"B": 0}), "--bind B=0"), (dict(bind={"N": 4}), "--bind names dim N")):
+        call = f"{os.path.basename(__file__)}:{inspect.currentframe().f_lineno + 2}"
+        with pytest.raises(gc.GradcError, match=rf"{call}: {message}"):
             gc.compile(m, out=str(tmp_path), **bad)
     assert not list(tmp_path.iterdir())
     assert gc.compile(m, out=str(tmp_path), warm="none").loss_and_grad

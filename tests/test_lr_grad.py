@@ -242,6 +242,9 @@ def test_compiled_lr_grad_and_trainer(build_dir):
     assert last < 0.6 * first
     with pytest.raises(ValueError, match="gradient must be"):
         mod.Trainer(params, gradient="evolution")
+    for option in (dict(samples=8), dict(sigma=0.5), dict(layerwise=True), dict(antithetic=False), dict(seed=3)):
+        with pytest.raises(ValueError, match=r"is an option of gradient='lr'"):   # backprop would ignore it
+            mod.Trainer(params, **option)
     with pytest.raises(ValueError, match="odd"):
         mod.Trainer(params, gradient="lr", samples=7)
     # step t draws from seed + t, wrapping around in int64 (a trial's run failed on its third step)

@@ -119,6 +119,12 @@ class LRTrainer:
             raise ValueError(f"{self.model_name}.Trainer: gradient must be 'backprop' or 'lr', got {gradient!r}")
         self.gradient = gradient
         self.lr_options = None
+        given = {"samples": (samples, SAMPLES), "sigma": (sigma, SIGMA), "seed": (seed, 0),
+                 "antithetic": (antithetic, True), "layerwise": (layerwise, False), "baseline": (baseline, True)}
+        ignored = [f"{k}={v!r}" for k, (v, default) in given.items() if v is not default and v != default]
+        if gradient == "backprop" and ignored:   # they would be ignored
+            raise ValueError(f"{self.model_name}.Trainer: {', '.join(ignored)} is an option of gradient='lr' (the "
+                             f"likelihood-ratio estimate); this trainer uses backprop (gradient='backprop')")
         if gradient == "lr":
             samples, sigma, seed, antithetic, layerwise, baseline = self._lr.check(
                 samples, sigma, seed, antithetic, layerwise, baseline, what="Trainer")

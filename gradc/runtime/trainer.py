@@ -170,11 +170,16 @@ class TrainerBase:
     def _adopt(self):
         """An array assigned into tr.params replaces the values, not the trainer's buffer."""
         for k, view in self._views.items():
-            new = self.params.get(k)
+            if k not in self.params:
+                raise ValueError(f"{self.model_name}.Trainer: params[{k!r}] is missing (it must stay a {view.dtype} "
+                                 f"array of shape {view.shape})")
+            new = self.params[k]
             if new is not view:
                 if not isinstance(new, np.ndarray) or new.shape != view.shape or new.dtype != view.dtype:
+                    given = (f"a {new.dtype} array of shape {new.shape}" if isinstance(new, np.ndarray)
+                             else f"a {type(new).__name__}")
                     raise ValueError(f"{self.model_name}.Trainer: params[{k!r}] must stay a {view.dtype} array of "
-                                     f"shape {view.shape}")
+                                     f"shape {view.shape}, got {given}")
                 view[...] = new
                 self.params[k] = view
 
@@ -283,7 +288,11 @@ class TrainerBase:
         """Write params and optimizer state to `path` (.npz) atomically: a crash leaves the old file, and
         the next save into that folder removes the temp file of a killed one. The file keeps its
         permissions; a symlink stays one, and its target gets the new contents. With parallel=...,
-        rank 0 writes it, once, and every rank returns when it is written."""
+        rank 0 writes it, once, and every rank returns when it is written. Params assigned into tr.params
+        are checked first, as a step checks them: a wrong one raises ValueError and the file is left as
+        it was."""
+        self._adopt()
+        self.signature.params(self.params)
         if self._parallel is None:
             return self._write(path)
         return self._parallel.save(path, self._write)
