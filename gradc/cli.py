@@ -108,10 +108,10 @@ def cmd_compile(args):
     secs = f"passes {timings.get('passes_total', 0):.2f}s" + (
         f", Numba warm-up {timings['numba_warm']:.1f}s" if "numba_warm" in timings else "")
     if timings.get("kernels_kernels"):   # kernel signatures compiled by Numba vs loaded from the kernel cache
-        secs += (f"; kernels: {timings['kernels_compiled']} compiled, {timings['kernels_from_cache']} from the cache "
-                 f"({timings['kernels_cache']})")
+        secs += (f"; kernel signatures: {timings['kernels_compiled']} compiled, {timings['kernels_from_cache']} from "
+                 f"the cache ({timings['kernels_cache']})")
         if timings.get("kernels_not_cached"):   # they compile again in the next build
-            secs += (f"; {timings['kernels_not_cached']} kernels not cached: "
+            secs += (f"; {timings['kernels_not_cached']} kernels not cached (every build compiles them again): "
                      + "; ".join(timings.get("kernels_not_cached_why") or ["why was not recorded"]))
     for note in notes:
         print(f"gradc: note: {note}")

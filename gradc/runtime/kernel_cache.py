@@ -352,7 +352,7 @@ def _why_not_cached(e):
     if isinstance(e, OSError):
         return f"the cache folder could not be written or read ({e.strerror or e})"
     if isinstance(e, CallsOtherKernels):
-        return "they call a kernel that is not in the cache"
+        return "some call a kernel that is not in the cache"
     return f"{type(e).__name__} while loading from the cache: {e}"
 
 
