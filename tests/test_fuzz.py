@@ -17,7 +17,7 @@ import glob
 import pytest
 
 import gradc.codegen.entry as entry
-from gradc.ops import conv
+from gradc.ops import conv, conv_winograd
 from fuzz_graphs import check_compiled, check_interpreted, combined_case, random_case
 
 INTERPRETED_SEEDS = range(120)   # about 50 s of CPU on one core; bench/fuzz.py runs more
@@ -48,6 +48,17 @@ def test_compiled_convs_by_taps_match_torch(tmp_path, monkeypatch):
     check_compiled(combined_case((7, 12, 15)), str(tmp_path))
     sources = "".join(open(f).read() for f in glob.glob(str(tmp_path / "**" / "*.py"), recursive=True))
     assert "_conv2d_by_taps(" in sources and "_conv2d_input_grad_by_taps(" in sources
+
+
+@pytest.mark.slow
+def test_compiled_convs_by_winograd_match_torch(tmp_path, monkeypatch):
+    """Programs with 3x3 unit-stride convs of one group (seeds 8, 116, 138, 213, 238): each such conv, and
+    its input gradient where the padding allows, run by Winograd F(2x2, 3x3) (the channel threshold
+    lowered to 1; the kernels do not depend on it)."""
+    monkeypatch.setattr(conv_winograd, "WINOGRAD_MIN_CHANNELS", 1)
+    check_compiled(combined_case((8, 116, 138, 213, 238)), str(tmp_path))
+    sources = "".join(open(f).read() for f in glob.glob(str(tmp_path / "**" / "*.py"), recursive=True))
+    assert "_conv2d_winograd(" in sources and "_conv2d_input_grad_winograd(" in sources
 
 
 @pytest.mark.slow
