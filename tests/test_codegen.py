@@ -495,6 +495,15 @@ def test_small_products_run_on_one_blas_thread_and_leave_blas_its_own_count():
         blas.set_threads(own)
 
 
+def test_a_blas_that_is_not_openblas_gets_thread_functions_that_say_one_thread():
+    """matmul_into calls the thread functions by symbol; where scipy's BLAS is not an OpenBLAS, the symbols
+    name stand-ins: the count is 1 (so no product changes it) and setting it does nothing."""
+    import ctypes
+    get_address, set_address = blas._stand_ins()
+    assert ctypes.CFUNCTYPE(ctypes.c_int)(get_address)() == 1
+    ctypes.CFUNCTYPE(None, ctypes.c_int)(set_address)(4)
+
+
 def test_a_constant_array_made_in_a_scan_body_has_its_values():
     """What a body writes for a constant array (it takes none as an argument): np.full for one value,
     else the values written in, inf and nan included; a large array of many values is refused."""
