@@ -269,6 +269,8 @@ class TrainerBase:
 
     # ---- checkpoints ---------------------------------------------------------------------
     def _write(self, path):
+        self._adopt()   # what was assigned into tr.params, checked as a step checks it, before anything is written
+        self.signature.params(self.params)
         meta = {"model": self.model_name, "fingerprint": self.fingerprint, "optimizer": self.optimizer,
                 "lr": self.lr, "momentum": self.momentum, "betas": list(self.betas), "eps": self.eps,
                 "clip_norm": self.clip_norm, "steps": self.steps} | self._gradient_meta()
@@ -289,10 +291,8 @@ class TrainerBase:
         the next save into that folder removes the temp file of a killed one. The file keeps its
         permissions; a symlink stays one, and its target gets the new contents. With parallel=...,
         rank 0 writes it, once, and every rank returns when it is written. Params assigned into tr.params
-        are checked first, as a step checks them: a wrong one raises ValueError and the file is left as
-        it was."""
-        self._adopt()
-        self.signature.params(self.params)
+        are checked first, as a step checks them: a wrong one raises ValueError (on every rank) and the
+        file is left as it was."""
         if self._parallel is None:
             return self._write(path)
         return self._parallel.save(path, self._write)
