@@ -467,6 +467,9 @@ def test_matmul_into_is_numpys_product_for_every_transpose_and_empty_dims(dtype,
                     again = np.full((m, n), np.nan, dtype)
                     matmul_into(view(a), view(b), ta, tb, again)
                     np.testing.assert_array_equal(again, out)
+    other = np.float64 if dtype == np.float32 else np.float32   # BLAS's kind follows out: a mix is refused
+    with pytest.raises(ValueError, match="one float dtype"):
+        matmul_into(np.ones((2, 3), other), np.ones((3, 2), dtype), False, False, np.empty((2, 2), dtype))
 
 
 def test_small_products_run_on_one_blas_thread_and_leave_blas_its_own_count():

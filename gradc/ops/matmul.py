@@ -63,8 +63,8 @@ def _matmul_rows(graph, n, ins, fail):
 
 
 def _matmul_cpu(s):
-    """In a plain-Python entry, scipy's BLAS called from Python (gradc/runtime/blas.py says why: no
-    compile, one BLAS with the kernels); in compiled code (a scan's body, a small hvp block), one
+    """In a plain-Python entry, gradc's runtime `matmul_into` (gradc/runtime/blas.py says why: compiled
+    once per install, not per model, and one BLAS with the kernels); in compiled code (a scan's body, a small hvp block), one
     Numba kernel around np.dot for every matmul of the module, with the transposes as arguments:
     one kernel, one cache file (a kernel per transpose pair compiled in about the same time)."""
     ta, tb = bool(s.attrs.get("transpose_a")), bool(s.attrs.get("transpose_b"))

@@ -2,9 +2,9 @@
 explicit strides from inside kernels.
 
 A plain entry (codegen/entry.py) calls `matmul_into`, one Numba function of this package for every
-module: compiled once per install (Numba's cache beside this file), not per model, so it costs a
-build nothing, where a kernel around np.dot per module cost about 0.6 s of compile on an empty
-cache. It calls scipy's BLAS, not numpy's, because the conv and scan kernels call scipy's OpenBLAS
+module: compiled once per install for each dtype and array layout it meets (Numba's cache beside
+this file; a few seconds the first time), not per model, so it costs a build nothing, where a
+kernel around np.dot per module cost about 0.6 s of compile on an empty cache. It calls scipy's BLAS, not numpy's, because the conv and scan kernels call scipy's OpenBLAS
 from inside Numba, and numpy ships an OpenBLAS of its own: two BLAS thread pools spinning on the
 same cores made a LeNet step 5x slower. It runs without the GIL, as the kernels do, so threaded
 Hessian rows still run side by side. Being compiled, one call costs about 0.5 us of dispatch where
@@ -134,6 +134,8 @@ def matmul_into(a, b, ta, tb, out):
     reading a.T and b.T without a copy. Operands whose rows are not contiguous are copied first."""
     m, n = out.shape
     k = a.shape[0] if ta else a.shape[1]
+    if a.itemsize != out.itemsize or b.itemsize != out.itemsize:   # BLAS's kind follows out: no silent mix
+        raise ValueError("matmul_into: a, b and out must have one float dtype")
     if m == 0 or n == 0:   # BLAS refuses an empty product
         return 0
     if k == 0:   # a sum over nothing
@@ -149,6 +151,7 @@ def matmul_into(a, b, ta, tb, out):
     serial = in_force > 1 and m * n * k < SERIAL_BELOW
     if serial:
         _BLAS_SET_THREADS(1)
+    ran_on = _BLAS_GET_THREADS()   # what BLAS runs this product on, read back (what a caller or test sees)
     if out.itemsize == 4:
         status = _gemm(_ONE_ZERO_F4, a, ta, b, tb, target, m, n, k)
     else:
@@ -159,4 +162,4 @@ def matmul_into(a, b, ta, tb, out):
         raise RuntimeError("matmul_into: Numba's BLAS (scipy.linalg.cython_blas) is not available")
     if not in_place:
         out[...] = target
-    return 1 if serial else in_force
+    return ran_on

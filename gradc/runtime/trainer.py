@@ -269,8 +269,6 @@ class TrainerBase:
 
     # ---- checkpoints ---------------------------------------------------------------------
     def _write(self, path):
-        self._adopt()   # what was assigned into tr.params, checked as a step checks it, before anything is written
-        self.signature.params(self.params)
         meta = {"model": self.model_name, "fingerprint": self.fingerprint, "optimizer": self.optimizer,
                 "lr": self.lr, "momentum": self.momentum, "betas": list(self.betas), "eps": self.eps,
                 "clip_norm": self.clip_norm, "steps": self.steps} | self._gradient_meta()
@@ -291,8 +289,10 @@ class TrainerBase:
         the next save into that folder removes the temp file of a killed one. The file keeps its
         permissions; a symlink stays one, and its target gets the new contents. With parallel=...,
         rank 0 writes it, once, and every rank returns when it is written. Params assigned into tr.params
-        are checked first, as a step checks them: a wrong one raises ValueError (on every rank) and the
-        file is left as it was."""
+        are adopted first and their names, shapes and dtypes checked: a wrong one raises ValueError and
+        the file is left as it was (with parallel=..., on the rank that holds it)."""
+        self._adopt()   # on every rank, before a pipeline's stages send rank 0 their params
+        self.signature.params(self.params)
         if self._parallel is None:
             return self._write(path)
         return self._parallel.save(path, self._write)
