@@ -53,9 +53,10 @@ def test_compiled_convs_by_taps_match_torch(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_compiled_convs_by_winograd_match_torch(tmp_path, monkeypatch):
     """Programs with 3x3 unit-stride convs of one group (seeds 8, 116, 138, 213, 238): each such conv, and
-    its input gradient where the padding allows, run by Winograd F(2x2, 3x3) (the channel threshold
-    lowered to 1; the kernels do not depend on it)."""
+    its input gradient where the padding allows, run by Winograd F(2x2, 3x3) (the channel and image
+    thresholds lowered to 1; the kernels do not depend on them)."""
     monkeypatch.setattr(conv_winograd, "WINOGRAD_MIN_CHANNELS", 1)
+    monkeypatch.setattr(conv_winograd, "WINOGRAD_MIN_IMAGE_TILES", 1)
     check_compiled(combined_case((8, 116, 138, 213, 238)), str(tmp_path))
     sources = "".join(open(f).read() for f in glob.glob(str(tmp_path / "**" / "*.py"), recursive=True))
     assert "_conv2d_winograd(" in sources and "_conv2d_input_grad_winograd(" in sources

@@ -618,8 +618,8 @@ def _workspace(x_at, w_at, g_at, taps=False, summed=False, input_grad=False):
         itemsize = np.dtype(graph.dtype(n)).itemsize
 
         def one_call(n_img):
-            if taps and winograd(a, w, input_grad):   # conv_winograd.py: U, one block's V and M, its band
-                made, c_src, c_dst = (x, c_out, cg) if input_grad else (g, cg, c_out)
+            made, c_src, c_dst = (x, c_out, cg) if input_grad else (g, cg, c_out)
+            if taps and winograd(a, w, made[2:], input_grad):   # conv_winograd.py: U, one block's V and M, its band
                 return winograd_values(made[2], made[3], c_src, c_dst) * itemsize
             if taps and by_taps(a, w, h_out, w_in):   # _TAPS_HEAD: the band, one tile, the taps' weights
                 rows = max(1, min(h_out, TILE // max(1, max(cg, og) * wp)))
@@ -651,7 +651,7 @@ def _lower(hint, make, make_by_taps=None, x_at=0, w_at=1, g_at=2, on_cores=None,
         shapes = [s.operand_shape(j) for j in range(len(s.operands))] + [s.shape]
         x, w, g = shapes[x_at], shapes[w_at], shapes[g_at]
         ints = [*a["stride"], *a["padding"], *a.get("dilation", (1, 1)), a.get("groups", 1)]
-        if make_winograd is not None and winograd(a, w, input_grad):
+        if make_winograd is not None and winograd(a, w, (x if input_grad else g)[2:], input_grad):
             kernel = s.kernel((hint, "winograd"), f"{hint}_winograd", make_winograd)
         elif make_by_taps is not None and by_taps(a, w, g[2], x[3]):
             kernel = s.kernel((hint, "by_taps"), f"{hint}_by_taps", make_by_taps)
