@@ -456,7 +456,7 @@ def test_convs_by_winograd_match_torch_in_a_compiled_net(dtype, build_dir, rng, 
 
 def test_which_convs_run_by_winograd():
     """3x3, unit strides and dilations, one group, >= 32 channels in and out, and outputs of >= 36 tiles
-    (12 x 12); the input gradient also needs a padding <= 2. Measured (one thread, 4 images): 0.6-0.8x
+    (11 x 11); the input gradient also needs a padding <= 2. Measured (one thread, 4 images): 0.6-0.8x
     im2col's or taps' time from 32 channels at 14 x 14 to 512 at 28 x 28; 512 channels at 7 x 7 took 1.3x."""
     from gradc.ops.conv_winograd import winograd
     conv = {"stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "groups": 1}

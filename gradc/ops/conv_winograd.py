@@ -21,17 +21,17 @@ matrix-vector ones); the block's input rows are copied once into a zero-padded b
 is the band, U, V and M of one block (`workspace_values`), never a transformed image.
 
 Measured (one thread, float32, 2-4 images, against the path the conv took before: im2col, or by
-taps at 56 x 56): 0.61-0.87x its time from 32 channels at 14 x 14 up to 512 at 28 x 28 (0.52x);
-512 channels at 7 x 7 (16 tiles an image) took 1.29x, hence WINOGRAD_MIN_IMAGE_TILES.
+taps at 56 x 56): 0.52-0.97x its time from 32 channels at 14 x 14 up to 512 at 28 x 28; 512
+channels at 7 x 7 (16 tiles an image) took 1.29x, hence WINOGRAD_MIN_IMAGE_TILES.
 """
 
 WINOGRAD_BLOCK = 1 << 15        # values of V and M together in a block of tile rows
 WINOGRAD_MIN_TILES = 128        # tiles a block at least, so that the 16 products stay matrix products
 WINOGRAD_MIN_CHANNELS = 32      # below, the transforms cost more than the products save
-WINOGRAD_MIN_IMAGE_TILES = 36   # below (outputs under 11 x 11), products of few tiles: 512 channels at 7 x 7
-                                # ran 1.3x im2col's time
+WINOGRAD_MIN_IMAGE_TILES = 36   # below (outputs under 11 x 11), products of few tiles: 512 channels at
+                                # 7 x 7 ran 1.3x im2col's time
 # V's and M's 16 planes lie this many values more than their size apart: at a power-of-two size (32-wide
-# images) the planes' rows fell on the same cache sets, and the transforms ran 2-3x slower
+# images) the planes' rows fell on the same cache sets, and the kernel ran 1.9x slower
 PLANE_GAP = 16
 
 
@@ -51,7 +51,8 @@ def workspace_values(h_out, w_out, c_src, c_dst):
     the kernel's head computes it)."""
     th, tw = (h_out + 1) // 2, (w_out + 1) // 2
     rows = min(th, max(-(-WINOGRAD_MIN_TILES // tw), WINOGRAD_BLOCK // max(1, 16 * tw * (c_src + c_dst))))
-    return 16 * c_dst * c_src + 16 * ((c_src + c_dst) * rows * tw + 2 * PLANE_GAP) + c_src * (2 * rows + 2) * (2 * tw + 2)
+    band = c_src * (2 * rows + 2) * (2 * tw + 2)
+    return 16 * c_dst * c_src + 16 * ((c_src + c_dst) * rows * tw + 2 * PLANE_GAP) + band
 
 
 def _weight_transform(flipped):

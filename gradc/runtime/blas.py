@@ -4,11 +4,12 @@ explicit strides from inside kernels.
 A plain entry (codegen/entry.py) calls `matmul_into`, one Numba function of this package for every
 module: compiled once per install for each dtype and array layout it meets (Numba's cache beside
 this file; a few seconds the first time), not per model, so it costs a build nothing, where a
-kernel around np.dot per module cost about 0.6 s of compile on an empty cache. It calls scipy's BLAS, not numpy's, because the conv and scan kernels call scipy's OpenBLAS
-from inside Numba, and numpy ships an OpenBLAS of its own: two BLAS thread pools spinning on the
-same cores made a LeNet step 5x slower. It runs without the GIL, as the kernels do, so threaded
-Hessian rows still run side by side. Being compiled, one call costs about 0.5 us of dispatch where
-scipy's f2py wrapper and a thread toggle from Python cost 2-3 us: a small MLP's step makes eight.
+kernel around np.dot per module cost about 0.6 s of compile on an empty cache. It calls scipy's
+BLAS, not numpy's, because the conv and scan kernels call scipy's OpenBLAS from inside Numba, and
+numpy ships an OpenBLAS of its own: two BLAS thread pools spinning on the same cores made a LeNet
+step 5x slower. It runs without the GIL, as the kernels do, so threaded Hessian rows still run side
+by side. Being compiled, one call costs about 0.5 us of dispatch where scipy's f2py wrapper and a
+thread toggle from Python cost 2-3 us: a small MLP's step makes eight.
 """
 import ctypes
 
