@@ -243,7 +243,7 @@ def test_compiled_lr_grad_and_trainer(build_dir):
     with pytest.raises(ValueError, match="gradient must be"):
         mod.Trainer(params, gradient="evolution")
     for option in (dict(samples=8), dict(sigma=0.5), dict(layerwise=True), dict(antithetic=False), dict(seed=3)):
-        with pytest.raises(ValueError, match=r"is an option of gradient='lr'"):   # backprop would ignore it
+        with pytest.raises(ValueError, match=r"option\(s\) of gradient='lr'"):   # backprop would ignore it
             mod.Trainer(params, **option)
     with pytest.raises(ValueError, match="odd"):
         mod.Trainer(params, gradient="lr", samples=7)

@@ -89,16 +89,17 @@ def row_max_and_sum_exp(pad):
 
 def row_max_and_exp_into_out(pad):
     """For row i of x0 (N, C): its max m (NaN wins), out[i, c] = exp(x0[i, c] - m), their sum total,
-    and picked, the label's exp unrounded (CPU: one exp per element, where recomputing them in the next
+    its label, and picked, the label's exp unrounded (CPU: one exp per element, where recomputing them in the next
     loop doubled a row's cost)."""
     return row_max(pad) + [pad + line for line in [
         "total = 0.0",
         "picked = 0.0",
+        "label = labels[i]",
         "for c in range(x0.shape[1]):",
         "    e = math.exp(x0[i, c] - m)",
         "    out[i, c] = e",
         "    total += e",
-        "    if c == labels[i]:",
+        "    if c == label:",
         "        picked = e"]]
 
 
@@ -110,7 +111,6 @@ def xent_grad_row_from_out(pad):
         "scale = g[i] / total",
         "for c in range(x0.shape[1]):",
         "    out[i, c] = out[i, c] * scale",
-        "label = labels[i]",
         "if 0 <= label < x0.shape[1]:   # never a wild write",
         "    out[i, label] = picked * scale - g[i]"]]
 

@@ -123,8 +123,8 @@ class LRTrainer:
                  "antithetic": (antithetic, True), "layerwise": (layerwise, False), "baseline": (baseline, True)}
         ignored = [f"{k}={v!r}" for k, (v, default) in given.items() if v is not default and v != default]
         if gradient == "backprop" and ignored:   # they would be ignored
-            raise ValueError(f"{self.model_name}.Trainer: {', '.join(ignored)} is an option of gradient='lr' (the "
-                             f"likelihood-ratio estimate); this trainer uses backprop (gradient='backprop')")
+            raise ValueError(f"{self.model_name}.Trainer: {', '.join(ignored)}: option(s) of gradient='lr' (the "
+                             f"likelihood-ratio estimate), which a backprop trainer would ignore")
         if gradient == "lr":
             samples, sigma, seed, antithetic, layerwise, baseline = self._lr.check(
                 samples, sigma, seed, antithetic, layerwise, baseline, what="Trainer")
