@@ -8,7 +8,7 @@ import pytest
 
 import gradc as gc
 from gradc.interpret import evaluate
-from gradc.ops import conv as C
+from gradc.ops import conv as C, conv_direct
 from gradc.passes.pipeline import build_training_graph
 
 from conftest import assert_grads_match_fd, cuda_env
@@ -372,8 +372,10 @@ def test_convs_by_taps_match_torch_in_a_compiled_net(build_dir, rng, monkeypatch
     """Unit-stride convs of >= TAPS_MIN_CHANNELS channels a group and enough output positions run
     tap by tap on the band (no im2col), and so do their input gradients: loss, gradients and an hvp
     of a net of them (padding, dilation, groups, a 1x1) against torch, float64. The positions'
-    threshold is lowered so that the images stay small; a conv below it runs by im2col."""
+    threshold is lowered so that the images stay small; a conv below it runs by im2col. The direct
+    path (which would take most of these) is turned off."""
     monkeypatch.setattr(C, "TAPS_MIN_POSITIONS", 40)
+    monkeypatch.setattr(conv_direct, "DIRECT_MAX_CHANNELS", 0)
     m = gc.Model("taps_net")
     x = m.input("x", ("B", 32, 7, 6))
     p = {"w1": m.param("w1", (64, 32, 3, 3), init="he_normal"), "b1": m.param("b1", (64,), init="normal"),
@@ -432,7 +434,7 @@ def test_convs_by_winograd_match_torch_in_a_compiled_net(dtype, build_dir, rng, 
     mod = gc.compile(m, out=build_dir, dtype=dtype, warm=False)
     source = open(mod.__file__).read()
     assert re.search(r"def k\d+_conv2d_winograd\(", source) and re.search(r"def k\d+_conv2d_input_grad_winograd\(", source)
-    assert re.search(r"def k\d+_conv2d_input_grad\(", source) or re.search(r"def k\d+_conv2d_input_grad_by_taps\(", source)
+    assert re.search(r"def k\d+_conv2d_input_grad(_by_taps|_direct)?\(", source)   # padding 3's: another path
     params = {k: v.astype(np.float64) for k, v in mod.init_params(1).items()}
     X = rng.standard_normal((3, 32, 9, 7))
     cast = (lambda a: a.astype(np.float32)) if dtype == "float32" else (lambda a: a)
@@ -472,6 +474,71 @@ def test_which_convs_run_by_winograd():
     assert not winograd(conv | {"padding": (3, 1)}, (64, 64, 3, 3), (56, 56), input_grad=True)
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_convs_by_direct_sums_match_torch_in_a_compiled_net(dtype, build_dir, rng):
+    """Unit-stride convs that make few channels a group run directly (gradc/ops/conv_direct.py), each
+    output's taps summed in vector registers (gradc/runtime/simd.py), and so do input gradients with
+    few source or many made channels: a 5x5 conv of one channel (LeNet's first), a grouped and dilated
+    one, an input gradient whose padding exceeds k - 1 (its band cropped), one of 17 channels (blocks of
+    8 and a short one), a stride-2 conv (im2col) and a 1x1 (im2col). Loss, gradients and an hvp
+    against torch in float64; a float32 build within float32's precision of it."""
+    m = gc.Model("direct_net")
+    x = m.input("x", ("B", 1, 11, 9))
+    shapes = {"w0": (6, 1, 5, 5), "w1": (6, 3, 3, 2), "w2": (17, 6, 3, 3), "w3": (4, 17, 2, 2), "w4": (5, 4, 1, 1)}
+    p = {k: m.param(k, s, init="he_normal") for k, s in shapes.items()}
+    p["b0"] = m.param("b0", (6,), init="normal")
+
+    def forward(lib, x, p):
+        conv, tanh = (gc.conv2d, gc.tanh) if lib is gc else (F.conv2d, torch.tanh)
+        h = tanh(conv(x, p["w0"], p["b0"], padding=2))                      # (B, 6, 11, 9)
+        h = tanh(conv(h, p["w1"], padding=(2, 1), dilation=(2, 1), groups=2))   # (B, 6, 11, 10)
+        h = tanh(conv(h, p["w2"], padding=3))                               # (B, 17, 15, 14): padding > k - 1
+        h = tanh(conv(h, p["w3"], stride=2))                                # (B, 4, 7, 7): im2col
+        return conv(h, p["w4"])                                             # 1x1: im2col
+    y = forward(gc, x, p)
+    m.minimize(gc.mean(y * y))
+    mod = gc.compile(m, out=build_dir, dtype=dtype, warm=False)
+    source = open(mod.__file__).read()
+    assert re.search(r"def k\d+_conv2d_direct\(", source) and re.search(r"def k\d+_conv2d_input_grad_direct\(", source)
+    assert re.search(r"def k\d+_conv2d\(", source)
+    params = {k: v.astype(np.float64) for k, v in mod.init_params(1).items()}
+    X = rng.standard_normal((3, 1, 11, 9))
+    cast = (lambda a: a.astype(np.float32)) if dtype == "float32" else (lambda a: a)
+    loss, grads = mod.loss_and_grad({k: cast(v) for k, v in params.items()}, x=cast(X))
+    (dx,) = mod.input_grads({k: cast(v) for k, v in params.items()}, x=cast(X)).values()
+    pt = {k: _t(a) for k, a in params.items()}
+    xt = _t(X)
+    ref = (forward(torch, xt, pt) ** 2).mean()
+    tg = torch.autograd.grad(ref, list(pt.values()) + [xt], create_graph=True)
+    tight = dtype == "float64"
+    np.testing.assert_allclose(loss, ref.item(), rtol=1e-12 if tight else 2e-5)
+    for k, got, g in zip(list(pt) + ["x"], [grads[k] for k in pt] + [dx], tg):
+        scale = float(np.abs(g.detach().numpy()).max())
+        np.testing.assert_allclose(got, g.detach().numpy(), rtol=1e-9 if tight else 0,
+                                   atol=1e-12 if tight else 2e-5 * scale, err_msg=k)
+    if tight:
+        v = {k: rng.standard_normal(params[k].shape) for k in mod.TRAINABLE}
+        hv = mod.hvp(params, v, x=X)
+        thv = torch.autograd.grad(sum((g * torch.tensor(v[k])).sum() for k, g in zip(pt, tg)), list(pt.values()))
+        for k, h in zip(pt, thv):
+            np.testing.assert_allclose(hv[k], h.numpy(), rtol=1e-8, atol=1e-11, err_msg=k)
+
+
+def test_which_convs_run_directly():
+    """Unit strides, a kernel larger than 1x1, at most 64 channels made a group; an input gradient
+    also needs fewer than 16 source channels a group (the conv's outputs) or 16 or more of its own."""
+    from gradc.ops.conv_direct import direct, out_block
+    conv = {"stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "groups": 1}
+    assert direct(conv, (6, 1, 5, 5)) and direct(conv, (64, 3, 3, 3)) and direct(conv | {"groups": 4}, (256, 8, 3, 3))
+    assert not direct(conv, (65, 3, 3, 3)) and not direct(conv, (8, 8, 1, 1))
+    assert not direct(conv | {"stride": (2, 1)}, (8, 8, 3, 3))
+    assert direct(conv, (6, 1, 5, 5), input_grad=True)            # 6 sources
+    assert not direct(conv, (16, 6, 5, 5), input_grad=True)       # 16 sources, 6 made: im2col
+    assert direct(conv, (64, 16, 3, 3), input_grad=True) and direct(conv, (8, 64, 3, 3), input_grad=True)
+    assert not direct(conv, (8, 65, 3, 3), input_grad=True)
+    assert [out_block(c) for c in (1, 2, 3, 4, 5, 6, 8, 9, 17, 64)] == [1, 2, 4, 4, 8, 8, 8, 8, 8, 8]
+
+
 def _split_everything(monkeypatch, cores=3):
     """Builds and runs from here split every conv over up to `cores` parts of its batch, with BLAS
     seen as having that many threads (the thread counts set are recorded, not set); returns the list
@@ -487,16 +554,20 @@ def _split_everything(monkeypatch, cores=3):
     return ran, set_to
 
 
-def test_convs_over_parts_of_the_batch_match_torch(build_dir, rng, monkeypatch):
+@pytest.mark.parametrize("path", ["_direct", ""], ids=["direct", "im2col"])
+def test_convs_over_parts_of_the_batch_match_torch(path, build_dir, rng, monkeypatch):
     """A plain entry runs each conv, input gradient and weight gradient over parts of the batch at
     once (gradc/runtime/conv_cores.py): 7 images in 3 parts of 2, 2 and 3, the weight gradients summed
-    over the parts; loss and gradients against torch, float64, and BLAS's thread count given back."""
+    over the parts; loss and gradients against torch, float64, and BLAS's thread count given back.
+    The convs and the input gradient run directly, then (the direct path turned off) by im2col."""
     ran, set_to = _split_everything(monkeypatch)
-    m, forward = _conv_net("conv_parts")
+    if not path:
+        monkeypatch.setattr(conv_direct, "DIRECT_MAX_CHANNELS", 0)
+    m, forward = _conv_net("conv_parts" + path)
     mod = gc.compile(m, out=build_dir, dtype="float64", order=1, warm=False)
     source = open(mod.__file__).read()
-    assert len(re.findall(r"conv_on_cores\(k\d+_conv2d, .*most=3\)", source)) >= 2
-    assert re.search(r"conv_on_cores\(k\d+_conv2d_input_grad, .*most=3\)", source)
+    assert len(re.findall(rf"conv_on_cores\(k\d+_conv2d{path}, .*most=3\)", source)) >= 2
+    assert re.search(rf"conv_on_cores\(k\d+_conv2d_input_grad{path}, .*most=3\)", source)
     assert re.search(r"conv_weight_grad_on_cores\(k\d+_conv2d_weight_grad, .*most=3\)", source)
     params = mod.init_params(2)
     X, Y = rng.standard_normal((7, 1, 8, 8)), rng.integers(0, 10, 7)

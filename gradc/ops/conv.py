@@ -20,6 +20,8 @@ the next elementwise kernel.
 import numpy as np
 
 from . import Op, register
+from .conv_direct import cpu_conv2d_direct_source, cpu_input_grad_direct_source, direct, out_block
+from .conv_direct import workspace_bytes as direct_workspace_bytes
 from .conv_winograd import (cpu_conv2d_winograd_source, cpu_input_grad_winograd_source, winograd,
                             workspace_values as winograd_values)
 from ..errors import ShapeError
@@ -621,6 +623,10 @@ def _workspace(x_at, w_at, g_at, taps=False, summed=False, input_grad=False):
             made, c_src, c_dst = (x, c_out, cg) if input_grad else (g, cg, c_out)
             if taps and winograd(a, w, made[2:], input_grad):   # conv_winograd.py: U, one block's V and M, its band
                 return winograd_values(made[2], made[3], c_src, c_dst) * itemsize
+            if taps and direct(a, w, input_grad):   # conv_direct.py: the band, the blocked weights, the sums
+                src, made_ch = (og, cg) if input_grad else (cg, og)
+                return direct_workspace_bytes(src, made_ch, made[2], made[3], kh, kw, dh, dw, itemsize,
+                                              a.get("groups", 1))
             if taps and by_taps(a, w, h_out, w_in):   # _TAPS_HEAD: the band, one tile, the taps' weights
                 rows = max(1, min(h_out, TILE // max(1, max(cg, og) * wp)))
                 values = cg * (rows + (kh - 1) * dh) * wp + (kw - 1) * dw + og * rows * wp + kh * kw * og * cg
@@ -640,7 +646,7 @@ def _workspace(x_at, w_at, g_at, taps=False, summed=False, input_grad=False):
 
 
 def _lower(hint, make, make_by_taps=None, x_at=0, w_at=1, g_at=2, on_cores=None, make_winograd=None,
-           input_grad=False):
+           input_grad=False, make_direct=None):
     """One kernel per module and target for each op and path (stride, padding, dilation, groups are
     arguments; the paths: Winograd, by taps, im2col); x_at, w_at, g_at: where x, w and g are among the
     operands and the output (index 2); input_grad: the op is the input gradient (for the Winograd rule).
@@ -653,6 +659,9 @@ def _lower(hint, make, make_by_taps=None, x_at=0, w_at=1, g_at=2, on_cores=None,
         ints = [*a["stride"], *a["padding"], *a.get("dilation", (1, 1)), a.get("groups", 1)]
         if make_winograd is not None and winograd(a, w, (x if input_grad else g)[2:], input_grad):
             kernel = s.kernel((hint, "winograd"), f"{hint}_winograd", make_winograd)
+        elif make_direct is not None and direct(a, w, input_grad):
+            ob = out_block(w[1] if input_grad else w[0] // a.get("groups", 1))
+            kernel = s.kernel((hint, "direct", ob), f"{hint}_direct", lambda name: make_direct(name, ob))
         elif make_by_taps is not None and by_taps(a, w, g[2], x[3]):
             kernel = s.kernel((hint, "by_taps"), f"{hint}_by_taps", make_by_taps)
         else:
@@ -678,7 +687,7 @@ def _rows_summed(graph, n, ins, fail):
 register(Op("conv2d", "conv", _conv_infer, _conv_evaluate, _conv_flops, vjp=_conv_vjp, arity=2,
             rows=_rows_of_first, workspace=_workspace(0, 1, 2, taps=True),
             cpu=_lower("conv2d", cpu_conv2d_source, cpu_conv2d_by_taps_source, 0, 1, 2, "conv_on_cores",
-                       cpu_conv2d_winograd_source),
+                       cpu_conv2d_winograd_source, make_direct=cpu_conv2d_direct_source),
             cuda=_lower("conv2d", cuda_conv2d_source),
             doc="y[n, o] = sum over c in o's group, taps (i, j) of w[o, c, i, j] * x_pad[n, c, h s + i d, w s + j d]; "
                 "attrs stride, padding, dilation (pairs), groups"))
@@ -686,7 +695,8 @@ register(Op("conv2d_input_grad", "conv", _input_grad_infer, _input_grad_evaluate
             vjp=_input_grad_vjp, arity=2, rows=_rows_of_first,
             workspace=_workspace(2, 1, 0, taps=True, input_grad=True),
             cpu=_lower("conv2d_input_grad", cpu_input_grad_source, cpu_input_grad_by_taps_source, 2, 1, 0,
-                       "conv_on_cores", cpu_input_grad_winograd_source, input_grad=True),
+                       "conv_on_cores", cpu_input_grad_winograd_source, input_grad=True,
+                       make_direct=cpu_input_grad_direct_source),
             cuda=_lower("conv2d_input_grad", cuda_input_grad_source),
             doc="the transposed convolution of g by w: conv2d's adjoint for x; attrs as conv2d's plus input_hw"))
 register(Op("conv2d_weight_grad", "conv", _weight_grad_infer, _weight_grad_evaluate, _weight_grad_flops,

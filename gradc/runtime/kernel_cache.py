@@ -7,7 +7,7 @@ of its content together with the build's dtype, the gradc and Numba versions and
 text goes once into `<cache>/kernels/k_<hash>.py`, and the kernel is loaded from there with
 Numba's `cache=True`: Numba keeps the machine code beside it, in `<cache>/kernels/__pycache__`.
 The 30 identical layers of one model, and the same layers in the next model, are one file and one
-compile. A kernel may call gradc's own compiled helpers (RUNTIME_KERNELS, e.g. `gemm_strided`): its
+compile. A kernel may call gradc's own compiled helpers (RUNTIME_KERNELS, e.g. `gemm_strided`, `tap_sums`): its
 file imports them, and its header names a hash of the source that defines each, since Numba's
 cache of the kernel holds their machine code too. A kernel may call other cached kernels (a scan's
 step calls the step's kernels, its loop calls the step): its file loads each from that kernel's own
@@ -48,6 +48,7 @@ from numba.core.caching import FunctionCache
 from gradc.files import import_path
 from gradc.runtime.blas import gemm_strided
 from gradc.runtime.cuda import load_cuda, simulated
+from gradc.runtime.simd import tap_sums
 from gradc.runtime.views import view
 from gradc.version import __version__
 
@@ -60,7 +61,7 @@ KERNELS = []   # (module name, kernel name, dispatcher, cache file or None), in 
 NOT_CACHED = {}   # (module name, kernel name) -> why it compiled outside the cache
 _LOCK = threading.Lock()
 _LINES = {}    # (path, inode, mtime_ns, size) -> the file's lines
-RUNTIME_KERNELS = {"gemm_strided": gemm_strided, "view": view}   # gradc's compiled helpers a kernel may call by name
+RUNTIME_KERNELS = {"gemm_strided": gemm_strided, "tap_sums": tap_sums, "view": view}   # gradc's compiled helpers a kernel may call by name
 _FILE_OF = {}  # id(dispatcher) -> the cache file it was loaded from (the dispatchers live in KERNELS)
 
 

@@ -1,0 +1,134 @@
+"""CPU direct convolutions for few channels: a conv2d and its input gradient with unit strides, whose
+output channels a group are few (DIRECT_MAX_CHANNELS), summed tap by tap in vector registers.
+
+im2col turns such a conv into a skinny product (LeNet's 6 or 16 output channels) and first copies
+every input value once per tap; by taps (conv.py), products with an inner dim of a few channels.
+Both run far below the core's peak. Here nothing is copied but the input, once, into a zero-padded
+band per image and group, and each output is summed where it is made:
+
+    out[n, d, y, x] = sum over source channel s of the group and taps (i, j) of
+                      W[d, s, i, j] * band[s, y + i dh, x + j dw]
+
+The band's rows are w_dst + (kw - 1) dw wide, so output position (y, x) lies at y wb + x and tap
+(s, i, j) shifts it by tap = s hb wb + i dh wb + j dw: LANES consecutive positions read LANES
+consecutive band values for every tap. tap_sums (gradc/runtime/simd.py) sums them for OUT_BLOCK
+output channels at once, the accumulators in vector registers; the last wb - w_dst positions of a
+row are computed and dropped.
+
+The input gradient is the conv of g, its band padded by (k - 1) d - p (cropped where that is
+negative), by the filters turned 180 degrees with in and out channels swapped, per group.
+
+Measured (one thread, float32, 64 images, ms, this build's direct kernel against the path the conv
+took before and torch's own conv2d on one thread): see the README's table (Convolutions).
+"""
+from gradc.runtime.simd import ACCUMULATORS, VECTOR_BYTES
+
+DIRECT_MAX_CHANNELS = 64   # channels a group the kernel makes at most: beyond, BLAS's products win
+
+
+def direct(attrs, w_shape, input_grad=False):
+    """Whether the CPU runs this conv2d (w_shape: its weight) or its input gradient directly: unit
+    strides, a kernel larger than 1x1 (a 1x1 conv is one product, which BLAS runs best), and at most
+    DIRECT_MAX_CHANNELS channels made a group. The input gradient's im2col product has the conv's
+    output channels as its inner dim: from 16 of them BLAS runs it as well, unless the gradient has
+    16 channels or more itself."""
+    c_out, cg, kh, kw = w_shape
+    og = c_out // attrs.get("groups", 1)
+    if tuple(attrs["stride"]) != (1, 1) or kh * kw == 1:
+        return False
+    if input_grad:
+        return cg <= DIRECT_MAX_CHANNELS and (og < 16 or cg >= 16)
+    return og <= DIRECT_MAX_CHANNELS
+
+
+def out_block(made):
+    """Output channels tap_sums sums at once for `made` channels a group: the power of two that wastes
+    the fewest accumulators (made 1: one channel over eight vectors of positions; 6: eight, two idle)."""
+    block = 1
+    while block < min(made, ACCUMULATORS):
+        block *= 2
+    return block
+
+
+def workspace_bytes(src_channels, made_channels, h_dst, w_dst, kh, kw, dh, dw, itemsize, groups=1):
+    """Bytes the kernel allocates for one call: the band, the blocked weights, the accumulators and
+    the tap table (the kernel's head)."""
+    ob = out_block(made_channels)
+    step = ACCUMULATORS // ob * (VECTOR_BYTES // itemsize)
+    wb, hb = w_dst + (kw - 1) * dw, h_dst + (kh - 1) * dh
+    n_taps = src_channels * kh * kw
+    blocks = -(-made_channels // ob)
+    positions = -(-((h_dst - 1) * wb + w_dst) // step) * step
+    values = src_channels * hb * wb + step + groups * blocks * n_taps * ob + ob * positions
+    return values * itemsize + 8 * n_taps
+
+
+def _source(name, first, input_grad, ob):
+    if input_grad:   # w: (c_out, cg, kh, kw) of the conv; the gradient's sources are the conv's outputs
+        channels = ["    made, src = w.shape[1], w.shape[0] // groups",
+                    "    top, left = (kh - 1) * dh - ph, (kw - 1) * dw - pw"]
+        weight = "w[g * src + s, d, kh - 1 - i, kw - 1 - j]"
+    else:
+        channels = ["    made, src = w.shape[0] // groups, w.shape[1]",
+                    "    top, left = ph, pw"]
+        weight = "w[g * made + d, s, i, j]"
+    lines = [
+        f"def {name}({first}, w, sh, sw, ph, pw, dh, dw, groups, out):",
+        f"    n_img, h_src, w_src = {first}.shape[0], {first}.shape[2], {first}.shape[3]",
+        "    h_dst, w_dst = out.shape[2], out.shape[3]",
+        "    kh, kw = w.shape[2], w.shape[3]",
+        *channels,
+        f"    ob = {ob}   # output channels summed at once",
+        f"    step = {ACCUMULATORS // ob} * {VECTOR_BYTES} // out.itemsize   # positions summed at once",
+        "    wb, hb = w_dst + (kw - 1) * dw, h_dst + (kh - 1) * dh   # the band",
+        "    plane = hb * wb",
+        "    n_pos = -(-((h_dst - 1) * wb + w_dst) // step) * step",
+        "    n_taps = src * kh * kw",
+        "    blocks = -(-made // ob)",
+        "    tap = np.empty(n_taps, dtype=np.int64)",
+        "    for s in range(src):",
+        "        for i in range(kh):",
+        "            for j in range(kw):",
+        "                tap[(s * kh + i) * kw + j] = s * plane + i * dh * wb + j * dw",
+        "    wt = np.zeros((groups, blocks, n_taps, ob), dtype=out.dtype)   # zero past the last channel",
+        "    for g in range(groups):",
+        "        for d in range(made):",
+        "            for s in range(src):",
+        "                for i in range(kh):",
+        "                    for j in range(kw):",
+        f"                        wt[g, d // ob, (s * kh + i) * kw + j, d % ob] = {weight}",
+        "    band = np.zeros(src * plane + step, dtype=out.dtype)   # its padding stays zero: only inputs are written",
+        "    acc = np.empty((ob, n_pos), dtype=out.dtype)",
+        "    h_lo, h_hi = max(0, -top), min(h_src, hb - top)",
+        "    c_lo, c_hi = max(0, -left), min(w_src, wb - left)",
+        "    for n in range(n_img):",
+        "        for g in range(groups):",
+        "            for s in range(src):",
+        "                for h in range(h_lo, h_hi):",
+        "                    at = s * plane + (h + top) * wb + left",
+        f"                    row = {first}[n, g * src + s, h]",
+        "                    for c in range(c_lo, c_hi):",
+        "                        band[at + c] = row[c]",
+        "            for b in range(blocks):",
+        "                wb_block = wt[g, b]",
+        "                for q0 in range(0, n_pos, step):",
+        "                    tap_sums(band, q0, wb_block, tap, acc, ob)",
+        "                for u in range(min(ob, made - b * ob)):",
+        "                    d = g * made + b * ob + u",
+        "                    for y in range(h_dst):",
+        "                        row, sums = out[n, d, y], acc[u, y * wb:y * wb + w_dst]",
+        "                        for c in range(w_dst):",
+        "                            row[c] = sums[c]",
+    ]
+    return "\n".join(lines)
+
+
+def cpu_conv2d_direct_source(name, ob):
+    return (_source(name, "x", False, ob),
+            "conv2d, unit strides, few output channels: sums over taps in vector registers (tap_sums)")
+
+
+def cpu_input_grad_direct_source(name, ob):
+    return (_source(name, "gy", True, ob),
+            "conv2d_input_grad, unit strides, few input channels: the conv of g by the turned filters, "
+            "summed over taps in vector registers (tap_sums)")

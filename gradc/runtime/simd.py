@@ -1,0 +1,100 @@
+"""tap_sums: the inner loop of the direct convolution (gradc/ops/conv_direct.py), with its
+accumulators held in vector registers.
+
+    acc[u, q0:q0 + LANES] = sum over k of wb[k, u] * xp[tap[k] + q0 : tap[k] + q0 + LANES],  u < OUT_BLOCK
+
+LANES consecutive positions of a zero-padded input band times OUT_BLOCK output channels' weights,
+summed over every tap k (channel and kernel offset): per tap one vector load of the band, one
+broadcast weight and one fused multiply-add per output channel. Numba's loop vectoriser cannot do
+this: the sum over taps is the outer loop, and with the accumulators in memory each multiply-add also
+loads and stores one (the store port then bounds it: about 30 GF/s on one core here, against 90 with
+the accumulators in registers). LLVM's SLP vectoriser could pack scalar accumulators, but Numba turns
+it off (miscompilations, numba#8852). So the loop is written here in LLVM IR, through Numba's
+`intrinsic`: OUT_BLOCK vectors of LANES values, one fused multiply-add each per tap.
+
+LANES is 64 bytes of the dtype (16 float32, 8 float64): one AVX-512 register, two AVX2 ones (LLVM
+splits the vectors where the CPU's are narrower). Fused multiply-adds round once where a multiply
+then an add round twice; the sums are as accurate as the other paths' (BLAS uses them too).
+
+The caller guarantees the bounds (the intrinsic checks none): tap[k] + q0 + LANES <= xp.size for
+every k, q0 + LANES <= acc.shape[1], wb of shape (len(tap), OUT_BLOCK), all C-contiguous.
+"""
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.core.errors import TypingError
+from numba.extending import intrinsic
+
+ACCUMULATORS = 8    # vectors a call sums into: out_block channels of 8 // out_block vectors of positions
+VECTOR_BYTES = 64   # LANES = VECTOR_BYTES // itemsize
+
+
+def lanes(itemsize):
+    return VECTOR_BYTES // itemsize
+
+
+@intrinsic(prefer_literal=True)
+def _tap_sums(typingctx, xp, q0, wb, tap, acc, out_block, pos_block):
+    floats = ((xp, 1), (wb, 2), (acc, 2))
+    if not (all(isinstance(a, types.Array) and a.layout == "C" and a.ndim == nd and a.dtype == xp.dtype
+                for a, nd in floats) and xp.dtype in (types.float32, types.float64)
+            and isinstance(tap, types.Array) and tap.layout == "C" and tap.dtype == types.int64
+            and isinstance(q0, types.Integer) and isinstance(out_block, types.IntegerLiteral)
+            and isinstance(pos_block, types.IntegerLiteral)):
+        raise TypingError("tap_sums takes C-contiguous float32 or float64 arrays xp (1-D), wb and acc (2-D), "
+                          "int64 taps, an integer q0 and constant blocks")
+    n_out, n_vec = out_block.literal_value, pos_block.literal_value
+    sig = types.void(xp, q0, wb, tap, acc, out_block, pos_block)
+
+    def codegen(context, builder, sig, args):
+        xp_v, q0_v, wb_v, tap_v, acc_v = args[:5]
+        q0_v = context.cast(builder, q0_v, sig.args[1], types.int64)
+        dtype = sig.args[0].dtype
+        fty = context.get_value_type(dtype)
+        n = lanes(context.get_abi_sizeof(fty))
+        vty = ir.VectorType(fty, n)
+        i64 = ir.IntType(64)
+        band, weights, taps, out = (context.make_array(t)(context, builder, v)
+                                    for t, v in zip((sig.args[0], sig.args[2], sig.args[3], sig.args[4]),
+                                                    (xp_v, wb_v, tap_v, acc_v)))
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty, vty, vty]),
+                                             f"llvm.fma.v{n}f{64 if dtype == types.float64 else 32}")
+        # the accumulators live in allocas of the entry block, which LLVM promotes to registers
+        sums = [[cgutils.alloca_once_value(builder, ir.Constant(vty, [ir.Constant(fty, 0.0)] * n))
+                 for _ in range(n_vec)] for _ in range(n_out)]
+        zero_mask = ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n)
+        with cgutils.for_range(builder, builder.extract_value(taps.shape, 0)) as loop:
+            k = loop.index
+            at = builder.add(builder.load(builder.gep(taps.data, [k])), q0_v)
+            xs = [builder.load(builder.bitcast(builder.gep(band.data, [builder.add(at, ir.Constant(i64, p * n))]),
+                                               vty.as_pointer()), align=1) for p in range(n_vec)]
+            row = builder.mul(k, ir.Constant(i64, n_out))
+            for u in range(n_out):
+                w = builder.load(builder.gep(weights.data, [builder.add(row, ir.Constant(i64, u))]))
+                w = builder.insert_element(ir.Constant(vty, ir.Undefined), w, ir.Constant(ir.IntType(32), 0))
+                w = builder.shuffle_vector(w, ir.Constant(vty, ir.Undefined), zero_mask)
+                for p, x in enumerate(xs):
+                    builder.store(builder.call(fma, [w, x, builder.load(sums[u][p])]), sums[u][p])
+        pitch = builder.extract_value(out.shape, 1)
+        for u in range(n_out):
+            for p in range(n_vec):
+                at = builder.add(builder.mul(pitch, ir.Constant(i64, u)), builder.add(q0_v, ir.Constant(i64, p * n)))
+                builder.store(builder.load(sums[u][p]), builder.bitcast(builder.gep(out.data, [at]), vty.as_pointer()),
+                              align=1)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True)
+def tap_sums(xp, q0, wb, tap, acc, out_block):
+    """acc[u, q0:q0 + 8 // out_block * LANES] = the sum over k of wb[k, u] * xp[tap[k] + q0:][:...] for
+    u < out_block (1, 2, 4 or 8), see the module: eight accumulator vectors, as out_block channels of
+    8 // out_block vectors of positions each."""
+    if out_block == 8:
+        _tap_sums(xp, q0, wb, tap, acc, 8, 1)
+    elif out_block == 4:
+        _tap_sums(xp, q0, wb, tap, acc, 4, 2)
+    elif out_block == 2:
+        _tap_sums(xp, q0, wb, tap, acc, 2, 4)
+    else:
+        _tap_sums(xp, q0, wb, tap, acc, 1, 8)
