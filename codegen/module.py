@@ -54,7 +54,7 @@ from gradc.runtime.hessian import hessian_buffer, hessian_row_range, in_blocks, 
 from gradc.runtime.kernel_cache import cached_kernel
 from gradc.runtime.parallel import no_one
 from gradc.runtime.pipeline import HostMemory, Pipeline
-from gradc.runtime.simd import tap_sums
+from gradc.runtime.simd import tap_dots, tap_sums
 from gradc.runtime.views import view
 
 # float errors give inf/nan as in numpy, never raise; nogil lets Hessian blocks run on every core

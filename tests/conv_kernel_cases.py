@@ -28,7 +28,7 @@ def worst_error(target):
     else:
         from numba import njit
         from gradc.runtime.blas import gemm_strided
-        from gradc.runtime.simd import tap_sums
+        from gradc.runtime.simd import tap_dots, tap_sums
         deco = njit(cache=False, error_model="numpy", nogil=True)
     ns = {"np": np, "math": math}
     if target == "cuda":
@@ -42,10 +42,11 @@ def worst_error(target):
                   "ap": P.cuda_avg_pool_source, "agrad": P.cuda_avg_grad_source}
     else:   # the CPU's path by taps (unit strides, >= TAPS_MIN_CHANNELS channels a group), with a small
         # tile so that a few output rows make a band: several bands a image, the last one short
-        ns["gemm_strided"], ns["tap_sums"] = gemm_strided, tap_sums
+        ns["gemm_strided"], ns["tap_sums"], ns["tap_dots"] = gemm_strided, tap_sums, tap_dots
         for ob in (1, 2, 4, 8):   # the direct kernels, for every block of output channels
             makers[f"conv_d{ob}"] = partial(CD.cpu_conv2d_direct_source, ob=ob)
             makers[f"dx_d{ob}"] = partial(CD.cpu_input_grad_direct_source, ob=ob)
+            makers[f"dw_d{ob}"] = partial(CD.cpu_weight_grad_direct_source, ob=ob)
         makers.update({"conv_t": partial(C.cpu_conv2d_by_taps_source, tile=TAPS_TILE),
                        "dx_t": partial(C.cpu_input_grad_by_taps_source, tile=TAPS_TILE),
                        "conv_w": partial(CW.cpu_conv2d_winograd_source, block=WINOGRAD_TEST_BLOCK),
@@ -108,17 +109,19 @@ def worst_error(target):
                 worst = max(worst, difference(got, ref))
         # Direct (conv_direct.py): unit strides, any kernel, padding (the input gradient's band cropped where
         # the padding exceeds (k - 1) d), dilation and groups; channels made a group not a multiple of the
-        # block, a one-pixel output, rows of positions wider than a call's, each block size on each case
+        # block, a one-pixel output, rows of positions wider than a call's, each block size on each case; the
+        # weight gradient also over chunks of images (the last one short)
         for (c, o, G, k, p, d, h, w, n) in [(1, 6, 1, (5, 5), (2, 2), (1, 1), 9, 7, 3), (4, 6, 2, (3, 2), (0, 3), (2, 1), 8, 9, 2),
                                             (3, 17, 1, (2, 3), (1, 2), (1, 2), 6, 6, 2), (2, 3, 1, (3, 3), (3, 2), (1, 1), 7, 5, 2),
                                             (6, 2, 2, (3, 3), (1, 1), (1, 1), 1, 1, 2), (16, 5, 1, (5, 5), (4, 4), (1, 1), 10, 10, 1),
-                                            (2, 9, 1, (3, 3), (1, 1), (1, 1), 4, 70, 1)]:
+                                            (2, 9, 1, (3, 3), (1, 1), (1, 1), 4, 70, 1), (1, 3, 1, (3, 3), (1, 1), (1, 1), 20, 18, 12)]:
             x = rng.standard_normal((n, c, h, w)); wt = rng.standard_normal((o, c // G) + k)
             y = C.conv2d_np(x, wt, (1, 1), p, d, G); g = rng.standard_normal(y.shape)
             ints = [1, 1, *p, *d, G]
-            dx = C.conv2d_input_grad_np(g, wt, (1, 1), p, d, G, (h, w))
+            dx, dw = C.conv2d_input_grad_np(g, wt, (1, 1), p, d, G, (h, w)), C.conv2d_weight_grad_np(x, g, (1, 1), p, d, G, k)
             for ob in (1, 2, 4, 8):
-                for got, ref in [(run(f"conv_d{ob}", [x, wt, *ints], y.shape), y), (run(f"dx_d{ob}", [g, wt, *ints], x.shape), dx)]:
+                for got, ref in [(run(f"conv_d{ob}", [x, wt, *ints], y.shape), y), (run(f"dx_d{ob}", [g, wt, *ints], x.shape), dx),
+                                 (run(f"dw_d{ob}", [x, g, *ints], wt.shape), dw)]:
                     worst = max(worst, difference(got, ref))
     pool_cases = [((2, 2), (2, 2), (0, 0), 6, 6), ((3, 3), (2, 2), (1, 1), 7, 8), ((2, 3), (1, 2), (1, 0), 5, 6),
                   ((3, 2), (3, 1), (0, 1), 9, 4), ((3, 3), (1, 1), (1, 1), 4, 5)]

@@ -478,10 +478,11 @@ def test_which_convs_run_by_winograd():
 def test_convs_by_direct_sums_match_torch_in_a_compiled_net(dtype, build_dir, rng):
     """Unit-stride convs that make few channels a group run directly (gradc/ops/conv_direct.py), each
     output's taps summed in vector registers (gradc/runtime/simd.py), and so do input gradients with
-    few source or many made channels: a 5x5 conv of one channel (LeNet's first), a grouped and dilated
-    one, an input gradient whose padding exceeds k - 1 (its band cropped), one of 17 channels (blocks of
-    8 and a short one), a stride-2 conv (im2col) and a 1x1 (im2col). Loss, gradients and an hvp
-    against torch in float64; a float32 build within float32's precision of it."""
+    few source or many made channels, and weight gradients of few taps: a 5x5 conv of one channel
+    (LeNet's first), a grouped and dilated one, an input gradient whose padding exceeds k - 1 (its band
+    cropped), one of 17 channels (blocks of 8 and a short one), a stride-2 conv (im2col) and a 1x1
+    (im2col). Loss, gradients (the input's too) and an hvp against torch in float64; a float32 build
+    within float32's precision of it."""
     m = gc.Model("direct_net")
     x = m.input("x", ("B", 1, 11, 9))
     shapes = {"w0": (6, 1, 5, 5), "w1": (6, 3, 3, 2), "w2": (17, 6, 3, 3), "w3": (4, 17, 2, 2), "w4": (5, 4, 1, 1)}
@@ -499,7 +500,8 @@ def test_convs_by_direct_sums_match_torch_in_a_compiled_net(dtype, build_dir, rn
     m.minimize(gc.mean(y * y))
     mod = gc.compile(m, out=build_dir, dtype=dtype, warm=False)
     source = open(mod.__file__).read()
-    assert re.search(r"def k\d+_conv2d_direct\(", source) and re.search(r"def k\d+_conv2d_input_grad_direct\(", source)
+    for kernel in ("conv2d_direct", "conv2d_input_grad_direct", "conv2d_weight_grad_direct", "conv2d_weight_grad"):
+        assert re.search(rf"def k\d+_{kernel}\(", source), kernel
     assert re.search(r"def k\d+_conv2d\(", source)
     params = {k: v.astype(np.float64) for k, v in mod.init_params(1).items()}
     X = rng.standard_normal((3, 1, 11, 9))
@@ -526,7 +528,8 @@ def test_convs_by_direct_sums_match_torch_in_a_compiled_net(dtype, build_dir, rn
 
 def test_which_convs_run_directly():
     """Unit strides, a kernel larger than 1x1, at most 64 channels made a group; an input gradient
-    also needs fewer than 16 source channels a group (the conv's outputs) or 16 or more of its own."""
+    also needs fewer than 16 source channels a group (the conv's outputs) or 16 or more of its own, a
+    weight gradient at most 31 taps a group (channels times kernel)."""
     from gradc.ops.conv_direct import direct, out_block
     conv = {"stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "groups": 1}
     assert direct(conv, (6, 1, 5, 5)) and direct(conv, (64, 3, 3, 3)) and direct(conv | {"groups": 4}, (256, 8, 3, 3))
@@ -536,6 +539,9 @@ def test_which_convs_run_directly():
     assert not direct(conv, (16, 6, 5, 5), input_grad=True)       # 16 sources, 6 made: im2col
     assert direct(conv, (64, 16, 3, 3), input_grad=True) and direct(conv, (8, 64, 3, 3), input_grad=True)
     assert not direct(conv, (8, 65, 3, 3), input_grad=True)
+    assert direct(conv, (6, 1, 5, 5), weight_grad=True) and direct(conv | {"groups": 2}, (6, 3, 3, 3), weight_grad=True)
+    assert not direct(conv, (16, 6, 5, 5), weight_grad=True)      # 150 taps: im2col
+    assert not direct(conv, (65, 1, 3, 3), weight_grad=True)
     assert [out_block(c) for c in (1, 2, 3, 4, 5, 6, 8, 9, 17, 64)] == [1, 2, 4, 4, 8, 8, 8, 8, 8, 8]
 
 
@@ -568,7 +574,7 @@ def test_convs_over_parts_of_the_batch_match_torch(path, build_dir, rng, monkeyp
     source = open(mod.__file__).read()
     assert len(re.findall(rf"conv_on_cores\(k\d+_conv2d{path}, .*most=3\)", source)) >= 2
     assert re.search(rf"conv_on_cores\(k\d+_conv2d_input_grad{path}, .*most=3\)", source)
-    assert re.search(r"conv_weight_grad_on_cores\(k\d+_conv2d_weight_grad, .*most=3\)", source)
+    assert re.search(rf"conv_weight_grad_on_cores\(k\d+_conv2d_weight_grad{path}, .*most=3\)", source)
     params = mod.init_params(2)
     X, Y = rng.standard_normal((7, 1, 8, 8)), rng.integers(0, 10, 7)
     loss, grads = mod.loss_and_grad(params, x=X, y=Y)

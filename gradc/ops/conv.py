@@ -20,7 +20,8 @@ the next elementwise kernel.
 import numpy as np
 
 from . import Op, register
-from .conv_direct import cpu_conv2d_direct_source, cpu_input_grad_direct_source, direct, out_block
+from .conv_direct import (cpu_conv2d_direct_source, cpu_input_grad_direct_source, cpu_weight_grad_direct_source,
+                          direct, out_block)
 from .conv_direct import workspace_bytes as direct_workspace_bytes
 from .conv_winograd import (cpu_conv2d_winograd_source, cpu_input_grad_winograd_source, winograd,
                             workspace_values as winograd_values)
@@ -621,6 +622,9 @@ def _workspace(x_at, w_at, g_at, taps=False, summed=False, input_grad=False):
 
         def one_call(n_img):
             made, c_src, c_dst = (x, c_out, cg) if input_grad else (g, cg, c_out)
+            if summed and direct(a, w, weight_grad=True):   # conv_direct.py: a chunk's bands and g's rows, the sums
+                return direct_workspace_bytes(cg, og, h_out, w_out, kh, kw, dh, dw, itemsize, a.get("groups", 1),
+                                              n_img, weight_grad=True)
             if taps and winograd(a, w, made[2:], input_grad):   # conv_winograd.py: U, one block's V and M, its band
                 return winograd_values(made[2], made[3], c_src, c_dst) * itemsize
             if taps and direct(a, w, input_grad):   # conv_direct.py: the band, the blocked weights, the sums
@@ -646,10 +650,12 @@ def _workspace(x_at, w_at, g_at, taps=False, summed=False, input_grad=False):
 
 
 def _lower(hint, make, make_by_taps=None, x_at=0, w_at=1, g_at=2, on_cores=None, make_winograd=None,
-           input_grad=False, make_direct=None):
+           input_grad=False, make_direct=None, weight_grad=False):
     """One kernel per module and target for each op and path (stride, padding, dilation, groups are
-    arguments; the paths: Winograd, by taps, im2col); x_at, w_at, g_at: where x, w and g are among the
-    operands and the output (index 2); input_grad: the op is the input gradient (for the Winograd rule).
+    arguments; the paths, in this order: Winograd, direct, by taps, im2col); x_at, w_at, g_at: where x,
+    w and g are among the operands and the output (index 2); input_grad, weight_grad: the op is the
+    input or weight gradient (for the rules). A direct kernel also has its block of output channels
+    written in (conv_direct.out_block), so there is one per block size.
     on_cores: the runtime function (gradc/runtime/conv_cores.py) through which a plain-Python entry
     calls the CPU kernel, over parts of the batch at once; a compiled function calls it directly."""
     def lower(s):
@@ -659,7 +665,7 @@ def _lower(hint, make, make_by_taps=None, x_at=0, w_at=1, g_at=2, on_cores=None,
         ints = [*a["stride"], *a["padding"], *a.get("dilation", (1, 1)), a.get("groups", 1)]
         if make_winograd is not None and winograd(a, w, (x if input_grad else g)[2:], input_grad):
             kernel = s.kernel((hint, "winograd"), f"{hint}_winograd", make_winograd)
-        elif make_direct is not None and direct(a, w, input_grad):
+        elif make_direct is not None and direct(a, w, input_grad, weight_grad):
             ob = out_block(w[1] if input_grad else w[0] // a.get("groups", 1))
             kernel = s.kernel((hint, "direct", ob), f"{hint}_direct", lambda name: make_direct(name, ob))
         elif make_by_taps is not None and by_taps(a, w, g[2], x[3]):
@@ -701,7 +707,8 @@ register(Op("conv2d_input_grad", "conv", _input_grad_infer, _input_grad_evaluate
             doc="the transposed convolution of g by w: conv2d's adjoint for x; attrs as conv2d's plus input_hw"))
 register(Op("conv2d_weight_grad", "conv", _weight_grad_infer, _weight_grad_evaluate, _weight_grad_flops,
             vjp=_weight_grad_vjp, arity=2, rows=_rows_summed, workspace=_workspace(0, 2, 1, summed=True),
-            cpu=_lower("conv2d_weight_grad", cpu_weight_grad_source, on_cores="conv_weight_grad_on_cores"),
+            cpu=_lower("conv2d_weight_grad", cpu_weight_grad_source, x_at=0, w_at=2, g_at=1,
+                       on_cores="conv_weight_grad_on_cores", make_direct=cpu_weight_grad_direct_source, weight_grad=True),
             cuda=_lower("conv2d_weight_grad", cuda_weight_grad_source),
             doc="dw[o, c, i, j] = sum over n, h, w of g[n, o, h, w] x_pad[n, c, h s + i d, w s + j d]: conv2d's adjoint "
                 "for w; attrs as conv2d's plus kernel"))

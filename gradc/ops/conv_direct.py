@@ -23,21 +23,30 @@ took before and torch's own conv2d on one thread): see the README's table (Convo
 """
 from gradc.runtime.simd import ACCUMULATORS, VECTOR_BYTES
 
+CHUNK = 1 << 14   # values of the weight gradient's bands and g's rows for a chunk of images
+
 DIRECT_MAX_CHANNELS = 64   # channels a group the kernel makes at most: beyond, BLAS's products win
 
 
-def direct(attrs, w_shape, input_grad=False):
-    """Whether the CPU runs this conv2d (w_shape: its weight) or its input gradient directly: unit
-    strides, a kernel larger than 1x1 (a 1x1 conv is one product, which BLAS runs best), and at most
-    DIRECT_MAX_CHANNELS channels made a group. The input gradient's im2col product has the conv's
-    output channels as its inner dim: from 16 of them BLAS runs it as well, unless the gradient has
-    16 channels or more itself."""
+WEIGHT_GRAD_MAX_TAPS = 31  # the weight gradient runs directly for fewer taps a group (channels times kernel)
+
+
+def direct(attrs, w_shape, input_grad=False, weight_grad=False):
+    """Whether the CPU runs this conv2d (w_shape: its weight) or its input or weight gradient
+    directly: unit strides, a kernel larger than 1x1 (a 1x1 conv is one product, which BLAS runs
+    best), and at most DIRECT_MAX_CHANNELS channels made a group. The input gradient's im2col product
+    has the conv's output channels as its inner dim: from 16 of them BLAS runs it as well, unless the
+    gradient has 16 channels or more itself. The weight gradient's sums over positions reload g's
+    rows for every tap: they beat im2col's product only where that product is small, for a few taps
+    (a first layer's one to three channels)."""
     c_out, cg, kh, kw = w_shape
     og = c_out // attrs.get("groups", 1)
     if tuple(attrs["stride"]) != (1, 1) or kh * kw == 1:
         return False
     if input_grad:
         return cg <= DIRECT_MAX_CHANNELS and (og < 16 or cg >= 16)
+    if weight_grad:
+        return og <= DIRECT_MAX_CHANNELS and cg * kh * kw <= WEIGHT_GRAD_MAX_TAPS
     return og <= DIRECT_MAX_CHANNELS
 
 
@@ -50,9 +59,21 @@ def out_block(made):
     return block
 
 
-def workspace_bytes(src_channels, made_channels, h_dst, w_dst, kh, kw, dh, dw, itemsize, groups=1):
+def workspace_bytes(src_channels, made_channels, h_dst, w_dst, kh, kw, dh, dw, itemsize, groups=1, n_img=1,
+                    weight_grad=False):
     """Bytes the kernel allocates for one call: the band, the blocked weights, the accumulators and
-    the tap table (the kernel's head)."""
+    the tap table (the kernel's head); the weight gradient's: a chunk of bands and of g's rows, the
+    partial sums and the tap table."""
+    if weight_grad:
+        ob, lanes = out_block(made_channels), VECTOR_BYTES // itemsize
+        kb = ACCUMULATORS // ob
+        wb, hb = w_dst + (kw - 1) * dw, h_dst + (kh - 1) * dh
+        n_pos = -(-((h_dst - 1) * wb + w_dst) // lanes) * lanes
+        rows = -(-made_channels // ob) * ob
+        n_taps = -(-(src_channels * kh * kw) // kb) * kb
+        per_image = src_channels * hb * wb + lanes + rows * n_pos
+        chunk = max(1, min(n_img, CHUNK // per_image))
+        return (chunk * per_image + n_taps * rows * lanes) * itemsize + 8 * n_taps
     ob = out_block(made_channels)
     step = ACCUMULATORS // ob * (VECTOR_BYTES // itemsize)
     wb, hb = w_dst + (kw - 1) * dw, h_dst + (kh - 1) * dh
@@ -132,3 +153,59 @@ def cpu_input_grad_direct_source(name, ob):
     return (_source(name, "gy", True, ob),
             "conv2d_input_grad, unit strides, few input channels: the conv of g by the turned filters, "
             "summed over taps in vector registers (tap_sums)")
+
+
+def cpu_weight_grad_direct_source(name, ob):
+    lines = [
+        f"def {name}(x, gy, sh, sw, ph, pw, dh, dw, groups, out):",
+        "    n_img, h_in, w_in = x.shape[0], x.shape[2], x.shape[3]",
+        "    h_out, w_out = gy.shape[2], gy.shape[3]",
+        "    c_out, src, kh, kw = out.shape",
+        "    made = c_out // groups",
+        f"    ob, kb = {ob}, {ACCUMULATORS // ob}   # output channels and taps summed at once",
+        f"    lanes = {VECTOR_BYTES} // out.itemsize",
+        "    top, left = ph, pw",
+        "    wb, hb = w_out + (kw - 1) * dw, h_out + (kh - 1) * dh   # the band",
+        "    plane = hb * wb",
+        "    n_pos = -(-((h_out - 1) * wb + w_out) // lanes) * lanes",
+        "    n_taps = src * kh * kw",
+        "    blocks = -(-made // ob)",
+        "    tap = np.zeros(-(-n_taps // kb) * kb, dtype=np.int64)   # the last block's spare taps read offset 0",
+        "    for s in range(src):",
+        "        for i in range(kh):",
+        "            for j in range(kw):",
+        "                tap[(s * kh + i) * kw + j] = s * plane + i * dh * wb + j * dw",
+        f"    chunk = max(1, min(n_img, {CHUNK} // (src * plane + lanes + blocks * ob * n_pos)))",
+        "    band = np.zeros((chunk, src * plane + lanes), dtype=out.dtype)   # padding stays zero",
+        "    gp = np.zeros((chunk, blocks * ob, n_pos), dtype=out.dtype)   # g's rows at the band's pitch; the rest zero",
+        "    sums = np.empty((tap.size, blocks * ob, lanes), dtype=out.dtype)",
+        "    h_lo, h_hi = max(0, -top), min(h_in, hb - top)",
+        "    c_lo, c_hi = max(0, -left), min(w_in, wb - left)",
+        "    for g in range(groups):",
+        "        sums[:] = 0.0",
+        "        for n0 in range(0, n_img, chunk):",
+        "            images = min(chunk, n_img - n0)",
+        "            for t in range(images):",
+        "                for s in range(src):",
+        "                    for h in range(h_lo, h_hi):",
+        "                        at = s * plane + (h + top) * wb + left",
+        "                        row = x[n0 + t, g * src + s, h]",
+        "                        for c in range(c_lo, c_hi):",
+        "                            band[t, at + c] = row[c]",
+        "                for d in range(made):",
+        "                    for y in range(h_out):",
+        "                        row, dst = gy[n0 + t, g * made + d, y], gp[t, d, y * wb:y * wb + w_out]",
+        "                        for c in range(w_out):",
+        "                            dst[c] = row[c]",
+        "            for b in range(blocks):",
+        "                for k0 in range(0, tap.size, kb):",
+        "                    tap_dots(band, gp, tap, k0, b * ob, images, sums, ob)",
+        "        for d in range(made):",
+        "            for s in range(src):",
+        "                for i in range(kh):",
+        "                    for j in range(kw):",
+        "                        out[g * made + d, s, i, j] = sums[(s * kh + i) * kw + j, d].sum()",
+    ]
+    return ("\n".join(lines),
+            "conv2d_weight_grad, unit strides, few output channels: band times g summed over positions in vector "
+            "registers (tap_dots)")

@@ -48,7 +48,7 @@ from numba.core.caching import FunctionCache
 from gradc.files import import_path
 from gradc.runtime.blas import gemm_strided
 from gradc.runtime.cuda import load_cuda, simulated
-from gradc.runtime.simd import tap_sums
+from gradc.runtime.simd import tap_dots, tap_sums
 from gradc.runtime.views import view
 from gradc.version import __version__
 
@@ -61,7 +61,7 @@ KERNELS = []   # (module name, kernel name, dispatcher, cache file or None), in 
 NOT_CACHED = {}   # (module name, kernel name) -> why it compiled outside the cache
 _LOCK = threading.Lock()
 _LINES = {}    # (path, inode, mtime_ns, size) -> the file's lines
-RUNTIME_KERNELS = {"gemm_strided": gemm_strided, "tap_sums": tap_sums, "view": view}   # gradc's compiled helpers a kernel may call by name
+RUNTIME_KERNELS = {"gemm_strided": gemm_strided, "tap_dots": tap_dots, "tap_sums": tap_sums, "view": view}   # gradc's compiled helpers a kernel may call by name
 _FILE_OF = {}  # id(dispatcher) -> the cache file it was loaded from (the dispatchers live in KERNELS)
 
 

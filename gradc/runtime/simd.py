@@ -98,3 +98,72 @@ def tap_sums(xp, q0, wb, tap, acc, out_block):
         _tap_sums(xp, q0, wb, tap, acc, 2, 4)
     else:
         _tap_sums(xp, q0, wb, tap, acc, 1, 8)
+
+
+@intrinsic(prefer_literal=True)
+def _tap_dots(typingctx, band, gp, tap, k0, o0, images, sums, tap_block, out_block):
+    shapes = ((band, 2), (gp, 3), (sums, 3))
+    if not (all(isinstance(a, types.Array) and a.layout == "C" and a.ndim == nd and a.dtype == band.dtype
+                for a, nd in shapes) and band.dtype in (types.float32, types.float64)
+            and isinstance(tap, types.Array) and tap.layout == "C" and tap.dtype == types.int64
+            and all(isinstance(i, types.Integer) for i in (k0, o0, images))
+            and isinstance(tap_block, types.IntegerLiteral) and isinstance(out_block, types.IntegerLiteral)):
+        raise TypingError("tap_dots takes C-contiguous float32 or float64 arrays band (2-D), gp and sums (3-D), "
+                          "int64 taps, integer k0, o0 and images, and constant blocks")
+    n_tap, n_out = tap_block.literal_value, out_block.literal_value
+    sig = types.void(band, gp, tap, k0, o0, images, sums, tap_block, out_block)
+
+    def codegen(context, builder, sig, args):
+        k0_v, o0_v, images_v = (context.cast(builder, v, t, types.int64) for v, t in zip(args[3:6], sig.args[3:6]))
+        dtype = sig.args[0].dtype
+        fty = context.get_value_type(dtype)
+        n = lanes(context.get_abi_sizeof(fty))
+        vty = ir.VectorType(fty, n)
+        i64 = ir.IntType(64)
+        const = lambda v: ir.Constant(i64, v)
+        bands, grads, taps, out = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (0, 1, 2, 6))
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty, vty, vty]),
+                                             f"llvm.fma.v{n}f{64 if dtype == types.float64 else 32}")
+        band_len = builder.extract_value(bands.shape, 1)
+        rows, n_pos = builder.extract_value(grads.shape, 1), builder.extract_value(grads.shape, 2)
+        sums = [[cgutils.alloca_once_value(builder, ir.Constant(vty, [ir.Constant(fty, 0.0)] * n))
+                 for _ in range(n_out)] for _ in range(n_tap)]
+        offsets = [builder.load(builder.gep(taps.data, [builder.add(k0_v, const(t))])) for t in range(n_tap)]
+        with cgutils.for_range(builder, images_v) as image:
+            band0 = builder.mul(image.index, band_len)
+            grad0 = builder.mul(image.index, builder.mul(rows, n_pos))
+            x_at = [builder.add(band0, off) for off in offsets]
+            g_at = [builder.add(grad0, builder.mul(builder.add(o0_v, const(u)), n_pos)) for u in range(n_out)]
+            with cgutils.for_range(builder, builder.udiv(n_pos, const(n))) as step:
+                p = builder.mul(step.index, const(n))
+                load = lambda arr, at: builder.load(builder.bitcast(builder.gep(arr.data, [builder.add(at, p)]),
+                                                                    vty.as_pointer()), align=1)
+                xs = [load(bands, at) for at in x_at]
+                gs = [load(grads, at) for at in g_at]
+                for t, x in enumerate(xs):
+                    for u, g in enumerate(gs):
+                        builder.store(builder.call(fma, [x, g, builder.load(sums[t][u])]), sums[t][u])
+        width = builder.extract_value(out.shape, 1)
+        for t in range(n_tap):
+            for u in range(n_out):
+                at = builder.mul(builder.add(builder.mul(builder.add(k0_v, const(t)), width),
+                                             builder.add(o0_v, const(u))), const(n))
+                ptr = builder.bitcast(builder.gep(out.data, [at]), vty.as_pointer())
+                builder.store(builder.fadd(builder.load(ptr, align=1), builder.load(sums[t][u])), ptr, align=1)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True)
+def tap_dots(band, gp, tap, k0, o0, images, sums, out_block):
+    """sums[k0 + t, o0 + u, :] += the sum over images i < `images` and positions p of
+    band[i, tap[k0 + t] + p] * gp[i, o0 + u, p], as LANES partial sums (see the module): eight
+    accumulator vectors, as 8 // out_block taps of out_block (1, 2, 4 or 8) channels each."""
+    if out_block == 8:
+        _tap_dots(band, gp, tap, k0, o0, images, sums, 1, 8)
+    elif out_block == 4:
+        _tap_dots(band, gp, tap, k0, o0, images, sums, 2, 4)
+    elif out_block == 2:
+        _tap_dots(band, gp, tap, k0, o0, images, sums, 4, 2)
+    else:
+        _tap_dots(band, gp, tap, k0, o0, images, sums, 8, 1)
