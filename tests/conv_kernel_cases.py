@@ -124,7 +124,8 @@ def worst_error(target):
                                  (run(f"dw_d{ob}", [x, g, *ints], wt.shape), dw)]:
                     worst = max(worst, difference(got, ref))
     pool_cases = [((2, 2), (2, 2), (0, 0), 6, 6), ((3, 3), (2, 2), (1, 1), 7, 8), ((2, 3), (1, 2), (1, 0), 5, 6),
-                  ((3, 2), (3, 1), (0, 1), 9, 4), ((3, 3), (1, 1), (1, 1), 4, 5)]
+                  ((3, 2), (3, 1), (0, 1), 9, 4), ((3, 3), (1, 1), (1, 1), 4, 5), ((2, 2), (2, 2), (1, 1), 7, 3),
+                  ((5, 4), (2, 3), (2, 1), 11, 10)]
     for ties in (False, True):
         for (k, s, p, h, w) in pool_cases:
             x = rng.integers(-2, 3, (2, 3, h, w)).astype(float) if ties else rng.standard_normal((2, 3, h, w))
@@ -133,6 +134,14 @@ def worst_error(target):
                 x[0, 0, 1, 1] = np.nan
             y = P.max_pool2d_np(x, k, s, p); g = rng.standard_normal(y.shape); u = rng.standard_normal(x.shape)
             ints = [*k, *s, *p]
+            if target == "cpu":   # the window written into the kernel's text: windows inside the input row by row
+                nm = f"mp_{'_'.join(map(str, ints))}"
+                if nm not in ns:
+                    exec(P.cpu_max_pool_source(nm, tuple(ints))[0], ns)
+                    ns[nm] = deco(ns[nm])
+                out = np.full(y.shape, np.nan)
+                ns[nm](x, out)
+                assert (np.isnan(out) == np.isnan(y)).all() and (out[~np.isnan(y)] == y[~np.isnan(y)]).all(), (k, s, p)
             for got, ref in [(run("mp", [x, *ints], y.shape), y),
                              (run("mpick", [x, u, *ints], y.shape), P.max_pool2d_pick_np(x, u, k, s, p)),
                              (run("mgrad", [x, g, *ints], x.shape), P.max_pool2d_grad_np(x, g, k, s, p)),

@@ -251,9 +251,50 @@ def _cpu_def(name, operands, window):
     return [f"def {name}({operands}, out):", f"    {_ARGS} = {', '.join(map(str, window))}   # this pool's window"]
 
 
+INSIDE_MAX_TAPS = 16   # a max pool with a window of at most this many taps reads inner windows row by row
+
+
+def _inside_rows_max(kh, kw):
+    """A max pool's row of windows that lie inside the input (columns wa..wb-1), read through one 1-D
+    view per window row starting at the first window's column: loops from zero over contiguous views,
+    which Numba vectorises (LeNet's 2x2 pools: 3x faster than window by window), in the same row-major
+    order and with the same NaN rule as _cpu_argmax."""
+    lines = [f"r{i} = xc[h0{f' + {i}' if i else ''}, left:]" for i in range(kh)] + ["orow = oc[ho, wa:wb]",
+                                                                "for k in range(wb - wa):",
+                                                                "    w0 = k * sw",
+                                                                "    m = r0[w0]"]
+    for i in range(kh):
+        for j in range(kw):
+            if i or j:
+                lines += [f"    v = r{i}[w0 + {j}]" if j else f"    v = r{i}[w0]",
+                          "    m = v if (v > m) | ((v != v) & (m == m)) else m"]
+    return lines + ["    orow[k] = m"]
+
+
 def cpu_max_pool_source(name, window=None):
-    lines = _cpu_def(name, "x", window) + _cpu_max_windows("out", {"oc": "out"})
-    lines += _cpu_argmax(PAD) + [PAD + "oc[ho, wo] = m"]
+    lines = _cpu_def(name, "x", window)
+    if window is None or window[0] * window[1] > INSIDE_MAX_TAPS:
+        lines += _cpu_max_windows("out", {"oc": "out"}) + _cpu_argmax(PAD) + [PAD + "oc[ho, wo] = m"]
+        return "\n".join(lines), "max over each window (clipped to the input: padding never wins)"
+    edge = ["w0 = wo * sw - pw", "j_lo, j_hi = max(0, -w0), min(kw, x.shape[3] - w0)",
+            *(line[len(PAD):] for line in _cpu_argmax(PAD)), "oc[ho, wo] = m"]
+    lines += ["    h_out, w_out = out.shape[2], out.shape[3]",
+              "    wa = min(w_out, (pw + sw - 1) // sw)   # the windows wa..wb-1 lie inside the input's columns",
+              "    wb = max(wa, min(w_out, (x.shape[3] + pw - kw) // sw + 1))",
+              "    left = wa * sw - pw",
+              "    for b in range(out.shape[0]):",
+              "        for c in range(out.shape[1]):",
+              "            xc, oc = x[b, c], out[b, c]",
+              "            for ho in range(h_out):",
+              "                h0 = ho * sh - ph",
+              "                i_lo, i_hi = max(0, -h0), min(kh, x.shape[2] - h0)",
+              "                inside = i_lo == 0 and i_hi == kh",
+              "                if inside:",
+              *("                    " + line for line in _inside_rows_max(window[0], window[1])),
+              "                skip = wb - wa if inside else 0",
+              "                for e in range(w_out - skip):   # the other windows, clipped",
+              "                    wo = e if e < wa else e + skip",
+              *("                    " + line for line in edge)]
     return "\n".join(lines), "max over each window (clipped to the input: padding never wins)"
 
 
