@@ -50,7 +50,8 @@ def worst_error(target):
         makers.update({"conv_t": partial(C.cpu_conv2d_by_taps_source, tile=TAPS_TILE),
                        "dx_t": partial(C.cpu_input_grad_by_taps_source, tile=TAPS_TILE),
                        "conv_w": partial(CW.cpu_conv2d_winograd_source, block=WINOGRAD_TEST_BLOCK),
-                       "dx_w": partial(CW.cpu_input_grad_winograd_source, block=WINOGRAD_TEST_BLOCK)})
+                       "dx_w": partial(CW.cpu_input_grad_winograd_source, block=WINOGRAD_TEST_BLOCK),
+                       "dw_w": partial(CW.cpu_weight_grad_winograd_source, block=WINOGRAD_TEST_BLOCK)})
     grids = {}
     for nm, make in makers.items():
         made = make(nm)
@@ -96,7 +97,7 @@ def worst_error(target):
             for got, ref in [(run("conv_t", [x, wt, *ints], y.shape), y),
                              (run("dx_t", [g, wt, *ints], x.shape), C.conv2d_input_grad_np(g, wt, (1, 1), p, d, G, (h, w)))]:
                 worst = max(worst, difference(got, ref))
-        # Winograd F(2x2, 3x3): 3x3, unit strides and dilations, one group; every padding its input gradient
+        # Winograd F(2x2, 3x3) (the conv and both gradients): 3x3, unit strides and dilations, one group; every padding its input gradient
         # takes (0..2), odd and even sizes (tiles cut at the bottom and right), one pixel, and blocks of a
         # few tile rows (the last one short). The kernels do not depend on the channel threshold.
         for (c, o, p, h, w, n) in [(3, 4, (1, 1), 6, 6, 2), (5, 2, (0, 0), 7, 9, 1), (4, 3, (2, 1), 5, 8, 2),
@@ -105,7 +106,8 @@ def worst_error(target):
             y = C.conv2d_np(x, wt, (1, 1), p, (1, 1), 1); g = rng.standard_normal(y.shape)
             ints = [1, 1, *p, 1, 1, 1]
             for got, ref in [(run("conv_w", [x, wt, *ints], y.shape), y),
-                             (run("dx_w", [g, wt, *ints], x.shape), C.conv2d_input_grad_np(g, wt, (1, 1), p, (1, 1), 1, (h, w)))]:
+                             (run("dx_w", [g, wt, *ints], x.shape), C.conv2d_input_grad_np(g, wt, (1, 1), p, (1, 1), 1, (h, w))),
+                             (run("dw_w", [x, g, *ints], wt.shape), C.conv2d_weight_grad_np(x, g, (1, 1), p, (1, 1), 1, (3, 3)))]:
                 worst = max(worst, difference(got, ref))
         # Direct (conv_direct.py): unit strides, any kernel, padding (the input gradient's band cropped where
         # the padding exceeds (k - 1) d), dilation and groups; channels made a group not a multiple of the

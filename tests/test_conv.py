@@ -413,7 +413,8 @@ def test_convs_by_taps_match_torch_in_a_compiled_net(build_dir, rng, monkeypatch
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_convs_by_winograd_match_torch_in_a_compiled_net(dtype, build_dir, rng, monkeypatch):
     """3x3 unit-stride convs of >= WINOGRAD_MIN_CHANNELS channels run by Winograd F(2x2, 3x3), and so do
-    their input gradients while the padding is at most 2 (padding 3's runs by taps or im2col): loss,
+    their weight gradients, and their input gradients while the padding is at most 2 (padding 3's runs
+    by another path): loss,
     gradients and an hvp of a net of them against torch in float64; a float32 build within float32's
     precision of it. The images' threshold is lowered so that they stay small."""
     from gradc.ops import conv_winograd
@@ -433,7 +434,8 @@ def test_convs_by_winograd_match_torch_in_a_compiled_net(dtype, build_dir, rng, 
     m.minimize(gc.mean(y * y))
     mod = gc.compile(m, out=build_dir, dtype=dtype, warm=False)
     source = open(mod.__file__).read()
-    assert re.search(r"def k\d+_conv2d_winograd\(", source) and re.search(r"def k\d+_conv2d_input_grad_winograd\(", source)
+    for kernel in ("conv2d_winograd", "conv2d_input_grad_winograd", "conv2d_weight_grad_winograd"):
+        assert re.search(rf"def k\d+_{kernel}\(", source), kernel
     assert re.search(r"def k\d+_conv2d_input_grad(_by_taps|_direct)?\(", source)   # padding 3's: another path
     params = {k: v.astype(np.float64) for k, v in mod.init_params(1).items()}
     X = rng.standard_normal((3, 32, 9, 7))

@@ -23,8 +23,8 @@ from . import Op, register
 from .conv_direct import (cpu_conv2d_direct_source, cpu_input_grad_direct_source, cpu_weight_grad_direct_source,
                           direct, out_block)
 from .conv_direct import workspace_bytes as direct_workspace_bytes
-from .conv_winograd import (cpu_conv2d_winograd_source, cpu_input_grad_winograd_source, winograd,
-                            workspace_values as winograd_values)
+from .conv_winograd import (cpu_conv2d_winograd_source, cpu_input_grad_winograd_source,
+                            cpu_weight_grad_winograd_source, winograd, workspace_values as winograd_values)
 from ..errors import ShapeError
 from ..shapes import fmt, size
 from ..runtime import conv_cores
@@ -625,7 +625,8 @@ def _workspace(x_at, w_at, g_at, taps=False, summed=False, input_grad=False):
             if summed and direct(a, w, weight_grad=True):   # conv_direct.py: a chunk's bands and g's rows, the sums
                 return direct_workspace_bytes(cg, og, h_out, w_out, kh, kw, dh, dw, itemsize, a.get("groups", 1),
                                               n_img, weight_grad=True)
-            if taps and winograd(a, w, made[2:], input_grad):   # conv_winograd.py: U, one block's V and M, its band
+            if (taps or summed) and winograd(a, w, made[2:], input_grad):   # conv_winograd.py: U (or the sums), one
+                # block's V and M, its band
                 return winograd_values(made[2], made[3], c_src, c_dst) * itemsize
             if taps and direct(a, w, input_grad):   # conv_direct.py: the band, the blocked weights, the sums
                 src, made_ch = (og, cg) if input_grad else (cg, og)
@@ -708,7 +709,8 @@ register(Op("conv2d_input_grad", "conv", _input_grad_infer, _input_grad_evaluate
 register(Op("conv2d_weight_grad", "conv", _weight_grad_infer, _weight_grad_evaluate, _weight_grad_flops,
             vjp=_weight_grad_vjp, arity=2, rows=_rows_summed, workspace=_workspace(0, 2, 1, summed=True),
             cpu=_lower("conv2d_weight_grad", cpu_weight_grad_source, x_at=0, w_at=2, g_at=1,
-                       on_cores="conv_weight_grad_on_cores", make_direct=cpu_weight_grad_direct_source, weight_grad=True),
+                       on_cores="conv_weight_grad_on_cores", make_winograd=cpu_weight_grad_winograd_source,
+                       make_direct=cpu_weight_grad_direct_source, weight_grad=True),
             cuda=_lower("conv2d_weight_grad", cuda_weight_grad_source),
             doc="dw[o, c, i, j] = sum over n, h, w of g[n, o, h, w] x_pad[n, c, h s + i d, w s + j d]: conv2d's adjoint "
                 "for w; attrs as conv2d's plus kernel"))

@@ -12,7 +12,9 @@ in float64), as cuDNN's and oneDNN's Winograd convolutions.
 
 The input gradient of a unit-stride 3x3 conv with padding p is the conv of g, padded by 2 - p, with
 each filter turned 180 degrees and in and out channels swapped: the same kernel, with the weights
-read so (so p <= 2).
+read so (so p <= 2). The weight gradient follows from the identity transposed: dW = G^T (sum over
+tiles of (A g A^T) * V) G, the sum over tiles 16 products of (out channels x tiles) by (tiles x in
+channels), accumulated over blocks and images.
 
 The tiles run in blocks of whole tile rows of one image: as many as fit WINOGRAD_BLOCK values of V
 and M (the products' outputs) together, which keeps both in the cache, but at least
@@ -37,7 +39,8 @@ PLANE_GAP = 16
 
 def winograd(attrs, w_shape, out_hw, input_grad=False):
     """Whether the CPU runs this conv (or its input gradient: w_shape is the conv's weight, out_hw the
-    size of the image the kernel writes) by Winograd."""
+    size of the image the kernel writes; or its weight gradient: out_hw the conv's output size) by
+    Winograd."""
     c_out, cg, kh, kw = w_shape
     tiles = ((out_hw[0] + 1) // 2) * ((out_hw[1] + 1) // 2)
     return (tuple(attrs["stride"]) == (1, 1) and tuple(attrs.get("dilation", (1, 1))) == (1, 1)
@@ -47,8 +50,8 @@ def winograd(attrs, w_shape, out_hw, input_grad=False):
 
 
 def workspace_values(h_out, w_out, c_src, c_dst):
-    """Values the kernel allocates for one call: U, one block's V and M, and its input band (`rows` as
-    the kernel's head computes it)."""
+    """Values the kernel allocates for one call: U (the weight gradient: its 16 sums, as many), one
+    block's V and M, and its input band (`rows` as the kernel's head computes it)."""
     th, tw = (h_out + 1) // 2, (w_out + 1) // 2
     rows = min(th, max(-(-WINOGRAD_MIN_TILES // tw), WINOGRAD_BLOCK // max(1, 16 * tw * (c_src + c_dst))))
     band = c_src * (2 * rows + 2) * (2 * tw + 2)
@@ -161,3 +164,82 @@ def cpu_conv2d_winograd_source(name, block=WINOGRAD_BLOCK):
 def cpu_input_grad_winograd_source(name, block=WINOGRAD_BLOCK):
     return (_source(name, "gy", True, "2 - ph, 2 - pw", block),
             "conv2d_input_grad 3x3, unit strides: Winograd F(2x2, 3x3) of g by the filters turned 180 degrees")
+
+
+# the weight gradient's g tiles: each 2x2 block of g (zero past the output's edge) transformed to A g A^T,
+# A = [[1, 0], [1, 1], [1, -1], [0, -1]], into m_buf in the planes' layout of V
+_GRAD_TILES = [
+    "            for d in range(c_dst):",
+    "                for ty in range(r1 - r0):",
+    "                    yy = 2 * (r0 + ty)",
+    "                    for tx in range(tw):",
+    "                        xx = 2 * tx",
+    "                        g00 = gy[n, d, yy, xx]",
+    "                        g01 = gy[n, d, yy, xx + 1] if xx + 1 < w_out else 0.0",
+    "                        g10 = gy[n, d, yy + 1, xx] if yy + 1 < h_out else 0.0",
+    "                        g11 = gy[n, d, yy + 1, xx + 1] if yy + 1 < h_out and xx + 1 < w_out else 0.0",
+    "                        at = d * tiles + ty * tw + tx",
+    *[f"                        a, b = {a}, {b}\n"
+      f"                        m_buf[{4 * r} * ms + at] = a\n"
+      f"                        m_buf[{4 * r + 1} * ms + at] = a + b\n"
+      f"                        m_buf[{4 * r + 2} * ms + at] = a - b\n"
+      f"                        m_buf[{4 * r + 3} * ms + at] = -b"
+      for r, (a, b) in enumerate([("g00", "g01"), ("g00 + g10", "g01 + g11"), ("g00 - g10", "g01 - g11"),
+                                   ("-g10", "-g11")])],
+]
+
+# dW[d, s] = G^T S G from the 4x4 sums S[xi] = acc[xi, d, s], G = [[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]]
+_WEIGHTS_FROM_SUMS = [
+    "    t = np.empty((3, 4), dtype=np.float64)",
+    "    for d in range(c_dst):",
+    "        for s in range(c_src):",
+    "            for j in range(4):",
+    "                s0, s1, s2, s3 = acc[j, d, s], acc[4 + j, d, s], acc[8 + j, d, s], acc[12 + j, d, s]",
+    "                t[0, j] = s0 + 0.5 * (s1 + s2)",
+    "                t[1, j] = 0.5 * (s1 - s2)",
+    "                t[2, j] = 0.5 * (s1 + s2) + s3",
+    "            for i in range(3):",
+    "                out[d, s, i, 0] = t[i, 0] + 0.5 * (t[i, 1] + t[i, 2])",
+    "                out[d, s, i, 1] = 0.5 * (t[i, 1] - t[i, 2])",
+    "                out[d, s, i, 2] = 0.5 * (t[i, 1] + t[i, 2]) + t[i, 3]",
+]
+
+
+def cpu_weight_grad_winograd_source(name, block=WINOGRAD_BLOCK):
+    """The weight gradient by the transposed identity: with y = A^T (U * V) A per tile and U = G w G^T,
+    dW = G^T (sum over tiles of (A g A^T) * V) G, the sum over tiles for each of the 16 transform
+    elements one product (out channels x tiles) by (tiles x in channels), accumulated (BLAS, beta 1)."""
+    lines = [
+        f"def {name}(x, gy, sh, sw, ph, pw, dh, dw, groups, out):",
+        "    n_img, c_src, h_in, w_in = x.shape",
+        "    c_dst, h_out, w_out = gy.shape[1], gy.shape[2], gy.shape[3]",
+        "    top, left = ph, pw",
+        "    th, tw = (h_out + 1) // 2, (w_out + 1) // 2",
+        f"    rows = min(th, max(-(-{WINOGRAD_MIN_TILES} // tw), {block} // max(1, 16 * tw * (c_src + c_dst))))",
+        "    acc = np.zeros((16, c_dst, c_src), dtype=out.dtype)",
+        "    acc_flat = acc.reshape(16 * c_dst * c_src)",
+        f"    v_buf = np.empty(16 * (c_src * rows * tw + {PLANE_GAP}), dtype=out.dtype)",
+        f"    m_buf = np.empty(16 * (c_dst * rows * tw + {PLANE_GAP}), dtype=out.dtype)",
+        "    band = np.empty((c_src, 2 * rows + 2, 2 * tw + 2), dtype=out.dtype)",
+        "    for n in range(n_img):",
+        "        for r0 in range(0, th, rows):",
+        "            r1 = min(th, r0 + rows)",
+        "            tiles = (r1 - r0) * tw",
+        f"            vs, ms = c_src * tiles + {PLANE_GAP}, c_dst * tiles + {PLANE_GAP}   # planes apart",
+        "            band[:] = 0.0",
+        "            for s in range(c_src):",
+        "                for r in range(2 * (r1 - r0) + 2):",
+        "                    h = 2 * r0 + r - top",
+        "                    if 0 <= h < h_in:",
+        "                        lo, hi = max(0, left), min(2 * tw + 2, w_in + left)",
+        "                        band[s, r, lo:hi] = x[n, s, h, lo - left:hi - left]",
+        *_INPUT_TILES,
+        *_GRAD_TILES,
+        "            for xi in range(16):   # acc[xi] += M[xi] (c_dst x tiles) V[xi]^T (tiles x c_src)",
+        "                gemm_strided(m_buf, xi * ms, tiles, False, v_buf, xi * vs, tiles, True, acc_flat, xi * c_dst * c_src,",
+        "                             c_src, c_dst, c_src, tiles, 1.0)",
+        *_WEIGHTS_FROM_SUMS,
+    ]
+    return ("\n".join(lines),
+            "conv2d_weight_grad 3x3, unit strides: Winograd F(2x2, 3x3) transposed, 16 products (BLAS) summed over "
+            "blocks of tile rows")

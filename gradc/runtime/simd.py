@@ -1,23 +1,24 @@
-"""tap_sums: the inner loop of the direct convolution (gradc/ops/conv_direct.py), with its
-accumulators held in vector registers.
+"""The inner loops of the direct convolutions (gradc/ops/conv_direct.py), with their accumulators
+held in vector registers: written in LLVM IR through Numba's `intrinsic`.
 
-    acc[u, q0:q0 + LANES] = sum over k of wb[k, u] * xp[tap[k] + q0 : tap[k] + q0 + LANES],  u < OUT_BLOCK
+    tap_sums: acc[u, q0 + p] = sum over taps k of wb[k, u] * xp[tap[k] + q0 + p]
+              (a conv, or its input gradient: a block of output channels u at consecutive positions p
+              of a zero-padded band, every tap k a channel and kernel offset, tap[k] its shift)
+    tap_dots: sums[k, u, :] += sum over images and positions p of band[tap[k] + p] * gp[u, p]
+              (a weight gradient: g's rows laid out at the band's pitch, summed into LANES partial sums)
 
-LANES consecutive positions of a zero-padded input band times OUT_BLOCK output channels' weights,
-summed over every tap k (channel and kernel offset): per tap one vector load of the band, one
-broadcast weight and one fused multiply-add per output channel. Numba's loop vectoriser cannot do
-this: the sum over taps is the outer loop, and with the accumulators in memory each multiply-add also
-loads and stores one (the store port then bounds it: about 30 GF/s on one core here, against 90 with
-the accumulators in registers). LLVM's SLP vectoriser could pack scalar accumulators, but Numba turns
-it off (miscompilations, numba#8852). So the loop is written here in LLVM IR, through Numba's
-`intrinsic`: OUT_BLOCK vectors of LANES values, one fused multiply-add each per tap.
+Each call keeps eight accumulator vectors of LANES values (64 bytes: 16 float32, 8 float64; one
+AVX-512 register, two AVX2 ones, which LLVM splits them into) as out_block channels times
+8 // out_block vectors of positions (or taps), and makes per step one vector load per position
+vector (or tap), one broadcast weight (or g vector) per channel, and eight fused multiply-adds.
+Numba cannot: its loop vectoriser vectorises the innermost loop, and with the sum over taps outside
+it each multiply-add also loads and stores its accumulator (the store port then bounds it: about
+30 GF/s on one core here, against about 90 in registers); LLVM's SLP vectoriser, which could pack
+scalar accumulators, Numba turns off (miscompilations, numba#8852). Fused multiply-adds round once
+where a multiply and an add round twice, as BLAS's do.
 
-LANES is 64 bytes of the dtype (16 float32, 8 float64): one AVX-512 register, two AVX2 ones (LLVM
-splits the vectors where the CPU's are narrower). Fused multiply-adds round once where a multiply
-then an add round twice; the sums are as accurate as the other paths' (BLAS uses them too).
-
-The caller guarantees the bounds (the intrinsic checks none): tap[k] + q0 + LANES <= xp.size for
-every k, q0 + LANES <= acc.shape[1], wb of shape (len(tap), OUT_BLOCK), all C-contiguous.
+The callers guarantee the bounds (nothing here checks them): every vector read lies inside its array
+(the kernels pad the band by a call's positions), all arrays C-contiguous.
 """
 from llvmlite import ir
 from numba import njit, types
@@ -30,6 +31,7 @@ VECTOR_BYTES = 64   # LANES = VECTOR_BYTES // itemsize
 
 
 def lanes(itemsize):
+    """Values of one accumulator vector (LANES)."""
     return VECTOR_BYTES // itemsize
 
 
