@@ -531,7 +531,7 @@ def test_convs_by_direct_sums_match_torch_in_a_compiled_net(dtype, build_dir, rn
 def test_which_convs_run_directly():
     """Unit strides, a kernel larger than 1x1, at most 64 channels made a group; an input gradient
     also needs fewer than 16 source channels a group (the conv's outputs) or 16 or more of its own, a
-    weight gradient at most 31 taps a group (channels times kernel)."""
+    weight gradient at most 16 output channels or at most 31 taps a group (channels times kernel)."""
     from gradc.ops.conv_direct import direct, out_block
     conv = {"stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "groups": 1}
     assert direct(conv, (6, 1, 5, 5)) and direct(conv, (64, 3, 3, 3)) and direct(conv | {"groups": 4}, (256, 8, 3, 3))
@@ -542,8 +542,9 @@ def test_which_convs_run_directly():
     assert direct(conv, (64, 16, 3, 3), input_grad=True) and direct(conv, (8, 64, 3, 3), input_grad=True)
     assert not direct(conv, (8, 65, 3, 3), input_grad=True)
     assert direct(conv, (6, 1, 5, 5), weight_grad=True) and direct(conv | {"groups": 2}, (6, 3, 3, 3), weight_grad=True)
-    assert not direct(conv, (16, 6, 5, 5), weight_grad=True)      # 150 taps: im2col
-    assert not direct(conv, (65, 1, 3, 3), weight_grad=True)
+    assert direct(conv, (16, 6, 5, 5), weight_grad=True) and direct(conv, (8, 64, 3, 3), weight_grad=True)
+    assert not direct(conv, (32, 16, 3, 3), weight_grad=True)     # 32 channels of 144 taps: im2col
+    assert direct(conv, (64, 3, 3, 3), weight_grad=True) and not direct(conv, (65, 1, 3, 3), weight_grad=True)
     assert [out_block(c) for c in (1, 2, 3, 4, 5, 6, 8, 9, 17, 64)] == [1, 2, 4, 4, 8, 8, 8, 8, 8, 8]
 
 
