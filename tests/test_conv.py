@@ -565,8 +565,8 @@ def _split_everything(monkeypatch, cores=3):
 
 @pytest.mark.parametrize("path", ["_direct", ""], ids=["direct", "im2col"])
 def test_convs_over_parts_of_the_batch_match_torch(path, build_dir, rng, monkeypatch):
-    """A plain entry runs each conv, input gradient and weight gradient over parts of the batch at
-    once (gradc/runtime/conv_cores.py): 7 images in 3 parts of 2, 2 and 3, the weight gradients summed
+    """A plain entry runs each conv, input gradient, weight gradient and pool gradient over parts of the
+    batch at once (gradc/runtime/conv_cores.py): 7 images in 3 parts of 2, 2 and 3, the weight gradients summed
     over the parts; loss and gradients against torch, float64, and BLAS's thread count given back.
     The convs and the input gradient run directly, then (the direct path turned off) by im2col."""
     ran, set_to = _split_everything(monkeypatch)
@@ -578,6 +578,8 @@ def test_convs_over_parts_of_the_batch_match_torch(path, build_dir, rng, monkeyp
     assert len(re.findall(rf"conv_on_cores\(k\d+_conv2d{path}, .*most=3\)", source)) >= 2
     assert re.search(rf"conv_on_cores\(k\d+_conv2d_input_grad{path}, .*most=3\)", source)
     assert re.search(rf"conv_weight_grad_on_cores\(k\d+_conv2d_weight_grad{path}, .*most=3\)", source)
+    for pool in ("max_pool2d_grad", "avg_pool2d_grad"):   # the pools' gradients too (images_on_cores)
+        assert re.search(rf"images_on_cores\(k\d+_{pool}, .*most=3\)", source), pool
     params = mod.init_params(2)
     X, Y = rng.standard_normal((7, 1, 8, 8)), rng.integers(0, 10, 7)
     loss, grads = mod.loss_and_grad(params, x=X, y=Y)
