@@ -1,8 +1,8 @@
 """Random graphs (tests/fuzz_graphs.py) against PyTorch autograd in float64: the loss, the gradients
 of the params and float inputs, and Hessian-vector products. The programs mix dense ops with
 convolutions, pools, indexing, concat/stack, embeddings (take), batched matmul, seeded random ops and
-scans of random recurrent cells. A slow case runs the conv programs with every conv split over parts of
-the batch (gradc/runtime/conv_cores.py).
+scans of random recurrent cells. Slow cases run the conv programs with every conv split over parts of
+the batch (gradc/runtime/conv_cores.py), and by each CPU path (direct, by taps, Winograd).
 
 Many seeds go through gradc's numpy interpreter of the order-2 training graph (fast), and those with
 scans a second time with their dims bound and carry checkpoints in every backward scan that can
@@ -17,7 +17,7 @@ import glob
 import pytest
 
 import gradc.codegen.entry as entry
-from gradc.ops import conv, conv_winograd
+from gradc.ops import conv, conv_direct, conv_winograd
 from fuzz_graphs import check_compiled, check_interpreted, combined_case, random_case
 
 INTERPRETED_SEEDS = range(120)   # about 50 s of CPU on one core; bench/fuzz.py runs more
@@ -42,7 +42,9 @@ def test_compiled_float64_matches_torch(seeds, tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_compiled_convs_by_taps_match_torch(tmp_path, monkeypatch):
     """Programs with unit-stride convs (seeds 7, 12 and 15), each conv and its input gradient run by
-    taps (the channel and position thresholds lowered to 1; the kernels do not depend on them)."""
+    taps (the channel and position thresholds lowered to 1; the kernels do not depend on them; the
+    direct path, which comes first, turned off)."""
+    monkeypatch.setattr(conv_direct, "DIRECT_MAX_CHANNELS", 0)
     monkeypatch.setattr(conv, "TAPS_MIN_CHANNELS", 1)
     monkeypatch.setattr(conv, "TAPS_MIN_POSITIONS", 1)
     check_compiled(combined_case((7, 12, 15)), str(tmp_path))
@@ -52,14 +54,27 @@ def test_compiled_convs_by_taps_match_torch(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_compiled_convs_by_winograd_match_torch(tmp_path, monkeypatch):
-    """Programs with 3x3 unit-stride convs of one group (seeds 8, 116, 138, 213, 238): each such conv, and
-    its input gradient where the padding allows, run by Winograd F(2x2, 3x3) (the channel and image
+    """Programs with 3x3 unit-stride convs of one group (seeds 8, 116, 138, 213, 238): each such conv, its
+    weight gradient, and its input gradient where the padding allows, run by Winograd F(2x2, 3x3) (the channel and image
     thresholds lowered to 1; the kernels do not depend on them)."""
     monkeypatch.setattr(conv_winograd, "WINOGRAD_MIN_CHANNELS", 1)
     monkeypatch.setattr(conv_winograd, "WINOGRAD_MIN_IMAGE_TILES", 1)
     check_compiled(combined_case((8, 116, 138, 213, 238)), str(tmp_path))
     sources = "".join(open(f).read() for f in glob.glob(str(tmp_path / "**" / "*.py"), recursive=True))
-    assert "_conv2d_winograd(" in sources and "_conv2d_input_grad_winograd(" in sources
+    for kernel in ("_conv2d_winograd(", "_conv2d_input_grad_winograd(", "_conv2d_weight_grad_winograd("):
+        assert kernel in sources, kernel
+
+
+@pytest.mark.slow
+def test_compiled_convs_by_direct_sums_match_torch(tmp_path, monkeypatch):
+    """Programs with unit-stride convs (seeds 7, 12, 15 and 588): each conv, input gradient and weight
+    gradient the rules allow run directly (gradc/ops/conv_direct.py), the weight gradient's thresholds
+    raised so that all of them do."""
+    monkeypatch.setattr(conv_direct, "WEIGHT_GRAD_MAX_CHANNELS", 64)
+    check_compiled(combined_case((7, 12, 15, 588)), str(tmp_path))
+    sources = "".join(open(f).read() for f in glob.glob(str(tmp_path / "**" / "*.py"), recursive=True))
+    for kernel in ("_conv2d_direct(", "_conv2d_input_grad_direct(", "_conv2d_weight_grad_direct("):
+        assert kernel in sources, kernel
 
 
 @pytest.mark.slow

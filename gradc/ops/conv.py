@@ -622,12 +622,13 @@ def _workspace(x_at, w_at, g_at, taps=False, summed=False, input_grad=False):
 
         def one_call(n_img):
             made, c_src, c_dst = (x, c_out, cg) if input_grad else (g, cg, c_out)
+            # the paths in _lower's order
+            if (taps or summed) and winograd(a, w, made[2:], input_grad):   # conv_winograd.py: U (or the sums), one
+                # block's V and M, its band; + its (4, 3) float64 scratch of the weights' transform
+                return winograd_values(made[2], made[3], c_src, c_dst) * itemsize + 12 * 8
             if summed and direct(a, w, weight_grad=True):   # conv_direct.py: a chunk's bands and g's rows, the sums
                 return direct_workspace_bytes(cg, og, h_out, w_out, kh, kw, dh, dw, itemsize, a.get("groups", 1),
                                               n_img, weight_grad=True)
-            if (taps or summed) and winograd(a, w, made[2:], input_grad):   # conv_winograd.py: U (or the sums), one
-                # block's V and M, its band
-                return winograd_values(made[2], made[3], c_src, c_dst) * itemsize
             if taps and direct(a, w, input_grad):   # conv_direct.py: the band, the blocked weights, the sums
                 src, made_ch = (og, cg) if input_grad else (cg, og)
                 return direct_workspace_bytes(src, made_ch, made[2], made[3], kh, kw, dh, dw, itemsize,
