@@ -410,6 +410,32 @@ def test_convs_by_taps_match_torch_in_a_compiled_net(build_dir, rng, monkeypatch
         np.testing.assert_allclose(hv[k], h.numpy(), rtol=1e-8, atol=1e-11, err_msg=k)
 
 
+def _check_net_against_torch(mod, forward, params, X, dtype, rng, input_grad=False):
+    """A compiled net's loss and gradients (the input's too if input_grad) against torch's, float64 params
+    and input; a float32 build within float32's precision; in float64 also an hvp."""
+    cast = (lambda a: a.astype(np.float32)) if dtype == "float32" else (lambda a: a)
+    loss, grads = mod.loss_and_grad({k: cast(v) for k, v in params.items()}, x=cast(X))
+    got = [grads[k] for k in params]
+    if input_grad:
+        got += list(mod.input_grads({k: cast(v) for k, v in params.items()}, x=cast(X)).values())
+    pt = {k: _t(a) for k, a in params.items()}
+    xt = _t(X)
+    ref = (forward(torch, xt, pt) ** 2).mean()
+    tg = torch.autograd.grad(ref, list(pt.values()) + [xt], create_graph=True)
+    tight = dtype == "float64"
+    np.testing.assert_allclose(loss, ref.item(), rtol=1e-12 if tight else 2e-5)
+    for k, mine, g in zip(list(pt) + ["x"], got, tg):
+        scale = float(np.abs(g.detach().numpy()).max())
+        np.testing.assert_allclose(mine, g.detach().numpy(), rtol=1e-9 if tight else 0,
+                                   atol=1e-12 if tight else 2e-5 * scale, err_msg=k)
+    if tight:
+        v = {k: rng.standard_normal(params[k].shape) for k in mod.TRAINABLE}
+        hv = mod.hvp(params, v, x=X)
+        thv = torch.autograd.grad(sum((g * torch.tensor(v[k])).sum() for k, g in zip(pt, tg)), list(pt.values()))
+        for k, h in zip(pt, thv):
+            np.testing.assert_allclose(hv[k], h.numpy(), rtol=1e-8, atol=1e-11, err_msg=k)
+
+
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_convs_by_winograd_match_torch_in_a_compiled_net(dtype, build_dir, rng, monkeypatch):
     """3x3 unit-stride convs of >= WINOGRAD_MIN_CHANNELS channels run by Winograd F(2x2, 3x3), and so do
@@ -438,24 +464,7 @@ def test_convs_by_winograd_match_torch_in_a_compiled_net(dtype, build_dir, rng, 
         assert re.search(rf"def k\d+_{kernel}\(", source), kernel
     assert re.search(r"def k\d+_conv2d_input_grad(_by_taps|_direct)?\(", source)   # padding 3's: another path
     params = {k: v.astype(np.float64) for k, v in mod.init_params(1).items()}
-    X = rng.standard_normal((3, 32, 9, 7))
-    cast = (lambda a: a.astype(np.float32)) if dtype == "float32" else (lambda a: a)
-    loss, grads = mod.loss_and_grad({k: cast(v) for k, v in params.items()}, x=cast(X))
-    pt = {k: _t(a) for k, a in params.items()}
-    ref = (forward(torch, torch.tensor(X), pt) ** 2).mean()
-    tg = torch.autograd.grad(ref, list(pt.values()), create_graph=True)
-    tight = dtype == "float64"
-    np.testing.assert_allclose(loss, ref.item(), rtol=1e-12 if tight else 2e-5)
-    for k, g in zip(pt, tg):
-        scale = float(np.abs(g.detach().numpy()).max())
-        np.testing.assert_allclose(grads[k], g.detach().numpy(), rtol=1e-9 if tight else 0,
-                                   atol=1e-12 if tight else 2e-5 * scale, err_msg=k)
-    if tight:
-        v = {k: rng.standard_normal(params[k].shape) for k in mod.TRAINABLE}
-        hv = mod.hvp(params, v, x=X)
-        thv = torch.autograd.grad(sum((g * torch.tensor(v[k])).sum() for k, g in zip(pt, tg)), list(pt.values()))
-        for k, h in zip(pt, thv):
-            np.testing.assert_allclose(hv[k], h.numpy(), rtol=1e-8, atol=1e-11, err_msg=k)
+    _check_net_against_torch(mod, forward, params, rng.standard_normal((3, 32, 9, 7)), dtype, rng)
 
 
 def test_which_convs_run_by_winograd():
@@ -506,26 +515,7 @@ def test_convs_by_direct_sums_match_torch_in_a_compiled_net(dtype, build_dir, rn
         assert re.search(rf"def k\d+_{kernel}\(", source), kernel
     assert re.search(r"def k\d+_conv2d\(", source)
     params = {k: v.astype(np.float64) for k, v in mod.init_params(1).items()}
-    X = rng.standard_normal((3, 1, 11, 9))
-    cast = (lambda a: a.astype(np.float32)) if dtype == "float32" else (lambda a: a)
-    loss, grads = mod.loss_and_grad({k: cast(v) for k, v in params.items()}, x=cast(X))
-    (dx,) = mod.input_grads({k: cast(v) for k, v in params.items()}, x=cast(X)).values()
-    pt = {k: _t(a) for k, a in params.items()}
-    xt = _t(X)
-    ref = (forward(torch, xt, pt) ** 2).mean()
-    tg = torch.autograd.grad(ref, list(pt.values()) + [xt], create_graph=True)
-    tight = dtype == "float64"
-    np.testing.assert_allclose(loss, ref.item(), rtol=1e-12 if tight else 2e-5)
-    for k, got, g in zip(list(pt) + ["x"], [grads[k] for k in pt] + [dx], tg):
-        scale = float(np.abs(g.detach().numpy()).max())
-        np.testing.assert_allclose(got, g.detach().numpy(), rtol=1e-9 if tight else 0,
-                                   atol=1e-12 if tight else 2e-5 * scale, err_msg=k)
-    if tight:
-        v = {k: rng.standard_normal(params[k].shape) for k in mod.TRAINABLE}
-        hv = mod.hvp(params, v, x=X)
-        thv = torch.autograd.grad(sum((g * torch.tensor(v[k])).sum() for k, g in zip(pt, tg)), list(pt.values()))
-        for k, h in zip(pt, thv):
-            np.testing.assert_allclose(hv[k], h.numpy(), rtol=1e-8, atol=1e-11, err_msg=k)
+    _check_net_against_torch(mod, forward, params, rng.standard_normal((3, 1, 11, 9)), dtype, rng, input_grad=True)
 
 
 def test_which_convs_run_directly():

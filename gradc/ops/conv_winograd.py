@@ -123,15 +123,10 @@ _OUTPUT_TILES = [
 ]
 
 
-def _source(name, first, flipped, pads, block):
-    lines = [
-        f"def {name}({first}, w, sh, sw, ph, pw, dh, dw, groups, out):",
-        f"    n_img, c_src, h_in, w_in = {first}.shape",
-        "    c_dst, h_out, w_out = out.shape[1], out.shape[2], out.shape[3]",
-        f"    top, left = {pads}",
-        "    th, tw = (h_out + 1) // 2, (w_out + 1) // 2",
-        f"    rows = min(th, max(-(-{WINOGRAD_MIN_TILES} // tw), {block} // max(1, 16 * tw * (c_src + c_dst))))",
-        *_weight_transform(flipped),
+def _blocks_of_tiles(first):
+    """The buffers of one block (V, M, the band), then the loop over images and blocks of tile rows of
+    `first` (the image read: x, or g for the input gradient), each block's band filled and its V made."""
+    return [
         f"    v_buf = np.empty(16 * (c_src * rows * tw + {PLANE_GAP}), dtype=out.dtype)",
         f"    m_buf = np.empty(16 * (c_dst * rows * tw + {PLANE_GAP}), dtype=out.dtype)",
         "    band = np.empty((c_src, 2 * rows + 2, 2 * tw + 2), dtype=out.dtype)",
@@ -146,8 +141,21 @@ def _source(name, first, flipped, pads, block):
         "                    h = 2 * r0 + r - top",
         "                    if 0 <= h < h_in:",
         "                        lo, hi = max(0, left), min(2 * tw + 2, w_in + left)",
-        "                        band[s, r, lo:hi] = " + first + "[n, s, h, lo - left:hi - left]",
+        f"                        band[s, r, lo:hi] = {first}[n, s, h, lo - left:hi - left]",
         *_INPUT_TILES,
+    ]
+
+
+def _source(name, first, flipped, pads, block):
+    lines = [
+        f"def {name}({first}, w, sh, sw, ph, pw, dh, dw, groups, out):",
+        f"    n_img, c_src, h_in, w_in = {first}.shape",
+        "    c_dst, h_out, w_out = out.shape[1], out.shape[2], out.shape[3]",
+        f"    top, left = {pads}",
+        "    th, tw = (h_out + 1) // 2, (w_out + 1) // 2",
+        f"    rows = min(th, max(-(-{WINOGRAD_MIN_TILES} // tw), {block} // max(1, 16 * tw * (c_src + c_dst))))",
+        *_weight_transform(flipped),
+        *_blocks_of_tiles(first),
         "            for xi in range(16):",
         "                np.dot(u[xi], v_buf[xi * vs:xi * vs + c_src * tiles].reshape(c_src, tiles),",
         "                       m_buf[xi * ms:xi * ms + c_dst * tiles].reshape(c_dst, tiles))",
@@ -218,22 +226,7 @@ def cpu_weight_grad_winograd_source(name, block=WINOGRAD_BLOCK):
         f"    rows = min(th, max(-(-{WINOGRAD_MIN_TILES} // tw), {block} // max(1, 16 * tw * (c_src + c_dst))))",
         "    acc = np.zeros((16, c_dst, c_src), dtype=out.dtype)",
         "    acc_flat = acc.reshape(16 * c_dst * c_src)",
-        f"    v_buf = np.empty(16 * (c_src * rows * tw + {PLANE_GAP}), dtype=out.dtype)",
-        f"    m_buf = np.empty(16 * (c_dst * rows * tw + {PLANE_GAP}), dtype=out.dtype)",
-        "    band = np.empty((c_src, 2 * rows + 2, 2 * tw + 2), dtype=out.dtype)",
-        "    for n in range(n_img):",
-        "        for r0 in range(0, th, rows):",
-        "            r1 = min(th, r0 + rows)",
-        "            tiles = (r1 - r0) * tw",
-        f"            vs, ms = c_src * tiles + {PLANE_GAP}, c_dst * tiles + {PLANE_GAP}   # planes apart",
-        "            band[:] = 0.0",
-        "            for s in range(c_src):",
-        "                for r in range(2 * (r1 - r0) + 2):",
-        "                    h = 2 * r0 + r - top",
-        "                    if 0 <= h < h_in:",
-        "                        lo, hi = max(0, left), min(2 * tw + 2, w_in + left)",
-        "                        band[s, r, lo:hi] = x[n, s, h, lo - left:hi - left]",
-        *_INPUT_TILES,
+        *_blocks_of_tiles("x"),
         *_GRAD_TILES,
         "            for xi in range(16):   # acc[xi] += M[xi] (c_dst x tiles) V[xi]^T (tiles x c_src)",
         "                gemm_strided(m_buf, xi * ms, tiles, False, v_buf, xi * vs, tiles, True, acc_flat, xi * c_dst * c_src,",
