@@ -237,6 +237,21 @@ def run_trainer(build):
         refusals.append(str(e))
     out["label_step_unchanged"] = err(before, {k: v.copy_to_host() for k, v in tr.params.items()})
     out["refusals"] = refusals
+    # a wrong array assigned into tr.params, then a deleted one: refused, and the trainer's own array is back
+    name = sorted(tr.params)[0]
+    assigned = []
+    for wrong in (np.zeros((1, 1), dtype=params[name].dtype), None):
+        if wrong is None:
+            del tr.params[name]
+        else:
+            tr.params[name] = wrong
+        try:
+            tr.save(os.path.join(build, "refused.npz"))
+            assigned.append("accepted")
+        except ValueError as e:
+            assigned.append(str(e))
+    tr.step(**inputs)   # works again without the user undoing anything
+    out["assigned"] = assigned
     # a scalar param: the Trainer's device view, forward() of tr.params, a checkpoint round trip
     model, cpu_s, dev_s = both(zoo.scalars, os.path.join(build, "scalars"))
     params_s, inputs_s = cpu_s.init_params(seed=2), zoo._inputs(cpu_s, rng)

@@ -224,7 +224,8 @@ def test_nan_loss_raises_with_step_number_and_keeps_params(small):
 def test_a_param_assigned_into_the_trainer_is_adopted_and_a_wrong_one_refused(small, rng, tmp_path):
     """tr.params holds the trainer's own buffers; an array assigned there replaces their values (and a step
     trains from them), while a wrong array, a missing or an unknown name is refused, by a step and by
-    save, before anything changes: the checkpoint on disk stays the good one."""
+    save, before anything changes: the checkpoint on disk stays the good one, and tr.params holds the
+    trainer's own array again, so the next call works."""
     tr = small.Trainer(small.init_params(0), lr=0.1)
     x, y = rng.uniform(0.5, 2.0, (4, 3)).astype(np.float32), rng.integers(0, 4, 4)
     mine = rng.standard_normal((3, 4)).astype(np.float32)
@@ -249,7 +250,8 @@ def test_a_param_assigned_into_the_trainer_is_adopted_and_a_wrong_one_refused(sm
                 tr.params["w"] = wrong
             with pytest.raises(ValueError, match=message):
                 call()
-            tr.params["w"] = before.copy()
+            assert np.shares_memory(tr.params["w"], tr._flat)   # the trainer's own array again, unchanged
+            np.testing.assert_array_equal(tr.params["w"], before)
     tr.params["v"] = np.zeros(3, np.float32)
     for call in (lambda: tr.step(x=x, y=y), lambda: tr.save(path)):
         with pytest.raises(ValueError, match=r"params unknown \['v'\]"):

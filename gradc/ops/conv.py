@@ -73,8 +73,10 @@ def _check_weight(x_c, w, groups):
     if o % groups:
         raise ShapeError(f"{o} output channels (weight {fmt(w)}) do not divide into groups={groups}")
     if cg * groups != x_c:
-        raise ShapeError(f"the weight {fmt(w)} takes {cg} channels per group, but the input has "
-                         f"{x_c} channels in {groups} group{'s' * (groups != 1)} ({x_c // groups} per group)")
+        raise ShapeError(f"the weight {fmt(w)} takes {cg} channel{'s' * (cg != 1)}{' per group' * (groups != 1)}, "
+                         "but the input has "
+                         + (f"{x_c} channel{'s' * (x_c != 1)}" if groups == 1 else
+                            f"{x_c} channels in {groups} groups ({x_c // groups} per group)"))
     if min(w) < 1:
         raise ShapeError(f"the weight {fmt(w)} has an empty dim")
 

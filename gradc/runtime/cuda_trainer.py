@@ -74,7 +74,8 @@ class CudaTrainerBase(TrainerBase):
         self.runner.sync()
 
     def _adopt(self):
-        """An array assigned into tr.params replaces the values, not the trainer's buffer."""
+        """An array assigned into tr.params replaces the values, not the trainer's buffer; a wrong one (or a
+        deleted name) is refused, and tr.params[k] is the trainer's own array again (as on the CPU)."""
         for k, view in self._views.items():
             new = self.params.get(k)
             if new is view:
@@ -82,8 +83,12 @@ class CudaTrainerBase(TrainerBase):
             shape = self.signature.param_shapes[k]
             if not (isinstance(new, np.ndarray) or is_device_array(new)) or array_dtype(new) != self.signature.float \
                     or tuple(new.shape) not in (tuple(shape), (1,) if shape == () else tuple(shape)):
+                given = ("nothing (it is missing)" if k not in self.params else
+                         f"a {array_dtype(new)} array of shape {tuple(new.shape)}"
+                         if isinstance(new, np.ndarray) or is_device_array(new) else f"a {type(new).__name__}")
+                self.params[k] = view
                 raise ValueError(f"{self.model_name}.Trainer: params[{k!r}] must stay a {self.signature.float} array "
-                                 f"of shape {tuple(shape)}")
+                                 f"of shape {tuple(shape)}, got {given}; it holds the trainer's own values again")
             source = new if not isinstance(new, np.ndarray) else np.ascontiguousarray(new)
             view.copy_to_device(self.runner.device(source).reshape(view.shape) if not isinstance(new, np.ndarray)
                                 else source.reshape(view.shape), stream=self.runner.stream)

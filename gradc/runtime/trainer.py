@@ -168,18 +168,22 @@ class TrainerBase:
         return self.signature.params(self.params, exact=True)
 
     def _adopt(self):
-        """An array assigned into tr.params replaces the values, not the trainer's buffer."""
+        """An array assigned into tr.params replaces the values, not the trainer's buffer. A wrong one (or a
+        deleted name) is refused, and tr.params[k] is the trainer's own array again, its values unchanged:
+        the next step or save works without the user having to undo it."""
         for k, view in self._views.items():
             if k not in self.params:
+                self.params[k] = view
                 raise ValueError(f"{self.model_name}.Trainer: params[{k!r}] is missing (it must stay a {view.dtype} "
-                                 f"array of shape {view.shape})")
+                                 f"array of shape {view.shape}); it holds the trainer's own values again")
             new = self.params[k]
             if new is not view:
                 if not isinstance(new, np.ndarray) or new.shape != view.shape or new.dtype != view.dtype:
                     given = (f"a {new.dtype} array of shape {new.shape}" if isinstance(new, np.ndarray)
                              else f"a {type(new).__name__}")
+                    self.params[k] = view
                     raise ValueError(f"{self.model_name}.Trainer: params[{k!r}] must stay a {view.dtype} array of "
-                                     f"shape {view.shape}, got {given}")
+                                     f"shape {view.shape}, got {given}; it holds the trainer's own values again")
                 view[...] = new
                 self.params[k] = view
 
