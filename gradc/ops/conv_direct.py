@@ -1,5 +1,5 @@
-"""CPU direct convolutions for few channels: a conv2d and its input gradient with unit strides, whose
-output channels a group are few (DIRECT_MAX_CHANNELS), summed tap by tap in vector registers.
+"""CPU direct convolutions for few channels: a conv2d and its input and weight gradients with unit
+strides, which make few channels a group (DIRECT_MAX_CHANNELS), summed tap by tap in vector registers.
 
 im2col turns such a conv into a skinny product (LeNet's 6 or 16 output channels) and first copies
 every input value once per tap; by taps (conv.py), products with an inner dim of a few channels.
@@ -9,25 +9,25 @@ band per image and group, and each output is summed where it is made:
     out[n, d, y, x] = sum over source channel s of the group and taps (i, j) of
                       W[d, s, i, j] * band[s, y + i dh, x + j dw]
 
-The band's rows are w_dst + (kw - 1) dw wide, so output position (y, x) lies at y wb + x and tap
-(s, i, j) shifts it by tap = s hb wb + i dh wb + j dw: LANES consecutive positions read LANES
-consecutive band values for every tap. tap_sums (gradc/runtime/simd.py) sums them for OUT_BLOCK
-output channels at once, the accumulators in vector registers; the last wb - w_dst positions of a
-row are computed and dropped.
+The band's rows are wb = w_dst + (kw - 1) dw wide, so output position (y, x) lies at y wb + x and tap
+(s, i, j) shifts it by tap = s hb wb + i dh wb + j dw: consecutive positions read consecutive band
+values for every tap. tap_sums (gradc/runtime/simd.py) sums them for a block of output channels
+(out_block) at once, the accumulators in vector registers; the last wb - w_dst positions of a row
+are computed and dropped.
 
 The input gradient is the conv of g, its band padded by (k - 1) d - p (cropped where that is
-negative), by the filters turned 180 degrees with in and out channels swapped, per group.
+negative), by the filters turned 180 degrees with in and out channels swapped, per group. The weight
+gradient (tap_dots) lays g's rows out at the band's pitch, zero between them, and sums band times g
+over the positions of a chunk of images, for a block of taps and output channels at once.
 
-Measured (one thread, float32, 64 images, ms, this build's direct kernel against the path the conv
-took before and torch's own conv2d on one thread): see the README's table (Convolutions).
+Measured (one thread, float32, against im2col and torch's conv on one thread): the README's table
+(Convolutions), from bench/conv_kernels.py.
 """
 from gradc.runtime.simd import ACCUMULATORS, VECTOR_BYTES
 
 CHUNK = 1 << 14   # values of the weight gradient's bands and g's rows for a chunk of images
 
 DIRECT_MAX_CHANNELS = 64   # channels a group the kernel makes at most: beyond, BLAS's products win
-
-
 WEIGHT_GRAD_MAX_TAPS = 31       # the weight gradient runs directly for at most these taps a group (channels
 WEIGHT_GRAD_MAX_CHANNELS = 16   # times kernel), or at most these output channels a group
 
