@@ -92,6 +92,26 @@ def workspace_bytes(src_channels, made_channels, h_dst, w_dst, kh, kw, dh, dw, i
     return values * itemsize + 8 * n_taps
 
 
+def _tap_table(size):
+    """tap[(s kh + i) kw + j]: tap (s, i, j)'s shift in the band; `size` entries (spare ones read shift 0)."""
+    return [f"    tap = np.zeros({size}, dtype=np.int64)",
+            "    for s in range(src):",
+            "        for i in range(kh):",
+            "            for j in range(kw):",
+            "                tap[(s * kh + i) * kw + j] = s * plane + i * dh * wb + j * dw"]
+
+
+def _fill_band(pad, image, band):
+    """The group's source channels of `image` (an (n, channel) index prefix) into `band`'s rows; the band's
+    padding is never written, so it stays zero."""
+    return [pad + line for line in ["for s in range(src):",
+                                    "    for h in range(h_lo, h_hi):",
+                                    "        at = s * plane + (h + top) * wb + left",
+                                    f"        row = {image}, g * src + s, h]",
+                                    "        for c in range(c_lo, c_hi):",
+                                    f"            {band}[at + c] = row[c]"]]
+
+
 def _source(name, first, input_grad, ob):
     if input_grad:   # w: (c_out, cg, kh, kw) of the conv; the gradient's sources are the conv's outputs
         channels = ["    made, src = w.shape[1], w.shape[0] // groups",
@@ -114,11 +134,7 @@ def _source(name, first, input_grad, ob):
         "    n_pos = -(-((h_dst - 1) * wb + w_dst) // step) * step",
         "    n_taps = src * kh * kw",
         "    blocks = -(-made // ob)",
-        "    tap = np.empty(n_taps, dtype=np.int64)",
-        "    for s in range(src):",
-        "        for i in range(kh):",
-        "            for j in range(kw):",
-        "                tap[(s * kh + i) * kw + j] = s * plane + i * dh * wb + j * dw",
+        *_tap_table("n_taps"),
         "    wt = np.zeros((groups, blocks, n_taps, ob), dtype=out.dtype)   # zero past the last channel",
         "    for g in range(groups):",
         "        for d in range(made):",
@@ -132,12 +148,7 @@ def _source(name, first, input_grad, ob):
         "    c_lo, c_hi = max(0, -left), min(w_src, wb - left)",
         "    for n in range(n_img):",
         "        for g in range(groups):",
-        "            for s in range(src):",
-        "                for h in range(h_lo, h_hi):",
-        "                    at = s * plane + (h + top) * wb + left",
-        f"                    row = {first}[n, g * src + s, h]",
-        "                    for c in range(c_lo, c_hi):",
-        "                        band[at + c] = row[c]",
+        *_fill_band(" " * 12, f"{first}[n", "band"),
         "            for b in range(blocks):",
         "                w_block = wt[g, b]",
         "                for q0 in range(0, n_pos, step):",
@@ -166,7 +177,7 @@ def cpu_input_grad_direct_source(name, ob):
 def cpu_weight_grad_direct_source(name, ob):
     lines = [
         f"def {name}(x, gy, sh, sw, ph, pw, dh, dw, groups, out):",
-        "    n_img, h_in, w_in = x.shape[0], x.shape[2], x.shape[3]",
+        "    n_img, h_src, w_src = x.shape[0], x.shape[2], x.shape[3]",
         "    h_out, w_out = gy.shape[2], gy.shape[3]",
         "    c_out, src, kh, kw = out.shape",
         "    made = c_out // groups",
@@ -178,28 +189,20 @@ def cpu_weight_grad_direct_source(name, ob):
         "    n_pos = -(-((h_out - 1) * wb + w_out) // lanes) * lanes",
         "    n_taps = src * kh * kw",
         "    blocks = -(-made // ob)",
-        "    tap = np.zeros(-(-n_taps // kb) * kb, dtype=np.int64)   # the last block's spare taps read offset 0",
-        "    for s in range(src):",
-        "        for i in range(kh):",
-        "            for j in range(kw):",
-        "                tap[(s * kh + i) * kw + j] = s * plane + i * dh * wb + j * dw",
+        *_tap_table("-(-n_taps // kb) * kb"),   # the last block's spare taps read shift 0
         f"    chunk = max(1, min(n_img, {CHUNK} // (src * plane + lanes + blocks * ob * n_pos)))",
         "    band = np.zeros((chunk, src * plane + lanes), dtype=out.dtype)   # padding stays zero",
         "    gp = np.zeros((chunk, blocks * ob, n_pos), dtype=out.dtype)   # g's rows at the band's pitch; the rest zero",
         "    sums = np.empty((tap.size, blocks * ob, lanes), dtype=out.dtype)",
-        "    h_lo, h_hi = max(0, -top), min(h_in, hb - top)",
-        "    c_lo, c_hi = max(0, -left), min(w_in, wb - left)",
+        "    h_lo, h_hi = max(0, -top), min(h_src, hb - top)",
+        "    c_lo, c_hi = max(0, -left), min(w_src, wb - left)",
         "    for g in range(groups):",
         "        sums[:] = 0.0",
         "        for n0 in range(0, n_img, chunk):",
         "            images = min(chunk, n_img - n0)",
         "            for t in range(images):",
-        "                for s in range(src):",
-        "                    for h in range(h_lo, h_hi):",
-        "                        at = s * plane + (h + top) * wb + left",
-        "                        row = x[n0 + t, g * src + s, h]",
-        "                        for c in range(c_lo, c_hi):",
-        "                            band[t, at + c] = row[c]",
+        "                band_t = band[t]",
+        *_fill_band(" " * 16, "x[n0 + t", "band_t"),
         "                for d in range(made):",
         "                    for y in range(h_out):",
         "                        row, dst = gy[n0 + t, g * made + d, y], gp[t, d, y * wb:y * wb + w_out]",

@@ -35,6 +35,18 @@ def lanes(itemsize):
     return VECTOR_BYTES // itemsize
 
 
+def _vectors(context, builder, dtype, count):
+    """The vector type of LANES values of dtype, LLVM's fused multiply-add on it, and `count` accumulator
+    vectors set to zero (allocas of the entry block, which LLVM promotes to registers)."""
+    fty = context.get_value_type(dtype)
+    n = lanes(context.get_abi_sizeof(fty))
+    vty = ir.VectorType(fty, n)
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty, vty, vty]),
+                                         f"llvm.fma.v{n}f{64 if dtype == types.float64 else 32}")
+    zero = ir.Constant(vty, [ir.Constant(fty, 0.0)] * n)
+    return vty, n, fma, [cgutils.alloca_once_value(builder, zero) for _ in range(count)]
+
+
 @intrinsic(prefer_literal=True)
 def _tap_sums(typingctx, xp, q0, wb, tap, acc, out_block, pos_block):
     floats = ((xp, 1), (wb, 2), (acc, 2))
@@ -51,19 +63,12 @@ def _tap_sums(typingctx, xp, q0, wb, tap, acc, out_block, pos_block):
     def codegen(context, builder, sig, args):
         xp_v, q0_v, wb_v, tap_v, acc_v = args[:5]
         q0_v = context.cast(builder, q0_v, sig.args[1], types.int64)
-        dtype = sig.args[0].dtype
-        fty = context.get_value_type(dtype)
-        n = lanes(context.get_abi_sizeof(fty))
-        vty = ir.VectorType(fty, n)
+        vty, n, fma, flat = _vectors(context, builder, sig.args[0].dtype, n_out * n_vec)
+        sums = [flat[u * n_vec:(u + 1) * n_vec] for u in range(n_out)]
         i64 = ir.IntType(64)
         band, weights, taps, out = (context.make_array(t)(context, builder, v)
                                     for t, v in zip((sig.args[0], sig.args[2], sig.args[3], sig.args[4]),
                                                     (xp_v, wb_v, tap_v, acc_v)))
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty, vty, vty]),
-                                             f"llvm.fma.v{n}f{64 if dtype == types.float64 else 32}")
-        # the accumulators live in allocas of the entry block, which LLVM promotes to registers
-        sums = [[cgutils.alloca_once_value(builder, ir.Constant(vty, [ir.Constant(fty, 0.0)] * n))
-                 for _ in range(n_vec)] for _ in range(n_out)]
         zero_mask = ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n)
         with cgutils.for_range(builder, builder.extract_value(taps.shape, 0)) as loop:
             k = loop.index
@@ -117,19 +122,13 @@ def _tap_dots(typingctx, band, gp, tap, k0, o0, images, sums, tap_block, out_blo
 
     def codegen(context, builder, sig, args):
         k0_v, o0_v, images_v = (context.cast(builder, v, t, types.int64) for v, t in zip(args[3:6], sig.args[3:6]))
-        dtype = sig.args[0].dtype
-        fty = context.get_value_type(dtype)
-        n = lanes(context.get_abi_sizeof(fty))
-        vty = ir.VectorType(fty, n)
+        vty, n, fma, flat = _vectors(context, builder, sig.args[0].dtype, n_tap * n_out)
+        sums = [flat[t * n_out:(t + 1) * n_out] for t in range(n_tap)]
         i64 = ir.IntType(64)
         const = lambda v: ir.Constant(i64, v)
         bands, grads, taps, out = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (0, 1, 2, 6))
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty, vty, vty]),
-                                             f"llvm.fma.v{n}f{64 if dtype == types.float64 else 32}")
         band_len = builder.extract_value(bands.shape, 1)
         rows, n_pos = builder.extract_value(grads.shape, 1), builder.extract_value(grads.shape, 2)
-        sums = [[cgutils.alloca_once_value(builder, ir.Constant(vty, [ir.Constant(fty, 0.0)] * n))
-                 for _ in range(n_out)] for _ in range(n_tap)]
         offsets = [builder.load(builder.gep(taps.data, [builder.add(k0_v, const(t))])) for t in range(n_tap)]
         with cgutils.for_range(builder, images_v) as image:
             band0 = builder.mul(image.index, band_len)
