@@ -2,13 +2,16 @@
 lr_table's MLP and scan RNN at batch 64: the median time of a Trainer step, of loss_and_grad and lr_grad
 alone, and of the host's part of lr_grad (the leaves it adds: seed, sigma, the labels' copies; its masks
 are kept); then cProfile's top host functions over LR steps. On a CUDA build it also says how the calls
-ran: captured, replayed from a CUDA graph, or launched directly.
+ran (captured, replayed from a CUDA graph, or launched directly), the device time of one replay of each
+captured graph alone (no copies, no host work), and with --kernels (torch installed) each kernel's and
+copy's device time per step, from torch's profiler (CUPTI sees every kernel in the process).
 
-    python bench/lr_step.py [--target cuda] [--samples K] [--steps N]
+    python bench/lr_step.py [--target cuda] [--samples K] [--steps N] [--model mlp|rnn] [--kernels]
 """
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import statistics
 import sys
@@ -17,6 +20,8 @@ import time
 import numpy as np
 
 import gradc as gc
+from gradc.runtime.cuda_host import _DIRECT
+from gradc.runtime.kernel_cache import KERNELS
 from lr_table import OUT, digits, mlp_model, rnn_model
 
 
@@ -29,17 +34,60 @@ def median_ms(fn, n):
     return 1e3 * statistics.median(times)
 
 
+def replay_ms(runner, n):
+    """The device time of one replay of each graph the runner captured, replayed back to back."""
+    out = {}
+    for (fn, shapes), captured in runner._graphs.items():
+        if captured is _DIRECT:
+            continue
+        runner.sync()
+        t = time.perf_counter()
+        for _ in range(n):
+            captured.graph.launch(runner.stream)
+        runner.sync()
+        name = getattr(fn, "__name__", str(fn))
+        out[f"{name} {shapes[0][0] if shapes else ''}"] = 1e3 * (time.perf_counter() - t) / n
+    return out
+
+
+def kernel_table(step, n, top=16):
+    """(kernel or copy, calls per step, device us per step) over n steps, from torch's profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    # a cached kernel's device name holds its cache file's name (k_<hash>), not the module's gN_ name
+    names = {os.path.basename(path)[:-3]: name for _, name, _, path in KERNELS if path}
+    rows = []
+    for e in prof.key_averages():
+        us = next((getattr(e, a) for a in ("self_device_time_total", "self_cuda_time_total", "device_time_total",
+                                           "cuda_time_total") if getattr(e, a, 0)), 0)
+        if us:
+            named = [name for stem, name in names.items() if stem in e.key]
+            rows.append(("/".join(sorted(set(named))) if named else e.key[:60], e.count / n, us / n))
+    rows.sort(key=lambda r: -r[2])
+    return rows[:top], sum(r[2] for r in rows)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--model", choices=("mlp", "rnn"), help="one model only (default: both)")
+    ap.add_argument("--kernels", action="store_true", help="per-kernel device time (CUDA, torch installed)")
     args = ap.parse_args()
     K, n = args.samples, args.steps
     X, y, _, _ = digits()
     x, y = X[:64], y[:64]
     print(f"{'model':<6} {'what':<40} {'ms':>8}")
     for label, make in (("MLP", mlp_model), ("RNN", rnn_model)):
+        if args.model and args.model != label.lower():
+            continue
         mod = gc.compile(make(), out=OUT, order=1, warm_cache=False, target=args.target)
         params = mod.init_params(0)
         bp = mod.Trainer(params, optimizer="adam", lr=1e-3)
@@ -63,6 +111,18 @@ def main():
         runner = getattr(mod, "_CUDA", None)
         if runner is not None:
             print(f"{label:<6} CUDA graph calls: {runner.calls} ({runner.graph_error or 'no capture error'})")
+            for what, ms in replay_ms(runner, n).items():
+                print(f"{label:<6} one graph replay alone: {what:<38} {ms:>8.3f}")
+            if args.kernels:
+                for name, step in (("backprop", lambda: bp.step(x=x, y=y)), (f"lr K={K}", lambda: lr.step(x=x, y=y))):
+                    try:
+                        rows, total = kernel_table(step, min(n, 50))
+                    except Exception as e:   # a torch without CUDA or profiler support: the rest still runs
+                        print(f"{label}: no kernel table ({type(e).__name__}: {e})")
+                        break
+                    print(f"{label}: device time per Trainer.step, {name}: {total:.1f} us; by kernel or copy:")
+                    for kname, calls, us in rows:
+                        print(f"    {kname:<48} {calls:>5.1f} calls {us:>8.1f} us")
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(n):

@@ -7,7 +7,7 @@
 Same optimizer (Adam), same steps, same initial params; float32 builds. The first row of each task is
 torch eager backprop on the same device (the anchor: what a user runs today).
 
-    python bench/lr_table.py [--quick] [--target cuda]
+    python bench/lr_table.py [--quick] [--target cuda] [--tasks mlp,rnn,karate,sbm]
 """
 import argparse
 import sys
@@ -209,6 +209,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--target", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: the same table on a GPU, where the K copies of a small model cost little more than one")
+    ap.add_argument("--tasks", default="mlp,rnn,karate,sbm", help="the rows to run, comma-separated (default: all)")
     args = ap.parse_args()
     t = args.target
     e = 3 if args.quick else 20
@@ -217,12 +218,16 @@ def main():
                         f"LR K={K} layer-wise": dict(gradient="lr", samples=K, layerwise=True),
                         f"LR K={K} plain+baseline": dict(gradient="lr", samples=K, antithetic=False)}
     print(f"{'task':<22} {'method':<24} {'test acc':>8} {'ms/epoch':>9}")
-    table = [("MLP digits", lambda: run_batches("mlp", mlp_model, digits(), variants(), e, 64, t, 1e-4)),
-             ("RNN digits (rows)", lambda: run_batches("rnn", rnn_model, digits(), variants(), max(1, e // 2), 64, t, 0.0)),
-             ("GCN karate", lambda: run_graph("lrt_karate", karate(), variants(), 10 * e, t)),
-             ("GCN SBM 2708 nodes", lambda: run_graph("lrt_sbm", sbm(), variants(), 5 * e, t))]
+    table = [("mlp", "MLP digits", lambda: run_batches("mlp", mlp_model, digits(), variants(), e, 64, t, 1e-4)),
+             ("rnn", "RNN digits (rows)", lambda: run_batches("rnn", rnn_model, digits(), variants(), max(1, e // 2), 64, t, 0.0)),
+             ("karate", "GCN karate", lambda: run_graph("lrt_karate", karate(), variants(), 10 * e, t)),
+             ("sbm", "GCN SBM 2708 nodes", lambda: run_graph("lrt_sbm", sbm(), variants(), 5 * e, t))]
+    wanted = args.tasks.split(",")
+    unknown = sorted(set(wanted) - {key for key, _, _ in table})
+    if unknown:
+        ap.error(f"--tasks: no task {', '.join(unknown)} (the tasks: mlp, rnn, karate, sbm)")
     failed = 0
-    for task, run in table:
+    for _, task, run in (row for row in table if row[0] in wanted):
         try:
             rows = run()
         except Exception as e:   # one task's failure should not hide the others' rows

@@ -8,7 +8,8 @@ over `out`'s shape); the GEMM runs a 16x16 thread block per 16x16 tile of
 backward's dX = dZ W^T and dW = X^T dZ need no copy). A scalar value is a one-element array.
 `launch` says each kernel's grid, over one of its arguments (by position; -1 is `out`):
 ("flat", arg) covers that array's elements; ("rows", arg, axes) its index over the axes not
-reduced; ("tiles", -1) the GEMM's tiles of `out`.
+reduced, one thread each; ("folds", arg, axes) that index with several threads folding each one's
+reduced elements (a reduction); ("tiles", -1) the GEMM's tiles of `out`.
 
 codegen/cuda_entry.py writes the host code that launches them in the memory plan's order.
 """
@@ -122,30 +123,60 @@ class CudaKernels:
         return ([f"        if {keep}:"] + [f"{pad}l{prefix}{j} = {prefix}{j}[{at}]" for j in range(count)]
                 + [pad + b for b in block] + [f"{pad}{tile} = {result}", "        else:", f"{pad}{tile} = 0.0"])
 
-    def _matmul_source(self, name, ta, tb, a_expr, b_expr, epilogue, patterns):
+    def _matmul_source(self, name, ta, tb, a_expr, b_expr, epilogue, patterns, split=False):
+        """The 16x16-tile kernel; with `split`, the kernel of one slice of the K dim per blockIdx.z, its
+        raw partial product into out[z] (out: (slices, m, n)), no epilogue (`split_sum` adds them)."""
+        def_line = _gemm_def(name, a_expr, b_expr, X[0] if split else epilogue)
         lines = [
-            _gemm_def(name, a_expr, b_expr, epilogue),
+            def_line,
             f"    sa = cuda.shared.array(({TILE}, {TILE}), FLOAT_T)",
             f"    sb = cuda.shared.array(({TILE}, {TILE}), FLOAT_T)",   # its own line: the simulator keys shared arrays by line
             "    tx = cuda.threadIdx.x",
             "    ty = cuda.threadIdx.y",
             f"    row = cuda.blockIdx.y * {TILE} + ty",
             f"    col = cuda.blockIdx.x * {TILE} + tx",
-            "    m = out.shape[0]",
-            "    n = out.shape[1]",
+            f"    m = out.shape[{1 if split else 0}]",
+            f"    n = out.shape[{2 if split else 1}]",
             f"    depth = a0.shape[{0 if ta else 1}]",
-            "    acc = 0.0",
-            f"    for t in range((depth + {TILE - 1}) // {TILE}):",
-            f"        k = t * {TILE} + tx"]
+            "    acc = 0.0"]
+        if split:   # slice z takes tile steps [first, last): the steps shared out evenly
+            lines += [f"    steps = (depth + {TILE - 1}) // {TILE}", "    z = cuda.blockIdx.z",
+                      "    first = z * steps // cuda.gridDim.z", "    last = (z + 1) * steps // cuda.gridDim.z",
+                      "    for t in range(first, last):"]
+        else:
+            lines.append(f"    for t in range((depth + {TILE - 1}) // {TILE}):")
+        lines.append(f"        k = t * {TILE} + tx")
         lines += self._operand_load(a_expr, "a", "k, row" if ta else "row, k", "row < m and k < depth", "sa[ty, tx]", "va")
         lines.append(f"        k = t * {TILE} + ty")
         lines += self._operand_load(b_expr, "b", "col, k" if tb else "k, col", "k < depth and col < n", "sb[ty, tx]", "vb")
         lines += ["        cuda.syncthreads()", f"        for j in range({TILE}):", "            acc += sa[ty, j] * sb[j, tx]",
                   "        cuda.syncthreads()", "    if row < m and col < n:"]
+        product = f"A @ B, A = {a_expr}{'^T' if ta else ''}, B = {b_expr}{'^T' if tb else ''}"
+        if split:
+            lines.append("        out[z, row, col] = acc")
+            return "\n".join(lines), f"out[z] = slice z of the K dim of {product} ({TILE}x{TILE} tiles)", ("slices", -1)
         lines += ["        " + x for x in self._epilogue_store(epilogue, patterns)]
-        doc = (f"out = {epilogue} with x0 = A @ B, A = {a_expr}{'^T' if ta else ''}, B = {b_expr}{'^T' if tb else ''} "
-               f"({TILE}x{TILE} tiles through shared memory)")
+        doc = f"out = {epilogue} with x0 = {product} ({TILE}x{TILE} tiles through shared memory)"
         return "\n".join(lines), doc, ("tiles", -1)
+
+    def matmul_split(self, transpose_a, transpose_b, a_prologue, b_prologue):
+        """The partial products of a split-K GEMM (see `_matmul_source`)."""
+        key = ("matmul_split", transpose_a, transpose_b, sp.srepr(a_prologue), sp.srepr(b_prologue))
+        return self._get(key, "gemm_slices", lambda name: self._matmul_source(
+            name, transpose_a, transpose_b, a_prologue, b_prologue, X[0], (), split=True))
+
+    def split_sum(self, epilogue, patterns):
+        """out = epilogue(sum over z of parts[z], e1, ...): a split-K GEMM's slices added, then its epilogue."""
+        key = ("split_sum", sp.srepr(epilogue), tuple(patterns))
+
+        def make(name):
+            args = ["parts"] + [f"e{j}" for j in range(1, _arity(epilogue))] + ["out"]
+            lines = [f"def {name}({', '.join(args)}):", "    i = cuda.grid(1)", "    if i >= out.size:", "        return",
+                     "    row = i // out.shape[1]", "    col = i % out.shape[1]", "    acc = 0.0",
+                     "    for z in range(parts.shape[0]):", "        acc += parts[z, row, col]"]
+            lines += ["    " + x for x in self._epilogue_store(epilogue, patterns)]
+            return "\n".join(lines), f"out = {epilogue} with x0 = the sum of a split product's slices", ("flat", -1)
+        return self._get(key, "gemm_slices_sum", make)
 
     def _epilogue_store(self, epilogue, patterns):
         """Lines (unindented) that store out[row, col] = epilogue(acc, e1[...], ...)."""
@@ -160,20 +191,26 @@ class CudaKernels:
 
     def gemm_site(self, transpose_a, transpose_b, a_prologue=None, b_prologue=None, epilogue=None,
                   epilogue_patterns=()):
-        """A `Gemm` object that picks, per call, the 16x16 kernel, the register-tiled one, or (no
-        prologue) cuBLAS followed by the epilogue as an elementwise kernel in place."""
+        """A `Gemm` object that picks, per call, the 16x16 kernel, the register-tiled one, the 16x16
+        one over slices of K (few output tiles, a long K dim: a weight's gradient over many rows), or
+        (no prologue) cuBLAS followed by the epilogue as an elementwise kernel in place."""
         args = (transpose_a, transpose_b, a_prologue, b_prologue, epilogue, tuple(epilogue_patterns))
         key = (transpose_a, transpose_b) + tuple(sp.srepr(x) if x is not None else None for x in args[2:5]) + args[5:]
         if key not in self._site_by_key:
             small, large = self.matmul(*args), self.matmul_tiled(*args)
-            cublas = None
+            a_expr = a_prologue if a_prologue is not None else X[0]
+            b_expr = b_prologue if b_prologue is not None else X[0]
+            slices = self.matmul_split(transpose_a, transpose_b, a_expr, b_expr)
+            added = self.split_sum(epilogue if epilogue is not None else X[0], epilogue_patterns)
+            split = f", split=({slices}, {added}, {_arity(a_expr) + _arity(b_expr)})"
+            cublas = ""
             if (a_prologue in (None, X[0])) and (b_prologue in (None, X[0])):
                 after = None
                 if epilogue not in (None, X[0]):
                     after = self.elementwise(epilogue, [(0, 1)] + list(epilogue_patterns), 2, "epilogue")
                 cublas = f", cublas=({transpose_a}, {transpose_b}, {after})"
             name = f"gemm{len(self.sites)}"
-            self.sites.append((name, f"{name} = Gemm({small}, {large}{cublas or ''})"))
+            self.sites.append((name, f"{name} = Gemm({small}, {large}, transpose_a={transpose_a}{split}{cublas})"))
             self._site_by_key[key] = name
         return self._site_by_key[key]
 

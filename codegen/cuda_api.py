@@ -29,7 +29,7 @@ import numpy as np
 from numba import {dtype} as FLOAT_T, float64
 
 from gradc.runtime import Signature, init_from, load_data
-from gradc.runtime.cuda import block, flat, load_cuda, rows
+from gradc.runtime.cuda import block, flat, folds, load_cuda, rows
 from gradc.runtime.cuda_gemm import Gemm
 from gradc.runtime.cuda_host import CudaRunner, temp_array, temp_array_like
 from gradc.runtime.cuda_stages import DeviceMemory

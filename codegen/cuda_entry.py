@@ -94,8 +94,8 @@ class CudaEntryWriter(EntryWriter):
         grid = self.kernels.launch[kernel]
         if grid[0] == "flat":
             config = f"flat({args[grid[1]]}, stream)"
-        elif grid[0] == "rows":
-            config = f"rows({args[grid[1]]}, {tuple(grid[2])!r}, stream)"
+        elif grid[0] in ("rows", "folds"):
+            config = f"{grid[0]}({args[grid[1]]}, {tuple(grid[2])!r}, stream)"
         else:
             config = "block(stream)"
         return f"{kernel}[{config}]({', '.join(args)})"

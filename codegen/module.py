@@ -426,7 +426,9 @@ def pipeline_source(g, pipeline, stage_specs, trainable, memory):
 
 LAUNCH_WORDS = {"flat": f"one thread per output element, {THREADS} a block",
                 "rows": f"one thread per kept index, {THREADS} a block",
+                "folds": f"{THREADS}-thread blocks of kept indices x the threads that fold each one's share",
                 "tiles": f"one {TILE}x{TILE} block per {TILE}x{TILE} tile of the output",
+                "slices": f"one {TILE}x{TILE} block per {TILE}x{TILE} tile of out[z], for each slice z of the K dim",
                 "big_tiles": f"one {TILE}x{TILE}-thread block per {BIG}x{BIG} tile of the output",
                 "block": f"one block of {THREADS} threads (a tree in shared memory)"}
 

@@ -51,6 +51,16 @@ _case("gemm_dx_prologue", _K.matmul(False, True, a_prologue=prologue), ["g", "z"
       {"g": [[19, 21], "f"], "z": [[19, 21], "f"], "w": [[18, 21], "f"]}, [19, 18], "(g * (1 - np.tanh(z) ** 2)) @ w.T")
 _case("gemm_dw_prologue", _K.matmul(True, False, b_prologue=prologue), ["x", "g", "z"],
       {"x": [[19, 18], "f"], "g": [[19, 21], "f"], "z": [[19, 21], "f"]}, [18, 21], "x.T @ (g * (1 - np.tanh(z) ** 2))")
+# split-K: the slices' partial products (slice q takes tile steps [q s // S, (q + 1) s // S) of s), one slice
+# empty when there are more slices than steps; then their sum with the epilogue
+_SLICE = "np.stack([{a}[16 * (q * {s} // {S}):16 * ((q + 1) * {s} // {S})]{t} @ {b}[16 * (q * {s} // {S}):16 * ((q + 1) * {s} // {S})] for q in range({S})])"
+_case("gemm_slices", _K.matmul_split(True, False, X[0], X[0]), ["a", "b"], {"a": [[75, 18], "f"], "b": [[75, 21], "f"]},
+      [3, 18, 21], _SLICE.format(a="a", t=".T", b="b", s=5, S=3))
+_case("gemm_slices_prologue", _K.matmul_split(True, False, X[0], prologue),
+      ["x", "g", "z"], {"x": [[37, 18], "f"], "g": [[37, 21], "f"], "z": [[37, 21], "f"]}, [4, 18, 21],
+      _SLICE.format(a="x", t=".T", b="(g * (1 - np.tanh(z) ** 2))", s=3, S=4))
+_case("gemm_slices_sum", _K.split_sum(sp.tanh(X[0] + X[1]), [(-1, 1)]), ["parts", "c"],
+      {"parts": [[5, 19, 21], "f"], "c": [[1, 21], "f"]}, [19, 21], "np.tanh(parts.sum(0) + c)")
 # softmax cross-entropy, fused: per-row losses and the gradient of their mean
 _case("xent_rows", _K._get(("xent_rows",), "xent_rows", CUDA_XENT_ROWS), ["x", "y"], {"x": [[6, 5], "f"], "y": [[6], "labels"]}, [6],
       "np.log(np.exp(x).sum(1)) - x[np.arange(6), y]", classes=5)
@@ -69,6 +79,13 @@ _case("sum_rows", _record_kernel(("reduce", "sum", 2, (0,), False), cuda_reducti
 _case("mean_keep", _record_kernel(("reduce", "mean", 3, (1, 2), True), cuda_reduction_source, "mean", 3, (1, 2), True), ["x"], {"x": [[3, 4, 5], "f"]}, [3, 1, 1],
       "x.mean((1, 2), keepdims=True)")
 _case("max_all", _record_kernel(("reduce", "max", 2, (0, 1), False), cuda_reduction_source, "max", 2, (0, 1), False), ["x"], {"x": [[4, 6], "f"]}, [1], "x.max()")
+# long reductions with few kept indices: fold lanes that stride (warps along the kept axis, or along the
+# reduced last axis), then a tree; sizes off every power of two
+_case("sum_long_rows", _record_kernel(("reduce", "sum", 2, (0,), False), cuda_reduction_source, "sum", 2, (0,), False), ["x"], {"x": [[301, 3], "f"]}, [3], "x.sum(0)")
+_case("mean_last", _record_kernel(("reduce", "mean", 2, (1,), False), cuda_reduction_source, "mean", 2, (1,), False), ["x"], {"x": [[5, 67], "f"]}, [5], "x.mean(1)")
+_case("max_outer_inner_keep", _record_kernel(("reduce", "max", 3, (0, 2), True), cuda_reduction_source, "max", 3, (0, 2), True), ["x"], {"x": [[9, 3, 13], "f"]}, [1, 3, 1],
+      "x.max((0, 2), keepdims=True)")
+_case("sum_middle", _record_kernel(("reduce", "sum", 3, (1,), False), cuda_reduction_source, "sum", 3, (1,), False), ["x"], {"x": [[3, 41, 11], "f"]}, [3, 11], "x.sum(1)")
 _case("argmax_cols", _record_kernel(("argmax_mask", 2, (1,)), cuda_argmax_source, 2, (1,)), ["x"], {"x": [[5, 4], "f"]}, [5, 4],
       "(np.arange(4)[None, :] == x.argmax(1)[:, None]).astype(float)")
 # softmax family along the last and the first axis

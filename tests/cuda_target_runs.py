@@ -391,6 +391,7 @@ class CountedGraphs:
 def run_graphs(build):
     """The runner's CUDA-graph path (capture once per shapes, copy arguments into the captured
     buffers, replay), with the driver's capture simulated by FakeGraphs."""
+    from numba import cuda
     rng = np.random.default_rng(2)
     model, cpu, dev = both(zoo.mlp_weight_decay, build)
     dev._CUDA._start()
@@ -401,10 +402,13 @@ def run_graphs(build):
         fakes = CountedGraphs(dev._CUDA)
     params = cpu.init_params(seed=7)
     out, worst = {}, 0.0
-    for batch in (6, 6, 6, 4, 6):   # a new batch size is a new capture; the same one replays
+    # a new batch size is a new capture; the same one replays, its numpy inputs sent in one transfer, or
+    # (on_device) as device arrays, each copied on the device into its place in that transfer's buffer
+    for batch, on_device in ((6, False), (6, False), (6, False), (4, False), (6, False), (6, True), (6, False)):
         inputs = zoo._inputs(cpu, rng, batch=batch)
         l1, g1 = cpu.loss_and_grad(params, **inputs)
-        l2, g2 = dev.loss_and_grad(params, **inputs)
+        given = {k: cuda.to_device(v) for k, v in inputs.items()} if on_device else inputs
+        l2, g2 = dev.loss_and_grad(params, **given)
         worst = max(worst, abs(l1 - l2), err(g1, g2))
     out["loss_and_grad"], out["captures"], out["replays"] = worst, fakes.captures, fakes.replays
     inputs = zoo._inputs(cpu, rng, batch=6)
@@ -563,6 +567,42 @@ def run_library(build):
             "transposes": sorted({str(c) for c in calls})}
 
 
+def run_split(build):
+    """The split-K path of gradc/runtime/cuda_gemm.py (few output tiles, a long K dim), made to run at
+    the simulator's sizes by asking it for 64 multiprocessors and 16-deep slices: the MLP's gradients
+    over 40 rows and its lr_grad over 8 x 40, and an RNN's (gc.scan) lr_grad, whose weight gradients
+    sum over every step's rows, against the CPU target. "splits": each part's slice counts."""
+    import gradc.runtime.cuda_gemm as sites
+    counts = []
+    split = sites.Gemm._split
+
+    def counted(self, stream, count, args):
+        counts.append(count)
+        return split(self, stream, count, args)
+
+    rng = np.random.default_rng(8)
+    saved = sites._SM_COUNT[:], sites.SLICE_MIN_DEPTH
+    sites._SM_COUNT[:], sites.SLICE_MIN_DEPTH, sites.Gemm._split = [64], 16, counted
+    out, splits = {}, {}
+    try:
+        model, cpu, dev = both(zoo.mlp_weight_decay, os.path.join(build, "mlp"))
+        params, inputs = cpu.init_params(seed=4), zoo._inputs(cpu, rng, batch=40)
+        model, cpu_rnn, dev_rnn = both(lambda: scans._rnn("split_scan_rnn"), os.path.join(build, "rnn"))
+        rnn_params = cpu_rnn.init_params(seed=5)
+        rnn_inputs = {"x": rng.normal(size=(6, 8, 3)), "y": rng.integers(0, 2, 8), "h0": rng.normal(size=(8, 4))}
+        for part, (a, b, p, x, options) in {
+                "mlp": (cpu.loss_and_grad, dev.loss_and_grad, params, inputs, {}),
+                "mlp_lr": (cpu.lr_grad, dev.lr_grad, params, inputs, dict(samples=8, seed=3)),
+                "rnn_lr": (cpu_rnn.lr_grad, dev_rnn.lr_grad, rnn_params, rnn_inputs, dict(samples=4, seed=3))}.items():
+            counts.clear()
+            l1, g1 = a(p, **x, **options)
+            l2, g2 = b(p, **x, **options)
+            out[part], splits[part] = max(abs(l1 - l2), err(g1, g2)), counts[:]
+    finally:
+        sites._SM_COUNT[:], sites.SLICE_MIN_DEPTH, sites.Gemm._split = (*saved, split)
+    return out | {"splits": splits}
+
+
 def run_pipelines(build):
     """--target cuda with --devices K and --microbatches M (virtual devices on one GPU) against the
     one-device CPU build: batch 7, so the microbatches differ in size; weight decay counts once."""
@@ -662,5 +702,6 @@ if __name__ == "__main__":
     else:   # the Trainer, device arrays, refusals; then the graph path (it patches the simulator)
         result = run_trainer(build) | {"lr": run_lr(os.path.join(build, "lr")),
                                        "library": run_library(os.path.join(build, "library")),
+                                       "split": run_split(os.path.join(build, "split")),
                                        "graphs": run_graphs(os.path.join(build, "graphs"))}
     print(json.dumps(result))

@@ -125,7 +125,7 @@ def test_graph_path_captures_once_per_shape_and_replays(results):
     """The runner's CUDA-graph path: the driver's stream capture simulated (FakeGraphs), or real on a GPU."""
     r = results["trainer"]["graphs"]
     assert r["graph_error"] is None
-    assert r["captures"] == 2 and r["replays"] == 3    # batches 6, 6, 6, 4, 6: two shapes, three repeats
+    assert r["captures"] == 2 and r["replays"] == 5    # batches 6, 6, 6, 4, 6, 6 (device), 6: two shapes, five repeats
     assert r["loss_and_grad"] <= TOLERANCE                  # new inputs reach the captured buffers
     assert r["trainer_replays"] == 3 and r["trainer_losses"] <= 1e-12   # 4 steps: one capture, 3 replays
     assert r["trainer_params"] <= TOLERANCE
@@ -179,3 +179,12 @@ def test_cublas_path_gives_the_same_values(results):
     r = results["trainer"]["library"]
     assert r["error"] <= TOLERANCE
     assert r["calls"] >= 5 and {"(False, False)", "(False, True)", "(True, False)"} <= set(r["transposes"])
+
+
+def test_split_k_products_give_the_same_values(results):
+    """Few output tiles and a long K dim: the products in slices, added in a fixed order, then the
+    epilogue; backprop, lr_grad's K*B rows, and a scan's weight gradients over every step's rows."""
+    r = results["trainer"]["split"]
+    assert all(r[k] <= TOLERANCE for k in ("mlp", "mlp_lr", "rnn_lr")), r
+    # both weight gradients over 40 rows in slices; lr_grad's over 8 x 40 rows in 20; the RNN's over 6 x 4 x 8
+    assert r["splits"]["mlp"] == [2, 2] and 20 in r["splits"]["mlp_lr"] and max(r["splits"]["rnn_lr"]) >= 2, r

@@ -5,6 +5,7 @@ import numpy as np
 
 from . import Op, register
 from .kernel_text import block_sum, dims_line, index, kept_index, loops, unravel
+from ..runtime.cuda import THREADS
 from ..errors import ShapeError
 from ..shapes import reduced, size
 
@@ -124,26 +125,46 @@ def _reduction_cpu(s):
     return s.into_out(kernel)
 
 
-# ---- CUDA: one thread per kept index; every axis reduced (a loss) is one block ------------------
+# ---- CUDA: each kept index folded by several threads; every axis reduced (a loss) is one block ------
 def cuda_reduction_source(name, op, rank, axes, keepdims):
+    """Launched as ("folds", 0, axes) (gradc/runtime/cuda.py's `folds`): the block's fold lanes share
+    each kept index's reduced elements (strided), then fold their partials as a tree in shared memory.
+    One thread per kept index left a few long sums (a bias gradient over K*B rows) to a few threads."""
     kept = [d for d in range(rank) if d not in axes]
     if not kept:
         return _cuda_full_reduction_source(name, op, rank, keepdims)
-    lines = [f"def {name}(x0, out):"] + kept_index(kept)
-    lines.append(f"    acc = {'-math.inf' if op == 'max' else '0.0'}")
-    for depth, d in enumerate(axes):
-        lines.append(f"{'    ' * (1 + depth)}for i{d} in range(x0.shape[{d}]):")
-    inner = "    " * (1 + len(axes))
+    fold_x = rank - 1 in axes   # warps along memory: fold lanes in x when the last axis is reduced
+    fold_dim, kept_dim = ("x", "y") if fold_x else ("y", "x")
+    lines = [f"def {name}(x0, out):", f"    partial = cuda.shared.array({THREADS}, float64)",
+             f"    kept_lane = cuda.threadIdx.{kept_dim}", f"    fold_lane = cuda.threadIdx.{fold_dim}",
+             f"    fold_lanes = cuda.blockDim.{fold_dim}",
+             f"    i = cuda.blockIdx.x * cuda.blockDim.{kept_dim} + kept_lane",
+             f"    count = {' * '.join(f'x0.shape[{d}]' for d in kept)}",
+             f"    acc = {'-math.inf' if op == 'max' else '0.0'}", "    r = i"]
+    for d in reversed(kept):
+        lines += [f"    i{d} = r % x0.shape[{d}]", f"    r //= x0.shape[{d}]"]
+    lines += ["    if i < count:",
+              f"        for j in range(fold_lane, {' * '.join(f'x0.shape[{d}]' for d in axes)}, fold_lanes):",
+              "            r = j"]
+    for d in reversed(axes):
+        lines.append(f"            i{d} = r % x0.shape[{d}]")
+        if d != axes[0]:
+            lines.append(f"            r //= x0.shape[{d}]")
     read = f"x0[{index([f'i{d}' for d in range(rank)], '0')}]"
     if op == "max":   # NaN wins, as in numpy
-        lines += [f"{inner}v = {read}", f"{inner}if v > acc or v != v:", f"{inner}    acc = v"]
+        lines += [f"            v = {read}", "            if v > acc or v != v:", "                acc = v"]
+        combine = ["            b = partial[t + step]", "            if b > partial[t] or b != b:",
+                   "                partial[t] = b"]
     else:
-        lines.append(f"{inner}acc += {read}")
-    if op == "mean":
-        lines.append(f"    acc /= {' * '.join(f'x0.shape[{d}]' for d in axes) or '1'}")
+        lines.append(f"            acc += {read}")
+        combine = ["            partial[t] += partial[t + step]"]
+    lines += ["    t = kept_lane * fold_lanes + fold_lane   # one kept index's partials side by side",
+              "    partial[t] = acc", "    cuda.syncthreads()", "    step = fold_lanes // 2", "    while step > 0:",
+              "        if fold_lane < step:", *combine, "        cuda.syncthreads()", "        step //= 2"]
+    result = "partial[t]" + (f" / ({' * '.join(f'x0.shape[{d}]' for d in axes)})" if op == "mean" else "")
     target = index(["0" if d in axes else f"i{d}" for d in range(rank)] if keepdims else [f"i{d}" for d in kept], "0")
-    lines.append(f"    out[{target}] = acc")
-    return "\n".join(lines), f"{op} over axes {tuple(axes)}", ("rows", 0, tuple(axes))
+    lines += ["    if fold_lane == 0 and i < count:", f"        out[{target}] = {result}"]
+    return "\n".join(lines), f"{op} over axes {tuple(axes)}", ("folds", 0, tuple(axes))
 
 
 def _cuda_full_reduction_source(name, op, rank, keepdims):

@@ -85,10 +85,42 @@ def tiles(out, stream=0):
     return (-(-n // TILE), -(-m // TILE)), (TILE, TILE), stream
 
 
+def slices(parts, stream=0):
+    """One TILE x TILE block per tile of parts[z] for each slice z (a split-K GEMM's partial products)."""
+    z, m, n = parts.shape
+    return (-(-n // TILE), -(-m // TILE), z), (TILE, TILE), stream
+
+
 def big_tiles(out, stream=0):
     """One TILE x TILE block per BIG x BIG tile of the matrix `out` (the register-tiled GEMM)."""
     m, n = out.shape
     return (-(-n // BIG), -(-m // BIG)), (TILE, TILE), stream
+
+
+FEW_KEPT = 4 * THREADS   # a reduction keeping fewer indices than this spends every lane of a block on folding
+
+
+def folds(x, axes, stream=0):
+    """A reduction of `x` over `axes`: blocks of kept lanes x fold lanes, each kept index folded by
+    its fold lanes (a strided share each, then a tree in shared memory), so that a few long sums (a
+    bias gradient over K*B rows) use many threads. Warps run along memory where there are enough kept
+    indices to fill the GPU that way: over fold lanes when the last axis is reduced, else over kept
+    lanes; with few kept indices every lane folds (block dims (fold, kept) or (kept, fold): the kernel
+    reads which from its text)."""
+    shape = tuple(x.shape)
+    kept = int(np.prod([n for d, n in enumerate(shape) if d not in axes]))
+    folded = int(np.prod([shape[d] for d in axes]))
+    threads = SIMULATED_THREADS if simulated() else THREADS
+    fold = min(_power_of_two_at_least(folded), threads)
+    if len(shape) - 1 in axes:
+        return blocks(max(1, kept), threads // fold), (fold, threads // fold), stream
+    if kept >= FEW_KEPT:
+        fold = max(1, min(fold, threads // min(_power_of_two_at_least(kept), 32, threads)))
+    return blocks(max(1, kept), threads // fold), (threads // fold, fold), stream
+
+
+def _power_of_two_at_least(n):
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def block(stream=0):
@@ -98,14 +130,19 @@ def block(stream=0):
 
 def launch_config(grid, args, stream=0):
     """A kernel's launch from codegen/cuda.py's `launch` entry: ("flat", i), ("rows", i, reduced
-    axes), ("tiles", i) or ("block",), over args[i] of the kernel's arguments."""
+    axes), ("folds", i, reduced axes), ("tiles", i), ("slices", i) or ("block",), over args[i] of the
+    kernel's arguments."""
     kind = grid[0]
     if kind == "flat":
         return flat(args[grid[1]], stream)
     if kind == "rows":
         return rows(args[grid[1]], grid[2], stream)
+    if kind == "folds":
+        return folds(args[grid[1]], grid[2], stream)
     if kind == "tiles":
         return tiles(args[grid[1]], stream)
+    if kind == "slices":
+        return slices(args[grid[1]], stream)
     if kind == "big_tiles":
         return big_tiles(args[grid[1]], stream)
     if kind == "block":

@@ -7,7 +7,10 @@
 - with CUDA graphs (a real GPU, `cuda.core` importable), the first call with a new set of shapes
   runs the launches directly (compiling every kernel), then captures them into a graph through a
   `cuda.core` GraphBuilder; later calls copy their arguments into the buffers the graph was
-  captured with and replay it (about 1 us a kernel instead of about 20). Arrays the runner made
+  captured with and replay it (about 1 us a kernel instead of about 20). The numpy arguments go over
+  in one transfer: the graph's buffers for them lie side by side in one device array, written from a
+  page-locked host mirror (each copy call costs tens of microseconds of host time, more than a small
+  step's kernels). Arrays the runner made
   itself (constants, a Trainer's params and state) are captured in place and never copied. Where
   capture is not available (the simulator, no `cuda.core`), every call launches directly; where one
   capture fails (a product large enough for cuBLAS, which CuPy will not call while capturing), the
@@ -235,9 +238,7 @@ class CudaRunner:
             if captured is _DIRECT:   # its capture failed: these launches run directly, other calls keep theirs
                 self.calls["direct"] += 1
                 return fn(*[self.device(a) for a in args], arena, offs, scal, self.stream)
-            for buffer, a in zip(captured.buffers, args):
-                if buffer is not a and self._place(a) is None:
-                    buffer.copy_to_device(a if not is_device_array(a) else self.device(a), stream=self.stream)
+            self._copy_in(captured, args)
             captured.graph.launch(self.stream)
             self.calls["replayed"] += 1
             return captured.results
@@ -272,6 +273,17 @@ class CudaRunner:
         out[...] = 0
         return out
 
+    def _copy_in(self, captured, args):
+        """A call's arguments into the buffers of `captured`: its numpy arguments in one transfer (the
+        positions laid out at capture), then any other argument not used in place (a device copy)."""
+        sent = set()
+        if captured.staging is not None and all(not is_device_array(args[j]) for j in captured.hosted):
+            captured.staging.send([args[j] for j in captured.hosted], self)
+            sent = set(captured.hosted)
+        for j, (buffer, a) in enumerate(zip(captured.buffers, args)):
+            if j not in sent and buffer is not a and self._place(a) is None:
+                buffer.copy_to_device(a if not is_device_array(a) else self.device(a), stream=self.stream)
+
     def _place(self, a):
         """The pointer of an array the runner owns (used in place), else None (copied in)."""
         if is_device_array(a):
@@ -281,10 +293,12 @@ class CudaRunner:
         return None
 
     def _first_call(self, key, fn, args, arena, offs, scal):
-        buffers = [a if self._place(a) is not None else self.empty(tuple(a.shape), array_dtype(a)) for a in args]
-        for buffer, a in zip(buffers, args):
-            if buffer is not a:
-                buffer.copy_to_device(a if not is_device_array(a) else self.device(a), stream=self.stream)
+        hosted = [j for j, a in enumerate(args) if self._place(a) is None and not is_device_array(a)]
+        staging = _Staging(self, [(args[j].shape, array_dtype(args[j])) for j in hosted]) if hosted else None
+        slots = dict(zip(hosted, staging.device_views)) if hosted else {}
+        buffers = [a if self._place(a) is not None else slots[j] if j in slots else
+                   self.empty(tuple(a.shape), array_dtype(a)) for j, a in enumerate(args)]
+        self._copy_in(_Captured(buffers, None, None, None, staging, hosted), args)
         results = fn(*buffers, arena, offs, scal, self.stream)   # compiles every kernel first
         self.sync()
         _capture.held = held = []   # the temporaries fn makes: the graph writes to them at every replay
@@ -305,16 +319,47 @@ class CudaRunner:
             return results
         finally:
             _capture.held = None
-        self._graphs[key] = _Captured(buffers, graph, captured_results, (arena, scal, held))
+        self._graphs[key] = _Captured(buffers, graph, captured_results, (arena, scal, held), staging, hosted)
         self.calls["captured"] += 1
         return results
 
 
 class _Captured:
-    """A captured graph with the buffers it reads and writes (kept alive while it may replay)."""
+    """A captured graph with the buffers it reads and writes (kept alive while it may replay); its
+    numpy arguments' buffers (those at positions `hosted`) are the views of `staging`."""
 
-    def __init__(self, buffers, graph, results, keep):
+    def __init__(self, buffers, graph, results, keep, staging=None, hosted=()):
         self.buffers, self.graph, self.results, self.keep = buffers, graph, results, keep
+        self.staging, self.hosted = staging, hosted
+
+
+class _Staging:
+    """Buffers for a graph's numpy arguments side by side in one device array, with a page-locked host
+    mirror: a call writes its arguments into the mirror and copies it over in one asynchronous transfer."""
+    ALIGN = 256
+
+    def __init__(self, runner, layout):   # layout: [(shape, dtype)]
+        starts, total = [], 0
+        for shape, dtype in layout:
+            starts.append(total)
+            total += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // self.ALIGN) * self.ALIGN
+        self.device = runner.empty((max(total, 1),), np.uint8)
+        self.host = runner.cuda.pinned_array(max(total, 1), np.uint8)
+
+        def views(array):
+            return [array[start:start + int(np.prod(shape)) * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
+                    for start, (shape, dtype) in zip(starts, layout)]
+        self.device_views, self.host_views = views(self.device), views(self.host)
+        self.sent = None   # the event after the last transfer: the mirror is free again once it has run
+
+    def send(self, arrays, runner):
+        """The arrays (numpy, as laid out) to the device views, in one transfer on the runner's stream."""
+        if self.sent is not None:
+            self.sent.synchronize()
+        for view, a in zip(self.host_views, arrays):
+            view[...] = a
+        self.device.copy_to_device(self.host, stream=runner.stream)
+        self.sent = runner.mark()
 
 
 def _pointer(a):
