@@ -6,7 +6,10 @@ ran (captured, replayed from a CUDA graph, or launched directly), the device tim
 captured graph alone (no copies, no host work), and with --kernels (torch installed) each kernel's and
 copy's device time per step, from torch's profiler (CUPTI sees every kernel in the process).
 
-    python bench/lr_step.py [--target cuda] [--samples K] [--steps N] [--model mlp|rnn] [--kernels]
+With --epochs R it also times whole epochs of lr_table's training loop (shuffled batches of 64 over the
+1500 training digits), backprop and LR trainers in alternating rounds, R each: medians and their ratio.
+
+    python bench/lr_step.py [--target cuda] [--samples K] [--steps N] [--model mlp|rnn] [--kernels] [--epochs R]
 """
 import argparse
 import cProfile
@@ -46,7 +49,9 @@ def replay_ms(runner, n):
             captured.graph.launch(runner.stream)
         runner.sync()
         name = getattr(fn, "__name__", str(fn))
-        out[f"{name} {shapes[0][0] if shapes else ''}"] = 1e3 * (time.perf_counter() - t) / n
+        owner = getattr(fn, "__self__", None)   # a Trainer's step: say which
+        mode = f" ({getattr(owner, 'gradient', '')}, {len(shapes)} args)" if owner is not None else ""
+        out[f"{name}{mode} #{len(out)}"] = 1e3 * (time.perf_counter() - t) / n
     return out
 
 
@@ -73,6 +78,22 @@ def kernel_table(step, n, top=16):
     return rows[:top], sum(r[2] for r in rows)
 
 
+def epoch_rounds(trainers, X, y, rounds, batch=64):
+    """ms per epoch of each trainer (name -> step), medians over `rounds` epochs taken in turn."""
+    rng = np.random.default_rng(1)
+    times = {name: [] for name in trainers}
+    for r in range(rounds + 1):   # round 0 warms up (the graphs' capture)
+        for name, step in trainers.items():
+            perm = rng.permutation(len(y))
+            t = time.perf_counter()
+            for s in range(0, len(y) - batch + 1, batch):
+                i = perm[s:s + batch]
+                step(x=X[i], y=y[i])
+            if r:
+                times[name].append(1e3 * (time.perf_counter() - t))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", choices=("cpu", "cuda"), default="cpu")
@@ -80,10 +101,11 @@ def main():
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--model", choices=("mlp", "rnn"), help="one model only (default: both)")
     ap.add_argument("--kernels", action="store_true", help="per-kernel device time (CUDA, torch installed)")
+    ap.add_argument("--epochs", type=int, default=0, help="rounds of whole epochs, backprop against LR")
     args = ap.parse_args()
     K, n = args.samples, args.steps
-    X, y, _, _ = digits()
-    x, y = X[:64], y[:64]
+    X_train, y_train, _, _ = digits()
+    x, y = X_train[:64], y_train[:64]
     print(f"{'model':<6} {'what':<40} {'ms':>8}")
     for label, make in (("MLP", mlp_model), ("RNN", rnn_model)):
         if args.model and args.model != label.lower():
@@ -108,6 +130,12 @@ def main():
                 fn()
             first = median_ms(fn, 1)   # after the warm-up: a slow one here is work redone at every call
             print(f"{label:<6} {what:<40} {median_ms(fn, n):>8.3f}   (one call after warm-up: {first:.3f})", flush=True)
+        if args.epochs:
+            epochs = epoch_rounds({"backprop": bp.step, f"lr K={K}": lr.step, f"lr K={K} plain+baseline": plain.step},
+                                  X_train, y_train, args.epochs)
+            for name, ms in epochs.items():
+                print(f"{label:<6} epoch, {name:<33} {ms:>8.3f}   ({ms / epochs['backprop']:.2f}x backprop's, "
+                      f"median of {args.epochs} rounds)", flush=True)
         runner = getattr(mod, "_CUDA", None)
         if runner is not None:
             print(f"{label:<6} CUDA graph calls: {runner.calls} ({runner.graph_error or 'no capture error'})")

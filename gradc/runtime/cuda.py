@@ -42,6 +42,8 @@ def is_device_array(x):
 def array_dtype(x):
     """The numpy dtype of an array: numpy's or numba's, or any CUDA array's (torch, cupy) from its
     __cuda_array_interface__ (torch's own dtype objects are not numpy dtypes)."""
+    if isinstance(getattr(x, "dtype", None), np.dtype):   # numpy's, numba's: no interface dict to build
+        return x.dtype
     cai = getattr(x, "__cuda_array_interface__", None)
     return np.dtype(cai["typestr"]) if cai is not None else np.dtype(x.dtype)
 

@@ -20,6 +20,7 @@ Results are the device arrays the host function returned; `host()` copies one ou
 """
 import functools
 import threading
+import weakref
 
 import numpy as np
 
@@ -104,6 +105,7 @@ class CudaRunner:
         self._graphs = {}              # (fn, shapes, places) -> _Captured, or _DIRECT where capture failed
         self.calls = {"captured": 0, "replayed": 0, "direct": 0}   # how the calls with graphs on ran
         self._owned = set()            # device pointers of the arrays this runner allocated
+        self._known = {}               # id(array) -> (weak reference, pointer) of the owned arrays themselves
         self._scal = {}
         if self.use_graphs:
             try:
@@ -135,13 +137,20 @@ class CudaRunner:
         self._start()
         with self._lock:
             a = self.cuda.device_array(shape, dtype or self.dtype)
-            self._owned.add(_pointer(a))
+            self._remember(a)
         return a
 
     def own(self, a):
         """Mark a view of an owned array as owned too (a Trainer's per-param views); returns it."""
-        self._owned.add(_pointer(a))
+        self._remember(a)
         return a
+
+    def _remember(self, a):
+        """An owned array: its pointer, and the array itself by id, so that `_place` knows it at the
+        next call without asking numba for its pointer (each ask builds its __cuda_array_interface__)."""
+        p, key = _pointer(a), id(a)
+        self._owned.add(p)
+        self._known[key] = (weakref.ref(a, lambda _: self._known.pop(key, None)), p)
 
     @on_its_gpu
     def adopt(self, host_array):
@@ -286,6 +295,11 @@ class CudaRunner:
 
     def _place(self, a):
         """The pointer of an array the runner owns (used in place), else None (copied in)."""
+        if isinstance(a, np.ndarray):
+            return None
+        known = self._known.get(id(a))
+        if known is not None and known[0]() is a:   # (an id is reused once its array is gone: check it is this one)
+            return known[1]
         if is_device_array(a):
             p = _pointer(a)
             if p in self._owned:
