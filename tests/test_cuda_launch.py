@@ -32,7 +32,6 @@ def test_a_long_sum_over_few_columns_is_folded_by_a_whole_block():
 def test_split_k_only_where_the_tiles_leave_the_gpu_idle():
     sms = 132
     assert slices_for(4096, 4096, 4096, sms) == 1                 # its tiles fill the GPU already
-    assert slices_for(2708, 16, 2708, sms) == 4                   # a GCN's A @ H: 170 tiles, 4 blocks per SM wanted
     assert slices_for(128, 10, 2048, sms) == 2048 // SLICE_MIN_DEPTH   # lr_grad's dW over K*B rows: 8 tiles
     assert slices_for(64, 64, 16384, sms) == -(-4 * sms // 16)    # a scan's dW over T*K*B rows: 16 tiles
     assert slices_for(64, 64, 64, sms) == 1                       # K too short to share out

@@ -2,7 +2,7 @@
 
 - the 16x16-tile kernel for small products (many small blocks keep the GPU busy);
 - the register-tiled kernel (128x128 block tiles) once its tiles fill every multiprocessor;
-- when the 16x16 tiles are too few to keep the GPU busy and the K dim is long (a weight's gradient summed
+- when the 16x16 tiles are too few to fill the GPU and the K dim is long (a weight's gradient summed
   over K*B rows, a scan's over T*B), split-K: the 16x16 kernel over slices of K into a work array
   (`temp_array`: held with a captured graph), then one kernel that adds the slices and applies the
   site's epilogue. The slices are added in a fixed order: the result does not depend on timing;
@@ -29,11 +29,11 @@ def _sm_count():
 
 
 def slices_for(m, n, depth, sms):
-    """How many slices of K the 16x16 kernel's product is split into: 1 when its tiles give each of the
-    GPU's `sms` multiprocessors BLOCKS_PER_SM blocks already (enough to hide the loads' latency); else
-    enough slices for that many, each at least SLICE_MIN_DEPTH deep."""
+    """How many slices of K the 16x16 kernel's product is split into: 1 when its tiles fill the GPU's
+    `sms` multiprocessors already; else enough for about BLOCKS_PER_SM blocks on each, each slice at
+    least SLICE_MIN_DEPTH deep."""
     tiles_count = -(-m // TILE) * -(-n // TILE)
-    if tiles_count >= BLOCKS_PER_SM * sms:
+    if tiles_count >= sms:
         return 1
     return max(1, min(depth // SLICE_MIN_DEPTH, -(-BLOCKS_PER_SM * sms // tiles_count)))
 
