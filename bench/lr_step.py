@@ -38,7 +38,8 @@ def median_ms(fn, n):
 
 
 def replay_ms(runner, n):
-    """The device time of one replay of each graph the runner captured, replayed back to back."""
+    """The device time of one replay of each graph the runner captured, replayed back to back (a Trainer
+    step's graph updates its params at each replay: the trainers have taken n more steps after this)."""
     out = {}
     for (fn, shapes), captured in runner._graphs.items():
         if captured is _DIRECT:
@@ -144,12 +145,12 @@ def main():
             if args.kernels:
                 for name, step in (("backprop", lambda: bp.step(x=x, y=y)), (f"lr K={K}", lambda: lr.step(x=x, y=y))):
                     try:
-                        rows, total = kernel_table(step, min(n, 50))
+                        by_kernel, total = kernel_table(step, min(n, 50))
                     except Exception as e:   # a torch without CUDA or profiler support: the rest still runs
                         print(f"{label}: no kernel table ({type(e).__name__}: {e})")
                         break
                     print(f"{label}: device time per Trainer.step, {name}: {total:.1f} us; by kernel or copy:")
-                    for kname, calls, us in rows:
+                    for kname, calls, us in by_kernel:
                         print(f"    {kname:<48} {calls:>5.1f} calls {us:>8.1f} us")
         prof = cProfile.Profile()
         prof.enable()

@@ -6,7 +6,7 @@
     model (2708 nodes, 7 blocks, noisy block-indicator features), a normalised adjacency as a constant.
 Same optimizer (Adam), same steps, same initial params; float32 builds. The first row of each task is
 torch eager backprop on the same device (the anchor: what a user runs today). Times are per epoch after
-the first, which compiles kernels and captures CUDA graphs.
+the first, which compiles kernels and captures CUDA graphs (a task of one epoch, --quick's RNN: that one).
 
     python bench/lr_table.py [--quick] [--target cuda] [--tasks mlp,rnn,karate,sbm]
 """

@@ -85,6 +85,9 @@ _case("sum_long_rows", _record_kernel(("reduce", "sum", 2, (0,), False), cuda_re
 _case("mean_last", _record_kernel(("reduce", "mean", 2, (1,), False), cuda_reduction_source, "mean", 2, (1,), False), ["x"], {"x": [[5, 67], "f"]}, [5], "x.mean(1)")
 _case("max_outer_inner_keep", _record_kernel(("reduce", "max", 3, (0, 2), True), cuda_reduction_source, "max", 3, (0, 2), True), ["x"], {"x": [[9, 3, 13], "f"]}, [1, 3, 1],
       "x.max((0, 2), keepdims=True)")
+# several kept lanes a block: 4 kept indices x 2 fold lanes (along memory: fold lanes when the last axis is reduced)
+_case("sum_last_short", _record_kernel(("reduce", "sum", 2, (1,), False), cuda_reduction_source, "sum", 2, (1,), False), ["x"], {"x": [[9, 2], "f"]}, [9], "x.sum(1)")
+_case("max_first_short", _record_kernel(("reduce", "max", 2, (0,), False), cuda_reduction_source, "max", 2, (0,), False), ["x"], {"x": [[2, 9], "f"]}, [9], "x.max(0)")
 _case("sum_middle", _record_kernel(("reduce", "sum", 3, (1,), False), cuda_reduction_source, "sum", 3, (1,), False), ["x"], {"x": [[3, 41, 11], "f"]}, [3, 11], "x.sum(1)")
 _case("argmax_cols", _record_kernel(("argmax_mask", 2, (1,)), cuda_argmax_source, 2, (1,)), ["x"], {"x": [[5, 4], "f"]}, [5, 4],
       "(np.arange(4)[None, :] == x.argmax(1)[:, None]).astype(float)")

@@ -23,6 +23,7 @@ CC = (9, 0)   # an H100
 
 def record(build):
     import gradc as gc
+    import gradc.runtime.cuda_gemm as sites
     import test_codegen as zoo
     from gradc.runtime import kernel_cache
     from numba.cuda.simulator.kernel import FakeCUDAKernel
@@ -70,6 +71,14 @@ def record(build):
         dev.input_grads(params, **inputs)
         for optimizer in ("sgd", "adam"):
             dev.Trainer(params, optimizer=optimizer, lr=0.01).step(**inputs)
+        # split-K (few output tiles, a long K) is chosen by the GPU's size: asked for 64 multiprocessors and
+        # 2-deep slices, every product of 4 or more deep runs it, so its two kernels are noted too
+        saved = sites._SM_COUNT[:], sites.SLICE_MIN_DEPTH
+        sites._SM_COUNT[:], sites.SLICE_MIN_DEPTH = [64], 2
+        try:
+            dev.loss_and_grad(params, **inputs)
+        finally:
+            sites._SM_COUNT[:], sites.SLICE_MIN_DEPTH = saved
         # the register-tiled GEMM and the cuBLAS epilogues are chosen by size on a GPU: note their types
         # too (those of the 16x16 kernel at the same site, and of an in-place epilogue)
         for site in [v for k, v in vars(dev).items() if type(v).__name__ == "Gemm"]:

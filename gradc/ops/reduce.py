@@ -140,11 +140,13 @@ def cuda_reduction_source(name, op, rank, axes, keepdims):
              f"    fold_lanes = cuda.blockDim.{fold_dim}",
              f"    i = cuda.blockIdx.x * cuda.blockDim.{kept_dim} + kept_lane",
              f"    count = {' * '.join(f'x0.shape[{d}]' for d in kept)}",
+             "    if count == 0:   # (every thread of every block: none is left at a barrier)",
+             "        return",
              f"    acc = {'-math.inf' if op == 'max' else '0.0'}", "    r = i"]
     for d in reversed(kept):
         lines += [f"    i{d} = r % x0.shape[{d}]", f"    r //= x0.shape[{d}]"]
     lines += ["    if i < count:",
-              f"        for j in range(fold_lane, {' * '.join(f'x0.shape[{d}]' for d in axes)}, fold_lanes):",
+              f"        for j in range(fold_lane, {' * '.join(f'x0.shape[{d}]' for d in axes) or '1'}, fold_lanes):",
               "            r = j"]
     for d in reversed(axes):
         lines.append(f"            i{d} = r % x0.shape[{d}]")
@@ -161,7 +163,7 @@ def cuda_reduction_source(name, op, rank, axes, keepdims):
     lines += ["    t = kept_lane * fold_lanes + fold_lane   # one kept index's partials side by side",
               "    partial[t] = acc", "    cuda.syncthreads()", "    step = fold_lanes // 2", "    while step > 0:",
               "        if fold_lane < step:", *combine, "        cuda.syncthreads()", "        step //= 2"]
-    result = "partial[t]" + (f" / ({' * '.join(f'x0.shape[{d}]' for d in axes)})" if op == "mean" else "")
+    result = "partial[t]" + (f" / ({' * '.join(f'x0.shape[{d}]' for d in axes) or '1'})" if op == "mean" else "")
     target = index(["0" if d in axes else f"i{d}" for d in range(rank)] if keepdims else [f"i{d}" for d in kept], "0")
     lines += ["    if fold_lane == 0 and i < count:", f"        out[{target}] = {result}"]
     return "\n".join(lines), f"{op} over axes {tuple(axes)}", ("folds", 0, tuple(axes))

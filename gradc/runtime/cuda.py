@@ -116,8 +116,8 @@ def folds(x, axes, stream=0):
     fold = min(_power_of_two_at_least(folded), threads)
     if len(shape) - 1 in axes:
         return blocks(max(1, kept), threads // fold), (fold, threads // fold), stream
-    if kept >= FEW_KEPT:
-        fold = max(1, min(fold, threads // min(_power_of_two_at_least(kept), 32, threads)))
+    if kept >= FEW_KEPT:   # a warp of kept lanes reads 32 neighbours
+        fold = max(1, min(fold, threads // min(32, threads)))
     return blocks(max(1, kept), threads // fold), (threads // fold, fold), stream
 
 

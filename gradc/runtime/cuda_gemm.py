@@ -4,13 +4,15 @@
 - the register-tiled kernel (128x128 block tiles) once its tiles fill every multiprocessor;
 - when the 16x16 tiles are too few to fill the GPU and the K dim is long (a weight's gradient summed
   over K*B rows, a scan's over T*B), split-K: the 16x16 kernel over slices of K into a work array
-  (`temp_array`: held with a captured graph), then one kernel that adds the slices and applies the
-  site's epilogue. The slices are added in a fixed order: the result does not depend on timing;
+  (`temp_array`: held with a captured graph; float64, so each slice's float64 sum rounds once, at the
+  end), then one kernel that adds the slices and applies the site's epilogue. The slices are added in a fixed order: the result does not depend on timing;
 - with CuPy installed (the `cublas` extra) and a product of at least LIBRARY_MIN_FLOP, cuBLAS
   through CuPy for the product, then the site's epilogue kernel in place. Only sites with no
   operand prologue take it (cuBLAS reads plain matrices). GRADC_CUBLAS=0 turns it off.
 """
 import os
+
+import numpy as np
 
 from .cuda import BIG, TILE, big_tiles, flat, load_cuda, simulated, slices, tiles
 from .cuda_host import temp_array
@@ -33,7 +35,7 @@ def slices_for(m, n, depth, sms):
     `sms` multiprocessors already; else enough for about BLOCKS_PER_SM blocks on each, each slice at
     least SLICE_MIN_DEPTH deep."""
     tiles_count = -(-m // TILE) * -(-n // TILE)
-    if tiles_count >= sms:
+    if tiles_count == 0 or tiles_count >= sms:
         return 1
     return max(1, min(depth // SLICE_MIN_DEPTH, -(-BLOCKS_PER_SM * sms // tiles_count)))
 
@@ -106,7 +108,7 @@ class Gemm:
     def _split(self, stream, count, args):
         kernel, add, operands = self.split
         out = args[-1]
-        parts = temp_array((count,) + tuple(out.shape), out.dtype)
+        parts = temp_array((count,) + tuple(out.shape), np.float64)   # each slice's sum rounded once, at the end
         kernel[slices(parts, stream)](*args[:operands], parts)
         add[flat(out, stream)](parts, *args[operands:])
 

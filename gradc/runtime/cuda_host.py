@@ -364,16 +364,18 @@ class _Staging:
             return [array[start:start + int(np.prod(shape)) * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
                     for start, (shape, dtype) in zip(starts, layout)]
         self.device_views, self.host_views = views(self.device), views(self.host)
-        self.sent = None   # the event after the last transfer: the mirror is free again once it has run
+        self.sent = runner.cuda.event()   # recorded after each transfer: the mirror is free again once it has run
+        self.pending = False
 
     def send(self, arrays, runner):
         """The arrays (numpy, as laid out) to the device views, in one transfer on the runner's stream."""
-        if self.sent is not None:
+        if self.pending:
             self.sent.synchronize()
         for view, a in zip(self.host_views, arrays):
             view[...] = a
         self.device.copy_to_device(self.host, stream=runner.stream)
-        self.sent = runner.mark()
+        self.sent.record(runner.stream)
+        self.pending = True
 
 
 def _pointer(a):
