@@ -127,7 +127,8 @@ def worst_error(target):
                     worst = max(worst, difference(got, ref))
     pool_cases = [((2, 2), (2, 2), (0, 0), 6, 6), ((3, 3), (2, 2), (1, 1), 7, 8), ((2, 3), (1, 2), (1, 0), 5, 6),
                   ((3, 2), (3, 1), (0, 1), 9, 4), ((3, 3), (1, 1), (1, 1), 4, 5), ((2, 2), (2, 2), (1, 1), 7, 3),
-                  ((5, 4), (2, 3), (2, 1), 11, 10)]
+                  ((5, 4), (2, 3), (2, 1), 11, 10), ((2, 2), (2, 2), (0, 0), 7, 5), ((3, 3), (3, 3), (0, 0), 9, 6),
+                  ((2, 3), (2, 3), (1, 0), 7, 8)]
     for ties in (False, True):
         for (k, s, p, h, w) in pool_cases:
             x = rng.integers(-2, 3, (2, 3, h, w)).astype(float) if ties else rng.standard_normal((2, 3, h, w))
@@ -144,6 +145,13 @@ def worst_error(target):
                 out = np.full(y.shape, np.nan)
                 ns[nm](x, out)
                 assert (np.isnan(out) == np.isnan(y)).all() and (out[~np.isnan(y)] == y[~np.isnan(y)]).all(), (k, s, p)
+                # its gradient likewise (windows that do not overlap: written whole, NaN left where none wrote)
+                if "g" + nm not in ns:
+                    exec(P.cpu_max_grad_source("g" + nm, tuple(ints))[0], ns)
+                    ns["g" + nm] = deco(ns["g" + nm])
+                dx, ref = np.full(x.shape, np.nan), P.max_pool2d_grad_np(x, g, k, s, p)
+                ns["g" + nm](x, g, dx)
+                assert not np.isnan(dx).any() and np.abs(dx - ref).max() <= 1e-12, (k, s, p, np.argwhere(dx != ref)[:3])
             for got, ref in [(run("mp", [x, *ints], y.shape), y),
                              (run("mpick", [x, u, *ints], y.shape), P.max_pool2d_pick_np(x, u, k, s, p)),
                              (run("mgrad", [x, g, *ints], x.shape), P.max_pool2d_grad_np(x, g, k, s, p)),
