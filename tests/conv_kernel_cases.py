@@ -136,6 +136,8 @@ def worst_error(target):
                 x[0, 0, 0, :] = -np.inf
                 x[0, 0, 1, 1] = np.nan
             y = P.max_pool2d_np(x, k, s, p); g = rng.standard_normal(y.shape); u = rng.standard_normal(x.shape)
+            if ties:   # an infinite gradient stays where its window's maximum is, zeros elsewhere
+                g[0, 1, 0, 0] = np.inf
             ints = [*k, *s, *p]
             if target == "cpu":   # the window written into the kernel's text: windows inside the input row by row
                 nm = f"mp_{'_'.join(map(str, ints))}"
@@ -151,7 +153,8 @@ def worst_error(target):
                     ns["g" + nm] = deco(ns["g" + nm])
                 dx, ref = np.full(x.shape, np.nan), P.max_pool2d_grad_np(x, g, k, s, p)
                 ns["g" + nm](x, g, dx)
-                assert not np.isnan(dx).any() and np.abs(dx - ref).max() <= 1e-12, (k, s, p, np.argwhere(dx != ref)[:3])
+                fin = np.isfinite(ref)
+                assert (dx[~fin] == ref[~fin]).all() and np.abs(dx[fin] - ref[fin]).max() <= 1e-12, (k, s, p)
             for got, ref in [(run("mp", [x, *ints], y.shape), y),
                              (run("mpick", [x, u, *ints], y.shape), P.max_pool2d_pick_np(x, u, k, s, p)),
                              (run("mgrad", [x, g, *ints], x.shape), P.max_pool2d_grad_np(x, g, k, s, p)),
