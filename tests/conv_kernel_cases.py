@@ -128,13 +128,19 @@ def worst_error(target):
     pool_cases = [((2, 2), (2, 2), (0, 0), 6, 6), ((3, 3), (2, 2), (1, 1), 7, 8), ((2, 3), (1, 2), (1, 0), 5, 6),
                   ((3, 2), (3, 1), (0, 1), 9, 4), ((3, 3), (1, 1), (1, 1), 4, 5), ((2, 2), (2, 2), (1, 1), 7, 3),
                   ((5, 4), (2, 3), (2, 1), 11, 10), ((2, 2), (2, 2), (0, 0), 7, 5), ((3, 3), (3, 3), (0, 0), 9, 6),
-                  ((2, 3), (2, 3), (1, 0), 7, 8)]
+                  ((2, 3), (2, 3), (1, 0), 7, 8), ((2, 2), (2, 2), (1, 1), 6, 6), ((3, 3), (3, 3), (1, 1), 6, 6),
+                  ((2, 2), (2, 2), (1, 1), 6, 1), ((1, 1), (1, 1), (0, 0), 3, 4)]
+    # (windows that do not overlap, written whole where inside: clipped at the top and left, at the bottom
+    # and right, padding that alone decides the zeroing, no inside column, one tap)
     for ties in (False, True):
         for (k, s, p, h, w) in pool_cases:
             x = rng.integers(-2, 3, (2, 3, h, w)).astype(float) if ties else rng.standard_normal((2, 3, h, w))
             if ties:
                 x[0, 0, 0, :] = -np.inf
-                x[0, 0, 1, 1] = np.nan
+                x[0, 0, 1, min(1, w - 1)] = np.nan
+                x[0, 0, 1, 0] = np.nan   # two NaNs in one window: the first wins
+                if h > 3 and w > 3:
+                    x[0, 2, 3, 3] = np.inf
             y = P.max_pool2d_np(x, k, s, p); g = rng.standard_normal(y.shape); u = rng.standard_normal(x.shape)
             if ties:   # an infinite gradient stays where its window's maximum is, zeros elsewhere
                 g[0, 1, 0, 0] = np.inf
@@ -154,7 +160,12 @@ def worst_error(target):
                 dx, ref = np.full(x.shape, np.nan), P.max_pool2d_grad_np(x, g, k, s, p)
                 ns["g" + nm](x, g, dx)
                 fin = np.isfinite(ref)
-                assert (dx[~fin] == ref[~fin]).all() and np.abs(dx[fin] - ref[fin]).max() <= 1e-12, (k, s, p)
+                assert (dx[~fin] == ref[~fin]).all() and np.abs(dx[fin] - ref[fin]).max(initial=0.0) <= 1e-12, \
+                    (k, s, p)
+                assert not np.isnan(dx).any(), (k, s, p)   # every input written
+                dx32 = np.full(x.shape, np.nan, np.float32)   # float32 too (the selects in out's dtype)
+                ns["g" + nm](x.astype(np.float32), g.astype(np.float32), dx32)
+                assert (dx32[~fin] == ref[~fin]).all() and np.abs(dx32[fin] - ref[fin]).max(initial=0.0) <= 1e-5, (k, s, p)
             for got, ref in [(run("mp", [x, *ints], y.shape), y),
                              (run("mpick", [x, u, *ints], y.shape), P.max_pool2d_pick_np(x, u, k, s, p)),
                              (run("mgrad", [x, g, *ints], x.shape), P.max_pool2d_grad_np(x, g, k, s, p)),
