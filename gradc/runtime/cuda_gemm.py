@@ -5,7 +5,8 @@
 - when the 16x16 tiles are too few to fill the GPU and the K dim is long (a weight's gradient summed
   over K*B rows, a scan's over T*B), split-K: the 16x16 kernel over slices of K into a work array
   (`temp_array`: held with a captured graph; float64, so each slice's float64 sum rounds once, at the
-  end), then one kernel that adds the slices and applies the site's epilogue. The slices are added in a fixed order: the result does not depend on timing;
+  end), then one kernel that adds the slices and applies the site's epilogue. The slices are added
+  in a fixed order: the result does not depend on timing;
 - with CuPy installed (the `cublas` extra) and a product of at least LIBRARY_MIN_FLOP, cuBLAS
   through CuPy for the product, then the site's epilogue kernel in place. Only sites with no
   operand prologue take it (cuBLAS reads plain matrices). GRADC_CUBLAS=0 turns it off.
