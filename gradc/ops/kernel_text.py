@@ -38,13 +38,18 @@ def unravel(rank, flat="i", shape="out.shape", pad="    "):
     return lines
 
 
+def unravel_dims(dims, flat, array="x0", pad="    "):
+    """Lines that turn flat index `flat` into i{d} for the listed dims of `array` (C order; CUDA)."""
+    lines = [f"{pad}r = {flat}"]
+    for d in reversed(dims):
+        lines += [f"{pad}i{d} = r % {array}.shape[{d}]", f"{pad}r //= {array}.shape[{d}]"]
+    return lines
+
+
 def kept_index(kept, count_of="x0"):
     """CUDA: one thread per index over the `kept` dims of `count_of`; i{d} for each of them."""
-    lines = ["    i = cuda.grid(1)", f"    count = {' * '.join(f'{count_of}.shape[{d}]' for d in kept) or '1'}",
-             "    if i >= count:", "        return", "    r = i"]
-    for d in reversed(kept):
-        lines += [f"    i{d} = r % {count_of}.shape[{d}]", f"    r //= {count_of}.shape[{d}]"]
-    return lines
+    return ["    i = cuda.grid(1)", f"    count = {' * '.join(f'{count_of}.shape[{d}]' for d in kept) or '1'}",
+            "    if i >= count:", "        return", *unravel_dims(kept, "i", count_of)]
 
 
 # CUDA: one thread per row i of x0

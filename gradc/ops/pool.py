@@ -272,16 +272,27 @@ def _inside_rows_max(kh, kw):
     return lines + ["    orow[k] = m"]
 
 
+def _inside_range(lo, hi, axis, note):
+    """Lines setting lo..hi-1: the windows along `axis` (2: rows, 3: columns) that lie inside the input."""
+    n, k, st, p = {2: ("h_out", "kh", "sh", "ph"), 3: ("w_out", "kw", "sw", "pw")}[axis]
+    return [f"    {lo} = min({n}, ({p} + {st} - 1) // {st})   # {note}",
+            f"    {hi} = max({lo}, min({n}, (x.shape[{axis}] + {p} - {k}) // {st} + 1))"]
+
+
+def _clipped_window(store):
+    """Window (ho, wo) of a row whose i_lo, i_hi are set, clipped to the input's columns: its first
+    maximum m at (bi, bj), then `store`."""
+    return ["w0 = wo * sw - pw", "j_lo, j_hi = max(0, -w0), min(kw, x.shape[3] - w0)",
+            *(line[len(PAD):] for line in _cpu_argmax(PAD)), store]
+
+
 def cpu_max_pool_source(name, window=None):
     lines = _cpu_def(name, "x", window)
     if window is None or window[0] * window[1] > INSIDE_MAX_TAPS:
         lines += _cpu_max_windows("out", {"oc": "out"}) + _cpu_argmax(PAD) + [PAD + "oc[ho, wo] = m"]
         return "\n".join(lines), "max over each window (clipped to the input: padding never wins)"
-    edge = ["w0 = wo * sw - pw", "j_lo, j_hi = max(0, -w0), min(kw, x.shape[3] - w0)",
-            *(line[len(PAD):] for line in _cpu_argmax(PAD)), "oc[ho, wo] = m"]
     lines += ["    h_out, w_out = out.shape[2], out.shape[3]",
-              "    wa = min(w_out, (pw + sw - 1) // sw)   # the windows wa..wb-1 lie inside the input's columns",
-              "    wb = max(wa, min(w_out, (x.shape[3] + pw - kw) // sw + 1))",
+              *_inside_range("wa", "wb", 3, "the windows wa..wb-1 lie inside the input's columns"),
               "    left = wa * sw - pw",
               "    for b in range(out.shape[0]):",
               "        for c in range(out.shape[1]):",
@@ -295,7 +306,7 @@ def cpu_max_pool_source(name, window=None):
               "                skip = wb - wa if inside else 0",
               "                for e in range(w_out - skip):   # the other windows, clipped",
               "                    wo = e if e < wa else e + skip",
-              *("                    " + line for line in edge)]
+              *("                    " + line for line in _clipped_window("oc[ho, wo] = m"))]
     return "\n".join(lines), "max over each window (clipped to the input: padding never wins)"
 
 
@@ -343,38 +354,32 @@ def cpu_max_grad_source(name, window=None):
         return "\n".join(lines), doc
     # windows that do not overlap: those inside the input are written whole, rows ha..hb-1 and columns
     # wa..wb-1 of them; the clipped ones at the edges add into the zeroed output as above
-    pad = " " * 16
-
-    def clipped(indent):   # the window (ho, wo), clipped to the input: g added at its first maximum
-        return [indent + line for line in ["w0 = wo * sw - pw", "j_lo, j_hi = max(0, -w0), min(kw, x.shape[3] - w0)",
-                                           *(l[len(PAD):] for l in _cpu_argmax(PAD)), "oc[h0 + bi, w0 + bj] += gc[ho, wo]"]]
+    pad, clipped = " " * 20, _clipped_window("oc[h0 + bi, w0 + bj] += gc[ho, wo]")
     lines = _cpu_def(name, "x, g", window) + [
         "    h_out, w_out = g.shape[2], g.shape[3]",
         "    zero = np.zeros(1, out.dtype)[0]   # (a 0.0 literal would make the selects float64)",
         "    if not (ph == 0 and pw == 0 and x.shape[2] == h_out * kh and x.shape[3] == w_out * kw):",
         "        out[:] = 0.0   # inputs no window holds, and the clipped windows' adds",
-        "    ha = min(h_out, (ph + sh - 1) // sh)   # the windows ha..hb-1 lie inside the input's rows",
-        "    hb = max(ha, min(h_out, (x.shape[2] + ph - kh) // sh + 1))",
-        "    wa = min(w_out, (pw + sw - 1) // sw)   # wa..wb-1 inside its columns",
-        "    wb = max(wa, min(w_out, (x.shape[3] + pw - kw) // sw + 1))",
+        *_inside_range("ha", "hb", 2, "the windows ha..hb-1 lie inside the input's rows"),
+        *_inside_range("wa", "wb", 3, "wa..wb-1 inside its columns"),
         "    for b in range(g.shape[0]):",
         "        for c in range(g.shape[1]):",
         "            xc, gc, oc = x[b, c], g[b, c], out[b, c]",
         "            for ho in range(ha, hb):",
         "                h0 = ho * sh - ph",
-        *(pad + line for line in _inside_rows_grad(window[0], window[1])),
-        "            for ho in range(ha, hb if wb - wa < w_out else ha):",
+        *(pad[4:] + line for line in _inside_rows_grad(window[0], window[1])),
+        "            for ho in range(ha, hb):",
         "                h0 = ho * sh - ph",
         "                i_lo, i_hi = 0, kh",
         "                for e in range(w_out - (wb - wa)):   # these rows' clipped windows",
         "                    wo = e if e < wa else e + wb - wa",
-        *clipped(" " * 20),
+        *(pad + line for line in clipped),
         "            for e in range(h_out - (hb - ha)):   # the rows of clipped windows",
         "                ho = e if e < ha else e + hb - ha",
         "                h0 = ho * sh - ph",
         "                i_lo, i_hi = max(0, -h0), min(kh, x.shape[2] - h0)",
         "                for wo in range(w_out):",
-        *clipped(" " * 20)]
+        *(pad + line for line in clipped)]
     return "\n".join(lines), doc
 
 

@@ -4,7 +4,7 @@ import math
 import numpy as np
 
 from . import Op, register
-from .kernel_text import block_sum, dims_line, index, kept_index, loops, unravel
+from .kernel_text import block_sum, dims_line, index, kept_index, loops, unravel, unravel_dims
 from ..runtime.cuda import THREADS
 from ..errors import ShapeError
 from ..shapes import reduced, size
@@ -142,16 +142,10 @@ def cuda_reduction_source(name, op, rank, axes, keepdims):
              f"    count = {' * '.join(f'x0.shape[{d}]' for d in kept)}",
              "    if count == 0:   # (every thread of every block: none is left at a barrier)",
              "        return",
-             f"    acc = {'-math.inf' if op == 'max' else '0.0'}", "    r = i"]
-    for d in reversed(kept):
-        lines += [f"    i{d} = r % x0.shape[{d}]", f"    r //= x0.shape[{d}]"]
-    lines += ["    if i < count:",
-              f"        for j in range(fold_lane, {' * '.join(f'x0.shape[{d}]' for d in axes) or '1'}, fold_lanes):",
-              "            r = j"]
-    for d in reversed(axes):
-        lines.append(f"            i{d} = r % x0.shape[{d}]")
-        if d != axes[0]:
-            lines.append(f"            r //= x0.shape[{d}]")
+             f"    acc = {'-math.inf' if op == 'max' else '0.0'}", *unravel_dims(kept, "i"),
+             "    if i < count:",
+             f"        for j in range(fold_lane, {' * '.join(f'x0.shape[{d}]' for d in axes) or '1'}, fold_lanes):",
+             *unravel_dims(axes, "j", pad="            ")]
     read = f"x0[{index([f'i{d}' for d in range(rank)], '0')}]"
     if op == "max":   # NaN wins, as in numpy
         lines += [f"            v = {read}", "            if v > acc or v != v:", "                acc = v"]

@@ -240,14 +240,15 @@ class CudaRunner:
             arena, offs, scal = self._buffers(entry, inputs)
             if not self.use_graphs:
                 return fn(*[self.device(a) for a in args], arena, offs, scal, self.stream)
-            key = (fn, tuple((tuple(a.shape), array_dtype(a).str, self._place(a)) for a in args))
+            places = [self._place(a) for a in args]
+            key = (fn, tuple((tuple(a.shape), array_dtype(a).str, p) for a, p in zip(args, places)))
             captured = self._graphs.get(key)
             if captured is None:
-                return self._first_call(key, fn, args, arena, offs, scal)
+                return self._first_call(key, fn, args, places, arena, offs, scal)
             if captured is _DIRECT:   # its capture failed: these launches run directly, other calls keep theirs
                 self.calls["direct"] += 1
                 return fn(*[self.device(a) for a in args], arena, offs, scal, self.stream)
-            self._copy_in(captured, args)
+            self._copy_in(captured.buffers, captured.staging, captured.hosted, args, places)
             captured.graph.launch(self.stream)
             self.calls["replayed"] += 1
             return captured.results
@@ -282,15 +283,15 @@ class CudaRunner:
         out[...] = 0
         return out
 
-    def _copy_in(self, captured, args):
-        """A call's arguments into the buffers of `captured`: its numpy arguments in one transfer (the
-        positions laid out at capture), then any other argument not used in place (a device copy)."""
-        sent = set()
-        if captured.staging is not None and all(not is_device_array(args[j]) for j in captured.hosted):
-            captured.staging.send([args[j] for j in captured.hosted], self)
-            sent = set(captured.hosted)
-        for j, (buffer, a) in enumerate(zip(captured.buffers, args)):
-            if j not in sent and buffer is not a and self._place(a) is None:
+    def _copy_in(self, buffers, staging, hosted, args, places):
+        """A call's arguments into a graph's `buffers`: the numpy ones at the positions `hosted` (laid out at
+        capture) in one transfer through `staging`, then any other not used in place (`places`: None)."""
+        sent = ()
+        if staging is not None and all(not is_device_array(args[j]) for j in hosted):
+            staging.send([args[j] for j in hosted], self)
+            sent = hosted
+        for j, (buffer, a, place) in enumerate(zip(buffers, args, places)):
+            if place is None and buffer is not a and j not in sent:
                 buffer.copy_to_device(a if not is_device_array(a) else self.device(a), stream=self.stream)
 
     def _place(self, a):
@@ -306,13 +307,13 @@ class CudaRunner:
                 return p
         return None
 
-    def _first_call(self, key, fn, args, arena, offs, scal):
-        hosted = [j for j, a in enumerate(args) if self._place(a) is None and not is_device_array(a)]
+    def _first_call(self, key, fn, args, places, arena, offs, scal):
+        hosted = [j for j, (a, p) in enumerate(zip(args, places)) if p is None and not is_device_array(a)]
         staging = _Staging(self, [(args[j].shape, array_dtype(args[j])) for j in hosted]) if hosted else None
         slots = dict(zip(hosted, staging.device_views)) if hosted else {}
-        buffers = [a if self._place(a) is not None else slots[j] if j in slots else
-                   self.empty(tuple(a.shape), array_dtype(a)) for j, a in enumerate(args)]
-        self._copy_in(_Captured(buffers, None, None, None, staging, hosted), args)
+        buffers = [a if p is not None else slots[j] if j in slots else self.empty(tuple(a.shape), array_dtype(a))
+                   for j, (a, p) in enumerate(zip(args, places))]
+        self._copy_in(buffers, staging, hosted, args, places)
         results = fn(*buffers, arena, offs, scal, self.stream)   # compiles every kernel first
         self.sync()
         _capture.held = held = []   # the temporaries fn makes: the graph writes to them at every replay
