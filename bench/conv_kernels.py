@@ -33,7 +33,8 @@ def compiled(source):
 
 
 def picked(op, attrs, w_shape, out_hw):
-    """The kernel source gradc's lowering picks for this op (conv.py's _lower, in its order), and its path."""
+    """The kernel source gradc's lowering picks for this op (conv.py's _lower, in its order), and its path
+    (out_hw: the height and width of the image the op makes; float32)."""
     input_grad, weight_grad = op == "input grad", op == "weight grad"
     winograd = {"conv": CW.cpu_conv2d_winograd_source, "input grad": CW.cpu_input_grad_winograd_source,
                 "weight grad": CW.cpu_weight_grad_winograd_source}[op]
@@ -43,7 +44,9 @@ def picked(op, attrs, w_shape, out_hw):
         return winograd("k"), "winograd"
     if CD.direct(attrs, w_shape, input_grad, weight_grad):
         made = w_shape[1] if input_grad else w_shape[0]
-        return direct("k", CD.weight_grad_block(made) if weight_grad else CD.out_block(made)), "direct"
+        if weight_grad:
+            return direct("k", CD.weight_grad_block(made)), "direct"
+        return direct("k", CD.out_block(made, CD.band_positions(*out_hw, w_shape[3], 1), 4)), "direct"
     if not weight_grad and C.by_taps(attrs, w_shape, out_hw[0], out_hw[1]):
         return (C.cpu_input_grad_by_taps_source if input_grad else C.cpu_conv2d_by_taps_source)("k"), "taps"
     return None, "im2col"

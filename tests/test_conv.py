@@ -524,7 +524,7 @@ def test_which_convs_run_directly():
     """Unit strides, a kernel larger than 1x1, at most 64 channels made a group; an input gradient
     also needs fewer than 16 source channels a group (the conv's outputs) or 16 or more of its own, a
     weight gradient at most 16 output channels or at most 31 taps a group (channels times kernel)."""
-    from gradc.ops.conv_direct import direct, out_block
+    from gradc.ops.conv_direct import band_positions, direct, out_block, weight_grad_block
     conv = {"stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "groups": 1}
     assert direct(conv, (6, 1, 5, 5)) and direct(conv, (64, 3, 3, 3)) and direct(conv | {"groups": 4}, (256, 8, 3, 3))
     assert not direct(conv, (65, 3, 3, 3)) and not direct(conv, (8, 8, 1, 1))
@@ -537,7 +537,15 @@ def test_which_convs_run_directly():
     assert direct(conv, (16, 6, 5, 5), weight_grad=True) and direct(conv, (8, 64, 3, 3), weight_grad=True)
     assert not direct(conv, (32, 16, 3, 3), weight_grad=True)     # 32 channels of 144 taps: im2col
     assert direct(conv, (64, 3, 3, 3), weight_grad=True) and not direct(conv, (65, 1, 3, 3), weight_grad=True)
-    assert [out_block(c) for c in (1, 2, 3, 4, 5, 6, 8, 9, 17, 64)] == [1, 2, 4, 4, 8, 8, 8, 8, 8, 8]
+    # the block of output channels with the fewest calls (the fastest measured, bench/conv_kernels.py):
+    # 28x28 outputs of a 5x5 kernel give 892 band positions an image, 8x8 ones of a 3x3 kernel 78
+    wide, small = band_positions(28, 28, 5, 1), band_positions(8, 8, 3, 1)
+    assert (wide, small) == (27 * 32 + 28, 7 * 10 + 8)
+    made = (1, 2, 3, 5, 6, 8, 10, 12, 16, 32)
+    assert [out_block(c, wide, 4) for c in made] == [1, 2, 4, 2, 2, 4, 2, 4, 4, 4]
+    assert [out_block(c, small, 4) for c in made] == [1, 2, 4, 8, 8, 8, 4, 4, 8, 8]
+    assert [out_block(c, small, 8) for c in (6, 16)] == [2, 4]   # float64: half the lanes a vector
+    assert [weight_grad_block(c) for c in (1, 2, 3, 4, 5, 17, 64)] == [1, 2, 4, 4, 4, 4, 4]
 
 
 def _split_everything(monkeypatch, cores=3):

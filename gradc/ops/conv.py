@@ -21,7 +21,7 @@ import numpy as np
 
 from . import Op, register
 from .conv_direct import (cpu_conv2d_direct_source, cpu_input_grad_direct_source, cpu_weight_grad_direct_source,
-                          direct, out_block, weight_grad_block)
+                          band_positions, direct, out_block, weight_grad_block)
 from .conv_direct import workspace_bytes as direct_workspace_bytes
 from .conv_winograd import (cpu_conv2d_winograd_source, cpu_input_grad_winograd_source,
                             cpu_weight_grad_winograd_source, winograd, workspace_values as winograd_values)
@@ -671,7 +671,11 @@ def _lower(hint, make, make_by_taps=None, x_at=0, w_at=1, g_at=2, on_cores=None,
             kernel = s.kernel((hint, "winograd"), f"{hint}_winograd", make_winograd)
         elif make_direct is not None and direct(a, w, input_grad, weight_grad):
             made = w[1] if input_grad else w[0] // a.get("groups", 1)
-            ob = weight_grad_block(made) if weight_grad else out_block(made)
+            if weight_grad:
+                ob = weight_grad_block(made)
+            else:   # the made image's rows at the band's pitch
+                positions = band_positions(*(x if input_grad else g)[2:], w[3], a.get("dilation", (1, 1))[1])
+                ob = out_block(made, positions, np.dtype(s.graph.dtype(s.n)).itemsize)
             kernel = s.kernel((hint, "direct", ob), f"{hint}_direct", lambda name: make_direct(name, ob))
         elif make_by_taps is not None and by_taps(a, w, g[2], x[3]):
             kernel = s.kernel((hint, "by_taps"), f"{hint}_by_taps", make_by_taps)
