@@ -47,7 +47,7 @@ def picked(op, attrs, w_shape, out_hw):
         if weight_grad:
             return direct("k", CD.weight_grad_block(made)), "direct"
         return direct("k", CD.out_block(made, CD.band_positions(*out_hw, w_shape[3], 1), 4)), "direct"
-    if not weight_grad and C.by_taps(attrs, w_shape, out_hw[0], out_hw[1]):
+    if not weight_grad and C.by_taps(attrs, w_shape, out_hw[0], out_hw[1], input_grad):
         return (C.cpu_input_grad_by_taps_source if input_grad else C.cpu_conv2d_by_taps_source)("k"), "taps"
     return None, "im2col"
 
