@@ -20,6 +20,13 @@ here, a conv of 2^22 flops takes about that long on one core. One conv runs in p
 conv called meanwhile from another thread (hvp's blocks run on every core) runs whole, so threads
 never outnumber the cores by more than the parts of one conv, and only one caller sets BLAS's
 thread count to 1 and back.
+
+Why Python threads and not Numba's (tried on 2026-11-27): a parallel=True driver calling the kernel
+per part through its compiled entry started a part in about 3 us against about 60, and LeNet's step
+took 3.65 ms against 4.58. But Numba's threads are GNU OpenMP's, which spin while they wait, as do
+OpenBLAS's after a multi-threaded product: a woken part then waited a scheduler slice behind a
+spinning thread on its core. A conv net with an 800 x 1024 dense layer took 58-62 ms a step against
+35-37 with Python threads. With OMP_WAIT_POLICY=PASSIVE the cliff went, and the gain with it.
 """
 import os
 import threading
