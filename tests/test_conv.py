@@ -534,7 +534,8 @@ def test_which_convs_run_directly():
     assert not direct(conv, (16, 6, 5, 5), input_grad=True)       # 16 sources, 6 made: by taps
     assert direct(conv, (16, 16, 3, 3), input_grad=True) and direct(conv, (8, 64, 3, 3), input_grad=True)
     assert not direct(conv, (32, 16, 3, 3), input_grad=True)      # 32 sources: by taps
-    assert C.by_taps(conv, (16, 6, 5, 5), 10, 14, input_grad=True) and C.by_taps(conv, (64, 16, 3, 3), 3, 3, input_grad=True)
+    assert C.by_taps(conv, (16, 6, 5, 5), 10, 14, input_grad=True)            # LeNet's second conv's
+    assert C.by_taps(conv, (64, 16, 3, 3), 3, 3, input_grad=True)             # at any size
     assert not C.by_taps(conv, (8, 64, 3, 3), 9, 9, input_grad=True)             # 8 sources: im2col, if not direct
     assert not C.by_taps(conv | {"groups": 2}, (24, 6, 3, 3), 9, 9, input_grad=True)   # 12 sources a group
     assert not C.by_taps(conv | {"stride": (2, 2)}, (32, 6, 3, 3), 9, 9, input_grad=True)

@@ -39,9 +39,10 @@ def direct(attrs, w_shape, input_grad=False, weight_grad=False):
     (conv.py) have the conv's output channels as their inner dim: from 16 of them they run it as well,
     unless it makes 16 channels or more itself and sums at most 16 (one core, float32, 16 made channels
     at 14x14 and 28x28, 3x3 and 5x5: summing 16, direct took 0.83-0.90x of by taps' time in 3 of 4
-    shapes; summing 32 or 64, by taps 0.64-0.96x of direct's at 14x14 and 0.94-1.04x at 28x28). The weight gradient's sums over positions reload g's
-    rows for every block of taps: they beat im2col's product where that product is skinny, for few
-    output channels (its rows) or few taps (its columns: a first layer's one to three channels)."""
+    shapes; summing 32 or 64, by taps 0.64-0.96x of direct's at 14x14 and 0.94-1.04x at 28x28). The
+    weight gradient's sums over positions reload g's rows for every block of taps: they beat im2col's
+    product where that product is skinny, for few output channels (its rows) or few taps (its
+    columns: a first layer's one to three channels)."""
     c_out, cg, kh, kw = w_shape
     og = c_out // attrs.get("groups", 1)
     if tuple(attrs["stride"]) != (1, 1) or kh * kw == 1:
