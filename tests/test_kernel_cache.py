@@ -184,6 +184,38 @@ def _import_source(folder, name, src):
         sys.modules.pop(name, None)
 
 
+def test_an_unwritable_cache_is_the_one_reason_given(tmp_path, monkeypatch):
+    """Where the cache folder cannot be written, a kernel that calls another is left out because its
+    callee is: the count says why once, by the folder, not also 'some call a kernel ...'."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("GRADC_CACHE_DIR", str(blocker / "cache"))
+    src = textwrap.dedent('''
+        import numpy as np
+        from gradc.runtime.kernel_cache import cached_kernel
+        DTYPE = "float64"
+        FLOAT = np.float64
+
+
+        @cached_kernel
+        def k0_scale(x0, out):
+            for i in range(out.shape[0]):
+                out[i] = 2.0 * x0[i]
+
+
+        @cached_kernel
+        def k1_apply(x0, out):
+            k0_scale(x0, out)
+    ''')
+    mod = _import_source(tmp_path, "unwritable_calls", src)
+    out = np.zeros(2)
+    mod.k1_apply(np.ones(2), out)
+    assert out.tolist() == [2.0, 2.0]
+    counts = kernel_cache.compile_counts("unwritable_calls")
+    assert counts["not_cached"] == 2 and len(counts["not_cached_why"]) == 1, counts
+    assert counts["not_cached_why"][0].startswith("the cache folder could not be written or read"), counts
+
+
 def test_canonical_text_names_the_content_not_the_module(tmp_path, monkeypatch):
     monkeypatch.setenv("GRADC_CACHE_DIR", str(tmp_path / "cache"))
     src = textwrap.dedent('''

@@ -349,11 +349,14 @@ def _cached(func, target):
     return disp
 
 
+CALLS_UNCACHED = "some call a kernel that is not in the cache"
+
+
 def _why_not_cached(e):
     if isinstance(e, OSError):
         return f"the cache folder could not be written or read ({e.strerror or e})"
     if isinstance(e, CallsOtherKernels):
-        return "some call a kernel that is not in the cache"
+        return CALLS_UNCACHED
     return f"{type(e).__name__} while loading from the cache: {e}"
 
 
@@ -376,7 +379,8 @@ def any_parallel():
 def compile_counts(module_name=None):
     """{"kernels": distinct kernels, "compiled": signatures Numba compiled for them (cache misses),
     "from_cache": signatures loaded from a cache, "not_cached": kernels compiled outside the kernel
-    cache, "not_cached_why": the reasons, "cache": the folder} over the kernels loaded so far (of the module of that name)."""
+    cache, "not_cached_why": the reasons (a caller's of an uncached kernel only where no other is given),
+    "cache": the folder} over the kernels loaded so far (of the module of that name)."""
     names, disps, uncached = set(), {}, {}
     for mod, name, disp, path in KERNELS:
         if module_name is None or mod == module_name:
@@ -385,6 +389,9 @@ def compile_counts(module_name=None):
             if path is None:
                 uncached[(mod, name)] = NOT_CACHED.get((mod, name), "not recorded")
     stats = [d.stats for d in disps.values() if hasattr(d, "stats")]   # CUDA dispatchers keep none
+    why = set(uncached.values())
+    if len(why) > 1:   # a caller is left out because its callee is: the callee's own reason says why
+        why.discard(CALLS_UNCACHED)
     return {"kernels": len(names), "compiled": sum(sum(st.cache_misses.values()) for st in stats),
             "from_cache": sum(sum(st.cache_hits.values()) for st in stats),
-            "not_cached": len(uncached), "not_cached_why": sorted(set(uncached.values())), "cache": kernel_dir()}
+            "not_cached": len(uncached), "not_cached_why": sorted(why), "cache": kernel_dir()}
