@@ -522,9 +522,9 @@ def test_convs_by_direct_sums_match_torch_in_a_compiled_net(dtype, build_dir, rn
 
 def test_which_convs_run_directly():
     """Unit strides, a kernel larger than 1x1, at most 64 channels made a group; an input gradient
-    also needs fewer than 16 source channels a group (the conv's outputs), or 16 or more of its own and
-    at most 16 sources (else it runs by taps from 16 sources), a weight gradient at most 16 output
-    channels or at most 31 taps a group (channels times kernel)."""
+    also needs fewer than 16 source channels a group (the conv's outputs) or 16 or more of its own (else
+    it runs by taps from 16 sources), a weight gradient at most 16 output channels or at most 31 taps a
+    group (channels times kernel)."""
     from gradc.ops.conv_direct import band_positions, direct, out_block, weight_grad_block
     conv = {"stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "groups": 1}
     assert direct(conv, (6, 1, 5, 5)) and direct(conv, (64, 3, 3, 3)) and direct(conv | {"groups": 4}, (256, 8, 3, 3))
@@ -532,13 +532,16 @@ def test_which_convs_run_directly():
     assert not direct(conv | {"stride": (2, 1)}, (8, 8, 3, 3))
     assert direct(conv, (6, 1, 5, 5), input_grad=True)            # 6 sources
     assert not direct(conv, (16, 6, 5, 5), input_grad=True)       # 16 sources, 6 made: by taps
-    assert direct(conv, (16, 16, 3, 3), input_grad=True) and direct(conv, (8, 64, 3, 3), input_grad=True)
-    assert not direct(conv, (32, 16, 3, 3), input_grad=True)      # 32 sources: by taps
+    assert direct(conv, (64, 16, 3, 3), input_grad=True) and direct(conv, (8, 64, 3, 3), input_grad=True)
+    # an input gradient making fewer than 32 channels from 16 or more: by taps at any size
     assert C.by_taps(conv, (16, 6, 5, 5), 10, 14, input_grad=True)            # LeNet's second conv's
-    assert C.by_taps(conv, (64, 16, 3, 3), 3, 3, input_grad=True)             # at any size
-    assert not C.by_taps(conv, (8, 64, 3, 3), 9, 9, input_grad=True)             # 8 sources: im2col, if not direct
+    assert C.by_taps(conv, (64, 3, 3, 3), 1, 3, input_grad=True)
+    assert not C.by_taps(conv, (8, 6, 3, 3), 9, 9, input_grad=True)           # 8 sources: im2col, if not direct
     assert not C.by_taps(conv | {"groups": 2}, (24, 6, 3, 3), 9, 9, input_grad=True)   # 12 sources a group
     assert not C.by_taps(conv | {"stride": (2, 2)}, (32, 6, 3, 3), 9, 9, input_grad=True)
+    # making 32 or more: as a conv, by taps only for many positions
+    assert not C.by_taps(conv, (64, 32, 3, 3), 9, 9, input_grad=True)
+    assert C.by_taps(conv, (64, 32, 3, 3), 64, 64, input_grad=True)
     assert not direct(conv, (8, 65, 3, 3), input_grad=True)
     assert direct(conv, (6, 1, 5, 5), weight_grad=True) and direct(conv | {"groups": 2}, (6, 3, 3, 3), weight_grad=True)
     assert direct(conv, (16, 6, 5, 5), weight_grad=True) and direct(conv, (8, 64, 3, 3), weight_grad=True)

@@ -35,20 +35,18 @@ WEIGHT_GRAD_MAX_CHANNELS = 16   # times kernel), or at most these output channel
 def direct(attrs, w_shape, input_grad=False, weight_grad=False):
     """Whether the CPU runs this conv2d (w_shape: its weight) or its input or weight gradient
     directly: unit strides, a kernel larger than 1x1 (a 1x1 conv is one product, which BLAS runs
-    best), and at most DIRECT_MAX_CHANNELS channels made a group. The input gradient's products by taps
-    (conv.py) have the conv's output channels as their inner dim: from 16 of them they run it as well,
-    unless it makes 16 channels or more itself and sums at most 16 (one core, float32, 16 made channels
-    at 14x14 and 28x28, 3x3 and 5x5: summing 16, direct took 0.83-0.90x of by taps' time in 3 of 4
-    shapes; summing 32 or 64, by taps 0.64-0.96x of direct's at 14x14 and 0.94-1.04x at 28x28). The
-    weight gradient's sums over positions reload g's rows for every block of taps: they beat im2col's
-    product where that product is skinny, for few output channels (its rows) or few taps (its
-    columns: a first layer's one to three channels)."""
+    best), and at most DIRECT_MAX_CHANNELS channels made a group. The input gradient's products (by
+    taps or im2col) have the conv's output channels as their inner dim: from 16 of them they run it as
+    well, unless it makes 16 channels or more itself (4 images, 32 -> 32 at 56 x 56, 5x5: direct 6.6
+    ms, by taps 10.4, im2col 8.9). The weight gradient's sums over positions reload g's rows for every
+    block of taps: they beat im2col's product where that product is skinny, for few output channels
+    (its rows) or few taps (its columns: a first layer's one to three channels)."""
     c_out, cg, kh, kw = w_shape
     og = c_out // attrs.get("groups", 1)
     if tuple(attrs["stride"]) != (1, 1) or kh * kw == 1:
         return False
     if input_grad:
-        return cg <= DIRECT_MAX_CHANNELS and (og < 16 or (cg >= 16 and og <= 16))
+        return cg <= DIRECT_MAX_CHANNELS and (og < 16 or cg >= 16)
     if weight_grad:
         return og <= DIRECT_MAX_CHANNELS and (og <= WEIGHT_GRAD_MAX_CHANNELS or cg * kh * kw <= WEIGHT_GRAD_MAX_TAPS)
     return og <= DIRECT_MAX_CHANNELS
