@@ -492,10 +492,10 @@ def test_convs_by_direct_sums_match_torch_in_a_compiled_net(dtype, build_dir, rn
     """Unit-stride convs that make few channels a group run directly (gradc/ops/conv_direct.py), each
     output's taps summed in vector registers (gradc/runtime/simd.py), and so do input gradients with
     few source or many made channels, and weight gradients of few taps: a 5x5 conv of one channel
-    (LeNet's first), a grouped and dilated one, an input gradient whose padding exceeds k - 1 (its band
-    cropped), one of 17 channels (blocks of 8 and a short one), a stride-2 conv (im2col) and a 1x1
-    (im2col). Loss, gradients (the input's too) and an hvp against torch in float64; a float32 build
-    within float32's precision of it."""
+    (LeNet's first), a grouped and dilated one, one of 17 channels (blocks of 2, the last one short)
+    whose input gradient (6 made from 17, by taps) has a padding that exceeds k - 1, a stride-2 conv
+    (im2col) and a 1x1 (im2col). Loss, gradients (the input's too) and an hvp against torch in float64;
+    a float32 build within float32's precision of it."""
     m = gc.Model("direct_net")
     x = m.input("x", ("B", 1, 11, 9))
     shapes = {"w0": (6, 1, 5, 5), "w1": (6, 3, 3, 2), "w2": (17, 6, 3, 3), "w3": (4, 17, 2, 2), "w4": (5, 4, 1, 1)}
@@ -513,11 +513,36 @@ def test_convs_by_direct_sums_match_torch_in_a_compiled_net(dtype, build_dir, rn
     m.minimize(gc.mean(y * y))
     mod = gc.compile(m, out=build_dir, dtype=dtype, warm=False)
     source = open(mod.__file__).read()
-    for kernel in ("conv2d_direct", "conv2d_input_grad_direct", "conv2d_weight_grad_direct", "conv2d_weight_grad"):
+    for kernel in ("conv2d_direct", "conv2d_input_grad_direct", "conv2d_weight_grad_direct", "conv2d_weight_grad",
+                   "conv2d_input_grad_by_taps"):
         assert re.search(rf"def k\d+_{kernel}\(", source), kernel
     assert re.search(r"def k\d+_conv2d\(", source)
     params = {k: v.astype(np.float64) for k, v in mod.init_params(1).items()}
     _check_net_against_torch(mod, forward, params, rng.standard_normal((3, 1, 11, 9)), dtype, rng, input_grad=True)
+
+
+def test_direct_blocks_are_chosen_for_the_image_each_kernel_makes(build_dir):
+    """The lowering sizes a direct kernel's block of channels by the image it makes (a conv's output,
+    an input gradient's input) and the kernel's horizontal dilation: here each gives a block of 2
+    channels, where the other image or the vertical dilation would give 8 or 4."""
+    from gradc.ops.conv_direct import band_positions, out_block
+    assert out_block(5, band_positions(6, 6, 3, 1), 4) == 2 and out_block(5, band_positions(8, 8, 3, 1), 4) == 8
+    assert out_block(5, band_positions(6, 8, 3, 1), 4) == 2 and out_block(5, band_positions(6, 8, 3, 2), 4) == 8
+    assert out_block(5, band_positions(4, 4, 3, 1), 4) == 4   # the input gradient's g
+    m = gc.Model("direct_blocks")
+    x, x2 = m.input("x", ("B", 1, 8, 8)), m.input("x2", ("B", 1, 10, 10))
+    w0, w1, w2 = m.param("w0", (5, 1, 3, 3)), m.param("w1", (5, 1, 3, 3)), m.param("w2", (3, 5, 3, 3))
+    h = gc.conv2d(x, w0)                                   # (B, 5, 6, 6) from 8 x 8
+    y = gc.conv2d(h, w2)                                   # (B, 3, 4, 4): its input gradient makes 6 x 6
+    z = gc.conv2d(x2, w1, dilation=(2, 1))                 # (B, 5, 6, 8)
+    m.minimize(gc.mean(y * y) + gc.mean(z * z))
+    mod = gc.compile(m, out=build_dir, dtype="float32", order=1, warm=False)
+    source = open(mod.__file__).read()
+    blocks = {}   # kernel kind -> the blocks of its direct kernels (one kernel per block)
+    for kind, ob in re.findall(r"def k\d+_(conv2d|conv2d_input_grad)_direct\(.*\n(?:.*\n)*?    ob = (\d+)   #", source):
+        blocks.setdefault(kind, set()).add(int(ob))
+    assert blocks["conv2d"] == {2, 4}               # w0 and w1 (5 channels): 2; w2 (3 at 4 x 4): 4
+    assert blocks["conv2d_input_grad"] == {2, 1}    # w2's (5 channels at 6 x 6): 2; input_grads' (1 channel): 1
 
 
 def test_which_convs_run_directly():
@@ -537,6 +562,7 @@ def test_which_convs_run_directly():
     assert C.by_taps(conv, (16, 6, 5, 5), 10, 14, input_grad=True)            # LeNet's second conv's
     assert C.by_taps(conv, (64, 3, 3, 3), 1, 3, input_grad=True)
     assert not C.by_taps(conv, (8, 6, 3, 3), 9, 9, input_grad=True)           # 8 sources: im2col, if not direct
+    assert not C.by_taps(conv, (16, 6, 1, 1), 9, 9, input_grad=True)          # 1x1: one product, im2col
     assert not C.by_taps(conv | {"groups": 2}, (24, 6, 3, 3), 9, 9, input_grad=True)   # 12 sources a group
     assert not C.by_taps(conv | {"stride": (2, 2)}, (32, 6, 3, 3), 9, 9, input_grad=True)
     # making 32 or more: as a conv, by taps only for many positions

@@ -477,4 +477,4 @@ def test_a_kernel_that_calls_an_uncached_kernel_is_not_cached_and_says_so(tmp_pa
     mod.k1_apply(np.ones(2), out)
     assert out.tolist() == [2.0, 2.0]
     counts = kernel_cache.compile_counts("calls_uncached")
-    assert counts["not_cached"] == 1 and counts["not_cached_why"] == ["some call a kernel that is not in the cache"]
+    assert counts["not_cached"] == 1 and counts["not_cached_why"] == ["some read a global that is not a cached kernel"]

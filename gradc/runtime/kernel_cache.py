@@ -135,8 +135,15 @@ def _globals(func):
     return _GLOBALS[key]
 
 
+CALLS_UNCACHED = "some call a kernel that is not in the cache"   # for the callee's own reason
+
+
 class CallsOtherKernels(ValueError):
-    """A kernel reads a global its cache file cannot define: a kernel that is not in the cache."""
+    """A kernel reads a global its cache file cannot define; `reason`: what the compile summary says."""
+
+    def __init__(self, message, reason):
+        super().__init__(message)
+        self.reason = reason
 
 
 def canonical_text(func, target="cpu"):
@@ -169,8 +176,11 @@ def canonical_text(func, target="cpu"):
             elif hasattr(value, "py_func") and name.startswith("_"):
                 helpers[name] = _source(value.py_func)
                 todo.append(value.py_func)
+            elif any(disp is value for _, _, disp, path in KERNELS if path is None):   # its callee's reason says why
+                raise CallsOtherKernels(f"{func.__name__} calls {name!r}, a kernel not in the cache", CALLS_UNCACHED)
             else:
-                raise CallsOtherKernels(f"{func.__name__} reads the global {name!r}, not a cached kernel")
+                raise CallsOtherKernels(f"{func.__name__} reads the global {name!r}, not a cached kernel",
+                                        "some read a global that is not a cached kernel")
     body = _without_comments(_source(func)).replace(f"def {func.__name__}(", "def kernel(", 1)
     for name, stem in callees.items():   # a callee goes by its file's name: the module's numbering is not content
         rename = re.compile(rf"\b{re.escape(name)}\b")
@@ -316,7 +326,8 @@ def kernel_in_file(caller, filename):
     file that calls another cached kernel loads it by this)."""
     path = os.path.join(os.path.dirname(caller), filename)
     if not os.path.exists(path):   # removed since the caller was written: the caller compiles from its module
-        raise CallsOtherKernels(f"{os.path.basename(caller)} calls {filename}, which is not in the cache")
+        raise CallsOtherKernels(f"{os.path.basename(caller)} calls {filename}, which is not in the cache",
+                                "a kernel they call was removed from the cache")
     return _load(path)
 
 
@@ -349,14 +360,11 @@ def _cached(func, target):
     return disp
 
 
-CALLS_UNCACHED = "some call a kernel that is not in the cache"
-
-
 def _why_not_cached(e):
     if isinstance(e, OSError):
         return f"the cache folder could not be written or read ({e.strerror or e})"
     if isinstance(e, CallsOtherKernels):
-        return CALLS_UNCACHED
+        return e.reason
     return f"{type(e).__name__} while loading from the cache: {e}"
 
 
