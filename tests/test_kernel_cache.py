@@ -184,20 +184,18 @@ def _import_source(folder, name, src):
         sys.modules.pop(name, None)
 
 
-def test_an_unwritable_cache_is_the_one_reason_given(tmp_path, monkeypatch):
-    """Where the cache folder cannot be written, a kernel that calls another is left out because its
-    callee is: the count says why once, by the folder, not also 'some call a kernel ...'."""
-    blocker = tmp_path / "a_file"
-    blocker.write_text("")
-    monkeypatch.setenv("GRADC_CACHE_DIR", str(blocker / "cache"))
-    src = textwrap.dedent('''
+def _run_a_kernel_that_calls_another(tmp_path, name, callee_decorator):
+    """Import a module whose cached kernel k1_apply calls k0_scale (decorated `callee_decorator`), run
+    it, and return compile_counts for it."""
+    src = textwrap.dedent(f'''
         import numpy as np
+        from numba import njit
         from gradc.runtime.kernel_cache import cached_kernel
         DTYPE = "float64"
         FLOAT = np.float64
 
 
-        @cached_kernel
+        @{callee_decorator}
         def k0_scale(x0, out):
             for i in range(out.shape[0]):
                 out[i] = 2.0 * x0[i]
@@ -207,11 +205,20 @@ def test_an_unwritable_cache_is_the_one_reason_given(tmp_path, monkeypatch):
         def k1_apply(x0, out):
             k0_scale(x0, out)
     ''')
-    mod = _import_source(tmp_path, "unwritable_calls", src)
+    mod = _import_source(tmp_path, name, src)
     out = np.zeros(2)
     mod.k1_apply(np.ones(2), out)
     assert out.tolist() == [2.0, 2.0]
-    counts = kernel_cache.compile_counts("unwritable_calls")
+    return kernel_cache.compile_counts(name)
+
+
+def test_an_unwritable_cache_is_the_one_reason_given(tmp_path, monkeypatch):
+    """Where the cache folder cannot be written, a kernel that calls another is left out because its
+    callee is: the count says why once, by the folder, not also 'some call a kernel ...'."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("GRADC_CACHE_DIR", str(blocker / "cache"))
+    counts = _run_a_kernel_that_calls_another(tmp_path, "unwritable_calls", "cached_kernel")
     assert counts["not_cached"] == 2 and len(counts["not_cached_why"]) == 1, counts
     assert counts["not_cached_why"][0].startswith("the cache folder could not be written or read"), counts
 
@@ -454,27 +461,5 @@ def test_a_kernel_that_calls_an_uncached_kernel_is_not_cached_and_says_so(tmp_pa
     """A kernel whose callee is not in the cache (here a plain Numba function) compiles from the module,
     and the reason recorded (printed by `gradc compile`) says so, not a folder problem."""
     monkeypatch.setenv("GRADC_CACHE_DIR", str(tmp_path / "cache"))
-    src = textwrap.dedent('''
-        import numpy as np
-        from numba import njit
-        from gradc.runtime.kernel_cache import cached_kernel
-        DTYPE = "float64"
-        FLOAT = np.float64
-
-
-        @njit
-        def k0_scale(x0, out):
-            for i in range(out.shape[0]):
-                out[i] = 2.0 * x0[i]
-
-
-        @cached_kernel
-        def k1_apply(x0, out):
-            k0_scale(x0, out)
-    ''')
-    mod = _import_source(tmp_path, "calls_uncached", src)
-    out = np.zeros(2)
-    mod.k1_apply(np.ones(2), out)
-    assert out.tolist() == [2.0, 2.0]
-    counts = kernel_cache.compile_counts("calls_uncached")
+    counts = _run_a_kernel_that_calls_another(tmp_path, "calls_uncached", "njit")
     assert counts["not_cached"] == 1 and counts["not_cached_why"] == ["some read a global that is not a cached kernel"]
