@@ -598,9 +598,9 @@ def by_taps(attrs, w_shape, h_out, w_in, input_grad=False):
     width w_in) tap by tap rather than by im2col. A tap's product has the conv's channels a group as its
     inner dim, the input gradient's the conv's outputs a group: an input gradient that makes fewer than
     TAPS_MIN_CHANNELS channels from at least TAPS_MIN_GRAD_INNER, by a kernel larger than 1x1, runs by
-    taps at any size, where it does not run directly (one core,
-    float32, 3 or 6 made from 16 to 64 at 14x14 and 28x28, 3x3 and 5x5 kernels: 0.69-0.99x of
-    im2col's time in 23 of 24 shapes, 1.12x in one; LeNet's second conv's: 0.72 against 0.90 ms)."""
+    taps at any size, where it does not run directly (one core, float32, 3 or 6 made from 16 to 64
+    at 14x14 and 28x28, 3x3 and 5x5 kernels: 0.69-0.99x of im2col's time in 23 of 24 shapes, 1.12x
+    in one; LeNet's second conv's: 0.72 against 0.90 ms)."""
     if tuple(attrs["stride"]) != (1, 1):
         return False
     if (input_grad and w_shape[1] < TAPS_MIN_CHANNELS and w_shape[0] // attrs.get("groups", 1) >= TAPS_MIN_GRAD_INNER
