@@ -32,9 +32,10 @@ def compiled(source):
     return njit(error_model="numpy", nogil=True)(ns["k"])
 
 
-def picked(op, attrs, w_shape, out_hw):
+def picked(op, attrs, w_shape, out_hw, g_rows, w_in):
     """The kernel source gradc's lowering picks for this op (conv.py's _lower, in its order), and its path
-    (out_hw: the height and width of the image the op makes; float32)."""
+    (out_hw: the height and width of the image the op makes; g_rows, w_in: the conv's output rows and
+    input width, as the lowering gives by_taps; float32)."""
     input_grad, weight_grad = op == "input grad", op == "weight grad"
     winograd = {"conv": CW.cpu_conv2d_winograd_source, "input grad": CW.cpu_input_grad_winograd_source,
                 "weight grad": CW.cpu_weight_grad_winograd_source}[op]
@@ -47,7 +48,7 @@ def picked(op, attrs, w_shape, out_hw):
         if weight_grad:
             return direct("k", CD.weight_grad_block(made)), "direct"
         return direct("k", CD.out_block(made, CD.band_positions(*out_hw, w_shape[3], 1), 4)), "direct"
-    if not weight_grad and C.by_taps(attrs, w_shape, out_hw[0], out_hw[1], input_grad):
+    if not weight_grad and C.by_taps(attrs, w_shape, g_rows, w_in, input_grad):
         return (C.cpu_input_grad_by_taps_source if input_grad else C.cpu_conv2d_by_taps_source)("k"), "taps"
     return None, "im2col"
 
@@ -94,7 +95,8 @@ def main():
                                                                              False, [0, 0], 1, [False, True, False]))}
         for op in OPS:
             operands, out, torch_call = calls[op]
-            source, path = picked(op, attrs, w.shape, (x if op == "input grad" else y).shape[2:])
+            made_hw = (x if op == "input grad" else y).shape[2:]
+            source, path = picked(op, attrs, w.shape, made_hw, y.shape[2], x.shape[3])
             kernel = im2col[op] if source is None else compiled(source)
             t_gradc = best(lambda: kernel(*operands, *ints, out), args.repeat)
             t_im2col = t_gradc if source is None else best(lambda: im2col[op](*operands, *ints, out), args.repeat)
