@@ -21,7 +21,7 @@ import numpy as np
 
 from . import Op, register
 from .conv_direct import (cpu_conv2d_direct_source, cpu_input_grad_direct_source, cpu_weight_grad_direct_source,
-                          band_positions, direct, out_block, weight_grad_block)
+                          direct, kernel_block)
 from .conv_direct import workspace_bytes as direct_workspace_bytes
 from .conv_winograd import (cpu_conv2d_winograd_source, cpu_input_grad_winograd_source,
                             cpu_weight_grad_winograd_source, winograd, workspace_values as winograd_values)
@@ -668,7 +668,7 @@ def _lower(hint, make, make_by_taps=None, x_at=0, w_at=1, g_at=2, on_cores=None,
     arguments; the paths, in this order: Winograd, direct, by taps, im2col); x_at, w_at, g_at: where x,
     w and g are among the operands and the output (index 2); input_grad, weight_grad: the op is the
     input or weight gradient (for the rules). A direct kernel also has its block of output channels
-    written in (conv_direct.out_block), so there is one per block size.
+    written in (conv_direct.kernel_block), so there is one per block size.
     on_cores: the runtime function (gradc/runtime/conv_cores.py) through which a plain-Python entry
     calls the CPU kernel, over parts of the batch at once; a compiled function calls it directly."""
     def lower(s):
@@ -680,11 +680,8 @@ def _lower(hint, make, make_by_taps=None, x_at=0, w_at=1, g_at=2, on_cores=None,
             kernel = s.kernel((hint, "winograd"), f"{hint}_winograd", make_winograd)
         elif make_direct is not None and direct(a, w, input_grad, weight_grad):
             made = w[1] if input_grad else w[0] // a.get("groups", 1)
-            if weight_grad:
-                ob = weight_grad_block(made)
-            else:   # the made image's rows at the band's pitch
-                positions = band_positions(*(x if input_grad else g)[2:], w[3], a.get("dilation", (1, 1))[1])
-                ob = out_block(made, positions, np.dtype(s.graph.dtype(s.n)).itemsize)
+            ob = kernel_block(made, *(x if input_grad else g)[2:], w[3], a.get("dilation", (1, 1))[1],
+                              np.dtype(s.graph.dtype(s.n)).itemsize, weight_grad)
             kernel = s.kernel((hint, "direct", ob), f"{hint}_direct", lambda name: make_direct(name, ob))
         elif make_by_taps is not None and by_taps(a, w, g[2], x[3], input_grad):
             kernel = s.kernel((hint, "by_taps"), f"{hint}_by_taps", make_by_taps)

@@ -81,13 +81,21 @@ def weight_grad_block(made):
     return min(1 << (max(1, made) - 1).bit_length(), 4)
 
 
+def kernel_block(made, h_dst, w_dst, kw, dw, itemsize, weight_grad=False):
+    """The block of output channels a direct kernel is written with, for `made` channels a group of an
+    h_dst x w_dst image (the lowering's and the memory plan's one rule)."""
+    if weight_grad:
+        return weight_grad_block(made)
+    return out_block(made, band_positions(h_dst, w_dst, kw, dw), itemsize)
+
+
 def workspace_bytes(src_channels, made_channels, h_dst, w_dst, kh, kw, dh, dw, itemsize, groups=1, n_img=1,
                     weight_grad=False):
     """Bytes the kernel allocates for one call: the band, the blocked weights, the accumulators and
     the tap table (the kernel's head); the weight gradient's: a chunk of bands and of g's rows, the
     partial sums and the tap table."""
     if weight_grad:
-        ob, lanes = weight_grad_block(made_channels), VECTOR_BYTES // itemsize
+        ob, lanes = kernel_block(made_channels, h_dst, w_dst, kw, dw, itemsize, True), VECTOR_BYTES // itemsize
         kb = ACCUMULATORS // ob
         wb, hb = w_dst + (kw - 1) * dw, h_dst + (kh - 1) * dh
         n_pos = -(-band_positions(h_dst, w_dst, kw, dw) // lanes) * lanes
@@ -96,7 +104,7 @@ def workspace_bytes(src_channels, made_channels, h_dst, w_dst, kh, kw, dh, dw, i
         per_image = src_channels * hb * wb + lanes + rows * n_pos
         chunk = max(1, min(n_img, CHUNK // per_image))
         return (chunk * per_image + n_taps * rows * lanes) * itemsize + 8 * n_taps
-    ob = out_block(made_channels, band_positions(h_dst, w_dst, kw, dw), itemsize)
+    ob = kernel_block(made_channels, h_dst, w_dst, kw, dw, itemsize)
     step = ACCUMULATORS // ob * (VECTOR_BYTES // itemsize)
     wb, hb = w_dst + (kw - 1) * dw, h_dst + (kh - 1) * dh
     n_taps = src_channels * kh * kw

@@ -28,28 +28,26 @@ def dims_line(array, rank):
     return [f"    {', '.join(names)}{',' if rank == 1 else ''} = {array}.shape"]
 
 
-def unravel(rank, flat="i", shape="out.shape", pad="    "):
-    """Lines that turn a flat index into i0..i{rank-1} over `shape` (C order; CUDA)."""
+def unravel_dims(dims, flat="i", shape="out.shape", pad="    "):
+    """Lines that turn flat index `flat` into i{d} for the listed dims of `shape` (C order; CUDA)."""
+    dims = list(dims)
     lines = [f"{pad}r = {flat}"]
-    for d in reversed(range(rank)):
+    for d in reversed(dims):
         lines.append(f"{pad}i{d} = r % {shape}[{d}]")
-        if d:
+        if d != dims[0]:
             lines.append(f"{pad}r //= {shape}[{d}]")
     return lines
 
 
-def unravel_dims(dims, flat, array="x0", pad="    "):
-    """Lines that turn flat index `flat` into i{d} for the listed dims of `array` (C order; CUDA)."""
-    lines = [f"{pad}r = {flat}"]
-    for d in reversed(dims):
-        lines += [f"{pad}i{d} = r % {array}.shape[{d}]", f"{pad}r //= {array}.shape[{d}]"]
-    return lines
+def unravel(rank, flat="i", shape="out.shape", pad="    "):
+    """Lines that turn a flat index into i0..i{rank-1} over `shape` (C order; CUDA)."""
+    return unravel_dims(range(rank), flat, shape, pad)
 
 
 def kept_index(kept, count_of="x0"):
     """CUDA: one thread per index over the `kept` dims of `count_of`; i{d} for each of them."""
     return ["    i = cuda.grid(1)", f"    count = {' * '.join(f'{count_of}.shape[{d}]' for d in kept) or '1'}",
-            "    if i >= count:", "        return", *unravel_dims(kept, "i", count_of)]
+            "    if i >= count:", "        return", *unravel_dims(kept, "i", f"{count_of}.shape")]
 
 
 # CUDA: one thread per row i of x0

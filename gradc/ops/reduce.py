@@ -142,10 +142,10 @@ def cuda_reduction_source(name, op, rank, axes, keepdims):
              f"    count = {' * '.join(f'x0.shape[{d}]' for d in kept)}",
              "    if count == 0:   # (every thread of every block: none is left at a barrier)",
              "        return",
-             f"    acc = {'-math.inf' if op == 'max' else '0.0'}", *unravel_dims(kept, "i"),
+             f"    acc = {'-math.inf' if op == 'max' else '0.0'}", *unravel_dims(kept, "i", "x0.shape"),
              "    if i < count:",
              f"        for j in range(fold_lane, {' * '.join(f'x0.shape[{d}]' for d in axes) or '1'}, fold_lanes):",
-             *unravel_dims(axes, "j", pad="            ")]
+             *unravel_dims(axes, "j", "x0.shape", "            ")]
     read = f"x0[{index([f'i{d}' for d in range(rank)], '0')}]"
     if op == "max":   # NaN wins, as in numpy
         lines += [f"            v = {read}", "            if v > acc or v != v:", "                acc = v"]
