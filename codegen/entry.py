@@ -11,14 +11,22 @@ of V: a small graph's is one compiled function (compiled on first use, and kept 
 like the kernels it calls), so a Hessian of many rows pays no Python per row. codegen/cuda_entry.py
 writes the CUDA target's host function by overriding how values are stored and computed.
 """
+import re
+
 import numpy as np
 
 from gradc.ops import get_op
+from gradc.runtime import conv_cores
 
 from .statement import Statement, shape_src as _shape_src
 
 
 COMPILED_ENTRY_MAX_STEPS = 120   # a larger hvp block function runs as plain Python too
+
+
+def _assigns(line):
+    """Whether a line of source binds a name (`t5 = ...`)."""
+    return re.match(r"\s*[A-Za-z_]\w*\s*=[^=]", line) is not None
 
 
 class EntryWriter:
@@ -27,6 +35,7 @@ class EntryWriter:
     tail_args = ("arena", "offs")    # what a compiled entry takes after its values
     compiled = True                  # whether the entry being written is compiled (set per entry)
     target = "cpu"                   # which lowering of each op record it writes
+    run_steps = frozenset()          # the steps of the entry being written that are in a part run
     Statement = Statement
 
     def __init__(self, graph, kernels, names):
@@ -78,11 +87,17 @@ class EntryWriter:
             for (r, start, size), name in zip(layout, ready_names):
                 final_at.setdefault(r if r in computed else None, []).append(((r, start, size), name))
             body += self._announce(final_at.pop(None, ()))
+        runs = {r["first"]: r for r in plan.get("part_runs", ())} if self.target == "cpu" else {}
+        self.run_steps = {t for r in runs.values() for t in range(r["first"], r["last"] + 1)}
+        self._runs_written = []
         for step, n in enumerate(order):
-            if g.op(n) in ("param", "input", "const"):
+            if step in runs:
+                body += self._part_run(runs[step], len(self._runs_written) + 1, dims, final_at)
+            if g.op(n) in ("param", "input", "const") or step in self.run_steps:
                 continue
             body += self.statement(n, dims, step)
             body += self._announce(final_at.get(n, ()))
+        self.run_steps = frozenset()
         if ready_names is None:
             body += self._fill_flat(layout)
         returned, seen = [], set()
@@ -94,6 +109,45 @@ class EntryWriter:
         body.append(f"return {', '.join(returned)}{',' if len(returned) == 1 else ''}" if returned else "return ()")
         lines = self._def(fname, args, doc) + ["    " + b for b in body]
         return "\n".join(lines), leaves, consts
+
+    def _part_run(self, run, at, dims, final_at):
+        """A part run (passes/part_runs.py): its buffers and views, then a function of a part of the
+        batch that calls its kernels, run over parts on every core at once (conv_cores.parts_on_cores);
+        params whose gradients it sums are announced after the parts are added."""
+        g, order = self.graph, self.plan_steps
+        before, inside, announced = [], [], []
+        for step in range(run["first"], run["last"] + 1):
+            n = order[step]
+            if g.op(n) in ("param", "input", "const"):
+                continue
+            s = self.Statement(self, n, dims, step)
+            lines = get_op(g.op(n)).cpu(s)
+            if get_op(g.op(n)).view:
+                before += lines
+                continue
+            before += [line for line in lines if line in s.allocated]
+            for line in lines:
+                if line not in s.allocated:
+                    if _assigns(line):
+                        raise AssertionError(f"{g.describe(n)} is in a part run, but its lowering assigns a "
+                                             f"variable the entry may read after the run: {line!r}")
+                    inside.append(line)
+            announced += final_at.get(n, [])
+        names = list(dict.fromkeys(self.var(u) for u in run["sliced"] + run["summed"]))
+        batch = dims[run["dim"]]
+        if any(re.search(rf"\b{batch}\b", line) for line in inside):   # the dim's size in a part is the part's
+            inside.insert(0, f"{batch} = {self.var(run['sliced'][0])}.shape[0]")
+        fname = f"images_{at}"
+        self._runs_written.append(fname)
+        ops = [g.op(n) for n in run["nodes"]]
+        sliced = ", ".join(self.var(u) for u in run["sliced"])
+        summed = ", ".join(self.var(u) for u in run["summed"])
+        return before + [
+            f"def {fname}({', '.join(names)}):   # {ops[0]} .. {ops[-1]} ({len(ops)} kernels) on some of the images",
+            *("    " + line for line in inside),
+            f"parts_on_cores({fname}, ({sliced}{',' if len(run['sliced']) == 1 else ''}), "
+            f"({summed}{',' if len(run['summed']) == 1 else ''}), image_work={run['image_work']}, "
+            f"most={conv_cores.cores()})"] + self._announce(announced)
 
     def _set_compiled(self, fname, compiled):
         """Write `fname` as one compiled function or as plain Python (see the module docstring)."""

@@ -35,11 +35,17 @@ class Statement:
         self.kernels = writer.kernels
         self.fresh = step not in writer.slot_of_step and n not in writer.flat
         self.compiled = writer.compiled   # in one compiled function, or in a plain-Python entry
+        # a plain entry's conv may cut the batch over the cores itself (gradc/runtime/conv_cores.py),
+        # except in a part run, whose function already runs on a part of it (passes/part_runs.py)
+        self.split_batch = not writer.compiled and step not in writer.run_steps
+        self.allocated = []   # the lines alloc() gave: a part run makes the buffers before its function
         self._writer, self._dims, self._step = writer, dims, step
 
     def alloc(self):
         """`out = <its buffer>`: only a statement that writes a buffer asks (asking places a flat root)."""
-        return f"{self.out} = {self._writer.new_array(self.n, self._dims, self._step)}"
+        line = f"{self.out} = {self._writer.new_array(self.n, self._dims, self._step)}"
+        self.allocated.append(line)
+        return line
 
     def alloc_for(self, u):
         """`u = <its buffer>` for a value this statement writes besides its own (a scan's results),

@@ -18,19 +18,22 @@ import numpy as np
 
 from gradc.ops import get_op
 from gradc.shapes import expr_text
+from gradc.runtime import conv_cores
 from gradc.runtime.arena import ALIGN_BYTES, layout_by_device
 
 from .analysis import node_flops
 from .checkpoint import BudgetError, build_chain, plan_retention
 from .entries import by_fname, entries
+from .part_runs import extend_over_runs, part_runs
 from .scan_checkpoint import checkpoint_scans, pairs
 from .schedule import memory_order
 from .storage import base, buffer_bytes, owns_buffer
 
 
-def liveness(graph, steps, returned, loop_from=None):
+def liveness(graph, steps, returned, loop_from=None, runs=()):
     """Tensors [{"node", "start", "end", "recomputed", "retained"}] in the order the steps create them;
-    `retained`: a forward value the backward reads."""
+    `retained`: a forward value the backward reads. A value a part run touches lives over the whole
+    run (`runs`: passes/part_runs.py)."""
     current = {}   # value -> index of the tensor holding its latest computation
     tensors, computed = [], set()
     last_step = {}  # value -> the step of its latest computation
@@ -63,6 +66,7 @@ def liveness(graph, steps, returned, loop_from=None):
         for tensor in tensors:
             if tensor["start"] < loop_from <= tensor["end"]:
                 tensor["end"] = last
+    extend_over_runs(graph, tensors, runs)
     return tensors
 
 
@@ -89,24 +93,32 @@ def step_floor(graph, steps, tensors):
 
 def peak_bytes(graph, steps, returned, dims):
     """The true peak of `steps` (what the arena cannot go below)."""
-    tensors = liveness(graph, steps, set(returned))
+    tensors = liveness(graph, steps, set(returned), runs=part_runs(graph, steps, dims))
     for t in tensors:
         t["bytes"] = buffer_bytes(graph, t["node"], dims)
     return int(live_bytes(tensors, steps).max())
 
 
-def workspace_bytes(graph, steps, dims):
-    """The most bytes one CPU kernel of `steps` allocates for itself while it runs (a convolution's
-    im2col tile: the op record's `workspace`), outside the arena; None when a dim is unbound."""
-    most = 0
+def workspace_bytes(graph, steps, dims, runs=()):
+    """The most bytes the CPU kernels of `steps` allocate for themselves at once (a convolution's
+    im2col tile: the op record's `workspace`), outside the arena; None when a dim is unbound. In a
+    part run, the parts' own buffers for the values it sums are allocated for the whole run, and its
+    kernels' workspaces may run at the same time (each rule counts its parts): an upper bound."""
+    per_step = []
     for n in steps:
         rule = get_op(graph.op(n)).workspace
-        if rule is None or not graph.node(n)["device"].startswith("cpu"):
-            continue
-        b = rule(graph, n, dims)
+        b = rule(graph, n, dims) if rule is not None and graph.node(n)["device"].startswith("cpu") else 0
         if b is None:
             return None
-        most = max(most, b)
+        per_step.append(b)
+    most = max(per_step, default=0)
+    for run in runs:
+        n_img = dims.get(run["dim"])
+        if not isinstance(n_img, int):
+            return None
+        parts = conv_cores.planned_parts(n_img, run["image_work"] * n_img, conv_cores.cores())
+        sums = sum(buffer_bytes(graph, n, dims) for n in run["summed"])
+        most = max(most, max(per_step[run["first"]:run["last"] + 1]) + (parts - 1) * sums)
     return most
 
 
@@ -116,7 +128,8 @@ def plan_entry(graph, entry, steps, returned, dims, loop_from=None):
 
     With a symbolic dim left unbound, byte counts are expressions (strings) and offsets are laid
     out by the module on its first call with each shape."""
-    tensors = liveness(graph, steps, set(returned), loop_from)
+    runs = part_runs(graph, steps, dims) if loop_from is None else []
+    tensors = liveness(graph, steps, set(returned), loop_from, runs)
     dtypes = {graph.dtype(t["node"]) for t in tensors}
     if len(dtypes) > 1:
         raise AssertionError(f"{entry}: buffers of several dtypes {dtypes}; the arena holds one")
@@ -126,7 +139,7 @@ def plan_entry(graph, entry, steps, returned, dims, loop_from=None):
         t["shape"] = tuple(dims.get(d, d) if isinstance(d, str) else d for d in graph.shape(n))
         t["device"] = graph.node(n)["device"]
     devices = sorted({graph.node(n)["device"] for n in steps})
-    plan = {"entry": entry, "steps": list(steps), "tensors": tensors, "loop_from": loop_from}
+    plan = {"entry": entry, "steps": list(steps), "tensors": tensors, "loop_from": loop_from, "part_runs": runs}
     if all(isinstance(t["bytes"], int) for t in tensors):
         itemsize = np.dtype(dtypes.pop()).itemsize if dtypes else 1
         offsets, regions = layout_by_device([t["bytes"] // itemsize for t in tensors],
@@ -137,7 +150,7 @@ def plan_entry(graph, entry, steps, returned, dims, loop_from=None):
         live = live_bytes(tensors, steps)
         plan["lower_bound_bytes"] = step_floor(graph, steps, tensors)
         plan["live_bytes"] = live.tolist()
-        plan["workspace_bytes"] = workspace_bytes(graph, steps, dims)
+        plan["workspace_bytes"] = workspace_bytes(graph, steps, dims, runs)
         plan["peak_bytes"] = int(live.max())
         plan["peak_step"] = int(live.argmax())
         plan["arena_bytes"] = {d: regions.get(d, 0) * itemsize for d in devices}

@@ -322,12 +322,12 @@ def test_cuda_kernels_match_numpy_under_the_simulator():
     assert float(out.stdout.split()[-1]) <= 1e-12, out.stdout
 
 
-def _conv_net(name):
+def _conv_net(name, batch="B"):
     """conv+relu, max pool, grouped conv+tanh, avg pool with padding, dense, cross-entropy: every op and
     adjoint of the family runs in loss_and_grad or hvp."""
     m = gc.Model(name)
-    x = m.input("x", ("B", 1, 8, 8))
-    y = m.input("y", ("B",), dtype="int64")
+    x = m.input("x", (batch, 1, 8, 8))
+    y = m.input("y", (batch,), dtype="int64")
     p = {"w1": m.param("w1", (6, 1, 3, 3), init="he_normal"), "b1": m.param("b1", (6,), init="normal"),
          "w2": m.param("w2", (8, 3, 3, 3), init="he_normal"), "b2": m.param("b2", (8,), init="normal"),
          "w3": m.param("w3", (32, 10)), "b3": m.param("b3", (10,))}
@@ -339,7 +339,7 @@ def _conv_net(name):
         h = mp(h, 2)                                                       # (B, 6, 4, 4)
         h = tanh(conv(h, p["w2"], p["b2"], padding=(1, 2), dilation=(1, 2), groups=2))   # (B, 8, 4, 4)
         h = ap(h, 3, stride=2, padding=1)                                  # (B, 8, 2, 2)
-        flat = h.reshape(("B", -1)) if lib is gc else h.reshape(h.shape[0], -1)
+        flat = h.reshape((x.shape[0], -1)) if lib is gc else h.reshape(h.shape[0], -1)
         return flat @ p["w3"] + p["b3"]
 
     logits = forward(gc, x, p)
@@ -599,27 +599,45 @@ def _split_everything(monkeypatch, cores=3):
     return ran, set_to
 
 
+def _entry_source(source, fname):
+    return source[source.index(f"def {fname}("):].split("\n\n\n")[0]
+
+
 @pytest.mark.parametrize("path", ["_direct", ""], ids=["direct", "im2col"])
-def test_convs_over_parts_of_the_batch_match_torch(path, build_dir, rng, monkeypatch):
+@pytest.mark.parametrize("batch", ["B", 7], ids=["part_runs", "per_kernel"])
+def test_convs_over_parts_of_the_batch_match_torch(path, batch, build_dir, rng, monkeypatch):
     """A plain entry runs each conv, input gradient, weight gradient and pool gradient over parts of the
-    batch at once (gradc/runtime/conv_cores.py): 7 images in 3 parts of 2, 2 and 3, the weight gradients summed
-    over the parts; loss and gradients against torch, float64, and BLAS's thread count given back.
-    The convs and the input gradient run directly, then (the direct path turned off) by im2col."""
+    batch at once (gradc/runtime/conv_cores.py): 7 images in 3 parts of 2, 2 and 3, the weight gradients
+    and the biases' summed over the parts; loss and gradients against torch, float64, and BLAS's thread
+    count given back. With a symbolic batch dim loss_and_grad is two part runs (passes/part_runs.py), the
+    forward's chain and the backward's, every kernel of the family in one of their functions; with a
+    batch of 7 written into the model each kernel runs over parts on its own. The convs and the input
+    gradient run directly, then (the direct path turned off) by im2col."""
     ran, set_to = _split_everything(monkeypatch)
     if not path:
         monkeypatch.setattr(conv_direct, "DIRECT_MAX_CHANNELS", 0)
-    m, forward = _conv_net("conv_parts" + path)
+    m, forward = _conv_net(f"conv_parts{path}_{batch}", batch)
     mod = gc.compile(m, out=build_dir, dtype="float64", order=1, warm=False)
     source = open(mod.__file__).read()
-    assert len(re.findall(rf"conv_on_cores\(k\d+_conv2d{path}, .*most=3\)", source)) >= 2
-    assert re.search(rf"conv_on_cores\(k\d+_conv2d_input_grad{path}, .*most=3\)", source)
-    assert re.search(rf"conv_weight_grad_on_cores\(k\d+_conv2d_weight_grad{path}, .*most=3\)", source)
-    for pool in ("max_pool2d_grad", "avg_pool2d_grad"):   # the pools' gradients too (images_on_cores)
-        assert re.search(rf"images_on_cores\(k\d+_{pool}, .*most=3\)", source), pool
+    kernels = [f"conv2d{path}", f"conv2d_input_grad{path}", f"conv2d_weight_grad{path}", "max_pool2d_grad",
+               "avg_pool2d_grad", "max_pool2d", "avg_pool2d", "relu", "tanh", r"sum_over_0_2_3"]
+    if batch == "B":
+        entry = _entry_source(source, "_loss_and_grad")
+        assert len(re.findall(r"\n    parts_on_cores\(images_\d, \(.*\), \(.*\), image_work=\d+, most=3\)", entry)) == 2
+        for k in kernels:   # called in a part run's function, on its part of the images
+            assert re.search(rf"\n        k\d+_{k}\(", entry), k
+        assert "_on_cores(k" not in entry
+    else:
+        assert "parts_on_cores(" not in source
+        assert len(re.findall(rf"conv_on_cores\(k\d+_conv2d{path}, .*most=3\)", source)) >= 2
+        assert re.search(rf"conv_on_cores\(k\d+_conv2d_input_grad{path}, .*most=3\)", source)
+        assert re.search(rf"conv_weight_grad_on_cores\(k\d+_conv2d_weight_grad{path}, .*most=3\)", source)
+        for pool in ("max_pool2d_grad", "avg_pool2d_grad"):   # the pools' gradients too (images_on_cores)
+            assert re.search(rf"images_on_cores\(k\d+_{pool}, .*most=3\)", source), pool
     params = mod.init_params(2)
     X, Y = rng.standard_normal((7, 1, 8, 8)), rng.integers(0, 10, 7)
     loss, grads = mod.loss_and_grad(params, x=X, y=Y)
-    assert len(ran) >= 5 and set(ran) == {3} and set_to == [1, 3] * len(ran)
+    assert len(ran) >= (2 if batch == "B" else 5) and set(ran) == {3} and set_to == [1, 3] * len(ran)
     pt = {k: _t(a) for k, a in params.items()}
     ref = F.cross_entropy(forward(torch, torch.tensor(X), pt), torch.tensor(Y))
     ref = ref + 0.5e-3 * sum((pt[k] ** 2).sum() for k in ("w1", "w2", "w3"))
@@ -627,9 +645,15 @@ def test_convs_over_parts_of_the_batch_match_torch(path, build_dir, rng, monkeyp
     np.testing.assert_allclose(loss, ref.item(), rtol=1e-12)
     for k, g in zip(pt, tg):
         np.testing.assert_allclose(grads[k], g.numpy(), rtol=1e-10, atol=1e-12, err_msg=k)
-    ran.clear()
-    loss1, _ = mod.loss_and_grad(params, x=X[:1], y=Y[:1])   # one image: one part, no thread
-    assert not ran and np.isfinite(loss1)
+    if batch == "B":
+        ran.clear()
+        loss1, grads1 = mod.loss_and_grad(params, x=X[:1], y=Y[:1])   # one image: one part, no thread
+        ref1 = F.cross_entropy(forward(torch, torch.tensor(X[:1]), pt), torch.tensor(Y[:1]))
+        ref1 = ref1 + 0.5e-3 * sum((pt[k] ** 2).sum() for k in ("w1", "w2", "w3"))
+        assert not ran
+        np.testing.assert_allclose(loss1, ref1.item(), rtol=1e-12)
+        for k, g in zip(pt, torch.autograd.grad(ref1, list(pt.values()))):
+            np.testing.assert_allclose(grads1[k], g.numpy(), rtol=1e-10, atol=1e-12, err_msg=k)
 
 
 def _add_kernel(done):

@@ -26,6 +26,13 @@ Rows: `rows(graph, n, ins, fail)` says on which axis of n the batch rows lie, gi
 lie in each operand (`ins`: an axis, None for no batch dim, or ("reduced", "sum"|"mean") after
 the loss's reduction over rows); it calls fail(why) when n mixes rows (passes/rows.py).
 
+Parts: a plain CPU entry runs a chain of per-image kernels over parts of the batch at once, one part
+per core (passes/part_runs.py). `parts="rows"`: given its batch operands and output cut to the same
+images, the CPU kernel computes those images' rows, where the `rows` rule keeps them on axis 0 (a sum
+that reduces them away writes their sum); `parts="sums"`: it writes the sum over the images it is
+given (a weight gradient). `part_work(graph, n, dims)`: what one image costs it, in conv flops; a
+run needs an op with one (a run of elementwise kernels alone is not worth a hand-off).
+
 Simplify: `simplify(graph, n)` gives the node n equals by one of the op's identities (x + 0 -> x,
 reshape to the same shape -> x), or n itself after rewriting it in place into a simpler form
 (transpose(transpose(x)) -> one transpose), or None; passes/simplify.py applies it to every node.
@@ -56,6 +63,8 @@ class Op:
     simplify: Optional[Callable] = None    # (graph, n) -> the node n equals by an identity (n itself when
                                            # rewritten in place into a simpler form), or None (passes/simplify.py)
     view: bool = False                     # its value is a view of its operand's buffer, never a buffer of its own
+    parts: Optional[str] = None            # "rows" | "sums": its CPU kernel runs on any part of the batch (see Parts)
+    part_work: Optional[Callable] = None   # (graph, n, dims) -> its kernel's work for one image, in conv flops
     doc: str = field(default="", compare=False)
 
 

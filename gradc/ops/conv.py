@@ -688,7 +688,7 @@ def _lower(hint, make, make_by_taps=None, x_at=0, w_at=1, g_at=2, on_cores=None,
         else:
             kernel = s.kernel((hint,), hint, make)
         args = list(s.args) + [str(int(v)) for v in ints]
-        if on_cores is None or s.compiled:
+        if on_cores is None or not s.split_batch:
             return s.into_out(kernel, args)
         return [s.alloc(), f"{on_cores}({kernel}, {', '.join(args + [s.out])}, most={conv_cores.cores()}){s.note}"]
     return lower
@@ -701,12 +701,23 @@ def _rows_of_first(graph, n, ins, fail):
     fail("convolves across rows" if ins[0] not in (0, None) else "has the batch dim in its weight")
 
 
+def _image_work(x_at, w_at, g_at, weight_grad=False):
+    """part_work: one image's conv flops as conv_cores counts them (x, w, g placed as for _workspace)."""
+    def work(graph, n, dims):
+        shapes = [graph.shape(u) for u in graph.operands(n)] + [graph.shape(n)]
+        x, w, g = (tuple(dims.get(d, d) if isinstance(d, str) else d for d in shapes[k]) for k in (x_at, w_at, g_at))
+        if any(isinstance(d, str) for d in x + w + g):
+            return None
+        return conv_cores.conv_flops(size(x), size(g), size(w) // w[0], weight_grad)
+    return work
+
+
 def _rows_summed(graph, n, ins, fail):
     fail("sums over rows (a weight gradient)")
 
 
 register(Op("conv2d", "conv", _conv_infer, _conv_evaluate, _conv_flops, vjp=_conv_vjp, arity=2,
-            rows=_rows_of_first, workspace=_workspace(0, 1, 2, taps=True),
+            rows=_rows_of_first, workspace=_workspace(0, 1, 2, taps=True), parts="rows", part_work=_image_work(0, 1, 2),
             cpu=_lower("conv2d", cpu_conv2d_source, cpu_conv2d_by_taps_source, 0, 1, 2, "conv_on_cores",
                        cpu_conv2d_winograd_source, make_direct=cpu_conv2d_direct_source),
             cuda=_lower("conv2d", cuda_conv2d_source),
@@ -714,7 +725,7 @@ register(Op("conv2d", "conv", _conv_infer, _conv_evaluate, _conv_flops, vjp=_con
                 "attrs stride, padding, dilation (pairs), groups"))
 register(Op("conv2d_input_grad", "conv", _input_grad_infer, _input_grad_evaluate, _input_grad_flops,
             vjp=_input_grad_vjp, arity=2, rows=_rows_of_first,
-            workspace=_workspace(2, 1, 0, taps=True, input_grad=True),
+            workspace=_workspace(2, 1, 0, taps=True, input_grad=True), parts="rows", part_work=_image_work(2, 1, 0),
             cpu=_lower("conv2d_input_grad", cpu_input_grad_source, cpu_input_grad_by_taps_source, 2, 1, 0,
                        "conv_on_cores", cpu_input_grad_winograd_source, input_grad=True,
                        make_direct=cpu_input_grad_direct_source),
@@ -722,6 +733,7 @@ register(Op("conv2d_input_grad", "conv", _input_grad_infer, _input_grad_evaluate
             doc="the transposed convolution of g by w: conv2d's adjoint for x; attrs as conv2d's plus input_hw"))
 register(Op("conv2d_weight_grad", "conv", _weight_grad_infer, _weight_grad_evaluate, _weight_grad_flops,
             vjp=_weight_grad_vjp, arity=2, rows=_rows_summed, workspace=_workspace(0, 2, 1, summed=True),
+            parts="sums", part_work=_image_work(0, 2, 1, weight_grad=True),
             cpu=_lower("conv2d_weight_grad", cpu_weight_grad_source, x_at=0, w_at=2, g_at=1,
                        on_cores="conv_weight_grad_on_cores", make_winograd=cpu_weight_grad_winograd_source,
                        make_direct=cpu_weight_grad_direct_source, weight_grad=True),

@@ -138,7 +138,7 @@ def rows(graph, n, ins, fail):
 
 
 def make(name, expr, arity, doc="", simplify=None):
-    return Op(name=name, kind="elementwise", infer=_infer, evaluate=_evaluate_with(lambda a: expr),
+    return Op(name=name, kind="elementwise", infer=_infer, parts="rows", evaluate=_evaluate_with(lambda a: expr),
               flops=_flops_with(lambda a: expr), vjp=elementwise_vjp, arity=arity, expr=expr, doc=doc,
               rows=rows, cpu=lower, cuda=lower, simplify=simplify)
 
@@ -196,7 +196,7 @@ for _name, (_expr, _arity) in BUILTINS.items():
 register(make("broadcast_to", x0, 1, doc="stretch to attrs['shape']", simplify=_same_shape_operand))
 
 # A fused chain of elementwise ops: attrs["expr"] over its operands (attrs["shape"] optional).
-register(Op(name="fused", kind="elementwise", infer=_infer, evaluate=_evaluate_with(lambda a: a["expr"]),
+register(Op(name="fused", kind="elementwise", infer=_infer, parts="rows", evaluate=_evaluate_with(lambda a: a["expr"]),
             flops=_flops_with(lambda a: a["expr"]), vjp=elementwise_vjp, arity=None, expr=None,
             rows=rows, cpu=lower, cuda=lower, simplify=_fused_identity))
 

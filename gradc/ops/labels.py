@@ -19,6 +19,13 @@ def _row_wise(graph, n, ins, fail):
     fail("picks across rows")
 
 
+def _row_wise_grad(graph, n, ins, fail):
+    """Row i reads row i of the values (or of g), label i and g's row i."""
+    if all(w in (0, None) for w in ins) and 0 in ins:
+        return 0
+    fail("picks across rows")
+
+
 def _label_bound(graph, n):
     """The labels (operand 1) pick one of the values' columns."""
     return 1, graph.shape(graph.operands(n)[0])[1]
@@ -108,7 +115,7 @@ def _pick_grad_vjp(ctx, n, g):
 
 
 register(Op("pick_grad", "nn", _pick_grad_infer, _pick_grad_evaluate,
-            lambda attrs, in_shapes, out_shape: size(out_shape), vjp=_pick_grad_vjp, arity=2,
+            lambda attrs, in_shapes, out_shape: size(out_shape), vjp=_pick_grad_vjp, arity=2, rows=_row_wise_grad,
             cpu=_lowering("pick_grad", CPU_PICK_GRAD), cuda=_lowering("pick_grad", CUDA_PICK_GRAD),
             doc="out[i, labels[i]] = g[i], zeros elsewhere"))
 
@@ -169,6 +176,6 @@ def _xent_grad_vjp(ctx, n, u):
 
 
 register(Op("softmax_xent_grad", "nn", _xent_grad_infer, _xent_grad_evaluate,
-            lambda attrs, in_shapes, out_shape: 6 * size(out_shape), vjp=_xent_grad_vjp, arity=3,
+            lambda attrs, in_shapes, out_shape: 6 * size(out_shape), vjp=_xent_grad_vjp, arity=3, rows=_row_wise_grad,
             cpu=_lowering("xent_grad", CPU_XENT_GRAD), cuda=_lowering("xent_grad", CUDA_XENT_GRAD), indexes=_label_bound,
             doc="out[i] = (softmax(x[i]) - onehot(labels[i])) * g[i]: softmax_xent's adjoint"))

@@ -475,7 +475,7 @@ def _lower_cpu(hint, make, on_cores=False):
     def lower(s):
         window = tuple(int(v) for v in (*s.attrs["kernel"], *s.attrs["stride"], *s.attrs["padding"]))
         kernel = s.kernel((hint, window), hint, lambda name: make(name, window))
-        if s.compiled or not on_cores:
+        if not (on_cores and s.split_batch):
             return s.into_out(kernel)
         return [s.alloc(), f"images_on_cores({kernel}, {', '.join(list(s.args) + [s.out])}, most={conv_cores.cores()}){s.note}"]
     return lower
@@ -489,6 +489,16 @@ def _lower(hint, make):
     return lower
 
 
+def _image_work(graph, n, dims):
+    """part_work of a pool's gradient: its largest array's elements in one image, at what an element
+    costs it in conv flops (conv_cores.images_on_cores)."""
+    shapes = [graph.shape(u) for u in graph.operands(n)] + [graph.shape(n)]
+    counts = [size(tuple(dims.get(d, d) if isinstance(d, str) else d for d in s)[1:]) for s in shapes]
+    if any(not isinstance(c, int) for c in counts):
+        return None
+    return conv_cores.POOL_ELEMENT_FLOPS * max(counts)
+
+
 def _rows_per_image(graph, n, ins, fail):
     """Image b of the output reads image b of every operand."""
     if all(w in (0, None) for w in ins) and 0 in ins:
@@ -498,28 +508,28 @@ def _rows_per_image(graph, n, ins, fail):
 
 register(Op("max_pool2d", "pool", _pool_infer("max_pool2d"),
             lambda attrs, values, out_shape, dims: max_pool2d_np(values[0], *_attrs(attrs)),
-            _window_flops, vjp=_max_vjp, arity=1, rows=_rows_per_image,
+            _window_flops, vjp=_max_vjp, arity=1, rows=_rows_per_image, parts="rows",
             cpu=_lower_cpu("max_pool2d", cpu_max_pool_source), cuda=_lower("max_pool2d", cuda_max_pool_source),
             doc="max over each kernel window (padding is -inf); attrs kernel, stride, padding (pairs)"))
 register(Op("max_pool2d_grad", "pool", _grad_infer("max_pool2d_grad", first=0),
             lambda attrs, values, out_shape, dims: max_pool2d_grad_np(*values, *_attrs(attrs)),
-            _window_flops, vjp=_max_grad_vjp, arity=2, rows=_rows_per_image,
+            _window_flops, vjp=_max_grad_vjp, arity=2, rows=_rows_per_image, parts="rows", part_work=_image_work,
             cpu=_lower_cpu("max_pool2d_grad", cpu_max_grad_source, on_cores=True), cuda=_lower("max_pool2d_grad", cuda_max_grad_source),
             doc="max_pool2d's adjoint: g of each window added at the window's first maximum of x; attrs as "
                 "max_pool2d's plus input_hw"))
 register(Op("max_pool2d_pick", "pool", _pick_infer,
             lambda attrs, values, out_shape, dims: max_pool2d_pick_np(*values, *_attrs(attrs)),
-            _window_flops, vjp=_max_pick_vjp, arity=2, rows=_rows_per_image,
+            _window_flops, vjp=_max_pick_vjp, arity=2, rows=_rows_per_image, parts="rows",
             cpu=_lower_cpu("max_pool2d_pick", cpu_max_pick_source), cuda=_lower("max_pool2d_pick", cuda_max_pick_source),
             doc="u at each window's first maximum of x: max_pool2d_grad's adjoint in g"))
 register(Op("avg_pool2d", "pool", _pool_infer("avg_pool2d"),
             lambda attrs, values, out_shape, dims: avg_pool2d_np(values[0], *_attrs(attrs)),
-            _window_flops, vjp=_avg_vjp, arity=1, rows=_rows_per_image,
+            _window_flops, vjp=_avg_vjp, arity=1, rows=_rows_per_image, parts="rows",
             cpu=_lower_cpu("avg_pool2d", cpu_avg_pool_source), cuda=_lower("avg_pool2d", cuda_avg_pool_source),
             doc="mean over each kernel window, padding counted as zeros (divisor kh kw); attrs kernel, stride, padding"))
 register(Op("avg_pool2d_grad", "pool", _grad_infer("avg_pool2d_grad", first=None),
             lambda attrs, values, out_shape, dims: avg_pool2d_grad_np(values[0], *_attrs(attrs),
                                                                       tuple(attrs["input_hw"])),
-            _window_flops, vjp=_avg_grad_vjp, arity=1, rows=_rows_per_image,
+            _window_flops, vjp=_avg_grad_vjp, arity=1, rows=_rows_per_image, parts="rows", part_work=_image_work,
             cpu=_lower_cpu("avg_pool2d_grad", cpu_avg_grad_source, on_cores=True), cuda=_lower("avg_pool2d_grad", cuda_avg_grad_source),
             doc="avg_pool2d's adjoint: g / (kh kw) added over each window; attrs as avg_pool2d's plus input_hw"))

@@ -190,7 +190,7 @@ def _over_no_axes(graph, n):
 
 
 def _reduction(name, fn, vjp):
-    return Op(name, "reduce", _reduce_infer, _np_reduce(fn), _reduce_flops, vjp=vjp, arity=1, rows=_reduce_rows,
+    return Op(name, "reduce", _reduce_infer, _np_reduce(fn), _reduce_flops, vjp=vjp, arity=1, rows=_reduce_rows, parts="rows",
               simplify=_over_no_axes,
               cpu=_reduction_cpu, cuda=_reduction_cuda)
 

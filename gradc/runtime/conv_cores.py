@@ -139,6 +139,23 @@ def images_on_cores(kernel, *arrays, most):
         kernel(*arrays)
 
 
+def parts_on_cores(run, sliced, summed, image_work, most):
+    """run(*sliced, *summed), a part run's function (passes/part_runs.py), over parts of the batch at
+    once: each part gets the images of every sliced array (batch on axis 0) and buffers of its own
+    for the summed values (the first part's are the values themselves), which are added up after."""
+    n_img = sliced[0].shape[0]
+    sums = []
+
+    def calls(cuts):
+        sums[:] = [summed] + [tuple(np.empty_like(v) for v in summed) for _ in cuts[1:]]
+        return [(run, tuple(a[s] for a in sliced) + part) for s, part in zip(cuts, sums)]
+    if not _in_parts(n_img, image_work * n_img, most, calls):
+        return run(*sliced, *summed)
+    for part in sums[1:]:
+        for value, partial in zip(summed, part):
+            value += partial
+
+
 def conv_weight_grad_on_cores(kernel, x, g, *args, most):
     """kernel(x, g, *ints, out), the weight gradient (a sum over the batch), over parts of the batch at
     once: the first part's goes into out, the others' into buffers of their own, added to it after."""

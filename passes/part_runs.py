@@ -1,0 +1,142 @@
+"""Which steps of a plain CPU entry run over parts of the batch at once, as one function per part.
+
+A conv net's entry is a chain of per-image kernels: convs, their bias and ReLU, pools, and in the
+backward their gradients. Each conv used to hand parts of the batch to a thread and take them back
+on its own (gradc/runtime/conv_cores.py): about 60 us of thread wake-ups per kernel on a 2-core
+machine, and the elementwise kernels between the convs ran on one core. A part run is such a chain
+written as one function of a part of the batch, run on every core at once: one hand-off for the
+chain, and every kernel of it on every core.
+
+A run is consecutive steps of CPU ops whose records say their kernels run on any part of the batch
+(`parts`, gradc/ops/__init__.py), whose batch operands carry the rows on axis 0 (the records' `rows`
+rules, as passes/rows.py follows them), and which hold an op worth a hand-off (`part_work`) and at
+least one more kernel (a lone conv keeps its own hand-off). Views between its steps read no data, so
+they are made before it. A value summed over the images (a weight gradient, a bias's gradient) is
+summed by each part into a buffer of its own and the parts added after the run, so no step of the
+run may read it. Without a symbolic batch dim, or with an image dim left unbound (the work of an
+image is then unknown), there are no runs.
+
+The memory plan keeps every value a run touches live over the whole run (`extend_over_runs`): the
+parts go at their own pace, so one part may still read a value in the rows it owns while another
+writes the buffer a plan without runs would reuse for a later value.
+"""
+from gradc.ops import get_op
+
+from .rows import RowsError, batch_dim
+from .storage import base
+
+UNKNOWN = "unknown"   # the rows are somewhere no rule follows
+
+
+class _Mixes(Exception):
+    pass
+
+
+def _refuse(why):
+    raise _Mixes(why)
+
+
+def batch_axes(graph, steps, dim):
+    """node -> the axis of its batch rows: an int, None (no batch dim), ("reduced", op) after a sum
+    or mean over them, or UNKNOWN."""
+    where = {}
+    for n in steps:
+        if n not in where:
+            where[n] = _axis(graph, n, dim, where)
+    return where
+
+
+def _axis(graph, n, dim, where):
+    shape, record = graph.shape(n), get_op(graph.op(n))
+    if record.kind == "leaf":
+        if dim in shape[1:]:
+            return UNKNOWN
+        return 0 if shape and shape[0] == dim else None
+    ins = [where.get(u, UNKNOWN) for u in graph.operands(n)]
+    if all(w is None for w in ins):   # made from no batch value (a mean's seed gradient 1/B): never in a run,
+        if dim not in shape:           # but a run may cut its rows as it cuts any value's on axis 0
+            return None
+        return 0 if shape[0] == dim and dim not in shape[1:] else UNKNOWN
+    if UNKNOWN in ins or record.rows is None:
+        return UNKNOWN
+    try:
+        return record.rows(graph, n, ins, _refuse)
+    except _Mixes:
+        return UNKNOWN
+
+
+def _kind(graph, n, dim, where):
+    """"rows" or "sums" where step n can run on a part of the batch, else None."""
+    record, shape = get_op(graph.op(n)), graph.shape(n)
+    if record.parts is None or not graph.node(n)["device"].startswith("cpu"):
+        return None
+    operands = graph.operands(n)
+    axes = [where.get(u, UNKNOWN) for u in operands]
+    if 0 not in axes or any(a is not None and a != 0 for a in axes):
+        return None
+    if any(graph.shape(u)[0] != dim for u, a in zip(operands, axes) if a == 0):
+        return None
+    if record.parts == "sums":
+        return "sums" if shape != () and dim not in shape else None
+    if where[n] == 0 and shape and shape[0] == dim:
+        return "rows"
+    if where[n] == ("reduced", "sum") and shape != ():
+        return "sums"
+    return None
+
+
+def part_runs(graph, steps, dims):
+    """The runs of `steps` (a plain entry's, in order): [{"first", "last" (step indices), "nodes",
+    "sliced" (values cut by images: the function's arguments), "summed" (values summed over the
+    images), "dim" (the batch dim), "image_work" (conv flops one image costs the run)}]."""
+    try:
+        dim = batch_dim(graph)
+    except RowsError:
+        return []
+    where = batch_axes(graph, steps, dim)
+    runs, run = [], None
+    for t, n in enumerate(steps):
+        record = get_op(graph.op(n))
+        if record.kind == "leaf" or record.view:
+            continue   # not a statement of the function, or a view: made before the run
+        kind = _kind(graph, n, dim, where)
+        if run is not None and (kind is None or any(base(graph, u) in run["summed"] for u in graph.operands(n))):
+            runs.append(run)
+            run = None
+        if kind is None:
+            continue
+        if run is None:
+            run = {"first": t, "nodes": [], "sliced": [], "summed": [], "dim": dim}
+        run["last"] = t
+        run["nodes"].append(n)
+        for u in list(graph.operands(n)) + [n]:
+            if where.get(u) == 0 and u not in run["sliced"]:
+                run["sliced"].append(u)
+        if kind == "sums":
+            run["summed"].append(n)
+    if run is not None:
+        runs.append(run)
+    return [r for r in runs if _worth_a_hand_off(graph, r, dim, dims)]
+
+
+def _worth_a_hand_off(graph, run, dim, dims):
+    """Sets run["image_work"]; False for a lone kernel, a run with no op worth a hand-off, or an image
+    whose work is unknown."""
+    one_image = dict(dims, **{dim: 1})
+    work = [get_op(graph.op(n)).part_work for n in run["nodes"]]
+    if len(run["nodes"]) < 2 or all(w is None for w in work):
+        return False
+    each = [w(graph, n, one_image) for w, n in zip(work, run["nodes"]) if w is not None]
+    if any(not isinstance(e, int) for e in each):
+        return False
+    run["image_work"] = sum(each)
+    return True
+
+
+def extend_over_runs(graph, tensors, runs):
+    """Each tensor a run reads or writes lives from the run's first step to its last at least."""
+    for run in runs:
+        touched = {base(graph, u) for n in run["nodes"] for u in list(graph.operands(n)) + [n]}
+        for t in tensors:
+            if t["node"] in touched and t["start"] <= run["last"] and t["end"] >= run["first"]:
+                t["start"], t["end"] = min(t["start"], run["first"]), max(t["end"], run["last"])
