@@ -134,8 +134,8 @@ class EntryWriter:
                     inside.append(line)
             announced += final_at.get(n, [])
         names = list(dict.fromkeys(self.var(u) for u in run["sliced"] + run["summed"]))
-        batch = dims[run["dim"]]
-        if any(re.search(rf"\b{batch}\b", line) for line in inside):   # the dim's size in a part is the part's
+        batch = dims.get(run["dim"]) if isinstance(run["dim"], str) else None
+        if batch and any(re.search(rf"\b{batch}\b", line) for line in inside):   # in a part, the part's size
             inside.insert(0, f"{batch} = {self.var(run['sliced'][0])}.shape[0]")
         fname = f"images_{at}"
         self._runs_written.append(fname)

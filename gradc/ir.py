@@ -40,6 +40,8 @@ class Graph:
         self.lr = None          # the likelihood-ratio estimate (passes/likelihood_ratio.py): its tables, or why not
         self.pin = None         # (stage, src) the DSL's `with m.stage(i):` gives the nodes it makes
         self.merged = {}        # node -> the node that took its value over (CSE, fusion): where its `of` lands
+        self.batch_rows = None  # (the batch dim: its name, or the int --bind made it; the inputs with it on
+                                # axis 0), recorded before binding (passes/part_runs.py)
 
     # ---- building -------------------------------------------------------------------------
     def apply(self, op, inputs=(), attrs=None, *, phase="forward", src=None, name=None, of=None, distinct=False):

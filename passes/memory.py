@@ -113,7 +113,7 @@ def workspace_bytes(graph, steps, dims, runs=()):
         per_step.append(b)
     most = max(per_step, default=0)
     for run in runs:
-        n_img = dims.get(run["dim"])
+        n_img = run["dim"] if isinstance(run["dim"], int) else dims.get(run["dim"])
         if not isinstance(n_img, int):
             return None
         parts = conv_cores.planned_parts(n_img, run["image_work"] * n_img, conv_cores.cores())

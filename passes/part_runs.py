@@ -36,27 +36,45 @@ def _refuse(why):
     raise _Mixes(why)
 
 
-def batch_axes(graph, steps, dim):
+def batch_rows(graph):
+    """(the batch dim: its name, or the int --bind made it; the inputs that carry it on axis 0), as
+    bind recorded it (passes/pipeline.py), else from the graph's symbolic dims; None without one."""
+    if graph.batch_rows is not None:
+        return graph.batch_rows
+    try:
+        dim = batch_dim(graph)
+    except RowsError:
+        return None
+    return dim, {n for n in graph.inputs.values() if graph.shape(n)[:1] == (dim,)}
+
+
+def batch_axes(graph, steps, dim, leaves):
     """node -> the axis of its batch rows: an int, None (no batch dim), ("reduced", op) after a sum
-    or mean over them, or UNKNOWN."""
+    or mean over them, or UNKNOWN. `leaves`: the inputs with the rows on axis 0."""
     where = {}
     for n in steps:
         if n not in where:
-            where[n] = _axis(graph, n, dim, where)
+            where[n] = _axis(graph, n, dim, leaves, where)
     return where
 
 
-def _axis(graph, n, dim, where):
+def _operand_axes(graph, n, where):
+    """Where the rows lie in n's operands, for cutting them: a value summed over the rows has none."""
+    axes = [where.get(u, UNKNOWN) for u in graph.operands(n)]
+    return [None if isinstance(a, tuple) else a for a in axes]
+
+
+def _axis(graph, n, dim, leaves, where):
     shape, record = graph.shape(n), get_op(graph.op(n))
     if record.kind == "leaf":
-        if dim in shape[1:]:
-            return UNKNOWN
-        return 0 if shape and shape[0] == dim else None
-    ins = [where.get(u, UNKNOWN) for u in graph.operands(n)]
+        if n in leaves:
+            return 0
+        return UNKNOWN if isinstance(dim, str) and dim in shape else None
+    ins = _operand_axes(graph, n, where)
     if all(w is None for w in ins):   # made from no batch value (a mean's seed gradient 1/B): never in a run,
-        if dim not in shape:           # but a run may cut its rows as it cuts any value's on axis 0
-            return None
-        return 0 if shape[0] == dim and dim not in shape[1:] else UNKNOWN
+        if dim not in shape:           # but a run may cut its rows as it cuts any value's on axis 0 (an op
+            return None                # whose rule says its row b reads row b of it reads the same rows cut)
+        return 0 if shape[0] == dim else UNKNOWN
     if UNKNOWN in ins or record.rows is None:
         return UNKNOWN
     try:
@@ -71,13 +89,16 @@ def _kind(graph, n, dim, where):
     if record.parts is None or not graph.node(n)["device"].startswith("cpu"):
         return None
     operands = graph.operands(n)
-    axes = [where.get(u, UNKNOWN) for u in operands]
+    axes = _operand_axes(graph, n, where)
     if 0 not in axes or any(a is not None and a != 0 for a in axes):
         return None
     if any(graph.shape(u)[0] != dim for u, a in zip(operands, axes) if a == 0):
         return None
+    if record.kind == "elementwise" and any(a is None and len(graph.shape(u)) == len(shape) and graph.shape(u)[0] != 1
+                                            for u, a in zip(operands, axes)):
+        return None   # read whole, it would be indexed by the part's rows (a bound batch's size met by chance)
     if record.parts == "sums":
-        return "sums" if shape != () and dim not in shape else None
+        return "sums" if shape != () else None
     if where[n] == 0 and shape and shape[0] == dim:
         return "rows"
     if where[n] == ("reduced", "sum") and shape != ():
@@ -89,11 +110,11 @@ def part_runs(graph, steps, dims):
     """The runs of `steps` (a plain entry's, in order): [{"first", "last" (step indices), "nodes",
     "sliced" (values cut by images: the function's arguments), "summed" (values summed over the
     images), "dim" (the batch dim), "image_work" (conv flops one image costs the run)}]."""
-    try:
-        dim = batch_dim(graph)
-    except RowsError:
+    rows = batch_rows(graph)
+    if rows is None:
         return []
-    where = batch_axes(graph, steps, dim)
+    dim, leaves = rows
+    where = batch_axes(graph, steps, dim, leaves)
     runs, run = [], None
     for t, n in enumerate(steps):
         record = get_op(graph.op(n))
@@ -116,17 +137,16 @@ def part_runs(graph, steps, dims):
             run["summed"].append(n)
     if run is not None:
         runs.append(run)
-    return [r for r in runs if _worth_a_hand_off(graph, r, dim, dims)]
+    return [r for r in runs if _worth_a_hand_off(graph, r, dims)]
 
 
-def _worth_a_hand_off(graph, run, dim, dims):
+def _worth_a_hand_off(graph, run, dims):
     """Sets run["image_work"]; False for a lone kernel, a run with no op worth a hand-off, or an image
     whose work is unknown."""
-    one_image = dict(dims, **{dim: 1})
     work = [get_op(graph.op(n)).part_work for n in run["nodes"]]
     if len(run["nodes"]) < 2 or all(w is None for w in work):
         return False
-    each = [w(graph, n, one_image) for w, n in zip(work, run["nodes"]) if w is not None]
+    each = [w(graph, n, dims) for w, n in zip(work, run["nodes"]) if w is not None]
     if any(not isinstance(e, int) for e in each):
         return False
     run["image_work"] = sum(each)

@@ -13,6 +13,7 @@ from .fusion import fuse_elementwise, split_second_order_uses
 from .gemm_fusion import fuse_gemms
 from .likelihood_ratio import build_lr
 from .objective import add_objective
+from .rows import RowsError, batch_dim
 from .second_order import build_hvp
 from .simplify import simplify
 
@@ -40,6 +41,11 @@ def bind(graph, dtype, dims, src):
         if d.startswith("float") and d != "float" and d != dtype:
             raise GradcError(f"input {name!r} is declared {d} but the model is compiled for {dtype} "
                              f"(declare it with dtype=None, or compile with --dtype {d})", graph.node(n)["src"])
+    try:
+        dim = batch_dim(graph)
+        graph.batch_rows = (dims.get(dim, dim), {n for n in graph.inputs.values() if graph.shape(n)[:1] == (dim,)})
+    except RowsError:
+        graph.batch_rows = None
     for g in [graph] + graph.bodies():
         _bind_nodes(g, dtype, dims)
 

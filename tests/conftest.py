@@ -7,6 +7,7 @@ import pytest
 
 from gradc.interpret import evaluate
 from gradc.passes.pipeline import build_training_graph
+from gradc.runtime import conv_cores
 
 EPS = 1e-6
 
@@ -58,6 +59,20 @@ def cuda_env(**extra):
     else:
         env["NUMBA_ENABLE_CUDASIM"] = "1"
     return env
+
+
+def split_every_conv(monkeypatch, cores=3):
+    """Builds and runs from here split every conv and part run over up to `cores` parts of its batch,
+    with BLAS seen as having that many threads (the thread counts set are recorded, not set); returns
+    the list of part counts the calls ran with and the thread counts set."""
+    monkeypatch.setattr(conv_cores, "cores", lambda: cores)
+    monkeypatch.setattr(conv_cores, "PART_FLOPS", 1)
+    monkeypatch.setattr(conv_cores.blas, "threads_now", lambda: cores)
+    set_to, ran = [], []
+    monkeypatch.setattr(conv_cores.blas, "set_threads", set_to.append)
+    cuts = conv_cores._cuts
+    monkeypatch.setattr(conv_cores, "_cuts", lambda n_img, parts: (ran.append(parts), cuts(n_img, parts))[1])
+    return ran, set_to
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from gradc.interpret import evaluate
 from gradc.ops import conv as C, conv_direct
 from gradc.passes.pipeline import build_training_graph
 
-from conftest import assert_grads_match_fd, cuda_env
+from conftest import assert_grads_match_fd, cuda_env, split_every_conv
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -584,21 +584,6 @@ def test_which_convs_run_directly():
     assert [weight_grad_block(c) for c in (1, 2, 3, 4, 5, 17, 64)] == [1, 2, 4, 4, 4, 4, 4]
 
 
-def _split_everything(monkeypatch, cores=3):
-    """Builds and runs from here split every conv over up to `cores` parts of its batch, with BLAS
-    seen as having that many threads (the thread counts set are recorded, not set); returns the list
-    of part counts the conv calls ran with and the thread counts set."""
-    from gradc.runtime import conv_cores
-    monkeypatch.setattr(conv_cores, "cores", lambda: cores)
-    monkeypatch.setattr(conv_cores, "PART_FLOPS", 1)
-    monkeypatch.setattr(conv_cores.blas, "threads_now", lambda: cores)
-    set_to, ran = [], []
-    monkeypatch.setattr(conv_cores.blas, "set_threads", set_to.append)
-    cuts = conv_cores._cuts
-    monkeypatch.setattr(conv_cores, "_cuts", lambda n_img, parts: (ran.append(parts), cuts(n_img, parts))[1])
-    return ran, set_to
-
-
 def _entry_source(source, fname):
     return source[source.index(f"def {fname}("):].split("\n\n\n")[0]
 
@@ -613,7 +598,7 @@ def test_convs_over_parts_of_the_batch_match_torch(path, batch, build_dir, rng, 
     forward's chain and the backward's, every kernel of the family in one of their functions; with a
     batch of 7 written into the model each kernel runs over parts on its own. The convs and the input
     gradient run directly, then (the direct path turned off) by im2col."""
-    ran, set_to = _split_everything(monkeypatch)
+    ran, set_to = split_every_conv(monkeypatch)
     if not path:
         monkeypatch.setattr(conv_direct, "DIRECT_MAX_CHANNELS", 0)
     m, forward = _conv_net(f"conv_parts{path}_{batch}", batch)
@@ -669,7 +654,7 @@ def _add_kernel(done):
 @pytest.mark.parametrize("failing", [0, 2], ids=["this_threads_part", "a_worker_threads_part"])
 def test_a_failing_part_ends_every_part_and_gives_blas_its_threads_back(monkeypatch, failing):
     from gradc.runtime import conv_cores
-    _, set_to = _split_everything(monkeypatch, cores=2)
+    _, set_to = split_every_conv(monkeypatch, cores=2)
     done = []
     a = np.arange(8.0).reshape(4, 2)
     a[failing] = -1.0
@@ -683,7 +668,7 @@ def test_a_failing_part_ends_every_part_and_gives_blas_its_threads_back(monkeypa
 
 def test_a_conv_called_while_another_runs_in_parts_runs_whole(monkeypatch):
     from gradc.runtime import conv_cores
-    ran, set_to = _split_everything(monkeypatch, cores=2)
+    ran, set_to = split_every_conv(monkeypatch, cores=2)
     done, out = [], np.empty((4, 2))
     with conv_cores._splitting:   # as while another thread's conv runs in parts
         conv_cores.conv_on_cores(_add_kernel(done), np.ones((4, 2)), np.ones(2), out, most=2)
@@ -695,7 +680,7 @@ def test_a_forked_child_runs_convs_in_parts_of_its_own(monkeypatch):
     from gradc.runtime import conv_cores
     if not hasattr(os, "fork"):
         pytest.skip("no fork here")
-    ran, _ = _split_everything(monkeypatch, cores=2)
+    ran, _ = split_every_conv(monkeypatch, cores=2)
     out = np.empty((4, 2))
     conv_cores.conv_on_cores(_add_kernel([]), np.ones((4, 2)), np.ones(2), out, most=2)   # the parent's threads start
     assert ran == [2]

@@ -706,9 +706,9 @@ def _image_work(x_at, w_at, g_at, weight_grad=False):
     def work(graph, n, dims):
         shapes = [graph.shape(u) for u in graph.operands(n)] + [graph.shape(n)]
         x, w, g = (tuple(dims.get(d, d) if isinstance(d, str) else d for d in shapes[k]) for k in (x_at, w_at, g_at))
-        if any(isinstance(d, str) for d in x + w + g):
+        if any(isinstance(d, str) for d in x[1:] + w + g[1:]):
             return None
-        return conv_cores.conv_flops(size(x), size(g), size(w) // w[0], weight_grad)
+        return conv_cores.conv_flops(size(x[1:]), size(g[1:]), size(w) // w[0], weight_grad)
     return work
 
 

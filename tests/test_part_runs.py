@@ -1,0 +1,126 @@
+"""Part runs (passes/part_runs.py): a plain CPU entry runs each chain of per-image kernels as one
+function over parts of the batch. Which steps form a run and where one ends, the memory plan that
+keeps what a run touches apart, and results against torch with every run cut into 3 parts of 7 images."""
+import re
+
+import numpy as np
+import pytest
+
+import gradc as gc
+from gradc.passes.memory import plan_memory
+from gradc.passes.part_runs import part_runs
+from gradc.passes.pipeline import build_training_graph
+from gradc.passes.storage import base
+
+from conftest import split_every_conv
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+
+def _lenet(name="runs_lenet"):
+    m = gc.Model(name)
+    x = m.input("x", ("B", 1, 12, 12))
+    y = m.input("y", ("B",), dtype="int64")
+    w1, b1 = m.param("w1", (4, 1, 3, 3), init="he_normal"), m.param("b1", (4,), init="normal")
+    w2, b2 = m.param("w2", (6, 4, 3, 3), init="he_normal"), m.param("b2", (6,), init="normal")
+    w3, b3 = m.param("w3", (24, 10)), m.param("b3", (10,))
+    h = gc.max_pool2d(gc.relu(gc.conv2d(x, w1, b1, padding=1)), 2)        # (B, 4, 6, 6)
+    h = gc.max_pool2d(gc.relu(gc.conv2d(h, w2, b2)), 2)                   # (B, 6, 2, 2)
+    m.minimize(gc.softmax_cross_entropy(h.reshape(("B", 24)) @ w3 + b3, y))
+    return m
+
+
+def test_a_conv_nets_chains_are_one_run_each_way():
+    """LeNet's forward (conv, bias + relu, pool, twice) is one run and its whole conv backward another,
+    the weight and bias gradients summed in it; the dense layers run outside (BLAS)."""
+    graph = build_training_graph(_lenet(), "float32", {}, order=1)
+    plan = plan_memory(graph, {}, 1, None)["_loss_and_grad"]
+    runs = plan["part_runs"]
+    ops = [[graph.op(n) for n in r["nodes"]] for r in runs]
+    assert ops[0] == ["conv2d", "fused", "max_pool2d"] * 2
+    assert ops[1].count("conv2d_weight_grad") == 2 and ops[1].count("max_pool2d_grad") == 2
+    assert ops[1].count("conv2d_input_grad") == 1 and "matmul" not in ops[1]
+    assert sorted(graph.op(n) for n in runs[1]["summed"]) == ["conv2d_weight_grad"] * 2 + ["sum"] * 2
+    assert len(runs) == 2
+    # the same steps make the same runs when the memory plan asks again (peak_bytes, the budget search)
+    assert [r["nodes"] for r in part_runs(graph, plan["steps"], {})] == [r["nodes"] for r in runs]
+
+
+def test_what_a_run_touches_never_shares_arena_bytes_during_it():
+    """The parts go at their own pace: every buffer a run reads or writes lives over the whole run,
+    so no two of them share bytes (a plan without runs reuses conv1's output for conv2's)."""
+    dims = {"B": 8}   # bound, so the plan has offsets (and the runs know the batch from bind)
+    graph = build_training_graph(_lenet(), "float32", dims, order=1)
+    plans = plan_memory(graph, dims, 1, None)
+    for fname in ("_forward_loss", "_loss_and_grad", "_input_grads"):
+        plan = plans[fname]
+        assert plan["part_runs"], fname
+        for run in plan["part_runs"]:
+            touched = {base(graph, u) for n in run["nodes"] for u in list(graph.operands(n)) + [n]}
+            held = [t for t in plan["tensors"] if t["node"] in touched
+                    and t["start"] <= run["last"] and t["end"] >= run["first"]]
+            for t in held:
+                assert t["start"] <= run["first"] and t["end"] >= run["last"], (fname, t)
+            spans = sorted((t["offset"], t["offset"] + t["bytes"]) for t in held)
+            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), (fname, spans)
+
+
+def _sums_then_reads(batch_norm):
+    """conv + tanh, then h times its sum over images and positions (a value a run sums), a second conv,
+    relu, avg pool, dense: the sum must be whole before anything reads it. Or (not batch_norm) a conv
+    with no bias straight into the dense layer."""
+    m = gc.Model("runs_sum_read" if batch_norm else "runs_lone_conv")
+    x = m.input("x", ("B", 2, 6, 6))
+    y = m.input("y", ("B",), dtype="int64")
+    p = {"w1": m.param("w1", (3, 2, 3, 3), init="he_normal"), "w3": m.param("w3", (4 if batch_norm else 108, 10))}
+    if batch_norm:
+        p |= {"b1": m.param("b1", (3,), init="normal"), "w2": m.param("w2", (4, 3, 3, 3), init="he_normal")}
+
+    def forward(lib, x, p):
+        conv, tanh, relu = (gc.conv2d, gc.tanh, gc.relu) if lib is gc else (F.conv2d, torch.tanh, torch.relu)
+        if not batch_norm:   # the conv's neighbours are views and products: no kernel to chain it with
+            h = conv(x, p["w1"], padding=1)
+            return (h.reshape(("B", 108)) if lib is gc else h.reshape(-1, 108)) @ p["w3"]
+        h = tanh(conv(x, p["w1"], p["b1"], padding=1))
+        s = gc.sum(h, axis=(0, 2, 3), keepdims=True) if lib is gc else h.sum(dim=(0, 2, 3), keepdim=True)
+        h = relu(conv(h * (s * 0.01), p["w2"], padding=1))
+        h = gc.avg_pool2d(h, 6) if lib is gc else F.avg_pool2d(h, 6)
+        return (h.reshape(("B", 4)) if lib is gc else h.reshape(-1, 4)) @ p["w3"]
+
+    m.minimize(gc.softmax_cross_entropy(forward(gc, x, p), y))
+    return m, forward
+
+
+@pytest.mark.parametrize("batch_norm, bind", [(True, {}), (True, {"B": 7}), (False, {})],
+                         ids=["sum_read_after", "sum_read_after_bound_batch", "lone_conv"])
+def test_runs_cut_into_parts_match_torch(batch_norm, bind, build_dir, rng, monkeypatch):
+    """Every run in 3 parts of 7 images (2, 2, 3), float64, against torch: a sum over the images that a
+    later kernel reads ends its run (the sum is whole first), with the batch dim a name or bound to 7
+    (--bind: the runs know the batch from before binding); a conv alone in its chain runs over parts on
+    its own."""
+    ran, _ = split_every_conv(monkeypatch)
+    m, forward = _sums_then_reads(batch_norm)
+    mod = gc.compile(m, out=build_dir, dtype="float64", order=1, warm=False, bind=bind)
+    source = open(mod.__file__).read()
+    entry = source[source.index("def _loss_and_grad("):].split("\n\n\n")[0]
+    if batch_norm:
+        graph = build_training_graph(m, "float64", bind, order=1)
+        plan = plan_memory(graph, bind, 1, None)["_loss_and_grad"]
+        summed = {n for r in plan["part_runs"] for n in r["summed"]}
+        assert any(graph.op(n) == "sum" and graph.node(n)["phase"] == "forward" for n in summed)
+        for r in plan["part_runs"]:   # nothing in a run reads what the run sums
+            assert not {base(graph, u) for n in r["nodes"] for u in graph.operands(n)} & set(r["summed"])
+        assert len(re.findall(r"\n    parts_on_cores\(images_\d+", entry)) >= 3
+    else:
+        assert "parts_on_cores(" not in entry
+        assert re.search(r"\n    conv_on_cores\(k\d+_conv2d", entry)
+    params = mod.init_params(1)
+    X, Y = rng.standard_normal((7, 2, 6, 6)), rng.integers(0, 10, 7)
+    loss, grads = mod.loss_and_grad(params, x=X, y=Y)
+    assert ran and set(ran) == {3}
+    pt = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    ref = F.cross_entropy(forward(torch, torch.tensor(X), pt), torch.tensor(Y))
+    np.testing.assert_allclose(loss, ref.item(), rtol=1e-12)
+    for k, g in zip(pt, torch.autograd.grad(ref, list(pt.values()))):
+        np.testing.assert_allclose(grads[k], g.numpy(), rtol=1e-10, atol=1e-12, err_msg=k)
