@@ -122,6 +122,7 @@ class EntryWriter:
                 continue
             s = self.Statement(self, n, dims, step)
             lines = get_op(g.op(n)).cpu(s)
+            announced += final_at.get(n, [])   # a view's too: it may show a value the run sums
             if get_op(g.op(n)).view:
                 before += lines
                 continue
@@ -132,7 +133,6 @@ class EntryWriter:
                         raise AssertionError(f"{g.describe(n)} is in a part run, but its lowering assigns a "
                                              f"variable the entry may read after the run: {line!r}")
                     inside.append(line)
-            announced += final_at.get(n, [])
         names = list(dict.fromkeys(self.var(u) for u in run["sliced"] + run["summed"]))
         batch = dims.get(run["dim"]) if isinstance(run["dim"], str) else None
         if batch and any(re.search(rf"\b{batch}\b", line) for line in inside):   # in a part, the part's size

@@ -124,3 +124,31 @@ def test_runs_cut_into_parts_match_torch(batch_norm, bind, build_dir, rng, monke
     np.testing.assert_allclose(loss, ref.item(), rtol=1e-12)
     for k, g in zip(pt, torch.autograd.grad(ref, list(pt.values()))):
         np.testing.assert_allclose(grads[k], g.numpy(), rtol=1e-10, atol=1e-12, err_msg=k)
+
+
+def test_a_gradient_a_run_sums_and_a_view_shapes_reaches_the_caller(build_dir, rng, monkeypatch):
+    """A bias of shape (C, 1, 1) added to a conv's output: its gradient is a sum over images and
+    positions in the backward's run, reshaped by a view; the view is made before the run and the
+    gradient copied out after the parts are added (loss_and_grad and a Trainer's step, float64)."""
+    split_every_conv(monkeypatch)
+    m = gc.Model("runs_view_grad")
+    x = m.input("x", ("B", 2, 5, 5))
+    y = m.input("y", ("B",), dtype="int64")
+    w1, b1 = m.param("w1", (3, 2, 3, 3), init="he_normal"), m.param("b1", (3, 1, 1), init="normal")
+    w2 = m.param("w2", (27, 10))
+    h = gc.max_pool2d(gc.tanh(gc.conv2d(x, w1) + b1), 1)
+    m.minimize(gc.softmax_cross_entropy(h.reshape(("B", 27)) @ w2, y))
+    mod = gc.compile(m, out=build_dir, dtype="float64", order=1, warm=False)
+    params = mod.init_params(3)
+    X, Y = rng.standard_normal((7, 2, 5, 5)), rng.integers(0, 10, 7)
+    pt = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    hp = torch.tanh(F.conv2d(torch.tensor(X), pt["w1"]) + pt["b1"])
+    ref = F.cross_entropy(hp.reshape(7, 27) @ pt["w2"], torch.tensor(Y))
+    want = dict(zip(pt, (g.numpy() for g in torch.autograd.grad(ref, list(pt.values())))))
+    loss, grads = mod.loss_and_grad(params, x=X, y=Y)
+    np.testing.assert_allclose(loss, ref.item(), rtol=1e-12)
+    for k in want:
+        np.testing.assert_allclose(grads[k], want[k], rtol=1e-10, atol=1e-12, err_msg=k)
+    trainer = mod.Trainer(params, optimizer="sgd", lr=1.0)
+    trainer.step(x=X, y=Y)
+    np.testing.assert_allclose(trainer.params["b1"], params["b1"] - want["b1"], rtol=1e-10, atol=1e-12)
