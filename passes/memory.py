@@ -92,8 +92,9 @@ def step_floor(graph, steps, tensors):
 
 
 def peak_bytes(graph, steps, returned, dims):
-    """The true peak of `steps` (what the arena cannot go below)."""
-    tensors = liveness(graph, steps, set(returned), runs=part_runs(graph, steps, dims))
+    """The true peak of `steps` (what the arena cannot go below; without part runs, which a plan gives
+    up where they would not fit its budget)."""
+    tensors = liveness(graph, steps, set(returned))
     for t in tensors:
         t["bytes"] = buffer_bytes(graph, t["node"], dims)
     return int(live_bytes(tensors, steps).max())
@@ -122,13 +123,19 @@ def workspace_bytes(graph, steps, dims, runs=()):
     return most
 
 
-def plan_entry(graph, entry, steps, returned, dims, loop_from=None):
+def fits(plan, budget):
+    """Whether a plan's peak and workspace fit `budget` bytes."""
+    return plan["peak_bytes"] + (plan["workspace_bytes"] or 0) <= budget
+
+
+def plan_entry(graph, entry, steps, returned, dims, loop_from=None, runs=True):
     """The plan of one entry point: its steps, tensors with offsets, peak and arena bytes (per
-    device: each node's buffer lives on its device, in that device's region).
+    device: each node's buffer lives on its device, in that device's region), and its part runs
+    (passes/part_runs.py; none where `runs` is False, or in an hvp block's loop).
 
     With a symbolic dim left unbound, byte counts are expressions (strings) and offsets are laid
     out by the module on its first call with each shape."""
-    runs = part_runs(graph, steps, dims) if loop_from is None else []
+    runs = part_runs(graph, steps, dims) if runs and loop_from is None else []
     tensors = liveness(graph, steps, set(returned), loop_from, runs)
     dtypes = {graph.dtype(t["node"]) for t in tensors}
     if len(dtypes) > 1:
@@ -246,6 +253,8 @@ def _plan_entries(graph, dims, order, budget):
             steps = store_all_steps(graph, roots, sizes)
         plan = plan_entry(graph, fname, steps, roots, dims, loop_from)
         if entry.budgeted:
+            if budget is not None and not fits(plan, budget):   # part runs go before any value is recomputed
+                plan = plan_entry(graph, fname, steps, roots, dims, loop_from, runs=False)
             plan.update(store_all_peak_bytes=plan["peak_bytes"], budget_bytes=budget, recompute_flops=0,
                         method="store-all")
             # the kernels' own workspace comes out of the budget before any activation is kept
@@ -253,7 +262,7 @@ def _plan_entries(graph, dims, order, budget):
             if room is not None and room < plan["peak_bytes"]:
                 work = plan["workspace_bytes"] or 0
                 try:
-                    plan = _within_budget(graph, steps, roots, dims, sizes, room, plan)
+                    plan = _within_budget(graph, steps, roots, dims, sizes, room, plan, budget)
                 except BudgetError as e:
                     raise BudgetError(e.minimum + work, e.store_all + work, work) from None
                 plan["budget_bytes"] = budget
@@ -262,9 +271,10 @@ def _plan_entries(graph, dims, order, budget):
     return plans
 
 
-def _within_budget(graph, order, roots, dims, sizes, budget, store_all):
-    """The least-recompute plan whose true peak fits: the chain DP, and on a graph with skips
-    also the MILP over its coarse DAG; the better of the two, or BudgetError when neither fits."""
+def _within_budget(graph, order, roots, dims, sizes, budget, store_all, total):
+    """The least-recompute plan whose true peak fits `budget`: the chain DP, and on a graph with
+    skips also the MILP over its coarse DAG; the better of the two, or BudgetError when neither fits.
+    Its part runs stay where it fits `total` (the budget with the workspace) with them."""
     work = {}
     flops_of = lambda n: work[n] if n in work else work.setdefault(n, node_flops(graph, n, dims))
     peak_of = lambda s, returned=roots: peak_bytes(graph, s, returned, dims)
@@ -296,6 +306,8 @@ def _within_budget(graph, order, roots, dims, sizes, budget, store_all):
     if milp_info is not None and chosen is not milp_info:
         info["milp"] = milp_info   # what the MILP did (no plan in time, or a worse one): the DP is the fallback
     plan = plan_entry(graph, "_loss_and_grad", steps, roots, dims)
+    if not fits(plan, total):
+        plan = plan_entry(graph, "_loss_and_grad", steps, roots, dims, runs=False)
     recompute = sum(flops_of(t["node"]) for t in plan["tensors"] if t["recomputed"])
     plan.update(store_all_peak_bytes=store_all["peak_bytes"], budget_bytes=budget, recompute_flops=int(recompute),
                 method=info["method"], retention=info,
@@ -317,6 +329,9 @@ def _entry_document(graph, plan):
            "live_bytes": plan["live_bytes"], "tensors": tensors}
     if plan["loop_from"] is not None:
         doc["loop_from"] = plan["loop_from"]
+    if plan.get("part_runs"):   # steps run over parts of the batch at once (passes/part_runs.py)
+        doc["part_runs"] = [{"first": r["first"], "last": r["last"], "nodes": r["nodes"], "summed": r["summed"]}
+                            for r in plan["part_runs"]]
     if "scan_checkpoints" in plan:
         doc["scan_checkpoints"] = plan["scan_checkpoints"]
     if "store_all_live_bytes" in plan:

@@ -10,7 +10,8 @@ chain, and every kernel of it on every core.
 A run is consecutive steps of CPU ops whose records say their kernels run on any part of the batch
 (`parts`, gradc/ops/__init__.py), whose batch operands carry the rows on axis 0 (the records' `rows`
 rules, as passes/rows.py follows them), and which hold an op worth a hand-off (`part_work`) and at
-least one more kernel (a lone conv keeps its own hand-off). Views between its steps read no data, so
+least one more kernel (a lone conv keeps its own hand-off), on a machine with more than one core.
+Views between its steps read no data, so
 they are made before it. A value summed over the images (a weight gradient, a bias's gradient) is
 summed by each part into a buffer of its own and the parts added after the run, so no step of the
 run may read it. Without a symbolic batch dim, or with an image dim left unbound (the work of an
@@ -21,6 +22,7 @@ parts go at their own pace, so one part may still read a value in the rows it ow
 writes the buffer a plan without runs would reuse for a later value.
 """
 from gradc.ops import get_op
+from gradc.runtime import conv_cores
 
 from .rows import RowsError, batch_dim
 from .storage import base
@@ -111,7 +113,7 @@ def part_runs(graph, steps, dims):
     "sliced" (values cut by images: the function's arguments), "summed" (values summed over the
     images), "dim" (the batch dim), "image_work" (conv flops one image costs the run)}]."""
     rows = batch_rows(graph)
-    if rows is None:
+    if rows is None or conv_cores.cores() < 2:   # (on one core a run is a whole batch's call)
         return []
     dim, leaves = rows
     where = batch_axes(graph, steps, dim, leaves)

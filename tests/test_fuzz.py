@@ -18,6 +18,7 @@ import pytest
 
 import gradc.codegen.entry as entry
 from gradc.ops import conv, conv_direct, conv_winograd
+from conftest import split_every_conv
 from fuzz_graphs import check_compiled, check_interpreted, combined_case, random_case
 
 INTERPRETED_SEEDS = range(120)   # about 50 s of CPU on one core; bench/fuzz.py runs more
@@ -79,17 +80,14 @@ def test_compiled_convs_by_direct_sums_match_torch(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_compiled_convs_over_parts_of_the_batch_match_torch(tmp_path, monkeypatch):
-    """Programs with convs (seeds 7, 12, 15 and 588), each conv, input gradient and weight gradient of
-    a plain entry run over up to 3 parts of the batch (gradc/runtime/conv_cores.py; the flops per part
-    lowered to 1, BLAS seen as having 3 threads: the counts it is set to are recorded, not set)."""
-    from gradc.runtime import conv_cores
-    monkeypatch.setattr(conv_cores, "cores", lambda: 3)
-    monkeypatch.setattr(conv_cores, "PART_FLOPS", 1)
-    monkeypatch.setattr(conv_cores.blas, "threads_now", lambda: 3)
-    monkeypatch.setattr(conv_cores.blas, "set_threads", lambda n: None)
-    parts, cuts = [], conv_cores._cuts
-    monkeypatch.setattr(conv_cores, "_cuts", lambda n_img, k: (parts.append(k), cuts(n_img, k))[1])
+    """Programs with convs (seeds 7, 12, 15 and 588): each chain of per-image kernels of a plain entry
+    runs as a part run, and each conv outside one on its own, over up to 3 parts of the batch
+    (passes/part_runs.py, gradc/runtime/conv_cores.py; the flops per part lowered to 1, BLAS seen as
+    having 3 threads: the counts it is set to are recorded, not set)."""
+    parts, _ = split_every_conv(monkeypatch)
     check_compiled(combined_case((7, 12, 15, 588)), str(tmp_path))
+    sources = "".join(open(f).read() for f in glob.glob(str(tmp_path / "**" / "*.py"), recursive=True))
+    assert "parts_on_cores(images_" in sources
     assert parts and max(parts) >= 2
 
 

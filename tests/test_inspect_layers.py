@@ -59,6 +59,12 @@ def test_memory_plan_counts_the_conv_workspace_in_the_budget(tmp_path, monkeypat
         monkeypatch.setattr(conv_cores, "cores", lambda: cores)
     tight = plan["peak_bytes"] + plan["workspace_bytes"]
     assert plan_memory(graph, {"B": 4}, 1, budget=tight)["_loss_and_grad"]["method"] == "store-all"
+    assert bool(plan["part_runs"]) == (cores > 1)   # (passes/part_runs.py: none on one core)
+    if cores > 1:   # a byte less: the part runs, which keep what they touch live over the run, go first
+        plan = plan_memory(graph, {"B": 4}, 1, budget=tight - 1)["_loss_and_grad"]
+        assert plan["method"] == "store-all" and not plan["part_runs"]
+        assert plan["peak_bytes"] + plan["workspace_bytes"] <= tight - 1
+        tight = plan["peak_bytes"] + plan["workspace_bytes"]
     # the same budget without room for the workspace: activations must be recomputed
     squeezed = plan_memory(graph, {"B": 4}, 1, budget=tight - 1)["_loss_and_grad"]
     assert squeezed["recompute_flops"] > 0

@@ -11,6 +11,7 @@ from gradc.passes.memory import plan_memory
 from gradc.passes.part_runs import part_runs
 from gradc.passes.pipeline import build_training_graph
 from gradc.passes.storage import base
+from gradc.runtime import conv_cores
 
 from conftest import split_every_conv
 
@@ -31,7 +32,13 @@ def _lenet(name="runs_lenet"):
     return m
 
 
-def test_a_conv_nets_chains_are_one_run_each_way():
+@pytest.fixture
+def two_cores(monkeypatch):
+    """Plans made here are for a machine with two cores (on one there are no runs)."""
+    monkeypatch.setattr(conv_cores, "cores", lambda: 2)
+
+
+def test_a_conv_nets_chains_are_one_run_each_way(two_cores):
     """LeNet's forward (conv, bias + relu, pool, twice) is one run and its whole conv backward another,
     the weight and bias gradients summed in it; the dense layers run outside (BLAS)."""
     graph = build_training_graph(_lenet(), "float32", {}, order=1)
@@ -47,7 +54,7 @@ def test_a_conv_nets_chains_are_one_run_each_way():
     assert [r["nodes"] for r in part_runs(graph, plan["steps"], {})] == [r["nodes"] for r in runs]
 
 
-def test_what_a_run_touches_never_shares_arena_bytes_during_it():
+def test_what_a_run_touches_never_shares_arena_bytes_during_it(two_cores):
     """The parts go at their own pace: every buffer a run reads or writes lives over the whole run,
     so no two of them share bytes (a plan without runs reuses conv1's output for conv2's)."""
     dims = {"B": 8}   # bound, so the plan has offsets (and the runs know the batch from bind)

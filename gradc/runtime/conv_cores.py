@@ -1,5 +1,6 @@
-"""A convolution kernel (or a pool's gradient: images_on_cores) run over parts of its batch on several
-cores at once.
+"""Per-image kernels run over parts of the batch on several cores at once: a part run's function (a
+chain of them, passes/part_runs.py: parts_on_cores), or one convolution kernel or pool gradient that
+is in no run (conv_on_cores, conv_weight_grad_on_cores, images_on_cores).
 
 The CPU conv kernels (gradc/ops/conv.py) copy bands of input rows between BLAS calls. On one core
 those copies run serially while BLAS waits, and BLAS runs the skinny products of small-channel
