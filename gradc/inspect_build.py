@@ -101,6 +101,10 @@ def memory_report(base):
                      f"outside the arena): at most {format_size(plan['workspace_bytes'])}")
     if plan["budget_bytes"] is not None:
         lines.append(f"  budget {format_size(plan['budget_bytes'])}; recomputed {plan['recompute_flops']:,} FLOPs")
+    for run in plan.get("part_runs", ()):
+        lines.append(f"  part run: steps {run['first']}..{run['last']} ({len(run['nodes'])} kernels"
+                     + (f", {len(run['summed'])} sums over the images" if run["summed"] else "")
+                     + ") on parts of the batch at once; what it touches lives over all of it")
     for ck in plan.get("scan_checkpoints", ()):
         lines.append(f"  scan %{ck['scan']} ({ck['src']}): {ck['steps']} steps, keeps the carry every {ck['every']} "
                      f"steps ({ck['checkpoints']} checkpoints); its backward %{ck['backward']} recomputes each segment "

@@ -1,12 +1,15 @@
 """Part runs (passes/part_runs.py): a plain CPU entry runs each chain of per-image kernels as one
 function over parts of the batch. Which steps form a run and where one ends, the memory plan that
 keeps what a run touches apart, and results against torch with every run cut into 3 parts of 7 images."""
+import json
+import os
 import re
 
 import numpy as np
 import pytest
 
 import gradc as gc
+from gradc.inspect_build import memory_report
 from gradc.passes.memory import plan_memory
 from gradc.passes.part_runs import part_runs
 from gradc.passes.pipeline import build_training_graph
@@ -136,7 +139,8 @@ def test_runs_cut_into_parts_match_torch(batch_norm, bind, build_dir, rng, monke
 def test_a_gradient_a_run_sums_and_a_view_shapes_reaches_the_caller(build_dir, rng, monkeypatch):
     """A bias of shape (C, 1, 1) added to a conv's output: its gradient is a sum over images and
     positions in the backward's run, reshaped by a view; the view is made before the run and the
-    gradient copied out after the parts are added (loss_and_grad and a Trainer's step, float64)."""
+    gradient copied out after the parts are added (loss_and_grad and a Trainer's step, float64, the
+    batch bound to 7). memplan.json and `gradc inspect --memory` list the runs."""
     split_every_conv(monkeypatch)
     m = gc.Model("runs_view_grad")
     x = m.input("x", ("B", 2, 5, 5))
@@ -145,7 +149,12 @@ def test_a_gradient_a_run_sums_and_a_view_shapes_reaches_the_caller(build_dir, r
     w2 = m.param("w2", (27, 10))
     h = gc.max_pool2d(gc.tanh(gc.conv2d(x, w1) + b1), 1)
     m.minimize(gc.softmax_cross_entropy(h.reshape(("B", 27)) @ w2, y))
-    mod = gc.compile(m, out=build_dir, dtype="float64", order=1, warm=False)
+    mod = gc.compile(m, out=build_dir, dtype="float64", order=1, warm=False, bind={"B": 7})
+    with open(os.path.join(build_dir, "runs_view_grad.memplan.json")) as f:   # the runs, for inspect --memory
+        runs = json.load(f)["part_runs"]
+    assert [len(r["summed"]) for r in runs] == [0, 2]
+    report = "\n".join(memory_report(os.path.join(build_dir, "runs_view_grad")))
+    assert f"part run: steps {runs[1]['first']}..{runs[1]['last']} (4 kernels, 2 sums over the images)" in report
     params = mod.init_params(3)
     X, Y = rng.standard_normal((7, 2, 5, 5)), rng.integers(0, 10, 7)
     pt = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
