@@ -735,3 +735,20 @@ def test_convs_and_pools_are_per_row_for_microbatches():
     from gradc.passes.rows import batch_dim, loss_reduction
     m, _ = _conv_net("conv_rows")
     assert loss_reduction(m.graph, batch_dim(m.graph)) == "mean"
+
+
+def test_conv_weights_are_initialised_with_torchs_fans():
+    """he_normal and glorot_uniform count a conv weight's fans as torch.nn.init does (in/groups x kh x kw
+    in, out x kh x kw out), so a deep ReLU conv stack keeps its scale at init; a matrix keeps (in, out)."""
+    from gradc.runtime.init import draw
+    rng = np.random.default_rng(0)
+    w = draw("he_normal", (64, 32, 3, 3), rng)
+    assert abs(w.std() / np.sqrt(2.0 / (32 * 9)) - 1) < 0.02
+    limit = np.sqrt(6.0 / (32 * 9 + 64 * 9))
+    g = draw("glorot_uniform", (64, 32, 3, 3), rng)
+    assert g.max() <= limit and g.max() > 0.99 * limit
+    assert abs(draw("he_normal", (300, 10), rng).std() / np.sqrt(2.0 / 300) - 1) < 0.05
+    x = torch.tensor(rng.standard_normal((2, 16, 12, 12)))
+    for _ in range(10):   # ten relu(conv) layers: the activations neither vanish nor blow up
+        x = torch.relu(F.conv2d(x, torch.tensor(draw("he_normal", (16, 16, 3, 3), rng)), padding=1))
+    assert 0.2 < float(x.std()) < 5

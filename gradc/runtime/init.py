@@ -5,16 +5,21 @@ import numpy as np
 
 
 def _fans(shape):
+    """(fan_in, fan_out): a matrix (in, out) as `x @ W` reads it; a conv weight (out, in / groups, kh, kw)
+    as torch.nn.init counts it (each output sums in / groups x kh x kw products); other ranks per matrix
+    of their last two dims (a batch of matrices)."""
     if len(shape) == 0:
         return 1, 1
     if len(shape) == 1:
         return shape[0], shape[0]
-    receptive = int(np.prod(shape[:-2])) if len(shape) > 2 else 1
-    return shape[-2] * receptive, shape[-1] * receptive
+    if len(shape) == 4:
+        receptive = shape[2] * shape[3]
+        return shape[1] * receptive, shape[0] * receptive
+    return shape[-2], shape[-1]
 
 
 def draw(init, shape, rng):
-    """One initial value in float64; fans follow (fan_in, fan_out) = (shape[-2], shape[-1])."""
+    """One initial value in float64 (fans: _fans)."""
     fan_in, fan_out = _fans(shape)
     if init == "zeros":
         return np.zeros(shape)
