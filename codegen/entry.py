@@ -16,6 +16,7 @@ import re
 import numpy as np
 
 from gradc.ops import get_op
+from gradc.passes.part_runs import is_view
 from gradc.runtime import conv_cores
 
 from .statement import Statement, shape_src as _shape_src
@@ -89,10 +90,11 @@ class EntryWriter:
             body += self._announce(final_at.pop(None, ()))
         runs = {r["first"]: r for r in plan.get("part_runs", ())} if self.target == "cpu" else {}
         self.run_steps = {t for r in runs.values() for t in range(r["first"], r["last"] + 1)}
-        self._runs_written = []
+        written = 0   # part runs so far: the k-th's function is images_k
         for step, n in enumerate(order):
             if step in runs:
-                body += self._part_run(runs[step], len(self._runs_written) + 1, dims, final_at)
+                written += 1
+                body += self._part_run(runs[step], written, dims, final_at)
             if g.op(n) in ("param", "input", "const") or step in self.run_steps:
                 continue
             body += self.statement(n, dims, step)
@@ -110,7 +112,7 @@ class EntryWriter:
         lines = self._def(fname, args, doc) + ["    " + b for b in body]
         return "\n".join(lines), leaves, consts
 
-    def _part_run(self, run, at, dims, final_at):
+    def _part_run(self, run, k, dims, final_at):
         """A part run (passes/part_runs.py): its buffers and views, then a function of a part of the
         batch that calls its kernels, run over parts on every core at once (conv_cores.parts_on_cores);
         params whose gradients it sums are announced after the parts are added."""
@@ -123,7 +125,7 @@ class EntryWriter:
             s = self.Statement(self, n, dims, step)
             lines = get_op(g.op(n)).cpu(s)
             announced += final_at.get(n, [])   # a view's too: it may show a value the run sums
-            if get_op(g.op(n)).view:
+            if is_view(g, n):
                 before += lines
                 continue
             before += [line for line in lines if line in s.allocated]
@@ -135,10 +137,10 @@ class EntryWriter:
                     inside.append(line)
         names = list(dict.fromkeys(self.var(u) for u in run["sliced"] + run["summed"]))
         batch = dims.get(run["dim"]) if isinstance(run["dim"], str) else None
-        if batch and any(re.search(rf"\b{batch}\b", line) for line in inside):   # in a part, the part's size
-            inside.insert(0, f"{batch} = {self.var(run['sliced'][0])}.shape[0]")
-        fname = f"images_{at}"
-        self._runs_written.append(fname)
+        if batch and any(re.search(rf"\b{batch}\b", line) for line in inside):
+            raise AssertionError(f"a kernel in a part run reads the batch size {batch}, which a part does not have: "
+                                 f"{[line for line in inside if batch in line]}")
+        fname = f"images_{k}"
         ops = [g.op(n) for n in run["nodes"]]
         sliced = ", ".join(self.var(u) for u in run["sliced"])
         summed = ", ".join(self.var(u) for u in run["summed"])

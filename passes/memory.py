@@ -30,10 +30,9 @@ from .schedule import memory_order
 from .storage import base, buffer_bytes, owns_buffer
 
 
-def liveness(graph, steps, returned, loop_from=None, runs=()):
+def liveness(graph, steps, returned, loop_from=None):
     """Tensors [{"node", "start", "end", "recomputed", "retained"}] in the order the steps create them;
-    `retained`: a forward value the backward reads. A value a part run touches lives over the whole
-    run (`runs`: passes/part_runs.py)."""
+    `retained`: a forward value the backward reads."""
     current = {}   # value -> index of the tensor holding its latest computation
     tensors, computed = [], set()
     last_step = {}  # value -> the step of its latest computation
@@ -66,8 +65,32 @@ def liveness(graph, steps, returned, loop_from=None, runs=()):
         for tensor in tensors:
             if tensor["start"] < loop_from <= tensor["end"]:
                 tensor["end"] = last
-    extend_over_runs(graph, tensors, runs)
     return tensors
+
+
+def keeps_the_peak(graph, steps, tensors, sizes):
+    """fits(first, last, nodes) for part_runs: whether a run of `nodes` over steps first..last, every
+    value it touches kept live over all of it, stays within the peak of live bytes `tensors` give
+    (by `sizes`, node -> bytes: unbound dims at representative sizes). A run that would raise it is cut
+    there: the plan's peak is what it would be without runs (an inference chain keeps two layers'
+    values, not every value of the run)."""
+    held = {}
+    for t in tensors:
+        held.setdefault(t["node"], []).append(t)
+    live = np.zeros(max(len(steps), 1), dtype=np.int64)
+    for t in tensors:
+        live[t["start"]:t["end"] + 1] += sizes[t["node"]]
+    peak = live.max()
+
+    def fits(first, last, nodes):
+        extra = np.zeros(last - first + 1, dtype=np.int64)
+        for u in {base(graph, v) for n in nodes for v in list(graph.operands(n)) + [n]}:
+            for t in held.get(u, ()):
+                if t["start"] <= last and t["end"] >= first:   # kept over first..last, not only its own steps
+                    extra[:max(0, t["start"] - first)] += sizes[u]
+                    extra[max(0, t["end"] + 1 - first):] += sizes[u]
+        return int((live[first:last + 1] + extra).max()) <= peak
+    return fits
 
 
 def live_bytes(tensors, steps):
@@ -92,8 +115,7 @@ def step_floor(graph, steps, tensors):
 
 
 def peak_bytes(graph, steps, returned, dims):
-    """The true peak of `steps` (what the arena cannot go below; without part runs, which a plan gives
-    up where they would not fit its budget)."""
+    """The true peak of `steps` (what the arena cannot go below; part runs never raise it)."""
     tensors = liveness(graph, steps, set(returned))
     for t in tensors:
         t["bytes"] = buffer_bytes(graph, t["node"], dims)
@@ -102,24 +124,32 @@ def peak_bytes(graph, steps, returned, dims):
 
 def workspace_bytes(graph, steps, dims, runs=()):
     """The most bytes the CPU kernels of `steps` allocate for themselves at once (a convolution's
-    im2col tile: the op record's `workspace`), outside the arena; None when a dim is unbound. In a
-    part run, the parts' own buffers for the values it sums are allocated for the whole run, and its
-    kernels' workspaces may run at the same time (each rule counts its parts): an upper bound."""
-    per_step = []
-    for n in steps:
-        rule = get_op(graph.op(n)).workspace
-        b = rule(graph, n, dims) if rule is not None and graph.node(n)["device"].startswith("cpu") else 0
-        if b is None:
-            return None
-        per_step.append(b)
-    most = max(per_step, default=0)
+    im2col tile: the op record's `workspace`), outside the arena; None when a dim is unbound. A part
+    run's parts may each be in a different kernel, and each holds its own buffers for the values the
+    run sums: it counts its largest kernel's workspace at the run's parts, plus those buffers (an upper
+    bound)."""
+    in_run = {t: run for run in runs for t in range(run["first"], run["last"] + 1)}
+    parts = {}
     for run in runs:
         n_img = run["dim"] if isinstance(run["dim"], int) else dims.get(run["dim"])
         if not isinstance(n_img, int):
             return None
-        parts = conv_cores.planned_parts(n_img, run["image_work"] * n_img, conv_cores.cores())
+        parts[run["first"]] = conv_cores.planned_parts(n_img, run["image_work"] * n_img, conv_cores.cores())
+    most, per_run = 0, {}
+    for t, n in enumerate(steps):
+        rule = get_op(graph.op(n)).workspace
+        if rule is None or not graph.node(n)["device"].startswith("cpu"):
+            continue
+        run = in_run.get(t)
+        b = rule(graph, n, dims) if run is None else rule(graph, n, dims, parts=parts[run["first"]])
+        if b is None:
+            return None
+        most = max(most, b)
+        if run is not None:
+            per_run[run["first"]] = max(per_run.get(run["first"], 0), b)
+    for run in runs:
         sums = sum(buffer_bytes(graph, n, dims) for n in run["summed"])
-        most = max(most, max(per_step[run["first"]:run["last"] + 1]) + (parts - 1) * sums)
+        most = max(most, per_run.get(run["first"], 0) + (parts[run["first"]] - 1) * sums)
     return most
 
 
@@ -128,15 +158,18 @@ def fits(plan, budget):
     return plan["peak_bytes"] + (plan["workspace_bytes"] or 0) <= budget
 
 
-def plan_entry(graph, entry, steps, returned, dims, loop_from=None, runs=True):
+def plan_entry(graph, entry, steps, returned, dims, loop_from=None, with_runs=True):
     """The plan of one entry point: its steps, tensors with offsets, peak and arena bytes (per
     device: each node's buffer lives on its device, in that device's region), and its part runs
-    (passes/part_runs.py; none where `runs` is False, or in an hvp block's loop).
+    (passes/part_runs.py; none without `with_runs`, or in an hvp block's loop).
 
     With a symbolic dim left unbound, byte counts are expressions (strings) and offsets are laid
     out by the module on its first call with each shape."""
-    runs = part_runs(graph, steps, dims) if runs and loop_from is None else []
-    tensors = liveness(graph, steps, set(returned), loop_from, runs)
+    tensors = liveness(graph, steps, set(returned), loop_from)
+    runs = []
+    if with_runs and loop_from is None:
+        runs = part_runs(graph, steps, dims, keeps_the_peak(graph, steps, tensors, representative_sizes(graph, dims)))
+        extend_over_runs(graph, tensors, runs)
     dtypes = {graph.dtype(t["node"]) for t in tensors}
     if len(dtypes) > 1:
         raise AssertionError(f"{entry}: buffers of several dtypes {dtypes}; the arena holds one")
@@ -254,7 +287,7 @@ def _plan_entries(graph, dims, order, budget):
         plan = plan_entry(graph, fname, steps, roots, dims, loop_from)
         if entry.budgeted:
             if budget is not None and not fits(plan, budget):   # part runs go before any value is recomputed
-                plan = plan_entry(graph, fname, steps, roots, dims, loop_from, runs=False)
+                plan = plan_entry(graph, fname, steps, roots, dims, loop_from, with_runs=False)
             plan.update(store_all_peak_bytes=plan["peak_bytes"], budget_bytes=budget, recompute_flops=0,
                         method="store-all")
             # the kernels' own workspace comes out of the budget before any activation is kept
@@ -307,7 +340,7 @@ def _within_budget(graph, order, roots, dims, sizes, budget, store_all, total):
         info["milp"] = milp_info   # what the MILP did (no plan in time, or a worse one): the DP is the fallback
     plan = plan_entry(graph, "_loss_and_grad", steps, roots, dims)
     if not fits(plan, total):
-        plan = plan_entry(graph, "_loss_and_grad", steps, roots, dims, runs=False)
+        plan = plan_entry(graph, "_loss_and_grad", steps, roots, dims, with_runs=False)
     recompute = sum(flops_of(t["node"]) for t in plan["tensors"] if t["recomputed"])
     plan.update(store_all_peak_bytes=store_all["peak_bytes"], budget_bytes=budget, recompute_flops=int(recompute),
                 method=info["method"], retention=info,

@@ -10,16 +10,18 @@ chain, and every kernel of it on every core.
 A run is consecutive steps of CPU ops whose records say their kernels run on any part of the batch
 (`parts`, gradc/ops/__init__.py), whose batch operands carry the rows on axis 0 (the records' `rows`
 rules, as passes/rows.py follows them), and which hold an op worth a hand-off (`part_work`) and at
-least one more kernel (a lone conv keeps its own hand-off), on a machine with more than one core.
-Views between its steps read no data, so
-they are made before it. A value summed over the images (a weight gradient, a bias's gradient) is
-summed by each part into a buffer of its own and the parts added after the run, so no step of the
-run may read it. Without a symbolic batch dim, or with an image dim left unbound (the work of an
-image is then unknown), there are no runs.
+least one more kernel (a lone conv keeps its own hand-off), on a machine with more than one core and
+where the batch would run in more than one part. Views between its steps read no data, so they are
+made before it (a reshape to a number reads its value: it ends a run). A value summed over the images
+(a weight gradient, a bias's gradient) is summed by each part into a buffer of its own and the parts
+added after the run, so no step of the run may read it. The batch dim is the first input's leading
+dim (bind records it before --bind makes it an int); without one, or with an image dim left unbound
+(the work of an image is then unknown), there are no runs.
 
 The memory plan keeps every value a run touches live over the whole run (`extend_over_runs`): the
 parts go at their own pace, so one part may still read a value in the rows it owns while another
-writes the buffer a plan without runs would reuse for a later value.
+writes the buffer a plan without runs would reuse for a later value. A run ends where that would
+raise the plan's peak (passes/memory.py, keeps_the_peak): runs cost time, never memory.
 """
 from gradc.ops import get_op
 from gradc.runtime import conv_cores
@@ -73,10 +75,12 @@ def _axis(graph, n, dim, leaves, where):
             return 0
         return UNKNOWN if isinstance(dim, str) and dim in shape else None
     ins = _operand_axes(graph, n, where)
-    if all(w is None for w in ins):   # made from no batch value (a mean's seed gradient 1/B): never in a run,
-        if dim not in shape:           # but a run may cut its rows as it cuts any value's on axis 0 (an op
-            return None                # whose rule says its row b reads row b of it reads the same rows cut)
-        return 0 if shape[0] == dim else UNKNOWN
+    if all(w is None for w in ins):
+        # made from no batch value (a mean's seed gradient 1/B): never in a run itself, but where the dim
+        # has its name, a run may cut the rows of one with the dim on axis 0 as it cuts any batch value's
+        if not isinstance(dim, str) or dim not in shape:   # (a bound batch's size may be a channel count)
+            return None
+        return 0 if shape[0] == dim and dim not in shape[1:] else UNKNOWN
     if UNKNOWN in ins or record.rows is None:
         return UNKNOWN
     try:
@@ -108,10 +112,12 @@ def _kind(graph, n, dim, where):
     return None
 
 
-def part_runs(graph, steps, dims):
+def part_runs(graph, steps, dims, fits=None):
     """The runs of `steps` (a plain entry's, in order): [{"first", "last" (step indices), "nodes",
     "sliced" (values cut by images: the function's arguments), "summed" (values summed over the
-    images), "dim" (the batch dim), "image_work" (conv flops one image costs the run)}]."""
+    images), "dim" (the batch dim), "image_work" (conv flops one image costs the run)}].
+    fits(first, last, nodes): whether a run may hold those nodes (the memory plan's peak,
+    passes/memory.py keeps_the_peak); a run that may not ends before the step that would not fit."""
     rows = batch_rows(graph)
     if rows is None or conv_cores.cores() < 2:   # (on one core a run is a whole batch's call)
         return []
@@ -120,10 +126,11 @@ def part_runs(graph, steps, dims):
     runs, run = [], None
     for t, n in enumerate(steps):
         record = get_op(graph.op(n))
-        if record.kind == "leaf" or record.view:
+        if record.kind == "leaf" or is_view(graph, n):
             continue   # not a statement of the function, or a view: made before the run
         kind = _kind(graph, n, dim, where)
-        if run is not None and (kind is None or any(base(graph, u) in run["summed"] for u in graph.operands(n))):
+        if run is not None and (kind is None or any(base(graph, u) in run["summed"] for u in graph.operands(n))
+                                or (fits is not None and not fits(run["first"], t, run["nodes"] + [n]))):
             runs.append(run)
             run = None
         if kind is None:
@@ -139,20 +146,29 @@ def part_runs(graph, steps, dims):
             run["summed"].append(n)
     if run is not None:
         runs.append(run)
+    for r in runs:
+        r["image_work"] = image_work(graph, r["nodes"], dims)
     return [r for r in runs if _worth_a_hand_off(graph, r, dims)]
 
 
+def is_view(graph, n):
+    """A view made before a run: it reads no data (a reshape to a number reads its one value)."""
+    return get_op(graph.op(n)).view and base(graph, n) != n
+
+
+def image_work(graph, nodes, dims):
+    """The conv flops one image costs `nodes` (their records' part_work), or None where unknown."""
+    each = [get_op(graph.op(n)).part_work(graph, n, dims) for n in nodes if get_op(graph.op(n)).part_work]
+    return sum(each) if each and all(isinstance(e, int) for e in each) else None
+
+
 def _worth_a_hand_off(graph, run, dims):
-    """Sets run["image_work"]; False for a lone kernel, a run with no op worth a hand-off, or an image
-    whose work is unknown."""
-    work = [get_op(graph.op(n)).part_work for n in run["nodes"]]
-    if len(run["nodes"]) < 2 or all(w is None for w in work):
+    """Whether a run is more than a lone kernel, holds an op worth a hand-off whose work per image is
+    known, and (a bound batch) would run in more than one part."""
+    if len(run["nodes"]) < 2 or run["image_work"] is None:
         return False
-    each = [w(graph, n, dims) for w, n in zip(work, run["nodes"]) if w is not None]
-    if any(not isinstance(e, int) for e in each):
-        return False
-    run["image_work"] = sum(each)
-    return True
+    n_img = run["dim"] if isinstance(run["dim"], int) else dims.get(run["dim"])
+    return n_img is None or conv_cores.planned_parts(n_img, n_img * run["image_work"], conv_cores.cores()) > 1
 
 
 def extend_over_runs(graph, tensors, runs):

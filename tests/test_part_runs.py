@@ -10,7 +10,8 @@ import pytest
 
 import gradc as gc
 from gradc.inspect_build import memory_report
-from gradc.passes.memory import plan_memory
+from gradc.ops import get_op
+from gradc.passes.memory import keeps_the_peak, liveness, plan_memory, representative_sizes
 from gradc.passes.part_runs import part_runs
 from gradc.passes.pipeline import build_training_graph
 from gradc.passes.storage import base
@@ -20,6 +21,20 @@ from conftest import split_every_conv
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
+
+
+def _vgg_block(name="runs_vgg"):
+    """Two 3x3 convs + relu, max pool, then three more at half the size, global average pool, dense."""
+    m = gc.Model(name)
+    h = m.input("x", ("B", 3, 16, 16))
+    y = m.input("y", ("B",), dtype="int64")
+    for i, (c_in, c_out) in enumerate([(3, 8), (8, 8), (8, 16), (16, 16), (16, 16)]):
+        h = gc.relu(gc.conv2d(h, m.param(f"w{i}", (c_out, c_in, 3, 3)), m.param(f"b{i}", (c_out,)), padding=1))
+        if i == 1:
+            h = gc.max_pool2d(h, 2)
+    h = gc.avg_pool2d(h, 8).reshape(("B", 16))
+    m.minimize(gc.softmax_cross_entropy(h @ m.param("w5", (16, 10)), y))
+    return m
 
 
 def _lenet(name="runs_lenet"):
@@ -37,24 +52,46 @@ def _lenet(name="runs_lenet"):
 
 @pytest.fixture
 def two_cores(monkeypatch):
-    """Plans made here are for a machine with two cores (on one there are no runs)."""
+    """Plans made here are for a machine with two cores (on one there are no runs), and split chains of
+    any work (these small convs at a bound batch of 8 would run whole)."""
     monkeypatch.setattr(conv_cores, "cores", lambda: 2)
+    monkeypatch.setattr(conv_cores, "PART_FLOPS", 1)
 
 
-def test_a_conv_nets_chains_are_one_run_each_way(two_cores):
-    """LeNet's forward (conv, bias + relu, pool, twice) is one run and its whole conv backward another,
-    the weight and bias gradients summed in it; the dense layers run outside (BLAS)."""
+def test_a_conv_nets_chains_run_in_parts(two_cores):
+    """LeNet's training forward (conv, bias + relu, pool, twice) is one run (its values are kept for
+    the backward anyway); its conv backward runs in runs too, the weight and bias gradients summed in
+    them; the dense layers run outside (BLAS)."""
     graph = build_training_graph(_lenet(), "float32", {}, order=1)
     plan = plan_memory(graph, {}, 1, None)["_loss_and_grad"]
     runs = plan["part_runs"]
     ops = [[graph.op(n) for n in r["nodes"]] for r in runs]
     assert ops[0] == ["conv2d", "fused", "max_pool2d"] * 2
-    assert ops[1].count("conv2d_weight_grad") == 2 and ops[1].count("max_pool2d_grad") == 2
-    assert ops[1].count("conv2d_input_grad") == 1 and "matmul" not in ops[1]
-    assert sorted(graph.op(n) for n in runs[1]["summed"]) == ["conv2d_weight_grad"] * 2 + ["sum"] * 2
-    assert len(runs) == 2
-    # the same steps make the same runs when the memory plan asks again (peak_bytes, the budget search)
-    assert [r["nodes"] for r in part_runs(graph, plan["steps"], {})] == [r["nodes"] for r in runs]
+    backward = [op for r in ops[1:] for op in r]
+    assert backward.count("conv2d_weight_grad") == 2 and backward.count("conv2d_input_grad") == 1
+    assert sorted(graph.op(n) for r in runs for n in r["summed"]) == ["conv2d_weight_grad"] * 2 + ["sum"] * 2
+    assert not any("matmul" in r for r in ops)
+    # the same steps make the same runs when asked again
+    again = part_runs(graph, plan["steps"], {}, keeps_the_peak(graph, plan["steps"], liveness(
+        graph, plan["steps"], set(plan["roots"])), representative_sizes(graph, {})))
+    assert [r["nodes"] for r in again] == [r["nodes"] for r in runs]
+
+
+@pytest.mark.parametrize("make", [_lenet, _vgg_block])
+def test_runs_never_raise_a_plans_peak(make, monkeypatch):
+    """Keeping what a run touches live over it would hold a whole chain's values where inference holds
+    two layers': a run ends where it would raise the plan's peak, so every entry's peak is the one it
+    has without runs (a plan for one core has none)."""
+    dims = {"B": 8}
+    graph = build_training_graph(make(), "float32", dims, order=1)
+    monkeypatch.setattr(conv_cores, "PART_FLOPS", 1)   # (these small convs would run whole at a bound batch of 8)
+    monkeypatch.setattr(conv_cores, "cores", lambda: 1)
+    alone = plan_memory(graph, dims, 1, None)
+    monkeypatch.setattr(conv_cores, "cores", lambda: 2)
+    for fname, plan in plan_memory(graph, dims, 1, None).items():
+        assert not alone[fname]["part_runs"]
+        assert plan["peak_bytes"] == alone[fname]["peak_bytes"], fname
+    assert plan_memory(graph, dims, 1, None)["_forward_loss"]["part_runs"]
 
 
 def test_what_a_run_touches_never_shares_arena_bytes_during_it(two_cores):
@@ -154,7 +191,8 @@ def test_a_gradient_a_run_sums_and_a_view_shapes_reaches_the_caller(build_dir, r
         runs = json.load(f)["part_runs"]
     assert [len(r["summed"]) for r in runs] == [0, 2]
     report = "\n".join(memory_report(os.path.join(build_dir, "runs_view_grad")))
-    assert f"part run: steps {runs[1]['first']}..{runs[1]['last']} (4 kernels, 2 sums over the images)" in report
+    assert (f"part run: steps {runs[1]['first']}..{runs[1]['last']} ({len(runs[1]['nodes'])} kernels, "
+            f"2 sums over the images)") in report
     params = mod.init_params(3)
     X, Y = rng.standard_normal((7, 2, 5, 5)), rng.integers(0, 10, 7)
     pt = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
@@ -168,3 +206,55 @@ def test_a_gradient_a_run_sums_and_a_view_shapes_reaches_the_caller(build_dir, r
     trainer = mod.Trainer(params, optimizer="sgd", lr=1.0)
     trainer.step(x=X, y=Y)
     np.testing.assert_allclose(trainer.params["b1"], params["b1"] - want["b1"], rtol=1e-10, atol=1e-12)
+
+
+def test_a_reshape_to_a_number_ends_a_run(build_dir, rng, monkeypatch):
+    """A reshape to () reads its one value (it is no view), so it is not made before the run: a sum of a
+    run's values reshaped to a number and read by the next conv's chain gives torch's loss and gradients
+    (found by review: made before the run, it read the sum before any part had written it)."""
+    split_every_conv(monkeypatch)
+    m = gc.Model("runs_scalar_reshape")
+    x = m.input("x", ("B", 2, 6, 6))
+    y = m.input("y", ("B",), dtype="int64")
+    w1, w2 = m.param("w1", (3, 2, 3, 3), init="he_normal"), m.param("w2", (4, 3, 3, 3), init="he_normal")
+    w3 = m.param("w3", (144, 10))
+    h = gc.tanh(gc.conv2d(x, w1, padding=1))
+    s = gc.sum(h, axis=(0, 1, 2, 3), keepdims=True).reshape(())
+    m.minimize(gc.softmax_cross_entropy(gc.relu(gc.conv2d(h, w2, padding=1) * s).reshape(("B", 144)) @ w3, y))
+    mod = gc.compile(m, out=build_dir, dtype="float64", order=1, warm=False)
+    params = mod.init_params(0)
+    X, Y = rng.standard_normal((7, 2, 6, 6)), rng.integers(0, 10, 7)
+    pt = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    ht = torch.tanh(F.conv2d(torch.tensor(X), pt["w1"], padding=1))
+    logits = torch.relu(F.conv2d(ht, pt["w2"], padding=1) * ht.sum()).reshape(7, 144) @ pt["w3"]
+    ref = F.cross_entropy(logits, torch.tensor(Y))
+    loss, grads = mod.loss_and_grad(params, x=X, y=Y)
+    np.testing.assert_allclose(loss, ref.item(), rtol=1e-12)
+    for k, g in zip(pt, torch.autograd.grad(ref, list(pt.values()))):
+        np.testing.assert_allclose(grads[k], g.numpy(), rtol=1e-10, atol=1e-12, err_msg=k)
+
+
+def test_a_runs_workspace_counts_its_parts(monkeypatch):
+    """A run cuts the batch by the whole chain's work, so its convs may run in more parts than each
+    would alone: the plan's workspace counts them at the run's parts (4 cores, 8 images of 8 channels at
+    16 x 16: each conv alone would run in fewer parts than the run does)."""
+    monkeypatch.setattr(conv_cores, "cores", lambda: 4)
+    m = gc.Model("runs_workspace")
+    h = m.input("x", ("B", 8, 16, 16))
+    y = m.input("y", ("B",), dtype="int64")
+    for i in range(6):
+        h = gc.relu(gc.conv2d(h, m.param(f"w{i}", (8, 8, 3, 3)), padding=1))
+    m.minimize(gc.softmax_cross_entropy(h.reshape(("B", 2048)) @ m.param("wd", (2048, 10)), y))
+    dims = {"B": 8}
+    graph = build_training_graph(m, "float32", dims, order=1)
+    plan = plan_memory(graph, dims, 1, None)["_loss_and_grad"]
+    steps, runs = plan["steps"], plan["part_runs"]
+    fewer = 0   # convs that alone would run in fewer parts than their run does (the case this test is about)
+    for run in runs:
+        parts = conv_cores.planned_parts(8, 8 * run["image_work"], 4)
+        for n in (steps[t] for t in range(run["first"], run["last"] + 1)):
+            record = get_op(graph.op(n))
+            if record.workspace is not None:
+                fewer += conv_cores.planned_parts(8, 8 * record.part_work(graph, n, dims), 4) < parts
+                assert plan["workspace_bytes"] >= record.workspace(graph, n, dims, parts=parts) > 0
+    assert fewer

@@ -59,7 +59,8 @@ class Op:
     cpu: Optional[Callable] = None    # (statement) -> source lines on the CPU target
     cuda: Optional[Callable] = None   # (statement) -> source lines on the CUDA target
     indexes: Optional[Callable] = None   # (graph, n) -> (operand j, bound): its ints index 0..bound-1
-    workspace: Optional[Callable] = None   # (graph, n, dims) -> bytes its CPU kernel allocates while it runs
+    workspace: Optional[Callable] = None   # (graph, n, dims[, parts]) -> bytes its CPU kernel allocates while it
+                                           # runs (parts: for an op with `parts`, the part run's count of parts)
     simplify: Optional[Callable] = None    # (graph, n) -> the node n equals by an identity (n itself when
                                            # rewritten in place into a simpler form), or None (passes/simplify.py)
     view: bool = False                     # its value is a view of its operand's buffer, never a buffer of its own

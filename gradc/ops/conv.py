@@ -615,9 +615,9 @@ def _workspace(x_at, w_at, g_at, taps=False, summed=False, input_grad=False):
     2), and whether the op has paths by taps and by Winograd (taps; input_grad: it is the input
     gradient, whose Winograd path reads g): memory planning counts them at the conv's step. A
     plain entry runs the kernel over up to planned_parts parts of the batch at once (conv_on_cores),
-    each with a workspace of its own; `summed`: the parts' outputs are summed (the weight gradient),
-    all but the first in buffers of their own."""
-    def workspace(graph, n, dims):
+    or over a part run's parts (`parts`), each with a workspace of its own; `summed`: the parts'
+    outputs are summed (the weight gradient), all but the first in buffers of their own."""
+    def workspace(graph, n, dims, parts=None):
         shapes = [graph.shape(u) for u in graph.operands(n)] + [graph.shape(n)]
         shapes = [tuple(dims.get(d, d) if isinstance(d, str) else d for d in s) for s in shapes]
         x, w, g = shapes[x_at], shapes[w_at], shapes[g_at]
@@ -656,7 +656,8 @@ def _workspace(x_at, w_at, g_at, taps=False, summed=False, input_grad=False):
             return values * itemsize + k_len * 8   # + the offset table
 
         flops = conv_cores.conv_flops(size(x), size(g), k_len, weight_grad=summed)
-        parts = conv_cores.planned_parts(x[0], flops, conv_cores.cores())
+        if parts is None:   # run alone (in a part run, the run's count: memory.workspace_bytes)
+            parts = conv_cores.planned_parts(x[0], flops, conv_cores.cores())
         at_once = parts * one_call(-(-x[0] // parts)) + (parts - 1) * size(shapes[2]) * itemsize * summed
         return max(one_call(x[0]), at_once)
     return workspace
