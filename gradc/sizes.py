@@ -8,7 +8,7 @@ MAX_BYTES = 2**63 - 1   # what an int64 byte count holds; the planners and numpy
 def parse_size(text):
     """'auto', an int, or text like '512', '1.5GiB', '200MB' -> 'auto' or bytes; ValueError otherwise
     (also for negative, non-finite and over-int64 sizes)."""
-    usage = f"{text!r} is not a size (bytes, or with KiB/MiB/GiB)"
+    usage = f"{text!r} is not a size (bytes, or with KiB/MiB/GiB or KB/MB/GB)"
     if isinstance(text, bool):
         raise ValueError(usage)
     if isinstance(text, int):

@@ -594,9 +594,9 @@ def test_convs_over_parts_of_the_batch_match_torch(path, batch, build_dir, rng, 
     """A plain entry runs each conv, input gradient, weight gradient and pool gradient over parts of the
     batch at once (gradc/runtime/conv_cores.py): 7 images in 3 parts of 2, 2 and 3, the weight gradients
     and the biases' summed over the parts; loss and gradients against torch, float64, and BLAS's thread
-    count given back. With a symbolic batch dim loss_and_grad is two part runs (passes/part_runs.py), the
-    forward's chain and the backward's, every kernel of the family in one of their functions; with a
-    batch of 7 written into the model each kernel runs over parts on its own. The convs and the input
+    count given back. With a symbolic batch dim loss_and_grad has part runs (passes/part_runs.py): each
+    kernel of the family runs in one of their functions or, where a run would raise the memory plan's
+    peak, over parts on its own; with a batch of 7 written into the model each runs over parts on its own. The convs and the input
     gradient run directly, then (the direct path turned off) by im2col."""
     ran, set_to = split_every_conv(monkeypatch)
     if not path:
@@ -605,13 +605,13 @@ def test_convs_over_parts_of_the_batch_match_torch(path, batch, build_dir, rng, 
     mod = gc.compile(m, out=build_dir, dtype="float64", order=1, warm=False)
     source = open(mod.__file__).read()
     kernels = [f"conv2d{path}", f"conv2d_input_grad{path}", f"conv2d_weight_grad{path}", "max_pool2d_grad",
-               "avg_pool2d_grad", "max_pool2d", "avg_pool2d", "relu", "tanh", r"sum_over_0_2_3"]
+               "avg_pool2d_grad"]
     if batch == "B":
         entry = _entry_source(source, "_loss_and_grad")
-        assert len(re.findall(r"\n    parts_on_cores\(images_\d, \(.*\), \(.*\), image_work=\d+, most=3\)", entry)) == 2
-        for k in kernels:   # called in a part run's function, on its part of the images
-            assert re.search(rf"\n        k\d+_{k}\(", entry), k
-        assert "_on_cores(k" not in entry
+        assert len(re.findall(r"\n    parts_on_cores\(images_\d, \(.*\), \(.*\), image_work=\d+, most=3\)", entry)) >= 2
+        for k in kernels:   # called in a part run's function on its part of the images, or over parts alone
+            assert re.search(rf"\n        k\d+_{k}\(", entry) or re.search(rf"_on_cores\(k\d+_{k}, ", entry), k
+        assert re.search(r"\n        k\d+_conv2d_weight_grad", entry)   # a sum over the images in a run
     else:
         assert "parts_on_cores(" not in source
         assert len(re.findall(rf"conv_on_cores\(k\d+_conv2d{path}, .*most=3\)", source)) >= 2
