@@ -68,7 +68,7 @@ def device_options(options, model, dims, memory_budget, src):
         unbound = sorted(declared - set(dims))
         if unbound:
             raise GradcError(f"--devices needs every symbolic dim bound with --bind (unbound: {', '.join(unbound)}; "
-                             f"e.g. --bind {unbound[0]}=256)", src)
+                             f"e.g. --bind {unbound[0]}=256, or bind={{{unbound[0]!r}: 256}} in gc.compile)", src)
     if (K > 1 or M > 1) and memory_budget is not None:
         raise GradcError("--memory-budget with --devices K > 1 or --microbatches M > 1 is not built yet: each stage "
                          "keeps every activation (use --device-memory to bound each device)")
@@ -260,7 +260,7 @@ def resolve_budget(graph, memory_budget, src):
     unbound = sorted({d for n in graph.nx.nodes for d in graph.shape(n) if isinstance(d, str)} - set(LR_DIMS))
     if unbound:
         raise GradcError(f"--memory-budget needs every symbolic dim bound with --bind (unbound: {', '.join(unbound)}; "
-                         f"e.g. --bind {unbound[0]}=256)", src)
+                         f"e.g. --bind {unbound[0]}=256, or bind={{{unbound[0]!r}: 256}} in gc.compile)", src)
     if budget == "auto":
         free = available_bytes()
         if free is None:
@@ -428,7 +428,7 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     info["rows"] = rows_facts(model, graph, pipe)
     timings["partition"] = time.perf_counter() - t
     t = time.perf_counter()
-    budget = resolve_budget(graph, memory_budget, model.src)
+    budget = resolve_budget(graph, memory_budget, options_src or model.src)
     try:
         plans = plan_memory(graph, dims, order, budget)
     except BudgetError as e:

@@ -49,7 +49,8 @@ def loss_reduction(graph, dim):
 
 
 def _fail(graph, n, why):
-    raise RowsError(f"{graph.describe(n)} {why}, so microbatches would not give the whole batch's gradients",
+    raise RowsError(f"{graph.describe(n)} {why}, so microbatches (or data-parallel shards) would not give the "
+                    f"whole batch's gradients",
                     graph.node(n)["src"])
 
 
