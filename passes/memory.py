@@ -68,28 +68,37 @@ def liveness(graph, steps, returned, loop_from=None):
     return tensors
 
 
+# the sizes an unbound dim is given when part runs are checked against the peak: the bytes of a value
+# grow with the batch, a param's do not, so a run that fits one batch size may not fit another
+UNBOUND_SIZES = (1, 8, 64, 512, 4096)
+
+
 def keeps_the_peak(graph, steps, tensors, sizes):
     """fits(first, last, nodes) for part_runs: whether a run of `nodes` over steps first..last, every
-    value it touches kept live over all of it, stays within the peak of live bytes `tensors` give
-    (by `sizes`, node -> bytes: unbound dims at representative sizes). A run that would raise it is cut
-    there: the plan's peak is what it would be without runs (an inference chain keeps two layers'
-    values, not every value of the run)."""
+    value it touches kept live over all of it, stays within the peak of live bytes `tensors` give, by
+    each of `sizes` (node -> bytes). A run that would raise it is cut there: the arena's peak is what it
+    would be without runs (an inference chain keeps two layers' values, not every value of the run)."""
     held = {}
     for t in tensors:
         held.setdefault(t["node"], []).append(t)
-    live = np.zeros(max(len(steps), 1), dtype=np.int64)
-    for t in tensors:
-        live[t["start"]:t["end"] + 1] += sizes[t["node"]]
-    peak = live.max()
+    profiles = []   # (live bytes per step, peak) at each of `sizes`
+    for size_of in sizes:
+        live = np.zeros(max(len(steps), 1), dtype=np.int64)
+        for t in tensors:
+            live[t["start"]:t["end"] + 1] += size_of[t["node"]]
+        profiles.append((live, live.max()))
 
     def fits(first, last, nodes):
-        extra = np.zeros(last - first + 1, dtype=np.int64)
-        for u in {base(graph, v) for n in nodes for v in list(graph.operands(n)) + [n]}:
-            for t in held.get(u, ()):
-                if t["start"] <= last and t["end"] >= first:   # kept over first..last, not only its own steps
-                    extra[:max(0, t["start"] - first)] += sizes[u]
-                    extra[max(0, t["end"] + 1 - first):] += sizes[u]
-        return int((live[first:last + 1] + extra).max()) <= peak
+        for size_of, (live, peak) in zip(sizes, profiles):
+            extra = np.zeros(last - first + 1, dtype=np.int64)
+            for u in {base(graph, v) for n in nodes for v in list(graph.operands(n)) + [n]}:
+                for t in held.get(u, ()):
+                    if t["start"] <= last and t["end"] >= first:   # kept over first..last, not only its own steps
+                        extra[:max(0, t["start"] - first)] += size_of[u]
+                        extra[max(0, t["end"] + 1 - first):] += size_of[u]
+            if (live[first:last + 1] + extra).max() > peak:
+                return False
+        return True
     return fits
 
 
@@ -126,8 +135,7 @@ def workspace_bytes(graph, steps, dims, runs=()):
     """The most bytes the CPU kernels of `steps` allocate for themselves at once (a convolution's
     im2col tile: the op record's `workspace`), outside the arena; None when a dim is unbound. A part
     run's parts may each be in a different kernel, and each holds its own buffers for the values the
-    run sums: it counts its largest kernel's workspace at the run's parts, plus those buffers (an upper
-    bound)."""
+    run sums: it counts its largest kernel's workspace at the run's parts, plus those buffers."""
     in_run = {t: run for run in runs for t in range(run["first"], run["last"] + 1)}
     parts = {}
     for run in runs:
@@ -168,7 +176,9 @@ def plan_entry(graph, entry, steps, returned, dims, loop_from=None, with_runs=Tr
     tensors = liveness(graph, steps, set(returned), loop_from)
     runs = []
     if with_runs and loop_from is None:
-        runs = part_runs(graph, steps, dims, keeps_the_peak(graph, steps, tensors, representative_sizes(graph, dims)))
+        sizes = [representative_sizes(graph, dims, guess) for guess in UNBOUND_SIZES]
+        sizes = [s for k, s in enumerate(sizes) if s not in sizes[:k]]   # (one, where every dim is bound)
+        runs = part_runs(graph, steps, dims, keeps_the_peak(graph, steps, tensors, sizes))
         extend_over_runs(graph, tensors, runs)
     dtypes = {graph.dtype(t["node"]) for t in tensors}
     if len(dtypes) > 1:

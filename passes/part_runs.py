@@ -21,7 +21,8 @@ dim (bind records it before --bind makes it an int); without one, or with an ima
 The memory plan keeps every value a run touches live over the whole run (`extend_over_runs`): the
 parts go at their own pace, so one part may still read a value in the rows it owns while another
 writes the buffer a plan without runs would reuse for a later value. A run ends where that would
-raise the plan's peak (passes/memory.py, keeps_the_peak): runs cost time, never memory.
+raise the arena's peak (passes/memory.py, keeps_the_peak), at every batch size it checks. A run ends
+before a step it already holds (a recomputed value: one variable may not name two buffers in it).
 """
 from gradc.ops import get_op
 from gradc.runtime import conv_cores
@@ -130,6 +131,7 @@ def part_runs(graph, steps, dims, fits=None):
             continue   # not a statement of the function, or a view: made before the run
         kind = _kind(graph, n, dim, where)
         if run is not None and (kind is None or any(base(graph, u) in run["summed"] for u in graph.operands(n))
+                                or n in run["nodes"]   # recomputed: one variable may not name two buffers in a run
                                 or (fits is not None and not fits(run["first"], t, run["nodes"] + [n]))):
             runs.append(run)
             run = None

@@ -656,9 +656,10 @@ def _workspace(x_at, w_at, g_at, taps=False, summed=False, input_grad=False):
             return values * itemsize + k_len * 8   # + the offset table
 
         flops = conv_cores.conv_flops(size(x), size(g), k_len, weight_grad=summed)
-        if parts is None:   # run alone (in a part run, the run's count: memory.workspace_bytes)
+        own_sums = summed and parts is None   # (in a part run, memory.workspace_bytes counts the run's sums)
+        if parts is None:   # run alone (in a part run, the run's count)
             parts = conv_cores.planned_parts(x[0], flops, conv_cores.cores())
-        at_once = parts * one_call(-(-x[0] // parts)) + (parts - 1) * size(shapes[2]) * itemsize * summed
+        at_once = parts * one_call(-(-x[0] // parts)) + (parts - 1) * size(shapes[2]) * itemsize * own_sums
         return max(one_call(x[0]), at_once)
     return workspace
 
