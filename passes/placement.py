@@ -7,6 +7,8 @@ is the param), so the stage that owns a param also owns its gradient. Inputs and
 the caller, so they never travel. A value read on another device gets one transfer node per
 reading device (phase `transfer`), which every reader there shares.
 """
+from gradc.ops import get_op
+
 from .storage import LEAVES
 
 REPLICATED = ("input", "const")
@@ -37,6 +39,14 @@ def assign_stages(graph, stage_of, stages, estimate=frozenset()):
     stage = dict(stage_of)
     order = graph.topo_order()
     rank = {n: i for i, n in enumerate(order)}
+    # a view of a param (a conv's bias reshaped) goes where it is read: the schedule makes it first, so
+    # the cut put it in stage 0, and the param (with its first reader) away from its gradient
+    for n in reversed(order):
+        if n in stage and get_op(graph.op(n)).view and graph.op(graph.operands(n)[0]) == "param":
+            readers = [stage[u] for u in graph.users(n) if u in stage]
+            if readers:
+                stage[n] = min(readers)
+
     for n in order:
         if n in stage or graph.op(n) in LEAVES or graph.node(n)["phase"] != "forward":
             continue
