@@ -85,6 +85,11 @@ def reduced(shape, axes, keepdims):
     return tuple(d for i, d in enumerate(shape) if i not in axes)
 
 
+def bind_dims(shape, dims):
+    """shape with the symbolic dims that `dims` binds replaced by their ints."""
+    return tuple(dims.get(d, d) if isinstance(d, str) else d for d in shape)
+
+
 def size(shape):
     """Element count: an int, or a sympy expression when dims are symbolic."""
     n = 1

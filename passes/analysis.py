@@ -3,7 +3,7 @@ import numpy as np
 import sympy as sp
 
 from gradc.ops import get_op
-from gradc.shapes import size
+from gradc.shapes import bind_dims, size
 
 
 def flops(graph, nodes):
@@ -35,7 +35,7 @@ def nbytes(graph, n):
 def node_flops(graph, n, dims):
     """FLOPs of one node as an int, with the symbolic dims bound by `dims`."""
     node = graph.node(n)
-    bind = lambda shape: tuple(dims.get(d, d) if isinstance(d, str) else d for d in shape)
+    bind = lambda shape: bind_dims(shape, dims)
     shapes = [bind(graph.shape(u)) for u in node["inputs"]]
     return int(sp.sympify(get_op(node["op"]).flops(node["attrs"], shapes, bind(node["shape"]))))
 

@@ -9,6 +9,7 @@ the largest microbatch's rows).
 import numpy as np
 
 from gradc.runtime.schedules import in_flight
+from gradc.shapes import bind_dims
 
 from .analysis import node_flops
 from .likelihood_ratio import estimate_nodes
@@ -40,7 +41,7 @@ def node_costs(graph, dims, skip=frozenset()):
 
 
 def _value_bytes(graph, n, dims):
-    shape = [dims.get(d, d) if isinstance(d, str) else d for d in graph.shape(n)]
+    shape = bind_dims(graph.shape(n), dims)
     return int(np.prod(shape, dtype=np.int64)) * np.dtype(graph.dtype(n)).itemsize
 
 

@@ -17,7 +17,7 @@ import copy
 import numpy as np
 
 from gradc.ops import get_op
-from gradc.shapes import expr_text
+from gradc.shapes import bind_dims, expr_text
 from gradc.runtime import conv_cores
 from gradc.runtime.arena import ALIGN_BYTES, layout_by_device
 
@@ -73,25 +73,35 @@ def liveness(graph, steps, returned, loop_from=None):
 UNBOUND_SIZES = (1, 8, 64, 512, 4096)
 
 
-def keeps_the_peak(graph, steps, tensors, sizes):
+def keeps_the_peak(graph, steps, tensors, dims):
     """fits(first, last, nodes) for part_runs: whether a run of `nodes` over steps first..last, every
-    value it touches kept live over all of it, stays within the peak of live bytes `tensors` give, by
-    each of `sizes` (node -> bytes). A run that would raise it is cut there: the arena's peak is what it
-    would be without runs (an inference chain keeps two layers' values, not every value of the run)."""
+    value it touches kept live over all of it, stays within the peak of live bytes `tensors` give, at
+    `dims` and each of UNBOUND_SIZES for a dim they leave unbound. A run that would raise it is cut
+    there: the arena's peak is what it would be without runs (an inference chain keeps two layers'
+    values, not every value of the run). The live bytes are counted on the first call (most entries
+    never ask)."""
     held = {}
     for t in tensors:
         held.setdefault(t["node"], []).append(t)
-    profiles = []   # (live bytes per step, peak) at each of `sizes`
-    for size_of in sizes:
-        live = np.zeros(max(len(steps), 1), dtype=np.int64)
-        for t in tensors:
-            live[t["start"]:t["end"] + 1] += size_of[t["node"]]
-        profiles.append((live, live.max()))
+    profiles = []   # (bytes of each value, live bytes per step, peak), at each size
+
+    def count():
+        unbound = {d for n in held for d in graph.shape(n) if isinstance(d, str)} - set(dims)
+        for guess in UNBOUND_SIZES if unbound else (None,):
+            filled = dict(dims, **{d: guess for d in unbound})
+            size_of = {n: buffer_bytes(graph, n, filled) for n in held}
+            live = np.zeros(max(len(steps), 1), dtype=np.int64)
+            for t in tensors:
+                live[t["start"]:t["end"] + 1] += size_of[t["node"]]
+            profiles.append((size_of, live, live.max()))
 
     def fits(first, last, nodes):
-        for size_of, (live, peak) in zip(sizes, profiles):
+        if not profiles:
+            count()
+        touched = {base(graph, v) for n in nodes for v in list(graph.operands(n)) + [n]}
+        for size_of, live, peak in profiles:
             extra = np.zeros(last - first + 1, dtype=np.int64)
-            for u in {base(graph, v) for n in nodes for v in list(graph.operands(n)) + [n]}:
+            for u in touched:
                 for t in held.get(u, ()):
                     if t["start"] <= last and t["end"] >= first:   # kept over first..last, not only its own steps
                         extra[:max(0, t["start"] - first)] += size_of[u]
@@ -176,9 +186,7 @@ def plan_entry(graph, entry, steps, returned, dims, loop_from=None, with_runs=Tr
     tensors = liveness(graph, steps, set(returned), loop_from)
     runs = []
     if with_runs and loop_from is None:
-        sizes = [representative_sizes(graph, dims, guess) for guess in UNBOUND_SIZES]
-        sizes = [s for k, s in enumerate(sizes) if s not in sizes[:k]]   # (one, where every dim is bound)
-        runs = part_runs(graph, steps, dims, keeps_the_peak(graph, steps, tensors, sizes))
+        runs = part_runs(graph, steps, dims, keeps_the_peak(graph, steps, tensors, dims))
         extend_over_runs(graph, tensors, runs)
     dtypes = {graph.dtype(t["node"]) for t in tensors}
     if len(dtypes) > 1:
@@ -186,7 +194,7 @@ def plan_entry(graph, entry, steps, returned, dims, loop_from=None, with_runs=Tr
     for t in tensors:
         n = t["node"]
         t["bytes"] = buffer_bytes(graph, n, dims)
-        t["shape"] = tuple(dims.get(d, d) if isinstance(d, str) else d for d in graph.shape(n))
+        t["shape"] = bind_dims(graph.shape(n), dims)
         t["device"] = graph.node(n)["device"]
     devices = sorted({graph.node(n)["device"] for n in steps})
     plan = {"entry": entry, "steps": list(steps), "tensors": tensors, "loop_from": loop_from, "part_runs": runs}

@@ -7,19 +7,16 @@ import numpy as np
 
 from gradc.errors import GradcError
 from gradc.ir import FLOAT_DTYPES
+from gradc.shapes import bind_dims
 
 from .autodiff import build_backward
 from .fusion import fuse_elementwise, split_second_order_uses
 from .gemm_fusion import fuse_gemms
 from .likelihood_ratio import build_lr
 from .objective import add_objective
-from .rows import RowsError, batch_dim
+from .part_runs import batch_rows
 from .second_order import build_hvp
 from .simplify import simplify
-
-
-def _bind_shape(shape, dims):
-    return tuple(dims.get(d, d) if isinstance(d, str) else d for d in shape)
 
 
 def check_bound_dims(graph, dims, src):
@@ -41,11 +38,8 @@ def bind(graph, dtype, dims, src):
         if d.startswith("float") and d != "float" and d != dtype:
             raise GradcError(f"input {name!r} is declared {d} but the model is compiled for {dtype} "
                              f"(declare it with dtype=None, or compile with --dtype {d})", graph.node(n)["src"])
-    try:
-        dim = batch_dim(graph)
-        graph.batch_rows = (dims.get(dim, dim), {n for n in graph.inputs.values() if graph.shape(n)[:1] == (dim,)})
-    except RowsError:
-        graph.batch_rows = None
+    rows = batch_rows(graph)   # (before the dims become ints: the runs still know the batch)
+    graph.batch_rows = None if rows is None else (dims.get(rows[0], rows[0]), rows[1])
     for g in [graph] + graph.bodies():
         _bind_nodes(g, dtype, dims)
 
@@ -55,11 +49,11 @@ def _bind_nodes(graph, dtype, dims):
         node = graph.node(n)
         if node["dtype"].startswith("float"):
             node["dtype"] = dtype
-        node["shape"] = _bind_shape(node["shape"], dims)
+        node["shape"] = bind_dims(node["shape"], dims)
         attrs = node["attrs"]
         for key in ("shape", "dims"):
             if key in attrs:
-                attrs[key] = _bind_shape(attrs[key], dims)
+                attrs[key] = bind_dims(attrs[key], dims)
         if attrs.get("num_classes") in dims:
             attrs["num_classes"] = dims[attrs["num_classes"]]
         if "dtype" in attrs and attrs["dtype"].startswith("float"):

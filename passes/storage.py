@@ -7,7 +7,7 @@ other value owns a buffer.
 import numpy as np
 
 from gradc.ops import get_op
-from gradc.shapes import size
+from gradc.shapes import bind_dims, size
 
 LEAVES = ("param", "input", "const")
 
@@ -35,6 +35,6 @@ def buffer_bytes(graph, n, dims=None):
     if not owns_buffer(graph, n):
         return 0
     dims = dims or {}
-    shape = tuple(dims.get(d, d) if isinstance(d, str) else d for d in graph.shape(n))
+    shape = bind_dims(graph.shape(n), dims)
     count = size(shape) * np.dtype(graph.dtype(n)).itemsize
     return int(count) if isinstance(count, int) or count.is_Integer else count

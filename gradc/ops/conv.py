@@ -26,7 +26,7 @@ from .conv_direct import workspace_bytes as direct_workspace_bytes
 from .conv_winograd import (cpu_conv2d_winograd_source, cpu_input_grad_winograd_source,
                             cpu_weight_grad_winograd_source, winograd, workspace_values as winograd_values)
 from ..errors import ShapeError
-from ..shapes import fmt, size
+from ..shapes import bind_dims, fmt, size
 from ..runtime import conv_cores
 
 
@@ -619,7 +619,7 @@ def _workspace(x_at, w_at, g_at, taps=False, summed=False, input_grad=False):
     outputs are summed (the weight gradient), all but the first in buffers of their own."""
     def workspace(graph, n, dims, parts=None):
         shapes = [graph.shape(u) for u in graph.operands(n)] + [graph.shape(n)]
-        shapes = [tuple(dims.get(d, d) if isinstance(d, str) else d for d in s) for s in shapes]
+        shapes = [bind_dims(s, dims) for s in shapes]
         x, w, g = shapes[x_at], shapes[w_at], shapes[g_at]
         if any(isinstance(d, str) for d in x + w + g):
             return None
@@ -707,7 +707,7 @@ def _image_work(x_at, w_at, g_at, weight_grad=False):
     """part_work: one image's conv flops as conv_cores counts them (x, w, g placed as for _workspace)."""
     def work(graph, n, dims):
         shapes = [graph.shape(u) for u in graph.operands(n)] + [graph.shape(n)]
-        x, w, g = (tuple(dims.get(d, d) if isinstance(d, str) else d for d in shapes[k]) for k in (x_at, w_at, g_at))
+        x, w, g = (bind_dims(shapes[k], dims) for k in (x_at, w_at, g_at))
         if any(isinstance(d, str) for d in x[1:] + w + g[1:]):
             return None
         return conv_cores.conv_flops(size(x[1:]), size(g[1:]), size(w) // w[0], weight_grad)

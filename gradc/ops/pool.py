@@ -19,7 +19,7 @@ import numpy as np
 
 from . import Op, register
 from ..errors import ShapeError
-from ..shapes import fmt, size
+from ..shapes import bind_dims, fmt, size
 from .conv import check_float, check_nchw, out_len
 from ..runtime import conv_cores
 
@@ -493,7 +493,7 @@ def _image_work(graph, n, dims):
     """part_work of a pool's gradient: its largest array's elements in one image, at what an element
     costs it in conv flops (conv_cores.images_on_cores)."""
     shapes = [graph.shape(u) for u in graph.operands(n)] + [graph.shape(n)]
-    counts = [size(tuple(dims.get(d, d) if isinstance(d, str) else d for d in s)[1:]) for s in shapes]
+    counts = [size(bind_dims(s, dims)[1:]) for s in shapes]
     if any(not isinstance(c, int) for c in counts):
         return None
     return conv_cores.POOL_ELEMENT_FLOPS * max(counts)

@@ -41,7 +41,7 @@ import sympy as sp
 
 from . import Op, get_op, register
 from ..errors import ShapeError
-from ..shapes import fmt, size
+from ..shapes import bind_dims, fmt, size
 from .scan_layout import (CHECKPOINT, FINAL, OSTACK, STACK, YS, checkpoints, forward_attrs, index_of,  # noqa: F401
                           kind_of, length_operand, operand_leaves, parts, recompute_leaves, vjp_of, _frozen)
 from .scan_loop import lower_scan, lower_scan_cuda
@@ -568,7 +568,7 @@ def _scan_workspace(graph, n, dims):
     None while a dim is unbound."""
     attrs = graph.attrs(n)
     body, leaves, _, K, _, _, _ = parts(attrs)
-    bound = lambda shape: tuple(dims.get(d, d) if isinstance(d, str) else d for d in shape)
+    bound = lambda shape: bind_dims(shape, dims)
     shapes = [bound(body.shape(leaf)) for leaf in leaves]
     T = bound((steps(graph, n),))[0]
     step_values = [_step_values(b, bound) for b in [body] + ([attrs["recompute_body"]] if "recompute_body" in attrs else [])]
