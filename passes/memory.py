@@ -171,7 +171,7 @@ def workspace_bytes(graph, steps, dims, runs=()):
     return most
 
 
-def fits(plan, budget):
+def fits_budget(plan, budget):
     """Whether a plan's peak and workspace fit `budget` bytes."""
     return plan["peak_bytes"] + (plan["workspace_bytes"] or 0) <= budget
 
@@ -304,7 +304,7 @@ def _plan_entries(graph, dims, order, budget):
             steps = store_all_steps(graph, roots, sizes)
         plan = plan_entry(graph, fname, steps, roots, dims, loop_from)
         if entry.budgeted:
-            if budget is not None and not fits(plan, budget):   # part runs go before any value is recomputed
+            if budget is not None and not fits_budget(plan, budget):   # part runs go before any value is recomputed
                 plan = plan_entry(graph, fname, steps, roots, dims, loop_from, with_runs=False)
             plan.update(store_all_peak_bytes=plan["peak_bytes"], budget_bytes=budget, recompute_flops=0,
                         method="store-all")
@@ -357,7 +357,7 @@ def _within_budget(graph, order, roots, dims, sizes, budget, store_all, total):
     if milp_info is not None and chosen is not milp_info:
         info["milp"] = milp_info   # what the MILP did (no plan in time, or a worse one): the DP is the fallback
     plan = plan_entry(graph, "_loss_and_grad", steps, roots, dims)
-    if not fits(plan, total):
+    if not fits_budget(plan, total):
         plan = plan_entry(graph, "_loss_and_grad", steps, roots, dims, with_runs=False)
     recompute = sum(flops_of(t["node"]) for t in plan["tensors"] if t["recomputed"])
     plan.update(store_all_peak_bytes=store_all["peak_bytes"], budget_bytes=budget, recompute_flops=int(recompute),
