@@ -86,7 +86,7 @@ def device_options(options, model, dims, memory_budget, src):
     return {"K": K, "M": M, "schedule": schedule, "device_memory": memory, "batch": batch, "reduction": reduction}
 
 
-def check_scans(model, scan_backward, target, memory_budget, devices):
+def check_scans(model, scan_backward, target, memory_budget):
     """What a model with gc.scan can be compiled with today (DESIGN.md §1.8)."""
     if scan_backward not in ("reverse", "bppsa"):
         raise GradcError(f"--scan-backward {scan_backward!r}: use reverse or bppsa")
@@ -97,12 +97,9 @@ def check_scans(model, scan_backward, target, memory_budget, devices):
     src = g.node(scans[0])["src"]
     if scan_backward not in SCAN_BACKWARD:
         raise GradcError(f"--scan-backward {scan_backward} is not built yet: compile with --scan-backward reverse", src)
-    why = ("--target cuda and --memory-budget" if target == "cuda" and memory_budget is not None else
-           "--devices" if (devices.get("devices") or 1) > 1 else "--microbatches" if (devices.get("microbatches") or 1) > 1
-           else None)
-    if why:
-        raise GradcError(f"gc.scan with {why} is not built yet (carry checkpoints are built for the CPU target; "
-                         f"every scan runs on one device)", src)
+    if target == "cuda" and memory_budget is not None:
+        raise GradcError("gc.scan with --target cuda and --memory-budget is not built yet (carry checkpoints are "
+                         "built for the CPU target)", src)
 
 
 def fingerprint(model, dtype, dims):
@@ -326,6 +323,7 @@ def plan_pipeline(graph, dims, pipe, model):
     """The stage functions of loss_and_grad and what the executor needs (None without a pipeline):
     (the executor's description, the stage functions' memory plans)."""
     from gradc.passes.memory import entry_roots, plan_entry, representative_sizes, store_all_steps
+    from gradc.passes.rows import batch_axes
     from gradc.passes.stage_split import split_stages, transfers
 
     if pipe["K"] == 1 and pipe["M"] == 1:
@@ -337,8 +335,7 @@ def plan_pipeline(graph, dims, pipe, model):
     for f in functions:
         plans[f["fname"]] = plan_entry(graph, f["fname"], f["steps"], f["roots"], dims)
         plans[f["fname"]]["roots"] = f["roots"]
-    batch_inputs = tuple(name for name, n in graph.inputs.items()
-                         if pipe["batch"] is not None and graph.shape(n)[:1] == (pipe["batch"],))
+    batch_inputs = batch_axes(graph, pipe["batch"]) if pipe["batch"] is not None else {}
     decayed = tuple(p for p in trainable if model.param_info[p]["decay"]) if model.weight_decay else ()
     return {"functions": functions, "transfers": transfers(graph), "schedule": pipe["schedule"],
             "stages": pipe["K"], "microbatches": pipe["M"], "reduction": pipe["reduction"] or "mean",
@@ -349,7 +346,7 @@ def rows_facts(model, graph, pipe):
     """What a data-parallel Trainer needs to weight each rank's gradients (DESIGN.md §1.10): the batch
     dim, how the loss reduces it ("mean", "sum", or None with the reason), the inputs that carry it,
     and the weight decay term (which every rank's objective holds once)."""
-    from gradc.passes.rows import RowsError, batch_dim, loss_reduction
+    from gradc.passes.rows import RowsError, batch_axes, batch_dim, loss_reduction
 
     trainable = [p for p in graph.params if model.param_info[p]["trainable"]]
     facts = {"batch": None, "reduction": None, "why": None, "batch_inputs": (),
@@ -361,9 +358,7 @@ def rows_facts(model, graph, pipe):
     except RowsError as e:
         facts["why"] = f"{e.src + ': ' if e.src else ''}{e}"
     if facts["batch"] is not None:
-        declared = model.graph   # (--bind makes the dim an int in `graph`)
-        facts["batch_inputs"] = tuple(name for name, n in declared.inputs.items()
-                                      if declared.shape(n)[:1] == (facts["batch"],))
+        facts["batch_inputs"] = batch_axes(model.graph, facts["batch"])   # (--bind makes the dim an int in `graph`)
     return facts
 
 
@@ -410,7 +405,7 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     check_bound_dims(model.graph, dims, options_src or model.src)
     timings = {} if timings is None else timings
     t0 = time.perf_counter()
-    check_scans(model, scan_backward, target, memory_budget, devices)
+    check_scans(model, scan_backward, target, memory_budget)
     pipe = device_options(devices, model, dims, memory_budget, model.src)
     # microbatches run the code at other batch sizes: the batch dim stays symbolic in it (the plans bind it)
     code_dims = {d: v for d, v in dims.items() if d != pipe["batch"]}

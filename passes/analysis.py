@@ -37,7 +37,9 @@ def node_flops(graph, n, dims):
     node = graph.node(n)
     bind = lambda shape: bind_dims(shape, dims)
     shapes = [bind(graph.shape(u)) for u in node["inputs"]]
-    return int(sp.sympify(get_op(node["op"]).flops(node["attrs"], shapes, bind(node["shape"]))))
+    flops = sp.sympify(get_op(node["op"]).flops(node["attrs"], shapes, bind(node["shape"])))
+    # a region's body (a scan's step) has shapes of its own: its dims are bound here
+    return int(flops.subs({s: dims[s.name] for s in flops.free_symbols if s.name in dims}))
 
 
 def index_inputs(graph):

@@ -47,6 +47,9 @@ def assign_stages(graph, stage_of, stages, estimate=frozenset()):
             if readers:
                 stage[n] = min(readers)
 
+    for n in order:   # a multi-result op's results (a scan's) are written where it runs
+        if n in stage and get_op(graph.op(n)).kind == "project" and graph.operands(n)[0] in stage:
+            stage[n] = stage[graph.operands(n)[0]]
     for n in order:
         if n in stage or graph.op(n) in LEAVES or graph.node(n)["phase"] != "forward":
             continue

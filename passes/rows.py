@@ -19,13 +19,23 @@ class RowsError(Exception):
 
 
 def batch_dim(graph, override=None):
-    """The batch dim's name: `override` (--batch-dim), else the first input's leading symbolic dim."""
-    declared = {d for n in graph.inputs.values() for d in graph.shape(n) if isinstance(d, str)}
+    """The batch dim's name: `override` (--batch-dim); else the first symbolic dim of the inputs (in
+    their order, each input's axes in order) over which the loss is a sum or mean of per-row terms,
+    so a time-major sequence (T, B, ...) gives B; without such a dim (or a loss), the first input's
+    leading symbolic dim, whose check then says what mixes its rows."""
+    declared = list(dict.fromkeys(d for n in graph.inputs.values() for d in graph.shape(n) if isinstance(d, str)))
     if override is not None:
         if override not in declared:
             raise RowsError(f"--batch-dim {override}: no input has that dim (they have: "
                             f"{', '.join(sorted(declared)) or 'none'})", None)
         return override
+    if graph.loss is not None:
+        for dim in declared:
+            try:
+                loss_reduction(graph, dim)
+                return dim
+            except RowsError:
+                continue
     for name, n in graph.inputs.items():
         shape = graph.shape(n)
         if shape and isinstance(shape[0], str):
@@ -34,6 +44,11 @@ def batch_dim(graph, override=None):
                         f"dim (shape {shape}); declare it as e.g. ('B', ...) or name the dim with --batch-dim",
                         graph.node(n)["src"])
     raise RowsError("microbatches need an input with a batch dim", None)
+
+
+def batch_axes(graph, dim):
+    """{input name: the axis it has the batch dim `dim` on}, for the inputs that have it."""
+    return {name: graph.shape(n).index(dim) for name, n in graph.inputs.items() if dim in graph.shape(n)}
 
 
 def loss_reduction(graph, dim):
@@ -59,10 +74,10 @@ def _track(graph, n, dim, where):
     `rows` rule (gradc/ops), given where they lie in its operands."""
     op, node = graph.op(n), graph.node(n)
     shape, record = node["shape"], get_op(graph.op(n))
-    if record.kind == "leaf":
-        if dim in shape[1:]:
-            _fail(graph, n, f"has the batch dim {dim!r} on an axis other than the first")
-        return 0 if shape and shape[0] == dim else NONE
+    if record.kind == "leaf":   # an input may have its rows on any one axis: a sequence (T, B, ...) on 1
+        if list(shape).count(dim) > 1:
+            _fail(graph, n, f"has the batch dim {dim!r} on more than one axis")
+        return shape.index(dim) if dim in shape else NONE
     ins = [where[u] for u in graph.operands(n)]
     if op == "random" and dim in shape:
         _fail(graph, n, "draws each value from its seed and the element's index in the whole batch, and a "

@@ -7,6 +7,8 @@ transfers into k, and returns what other stages read and the gradients of the pa
 Transfer nodes run in neither: the executor hands a transfer node the value of its source
 (a copy between virtual devices, a message between MPI ranks).
 """
+from gradc.ops import get_op
+
 from .likelihood_ratio import estimate_nodes
 from .storage import LEAVES
 
@@ -14,6 +16,14 @@ from .storage import LEAVES
 def stage_index(graph, n):
     device = graph.node(n)["device"]
     return int(device.rsplit(":", 1)[1]) if ":" in device else 0
+
+
+def _made_forward(graph, n):
+    """n is made by the forward: a forward node, or a result of one (a forward scan's stacks, which
+    autodiff projects for the backward, are written by the forward scan's statement)."""
+    if get_op(graph.op(n)).kind == "project":
+        n = graph.operands(n)[0]
+    return graph.node(n)["phase"] == "forward"
 
 
 def split_stages(graph, order, K, trainable):
@@ -31,8 +41,8 @@ def split_stages(graph, order, K, trainable):
     functions = []
     for k in range(K):
         mine = [n for n in order if stage_index(graph, n) == k and graph.op(n) not in LEAVES + ("transfer",)]
-        forward = [n for n in mine if graph.node(n)["phase"] == "forward"]
-        backward = [n for n in mine if graph.node(n)["phase"] != "forward"]
+        forward = [n for n in mine if _made_forward(graph, n)]
+        backward = [n for n in mine if not _made_forward(graph, n)]
         stash = [n for n in forward if any(u in backward for u in graph.users(n))]
         for kind, nodes in (("F", forward), ("B", backward)):
             members = set(nodes)

@@ -18,6 +18,7 @@ from gradc.compiler import compile_model
 
 from test_memory import _dag, _mlp
 from test_pipeline import _sum_loss_model
+from test_scan_devices import _seq_rnn
 from conftest import cuda_env
 
 pytest.importorskip("mpi4py", reason="the mpi extra (pip install 'gradc[mpi]') is not installed")
@@ -38,12 +39,14 @@ RANK_SCRIPT = textwrap.dedent('''
     runs = json.loads(open(sys.argv[3]).read())
     results = {}
     for i, run in enumerate(runs):
+        # rows lo:hi of an input, on its batch axis (1 for a time-major sequence)
+        rows = lambda a, k, lo, hi: np.take(a, range(lo, hi), axis=run.get("axes", {}).get(k, 0))
         kw = dict(run["options"])
         if run["mode"] == "data":
             tr = m.Trainer(m.init_params(3), **kw, parallel="data", **run.get("parallel", {}))
             replica = tr._parallel.replica
             lo, hi = run["shards"][replica], run["shards"][replica + 1]
-            batch = {k: data[k][lo:hi] for k in m.INPUTS}
+            batch = {k: rows(data[k], k, lo, hi) for k in m.INPUTS}
             losses = [tr.step(**batch) for _ in range(run["steps"])]
             if run.get("checkpoint"):
                 path = os.path.join(os.path.dirname(sys.argv[3]), f"ckpt{i}.npz")
@@ -56,7 +59,7 @@ RANK_SCRIPT = textwrap.dedent('''
                 losses = []
                 if tr.is_worker:
                     lo, hi = run["shards"][tr.worker], run["shards"][tr.worker + 1]
-                    batch = {k: data[k][lo:hi] for k in m.INPUTS}
+                    batch = {k: rows(data[k], k, lo, hi) for k in m.INPUTS}
                     for step in range(run["steps"]):
                         if run.get("stall") == tr.worker and step == 1:
                             time.sleep(1000)
@@ -230,6 +233,25 @@ def test_data_parallel_with_pipeline_stages(tmp_path):
     for run in runs:
         run["parallel"] = {"stage_ranks": 1}
     _check(_run(tmp_path, build, model.name, runs, 2), runs, expected)
+
+
+def test_data_parallel_of_a_time_major_rnn(tmp_path):
+    """A gc.scan over a (T, B, D) sequence: each rank's shard is its rows on axis 1 (the labels' on 0),
+    unequal; with pipeline stages too (2 replicas, each running both stages and 2 microbatches). The
+    ranks end with the params of one process on the whole batch."""
+    model = _seq_rnn("dp_rnn")
+    one = compile_model(model, out=str(tmp_path / "one"), order=1, dtype="float64")
+    pipe = compile_model(model, out=str(tmp_path / "pipe"), order=1, dtype="float64", devices=2, microbatches=2,
+                         bind={"T": 5, "B": BATCH})
+    assert one._ROWS["batch_inputs"] == {"x": 1, "y": 0}
+    rng = np.random.default_rng(10)
+    inputs = {"x": rng.standard_normal((5, BATCH, 3)), "y": rng.integers(0, 4, BATCH)}
+    np.savez(tmp_path / "inputs.npz", **inputs)
+    runs = [{"mode": "data", "options": OPTIONS[1], "steps": 3, "shards": SHARDS[2], "axes": {"x": 1}}]
+    expected = [_serial(one, inputs, OPTIONS[1], 3)]
+    _check(_run(tmp_path, str(tmp_path / "one"), model.name, runs, 2), runs, expected)
+    runs[0]["parallel"] = {"stage_ranks": 1}
+    _check(_run(tmp_path, str(tmp_path / "pipe"), model.name, runs, 2), runs, expected)
 
 
 @pytest.mark.parametrize("make", [_digits_like, _dag, lambda: _mlp(layers=30, width=4)], ids=["mlp", "dag", "deep"])

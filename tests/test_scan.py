@@ -292,7 +292,6 @@ def test_compile_refuses_what_scans_do_not_support_yet(tmp_path):
     m = _rnn("scan_refusals")
     for options, message in (({"target": "cuda", "memory_budget": "1MiB", "bind": {"T": 4, "B": 2}},
                               "gc.scan with --target cuda and --memory-budget is not built yet"),
-                             ({"devices": 2}, "gc.scan with --devices is not built yet"),
                              ({"memory_budget": "1KiB", "bind": {"T": 40, "B": 2}, "order": 1},
                               r"budget 1.00 KiB \(1,024 bytes\) is below the minimum .* for this model"),
                              ({"memory_budget": "1KiB", "bind": {"T": 40, "B": 2}, "order": 1, "scan_backward": "bppsa"},

@@ -34,7 +34,7 @@ import zlib
 import numpy as np
 
 from .optim import CHECK, CHECKED_WRITE, WRITE, adam_update, clip_scale, sgd_update, sum_squares
-from .pipeline import mpi_world
+from .pipeline import batch_axes, mpi_world
 
 BUCKET_BYTES = 1 << 20   # PyTorch DDP takes 25 MiB; a smaller bucket starts sooner on small models
 
@@ -60,9 +60,9 @@ def world(comm):
 def _rows(tr, a):
     """This rank's rows: the batch dim of its inputs."""
     facts = tr.rows or {}
-    for name in facts.get("batch_inputs", ()):
+    for name, axis in batch_axes(facts.get("batch_inputs", ())).items():
         if name in a:
-            return int(a[name].shape[0])
+            return int(a[name].shape[axis])
     raise ValueError(f"{tr.model_name}.Trainer(parallel=...): no input of Trainer.step has the batch dim "
                      f"{facts.get('batch')!r}, so ranks cannot be weighted by rows")
 
@@ -72,8 +72,10 @@ NO_KEY = -(1 << 62)   # what a rank that refused its inputs adds to the comparis
 
 def _beside_rows(tr, a):
     """The shapes of this rank's inputs without the batch axis (the whole shape of an input without it)."""
-    batch = set((tr.rows or {}).get("batch_inputs", ()))
-    return tuple((k, tuple(v.shape[1:]) if k in batch else tuple(v.shape)) for k, v in sorted(a.items()))
+    axes = batch_axes((tr.rows or {}).get("batch_inputs", ()))
+    return tuple((k, tuple(d for i, d in enumerate(v.shape) if i != axes.get(k)) if k in axes else tuple(v.shape))
+                 for k, v in sorted(a.items()))
+
 
 
 def _differing_shapes(tr, every):

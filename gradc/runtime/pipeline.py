@@ -116,6 +116,12 @@ def receive(comm, memory, source, tag):
     return buffer
 
 
+def batch_axes(batch_inputs):
+    """{input name: the axis of its batch rows}, from what a module records (one compiled before the
+    axes were recorded lists names: axis 0)."""
+    return dict(batch_inputs) if isinstance(batch_inputs, dict) else dict.fromkeys(batch_inputs, 0)
+
+
 class Pipeline:
     """functions: (stage, "F"|"B") -> (compiled function, fname, argument spec, roots);
     an argument is ("p", param) | ("a", input) | ("v", node) | ("c", data key)."""
@@ -139,7 +145,7 @@ class Pipeline:
         self.grad_slices = grad_slices
         self.K, self.schedule, self.M = stages, schedule, microbatches
         self.reduction = reduction
-        self.batch_inputs = batch_inputs
+        self.batch_inputs = batch_axes(batch_inputs)
         self.weight_decay, self.decayed = weight_decay, decayed
         self.memory = memory                  # HostMemory, or a CUDA module's DeviceMemory
         self.order = interleave(schedule, stages, microbatches)
@@ -226,15 +232,19 @@ class Pipeline:
         """M microbatches of the inputs, and their weights."""
         if self.M == 1:
             return [inputs], [1.0]
-        rows = {len(inputs[name]) for name in self.batch_inputs if name in inputs}
+        axes = self.batch_inputs
+        rows = {np.shape(inputs[name])[axis] for name, axis in axes.items() if name in inputs}
         if len(rows) != 1:
-            raise ValueError(f"the batch inputs {self.batch_inputs} must share their first dim, got {sorted(rows)}")
+            raise ValueError(f"the batch inputs {', '.join(f'{k} (axis {a})' for k, a in axes.items())} must have "
+                             f"the same number of rows, got {sorted(rows)}")
         B = rows.pop()
         if B < self.M:
             raise ValueError(f"a batch of {B} rows cannot make {self.M} microbatches (this build's --microbatches): "
                              f"give at least {self.M} rows")
         bounds = np.linspace(0, B, self.M + 1).round().astype(int)
-        micro = [{k: (v[a:b] if k in self.batch_inputs else v) for k, v in inputs.items()}
+        # rows a:b on the input's batch axis (copied when that is not axis 0: the kernels read C order)
+        rows_of = lambda v, axis, a, b: np.ascontiguousarray(v[(slice(None),) * axis + (slice(a, b),)])
+        micro = [{k: (rows_of(v, axes[k], a, b) if k in axes else v) for k, v in inputs.items()}
                  for a, b in zip(bounds[:-1], bounds[1:])]
         weights = [(b - a) / B if self.reduction == "mean" else 1.0 for a, b in zip(bounds[:-1], bounds[1:])]
         return micro, weights

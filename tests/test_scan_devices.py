@@ -1,0 +1,138 @@
+"""RNNs (gc.scan) across devices, microbatches and MPI ranks: a scan runs whole in one stage (its
+results with it), and its sequences split on their batch axis, 1 for a time-major (T, B, ...) input.
+Each build against the one-device build of the same model, float64 (that build is checked against
+torch by test_scan.py)."""
+import json
+
+import numpy as np
+import pytest
+
+import gradc as gc
+from gradc.compiler import compile_model
+from gradc.errors import GradcError
+from gradc.passes.rows import batch_dim
+
+from test_mpi import _check_ranks, _one_process, _ranks
+
+T, B, D, H, C = 5, 7, 3, 6, 4
+
+
+def _seq_rnn(name="seq_rnn", time_major=True, encoder=True):
+    """An encoder (or none), a tanh RNN over the encoded sequence and a head reading its last state and
+    the mean of its states; weight decay on the matrices. B = 7 rows make unequal microbatches."""
+    m = gc.Model(name)
+    x = m.input("x", ("T", "B", D) if time_major else ("B", "T", D))
+    y = m.input("y", ("B",), dtype="int64")
+    xs = x if time_major else gc.transpose(x, (1, 0, 2))
+    W, b = m.param("W", (H, H)), m.param("b", (H,), init="normal")
+    E = m.param("E", (D, H))
+    e = gc.tanh(xs @ E) if encoder else xs
+
+    def step(h, e_t):
+        h = gc.tanh(h @ W + (e_t if encoder else e_t @ E) + b)
+        return h, h
+
+    h0 = xs.sum(axis=0) @ np.zeros((D, H))   # a zero state with the batch's rows
+    hT, hs = gc.scan(step, h0, e)
+    z = gc.relu(hs.mean(axis=0) @ m.param("V1", (H, H)))
+    m.minimize(gc.softmax_cross_entropy((z + hT) @ m.param("V", (H, C)) + m.param("c", (C,)), y), weight_decay=1e-3)
+    return m
+
+
+def _data(mod, rng, time_major=True):
+    x = rng.standard_normal((T, B, D) if time_major else (B, T, D))
+    return {"x": x, "y": rng.integers(0, C, B)}
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    """The one-device builds, time-major and batch-major."""
+    root = tmp_path_factory.mktemp("one")
+    return {tm: compile_model(_seq_rnn(time_major=tm), out=str(root / str(tm)), order=1, dtype="float64",
+                              warm_cache=False) for tm in (True, False)}
+
+
+def _against_one_device(one, many, inputs):
+    params = one.init_params(3)
+    l1, g1 = one.loss_and_grad(params, **inputs)
+    l2, g2 = many.loss_and_grad(params, **inputs)
+    assert l2 == pytest.approx(l1, abs=1e-12)
+    for k in g1:
+        np.testing.assert_allclose(g2[k], g1[k], rtol=0, atol=1e-12, err_msg=k)
+    t1, t2 = (mod.Trainer(params, optimizer="adam", lr=0.01) for mod in (one, many))
+    for _ in range(2):
+        assert t2.step(**inputs) == pytest.approx(t1.step(**inputs), abs=1e-12)
+    for k in params:
+        np.testing.assert_allclose(t2.params[k], t1.params[k], rtol=0, atol=1e-12, err_msg=k)
+
+
+@pytest.mark.parametrize("K,M,schedule,time_major", [
+    (2, 1, "sequential", True), (2, 3, "1f1b", True), (1, 3, "gpipe", True),
+    pytest.param(2, 2, "gpipe", False, marks=pytest.mark.slow),
+    pytest.param(3, 2, "1f1b", True, marks=pytest.mark.slow)])
+def test_a_scan_across_devices_and_microbatches_gives_the_one_device_gradients(tmp_path, one_device, K, M, schedule,
+                                                                               time_major):
+    model = _seq_rnn(time_major=time_major)
+    # --devices binds every dim; microbatches keep the batch dim symbolic in the code
+    bind = {"T": T, "B": B} if K > 1 else {}
+    many = compile_model(model, out=str(tmp_path), order=1, dtype="float64", warm_cache=False, bind=bind,
+                         devices=K, microbatches=M, schedule=schedule)
+    _against_one_device(one_device[time_major], many, _data(many, np.random.default_rng(K + M), time_major))
+    if M > 1:   # the microbatches cut a time-major sequence on its axis 1
+        assert many._PIPELINE.batch_inputs == ({"x": 1, "y": 0} if time_major else {"x": 0, "y": 0})
+    if K > 1:   # the scan, and the results it writes, are on one device
+        with open(tmp_path / f"{model.name}.graph.json") as f:
+            graph = json.load(f)
+        nodes = {n["id"]: n for n in graph["nodes"]}
+        (scan,) = [n for n in nodes.values() if n["op"] == "scan" and n["phase"] == "forward"]
+        outs = [nodes[link["target"]] for link in graph["links"] if link["source"] == scan["id"]]
+        assert outs and {n["op"] for n in outs} == {"scan_out"} and {n["device"] for n in outs} == {scan["device"]}
+
+
+def test_lr_grad_of_a_scan_in_a_pipeline_build_runs_whole(tmp_path):
+    """(Without the encoder: the estimate perturbs products of rows on axis 0, as the step's are.)"""
+    model = _seq_rnn("lr_rnn", encoder=False)
+    one = compile_model(model, out=str(tmp_path / "one"), order=1, dtype="float64", warm_cache=False)
+    many = compile_model(model, out=str(tmp_path / "many"), order=1, dtype="float64", warm_cache=False,
+                         bind={"T": T, "B": B}, devices=2, microbatches=2)
+    inputs = _data(many, np.random.default_rng(5))
+    params = many.init_params(4)
+    l1, g1 = one.lr_grad(params, samples=4, sigma=1e-2, seed=3, **inputs)
+    l2, g2 = many.lr_grad(params, samples=4, sigma=1e-2, seed=3, **inputs)
+    assert l2 == pytest.approx(l1, abs=1e-12)
+    for k in g1:
+        np.testing.assert_allclose(g2[k], g1[k], rtol=0, atol=1e-12, err_msg=k)
+
+
+def test_the_batch_dim_is_the_one_the_loss_is_a_mean_over():
+    """A time-major sequence leads with T, over which the scan mixes; the loss is a mean over B."""
+    assert batch_dim(_seq_rnn().graph) == "B"
+    assert batch_dim(_seq_rnn(time_major=False).graph) == "B"
+    assert batch_dim(_seq_rnn().graph, override="T") == "T"
+    m = gc.Model("no_rows")   # no dim the loss is a mean over: the first input's leading dim, whose check says why
+    x = m.input("x", ("B", 3))
+    m.minimize((gc.transpose(x, (1, 0)) @ x @ m.param("W", (3, 3))).sum())
+    assert batch_dim(m.graph) == "B"
+
+
+def test_what_microbatches_cannot_split_is_refused_by_name(tmp_path):
+    m = gc.Model("twice")
+    x = m.input("x", ("B", "B"))
+    m.minimize((x.sum(axis=1) * m.param("w", (1,))).mean())
+    with pytest.raises(GradcError, match=r"test_scan_devices.py:\d+: --microbatches 2: 'x' has the batch dim 'B' on more than one axis"):
+        compile_model(m, out=str(tmp_path), microbatches=2, warm_cache=False)
+    # the scan carries its state over T: a split of T is refused, naming the op that mixes T's rows
+    with pytest.raises(GradcError, match=r"--microbatches 2: .* so microbatches \(or data-parallel shards\) would not"):
+        compile_model(_seq_rnn("over_t"), out=str(tmp_path), microbatches=2, batch_dim="T", warm_cache=False)
+    assert not [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+
+
+def test_two_mpi_ranks_run_the_stages_of_a_scan_model(tmp_path):
+    model = _seq_rnn("mpi_rnn")
+    mod = compile_model(model, out=str(tmp_path / "build"), order=1, bind={"T": T, "B": B}, warm_cache=False,
+                        dtype="float64", devices=2, schedule="1f1b", microbatches=2)
+    inputs = _data(mod, np.random.default_rng(6))
+    np.savez(tmp_path / "inputs.npz", **inputs)
+    expected = _one_process(mod, inputs)   # (this also fills Numba's cache for the ranks)
+    ranks = _ranks(tmp_path, str(tmp_path / "build"), model.name)
+    _check_ranks(ranks, mod._PIPELINE.grad_stages, *expected, tol=1e-12)
