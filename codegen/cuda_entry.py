@@ -14,7 +14,7 @@ from gradc.ops import get_op
 from gradc.ops.elementwise import X
 
 from .entry import BodyWriter, EntryWriter, array_source
-from .statement import CudaStatement, shape_src as _shape_src
+from .statement import CudaStatement, dtype_src, shape_src as _shape_src
 
 
 def _fold_constants(expr, operands, is_scalar_const, value_of):
@@ -80,8 +80,8 @@ class CudaEntryWriter(EntryWriter):
         """A view of the device arena (host code: slicing a device array costs no compile)."""
         return _device_view("arena", f"offs[{k}]", shape, dims)[0]
 
-    def fresh_array(self, shape_src):
-        return f"temp_array({shape_src}, FLOAT)"
+    def fresh_array(self, shape_src, dtype="FLOAT"):
+        return f"temp_array({shape_src}, {dtype})"
 
     def fold(self, expr, operands):
         """expr with its scalar-constant operands written in; the operands left (None: not a node)."""
@@ -151,6 +151,8 @@ class CudaBodyWriter(BodyWriter, CudaEntryWriter):
         if shape == ():
             k = self.scalar_slot.setdefault(n, len(self.scalar_slot))
             return f"scal[{k}:{k + 1}]"
+        if not self.graph.dtype(n).startswith("float"):   # the work array holds floats (storage.in_arena)
+            return self.fresh_array(_shape_src(shape, dims), dtype_src(self.graph.dtype(n)))
         view, count = _device_view("work", "(" + (" + ".join(self.sizes) or "0") + ")", shape, dims)
         self.sizes.append(f"({count})")
         return view

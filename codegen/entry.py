@@ -19,7 +19,7 @@ from gradc.ops import get_op
 from gradc.passes.part_runs import is_view
 from gradc.runtime import conv_cores
 
-from .statement import Statement, shape_src as _shape_src
+from .statement import Statement, dtype_src, shape_src as _shape_src
 
 
 COMPILED_ENTRY_MAX_STEPS = 120   # a larger hvp block function runs as plain Python too
@@ -272,7 +272,7 @@ class EntryWriter:
         k = self.slot_of_step.get(step)
         if k is not None:
             return self.arena_view(k, shape, dims)
-        return self.fresh_array(_shape_src(shape, dims))
+        return self.fresh_array(_shape_src(shape, dims), dtype_src(self.graph.dtype(n)))
 
     def arena_view(self, k, shape, dims):
         """The k-th planned buffer: in a plain entry, its ready view; in a compiled one a call to
@@ -282,8 +282,8 @@ class EntryWriter:
             return f"buffers[{k}]"
         return f"view(arena, offs[{k}], {_shape_src(shape, dims)})"
 
-    def fresh_array(self, shape_src):
-        return f"np.empty({shape_src}, FLOAT)"
+    def fresh_array(self, shape_src, dtype="FLOAT"):
+        return f"np.empty({shape_src}, {dtype})"
 
     def _dims(self, order, leaves):
         names = {}
@@ -365,6 +365,8 @@ class BodyWriter(EntryWriter):
         out = self.output_argument(n)
         if out is not None:
             return out
+        if not self.graph.dtype(n).startswith("float"):   # the work array holds floats (storage.in_arena)
+            return self.fresh_array(_shape_src(shape, dims), dtype_src(self.graph.dtype(n)))
         offset = " + ".join(self.sizes) or "0"
         size = "*".join(dims[d] if isinstance(d, str) else str(d) for d in shape) or "1"
         self.sizes.append(f"({size})")

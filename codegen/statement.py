@@ -13,6 +13,12 @@ def shape_src(shape, dims):
     return f"({parts[0]},)" if len(parts) == 1 else f"({', '.join(parts)})"
 
 
+def dtype_src(dtype):
+    """The source of a value's dtype: the module's FLOAT for a float value (a model has one float
+    dtype), numpy's name for an int one."""
+    return "FLOAT" if dtype.startswith("float") else f"np.{dtype}"
+
+
 def broadcast_pattern(operand_shape, out_shape):
     """Per operand dim, the out dim it runs along, or -1 where it has size 1 and is broadcast."""
     lead = len(out_shape) - len(operand_shape)

@@ -27,7 +27,7 @@ from .entries import by_fname, entries
 from .part_runs import extend_over_runs, part_runs
 from .scan_checkpoint import checkpoint_scans, pairs
 from .schedule import memory_order
-from .storage import base, buffer_bytes, owns_buffer
+from .storage import base, buffer_bytes, in_arena, owns_buffer
 
 
 def liveness(graph, steps, returned, loop_from=None):
@@ -48,7 +48,7 @@ def liveness(graph, steps, returned, loop_from=None):
             i = current.get(graph.operands(n)[0])
             if i is not None:
                 current[n] = i
-        elif owns_buffer(graph, n) and n not in returned:
+        elif in_arena(graph, n) and n not in returned:
             current[n] = len(tensors)
             # a multi-result op's statement (a scan's) writes its results (kind "project"): their
             # buffers are live from its step on
@@ -145,7 +145,8 @@ def workspace_bytes(graph, steps, dims, runs=()):
     """The most bytes the CPU kernels of `steps` allocate for themselves at once (a convolution's
     im2col tile: the op record's `workspace`), outside the arena; None when a dim is unbound. A part
     run's parts may each be in a different kernel, and each holds its own buffers for the values the
-    run sums: it counts its largest kernel's workspace at the run's parts, plus those buffers."""
+    run sums: it counts its largest kernel's workspace at the run's parts, plus those buffers. The int
+    values' buffers (storage.in_arena) come on top, all of them (each lives until the call returns)."""
     in_run = {t: run for run in runs for t in range(run["first"], run["last"] + 1)}
     parts = {}
     for run in runs:
@@ -168,7 +169,8 @@ def workspace_bytes(graph, steps, dims, runs=()):
     for run in runs:
         sums = sum(buffer_bytes(graph, n, dims) for n in run["summed"])
         most = max(most, per_run.get(run["first"], 0) + (parts[run["first"]] - 1) * sums)
-    return most
+    ints = sum(buffer_bytes(graph, n, dims) for n in set(steps) if owns_buffer(graph, n) and not in_arena(graph, n))
+    return most + ints if isinstance(ints, int) else None
 
 
 def fits_budget(plan, budget):

@@ -2,7 +2,7 @@
 
 Params, inputs and constants belong to the caller; scalars are locals of the compiled code;
 a value whose op record is a view (a reshape of an array) lives in its operand's buffer. Every
-other value owns a buffer.
+other value owns a buffer: a slot of the arena, or (an int value) one of its own.
 """
 import numpy as np
 
@@ -28,6 +28,13 @@ def written_with_operand(graph, n):
 
 def owns_buffer(graph, n):
     return graph.op(n) not in LEAVES and graph.shape(n) != () and base(graph, n) == n
+
+
+def in_arena(graph, n):
+    """Whether n's buffer is a slot of the arena, which holds the model's float dtype. An int value
+    (a column of int labels, a transposed index array) owns a buffer of its own dtype, made by its
+    statement; the plan counts it as workspace."""
+    return owns_buffer(graph, n) and graph.dtype(n).startswith("float")
 
 
 def buffer_bytes(graph, n, dims=None):

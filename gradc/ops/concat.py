@@ -72,10 +72,7 @@ def _parts(s):
 
 
 def _concat_cpu(s):
-    """Each operand copied into its part of the planned buffer; int values (indices) get an array of
-    their own, since the arena holds floats."""
-    if not s.graph.dtype(s.n).startswith("float"):
-        return [f"{s.out} = np.concatenate(({', '.join(s.args)},), {s.attrs['axis']}){s.note}"]
+    """Each operand copied into its part of its buffer (an int value's is its own: passes/storage.in_arena)."""
     return [s.alloc()] + [f"{s.out}[{where}] = {arg}{s.note}" for arg, where, _ in _parts(s)]
 
 
@@ -89,9 +86,6 @@ def _cuda_part_source(name, rank, axis):
 
 
 def _concat_cuda(s):
-    if not s.graph.dtype(s.n).startswith("float"):
-        raise NotImplementedError(f"cuda codegen: a concat of int values ({s.graph.node(s.n)['src']}) is not "
-                                  f"supported on the CUDA target yet")
     rank, axis = len(s.shape), s.attrs["axis"]
     kernel = s.kernel(("concat_part", rank, axis), "concat_part", lambda kname: _cuda_part_source(kname, rank, axis))
     return [s.alloc()] + [s.call(kernel, [arg, str(offset), s.out]) + s.note for arg, _, offset in _parts(s)]

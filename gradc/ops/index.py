@@ -121,12 +121,8 @@ def index_src(index):
 
 
 def _slice_cpu(s):
-    """A copy of the slice into the planned buffer; an int value (indices for take) gets its own array,
-    since the arena holds floats."""
-    src = f"{s.args[0]}[{index_src(s.attrs['index'])}]"
-    if not s.graph.dtype(s.n).startswith("float"):
-        return [f"{s.out} = {src}.copy(){s.note}"]
-    return [s.alloc(), f"{s.out}[:] = {src}{s.note}"]
+    """A copy of the slice into its buffer (an int value's is its own: passes/storage.in_arena)."""
+    return [s.alloc(), f"{s.out}[:] = {s.args[0]}[{index_src(s.attrs['index'])}]{s.note}"]
 
 
 def _slice_grad_cpu(s):
@@ -166,9 +162,6 @@ def _cuda_slice_grad_source(name, index):
 
 
 def _slice_cuda(s):
-    if not s.graph.dtype(s.n).startswith("float"):
-        raise NotImplementedError(f"cuda codegen: a slice of int values ({s.graph.node(s.n)['src']}) is not supported "
-                                  f"on the CUDA target yet")
     index = tuple(s.attrs["index"])
     return s.into_out(s.kernel(("slice", index), "slice", lambda kname: _cuda_slice_source(kname, index)))
 

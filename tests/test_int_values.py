@@ -1,0 +1,143 @@
+"""Int values a model makes (a column of its labels, a transposed or joined index array, a slice of a
+scanned int sequence): each owns a buffer of its own dtype, outside the arena of floats
+(passes/storage.in_arena), which the plan counts as workspace. Against torch in float64, on the
+CPU target and (in a subprocess, under numba-cuda's simulator) the CUDA target."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import gradc as gc
+from gradc.compiler import compile_model
+
+from conftest import cuda_env
+
+B, T = 5, 4
+
+
+def indexed():
+    m = gc.Model("int_indexed")
+    idx = m.input("idx", ("B", 3), dtype="int64")
+    Y = m.input("Y", ("B", 2), dtype="int64")
+    E, W = m.param("E", (11, 6), init="normal"), m.param("W", (6, 4))
+    a = gc.take(E, idx[:, 0])                                   # a column: a strided int slice
+    b = gc.take(E, gc.transpose(idx, (1, 0))).sum(axis=0)
+    c = gc.take(E, gc.concat([idx, idx[:, ::-1]], axis=1)).mean(axis=1)
+    m.output("column", idx[:, 1])
+    m.minimize(gc.softmax_cross_entropy(gc.tanh(a + b * c) @ W, Y[:, 1]))
+    return m
+
+
+def torch_indexed(p, inputs):
+    E, W, i = p["E"], p["W"], torch.tensor(inputs["idx"])
+    h = torch.tanh(E[i[:, 0]] + E[i.T].sum(0) * E[torch.cat([i, i.flip(1)], 1)].mean(1)) @ W
+    return torch.nn.functional.cross_entropy(h, torch.tensor(inputs["Y"][:, 1]))
+
+
+def scanned():
+    m = gc.Model("int_scanned")
+    tok = m.input("tok", ("T", "B", 2), dtype="int64")
+    y = m.input("y", ("B", 2), dtype="int64")
+    E, W, V = m.param("E", (9, 5), init="normal"), m.param("W", (5, 5)), m.param("V", (5, 3))
+
+    def step(h, t):   # int values made in the step: a column and a join of the step's tokens
+        return gc.tanh(h @ W + gc.take(E, t[:, 1]) + gc.take(E, gc.concat([t, t], axis=1)).mean(axis=1)), None
+
+    hT, _ = gc.scan(step, gc.take(E, y[:, 1]) * 0.5, tok)
+    m.minimize(gc.softmax_cross_entropy(hT @ V, y[:, 0]))
+    return m
+
+
+def torch_scanned(p, inputs):
+    E, t, y = p["E"], torch.tensor(inputs["tok"]), torch.tensor(inputs["y"])
+    h = E[y[:, 1]] * 0.5
+    for s in range(t.shape[0]):
+        h = torch.tanh(h @ p["W"] + E[t[s, :, 1]] + E[torch.cat([t[s], t[s]], 1)].mean(1))
+    return torch.nn.functional.cross_entropy(h @ p["V"], y[:, 0])
+
+
+MODELS = {"indexed": (indexed, torch_indexed), "scanned": (scanned, torch_scanned)}
+
+
+def data(name, rng):
+    if name == "indexed":
+        return {"idx": rng.integers(0, 11, (B, 3)), "Y": rng.integers(0, 4, (B, 2))}
+    return {"tok": rng.integers(0, 9, (T, B, 2)), "y": rng.integers(0, 3, (B, 2))}
+
+
+def torch_grads(name, params, inputs):
+    tp = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    loss = MODELS[name][1](tp, inputs)
+    grads = torch.autograd.grad(loss, list(tp.values()), create_graph=True)
+    return tp, loss, dict(zip(tp, grads))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_int_values_match_torch(tmp_path, name):
+    mod = compile_model(MODELS[name][0](), out=str(tmp_path), dtype="float64", order=2 if name == "indexed" else 1,
+                        warm_cache=False)
+    rng = np.random.default_rng(3)
+    params = {k: rng.standard_normal(s) for k, s in mod.PARAM_SHAPES.items()}
+    inputs = data(name, rng)
+    tp, expected, tg = torch_grads(name, params, inputs)
+    loss, grads = mod.loss_and_grad(params, **inputs)
+    assert loss == pytest.approx(expected.item(), rel=1e-12)
+    for k in grads:
+        np.testing.assert_allclose(grads[k], tg[k].detach().numpy(), rtol=1e-10, atol=1e-13, err_msg=k)
+    if name == "indexed":
+        column = mod.forward(params, **inputs)["column"]
+        assert column.dtype == np.int64 and (column == inputs["idx"][:, 1]).all()
+        v = {k: rng.standard_normal(s) for k, s in mod.PARAM_SHAPES.items()}
+        dot = sum((tg[k] * torch.tensor(v[k])).sum() for k in tg)
+        hv = mod.hvp(params, v, **inputs)
+        for k, h in zip(tp, torch.autograd.grad(dot, list(tp.values()))):
+            np.testing.assert_allclose(hv[k], h.numpy(), rtol=1e-9, atol=1e-12, err_msg=f"hvp {k}")
+
+
+def test_the_arena_holds_floats_and_the_int_buffers_are_workspace(tmp_path):
+    mod = compile_model(indexed(), out=str(tmp_path / "f32"), dtype="float32", order=1, bind={"B": B},
+                        warm_cache=False)
+    with open(tmp_path / "f32" / "int_indexed.memplan.json") as f:
+        plan = json.load(f)["entries"]["loss_and_grad"]
+    # the int slice (B,), the transposed (3, B) and the joined (B, 6) index arrays, and Y's column (B,)
+    assert plan["workspace_bytes"] >= 8 * (B + 3 * B + 6 * B + B)
+    rng = np.random.default_rng(4)
+    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in mod.PARAM_SHAPES.items()}
+    inputs = data("indexed", rng)
+    _, expected, tg = torch_grads("indexed", {k: v.astype(np.float64) for k, v in params.items()}, inputs)
+    loss, grads = mod.loss_and_grad(params, **inputs)
+    assert loss == pytest.approx(expected.item(), rel=1e-5)
+    for k in grads:
+        np.testing.assert_allclose(grads[k], tg[k].detach().numpy(), rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+def test_int_values_on_the_cuda_target_under_the_simulator(tmp_path):
+    pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
+    proc = subprocess.run([sys.executable, "-W", "ignore", __file__, str(tmp_path)], env=cuda_env(),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    errors = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(errors) == {"indexed", "scanned"} and all(e <= 1e-12 for e in errors.values()), errors
+
+
+def _cuda_errors(out):
+    """The largest difference of loss and gradients of each model's CUDA build from torch's."""
+    errors = {}
+    for name, (make, _) in MODELS.items():
+        mod = gc.compile(make(), out=os.path.join(out, name), target="cuda", dtype="float64", order=1, warm="none")
+        rng = np.random.default_rng(5)
+        params = {k: rng.standard_normal(s) for k, s in mod.PARAM_SHAPES.items()}
+        inputs = data(name, rng)
+        _, expected, tg = torch_grads(name, params, inputs)
+        loss, grads = mod.loss_and_grad(params, **inputs)
+        errors[name] = max([abs(loss - expected.item())] +
+                           [float(np.abs(grads[k] - tg[k].detach().numpy()).max()) for k in grads])
+    return errors
+
+
+if __name__ == "__main__":   # the CUDA check, in a process of its own (the simulator is chosen at import)
+    print(json.dumps(_cuda_errors(sys.argv[1])))
