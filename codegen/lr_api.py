@@ -19,7 +19,7 @@ def lr_api_source(g, built, run_src, views_src, cuda=False, pipeline=False):
     --devices / --microbatches build) the estimate still runs whole: under mpiexec on every rank, with
     the params their owners hold, each rank keeping its own params' gradients, as loss_and_grad does."""
     lines = ["from gradc.runtime.lr import LikelihoodRatio, LRTrainer, SAMPLES as LR_SAMPLES, SIGMA as LR_SIGMA", "",
-             f"_LR = LikelihoodRatio(MODEL_NAME, FLOAT, {lr_info(g)!r})", "", "",
+             f"_LR = LikelihoodRatio(MODEL_NAME, FLOAT, {lr_info(g)!r}, INPUTS)", "", "",
              "def lr_grad(params, /, *, samples=LR_SAMPLES, sigma=LR_SIGMA, seed=0, antithetic=True, layerwise=False,",
              "            baseline=True, **inputs):",
              '    """The objective and a likelihood-ratio estimate of its gradients, from forward passes only:',

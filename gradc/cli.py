@@ -50,6 +50,8 @@ def parse_bind(items):
 def load_models(path):
     """Run the model file and return its module-level gradc.Model objects by name."""
     from .dsl import Model
+    if os.path.isdir(path):
+        raise UsageError(f"{path}: is a directory; give the model's .py file")
     if not os.path.isfile(path):
         raise UsageError(f"{path}: no such file")
     folder = os.path.dirname(os.path.abspath(path))

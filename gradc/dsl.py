@@ -188,11 +188,20 @@ class Tensor:
 
     @property
     def shape(self):
+        self._check_usable()
         return self.model.graph.shape(self.node)
 
     @property
     def dtype(self):
+        self._check_usable()
         return self.model.graph.dtype(self.node)
+
+    def _check_usable(self):
+        """A value of a scan's step that the scan did not return is gone once the step is traced:
+        reading it (its shape, by any op) names the user's line, not a KeyError."""
+        check = getattr(self.model, "_check_open", None)
+        if check is not None:
+            check(None, user_src())
 
     @property
     def ndim(self):
@@ -641,8 +650,8 @@ class _Body(Model):
 
     def _check_open(self, op, src):
         if self.done:
-            raise GradcError(f"{op}: a value computed inside the step of gc.scan at {self.src} is used outside it "
-                             f"(return it as part of the carry or of y)", src)
+            raise GradcError(f"{op + ': ' if op else ''}a value computed inside the step of gc.scan at {self.src} is "
+                             f"used outside it (return it as part of the carry or of y)", src)
 
     def _node(self, value, op, src):
         self._check_open(op, src)

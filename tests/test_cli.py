@@ -128,6 +128,15 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, source, ar
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("path,message", [("models", "models: is a directory; give the model's .py file"),
+                                          ("nothing.py", "nothing.py: no such file")])
+def test_a_model_path_that_is_no_file_exits_2(tmp_path, path, message):
+    (tmp_path / "models").mkdir()
+    r = gradc("compile", path, "-o", "out", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip() == f"gradc: error: {message}", r.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_error_in_a_helper_names_the_model_files_call_too(tmp_path):
     """A layer built by a helper module: the error's line is the helper's, and the model file's call is named."""
     (tmp_path / "layers.py").write_text("def dense(m, h, a, b, name):\n    return h @ m.param(name, (a, b))\n")

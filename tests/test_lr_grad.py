@@ -198,6 +198,23 @@ def test_bad_arguments_are_refused_by_name():
     assert lr.check(**(good | dict(seed=2**63 - 1)))[2] == 2**63 - 1
 
 
+def test_an_input_named_as_an_option_is_named(tmp_path):
+    """Found by a new-user trial: an input named sigma made every call of lr_grad fail on something else
+    (sigma=array was checked as the option, or the input was missing). The Trainer takes such an input."""
+    m = gc.Model("lr_named")
+    x, target = m.input("x", ("B", 3)), m.input("sigma", ("B", 1))
+    m.minimize(gc.mse(x @ m.param("W", (3, 1), init="normal"), target))
+    mod = gc.compile(m, out=str(tmp_path), dtype="float64", order=1, warm=False)
+    rng = np.random.default_rng(0)
+    inputs, params = {"x": rng.standard_normal((4, 3)), "sigma": rng.standard_normal((4, 1))}, mod.init_params(0)
+    for call in (lambda: mod.lr_grad(params, **inputs), lambda: mod.lr_grad(params, sigma=1e-2, x=inputs["x"])):
+        with pytest.raises(ValueError, match=r"lr_named.lr_grad: the model has input\(s\) named 'sigma', as lr_grad's "
+                                             r"option\(s\), so a call cannot give both: rename"):
+            call()
+    tr = mod.Trainer(params, optimizer="sgd", lr=0.1, gradient="lr", samples=4, sigma=1e-2)
+    assert np.isfinite(tr.step(**inputs)) and tr.steps == 1
+
+
 def test_a_models_own_random_ops_are_named():
     """Found by a new-user trial: a dropout made lr_grad fail on an internal shape error."""
     m = gc.Model("lr_dropout")

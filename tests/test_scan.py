@@ -208,6 +208,10 @@ def test_bad_step_functions_name_the_line():
     gc.scan(lambda h, xt: (leaked.append(h * 2) or h, None), h0, x)
     with pytest.raises(GradcError, match=r"computed inside the step of gc.scan .* is used outside it"):
         m.minimize((leaked[0] + h0).sum())
+    for read in (gc.sum, lambda t: t.shape, lambda t: t.reshape((-1,)), lambda t: t[0]):   # ops that read its shape first
+        with pytest.raises(GradcError, match=r"test_scan.py:\d+: (\w+: )?a value computed inside the step of gc.scan at "
+                                             r".*test_scan.py:\d+ is used outside it"):
+            read(leaked[0])
 
 
 def _scan_rows(m, ins):

@@ -3,6 +3,9 @@ results with it), and its sequences split on their batch axis, 1 for a time-majo
 Each build against the one-device build of the same model, float64 (that build is checked against
 torch by test_scan.py)."""
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ from gradc.compiler import compile_model
 from gradc.errors import GradcError
 from gradc.passes.rows import batch_dim
 
+from conftest import cuda_env
 from test_mpi import _check_ranks, _one_process, _ranks
 
 T, B, D, H, C = 5, 7, 3, 6, 4
@@ -62,8 +66,9 @@ def _against_one_device(one, many, inputs):
     t1, t2 = (mod.Trainer(params, optimizer="adam", lr=0.01) for mod in (one, many))
     for _ in range(2):
         assert t2.step(**inputs) == pytest.approx(t1.step(**inputs), abs=1e-12)
-    for k in params:
-        np.testing.assert_allclose(t2.params[k], t1.params[k], rtol=0, atol=1e-12, err_msg=k)
+    for k in params:   # (a CUDA Trainer's params are device arrays)
+        got = t2.params[k].copy_to_host() if hasattr(t2.params[k], "copy_to_host") else t2.params[k]
+        np.testing.assert_allclose(got, t1.params[k], rtol=0, atol=1e-12, err_msg=k)
 
 
 @pytest.mark.parametrize("K,M,schedule,time_major", [
@@ -136,3 +141,21 @@ def test_two_mpi_ranks_run_the_stages_of_a_scan_model(tmp_path):
     expected = _one_process(mod, inputs)   # (this also fills Numba's cache for the ranks)
     ranks = _ranks(tmp_path, str(tmp_path / "build"), model.name)
     _check_ranks(ranks, mod._PIPELINE.grad_stages, *expected, tol=1e-12)
+
+
+@pytest.mark.slow
+def test_a_scan_across_devices_on_the_cuda_target_under_the_simulator(tmp_path):
+    pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
+    proc = subprocess.run([sys.executable, "-W", "ignore", __file__, str(tmp_path)], env=cuda_env(),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip().splitlines()[-1] == "ok"
+
+
+if __name__ == "__main__":   # the CUDA check, in a process of its own (the simulator is chosen at import)
+    model, out = _seq_rnn("cuda_rnn"), sys.argv[1]
+    one = compile_model(model, out=os.path.join(out, "one"), order=1, dtype="float64", warm_cache=False)
+    many = compile_model(model, out=os.path.join(out, "many"), target="cuda", order=1, dtype="float64",
+                         bind={"T": T, "B": B}, devices=2, microbatches=2, schedule="1f1b")
+    _against_one_device(one, many, _data(many, np.random.default_rng(7)))
+    print("ok")

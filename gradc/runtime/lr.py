@@ -12,6 +12,7 @@ import numpy as np
 
 SIGMA = 1e-2      # lr_grad's default noise std: small enough for little bias, large enough for float32 losses
 SAMPLES = 64
+KEYWORDS = ("samples", "sigma", "seed", "antithetic", "layerwise", "baseline")   # lr_grad's, beside **inputs
 
 
 class LikelihoodRatio:
@@ -20,10 +21,11 @@ class LikelihoodRatio:
     "masks": [(key, rank)],
     "per_row": bool, "sites": [...]} (written into the module)."""
 
-    def __init__(self, model_name, float_type, info):
+    def __init__(self, model_name, float_type, info, inputs=()):
         self.model_name = model_name
         self.float = np.dtype(float_type)
         self.info = info
+        self.taken = [k for k in KEYWORDS if k in inputs]   # inputs a call of lr_grad could not give
         self._kept = {}   # (options, rows, adopt) -> the leaves calls share (LikelihoodRatio.leaves)
         self._kept_lock = threading.Lock()
 
@@ -35,6 +37,10 @@ class LikelihoodRatio:
         """The options, checked; raises ValueError naming the bad one."""
         self.refuse(what)
         name = f"{self.model_name}.{what}"
+        if what == "lr_grad" and self.taken:
+            raise ValueError(f"{name}: the model has input(s) named {', '.join(map(repr, self.taken))}, as lr_grad's "
+                             f"option(s), so a call cannot give both: rename the input(s) in the model "
+                             f"(Trainer(gradient='lr') takes them: its options are given to the Trainer)")
         if isinstance(samples, bool) or not isinstance(samples, numbers.Integral) or samples < 1:
             raise ValueError(f"{name}: samples must be an int >= 1, got {samples!r}")
         if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real) or not math.isfinite(sigma) or sigma <= 0:
