@@ -515,6 +515,7 @@ def _draw(rng, shape):
 class _Generator:
     def __init__(self, seed):
         self.rng = np.random.default_rng(seed)
+        self.later = np.random.default_rng([seed, 1])   # choices added later draw here: a seed's program stays
         rng = self.rng
         # distinct feature dims so that a mixed-up axis changes a shape; B=1 now and then (a stretched axis of length 1)
         batch, self.N, self.M, self.C = (int(d) for d in rng.choice(np.arange(2, 7), 4, replace=False))
@@ -894,6 +895,15 @@ class _Generator:
             ints.append(self.add_input(name, shape, "int64", high=int(rng.integers(3, 8))))
         idx = ints[rng.integers(len(ints))]
         rows = self.int_high[idx]
+        s = self.shapes[idx]
+        if len(s) == 2 and self.later.random() < 0.4:   # an index array the model makes: a column, reversed, joined
+            kind = int(self.later.integers(3))
+            if kind == 2:
+                idx = self.emit("concat", [idx, idx], (s[0], 2 * s[1]), tag="concat[int values]", axis=1)
+            else:
+                key = (slice(None), int(self.later.integers(s[1]))) if kind == 0 else (slice(None), slice(None, None, -1))
+                idx = self.emit("index", [idx], (s[0],) if kind == 0 else s, tag="index[int values]", key=key)
+            self.single_use.add(idx)   # an int value: never a float operand
         tables = self.floats(lambda s: len(s) == 2 and s[0] == rows and isinstance(s[1], int))
         if tables and rng.random() < 0.5:
             table = self.pick(tables)

@@ -24,8 +24,9 @@ from fuzz_graphs import check_compiled, check_interpreted, combined_case, random
 INTERPRETED_SEEDS = range(120)   # about 50 s of CPU on one core; bench/fuzz.py runs more
 # seeds 0 and 2 have a scan each; seed 8 two (one reverse), run by plain-Python entry points;
 # seed 38 declares a float input the objective never reads (input_grads once raised KeyError on it);
-# seed 588 has conv2d, max_pool2d, indexing, take (an embedding of the int labels) and a scan with two carries
-COMPILED_SEEDS = [(0, 1, 2), (3, 4, 8), (38,), (588,)]
+# seed 588 has conv2d, max_pool2d, indexing, take (an embedding of the int labels) and a scan with two carries;
+# seeds 310 and 856 take rows by index arrays the model makes (a join, a column of an int input), 856 in a scan
+COMPILED_SEEDS = [(0, 1, 2), (3, 4, 8), (38,), (588,), (310, 856)]
 
 
 @pytest.mark.parametrize("seed", INTERPRETED_SEEDS)

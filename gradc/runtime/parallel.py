@@ -77,7 +77,6 @@ def _beside_rows(tr, a):
                  for k, v in sorted(a.items()))
 
 
-
 def _differing_shapes(tr, every):
     """The error when the replicas' inputs differ in a dim other than the batch dim."""
     seen = "; ".join(f"rank {r}: " + ", ".join(f"{k} {shape}" for k, shape in shapes)
