@@ -80,7 +80,9 @@ class EntryWriter:
         args = [self.names[n] for n in leaves] + [self.names[n] for n in received] + [f"c{n}" for n in consts]
         args += (["grads"] if flat_roots is not None else []) + list(self.entry_tail())
         dims = self._dims(order, leaves)
-        body = [f"{dims[d]} = {src}" for d, src in self._dim_sources(order, list(leaves) + list(received)).items()]
+        # (a value received from another stage may carry a dim no step here uses: a loss's mean of a (B,) value)
+        body = [f"{dims[d]} = {src}" for d, src in self._dim_sources(order, list(leaves) + list(received)).items()
+                if d in dims]
         final_at = {}   # node -> the layout rows (and param names) it makes final; None: final before any step
         if ready_names is not None:
             args.append("ready")

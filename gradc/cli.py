@@ -159,7 +159,8 @@ def build_parser():
     c.add_argument("--device-memory", type=parse_size, metavar="SIZE",
                    help="memory per device; the stages are cut so that each fits")
     c.add_argument("--batch-dim", metavar="NAME",
-                   help="the dim microbatches split (default: the first input's leading symbolic dim)")
+                   help="the dim microbatches and data-parallel ranks split (default: the first of the inputs' "
+                        "leading symbolic dims the loss is a mean or sum over)")
     c.add_argument("--scan-backward", choices=["reverse", "bppsa"], default="reverse",
                    help="the backward of each gc.scan: a reverse scan (default), or bppsa: a Blelloch scan "
                         "of the transposed Jacobians (one float carry; DESIGN.md §1.8)")

@@ -37,7 +37,7 @@ def device_options(options, model, dims, memory_budget, src):
     """--devices, --schedule, --device-memory, --microbatches, --batch-dim, checked: a dict with
     K, schedule, device_memory (bytes or None), M, batch (the batch dim when M > 1), reduction. A bad
     flag value is named by the flag alone, not the model's file:line (nothing in the file is wrong)."""
-    from gradc.passes.rows import RowsError, batch_dim, loss_reduction
+    from gradc.passes.rows import RowsError, batch_dim, loss_reduction, other_dims
     from gradc.runtime.schedules import SCHEDULES
     from .sizes import parse_size
 
@@ -61,8 +61,6 @@ def device_options(options, model, dims, memory_budget, src):
         raise GradcError("--device-memory applies to --devices K with K > 1")
     if K == 1 and M == 1 and schedule != "sequential":
         raise GradcError("--schedule applies to pipelines: --devices K > 1 or --microbatches M > 1")
-    if options.get("batch_dim") is not None and M == 1:
-        raise GradcError("--batch-dim names the dim --microbatches splits; give --microbatches M > 1 too")
     if K > 1:
         declared = {d for n in model.graph.nx.nodes for d in model.graph.shape(n) if isinstance(d, str)}
         unbound = sorted(declared - set(dims))
@@ -73,17 +71,26 @@ def device_options(options, model, dims, memory_budget, src):
         raise GradcError("--memory-budget with --devices K > 1 or --microbatches M > 1 is not built yet: each stage "
                          "keeps every activation (use --device-memory to bound each device)")
     batch = reduction = None
-    if M > 1:
+    named = options.get("batch_dim")
+    if M > 1 or named is not None:   # (--batch-dim alone names the dim data-parallel ranks split)
+        flag = f"--microbatches {M}: " if M > 1 else ""
         try:
-            batch = batch_dim(model.graph, options.get("batch_dim"))
+            batch = batch_dim(model.graph, named)
+        except RowsError as e:   # a --batch-dim no input has: the flag, not the model's line
+            raise GradcError(f"{flag}{e}", e.src) from None
+        try:
             if model.graph.loss is not None:
                 reduction = loss_reduction(model.graph, batch)
         except RowsError as e:
-            raise GradcError(f"--microbatches {M}: {e}", e.src or src) from None
-        if isinstance(dims.get(batch), int) and dims[batch] < M:
-            raise GradcError(f"--microbatches {M}: the batch dim {batch} is bound to {dims[batch]} rows (--bind), "
-                             f"fewer than {M} microbatches")
-    return {"K": K, "M": M, "schedule": schedule, "device_memory": memory, "batch": batch, "reduction": reduction}
+            raise GradcError(f"{flag or f'--batch-dim {named}: '}{e}{'' if named else other_dims(model.graph, batch)}",
+                             e.src or src) from None
+    if M == 1:   # the code binds the batch dim like any other: only the data-parallel facts take it
+        batch = reduction = None
+    elif isinstance(dims.get(batch), int) and dims[batch] < M:
+        raise GradcError(f"--microbatches {M}: the batch dim {batch} is bound to {dims[batch]} rows (--bind), "
+                         f"fewer than {M} microbatches")
+    return {"K": K, "M": M, "schedule": schedule, "device_memory": memory, "batch": batch, "reduction": reduction,
+            "batch_dim": named}
 
 
 def check_scans(model, scan_backward, target, memory_budget):
@@ -346,17 +353,18 @@ def rows_facts(model, graph, pipe):
     """What a data-parallel Trainer needs to weight each rank's gradients (DESIGN.md §1.10): the batch
     dim, how the loss reduces it ("mean", "sum", or None with the reason), the inputs that carry it,
     and the weight decay term (which every rank's objective holds once)."""
-    from gradc.passes.rows import RowsError, batch_axes, batch_dim, loss_reduction
+    from gradc.passes.rows import RowsError, batch_axes, batch_dim, loss_reduction, other_dims
 
     trainable = [p for p in graph.params if model.param_info[p]["trainable"]]
     facts = {"batch": None, "reduction": None, "why": None, "batch_inputs": (),
              "weight_decay": model.weight_decay,
              "decayed": tuple(p for p in trainable if model.param_info[p]["decay"]) if model.weight_decay else ()}
     try:
-        facts["batch"] = batch = pipe["batch"] or batch_dim(model.graph)
+        facts["batch"] = batch = pipe["batch"] or batch_dim(model.graph, pipe["batch_dim"])
         facts["reduction"] = pipe["reduction"] or loss_reduction(model.graph, batch)
     except RowsError as e:
-        facts["why"] = f"{e.src + ': ' if e.src else ''}{e}"
+        hint = "" if pipe["batch_dim"] or facts["batch"] is None else other_dims(model.graph, facts["batch"])
+        facts["why"] = f"{e.src + ': ' if e.src else ''}{e}{hint}"
     if facts["batch"] is not None:
         facts["batch_inputs"] = batch_axes(model.graph, facts["batch"])   # (--bind makes the dim an int in `graph`)
     return facts

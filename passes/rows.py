@@ -19,31 +19,40 @@ class RowsError(Exception):
 
 
 def batch_dim(graph, override=None):
-    """The batch dim's name: `override` (--batch-dim); else the first symbolic dim of the inputs (in
-    their order, each input's axes in order) over which the loss is a sum or mean of per-row terms,
-    so a time-major sequence (T, B, ...) gives B; without such a dim (or a loss), the first input's
-    leading symbolic dim, whose check then says what mixes its rows."""
+    """The batch dim's name: `override` (--batch-dim); else the first of the inputs' leading symbolic
+    dims over which the loss is a sum or mean of per-row terms (so an RNN with a time-major sequence
+    (T, B, ...) and labels (B,) gets B), or, when no input leads with a symbolic dim, the first such dim
+    of any axis. A dim no input leads with is never chosen over one that does: a model that mixes the
+    rows of its leading dim (a batch statistic) is refused, never split along another dim. Without a
+    dim that qualifies, the first candidate, whose check then says what mixes its rows."""
     declared = list(dict.fromkeys(d for n in graph.inputs.values() for d in graph.shape(n) if isinstance(d, str)))
     if override is not None:
         if override not in declared:
             raise RowsError(f"--batch-dim {override}: no input has that dim (they have: "
                             f"{', '.join(sorted(declared)) or 'none'})", None)
         return override
+    leading = list(dict.fromkeys(graph.shape(n)[0] for n in graph.inputs.values()
+                                 if graph.shape(n) and isinstance(graph.shape(n)[0], str)))
+    candidates = leading or declared
+    if not candidates:
+        raise RowsError("microbatches and data-parallel shards split a batch dim, but no input has a symbolic dim; "
+                        "declare the batch dim by name, e.g. ('B', ...)", None)
     if graph.loss is not None:
-        for dim in declared:
+        for dim in candidates:
             try:
                 loss_reduction(graph, dim)
                 return dim
             except RowsError:
                 continue
-    for name, n in graph.inputs.items():
-        shape = graph.shape(n)
-        if shape and isinstance(shape[0], str):
-            return shape[0]
-        raise RowsError(f"microbatches split the batch dim, but the first input {name!r} has no symbolic leading "
-                        f"dim (shape {shape}); declare it as e.g. ('B', ...) or name the dim with --batch-dim",
-                        graph.node(n)["src"])
-    raise RowsError("microbatches need an input with a batch dim", None)
+    return candidates[0]
+
+
+def other_dims(graph, dim):
+    """What an error about the batch dim `dim`, taken by default, adds when the inputs have other
+    symbolic dims: that --batch-dim names another."""
+    others = [d for n in graph.inputs.values() for d in graph.shape(n) if isinstance(d, str) and d != dim]
+    return (f" (the batch dim taken is {dim!r}; the inputs also have {', '.join(map(repr, dict.fromkeys(others)))}: "
+            f"--batch-dim names the batch dim)") if others else ""
 
 
 def batch_axes(graph, dim):

@@ -98,6 +98,21 @@ def test_int_values_match_torch(tmp_path, name):
             np.testing.assert_allclose(hv[k], h.numpy(), rtol=1e-9, atol=1e-12, err_msg=f"hvp {k}")
 
 
+@pytest.mark.parametrize("K,M", [(2, 3), (1, 2)])
+def test_int_values_in_a_pipeline_give_the_one_device_gradients(tmp_path, K, M):
+    """(With K=2, M=3 the last stage's forward is the loss's mean of a received (B,) value: no step there
+    used B, and the stage function's dims once missed it, a KeyError at compile time.)"""
+    one = compile_model(indexed(), out=str(tmp_path / "one"), dtype="float64", order=1, warm_cache=False)
+    many = compile_model(indexed(), out=str(tmp_path / "many"), dtype="float64", order=1, warm_cache=False,
+                         devices=K, microbatches=M, bind={"B": B} if K > 1 else {})
+    rng = np.random.default_rng(6)
+    params, inputs = {k: rng.standard_normal(s) for k, s in one.PARAM_SHAPES.items()}, data("indexed", rng)
+    (l1, g1), (l2, g2) = one.loss_and_grad(params, **inputs), many.loss_and_grad(params, **inputs)
+    assert l2 == pytest.approx(l1, abs=1e-12)
+    for k in g1:
+        np.testing.assert_allclose(g2[k], g1[k], rtol=0, atol=1e-12, err_msg=k)
+
+
 def test_the_arena_holds_floats_and_the_int_buffers_are_workspace(tmp_path):
     mod = compile_model(indexed(), out=str(tmp_path / "f32"), dtype="float32", order=1, bind={"B": B},
                         warm_cache=False)

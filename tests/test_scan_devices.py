@@ -109,8 +109,8 @@ def test_lr_grad_of_a_scan_in_a_pipeline_build_runs_whole(tmp_path):
         np.testing.assert_allclose(g2[k], g1[k], rtol=0, atol=1e-12, err_msg=k)
 
 
-def test_the_batch_dim_is_the_one_the_loss_is_a_mean_over():
-    """A time-major sequence leads with T, over which the scan mixes; the loss is a mean over B."""
+def test_the_batch_dim_is_the_leading_dim_the_loss_is_a_mean_over():
+    """A time-major sequence leads with T, over which the scan mixes; its labels lead with B."""
     assert batch_dim(_seq_rnn().graph) == "B"
     assert batch_dim(_seq_rnn(time_major=False).graph) == "B"
     assert batch_dim(_seq_rnn().graph, override="T") == "T"
@@ -118,6 +118,60 @@ def test_the_batch_dim_is_the_one_the_loss_is_a_mean_over():
     x = m.input("x", ("B", 3))
     m.minimize((gc.transpose(x, (1, 0)) @ x @ m.param("W", (3, 3))).sum())
     assert batch_dim(m.graph) == "B"
+    m = gc.Model("centred")   # B mixed (a batch statistic), the loss a mean over L: never split along L unasked
+    x = m.input("x", ("B", "L", 3))
+    z = gc.tanh(x @ m.param("W", (3, 4)))
+    m.minimize(((z - z.mean(axis=0)) ** 2).sum(axis=2).mean())
+    assert batch_dim(m.graph) == "B"
+
+
+def _time_major_regression(name="regress"):
+    """No input leads with B: the default batch dim is T, which the scan mixes; --batch-dim B names it."""
+    m = gc.Model(name)
+    x, target = m.input("x", ("T", "B", D)), m.input("target", ("T", "B", 1))
+    W, U = m.param("W", (H, H)), m.param("U", (D, H))
+
+    def step(h, x_t):
+        h = gc.tanh(h @ W + x_t @ U)
+        return h, h
+
+    _, hs = gc.scan(step, x.sum(axis=0) @ np.zeros((D, H)), x)
+    m.minimize(gc.mse(hs @ m.param("V", (H, 1)), target))
+    return m
+
+
+def test_batch_dim_names_the_dim_of_a_model_no_input_leads_with(tmp_path):
+    with pytest.raises(GradcError, match=r"--microbatches 2: .* \(the batch dim taken is 'T'; the inputs also have 'B': "
+                                         r"--batch-dim names the batch dim\)"):
+        compile_model(_time_major_regression(), out=str(tmp_path / "t"), microbatches=2, warm_cache=False)
+    one = compile_model(_time_major_regression(), out=str(tmp_path / "one"), order=1, dtype="float64", warm_cache=False)
+    assert one._ROWS["reduction"] is None and "--batch-dim names the batch dim" in one._ROWS["why"]
+    # --batch-dim alone names the dim data-parallel ranks split; with microbatches, the dim they split
+    named = compile_model(_time_major_regression(), out=str(tmp_path / "named"), order=1, dtype="float64",
+                          warm_cache=False, batch_dim="B")
+    assert named._ROWS["batch"] == "B" and named._ROWS["batch_inputs"] == {"x": 1, "target": 1}
+    many = compile_model(_time_major_regression(), out=str(tmp_path / "many"), order=1, dtype="float64",
+                         warm_cache=False, batch_dim="B", microbatches=3)
+    rng = np.random.default_rng(8)
+    _against_one_device(one, many, {"x": rng.standard_normal((T, B, D)), "target": rng.standard_normal((T, B, 1))})
+
+
+def test_a_time_step_of_a_time_major_sequence_keeps_its_rows(tmp_path):
+    """x[0] and hs[-1] are a slice (1, B, H) seen as (B, H): the rows move from axis 1 to 0."""
+    m = gc.Model("last_state")
+    x, y = m.input("x", (T, "B", D)), m.input("y", ("B",), dtype="int64")
+    W, U = m.param("W", (H, H)), m.param("U", (D, H))
+
+    def step(h, x_t):
+        h = gc.tanh(h @ W + x_t @ U)
+        return h, h
+
+    _, hs = gc.scan(step, gc.tanh(x[0] @ m.param("S", (D, H))), x)
+    m.minimize(gc.softmax_cross_entropy(hs[-1] @ m.param("V", (H, C)), y))
+    one = compile_model(m, out=str(tmp_path / "one"), order=1, dtype="float64", warm_cache=False)
+    many = compile_model(m, out=str(tmp_path / "many"), order=1, dtype="float64", warm_cache=False, microbatches=2)
+    assert one._ROWS["reduction"] == "mean" and one._ROWS["batch_inputs"] == {"x": 1, "y": 0}
+    _against_one_device(one, many, _data(one, np.random.default_rng(9)))
 
 
 def test_what_microbatches_cannot_split_is_refused_by_name(tmp_path):

@@ -5,7 +5,7 @@ from . import Op, register
 from .elementwise import X
 from .kernel_text import index, unravel
 from ..errors import ShapeError
-from ..shapes import fmt, reshape_target
+from ..shapes import fmt, reshape_target, size
 
 
 def _transpose_infer(attrs, shapes, dtypes):
@@ -68,10 +68,14 @@ def _reshape_vjp(ctx, n, g):
 
 
 def _reshape_rows(graph, n, ins, fail):
-    """Rows survive a reshape that keeps the batch dim first."""
+    """Rows survive a reshape that keeps them an axis of their own with as many elements before it: a
+    flatten of the dims after them, or a time step (1, B, H) of a time-major sequence seen as (B, H)."""
     (x,), shape = graph.operands(n), graph.shape(n)
-    if ins[0] == 0 and shape and shape[0] == graph.shape(x)[0]:
-        return 0
+    w, xs = ins[0], graph.shape(x)
+    if isinstance(w, int):
+        for j, d in enumerate(shape):
+            if d == xs[w] and size(shape[:j]) == size(xs[:w]):
+                return j
     fail("reshapes the batch dim away")
 
 

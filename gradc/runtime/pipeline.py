@@ -116,6 +116,11 @@ def receive(comm, memory, source, tag):
     return buffer
 
 
+def _rows(v, axis, a, b):
+    """Rows a:b of v on its batch axis (copied when that is not axis 0: the kernels read C order)."""
+    return np.ascontiguousarray(v[(slice(None),) * axis + (slice(a, b),)])
+
+
 def batch_axes(batch_inputs):
     """{input name: the axis of its batch rows}, from what a module records (one compiled before the
     axes were recorded lists names: axis 0)."""
@@ -242,9 +247,7 @@ class Pipeline:
             raise ValueError(f"a batch of {B} rows cannot make {self.M} microbatches (this build's --microbatches): "
                              f"give at least {self.M} rows")
         bounds = np.linspace(0, B, self.M + 1).round().astype(int)
-        # rows a:b on the input's batch axis (copied when that is not axis 0: the kernels read C order)
-        rows_of = lambda v, axis, a, b: np.ascontiguousarray(v[(slice(None),) * axis + (slice(a, b),)])
-        micro = [{k: (rows_of(v, axes[k], a, b) if k in axes else v) for k, v in inputs.items()}
+        micro = [{k: (_rows(v, axes[k], a, b) if k in axes else v) for k, v in inputs.items()}
                  for a, b in zip(bounds[:-1], bounds[1:])]
         weights = [(b - a) / B if self.reduction == "mean" else 1.0 for a, b in zip(bounds[:-1], bounds[1:])]
         return micro, weights
