@@ -10,10 +10,11 @@ import numpy as np
 
 from gradc.runtime.schedules import in_flight
 from gradc.shapes import bind_dims
+from gradc.sizes import format_size
 
 from .analysis import node_flops
 from .likelihood_ratio import estimate_nodes
-from .partition import Infeasible, Problem, partition
+from .partition import Infeasible, Problem, least_memory, partition
 from .pipeline_schedule import bubble, simulate
 from .placement import assign_stages, device_name, home, insert_transfers
 from .storage import LEAVES, base, buffer_bytes
@@ -119,10 +120,14 @@ def plan_devices(graph, order, dims, K, target="cpu", device_memory=None, schedu
     except Infeasible:
         pinned = [f"{graph.describe(n)} [{graph.node(n)['src']}] -> stage {graph.node(n)['stage']}"
                   for n in forward if graph.node(n).get("stage") is not None]
-        why = ([f"fits --device-memory {device_memory} bytes per device under the {schedule} schedule"]
+        least = least_memory(problem, K, flight) if device_memory is not None else None
+        why = ([f"fits --device-memory {format_size(device_memory)} per device under the {schedule} schedule"]
                if device_memory is not None else []) + (["keeps every pinned op on its stage (" +
                                                          "; ".join(pinned[:4]) + ")"] if pinned else [])
-        raise DevicePlanError(f"no cut of the model into {K} contiguous stages " + " and ".join(why)) from None
+        need = (f": the least any cut needs (by the cost model) is {format_size(least[0])} per device (its stage "
+                f"{least[1]}: its params and their gradients, the activations it keeps for {max(flight)} "
+                f"microbatch(es) in flight, its largest step)") if least else ""
+        raise DevicePlanError(f"no cut of the model into {K} contiguous stages " + " and ".join(why) + need) from None
     bounds = starts + [len(groups)]
     stage_of = {n: k for k in range(K) for g in groups[bounds[k]:bounds[k + 1]] for n in g}
     stage = assign_stages(graph, stage_of, K, estimate)

@@ -121,8 +121,37 @@ def partition(problem, K, memory_limit=np.inf, in_flight=None):
             best[k, b], start[k, b] = cost[i], i
     if not np.isfinite(best[K, n]):
         raise Infeasible(f"no cut into {K} stages fits {memory_limit} bytes per device with the pins given")
+    return _starts(start, K, n), float(best[K, n])
+
+
+def _starts(start, K, n):
     starts, b = [], n
     for k in range(K, 0, -1):
         b = int(start[k, b])
         starts.append(b)
-    return starts[::-1], float(best[K, n])
+    return starts[::-1]
+
+
+def least_memory(problem, K, in_flight=None):
+    """(the least bytes per device any cut into K stages needs under the cost model, the stage that
+    needs them in that cut), pins respected; None when no cut keeps the pins."""
+    n = problem.n
+    in_flight = in_flight or [1] * K
+    _, kept, params, workspace = stage_tables(problem)
+    pinned = _pin_ok(problem, K)
+    most = np.full((K + 1, n + 1), np.inf)   # most[k, b]: the largest stage of the best k stages over 0..b-1
+    start = np.zeros((K + 1, n + 1), dtype=np.int64)
+    most[0, 0] = 0.0
+    a = np.arange(n + 1)
+    for k in range(1, K + 1):
+        for b in range(k, n + 1):
+            need = np.maximum(most[k - 1, :b], kept[:b, b] * in_flight[k - 1] + params[:b, b] + workspace[:b, b])
+            need = np.where(pinned[k - 1][:b, b] & (a[:b] < b), need, np.inf)
+            i = int(np.argmin(need))
+            most[k, b], start[k, b] = need[i], i
+    if not np.isfinite(most[K, n]):
+        return None
+    bounds = _starts(start, K, n) + [n]
+    needs = [kept[bounds[k], bounds[k + 1]] * in_flight[k] + params[bounds[k], bounds[k + 1]]
+             + workspace[bounds[k], bounds[k + 1]] for k in range(K)]
+    return int(np.ceil(most[K, n])), int(np.argmax(needs))

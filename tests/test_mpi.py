@@ -108,6 +108,55 @@ def test_two_mpi_ranks_match_one_process(tmp_path):
     _check_ranks(ranks, mod._PIPELINE.grad_stages, *expected, tol=1e-12)
 
 
+SAVE_SCRIPT = textwrap.dedent('''
+    import sys
+    import numpy as np
+    from mpi4py import MPI
+    sys.path.insert(0, sys.argv[1])
+    import {name} as m
+    rank = MPI.COMM_WORLD.Get_rank()
+    data = np.load(sys.argv[2])
+    inputs = {{k: data[k] for k in m.INPUTS}}
+    tr = m.Trainer(m.init_params(3), optimizer="adam", lr=1e-2)
+    losses = [tr.step(**inputs) for _ in range({steps})]
+    tr.save(f"{{sys.argv[3]}}/ckpt.npz")   # every rank calls it; rank 0 writes
+    held = {{k: np.array(v) for k, v in tr.params.items()}}
+    other = dict(inputs, x=inputs["x"] + rank)   # rank 1 passes another batch
+    try:
+        tr.step(**other)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    np.savez(f"{{sys.argv[3]}}/rank{{rank}}.npz", refused=refused, **{{"p_" + k: v for k, v in held.items()}})
+''')
+
+
+def test_a_pipeline_under_mpi_saves_every_stage_and_refuses_different_batches(tmp_path):
+    """Each rank updates its own stage's params: save gathers every stage's params and state (found by a
+    new-user trial: every rank wrote its own stale copy of the others' params, the last one winning); ranks
+    given different batches were silently combined (stage 0's x with the last stage's labels)."""
+    model = _dag()
+    mod = compile_model(model, out=str(tmp_path / "build"), order=1, bind={"B": 9}, warm_cache=False,
+                        dtype="float64", devices=2, schedule="1f1b", microbatches=3)
+    inputs = _inputs(mod, 9, np.random.default_rng(4))
+    np.savez(tmp_path / "inputs.npz", **inputs)
+    tr = mod.Trainer(mod.init_params(3), optimizer="adam", lr=1e-2)
+    for _ in range(3):
+        tr.step(**inputs)
+    ranks = _ranks(tmp_path, str(tmp_path / "build"), model.name, script=SAVE_SCRIPT)
+    saved = mod.Trainer.load(tmp_path / "ckpt.npz")
+    assert saved.steps == 3
+    for k, v in tr.params.items():
+        np.testing.assert_allclose(saved.params[k], v, rtol=0, atol=1e-12, err_msg=k)
+        for rank, got in enumerate(ranks):   # and every rank holds them all after the save
+            np.testing.assert_allclose(got["p_" + k], v, rtol=0, atol=1e-12, err_msg=f"rank {rank} {k}")
+    for slot, v in tr.state.items():
+        np.testing.assert_allclose(saved.state[slot], v, rtol=0, atol=1e-12, err_msg=slot)
+    for got in ranks:
+        assert "were given different batches (x: its values): every rank passes the same whole batch" in \
+            str(got["refused"]), got["refused"]
+
+
 @pytest.mark.slow
 def test_two_mpi_ranks_of_a_cuda_module_match_one_process(tmp_path):
     """--target cuda under mpiexec, simulated: stage r on rank r's GPU, values sent through host

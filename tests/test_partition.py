@@ -4,7 +4,7 @@ import itertools
 import numpy as np
 import pytest
 
-from gradc.passes.partition import Infeasible, Problem, partition
+from gradc.passes.partition import Infeasible, Problem, least_memory, partition
 
 
 def _stage_cost(problem, a, b):
@@ -78,6 +78,26 @@ def test_partition_is_optimal_against_brute_force(seed):
     bounds = starts + [n]
     assert starts[0] == 0 and len(starts) == K and all(a < b for a, b in zip(bounds, bounds[1:]))
     assert max(_stage_cost(problem, a, b)[0] for a, b in zip(bounds, bounds[1:])) == pytest.approx(slowest)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_least_memory_is_the_smallest_limit_any_cut_fits(seed):
+    """What --device-memory's error names when no cut fits: the least bytes per device, and its stage."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 9))
+    problem = _random_problem(rng, n)
+    K = int(rng.integers(1, min(n, 4) + 1))
+    in_flight = rng.integers(1, 4, K).tolist()
+    least = least_memory(problem, K, in_flight)
+    if least is None:   # the pins admit no cut
+        with pytest.raises(Infeasible):
+            partition(problem, K, np.inf, in_flight)
+        return
+    need, stage = least
+    starts, _ = partition(problem, K, need, in_flight)
+    with pytest.raises(Infeasible):
+        partition(problem, K, need - 1, in_flight)
+    assert 0 <= stage < K
 
 
 def test_balanced_chain_splits_evenly():

@@ -280,35 +280,42 @@ class DataParallel:
     def save(self, path, write):
         """Rank 0 writes (a pipeline's stages first send it their params and state); every rank
         returns once the file is written, or raises the error rank 0 met."""
-        tr = self.tr
         if self.pipe_comm is not None and self.replica == 0:
-            self._gather_stages()
-        error = None
-        if self.world.Get_rank() == 0:
-            try:
-                write(path)
-            except Exception as e:   # (every rank raises: none waits for a file that is not there)
-                error = e
-        message = self.world.bcast(None if error is None else f"{type(error).__name__}: {error}", root=0)
-        if error is not None:
-            raise error
-        if message is not None:
-            raise RuntimeError(f"{tr.model_name}.Trainer.save: rank 0 could not write {path}: {message}")
+            gather_stages(self.tr, self.pipe_comm, self.owned)
+        write_on_rank_0(self.world, path, write, self.tr.model_name)
 
-    def _gather_stages(self):
-        """Every param and optimizer value onto each rank of replica 0 (each rank updated its own stage's)."""
-        tr, MPI = self.tr, self.MPI
-        mask = np.zeros(tr._dp_params().size, dtype=bool)
-        for name in self.owned:
-            start, stop = tr.grad_slices[name]
-            mask[start:stop] = True
-        for array in [tr._flat, *tr.state.values()]:
-            host = np.where(mask, tr._host(array), 0)
-            self.pipe_comm.Allreduce(MPI.IN_PLACE, host)
-            if isinstance(array, np.ndarray):
-                array[...] = host
-            else:
-                array.copy_to_device(host)
+
+def gather_stages(tr, comm, owned):
+    """Every param and optimizer value onto each rank of `comm`, a pipeline's stages, one a rank: each
+    rank updated only its own stage's (`owned`, param names)."""
+    from mpi4py import MPI
+    mask = np.zeros(tr._dp_params().size, dtype=bool)
+    for name in owned:
+        start, stop = tr.grad_slices[name]
+        mask[start:stop] = True
+    for array in [tr._flat, *tr.state.values()]:
+        host = np.where(mask, tr._host(array), 0)
+        comm.Allreduce(MPI.IN_PLACE, host)
+        if isinstance(array, np.ndarray):
+            array[...] = host
+        else:
+            array.copy_to_device(host)
+
+
+def write_on_rank_0(comm, path, write, model_name):
+    """Rank 0 runs write(path); every rank returns once the file is written, or raises the error rank
+    0 met (every rank raises: none waits for a file that is not there)."""
+    error = None
+    if comm.Get_rank() == 0:
+        try:
+            write(path)
+        except Exception as e:
+            error = e
+    message = comm.bcast(None if error is None else f"{type(error).__name__}: {error}", root=0)
+    if error is not None:
+        raise error
+    if message is not None:
+        raise RuntimeError(f"{model_name}.Trainer.save: rank 0 could not write {path}: {message}")
 
 
 # ---- the parameter server ------------------------------------------------------------------------
@@ -617,14 +624,4 @@ class ParameterServer:
         if not self.finished:
             raise RuntimeError(f"{self.tr.model_name}.Trainer.save (parallel='ps'): call tr.finish() (or leave the "
                                f"with block) first: the params live in the servers' shards until then")
-        error = None
-        if self.rank == 0:
-            try:
-                write(path)
-            except Exception as e:
-                error = e
-        message = self.comm.bcast(None if error is None else f"{type(error).__name__}: {error}", root=0)
-        if error is not None:
-            raise error
-        if message is not None:
-            raise RuntimeError(f"{self.tr.model_name}.Trainer.save: rank 0 could not write {path}: {message}")
+        write_on_rank_0(self.comm, path, write, self.tr.model_name)

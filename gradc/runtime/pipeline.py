@@ -18,6 +18,7 @@ lr_grad, which runs whole on every rank, gets the params their owners hold). Eve
 loss; each rank's gradients are those of its own params.
 """
 import os
+import zlib
 
 import numpy as np
 
@@ -114,6 +115,25 @@ def receive(comm, memory, source, tag):
     buffer = memory.incoming(header[1], np.dtype(header[2]))
     comm.Recv(buffer, source=source, tag=tag)
     return buffer
+
+
+def same_batch(comm, inputs):
+    """Under mpiexec every rank passes the whole batch, and each stage reads its part of it: ranks given
+    different ones would be silently combined (stage 0's x with the last stage's labels). The ranks
+    compare each input's shape, dtype and (on the host) a checksum of its bytes; all raise if any differ."""
+    mine = {k: (tuple(np.shape(v)), str(getattr(v, "dtype", type(v).__name__)),
+                None if hasattr(v, "copy_to_host") else zlib.crc32(np.ascontiguousarray(v).tobytes()))
+            for k, v in inputs.items()}
+    every = comm.allgather(mine)
+    differ = sorted(k for k in set().union(*every) if len({str(seen.get(k)) for seen in every}) > 1)
+    if differ:
+        what = []
+        for k in differ:
+            kinds = [f"{seen[k][0]} {seen[k][1]}" if k in seen else "none" for seen in every]
+            what.append(f"{k}: its values" if len(set(kinds)) == 1 else
+                        f"{k}: " + ", ".join(f"rank {r} {kind}" for r, kind in enumerate(kinds)))
+        raise ValueError(f"the ranks running this pipeline's stages were given different batches ({'; '.join(what)}): "
+                         f"every rank passes the same whole batch, and each stage reads its part; nothing ran")
 
 
 def _rows(v, axis, a, b):
@@ -266,6 +286,7 @@ class Pipeline:
             loss = self._run(self.order, params, micro, weights, grads, None, on_ready)
         else:
             rank = comm.Get_rank()
+            same_batch(comm, inputs)
             params, sent = self._exchange_params(comm, rank, params)
             order = [(rank, op, m) for op, m in stage_orders(self.schedule, self.K, self.M)[rank]]
             loss = self._run(order, params, micro, weights, grads, comm, on_ready)

@@ -8,6 +8,7 @@ import numpy as np
 
 from ..files import read_npz, write_replacing
 from .optim import CHECK, CHECKED_WRITE, WRITE, adam_update, clip_scale, sgd_update, sum_squares
+from .parallel import gather_stages, write_on_rank_0
 
 OPTIMIZERS = ("sgd", "adam")
 
@@ -291,15 +292,22 @@ class TrainerBase:
     def save(self, path):
         """Write params and optimizer state to `path` (.npz) atomically: a crash leaves the old file, and
         the next save into that folder removes the temp file of a killed one. The file keeps its
-        permissions; a symlink stays one, and its target gets the new contents. With parallel=...,
-        rank 0 writes it, once, and every rank returns when it is written. Params assigned into tr.params
-        are adopted first and their names, shapes and dtypes checked: a wrong one raises ValueError and
-        the file is left as it was (with parallel=..., on the rank that holds it)."""
+        permissions; a symlink stays one, and its target gets the new contents. With parallel=..., or
+        with a pipeline's stages on MPI ranks (each rank updates its own stage's params), every rank
+        calls it: the stages' params and state are gathered onto every rank, rank 0 writes the file,
+        once, and every rank returns when it is written. Params assigned into tr.params are adopted
+        first and their names, shapes and dtypes checked: a wrong one raises ValueError and the file is
+        left as it was (with parallel=..., on the rank that holds it)."""
         self._adopt()   # on every rank, before a pipeline's stages send rank 0 their params
         self.signature.params(self.params)
-        if self._parallel is None:
+        if self._parallel is not None:
+            return self._parallel.save(path, self._write)
+        comm = self.pipeline.comm if self.pipeline is not None else None
+        if comm is None:
             return self._write(path)
-        return self._parallel.save(path, self._write)
+        rank = comm.Get_rank()
+        gather_stages(self, comm, [name for name, stage in self.pipeline.grad_stages.items() if stage == rank])
+        return write_on_rank_0(comm, path, self._write, self.model_name)
 
     @classmethod
     def load(cls, path, /, **parallel_options):
