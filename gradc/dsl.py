@@ -790,7 +790,9 @@ def scan(step, init, xs, reverse=False):
         bg.outputs[f"o{i}"] = o
     from gradc.passes.simplify import eliminate_dead
     eliminate_dead(bg)
-    operands = [c.node for c in inits] + [x.node for x in seqs] + list(body.closed_over)
+    # a scalar carry is (1,) in the loop (its leaf and result above): its init too
+    operands = ([c.node if c.shape else g.apply("reshape", [c.node], {"shape": (1,)}, src=src) for c in inits]
+                + [x.node for x in seqs] + list(body.closed_over))
     token = g.apply("scan", operands, {"body": bg, "carries": len(inits), "xs": len(seqs), "reverse": bool(reverse)},
                     src=src)
     from .ops.scan import FINAL, YS, result

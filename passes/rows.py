@@ -7,7 +7,7 @@ that reduction only ops that are linear in it may follow (a scale, a sum of such
 loss of the whole batch is the weighted sum of the microbatches' losses: weights B_m / B for a
 mean, 1 for a sum. Anything else names the op that mixes rows.
 """
-from gradc.ops import get_op
+from gradc.ops import get_op, rows_of
 
 NONE = None
 
@@ -95,8 +95,4 @@ def _track(graph, n, dim, where):
         if any(d == dim for d in shape) or (op == "count" and dim in node["attrs"].get("dims", ())):
             _fail(graph, n, f"takes the batch size {dim!r} from no input row")
         return NONE
-    if record.kind != "elementwise" and any(isinstance(w, tuple) for w in ins):
-        _fail(graph, n, "uses the loss after its reduction over rows in a way that is not a sum of scaled terms")
-    if record.rows is None:
-        _fail(graph, n, "is an op gradc cannot follow the rows through")
-    return record.rows(graph, n, ins, lambda why: _fail(graph, n, why))
+    return rows_of(graph, n, ins, lambda why: _fail(graph, n, why))

@@ -593,3 +593,30 @@ def test_a_random_op_in_a_step_is_refused_by_name():
     seed = m.input("seed", (), dtype="int64")
     with pytest.raises(GradcError, match=r"test_scan.py:\d+: gaussian_noise: random ops inside the step of gc.scan"):
         gc.scan(lambda h, xt: (gc.gaussian_noise(h + xt, 0.1, seed), None), h0, x)
+
+
+def test_a_scalar_carry_matches_torch(tmp_path):
+    """A carry of shape () (the loop holds it as (1,)): its init was passed as () and the scan refused it."""
+    m = gc.Model("scalar_carry")
+    xs = m.input("xs", ("T", 3))
+    a, W = m.param("a", ()), m.param("W", (3,))
+    c, ys = gc.scan(lambda c, x: (gc.tanh(c + (x * W).sum()), c * 2.0), a * 1.0, xs)
+    m.minimize(c + ys.sum())
+    mod = gc.compile(m, out=str(tmp_path), dtype="float64", order=2, warm=False)
+    rng = np.random.default_rng(0)
+    params, X = {"a": np.array(0.3), "W": rng.standard_normal(3)}, rng.standard_normal((4, 3))
+    tp = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    c, total = tp["a"] * 1.0, 0.0
+    for t in range(4):
+        total, c = total + c * 2.0, torch.tanh(c + (torch.tensor(X[t]) * tp["W"]).sum())
+    expected = c + total
+    loss, grads = mod.loss_and_grad(params, xs=X)
+    assert loss == pytest.approx(expected.item(), rel=1e-12)
+    tg = torch.autograd.grad(expected, list(tp.values()), create_graph=True)
+    for k, gt in zip(tp, tg):
+        np.testing.assert_allclose(grads[k], gt.detach().numpy(), rtol=1e-10, atol=1e-13, err_msg=k)
+    v = {"a": np.array(0.7), "W": rng.standard_normal(3)}
+    hv = mod.hvp(params, v, xs=X)
+    dot = sum((gt * torch.tensor(v[k])).sum() for k, gt in zip(tp, tg))
+    for k, ht in zip(tp, torch.autograd.grad(dot, list(tp.values()))):
+        np.testing.assert_allclose(hv[k], ht.numpy(), rtol=1e-9, atol=1e-12, err_msg=f"hvp {k}")

@@ -174,6 +174,45 @@ def test_a_time_step_of_a_time_major_sequence_keeps_its_rows(tmp_path):
     _against_one_device(one, many, _data(one, np.random.default_rng(9)))
 
 
+def _language_model(name="lm", accumulate=False):
+    """Next-token loss computed in the step (a mean over B) and stacked by the scan, then averaged
+    over T: a mean of per-row terms still. (accumulate: summed into a carry instead, which the rows
+    rules cannot see is linear: refused.)"""
+    m = gc.Model(name)
+    tok, nxt = m.input("tok", ("T", "B"), dtype="int64"), m.input("nxt", ("T", "B"), dtype="int64")
+    emb, W, Wo = m.param("emb", (C, H), init="normal"), m.param("W", (H, H)), m.param("Wo", (H, C))
+
+    def step(carry, inp):
+        h, total = carry if accumulate else (carry, None)
+        t_t, n_t = inp
+        h = gc.tanh(h @ W + gc.take(emb, t_t))
+        loss = gc.softmax_cross_entropy(h @ Wo, n_t)
+        return ((h, total + loss), None) if accumulate else (h, loss)
+
+    h0 = gc.take(emb, tok).sum(axis=0) * 0.0
+    if accumulate:
+        (_, total), _ = gc.scan(step, (h0, m.param("t0", (), init="zeros") * 1.0), (tok, nxt))
+        m.minimize(total)
+    else:
+        _, losses = gc.scan(step, h0, (tok, nxt))
+        m.minimize(losses.mean())
+    return m
+
+
+def test_a_loss_made_in_the_step_splits_over_microbatches(tmp_path):
+    one = compile_model(_language_model(), out=str(tmp_path / "one"), order=1, dtype="float64", warm_cache=False,
+                        batch_dim="B")
+    assert one._ROWS["reduction"] == "mean" and one._ROWS["batch_inputs"] == {"tok": 1, "nxt": 1}
+    many = compile_model(_language_model(), out=str(tmp_path / "many"), order=1, dtype="float64", warm_cache=False,
+                         batch_dim="B", microbatches=3)
+    rng = np.random.default_rng(11)
+    _against_one_device(one, many, {"tok": rng.integers(0, C, (T, B)), "nxt": rng.integers(0, C, (T, B))})
+    with pytest.raises(GradcError, match=r"--microbatches 2: .*\(scan\) runs add \(at .*test_scan_devices.py:\d+\) in "
+                                         r"its step, which is not linear in the loss reduced over rows"):
+        compile_model(_language_model("acc", accumulate=True), out=str(tmp_path / "acc"), batch_dim="B",
+                      microbatches=2, warm_cache=False)
+
+
 def test_what_microbatches_cannot_split_is_refused_by_name(tmp_path):
     m = gc.Model("twice")
     x = m.input("x", ("B", "B"))

@@ -87,6 +87,24 @@ def get_op(name):
         raise GradcError(f"unknown op {name!r}") from None
 
 
+def rows_of(graph, n, ins, fail):
+    """Where the batch rows lie in n, from where they lie in its operands (`ins`), by its record's `rows`
+    rule. A value reduced over the rows (a tuple: a loss term, a sum or mean of per-row terms) goes on
+    through ops linear in it, all of whose operands are reduced alike (layout ops, sums and means: a
+    per-step loss stacked by a scan and averaged over time); elementwise ops say for themselves."""
+    record = get_op(graph.op(n))
+    reduced = [w for w in ins if isinstance(w, tuple)]
+    if reduced and record.kind != "elementwise":
+        if (record.kind == "layout" or record.name in ("sum", "mean")) and len(reduced) == len(ins) \
+                and len(set(reduced)) == 1:
+            return reduced[0]
+        fail("reads a sum or mean over the batch rows other than by scaling, adding, moving or summing it (the loss "
+             "must be a sum or mean of per-row terms)")
+    if record.rows is None:
+        fail("is an op gradc cannot follow the rows through")
+    return record.rows(graph, n, ins, fail)
+
+
 # Registers the built-ins: every module of this package (helper modules too, so each must be safe
 # to import alone) is imported when gradc is, so a new op's module needs no line here.
 for _module in pkgutil.iter_modules(__path__):

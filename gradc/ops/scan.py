@@ -39,7 +39,7 @@ import copy
 import numpy as np
 import sympy as sp
 
-from . import Op, get_op, register
+from . import Op, get_op, register, rows_of
 from ..errors import ShapeError
 from ..shapes import bind_dims, fmt, size
 from .scan_layout import (CHECKPOINT, FINAL, OSTACK, STACK, YS, checkpoints, forward_attrs, index_of,  # noqa: F401
@@ -411,28 +411,25 @@ def _carry_per_row(body, leaves, outputs, K):
     if any(len(body.shape(leaves[k])) < 1 for k in range(K)) or len({body.shape(leaves[k])[0] for k in range(K)}) > 1:
         return False
     try:
-        where = _follow_rows(body, {leaf: (0 if j < K else None) for j, leaf in enumerate(leaves)}, fail,
-                             lambda record: fail(record.name))
+        where = _follow_rows(body, {leaf: (0 if j < K else None) for j, leaf in enumerate(leaves)}, fail)
     except _NotPerRow:
         return False
     return all(where.get(outputs[k]) == 0 for k in range(K))
 
 
-def _follow_rows(body, seeds, fail, unknown):
+def _follow_rows(body, seeds, fail):
     """Where the batch rows lie in every value of the body, from where they lie in its leaves
-    (`seeds`), by each op's rows rule; `unknown(record)` for an op that has none."""
+    (`seeds`), by each op's rows rule (a step's op that fails is named with its own line)."""
     where = dict(seeds)
     for m in body.topo_order():
         if m in where:
             continue
-        record = get_op(body.op(m))
         mins = [where[u] for u in body.operands(m)]
         if all(w is None for w in mins):
             where[m] = None
-        elif record.rows is None:
-            unknown(record)
         else:
-            where[m] = record.rows(body, m, mins, fail)
+            where[m] = rows_of(body, m, mins, lambda why, m=m: fail(
+                f"runs {body.op(m)} (at {body.node(m)['src']}) in its step, which {why}"))
     return where
 
 
@@ -522,8 +519,7 @@ def body_rows(graph, n, ins, fail):
             w -= 1
         seeds[leaf] = w
     for _ in range(2):   # the carries' rows after one step must be where they were before it
-        where = _follow_rows(body, seeds, fail, lambda record: fail(
-            f"runs {record.name!r} in its step, which gradc cannot follow the rows through"))
+        where = _follow_rows(body, seeds, fail)
         changed = False
         for k in range(K):
             if where[outputs[k]] != seeds[leaves[k]]:
@@ -550,7 +546,7 @@ class ScanRows:
             w = self.axes[index]
         else:
             w = self.axes[(index - K - M) % K]
-        return None if w is None else w + 1
+        return w if w is None or isinstance(w, tuple) else w + 1   # (a loss term per step: reduced alike)
 
 
 def _out_rows(graph, n, ins, fail):
