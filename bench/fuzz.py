@@ -1,11 +1,13 @@
 """Fuzz gradc against PyTorch autograd on random graphs (the generator is tests/fuzz_graphs.py).
 
-    python bench/fuzz.py --n 1000 [--seed0 S] [--compiled K] [--per-model 3]
+    python bench/fuzz.py --n 1000 [--seed0 S] [--compiled K] [--per-model 3] [--pipelined P]
 
 Every seed S0 .. S0+N-1 goes through gradc's numpy interpreter: loss, gradients and H v against
 torch in float64 (dense ops, conv2d and pools, indexing, concat/stack, take, batched matmul and
 seeded dropout / Gaussian noise). The first K seeds also go through the compiled module (small programs,
---per-model of them per compiled model, as tests/test_fuzz.py does). Failures print with their
+--per-model of them per compiled model, as tests/test_fuzz.py does), and the first P with --devices 2
+and --microbatches 2 (a scan placed whole on a stage, its rows split; --devices 2 alone where the rows
+check refuses microbatches). Failures print with their
 programs; the last lines are the summary `N graphs: X passed, Y failed` and how often each op
 variant and graph feature was generated.
 """
@@ -42,6 +44,8 @@ def main():
     ap.add_argument("--seed0", type=int, default=0, help="first seed")
     ap.add_argument("--compiled", type=int, default=0, help="seeds (from seed0) also through the compiled module")
     ap.add_argument("--per-model", type=int, default=3, help="small programs per compiled model")
+    ap.add_argument("--pipelined", type=int, default=0,
+                    help="seeds (from seed0) also compiled with --devices 2 --microbatches 2, one program each")
     args = ap.parse_args()
 
     coverage = Counter()
@@ -67,6 +71,20 @@ def main():
             failed += len(seeds)
             print(msg, flush=True)
         print(f"compiled {seeds}: {'ok' if ok else 'FAILED'} ({time.perf_counter() - t0:.0f} s so far)", flush=True)
+
+    t0 = time.perf_counter()
+    for seed in range(args.seed0, args.seed0 + args.pipelined):
+        with tempfile.TemporaryDirectory() as out:
+            ran_with = {}
+            ok, msg = run(f"seed {seed} (compiled on 2 devices)", lambda: ran_with.update(
+                fuzz_graphs.check_pipelined(fuzz_graphs.random_case(seed, small=True), out,
+                                            ("gpipe", "1f1b", "sequential")[seed % 3])))
+        ran += 1
+        if not ok:
+            failed += 1
+            print(msg, flush=True)
+        print(f"2 devices {seed}: {'ok ' + str(ran_with) if ok else 'FAILED'} ({time.perf_counter() - t0:.0f} s so far)",
+              flush=True)
 
     print("\ncoverage (interpreter seeds; op variants count steps, features count programs):")
     for name, count in sorted(coverage.items()):

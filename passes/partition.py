@@ -104,54 +104,50 @@ def partition(problem, K, memory_limit=np.inf, in_flight=None):
     n = problem.n
     if not 1 <= K <= n:
         raise Infeasible(f"{K} stages of {n} positions")
-    in_flight = in_flight or [1] * K
-    seconds, kept, params, workspace = stage_tables(problem)
-    pinned = _pin_ok(problem, K)
-    INF = np.inf
-    best = np.full((K + 1, n + 1), INF)    # best[k, b]: k stages over positions 0..b-1
-    start = np.zeros((K + 1, n + 1), dtype=np.int64)
-    best[0, 0] = 0.0
-    a = np.arange(n + 1)
-    for k in range(1, K + 1):
-        for b in range(k, n + 1):
-            cost = np.maximum(best[k - 1, :b], seconds[:b, b])
-            fits = kept[:b, b] * in_flight[k - 1] + params[:b, b] + workspace[:b, b] <= memory_limit
-            cost = np.where(fits & pinned[k - 1][:b, b] & (a[:b] < b), cost, INF)
-            i = int(np.argmin(cost))
-            best[k, b], start[k, b] = cost[i], i
-    if not np.isfinite(best[K, n]):
+    seconds, memory, pinned = _stage_costs(problem, K, in_flight)
+    starts, slowest = _least_largest(K, n, lambda k, b: np.where(
+        (memory[k][:b, b] <= memory_limit) & pinned[k][:b, b], seconds[:b, b], np.inf))
+    if starts is None:
         raise Infeasible(f"no cut into {K} stages fits {memory_limit} bytes per device with the pins given")
-    return _starts(start, K, n), float(best[K, n])
-
-
-def _starts(start, K, n):
-    starts, b = [], n
-    for k in range(K, 0, -1):
-        b = int(start[k, b])
-        starts.append(b)
-    return starts[::-1]
+    return starts, slowest
 
 
 def least_memory(problem, K, in_flight=None):
     """(the least bytes per device any cut into K stages needs under the cost model, the stage that
     needs them in that cut), pins respected; None when no cut keeps the pins."""
-    n = problem.n
+    _, memory, pinned = _stage_costs(problem, K, in_flight)
+    starts, most = _least_largest(K, problem.n, lambda k, b: np.where(pinned[k][:b, b], memory[k][:b, b], np.inf))
+    if starts is None:
+        return None
+    bounds = starts + [problem.n]
+    return int(np.ceil(most)), int(np.argmax([memory[k][bounds[k], bounds[k + 1]] for k in range(K)]))
+
+
+def _stage_costs(problem, K, in_flight):
+    """seconds[a, b] of a stage holding positions a..b-1; memory[k][a, b], its bytes as stage k (which
+    holds in_flight[k] microbatches' kept activations); pinned[k][a, b], whether its pins allow it."""
     in_flight = in_flight or [1] * K
-    _, kept, params, workspace = stage_tables(problem)
-    pinned = _pin_ok(problem, K)
-    most = np.full((K + 1, n + 1), np.inf)   # most[k, b]: the largest stage of the best k stages over 0..b-1
+    seconds, kept, params, workspace = stage_tables(problem)
+    memory = [kept * in_flight[k] + params + workspace for k in range(K)]
+    return seconds, memory, _pin_ok(problem, K)
+
+
+def _least_largest(K, n, cost):
+    """The cut of positions 0..n-1 into K non-empty contiguous stages whose largest stage cost is least:
+    (starts, that cost), or (None, inf) when every cut has an infinite one. cost(k, b): stage k's cost
+    for positions a..b-1, as an array over a = 0..b-1."""
+    best = np.full((K + 1, n + 1), np.inf)    # best[k, b]: the least largest cost of k stages over 0..b-1
     start = np.zeros((K + 1, n + 1), dtype=np.int64)
-    most[0, 0] = 0.0
-    a = np.arange(n + 1)
+    best[0, 0] = 0.0
     for k in range(1, K + 1):
         for b in range(k, n + 1):
-            need = np.maximum(most[k - 1, :b], kept[:b, b] * in_flight[k - 1] + params[:b, b] + workspace[:b, b])
-            need = np.where(pinned[k - 1][:b, b] & (a[:b] < b), need, np.inf)
-            i = int(np.argmin(need))
-            most[k, b], start[k, b] = need[i], i
-    if not np.isfinite(most[K, n]):
-        return None
-    bounds = _starts(start, K, n) + [n]
-    needs = [kept[bounds[k], bounds[k + 1]] * in_flight[k] + params[bounds[k], bounds[k + 1]]
-             + workspace[bounds[k], bounds[k + 1]] for k in range(K)]
-    return int(np.ceil(most[K, n])), int(np.argmax(needs))
+            largest = np.maximum(best[k - 1, :b], cost(k - 1, b))
+            i = int(np.argmin(largest))
+            best[k, b], start[k, b] = largest[i], i
+    if not np.isfinite(best[K, n]):
+        return None, np.inf
+    starts, b = [], n
+    for k in range(K, 0, -1):
+        b = int(start[k, b])
+        starts.append(b)
+    return starts[::-1], float(best[K, n])

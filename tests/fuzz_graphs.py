@@ -1423,6 +1423,28 @@ def gradc_compiled(case, out, dtype="float64", hessian=True, **options):
             "param_order": [p for p in mod.PARAM_ORDER if p in case.trainable]}
 
 
+def check_pipelined(case, out, schedule="1f1b"):
+    """One program compiled with --devices 2 and --microbatches 2 (--devices 2 alone where the rows
+    check refuses microbatches, naming why: a batch statistic, random ops, one row) against torch;
+    returns the options it ran with."""
+    (prog,) = case.programs
+    batch = prog.dims[BATCH]
+    ref = torch_reference(case)
+    tries = ([dict(microbatches=2, schedule=schedule)] if batch >= 2 else []) + [{}]
+    for extra in tries:
+        options = dict(devices=2, bind={BATCH: batch}, **extra)
+        try:
+            got = gradc_compiled(case, out, hessian=False, order=2, **options)
+        except gc.GradcError as e:
+            if extra and "--microbatches 2: " in str(e):
+                continue
+            raise _crashed(case, f"compiled {options}", e) from e
+        except Exception as e:
+            raise _crashed(case, f"compiled {options}", e) from e
+        compare(case, got, ref, where=f"compiled {options}")
+        return options
+
+
 def compare(case, got, ref, rtol=1e-8, rtol_hvp=1e-7, where="interpreter"):
     """Raise AssertionError listing every mismatch, with the seeds and programs to reproduce it.
 

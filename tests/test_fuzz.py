@@ -19,7 +19,7 @@ import pytest
 import gradc.codegen.entry as entry
 from gradc.ops import conv, conv_direct, conv_winograd
 from conftest import split_every_conv
-from fuzz_graphs import check_compiled, check_interpreted, combined_case, random_case
+from fuzz_graphs import check_compiled, check_interpreted, check_pipelined, combined_case, random_case
 
 INTERPRETED_SEEDS = range(120)   # about 50 s of CPU on one core; bench/fuzz.py runs more
 # seeds 0 and 2 have a scan each; seed 8 two (one reverse), run by plain-Python entry points;
@@ -90,6 +90,13 @@ def test_compiled_convs_over_parts_of_the_batch_match_torch(tmp_path, monkeypatc
     sources = "".join(open(f).read() for f in glob.glob(str(tmp_path / "**" / "*.py"), recursive=True))
     assert "parts_on_cores(images_" in sources
     assert parts and max(parts) >= 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [2, 44])
+def test_programs_with_scans_on_two_devices_match_torch(tmp_path, seed):
+    """--devices 2 (--microbatches 2 where the rows check takes the model): a scan runs whole in a stage."""
+    assert check_pipelined(random_case(seed, small=True), str(tmp_path), "1f1b")["devices"] == 2
 
 
 @pytest.mark.slow

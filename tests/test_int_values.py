@@ -130,6 +130,7 @@ def test_the_arena_holds_floats_and_the_int_buffers_are_workspace(tmp_path):
         np.testing.assert_allclose(grads[k], tg[k].detach().numpy(), rtol=1e-4, atol=1e-5, err_msg=k)
 
 
+@pytest.mark.slow
 def test_int_values_on_the_cuda_target_under_the_simulator(tmp_path):
     pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
     proc = subprocess.run([sys.executable, "-W", "ignore", __file__, str(tmp_path)], env=cuda_env(),

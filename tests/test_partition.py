@@ -60,14 +60,19 @@ def _random_problem(rng, n):
                    float(rng.uniform(0.0, 0.2)), pins, workspace)
 
 
-@pytest.mark.parametrize("seed", range(60))
-def test_partition_is_optimal_against_brute_force(seed):
+def _random_cut(seed):
+    """A random problem of n positions, a stage count K, a memory limit and each stage's microbatches in flight."""
     rng = np.random.default_rng(seed)
     n = int(rng.integers(2, 9))
     problem = _random_problem(rng, n)
     K = int(rng.integers(1, min(n, 4) + 1))
     limit = float(rng.choice([np.inf, rng.uniform(20, 200)]))
-    in_flight = rng.integers(1, 4, K).tolist()
+    return problem, n, K, limit, rng.integers(1, 4, K).tolist()
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_partition_is_optimal_against_brute_force(seed):
+    problem, n, K, limit, in_flight = _random_cut(seed)
     expected = _brute_force(problem, K, limit, in_flight)
     if not np.isfinite(expected):
         with pytest.raises(Infeasible):
@@ -83,11 +88,7 @@ def test_partition_is_optimal_against_brute_force(seed):
 @pytest.mark.parametrize("seed", range(30))
 def test_least_memory_is_the_smallest_limit_any_cut_fits(seed):
     """What --device-memory's error names when no cut fits: the least bytes per device, and its stage."""
-    rng = np.random.default_rng(seed)
-    n = int(rng.integers(2, 9))
-    problem = _random_problem(rng, n)
-    K = int(rng.integers(1, min(n, 4) + 1))
-    in_flight = rng.integers(1, 4, K).tolist()
+    problem, n, K, _, in_flight = _random_cut(seed)
     least = least_memory(problem, K, in_flight)
     if least is None:   # the pins admit no cut
         with pytest.raises(Infeasible):

@@ -72,7 +72,7 @@ def _against_one_device(one, many, inputs):
 
 
 @pytest.mark.parametrize("K,M,schedule,time_major", [
-    (2, 1, "sequential", True), (2, 3, "1f1b", True), (1, 3, "gpipe", True),
+    pytest.param(2, 1, "sequential", True, marks=pytest.mark.slow), (2, 3, "1f1b", True), (1, 3, "gpipe", True),
     pytest.param(2, 2, "gpipe", False, marks=pytest.mark.slow),
     pytest.param(3, 2, "1f1b", True, marks=pytest.mark.slow)])
 def test_a_scan_across_devices_and_microbatches_gives_the_one_device_gradients(tmp_path, one_device, K, M, schedule,
@@ -94,6 +94,7 @@ def test_a_scan_across_devices_and_microbatches_gives_the_one_device_gradients(t
         assert outs and {n["op"] for n in outs} == {"scan_out"} and {n["device"] for n in outs} == {scan["device"]}
 
 
+@pytest.mark.slow
 def test_lr_grad_of_a_scan_in_a_pipeline_build_runs_whole(tmp_path):
     """(Without the encoder: the estimate perturbs products of rows on axis 0, as the step's are.)"""
     model = _seq_rnn("lr_rnn", encoder=False)
