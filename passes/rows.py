@@ -49,10 +49,21 @@ def batch_dim(graph, override=None):
 
 def other_dims(graph, dim):
     """What an error about the batch dim `dim`, taken by default, adds when the inputs have other
-    symbolic dims: that --batch-dim names another."""
-    others = [d for n in graph.inputs.values() for d in graph.shape(n) if isinstance(d, str) and d != dim]
-    return (f" (the batch dim taken is {dim!r}; the inputs also have {', '.join(map(repr, dict.fromkeys(others)))}: "
-            f"--batch-dim names the batch dim)") if others else ""
+    symbolic dims: that --batch-dim names another, and why each other input's leading dim failed too."""
+    others = list(dict.fromkeys(d for n in graph.inputs.values() for d in graph.shape(n)
+                                if isinstance(d, str) and d != dim))
+    if not others:
+        return ""
+    leading = {graph.shape(n)[0] for n in graph.inputs.values() if graph.shape(n)}
+    why = []
+    for d in others:
+        if d in leading and graph.loss is not None:
+            try:
+                loss_reduction(graph, d)
+            except RowsError as e:
+                why.append(f"with {d!r}: {e.src + ': ' if e.src else ''}{e}")
+    return (f" (the batch dim taken is {dim!r}; the inputs also have {', '.join(map(repr, others))}: --batch-dim "
+            f"names the batch dim{'; ' + '; '.join(why) if why else ''})")
 
 
 def batch_axes(graph, dim):

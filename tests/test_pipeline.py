@@ -82,6 +82,8 @@ def _rows_model(kind):
         loss = gc.mean(h.T @ h)
     elif kind == "square":
         loss = gc.mean(h) * gc.mean(h)
+    elif kind == "penalty":   # an L2 term added by hand: it has no rows
+        loss = gc.mean(h) + gc.sum(m.param("W2", (4, 4)) ** 2)
     else:
         loss = gc.mean(h - gc.mean(h, axis=0, keepdims=True))
     m.minimize(loss)
@@ -90,6 +92,8 @@ def _rows_model(kind):
 
 @pytest.mark.parametrize("kind,why", [("max", "takes a max over rows"), ("gram", "multiplies along the batch dim"),
                                       ("square", "not linear in the loss reduced over rows"),
+                                      ("penalty", "combines the loss reduced over rows with a value without batch "
+                                                  r"rows .* \(an L2 penalty goes in minimize\(..., weight_decay=\)"),
                                       ("center", "mixes a value reduced over rows with other batch values")])
 def test_a_loss_that_mixes_rows_is_refused_for_microbatches(tmp_path, kind, why):
     model = _rows_model(kind)

@@ -157,6 +157,24 @@ def test_batch_dim_names_the_dim_of_a_model_no_input_leads_with(tmp_path):
     _against_one_device(one, many, {"x": rng.standard_normal((T, B, D)), "target": rng.standard_normal((T, B, 1))})
 
 
+def test_when_no_leading_dim_splits_the_error_says_why_for_each(tmp_path):
+    """T mixes through the scan; B through a centring over the batch in the step: both reasons, with lines."""
+    m = gc.Model("mixes_both")
+    x, y = m.input("x", ("T", "B", D)), m.input("y", ("B",), dtype="int64")
+    W, U = m.param("W", (H, H)), m.param("U", (D, H))
+
+    def step(h, x_t):
+        h = gc.tanh(h @ W + x_t @ U)
+        return h - h.mean(axis=0), None
+
+    hT, _ = gc.scan(step, x.sum(axis=0) @ np.zeros((D, H)), x)
+    m.minimize(gc.softmax_cross_entropy(hT @ m.param("V", (H, C)), y))
+    with pytest.raises(GradcError, match=r"--microbatches 2: .* \(the batch dim taken is 'T'; the inputs also have 'B': "
+                                         r"--batch-dim names the batch dim; with 'B': .*\(scan\) runs sub \(at "
+                                         r".*test_scan_devices.py:\d+\) in its step, which mixes"):
+        compile_model(m, out=str(tmp_path), microbatches=2, warm_cache=False)
+
+
 def test_a_time_step_of_a_time_major_sequence_keeps_its_rows(tmp_path):
     """x[0] and hs[-1] are a slice (1, B, H) seen as (B, H): the rows move from axis 1 to 0."""
     m = gc.Model("last_state")
@@ -209,7 +227,7 @@ def test_a_loss_made_in_the_step_splits_over_microbatches(tmp_path):
     rng = np.random.default_rng(11)
     _against_one_device(one, many, {"tok": rng.integers(0, C, (T, B)), "nxt": rng.integers(0, C, (T, B))})
     with pytest.raises(GradcError, match=r"--microbatches 2: .*\(scan\) runs add \(at .*test_scan_devices.py:\d+\) in "
-                                         r"its step, which is not linear in the loss reduced over rows"):
+                                         r"its step, which combines the loss reduced over rows with a value without batch rows"):
         compile_model(_language_model("acc", accumulate=True), out=str(tmp_path / "acc"), batch_dim="B",
                       microbatches=2, warm_cache=False)
 

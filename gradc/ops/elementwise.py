@@ -124,6 +124,10 @@ def rows(graph, n, ins, fail):
         t = sp.Symbol("t", positive=True)
         expr = expr_of(graph, n)
         if sp.simplify(expr.xreplace({X[i]: t * X[i] for i in reduced}) - t * expr) != 0:
+            if any(w is None for w in ins):
+                fail(f"combines the loss reduced over rows with a value without batch rows ({expr}): a batch's loss "
+                     f"would not be the weighted sum of its parts' (an L2 penalty goes in minimize(..., "
+                     f"weight_decay=); a loss summed in a scan's carry: return it as the step's y)")
             fail(f"is not linear in the loss reduced over rows ({expr})")
         return kinds.pop()
     out = None
