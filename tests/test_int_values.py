@@ -76,7 +76,7 @@ def torch_grads(name, params, inputs):
     return tp, loss, dict(zip(tp, grads))
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", ["indexed", pytest.param("scanned", marks=pytest.mark.slow)])
 def test_int_values_match_torch(tmp_path, name):
     mod = compile_model(MODELS[name][0](), out=str(tmp_path), dtype="float64", order=2 if name == "indexed" else 1,
                         warm_cache=False)

@@ -72,7 +72,8 @@ def _against_one_device(one, many, inputs):
 
 
 @pytest.mark.parametrize("K,M,schedule,time_major", [
-    pytest.param(2, 1, "sequential", True, marks=pytest.mark.slow), (2, 3, "1f1b", True), (1, 3, "gpipe", True),
+    pytest.param(2, 1, "sequential", True, marks=pytest.mark.slow), (2, 3, "1f1b", True),
+    pytest.param(1, 3, "gpipe", True, marks=pytest.mark.slow),
     pytest.param(2, 2, "gpipe", False, marks=pytest.mark.slow),
     pytest.param(3, 2, "1f1b", True, marks=pytest.mark.slow)])
 def test_a_scan_across_devices_and_microbatches_gives_the_one_device_gradients(tmp_path, one_device, K, M, schedule,
@@ -244,6 +245,7 @@ def test_what_microbatches_cannot_split_is_refused_by_name(tmp_path):
     assert not [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
 
 
+@pytest.mark.slow
 def test_two_mpi_ranks_run_the_stages_of_a_scan_model(tmp_path):
     model = _seq_rnn("mpi_rnn")
     mod = compile_model(model, out=str(tmp_path / "build"), order=1, bind={"T": T, "B": B}, warm_cache=False,
