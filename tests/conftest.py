@@ -1,6 +1,8 @@
 """Shared helpers: float64 central finite differences through the IR interpreter."""
 import itertools
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -59,6 +61,16 @@ def cuda_env(**extra):
     else:
         env["NUMBA_ENABLE_CUDASIM"] = "1"
     return env
+
+
+def cuda_script(path, *args, timeout=900):
+    """Run `path` (a script that builds --target cuda code) in a process of its own, under cuda_env (the
+    simulator is chosen at import); the last line it printed. Skips without numba-cuda."""
+    pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
+    proc = subprocess.run([sys.executable, "-W", "ignore", str(path), *map(str, args)], env=cuda_env(),
+                          cwd=os.path.dirname(os.path.abspath(path)), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout.strip().splitlines()[-1]
 
 
 def split_every_conv(monkeypatch, cores=3):

@@ -1,5 +1,6 @@
 """conv2d, max_pool2d, avg_pool2d: values, gradients and HVPs against torch.nn.functional (float64
 double backward) and central finite differences, through the numpy interpreter; bad arguments."""
+import json
 import os
 import re
 
@@ -11,7 +12,7 @@ from gradc.interpret import evaluate
 from gradc.ops import conv as C, conv_direct
 from gradc.passes.pipeline import build_training_graph
 
-from conftest import assert_grads_match_fd, cuda_env, split_every_conv
+from conftest import assert_grads_match_fd, cuda_script, split_every_conv
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -312,14 +313,9 @@ def test_cpu_kernels_match_numpy():
 
 
 def test_cuda_kernels_match_numpy_under_the_simulator():
-    pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
-    import subprocess
-    import sys
-    here = os.path.dirname(os.path.abspath(__file__))
-    out = subprocess.run([sys.executable, os.path.join(here, "conv_kernel_cases.py"), "cuda"], cwd=here,
-                         env=cuda_env(), capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert float(out.stdout.split()[-1]) <= 1e-12, out.stdout
+    last = cuda_script(os.path.join(os.path.dirname(os.path.abspath(__file__)), "conv_kernel_cases.py"), "cuda",
+                       timeout=600)
+    assert float(last.split()[-1]) <= 1e-12, last
 
 
 def _conv_net(name, batch="B"):
@@ -718,15 +714,8 @@ def test_memory_plan_counts_a_conv_workspace_per_part(monkeypatch):
 @pytest.mark.slow
 def test_cuda_target_conv_net_matches_the_interpreter(tmp_path):
     """forward, loss_and_grad, input_grads and hvp of the conv net compiled for CUDA, under the simulator."""
-    pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
-    import json
-    import subprocess
-    import sys
-    here = os.path.dirname(os.path.abspath(__file__))
-    out = subprocess.run([sys.executable, os.path.join(here, "conv_cuda_runs.py"), str(tmp_path)], cwd=here,
-                         env=cuda_env(), capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    errors = json.loads(out.stdout.strip().splitlines()[-1])
+    errors = json.loads(cuda_script(os.path.join(os.path.dirname(os.path.abspath(__file__)), "conv_cuda_runs.py"),
+                                    tmp_path))
     assert set(errors) == {"forward", "loss", "grads", "input_grads", "hvp"}
     assert max(errors.values()) <= 1e-12, errors
 

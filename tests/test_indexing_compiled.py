@@ -3,8 +3,6 @@ op, on the CPU target and (under numba-cuda's simulator, in a subprocess) the CU
 the interpreter and torch; and the per-row (microbatch) rules of the new ops."""
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,7 +12,7 @@ from gradc.interpret import evaluate
 from gradc.ops.random import draw
 from gradc.passes.pipeline import build_training_graph
 from gradc.passes.rows import RowsError, loss_reduction
-from conftest import cuda_env
+from conftest import cuda_script
 
 
 def every_new_op():
@@ -96,13 +94,7 @@ def test_cpu_module_matches_the_interpreter_and_torch(build_dir):
 
 
 def test_cuda_module_under_the_simulator_matches_the_interpreter(tmp_path):
-    pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
-    script = os.path.join(os.path.dirname(__file__), "indexing_cuda_runs.py")
-    env = cuda_env()
-    proc = subprocess.run([sys.executable, "-W", "ignore", script, str(tmp_path)], env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    errors = json.loads(proc.stdout.strip().splitlines()[-1])
+    errors = json.loads(cuda_script(os.path.join(os.path.dirname(__file__), "indexing_cuda_runs.py"), tmp_path))
     assert errors and all(e <= 1e-12 for e in errors.values()), errors
 
 

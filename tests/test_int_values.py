@@ -4,7 +4,6 @@ scanned int sequence): each owns a buffer of its own dtype, outside the arena of
 CPU target and (in a subprocess, under numba-cuda's simulator) the CUDA target."""
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -14,7 +13,7 @@ import torch
 import gradc as gc
 from gradc.compiler import compile_model
 
-from conftest import cuda_env
+from conftest import cuda_script
 
 B, T = 5, 4
 
@@ -132,11 +131,7 @@ def test_the_arena_holds_floats_and_the_int_buffers_are_workspace(tmp_path):
 
 @pytest.mark.slow
 def test_int_values_on_the_cuda_target_under_the_simulator(tmp_path):
-    pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
-    proc = subprocess.run([sys.executable, "-W", "ignore", __file__, str(tmp_path)], env=cuda_env(),
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    errors = json.loads(proc.stdout.strip().splitlines()[-1])
+    errors = json.loads(cuda_script(__file__, tmp_path))
     assert set(errors) == {"indexed", "scanned"} and all(e <= 1e-12 for e in errors.values()), errors
 
 

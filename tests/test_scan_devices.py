@@ -4,7 +4,6 @@ Each build against the one-device build of the same model, float64 (that build i
 torch by test_scan.py)."""
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -15,7 +14,7 @@ from gradc.compiler import compile_model
 from gradc.errors import GradcError
 from gradc.passes.rows import batch_dim
 
-from conftest import cuda_env
+from conftest import cuda_script
 from test_mpi import _check_ranks, _one_process, _ranks
 
 T, B, D, H, C = 5, 7, 3, 6, 4
@@ -259,11 +258,7 @@ def test_two_mpi_ranks_run_the_stages_of_a_scan_model(tmp_path):
 
 @pytest.mark.slow
 def test_a_scan_across_devices_on_the_cuda_target_under_the_simulator(tmp_path):
-    pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
-    proc = subprocess.run([sys.executable, "-W", "ignore", __file__, str(tmp_path)], env=cuda_env(),
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.strip().splitlines()[-1] == "ok"
+    assert cuda_script(__file__, tmp_path) == "ok"
 
 
 if __name__ == "__main__":   # the CUDA check, in a process of its own (the simulator is chosen at import)
