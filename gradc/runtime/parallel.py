@@ -34,7 +34,7 @@ import zlib
 import numpy as np
 
 from .optim import CHECK, CHECKED_WRITE, WRITE, adam_update, clip_scale, sgd_update, sum_squares
-from .pipeline import batch_axes, mpi_world
+from .pipeline import mpi_world, recorded_axes
 
 BUCKET_BYTES = 1 << 20   # PyTorch DDP takes 25 MiB; a smaller bucket starts sooner on small models
 
@@ -60,7 +60,7 @@ def world(comm):
 def _rows(tr, a):
     """This rank's rows: the batch dim of its inputs."""
     facts = tr.rows or {}
-    for name, axis in batch_axes(facts.get("batch_inputs", ())).items():
+    for name, axis in recorded_axes(facts.get("batch_inputs", ())).items():
         if name in a:
             return int(a[name].shape[axis])
     raise ValueError(f"{tr.model_name}.Trainer(parallel=...): no input of Trainer.step has the batch dim "
@@ -72,7 +72,7 @@ NO_KEY = -(1 << 62)   # what a rank that refused its inputs adds to the comparis
 
 def _beside_rows(tr, a):
     """The shapes of this rank's inputs without the batch axis (the whole shape of an input without it)."""
-    axes = batch_axes((tr.rows or {}).get("batch_inputs", ()))
+    axes = recorded_axes((tr.rows or {}).get("batch_inputs", ()))
     return tuple((k, tuple(d for i, d in enumerate(v.shape) if i != axes.get(k)) if k in axes else tuple(v.shape))
                  for k, v in sorted(a.items()))
 

@@ -141,7 +141,7 @@ def _rows(v, axis, a, b):
     return np.ascontiguousarray(v[(slice(None),) * axis + (slice(a, b),)])
 
 
-def batch_axes(batch_inputs):
+def recorded_axes(batch_inputs):
     """{input name: the axis of its batch rows}, from what a module records (one compiled before the
     axes were recorded lists names: axis 0)."""
     return dict(batch_inputs) if isinstance(batch_inputs, dict) else dict.fromkeys(batch_inputs, 0)
@@ -170,7 +170,7 @@ class Pipeline:
         self.grad_slices = grad_slices
         self.K, self.schedule, self.M = stages, schedule, microbatches
         self.reduction = reduction
-        self.batch_inputs = batch_axes(batch_inputs)
+        self.batch_inputs = recorded_axes(batch_inputs)
         self.weight_decay, self.decayed = weight_decay, decayed
         self.memory = memory                  # HostMemory, or a CUDA module's DeviceMemory
         self.order = interleave(schedule, stages, microbatches)
