@@ -67,9 +67,9 @@ def device_options(options, model, dims, memory_budget, src):
         if unbound:
             raise GradcError(f"--devices needs every symbolic dim bound with --bind (unbound: {', '.join(unbound)}; "
                              f"e.g. --bind {unbound[0]}=256, or bind={{{unbound[0]!r}: 256}} in gc.compile)", src)
-    if (K > 1 or M > 1) and memory_budget is not None:
-        raise GradcError("--memory-budget with --devices K > 1 or --microbatches M > 1 is not built yet: each stage "
-                         "keeps every activation (use --device-memory to bound each device)")
+    if (K > 1 or M > 1) and memory_budget == "auto":
+        raise GradcError("--memory-budget auto applies to one device: with --devices or --microbatches give a size, "
+                         "which bounds each stage's activations")
     batch = reduction = None
     named = options.get("batch_dim")
     if M > 1 or named is not None:   # (--batch-dim alone names the dim data-parallel ranks split)
@@ -249,8 +249,9 @@ def check_module_name(name, src=None):
                          f"give the Model another name", src)
 
 
-def resolve_budget(graph, memory_budget, src):
-    """--memory-budget as bytes (None when not given); `auto`: what this machine has free."""
+def resolve_budget(graph, memory_budget, src, dims=()):
+    """--memory-budget as bytes (None when not given); `auto`: what this machine has free. `dims`:
+    those --bind gave (a pipeline's batch dim stays symbolic in the graph)."""
     from .runtime.hessian import MEMORY_SHARE, available_bytes
     from .sizes import parse_size
 
@@ -261,7 +262,8 @@ def resolve_budget(graph, memory_budget, src):
     except ValueError as e:
         raise GradcError(f"--memory-budget: {e}") from None
     from gradc.passes.likelihood_ratio import DIMS as LR_DIMS   # lr_grad's samples are chosen at call time
-    unbound = sorted({d for n in graph.nx.nodes for d in graph.shape(n) if isinstance(d, str)} - set(LR_DIMS))
+    unbound = sorted({d for n in graph.nx.nodes for d in graph.shape(n) if isinstance(d, str)} - set(LR_DIMS)
+                     - set(dims))
     if unbound:
         raise GradcError(f"--memory-budget needs every symbolic dim bound with --bind (unbound: {', '.join(unbound)}; "
                          f"e.g. --bind {unbound[0]}=256, or bind={{{unbound[0]!r}: 256}} in gc.compile)", src)
@@ -284,11 +286,12 @@ def microbatch_dims(dims, pipe):
     return dims | {batch: -(-dims[batch] // pipe["M"])}
 
 
-def plan_stages(graph, dims, pipe, target, model):
+def plan_stages(graph, dims, pipe, target, model, budget=None):
     """Cut the graph into K stages and place it (passes/devices.py), then split loss_and_grad into
     stage functions. With --device-memory, each stage's memory by its functions' own plans must
     fit: the cut is chosen under the cost model, and a cut whose plans do not fit is chosen again
-    under a limit lowered by the excess (the graph placed afresh).
+    under a limit lowered by the excess (the graph placed afresh). `budget` (--memory-budget, bytes)
+    bounds each stage's activations (plan_pipeline).
     Returns (graph, PARTITION or None, the executor's description or None, the stage plans)."""
     from gradc.passes.devices import DevicePlanError, plan_devices, stage_memory
     from gradc.passes.memory import entry_roots, representative_sizes, store_all_steps
@@ -296,7 +299,7 @@ def plan_stages(graph, dims, pipe, target, model):
 
     memory_dims = microbatch_dims(dims, pipe)
     if pipe["K"] == 1:
-        return (graph, None, *plan_pipeline(graph, memory_dims, pipe, model))
+        return (graph, None, *plan_pipeline(graph, memory_dims, pipe, model, budget))
     K, limit = pipe["K"], pipe["device_memory"]
     order = store_all_steps(graph, entry_roots(graph, 1)["_loss_and_grad"], representative_sizes(graph, dims))
     pristine = copy.deepcopy(graph) if limit is not None else None
@@ -310,7 +313,7 @@ def plan_stages(graph, dims, pipe, target, model):
                 raise GradcError(str(e), model.src) from None
             break
         placed.validate()
-        pipeline, plans = plan_pipeline(placed, memory_dims, pipe, model)
+        pipeline, plans = plan_pipeline(placed, memory_dims, pipe, model, budget)
         held = stage_memory(placed, doc, pipeline["functions"], plans, memory_dims)
         over = [k for k, h in enumerate(held) if limit is not None and h > limit]
         if not over:
@@ -326,27 +329,41 @@ def plan_stages(graph, dims, pipe, target, model):
                      + ")", model.src)
 
 
-def plan_pipeline(graph, dims, pipe, model):
+def plan_pipeline(graph, dims, pipe, model, budget=None):
     """The stage functions of loss_and_grad and what the executor needs (None without a pipeline):
-    (the executor's description, the stage functions' memory plans)."""
-    from gradc.passes.memory import entry_roots, plan_entry, representative_sizes, store_all_steps
+    (the executor's description, the stage functions' memory plans). Under a `budget` (bytes) each
+    stage recomputes what it must for its activations to fit (passes/stage_retention.py)."""
+    from gradc.passes.memory import entry_roots, representative_sizes, store_all_steps
     from gradc.passes.rows import batch_axes
+    from gradc.passes.stage_retention import StageBudgetError, fit_stages, stage_plan
     from gradc.passes.stage_split import split_stages, transfers
+    from gradc.runtime.schedules import in_flight
+    from .sizes import format_size
 
     if pipe["K"] == 1 and pipe["M"] == 1:
         return None, {}
     trainable = [p for p in graph.params if model.param_info[p]["trainable"]]
     order = store_all_steps(graph, entry_roots(graph, 1)["_loss_and_grad"], representative_sizes(graph, dims))
     functions = split_stages(graph, order, pipe["K"], trainable)
-    plans = {}
-    for f in functions:
-        plans[f["fname"]] = plan_entry(graph, f["fname"], f["steps"], f["roots"], dims)
-        plans[f["fname"]]["roots"] = f["roots"]
+    plans = {f["fname"]: stage_plan(graph, f, dims) for f in functions}
+    retention = None
+    if budget is not None:
+        flights = in_flight(pipe["schedule"], pipe["K"], pipe["M"])
+        try:
+            functions, plans, retention = fit_stages(graph, order, pipe["K"], trainable, functions, plans, budget,
+                                                     flights, dims)
+        except StageBudgetError as e:
+            raise GradcError(f"--memory-budget {format_size(budget)} is below the least stage {e.stage} can be "
+                             f"planned to, {format_size(e.minimum)} (its forward's or backward's peak and its kernels' "
+                             f"workspace, plus what its backward reads from the forward for each of the {e.flight} "
+                             f"microbatch(es) it holds under the {pipe['schedule']} schedule; keeping every activation "
+                             f"needs {format_size(e.store_all)})", model.src) from None
     batch_inputs = batch_axes(graph, pipe["batch"]) if pipe["batch"] is not None else {}
     decayed = tuple(p for p in trainable if model.param_info[p]["decay"]) if model.weight_decay else ()
     return {"functions": functions, "transfers": transfers(graph), "schedule": pipe["schedule"],
             "stages": pipe["K"], "microbatches": pipe["M"], "reduction": pipe["reduction"] or "mean",
-            "batch_inputs": batch_inputs, "weight_decay": model.weight_decay, "decayed": decayed}, plans
+            "batch_inputs": batch_inputs, "weight_decay": model.weight_decay, "decayed": decayed,
+            "retention": retention}, plans
 
 
 def rows_facts(model, graph, pipe):
@@ -380,7 +397,7 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     from gradc.codegen.module import generate
     from gradc.passes.analysis import flops, nbytes, saved_for_backward
     from gradc.passes.checkpoint import BudgetError
-    from gradc.passes.memory import memplan_document, plan_memory, summary
+    from gradc.passes.memory import memplan_document, plan_memory, stage_documents, summary
     from .sizes import format_size
     from gradc.passes.pipeline import build_training_graph, check_bound_dims
     from .dsl import Model
@@ -425,15 +442,17 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     info = {"name": name, "version": __version__, "dtype": dtype, "fingerprint": fingerprint(model, dtype, dims),
             "param_info": model.param_info, "labels": index_inputs(graph), "order": order, "target": target,
             "source": source or model.src.rsplit(":", 1)[0]}
+    budget = resolve_budget(graph, memory_budget, options_src or model.src, dims)
+    pipelined = pipe["K"] > 1 or pipe["M"] > 1   # the budget is then each stage's (plan_pipeline)
     t = time.perf_counter()
-    graph, partition, info["pipeline"], stage_plans = plan_stages(graph, dims, pipe, target, model)
+    graph, partition, info["pipeline"], stage_plans = plan_stages(graph, dims, pipe, target, model,
+                                                                  budget if pipelined else None)
     info["partition"] = partition
     info["rows"] = rows_facts(model, graph, pipe)
     timings["partition"] = time.perf_counter() - t
     t = time.perf_counter()
-    budget = resolve_budget(graph, memory_budget, options_src or model.src)
     try:
-        plans = plan_memory(graph, dims, order, budget)
+        plans = plan_memory(graph, dims, order, None if pipelined else budget)
     except BudgetError as e:
         work = (f", of which {format_size(e.workspace)} is kernel workspace"
                 + (" (with --scan-backward bppsa that includes BPPSA's maps; reverse has none)" if scan_backward == "bppsa"
@@ -445,6 +464,8 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     timings["memory"] = time.perf_counter() - t
     memplan = memplan_document(graph, plans)
     info["memory_plan"] = summary(memplan)
+    if info["pipeline"] is not None:
+        memplan["stages"] = stage_documents(graph, stage_plans, info["pipeline"])
     plans.update(stage_plans)
     t = time.perf_counter()
     text, stored, meta = generate(graph, plans, info)

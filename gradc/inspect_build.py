@@ -121,10 +121,35 @@ def memory_report(base):
                  + (" (besides the scans' segments above)" if plan.get("scan_checkpoints") else ""))
     lines.append("  other entry points: " + "; ".join(
         f"{e} peak {format_size(d['peak_bytes'])}" for e, d in plan["entries"].items() if d["peak_bytes"] is not None))
+    lines += _stage_lines(plan.get("stages", ()))
     png = _live_bytes_png(base, plan)
     lines.append(f"  live bytes over the schedule: {png}" if png else
                  "  (install the viz extra, pip install 'gradc[viz]', for a PNG of live bytes over the schedule)")
     return lines
+
+
+def _stage_lines(stages):
+    """A pipeline's stages: each one's forward and backward peaks and, under --memory-budget, what it
+    holds per microbatch in flight and what its backward recomputes (passes/stage_retention.py)."""
+    lines = ["  pipeline stages: loss_and_grad and Trainer.step run as these, a microbatch per call (the plan above "
+             "is of one process over the whole batch; --memory-budget bounds each stage):"] if stages else []
+    for st in stages:
+        fwd, bwd = st["forward"], st["backward"]
+        line = (f"    stage {st['stage']}: forward peak {_short(fwd['peak_bytes'])}, backward peak "
+                f"{_short(bwd['peak_bytes'])}")
+        r = st.get("retention")
+        if r:
+            line += (f"; holds {_short(r['activation_bytes'])} for activations ({_short(r['held_per_microbatch_bytes'])} "
+                     f"per microbatch x {r['in_flight']} in flight) against a budget of {_short(r['budget_bytes'])}, "
+                     f"{_short(r['store_all_bytes'])} keeping every activation; " +
+                     (f"its backward recomputes {len(r['recomputed'])} forward values ({r['recompute_flops']:,} FLOPs)"
+                      if r["recomputed"] else "it recomputes nothing"))
+        lines.append(line)
+    return lines
+
+
+def _short(nbytes):
+    return format_size(nbytes).split(" (")[0]
 
 
 def _live_bytes_png(base, plan):

@@ -92,10 +92,11 @@ class Solution:
         feasible = np.flatnonzero(np.isfinite(self.opt[0, self.L]))
         return int(feasible[0]) if feasible.size else None
 
-    def ops(self, m):
-        """The schedule for memory m: ("F", j, keep) and ("B", j) in execution order."""
+    def ops(self, m, s=0, t=None):
+        """The schedule of layers s..t-1 (all by default) in memory m: ("F", j, keep) and ("B", j) in
+        execution order."""
         out = []
-        self._emit(0, self.L, m, out)
+        self._emit(s, self.L if t is None else t, m, out)
         return out
 
     def _emit(self, s, t, m, out):

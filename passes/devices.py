@@ -17,6 +17,7 @@ from .likelihood_ratio import estimate_nodes
 from .partition import Infeasible, Problem, least_memory, partition
 from .pipeline_schedule import bubble, simulate
 from .placement import assign_stages, device_name, home, insert_transfers
+from .stage_retention import held_per_microbatch
 from .storage import LEAVES, base, buffer_bytes
 
 FLOP_RATE = {"cpu": 20e9, "cuda": 20e12}    # FLOP/s of one device
@@ -195,8 +196,7 @@ def stage_memory(graph, doc, functions, plans, dims):
         arenas = {f["kind"]: sum(plans[f["fname"]]["arena_bytes"].values()) for f in (fwd, bwd)}
         source = {u: graph.operands(u)[0] if graph.op(u) == "transfer" else u for f in (fwd, bwd) for u in f["received"]}
         copies = {u for u, v in source.items() if graph.op(v) == "param"}   # other stages' params: one copy each
-        kept = [u for u in bwd["received"] if u not in copies and graph.node(source[u])["phase"] == "forward"]
-        stash = sum(buffer_bytes(graph, u, dims) for u in kept)
+        stash = held_per_microbatch(graph, bwd, dims)
         params = 2 * sum(_value_bytes(graph, graph.params[p], dims) for p in st["params"]) \
             + sum(_value_bytes(graph, u, dims) for u in copies)
         total = max(arenas.values()) + st["in_flight"] * stash + params

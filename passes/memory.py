@@ -27,6 +27,7 @@ from .entries import by_fname, entries
 from .part_runs import extend_over_runs, part_runs
 from .scan_checkpoint import checkpoint_scans, pairs
 from .schedule import memory_order
+from .stage_split import made_forward
 from .storage import base, buffer_bytes, in_arena, owns_buffer
 
 
@@ -369,12 +370,12 @@ def _within_budget(graph, order, roots, dims, sizes, budget, store_all, total):
     return plan
 
 
-def _entry_document(graph, plan):
+def _entry_document(graph, plan, name=None):
     tensors = [{"node": t["node"], "op": graph.op(t["node"]), "shape": [str(d) if isinstance(d, str) else d for d in t["shape"]],
                 "bytes": t["bytes"], "start": t["start"], "end": t["end"], "device": t["device"], "offset": t["offset"],
                 "retained": t["retained"] and not t["recomputed"], "recomputed": t["recomputed"], "src": graph.node(t["node"])["src"]}
                for t in plan["tensors"]]
-    doc = {"entry": by_fname(plan["entry"]).public, "schedule": plan["steps"], "peak_bytes": plan["peak_bytes"],
+    doc = {"entry": name or by_fname(plan["entry"]).public, "schedule": plan["steps"], "peak_bytes": plan["peak_bytes"],
            "peak_step": plan["peak_step"], "store_all_peak_bytes": plan.get("store_all_peak_bytes", plan["peak_bytes"]),
            "lower_bound_bytes": plan.get("lower_bound_bytes"), "budget_bytes": plan.get("budget_bytes"),
            "recompute_flops": plan.get("recompute_flops", 0), "method": plan.get("method", "store-all"),
@@ -400,6 +401,25 @@ def memplan_document(graph, plans):
     doc["entries"] = {by_fname(f).public: _entry_document(graph, p) for f, p in plans.items()}
     doc["entries"]["Trainer.step"] = dict(doc["entries"]["loss_and_grad"], entry="Trainer.step")
     return doc
+
+
+def stage_documents(graph, plans, pipeline):
+    """NAME.memplan.json's "stages" of a pipeline build: each stage's forward and backward plans, and
+    what it holds for a step's activations under --memory-budget (passes/stage_retention.py)."""
+    out = []
+    for k in range(pipeline["stages"]):
+        doc = {"stage": k}
+        for f in pipeline["functions"]:
+            if f["stage"] == k:
+                entry = doc["forward" if f["kind"] == "F" else "backward"] = _entry_document(graph, plans[f["fname"]],
+                                                                                            f["fname"])
+                for t in entry["tensors"] if f["kind"] == "B" else ():   # a forward value the backward makes again
+                    if made_forward(graph, t["node"]):
+                        t.update(recomputed=True, retained=False)
+        if pipeline.get("retention"):
+            doc["retention"] = {key: v for key, v in pipeline["retention"][k].items() if key != "stage"}
+        out.append(doc)
+    return out
 
 
 def summary(doc):

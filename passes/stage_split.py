@@ -18,7 +18,7 @@ def stage_index(graph, n):
     return int(device.rsplit(":", 1)[1]) if ":" in device else 0
 
 
-def _made_forward(graph, n):
+def made_forward(graph, n):
     """n is made by the forward: a forward node, or a result of one (a forward scan's stacks, which
     autodiff projects for the backward, are written by the forward scan's statement)."""
     if get_op(graph.op(n)).kind == "project":
@@ -26,9 +26,11 @@ def _made_forward(graph, n):
     return graph.node(n)["phase"] == "forward"
 
 
-def split_stages(graph, order, K, trainable):
+def split_stages(graph, order, K, trainable, backward_of=None):
     """[{"fname", "stage", "kind" ("F"|"B"), "steps", "received", "roots", "sends", "grads", "objective"}]
-    for every stage and kind; `order` is loss_and_grad's store-all order."""
+    for every stage and kind; `order` is loss_and_grad's store-all order. `backward_of` (stage ->
+    node list) gives a stage's backward steps where they recompute forward values
+    (passes/stage_retention.py); a stage's forward always runs all its forward nodes."""
     transfer_of = {}   # source value -> transfer nodes that carry it
     for n in graph.nx.nodes:
         if graph.op(n) == "transfer":
@@ -40,33 +42,58 @@ def split_stages(graph, order, K, trainable):
                                  f"but {p!r} lives on {graph.node(graph.params[p])['device']}")
     functions = []
     for k in range(K):
-        mine = [n for n in order if stage_index(graph, n) == k and graph.op(n) not in LEAVES + ("transfer",)]
-        forward = [n for n in mine if _made_forward(graph, n)]
-        backward = [n for n in mine if not _made_forward(graph, n)]
-        stash = [n for n in forward if any(u in backward for u in graph.users(n))]
-        for kind, nodes in (("F", forward), ("B", backward)):
-            members = set(nodes)
-            leaves, received = [], []
-            for n in nodes:
-                for u in graph.operands(n):
-                    if u in members:
-                        continue
-                    if graph.op(u) in LEAVES:
-                        leaves.append(u)
-                    elif graph.op(u) == "transfer" or (kind == "B" and u in stash):
-                        received.append(u)
-                    else:
-                        raise AssertionError(f"stage {k} {kind}: reads %{u} on {graph.node(u)['device']} without a transfer")
-            sends = [n for n in nodes if n in transfer_of]
-            grads = [n for n in nodes if n in grad_root]
-            objective = graph.objective if graph.objective in members else None
-            roots = list(dict.fromkeys(([objective] if objective is not None else []) + sends + grads
-                                       + (stash if kind == "F" else [])))
-            functions.append({"fname": f"_stage{k}_{'forward' if kind == 'F' else 'backward'}", "stage": k,
-                              "kind": kind, "steps": list(dict.fromkeys(leaves)) + nodes,
-                              "received": list(dict.fromkeys(received)), "roots": roots, "sends": sends,
-                              "grads": {n: grad_root[n] for n in grads}, "objective": objective})
+        forward, backward = stage_nodes(graph, order, k)
+        if backward_of and k in backward_of:
+            backward = backward_of[k]
+        functions += stage_pair(graph, k, forward, backward, transfer_of, grad_root)
     return functions
+
+
+def stage_nodes(graph, order, k):
+    """Stage k's forward and backward nodes, in `order`."""
+    mine = [n for n in order if stage_index(graph, n) == k and graph.op(n) not in LEAVES + ("transfer",)]
+    return [n for n in mine if made_forward(graph, n)], [n for n in mine if not made_forward(graph, n)]
+
+
+def stash_of(graph, forward, backward):
+    """The forward values the backward reads before it computes them (all it reads of the forward,
+    unless it recomputes some)."""
+    made, read = set(), set()
+    for n in backward:
+        read |= {u for u in graph.operands(n) if u not in made}
+        made.add(n)
+    return [n for n in forward if n in read]
+
+
+def stage_pair(graph, k, forward, backward, transfer_of, grad_root):
+    """Stage k's forward and backward functions (see split_stages) from their nodes in order."""
+    stash = stash_of(graph, forward, backward)
+    out = []
+    for kind, nodes in (("F", forward), ("B", backward)):
+        members = set(nodes)
+        made, leaves, received = set(), [], []
+        for n in nodes:
+            for u in graph.operands(n):
+                if u in made:
+                    continue
+                if graph.op(u) in LEAVES:
+                    leaves.append(u)
+                elif graph.op(u) == "transfer" or (kind == "B" and u in stash):
+                    received.append(u)
+                else:
+                    raise AssertionError(f"stage {k} {kind}: reads %{u} on {graph.node(u)['device']} without a transfer")
+            made.add(n)
+        sends = [n for n in nodes if n in transfer_of] if kind == "F" else \
+            [n for n in dict.fromkeys(nodes) if n in transfer_of and not made_forward(graph, n)]
+        grads = [n for n in nodes if n in grad_root]
+        objective = graph.objective if kind == "F" and graph.objective in members else None
+        roots = list(dict.fromkeys(([objective] if objective is not None else []) + sends + grads
+                                   + (stash if kind == "F" else [])))
+        out.append({"fname": f"_stage{k}_{'forward' if kind == 'F' else 'backward'}", "stage": k,
+                    "kind": kind, "steps": list(dict.fromkeys(leaves)) + nodes,
+                    "received": list(dict.fromkeys(received)), "roots": roots, "sends": sends,
+                    "grads": {n: grad_root[n] for n in grads}, "objective": objective})
+    return out
 
 
 def transfers(graph):

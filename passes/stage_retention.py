@@ -1,0 +1,248 @@
+"""--memory-budget in a pipeline (--devices K, --microbatches M): which forward values each stage's
+backward reads from its forward, held once per microbatch in flight, and which it recomputes.
+
+What a stage holds for a step's activations (its `activation_bytes`):
+  the larger of its forward's and its backward's peak (they run in turn over one arena region),
+  plus its kernels' workspace,
+  plus, per microbatch in flight, the forward values its backward reads (the stash its forward
+  returns, and the activations that came from earlier stages).
+The budget bounds that, per stage: each stage is one device. Params, their gradients and the
+optimizer state are not in it, as on one device (DESIGN.md §1.5).
+
+A stage over budget is planned by the chain DP of passes/checkpoint.py, over its forward and
+backward as one sequence. The schedule's first forward sweep says what the stage's forward keeps
+for the backward (the stash). The rest, recomputations included, is the backward. A value the
+backward reads from the stash is never recomputed after: it is there anyway. The search keeps the
+DP's largest memory whose true count (the two functions' liveness plans, and the stash times the
+microbatches in flight) fits. The forward still runs all its nodes, because other stages read
+them. With GPipe's schedule and a small budget this is GPipe's re-materialisation: each stage
+keeps little more than the activations it receives, and its backward runs its forward again.
+"""
+import numpy as np
+
+from gradc.ops import get_op
+
+from .analysis import node_flops
+from .checkpoint import MEMORY_UNITS, Solution, build_chain, steps_of
+from .memory import peak_bytes, plan_entry
+from .stage_split import made_forward, split_stages, stage_nodes
+from .storage import LEAVES, buffer_bytes
+
+MAX_TRIES = 12   # plans tried when the DP's byte model falls short of the true count
+
+
+def stage_plan(graph, f, dims, with_runs=True):
+    """The memory plan of one stage function."""
+    plan = plan_entry(graph, f["fname"], f["steps"], f["roots"], dims, with_runs=with_runs)
+    plan["roots"] = f["roots"]
+    return plan
+
+
+def held_per_microbatch(graph, bwd, dims):
+    """Bytes of the forward values stage's backward `bwd` reads from the forward: its stash and the
+    activations received from earlier stages (not other stages' params: one copy of those in all)."""
+    source = {u: graph.operands(u)[0] if graph.op(u) == "transfer" else u for u in bwd["received"]}
+    return sum(buffer_bytes(graph, u, dims) for u, v in source.items()
+               if graph.op(v) != "param" and graph.node(v)["phase"] == "forward")
+
+
+def activation_bytes(graph, fwd, bwd, plans, flight, dims):
+    """What a stage holds for a step's activations (the module docstring's count)."""
+    peak = max(plans[f["fname"]]["peak_bytes"] + (plans[f["fname"]]["workspace_bytes"] or 0) for f in (fwd, bwd))
+    return int(peak + flight * held_per_microbatch(graph, bwd, dims))
+
+
+def stage_functions(functions, k):
+    return tuple(next(f for f in functions if f["stage"] == k and f["kind"] == kind) for kind in "FB")
+
+
+class StageBudgetError(Exception):
+    """Stage `stage` needs more than the budget by every plan: `minimum` is the least found,
+    `store_all` the count with every activation kept."""
+
+    def __init__(self, stage, minimum, store_all, flight):
+        super().__init__(stage)
+        self.stage, self.minimum, self.store_all, self.flight = stage, minimum, store_all, flight
+
+
+def fit_stages(graph, order, K, trainable, functions, plans, budget, flights, dims):
+    """Stage functions (and their plans) whose activation bytes fit `budget` on every stage, with the
+    least recomputation the DP finds; and a record per stage for the dumps. Raises StageBudgetError."""
+    backward_of, records, refused = {}, [], []
+    for k in range(K):
+        fwd, bwd = stage_functions(functions, k)
+        store_all = activation_bytes(graph, fwd, bwd, plans, flights[k], dims)
+        record = {"stage": k, "budget_bytes": budget, "store_all_bytes": store_all, "activation_bytes": store_all,
+                  "in_flight": flights[k], "method": "store-all", "recompute_flops": 0, "recomputed": [], "part_runs": True}
+        if store_all > budget:
+            try:
+                backward_of[k], record = _recompute(graph, order, K, trainable, k, budget, flights[k], dims, record)
+            except StageBudgetError as e:
+                refused.append(e)
+        records.append(record)
+    if refused:   # the stage that needs most: its least is the least budget every stage fits
+        raise max(refused, key=lambda e: e.minimum)
+    if backward_of:
+        functions = split_stages(graph, order, K, trainable, backward_of)
+        plans = {f["fname"]: plans[f["fname"]] if f["stage"] not in backward_of
+                 else record_plan(graph, f, dims, budget, records[f["stage"]]) for f in functions}
+        for k in backward_of:
+            fwd, bwd = stage_functions(functions, k)
+            records[k]["activation_bytes"] = activation_bytes(graph, fwd, bwd, plans, flights[k], dims)
+            records[k]["held_per_microbatch_bytes"] = held_per_microbatch(graph, bwd, dims)
+    for k in range(K):
+        if "held_per_microbatch_bytes" not in records[k]:
+            records[k]["held_per_microbatch_bytes"] = held_per_microbatch(graph, stage_functions(functions, k)[1], dims)
+    return functions, plans, records
+
+
+def record_plan(graph, f, dims, budget, record):
+    """A recomputing stage's function plan: with its part runs where the stage still fits with them."""
+    return stage_plan(graph, f, dims, with_runs=record["part_runs"])
+
+
+def backward_steps(graph, steps, forward):
+    """A stage's backward from the steps of a DP schedule that follow its first forward sweep,
+    without recomputing what it has read from the stash (or a scan's result, which only its scan's
+    statement writes)."""
+    members, made, stashed, out = set(forward), set(), set(), []
+    for n in steps:
+        if n in stashed or graph.op(n) in LEAVES:
+            continue
+        if get_op(graph.op(n)).kind == "project" and graph.operands(n)[0] not in made:
+            stashed.add(n)   # its scan ran in the forward only: the forward returns it
+            continue
+        stashed |= {u for u in graph.operands(n) if u in members and u not in made}
+        out.append(n)
+        made.add(n)
+    return out
+
+
+def sunk(graph, sequence, forward):
+    """`sequence` with each node of `forward` that reads none of the others (a row count, the first
+    op on a received value) moved to just before its first reader. A stage's order comes from the
+    whole model's, where such a node may run long before its reader; the chain would then have to
+    make one layer of everything in between."""
+    sources = {n for n in sequence if n in forward and not any(u in forward for u in graph.operands(n))}
+    out = [n for n in sequence if n not in sources]
+    for n in [n for n in reversed(sequence) if n in sources]:
+        readers = set(graph.users(n))
+        out.insert(next((i for i, m in enumerate(out) if m in readers), len(out)), n)
+    return out
+
+
+def top_level(solution, m):
+    """The stage's plans when its backward works in m units, by a DP over the chain's layers from the
+    last: layer s is kept whole for its backward (its K_s stashed), or layers s..k-1 are recomputed
+    in the backward from x_s by the chain DP in m units (x_k stashed; k = L: nothing after).
+    Returns (cost, how): cost[s, u] the least recompute for layers s.. with at most u units stashed,
+    how[s, u] the choice (-1 keep, k recompute up to k, -2 none)."""
+    L, Q = solution.L, solution.Q
+    u = np.arange(Q + 1)
+    cost = np.full((L + 1, Q + 1), np.inf)
+    how = np.full((L + 1, Q + 1), -2, dtype=np.int64)
+    cost[L] = 0.0
+    b = np.asarray(solution.b)
+    for s in range(L - 1, -1, -1):
+        best = np.full(Q + 1, np.inf)
+        if m >= solution.T[s]:
+            best = np.where(u >= solution.K[s], cost[s + 1][np.maximum(u - solution.K[s], 0)], np.inf)
+        choice = np.where(np.isfinite(best), -1, -2)
+        ks = np.arange(s + 1, L + 1)
+        rest = u[None, :] - b[ks][:, None]   # units left after stashing x_k
+        after = np.where(rest >= 0, np.take_along_axis(cost[ks], np.maximum(rest, 0), axis=1), np.inf)
+        cand = solution.opt[s, ks, m][:, None] + after
+        k_best = cand.argmin(axis=0)
+        split = cand[k_best, u]
+        better = split < best
+        cost[s] = np.where(better, split, best)
+        how[s] = np.where(better, ks[k_best], choice)
+    return np.minimum.accumulate(cost, axis=1), _monotone(cost, how)
+
+
+def _monotone(cost, how):
+    """how[s, u] for the cheapest plan with at most u units (the choice at the u that reaches it)."""
+    at = np.zeros_like(how)
+    for s in range(cost.shape[0]):
+        at[s] = np.maximum.accumulate(np.where(cost[s] <= np.minimum.accumulate(cost[s]), np.arange(cost.shape[1]), 0))
+    return how, at
+
+
+def top_ops(solution, how, m, u):
+    """The backward's ops of the top-level plan with at most u units stashed (top_level's choices)."""
+    choice, at = how
+    pieces, s, L = [], 0, solution.L
+    while s < L:
+        u = int(at[s, u])
+        k = int(choice[s, u])
+        if k == -1:
+            pieces.append((s, None))
+            u, s = u - solution.K[s], s + 1
+        else:
+            pieces.append((s, k))
+            u, s = u - solution.b[k], k
+    ops = []
+    for s, k in reversed(pieces):
+        ops += [("B", s)] if k is None else solution.ops(m, s, k)
+    return ops
+
+
+def _recompute(graph, order, K, trainable, k, budget, flight, dims, record):
+    """Stage k's backward nodes (recomputations included) under `budget`, and its record: the least
+    recompute top_level finds whose true count fits, the DP's byte model corrected by the true
+    count's excess until it does."""
+    forward, backward = stage_nodes(graph, order, k)
+    sizes = {n: buffer_bytes(graph, n, dims) for n in set(forward) | set(backward)}
+    work = {}
+    flops_of = lambda n: work[n] if n in work else work.setdefault(n, node_flops(graph, n, dims))
+    tried = {}
+
+    def count(nodes, with_runs=False):
+        key = (tuple(nodes), with_runs)
+        if key not in tried:
+            fwd, bwd = stage_functions(split_stages(graph, order, K, trainable, {k: nodes}), k)
+            plans = {f["fname"]: stage_plan(graph, f, dims, with_runs) for f in (fwd, bwd)}
+            tried[key] = activation_bytes(graph, fwd, bwd, plans, flight, dims)
+        return tried[key]
+
+    if count(backward) <= budget:   # part runs go before any value is recomputed
+        return backward, dict(record, method="store-all without part runs", part_runs=False)
+    sequence = sunk(graph, forward + backward, set(forward))
+    chain = build_chain(graph, sequence, sizes, flops_of)
+    unit = max(1, -(-peak_bytes(graph, sequence, [], dims) // MEMORY_UNITS))   # one microbatch's pass: the DP's scale
+    units = lambda xs: [-(-int(x) // unit) for x in xs]
+    solution = Solution(chain.flops, units(chain.cut), units(chain.keep), units(chain.transient), 2 * MEMORY_UNITS)
+    plans = {m: top_level(solution, m) for m in np.unique(np.geomspace(1, solution.Q, 40).astype(int))}
+    nodes_of = lambda m, u: backward_steps(graph, steps_of(chain, top_ops(solution, plans[m][1], m, u), []), forward)
+
+    def cheapest(limit):
+        """(m, u) of the least recompute whose modelled bytes (u stashed per microbatch in flight, m
+        working) are at most `limit` units, or None."""
+        best = None
+        for m, (cost, _) in plans.items():
+            u = min((limit - m) // flight, solution.Q) if limit >= m else -1
+            if u >= 0 and np.isfinite(cost[0, u]) and (best is None or (cost[0, u], m) < best[0]):
+                best = ((cost[0, u], m), m, u)
+        return best and best[1:]
+
+    def plan(nodes):
+        recomputed = [n for n in nodes if made_forward(graph, n)]
+        return nodes, dict(record, method=f"dp over {len(chain.layers)} layers: kept, or recomputed in the backward "
+                                          f"(Revolve-style within)", recompute_flops=int(sum(map(flops_of, recomputed))),
+                           recomputed=sorted(set(recomputed)), part_runs=count(nodes, True) <= budget)
+
+    limit = budget // unit
+    for _ in range(MAX_TRIES):
+        choice = cheapest(limit)
+        if choice is None:
+            break
+        nodes = nodes_of(*choice)
+        if count(nodes) <= budget:
+            return plan(nodes)
+        limit -= max(1, -(-(count(nodes) - budget) // unit))   # the model fell short by this much: ask it for less
+    # the plan the model says holds least (what the error names when even that does not fit)
+    _, m, u = min((flight * u + m, m, u) for m, (cost, _) in plans.items() for u in
+                  [int(np.argmax(np.isfinite(cost[0])))] if np.isfinite(cost[0, u]))
+    if count(nodes_of(m, u)) <= budget:
+        return plan(nodes_of(m, u))
+    raise StageBudgetError(k, min(tried.values()), record["store_all_bytes"], flight)
