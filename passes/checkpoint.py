@@ -176,7 +176,11 @@ def build_chain(graph, order, sizes, flops_of, max_layers=MAX_LAYERS, even_work=
         keep.append(sum(sizes[v] for v in kept if owns_buffer(graph, v)))
         transient.append(sum(sizes.get(n, 0) for n in groups[j]))
         needed.append(_ancestors_within(graph, crosses, set(members)))
-    skips = sum(1 for v, last in last_layer.items() if last > layer_of[v] + 1)
+    # a value smaller than the DP's memory unit (a weight-decay term, a scalar loss) cannot change its
+    # plan: it counts as a skip only from a unit up (the unit is 1/MEMORY_UNITS of store-all's peak,
+    # which is at least the most bytes crossing any boundary)
+    skips = sum(1 for v, last in last_layer.items()
+                if last > layer_of[v] + 1 and sizes[v] * MEMORY_UNITS >= crossing.max(initial=0))
     return Chain(layers, groups, [int(cum_flops[bounds[j + 1]] - cum_flops[bounds[j]]) for j in range(L)],
                  cut, keep, transient, needed, skips)
 
@@ -285,14 +289,16 @@ def steps_of(chain, ops, leaves):
 
 
 class BudgetError(Exception):
-    """The budget is below the least peak this model can be planned to (bytes; `workspace`: the
-    kernels' own, which both figures include)."""
+    """The budget is below the least this model can be planned to (bytes; `store_all`: what keeping
+    every activation needs; `workspace`: the kernels' own, which both figures include;
+    `store_all_peak`: the store-all plan's peak of live bytes, where known)."""
 
-    def __init__(self, minimum, store_all, workspace=0):
+    def __init__(self, minimum, store_all, workspace=0, store_all_peak=None):
         super().__init__(minimum)
         self.minimum = minimum
         self.store_all = store_all
         self.workspace = workspace
+        self.store_all_peak = store_all_peak
 
 
 def plan_retention(graph, chain, order, budget, peak_of, store_all_peak):

@@ -174,9 +174,33 @@ def workspace_bytes(graph, steps, dims, runs=()):
     return most + ints if isinstance(ints, int) else None
 
 
+def arena_total(plan):
+    """The bytes of a plan's arena over all devices: what the module allocates for the entry."""
+    return sum(plan["arena_bytes"].values())
+
+
 def fits_budget(plan, budget):
-    """Whether a plan's peak and workspace fit `budget` bytes."""
-    return plan["peak_bytes"] + (plan["workspace_bytes"] or 0) <= budget
+    """Whether a plan's arena and workspace fit `budget` bytes."""
+    return arena_total(plan) + (plan["workspace_bytes"] or 0) <= budget
+
+
+def _layout(tensors, itemsize):
+    """Offsets (bytes) of `tensors` (with "bytes", "start", "end", "device") in one arena region per
+    device, and each region's bytes."""
+    offsets, regions = layout_by_device([t["bytes"] // itemsize for t in tensors],
+                                        [(t["start"], t["end"]) for t in tensors],
+                                        [t["device"] for t in tensors], max(1, ALIGN_BYTES // itemsize))
+    return [o * itemsize for o in offsets], {d: r * itemsize for d, r in regions.items()}
+
+
+def arena_bytes(graph, steps, returned, dims):
+    """The bytes `steps` lay out to in the arena (all devices), without part runs."""
+    tensors = liveness(graph, steps, set(returned))
+    for t in tensors:
+        t["bytes"] = buffer_bytes(graph, t["node"], dims)
+        t["device"] = graph.node(t["node"])["device"]
+    itemsize = np.dtype(graph.dtype(tensors[0]["node"])).itemsize if tensors else 1
+    return sum(_layout(tensors, itemsize)[1].values())
 
 
 def plan_entry(graph, entry, steps, returned, dims, loop_from=None, with_runs=True):
@@ -203,18 +227,16 @@ def plan_entry(graph, entry, steps, returned, dims, loop_from=None, with_runs=Tr
     plan = {"entry": entry, "steps": list(steps), "tensors": tensors, "loop_from": loop_from, "part_runs": runs}
     if all(isinstance(t["bytes"], int) for t in tensors):
         itemsize = np.dtype(dtypes.pop()).itemsize if dtypes else 1
-        offsets, regions = layout_by_device([t["bytes"] // itemsize for t in tensors],
-                                            [(t["start"], t["end"]) for t in tensors],
-                                            [t["device"] for t in tensors], max(1, ALIGN_BYTES // itemsize))
+        offsets, regions = _layout(tensors, itemsize)
         for t, o in zip(tensors, offsets):
-            t["offset"] = o * itemsize
+            t["offset"] = o
         live = live_bytes(tensors, steps)
         plan["lower_bound_bytes"] = step_floor(graph, steps, tensors)
         plan["live_bytes"] = live.tolist()
         plan["workspace_bytes"] = workspace_bytes(graph, steps, dims, runs)
         plan["peak_bytes"] = int(live.max())
         plan["peak_step"] = int(live.argmax())
-        plan["arena_bytes"] = {d: regions.get(d, 0) * itemsize for d in devices}
+        plan["arena_bytes"] = {d: regions.get(d, 0) for d in devices}
     else:
         for t in tensors:
             t["offset"] = None
@@ -273,7 +295,8 @@ def plan_memory(graph, dims, order, budget=None):
         tried = _plan_entries(trial, dims, order, budget) if done else None
     except BudgetError as e:
         if refusal:
-            raise BudgetError(min(refusal.minimum, e.minimum), refusal.store_all, refusal.workspace) from None
+            raise BudgetError(min(refusal.minimum, e.minimum), refusal.store_all, refusal.workspace,
+                              refusal.store_all_peak) from None
         tried = None
     extra = _checkpoint_flops(done, tried["_loss_and_grad"]) if tried else 0
     if tried is None or (plans is not None and plans["_loss_and_grad"]["recompute_flops"]
@@ -281,7 +304,7 @@ def plan_memory(graph, dims, order, budget=None):
         if refusal:
             raise refusal
         return plans
-    store_all = refusal.store_all - refusal.workspace if refusal else plans["_loss_and_grad"]["store_all_peak_bytes"]
+    store_all = refusal.store_all_peak if refusal else plans["_loss_and_grad"]["store_all_peak_bytes"]
     graph.__dict__.update(trial.__dict__)   # the build goes on with the rewritten graph (same node ids as the plans)
     plans = tried
     plan = plans["_loss_and_grad"]
@@ -313,12 +336,12 @@ def _plan_entries(graph, dims, order, budget):
                         method="store-all")
             # the kernels' own workspace comes out of the budget before any activation is kept
             room = None if budget is None else budget - (plan["workspace_bytes"] or 0)
-            if room is not None and room < plan["peak_bytes"]:
+            if room is not None and room < arena_total(plan):
                 work = plan["workspace_bytes"] or 0
                 try:
                     plan = _within_budget(graph, steps, roots, dims, sizes, room, plan, budget)
                 except BudgetError as e:
-                    raise BudgetError(e.minimum + work, e.store_all + work, work) from None
+                    raise BudgetError(e.minimum + work, e.store_all + work, work, e.store_all_peak) from None
                 plan["budget_bytes"] = budget
         plan["roots"] = roots
         plans[fname] = plan
@@ -326,17 +349,26 @@ def _plan_entries(graph, dims, order, budget):
 
 
 def _within_budget(graph, order, roots, dims, sizes, budget, store_all, total):
-    """The least-recompute plan whose true peak fits `budget`: the chain DP, and on a graph with
-    skips also the MILP over its coarse DAG; the better of the two, or BudgetError when neither fits.
-    Its part runs stay where it fits `total` (the budget with the workspace) with them."""
+    """The least-recompute plan whose arena fits `budget`: the chain DP, and on a graph with skips
+    also the MILP over its coarse DAG; the better of the two, or BudgetError when neither fits.
+    A plan is measured by its live bytes' peak, and where that fits, by the arena its buffers lay
+    out to (which can be larger: gaps between buffers). Its part runs stay where it fits `total`
+    (the budget with the workspace) with them."""
     work = {}
     flops_of = lambda n: work[n] if n in work else work.setdefault(n, node_flops(graph, n, dims))
-    peak_of = lambda s, returned=roots: peak_bytes(graph, s, returned, dims)
+    peaks = {}   # steps -> their live peak, of every whole plan measured (not the MILP's coarse nodes)
+
+    def peak_of(s, returned=roots):
+        live = peak_bytes(graph, s, returned, dims)
+        if returned is roots:
+            peaks[tuple(s)] = live
+        return live if live > budget else arena_bytes(graph, s, returned, dims)
+
     extra_work = lambda s: sum(map(flops_of, s)) - sum(map(flops_of, set(s)))
     chain = build_chain(graph, order, sizes, flops_of)
     candidates, refusal = [], None
     try:
-        steps, info = plan_retention(graph, chain, order, budget, peak_of, store_all["peak_bytes"])
+        steps, info = plan_retention(graph, chain, order, budget, peak_of, arena_total(store_all))
         info["method"] = f"dp-chain over {info['layers']} layers (Revolve-style, heterogeneous)"
         candidates.append((extra_work(steps), peak_of(steps), steps, info))
     except BudgetError as e:
@@ -351,9 +383,10 @@ def _within_budget(graph, order, roots, dims, sizes, budget, store_all, total):
             milp_info["method"] = (f"checkmate-milp over {milp_info['coarse_nodes']} coarse nodes "
                                    f"({milp_info['status']}, gap {100 * gap:.1f}%)")
             candidates.append((extra_work(steps), peak_of(steps), steps, milp_info))
-    if not candidates:
-        least = milp_info.get("least_peak", refusal.minimum) if milp_info else refusal.minimum
-        raise BudgetError(min(refusal.minimum, least), refusal.store_all)
+    if not candidates:   # the least: the arena of the plan of least live peak measured
+        least = min(peaks, key=peaks.get)
+        raise BudgetError(max(peaks[least], arena_bytes(graph, least, roots, dims)), arena_total(store_all),
+                          store_all_peak=store_all["peak_bytes"])
     _, _, steps, chosen = min(candidates, key=lambda c: c[:2])
     info = dict(chosen, candidates=[{"method": c[3]["method"], "extra_flops": int(c[0]), "peak_bytes": int(c[1])}
                                     for c in candidates])

@@ -69,3 +69,19 @@ def memory_order(graph, nodes, keep=(), sizes=None):
 
 def is_view_node(graph, n):
     return base(graph, n) != n
+
+
+def float_to_readers(graph, sequence, forward):
+    """`sequence` (a forward, then a backward) with each node of `forward` that reads nothing of
+    `forward` (a row count, a param's square, the first op on a value received from another stage)
+    moved to just before its first reader, or to the end of the forward when only the backward reads
+    it. Moving such a node keeps no other value live longer. A stage's order comes from the whole
+    model's, where such a node can run long before its reader: the chain of layers
+    (passes/checkpoint.py) would make one layer of everything in between."""
+    position = {n: i for i, n in enumerate(sequence)}
+    floats = {n for n in sequence if n in forward and not any(u in forward for u in graph.operands(n))}
+    out = [n for n in sequence if n not in floats]
+    for n in sorted(floats, key=position.get, reverse=True):   # a reader that floats is placed first
+        readers = set(graph.users(n))
+        out.insert(next((i for i, m in enumerate(out) if m in readers or m not in forward), len(out)), n)
+    return out

@@ -2,7 +2,7 @@
 backward reads from its forward, held once per microbatch in flight, and which it recomputes.
 
 What a stage holds for a step's activations (its `activation_bytes`):
-  the larger of its forward's and its backward's peak (they run in turn over one arena region),
+  the larger of its forward's and its backward's arena (they run in turn over one region),
   plus its kernels' workspace,
   plus, per microbatch in flight, the forward values its backward reads (the stash its forward
   returns, and the activations that came from earlier stages).
@@ -24,7 +24,8 @@ from gradc.ops import get_op
 
 from .analysis import node_flops
 from .checkpoint import MEMORY_UNITS, Solution, build_chain, steps_of
-from .memory import peak_bytes, plan_entry
+from .memory import arena_total, peak_bytes, plan_entry
+from .schedule import float_to_readers
 from .stage_split import made_forward, split_stages, stage_nodes
 from .storage import LEAVES, buffer_bytes
 
@@ -48,7 +49,7 @@ def held_per_microbatch(graph, bwd, dims):
 
 def activation_bytes(graph, fwd, bwd, plans, flight, dims):
     """What a stage holds for a step's activations (the module docstring's count)."""
-    peak = max(plans[f["fname"]]["peak_bytes"] + (plans[f["fname"]]["workspace_bytes"] or 0) for f in (fwd, bwd))
+    peak = max(arena_total(plans[f["fname"]]) + (plans[f["fname"]]["workspace_bytes"] or 0) for f in (fwd, bwd))
     return int(peak + flight * held_per_microbatch(graph, bwd, dims))
 
 
@@ -115,19 +116,6 @@ def backward_steps(graph, steps, forward):
         stashed |= {u for u in graph.operands(n) if u in members and u not in made}
         out.append(n)
         made.add(n)
-    return out
-
-
-def sunk(graph, sequence, forward):
-    """`sequence` with each node of `forward` that reads none of the others (a row count, the first
-    op on a received value) moved to just before its first reader. A stage's order comes from the
-    whole model's, where such a node may run long before its reader; the chain would then have to
-    make one layer of everything in between."""
-    sources = {n for n in sequence if n in forward and not any(u in forward for u in graph.operands(n))}
-    out = [n for n in sequence if n not in sources]
-    for n in [n for n in reversed(sequence) if n in sources]:
-        readers = set(graph.users(n))
-        out.insert(next((i for i, m in enumerate(out) if m in readers), len(out)), n)
     return out
 
 
@@ -207,7 +195,7 @@ def _recompute(graph, order, K, trainable, k, budget, flight, dims, record):
 
     if count(backward) <= budget:   # part runs go before any value is recomputed
         return backward, dict(record, method="store-all without part runs", part_runs=False)
-    sequence = sunk(graph, forward + backward, set(forward))
+    sequence = float_to_readers(graph, forward + backward, set(forward))
     chain = build_chain(graph, sequence, sizes, flops_of)
     unit = max(1, -(-peak_bytes(graph, sequence, [], dims) // MEMORY_UNITS))   # one microbatch's pass: the DP's scale
     units = lambda xs: [-(-int(x) // unit) for x in xs]
@@ -241,8 +229,8 @@ def _recompute(graph, order, K, trainable, k, budget, flight, dims, record):
             return plan(nodes)
         limit -= max(1, -(-(count(nodes) - budget) // unit))   # the model fell short by this much: ask it for less
     # the plan the model says holds least (what the error names when even that does not fit)
-    _, m, u = min((flight * u + m, m, u) for m, (cost, _) in plans.items() for u in
-                  [int(np.argmax(np.isfinite(cost[0])))] if np.isfinite(cost[0, u]))
-    if count(nodes_of(m, u)) <= budget:
-        return plan(nodes_of(m, u))
+    least = [(flight * u + m, m, u) for m, (cost, _) in plans.items() for u in
+             [int(np.argmax(np.isfinite(cost[0])))] if np.isfinite(cost[0, u])]
+    if least and count(nodes_of(*min(least)[1:])) <= budget:
+        return plan(nodes_of(*min(least)[1:]))
     raise StageBudgetError(k, min(tried.values()), record["store_all_bytes"], flight)

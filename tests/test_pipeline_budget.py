@@ -56,7 +56,7 @@ def _check_counts(mod, stages, budget):
     for st in stages:
         r, k = st["retention"], st["stage"]
         fwd, bwd = st["forward"], st["backward"]
-        peak = max(fwd["peak_bytes"] + (fwd["workspace_bytes"] or 0), bwd["peak_bytes"] + (bwd["workspace_bytes"] or 0))
+        peak = max(sum(f["arena_bytes"].values()) + (f["workspace_bytes"] or 0) for f in (fwd, bwd))
         assert r["activation_bytes"] == peak + r["in_flight"] * r["held_per_microbatch_bytes"] <= budget
         assert r["store_all_bytes"] >= r["activation_bytes"]
         recomputed = {t["node"] for t in bwd["tensors"] if t["recomputed"]}
