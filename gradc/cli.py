@@ -75,7 +75,10 @@ def load_models(path):
     models = {}
     for value in namespace.values():
         if isinstance(value, Model):
-            models.setdefault(value.name, value)
+            other = models.setdefault(value.name, value)
+            if other is not value:   # (one model under two variable names is one model)
+                raise UsageError(f"{path}: defines two models named {value.name!r} ({other.src} and {value.src}); "
+                                 f"give each its own name, gc.Model(NAME)")
     return models
 
 

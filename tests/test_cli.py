@@ -109,6 +109,8 @@ def test_inspect(compiled):
     ("import gradc as gc\nm = gc.Model('b3')\nm.output('o', m.input('x', (3,)) * 2)\n", [], "has no minimize"),
     ("x = 1\n", [], "defines no gradc.Model"),
     ("import gradc as gc\nm = gc.Model('b4')\nn = gc.Model('b5')\n", [], "pick one with --model"),
+    ("import gradc as gc\nm = gc.Model('b4')\nn = gc.Model('b4')\n", ["--model", "b4"],
+     "model.py: defines two models named 'b4' (model.py:2 and model.py:3); give each its own name"),
     ("import gradc as gc\nm = gc.Model('b6')\nm.minimize(m.input('x', ('B',)).sum())\n", ["--bind", "N=3"], "--bind names dim N"),
     ("import gradc as gc\nm = gc.Model('b7')\nm.minimize(m.input('x', ('B',)).sum())\n",
      ["--target", "tpu"], "invalid choice: 'tpu'"),

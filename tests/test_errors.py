@@ -203,6 +203,16 @@ def test_runtime_input_errors(small):
         small.Trainer(p, optimizer="rmsprop")
 
 
+def test_a_dim_twice_in_one_input_names_both_sizes(tmp_path):
+    m = gc.Model("square_input")
+    a = m.input("A", ("N", "N"))
+    m.minimize((a @ a).sum() * m.param("s", ()))
+    mod = gc.compile(m, out=str(tmp_path), order=1, warm_cache=False)
+    with pytest.raises(ValueError, match=r"input 'A' has shape \(3, 2\), expected \(N, N\): dim N is 3 on one axis "
+                                         r"and 2 on another"):
+        mod.loss_and_grad(mod.init_params(0), A=np.ones((3, 2), np.float32))
+
+
 def test_nan_loss_raises_with_step_number_and_keeps_params(small):
     tr = small.Trainer(small.init_params(0), optimizer="adam", lr=0.1)
     x, y = _xy()

@@ -203,6 +203,8 @@ def test_bad_second_order_input(build_dir, tmp_path):
         mod.hessian(p, x=X)                      # refused before anything is allocated
     with pytest.raises(ValueError, match="outside 0..160012"):
         mod.hessian_rows(p, 5, 200000, x=X)
+    with pytest.raises(ValueError, match=r"hessian_rows: start 5 is after stop 2 \(rows start..stop-1\)"):
+        mod.hessian_rows(p, 5, 2, x=X)
     with pytest.raises(ValueError, match=r"hessian_rows: start must be an int, got 1.0"):
         mod.hessian_rows(p, 1.0, 3, x=X)
     first = gc.compile(m, out=str(tmp_path), order=1, warm_cache=False)

@@ -35,6 +35,8 @@ def hessian_row_range(model, start, stop, size):
     for name, v in (("start", start), ("stop", stop)):
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):
             raise ValueError(f"{model}.hessian_rows: {name} must be an int, got {v!r}")
+    if start > stop:
+        raise ValueError(f"{model}.hessian_rows: start {start} is after stop {stop} (rows start..stop-1)")
     if not 0 <= start <= stop <= size:
         raise ValueError(f"{model}.hessian_rows: rows {start}..{stop} are outside 0..{size}")
     return int(start), int(stop)

@@ -138,6 +138,9 @@ class Signature:
                         raise ValueError(f"{self.model}.{entry}: input {name!r} has shape {_fmt(v.shape)}: dim {d} is "
                                          f"0; it must be at least 1")
                     seen = dims.setdefault(d, (actual, name))
+                    if seen[0] != actual and seen[1] == name:
+                        raise ValueError(f"{self.model}.{entry}: input {name!r} has shape {_fmt(v.shape)}, expected "
+                                         f"{_fmt(shape)}: dim {d} is {seen[0]} on one axis and {actual} on another")
                     if seen[0] != actual:
                         raise ValueError(f"{self.model}.{entry}: input {name!r} has shape {_fmt(v.shape)}, but dim {d} "
                                          f"is {seen[0]} in input {seen[1]!r}")
