@@ -9,14 +9,18 @@ What a stage holds for a step's activations (its `activation_bytes`):
 The budget bounds that, per stage: each stage is one device. Params, their gradients and the
 optimizer state are not in it, as on one device (DESIGN.md §1.5).
 
-A stage over budget is planned by the chain DP of passes/checkpoint.py, over its forward and
-backward as one sequence. The schedule's first forward sweep says what the stage's forward keeps
-for the backward (the stash). The rest, recomputations included, is the backward. A value the
-backward reads from the stash is never recomputed after: it is there anyway. The search keeps the
-DP's largest memory whose true count (the two functions' liveness plans, and the stash times the
-microbatches in flight) fits. The forward still runs all its nodes, because other stages read
-them. With GPipe's schedule and a small budget this is GPipe's re-materialisation: each stage
-keeps little more than the activations it receives, and its backward runs its forward again.
+A stage over budget is planned on its chain of layers (passes/checkpoint.py's build_chain, over
+its forward and backward as one sequence) by a DP from the last layer (`top_level`): each layer is
+either kept whole for its backward, its values stashed by the forward, or lies in a segment that
+the backward recomputes from the value entering it, which is stashed; a segment is recomputed by
+the Revolve-style chain DP within the memory the backward works in. A stashed value costs once per
+microbatch in flight, a recomputation once. The DP's byte model is checked against the true count
+(the two functions' liveness plans, and the values the backward takes, times the microbatches in
+flight), and asked for less by the excess until a plan fits. A value the backward reads from the
+stash is never recomputed after: it is there anyway. The forward still runs all its nodes,
+because other stages read them. With GPipe's schedule and a small budget this is GPipe's
+re-materialisation: each stage keeps little more than the activations it receives, and its
+backward runs its forward again.
 """
 import numpy as np
 
@@ -54,6 +58,7 @@ def activation_bytes(graph, fwd, bwd, plans, flight, dims):
 
 
 def stage_functions(functions, k):
+    """Stage k's forward and backward functions (of split_stages)."""
     return tuple(next(f for f in functions if f["stage"] == k and f["kind"] == kind) for kind in "FB")
 
 
@@ -83,23 +88,15 @@ def fit_stages(graph, order, K, trainable, functions, plans, budget, flights, di
         records.append(record)
     if refused:   # the stage that needs most: its least is the least budget every stage fits
         raise max(refused, key=lambda e: e.minimum)
-    if backward_of:
+    if backward_of:   # a recomputing stage's functions keep their part runs where the stage still fits with them
         functions = split_stages(graph, order, K, trainable, backward_of)
         plans = {f["fname"]: plans[f["fname"]] if f["stage"] not in backward_of
-                 else record_plan(graph, f, dims, budget, records[f["stage"]]) for f in functions}
-        for k in backward_of:
-            fwd, bwd = stage_functions(functions, k)
-            records[k]["activation_bytes"] = activation_bytes(graph, fwd, bwd, plans, flights[k], dims)
-            records[k]["held_per_microbatch_bytes"] = held_per_microbatch(graph, bwd, dims)
-    for k in range(K):
-        if "held_per_microbatch_bytes" not in records[k]:
-            records[k]["held_per_microbatch_bytes"] = held_per_microbatch(graph, stage_functions(functions, k)[1], dims)
+                 else stage_plan(graph, f, dims, with_runs=records[f["stage"]]["part_runs"]) for f in functions}
+    for k, record in enumerate(records):
+        fwd, bwd = stage_functions(functions, k)
+        record.update(activation_bytes=activation_bytes(graph, fwd, bwd, plans, flights[k], dims),
+                      held_per_microbatch_bytes=held_per_microbatch(graph, bwd, dims))
     return functions, plans, records
-
-
-def record_plan(graph, f, dims, budget, record):
-    """A recomputing stage's function plan: with its part runs where the stage still fits with them."""
-    return stage_plan(graph, f, dims, with_runs=record["part_runs"])
 
 
 def backward_steps(graph, steps, forward):
