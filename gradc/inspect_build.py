@@ -142,7 +142,8 @@ def _stage_lines(stages):
             line += (f"; holds {_short(r['activation_bytes'])} for activations ({_short(r['held_per_microbatch_bytes'])} "
                      f"per microbatch x {r['in_flight']} in flight) against a budget of {_short(r['budget_bytes'])}, "
                      f"{_short(r['store_all_bytes'])} keeping every activation; " +
-                     (f"its backward recomputes {len(r['recomputed'])} forward values ({r['recompute_flops']:,} FLOPs)"
+                     (f"its backward recomputes {len(r['recomputed'])} forward values "
+                      f"({r['recompute_flops_per_microbatch']:,} FLOPs a microbatch)"
                       if r["recomputed"] else "it recomputes nothing"))
         lines.append(line)
     return lines

@@ -79,7 +79,8 @@ def fit_stages(graph, order, K, trainable, functions, plans, budget, flights, di
         fwd, bwd = stage_functions(functions, k)
         store_all = activation_bytes(graph, fwd, bwd, plans, flights[k], dims)
         record = {"stage": k, "budget_bytes": budget, "store_all_bytes": store_all, "activation_bytes": store_all,
-                  "in_flight": flights[k], "method": "store-all", "recompute_flops": 0, "recomputed": [], "part_runs": True}
+                  "in_flight": flights[k], "method": "store-all", "recompute_flops_per_microbatch": 0, "recomputed": [],
+                  "part_runs": True}
         if store_all > budget:
             try:
                 backward_of[k], record = _recompute(graph, order, K, trainable, k, budget, flights[k], dims, record)
@@ -213,8 +214,9 @@ def _recompute(graph, order, K, trainable, k, budget, flight, dims, record):
     def plan(nodes):
         recomputed = [n for n in nodes if made_forward(graph, n)]
         return nodes, dict(record, method=f"dp over {len(chain.layers)} layers: kept, or recomputed in the backward "
-                                          f"(Revolve-style within)", recompute_flops=int(sum(map(flops_of, recomputed))),
-                           recomputed=sorted(set(recomputed)), part_runs=count(nodes, True) <= budget)
+                                          f"(Revolve-style within)", recomputed=sorted(set(recomputed)),
+                           recompute_flops_per_microbatch=int(sum(map(flops_of, recomputed))),
+                           part_runs=count(nodes, True) <= budget)
 
     limit = budget // unit
     for _ in range(MAX_TRIES):

@@ -90,7 +90,7 @@ def test_budgeted_stages_fit_and_give_the_one_device_gradients(tmp_path, make, K
                             dtype="float64", memory_budget=budget, **options)
         stages = _stages(tmp_path / "b", model.name)
         _check_counts(mod, stages, budget)
-        assert any(st["retention"]["recompute_flops"] > 0 for st in stages)
+        assert any(st["retention"]["recompute_flops_per_microbatch"] > 0 for st in stages)
         _against(one, mod, inputs)
 
 
@@ -105,7 +105,7 @@ def test_gpipe_keeps_little_more_than_the_stage_inputs_under_a_small_budget(tmp_
     for st in _stages(tmp_path / "b", model.name):
         r = st["retention"]
         assert r["activation_bytes"] <= least and r["activation_bytes"] < 0.3 * r["store_all_bytes"]
-        assert r["recompute_flops"] > 0
+        assert r["recompute_flops_per_microbatch"] > 0
 
 
 def test_budget_errors_and_the_cli(tmp_path):
@@ -185,6 +185,6 @@ if __name__ == "__main__":   # the CUDA check, in a process of its own (the simu
     one = compile_model(model, out=f"{out}/one", order=1, bind={"B": BATCH}, warm_cache=False, dtype="float64")
     many = compile_model(model, out=f"{out}/gpu", order=1, bind={"B": BATCH}, warm_cache=False, dtype="float64",
                          target="cuda", memory_budget=least, **CUDA_OPTIONS)
-    assert any(st["retention"]["recompute_flops"] for st in _stages(Path(out) / "gpu", model.name))
+    assert any(st["retention"]["recompute_flops_per_microbatch"] for st in _stages(Path(out) / "gpu", model.name))
     _against(one, many, _inputs(one, BATCH, np.random.default_rng(5)))
     print("ok")
