@@ -25,24 +25,24 @@ LAYERS, WIDTH, BATCH, CLASSES, LR = 64, 256, 256, 10, 0.01
 ACT = BATCH * WIDTH * 4   # bytes of one activation
 
 
-def model():
+def model(layers=LAYERS, name="mem64"):
     import gradc as gc
-    m = gc.Model("mem64")
+    m = gc.Model(name)
     x = m.input("x", ("B", WIDTH))
     y = m.input("y", ("B",), dtype="int64")
     h = x
-    for i in range(LAYERS):
+    for i in range(layers):
         h = gc.tanh(h @ m.param(f"W{i}", (WIDTH, WIDTH)) + m.param(f"b{i}", (WIDTH,)))
     m.minimize(gc.softmax_cross_entropy(h @ m.param("Wo", (WIDTH, CLASSES)), y))
     return m
 
 
-def data():
+def data(layers=LAYERS):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((BATCH, WIDTH)).astype(np.float32)
     y = rng.integers(0, CLASSES, BATCH)
-    params = {f"W{i}": (rng.standard_normal((WIDTH, WIDTH)) / np.sqrt(WIDTH)).astype(np.float32) for i in range(LAYERS)}
-    params |= {f"b{i}": np.zeros(WIDTH, np.float32) for i in range(LAYERS)}
+    params = {f"W{i}": (rng.standard_normal((WIDTH, WIDTH)) / np.sqrt(WIDTH)).astype(np.float32) for i in range(layers)}
+    params |= {f"b{i}": np.zeros(WIDTH, np.float32) for i in range(layers)}
     params["Wo"] = (rng.standard_normal((WIDTH, CLASSES)) / np.sqrt(WIDTH)).astype(np.float32)
     return x, y, params
 
@@ -62,22 +62,29 @@ def build_gradc(budgets, out):
     return tasks, info
 
 
+def torch_mlp(params, layers=LAYERS):
+    """The same MLP in torch, with `params`: its layers (Linear, Tanh, ...) and its head."""
+    import torch
+    body = []
+    for i in range(layers):
+        lin = torch.nn.Linear(WIDTH, WIDTH)
+        with torch.no_grad():
+            lin.weight.copy_(torch.from_numpy(params[f"W{i}"].T.copy()))
+            lin.bias.zero_()
+        body += [lin, torch.nn.Tanh()]
+    head = torch.nn.Linear(WIDTH, CLASSES, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.from_numpy(params["Wo"].T.copy()))
+    return body, head
+
+
 def build_torch(segment_counts):
     import torch
     from torch.utils.checkpoint import checkpoint_sequential
     torch.manual_seed(0)
     x, y, params = data()
-    layers = []
-    for i in range(LAYERS):
-        lin = torch.nn.Linear(WIDTH, WIDTH)
-        with torch.no_grad():
-            lin.weight.copy_(torch.from_numpy(params[f"W{i}"].T.copy()))
-            lin.bias.zero_()
-        layers += [lin, torch.nn.Tanh()]
+    layers, head = torch_mlp(params)
     body = torch.nn.Sequential(*layers)
-    head = torch.nn.Linear(WIDTH, CLASSES, bias=False)
-    with torch.no_grad():
-        head.weight.copy_(torch.from_numpy(params["Wo"].T.copy()))
     opt = torch.optim.SGD(list(body.parameters()) + list(head.parameters()), lr=LR)
     tx, ty = torch.from_numpy(x), torch.from_numpy(y)
 

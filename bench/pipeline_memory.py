@@ -19,37 +19,22 @@ import re
 import sys
 import tempfile
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import interleaved  # noqa: E402
+from memory import BATCH, LR, WIDTH, data as mlp_data, model as mlp, torch_mlp  # noqa: E402  (the same MLP, fewer layers)
 
-LAYERS, WIDTH, BATCH, CLASSES, LR = 32, 256, 256, 10, 0.01
+LAYERS = 32
 STAGES, MICRO = 2, 8
 OPTIONS = dict(devices=STAGES, microbatches=MICRO, schedule="gpipe")
 ACT = BATCH // MICRO * WIDTH * 4   # bytes of one microbatch's activation
 
 
 def model():
-    import gradc as gc
-    m = gc.Model("pipe32")
-    x = m.input("x", ("B", WIDTH))
-    y = m.input("y", ("B",), dtype="int64")
-    h = x
-    for i in range(LAYERS):
-        h = gc.tanh(h @ m.param(f"W{i}", (WIDTH, WIDTH)) + m.param(f"b{i}", (WIDTH,)))
-    m.minimize(gc.softmax_cross_entropy(h @ m.param("Wo", (WIDTH, CLASSES)), y))
-    return m
+    return mlp(LAYERS, "pipe32")
 
 
 def data():
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((BATCH, WIDTH)).astype(np.float32)
-    y = rng.integers(0, CLASSES, BATCH)
-    params = {f"W{i}": (rng.standard_normal((WIDTH, WIDTH)) / np.sqrt(WIDTH)).astype(np.float32) for i in range(LAYERS)}
-    params |= {f"b{i}": np.zeros(WIDTH, np.float32) for i in range(LAYERS)}
-    params["Wo"] = (rng.standard_normal((WIDTH, CLASSES)) / np.sqrt(WIDTH)).astype(np.float32)
-    return x, y, params
+    return mlp_data(LAYERS)
 
 
 def least_budget(out):
@@ -86,18 +71,9 @@ def build_torch():
     import torch
     from torch.utils.checkpoint import checkpoint
     x, y, params = data()
-    layers = []
-    for i in range(LAYERS):
-        lin = torch.nn.Linear(WIDTH, WIDTH)
-        with torch.no_grad():
-            lin.weight.copy_(torch.from_numpy(params[f"W{i}"].T.copy()))
-            lin.bias.zero_()
-        layers += [lin, torch.nn.Tanh()]
+    layers, head = torch_mlp(params, LAYERS)
     per = len(layers) // STAGES
     stages = [torch.nn.Sequential(*layers[k * per:(k + 1) * per]) for k in range(STAGES)]
-    head = torch.nn.Linear(WIDTH, CLASSES, bias=False)
-    with torch.no_grad():
-        head.weight.copy_(torch.from_numpy(params["Wo"].T.copy()))
     opt = torch.optim.SGD([p for s in stages for p in s.parameters()] + list(head.parameters()), lr=LR)
     xs, ys = torch.from_numpy(x).chunk(MICRO), torch.from_numpy(y).chunk(MICRO)
 

@@ -237,13 +237,14 @@ def solve_stages(coarse, budget, seconds):
 
 
 def plan(graph, order, sizes, flops_of, budget, peak_of, returned):
-    """Steps of loss_and_grad whose true peak fits `budget`, from the MILP, or (None, info).
+    """Steps of loss_and_grad whose true bytes (peak_of) fit `budget`, from the MILP, or (None, info).
 
     The model's bytes are not the true ones, so the model budget moves by the difference between
     the true peak and the budget after each solve: down when the plan does not fit, up when it
     leaves room (a cheaper plan may fit); the cheapest plan that fits is kept. When none fits,
     the plan of least model memory is tried, and its true peak is info["least_peak"].
-    peak_of(steps, returned): the true peak of steps, with `returned` values outside the arena."""
+    peak_of(steps, returned): the true bytes of steps, with `returned` values outside the arena (the
+    peak of live bytes, or where that fits the budget, the arena they lay out to)."""
     coarse = coarsen(graph, order, sizes, flops_of, set(returned), peak_of)
     leaves = [n for n in order if graph.op(n) in LEAVES]
     info = {"coarse_nodes": len(coarse), "layers": coarse.layers, "solves": []}

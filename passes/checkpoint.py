@@ -323,9 +323,11 @@ def plan_retention(graph, chain, order, budget, peak_of, store_all_peak):
         return tried[m][0]
 
     lo, hi = m_min, Q   # the largest m whose true peak fits (true peaks grow with m, up to noise)
+    near = range(m_min, min(Q, m_min + 8) + 1)   # (the least memories the DP knows: the noise is there too)
     if peak(lo) > budget:
-        low = min(peak(m) for m in range(m_min, min(Q, m_min + 8) + 1))
-        raise BudgetError(min(low, store_all_peak), store_all_peak)
+        lo = next((m for m in near if peak(m) <= budget), None)
+        if lo is None:
+            raise BudgetError(min(min(map(peak, near)), store_all_peak), store_all_peak)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if peak(mid) <= budget:

@@ -9,7 +9,6 @@ the largest microbatch's rows).
 import numpy as np
 
 from gradc.runtime.schedules import in_flight
-from gradc.shapes import bind_dims
 from gradc.sizes import format_size
 
 from .analysis import node_flops
@@ -18,7 +17,7 @@ from .partition import Infeasible, Problem, least_memory, partition
 from .pipeline_schedule import bubble, simulate
 from .placement import assign_stages, device_name, home, insert_transfers
 from .stage_retention import held_per_microbatch
-from .storage import LEAVES, base, buffer_bytes
+from .storage import LEAVES, base, buffer_bytes, value_bytes
 
 FLOP_RATE = {"cpu": 20e9, "cuda": 20e12}    # FLOP/s of one device
 LINK_RATE = {"cpu": 5e9, "cuda": 25e9}      # bytes/s between two devices
@@ -36,15 +35,10 @@ def node_costs(graph, dims, skip=frozenset()):
     for n in graph.nx.nodes:
         if graph.op(n) in LEAVES or n in skip:
             continue
-        written = _value_bytes(graph, n, dims)
-        read = sum(_value_bytes(graph, u, dims) for u in set(graph.operands(n)))
+        written = value_bytes(graph, n, dims)
+        read = sum(value_bytes(graph, u, dims) for u in set(graph.operands(n)))
         out[n] = {"flops": node_flops(graph, n, dims), "read": read, "written": written}
     return out
-
-
-def _value_bytes(graph, n, dims):
-    shape = bind_dims(graph.shape(n), dims)
-    return int(np.prod(shape, dtype=np.int64)) * np.dtype(graph.dtype(n)).itemsize
 
 
 def _positions(graph, forward):
@@ -110,7 +104,7 @@ def plan_devices(graph, order, dims, K, target="cpu", device_memory=None, schedu
     for p in graph.params.values():
         readers = sorted({at[u] for u in graph.users(p) if u in at})
         if readers:
-            values.append((-1, readers, _value_bytes(graph, p, dims)))
+            values.append((-1, readers, value_bytes(graph, p, dims)))
     rate, link = FLOP_RATE[target], LINK_RATE[target]
     # a stage's arena region is at least as large as its functions' largest step
     problem = Problem((work / rate).tolist(), values, kept.tolist(), 1.0 / link, pins, floors.tolist())
@@ -151,7 +145,7 @@ def _document(graph, problem, bounds, stage, transfers, costs, dims, target, K, 
         a, b = bounds[k], bounds[k + 1]
         kept = float(sum(problem.kept[a:b]))
         params = sorted(name for name, p in graph.params.items() if stage[p] == k)
-        param_bytes = sum(_value_bytes(graph, graph.params[p], dims) for p in params)
+        param_bytes = sum(value_bytes(graph, graph.params[p], dims) for p in params)
         stages.append({"stage": k, "device": device_name(target, k, K), "nodes": nodes, "params": params,
                        "forward_flops": int(fwd), "backward_flops": int(bwd), "second_order_flops": int(second),
                        "bytes_read": int(sum(costs[n]["read"] for n in nodes if n in costs)),
@@ -162,7 +156,7 @@ def _document(graph, problem, bounds, stage, transfers, costs, dims, target, K, 
                        "sent_bytes": 0, "received_bytes": 0})
     moves = []
     for t, u, src, dst in transfers:
-        nbytes = _value_bytes(graph, t, dims)
+        nbytes = value_bytes(graph, t, dims)
         stages[src]["sent_bytes"] += nbytes
         stages[dst]["received_bytes"] += nbytes
         carries = graph.node(u)["phase"] if graph.op(u) != "param" else "param"
@@ -197,8 +191,8 @@ def stage_memory(graph, doc, functions, plans, dims):
         source = {u: graph.operands(u)[0] if graph.op(u) == "transfer" else u for f in (fwd, bwd) for u in f["received"]}
         copies = {u for u, v in source.items() if graph.op(v) == "param"}   # other stages' params: one copy each
         stash = held_per_microbatch(graph, bwd, dims)
-        params = 2 * sum(_value_bytes(graph, graph.params[p], dims) for p in st["params"]) \
-            + sum(_value_bytes(graph, u, dims) for u in copies)
+        params = 2 * sum(value_bytes(graph, graph.params[p], dims) for p in st["params"]) \
+            + sum(value_bytes(graph, u, dims) for u in copies)
         total = max(arenas.values()) + st["in_flight"] * stash + params
         st.update(arena_bytes={"forward": arenas["F"], "backward": arenas["B"]}, stash_bytes_per_microbatch=stash,
                   memory_bytes=int(total))

@@ -383,10 +383,9 @@ def _within_budget(graph, order, roots, dims, sizes, budget, store_all, total):
             milp_info["method"] = (f"checkmate-milp over {milp_info['coarse_nodes']} coarse nodes "
                                    f"({milp_info['status']}, gap {100 * gap:.1f}%)")
             candidates.append((extra_work(steps), peak_of(steps), steps, milp_info))
-    if not candidates:   # the least: the arena of the plan of least live peak measured
-        least = min(peaks, key=peaks.get)
-        raise BudgetError(max(peaks[least], arena_bytes(graph, least, roots, dims)), arena_total(store_all),
-                          store_all_peak=store_all["peak_bytes"])
+    if not candidates:   # the least: the arena of the plan of least live peak measured (none: the DP's own figure)
+        least = arena_bytes(graph, min(peaks, key=peaks.get), roots, dims) if peaks else refusal.minimum
+        raise BudgetError(least, arena_total(store_all), store_all_peak=store_all["peak_bytes"])
     _, _, steps, chosen = min(candidates, key=lambda c: c[:2])
     info = dict(chosen, candidates=[{"method": c[3]["method"], "extra_flops": int(c[0]), "peak_bytes": int(c[1])}
                                     for c in candidates])

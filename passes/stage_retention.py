@@ -30,8 +30,8 @@ from .analysis import node_flops
 from .checkpoint import MEMORY_UNITS, Solution, build_chain, steps_of
 from .memory import arena_total, peak_bytes, plan_entry
 from .schedule import float_to_readers
-from .stage_split import made_forward, split_stages, stage_nodes
-from .storage import LEAVES, buffer_bytes
+from .stage_split import made_forward, split_stages, stage_context, stage_nodes, stage_pair
+from .storage import LEAVES, buffer_bytes, value_bytes
 
 MAX_TRIES = 12   # plans tried when the DP's byte model falls short of the true count
 
@@ -44,11 +44,13 @@ def stage_plan(graph, f, dims, with_runs=True):
 
 
 def held_per_microbatch(graph, bwd, dims):
-    """Bytes of the forward values stage's backward `bwd` reads from the forward: its stash and the
-    activations received from earlier stages (not other stages' params: one copy of those in all)."""
+    """Bytes of the values stage's backward `bwd` takes that a forward made: its stash and the
+    activations received from earlier stages (a forward scan's stacks included; a view counted
+    whole, since the forward returns a copy of it; not other stages' params, one copy of which
+    serves every microbatch)."""
     source = {u: graph.operands(u)[0] if graph.op(u) == "transfer" else u for u in bwd["received"]}
-    return sum(buffer_bytes(graph, u, dims) for u, v in source.items()
-               if graph.op(v) != "param" and graph.node(v)["phase"] == "forward")
+    return sum(value_bytes(graph, u, dims) for u, v in source.items()
+               if graph.op(v) != "param" and made_forward(graph, v))
 
 
 def activation_bytes(graph, fwd, bwd, plans, flight, dims):
@@ -121,8 +123,9 @@ def top_level(solution, m):
     """The stage's plans when its backward works in m units, by a DP over the chain's layers from the
     last: layer s is kept whole for its backward (its K_s stashed), or layers s..k-1 are recomputed
     in the backward from x_s by the chain DP in m units (x_k stashed; k = L: nothing after).
-    Returns (cost, how): cost[s, u] the least recompute for layers s.. with at most u units stashed,
-    how[s, u] the choice (-1 keep, k recompute up to k, -2 none)."""
+    Returns (cost, how): cost[s, u] the least recompute for layers s.. with at most u units stashed
+    (never more for a larger u: every choice's is so, from cost[L] = 0 up), how[s, u] the choice (-1
+    keep, k recompute up to k, -2 none)."""
     L, Q = solution.L, solution.Q
     u = np.arange(Q + 1)
     cost = np.full((L + 1, Q + 1), np.inf)
@@ -143,24 +146,14 @@ def top_level(solution, m):
         better = split < best
         cost[s] = np.where(better, split, best)
         how[s] = np.where(better, ks[k_best], choice)
-    return np.minimum.accumulate(cost, axis=1), _monotone(cost, how)
-
-
-def _monotone(cost, how):
-    """how[s, u] for the cheapest plan with at most u units (the choice at the u that reaches it)."""
-    at = np.zeros_like(how)
-    for s in range(cost.shape[0]):
-        at[s] = np.maximum.accumulate(np.where(cost[s] <= np.minimum.accumulate(cost[s]), np.arange(cost.shape[1]), 0))
-    return how, at
+    return cost, how
 
 
 def top_ops(solution, how, m, u):
     """The backward's ops of the top-level plan with at most u units stashed (top_level's choices)."""
-    choice, at = how
     pieces, s, L = [], 0, solution.L
     while s < L:
-        u = int(at[s, u])
-        k = int(choice[s, u])
+        k = int(how[s, u])
         if k == -1:
             pieces.append((s, None))
             u, s = u - solution.K[s], s + 1
@@ -178,15 +171,16 @@ def _recompute(graph, order, K, trainable, k, budget, flight, dims, record):
     recompute top_level finds whose true count fits, the DP's byte model corrected by the true
     count's excess until it does."""
     forward, backward = stage_nodes(graph, order, k)
-    sizes = {n: buffer_bytes(graph, n, dims) for n in set(forward) | set(backward)}
+    members = set(forward) | set(backward)   # and what they read (a view of a received value has its base there)
+    sizes = {n: buffer_bytes(graph, n, dims) for n in members | {u for n in members for u in graph.operands(n)}}
     work = {}
     flops_of = lambda n: work[n] if n in work else work.setdefault(n, node_flops(graph, n, dims))
-    tried = {}
+    tried, context = {}, stage_context(graph, trainable)
 
     def count(nodes, with_runs=False):
         key = (tuple(nodes), with_runs)
         if key not in tried:
-            fwd, bwd = stage_functions(split_stages(graph, order, K, trainable, {k: nodes}), k)
+            fwd, bwd = stage_pair(graph, k, forward, nodes, *context)
             plans = {f["fname"]: stage_plan(graph, f, dims, with_runs) for f in (fwd, bwd)}
             tried[key] = activation_bytes(graph, fwd, bwd, plans, flight, dims)
         return tried[key]

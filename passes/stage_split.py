@@ -31,7 +31,20 @@ def split_stages(graph, order, K, trainable, backward_of=None):
     for every stage and kind; `order` is loss_and_grad's store-all order. `backward_of` (stage ->
     node list) gives a stage's backward steps where they recompute forward values
     (passes/stage_retention.py); a stage's forward always runs all its forward nodes."""
-    transfer_of = {}   # source value -> transfer nodes that carry it
+    context = stage_context(graph, trainable)
+    functions = []
+    for k in range(K):
+        forward, backward = stage_nodes(graph, order, k)
+        if backward_of and k in backward_of:
+            backward = backward_of[k]
+        functions += stage_pair(graph, k, forward, backward, *context)
+    return functions
+
+
+def stage_context(graph, trainable):
+    """What stage_pair needs of the whole graph: {source value: transfer nodes that carry it} and
+    {gradient node: its param}."""
+    transfer_of = {}
     for n in graph.nx.nodes:
         if graph.op(n) == "transfer":
             transfer_of.setdefault(graph.operands(n)[0], []).append(n)
@@ -40,13 +53,7 @@ def split_stages(graph, order, K, trainable, backward_of=None):
         if stage_index(graph, r) != stage_index(graph, graph.params[p]):
             raise AssertionError(f"the gradient of {p!r} is made on {graph.node(r)['device']}, "
                                  f"but {p!r} lives on {graph.node(graph.params[p])['device']}")
-    functions = []
-    for k in range(K):
-        forward, backward = stage_nodes(graph, order, k)
-        if backward_of and k in backward_of:
-            backward = backward_of[k]
-        functions += stage_pair(graph, k, forward, backward, transfer_of, grad_root)
-    return functions
+    return transfer_of, grad_root
 
 
 def stage_nodes(graph, order, k):

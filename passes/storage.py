@@ -37,6 +37,11 @@ def in_arena(graph, n):
     return owns_buffer(graph, n) and graph.dtype(n).startswith("float")
 
 
+def value_bytes(graph, n, dims):
+    """Bytes of n's value as an array of its own (a view's as a copy; a param's), with `dims` bound."""
+    return int(np.prod(bind_dims(graph.shape(n), dims), dtype=np.int64)) * np.dtype(graph.dtype(n)).itemsize
+
+
 def buffer_bytes(graph, n, dims=None):
     """Bytes of n's own buffer (0 when it has none); an int when every dim is bound or in `dims`."""
     if not owns_buffer(graph, n):

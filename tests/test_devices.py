@@ -140,7 +140,9 @@ def test_device_memory_is_checked_by_the_stage_functions_plans(tmp_path):
                                            devices=2, schedule="gpipe", **o)
     halves, micro = build("m2", microbatches=2), build("m4", microbatches=4)
     for a, b in zip(halves.PARTITION["stage"], micro.PARTITION["stage"]):   # bytes held per microbatch: 32 rows, 16
-        assert a["params"] == b["params"] and a["stash_bytes_per_microbatch"] == 2 * b["stash_bytes_per_microbatch"] > 0
+        # (what has rows doubles; a scalar the backward takes, 4 bytes as the 1-element array it is passed, does not)
+        assert a["params"] == b["params"] and a["stash_bytes_per_microbatch"] > b["stash_bytes_per_microbatch"] > 0
+        assert 0 <= 2 * b["stash_bytes_per_microbatch"] - a["stash_bytes_per_microbatch"] <= 4 * 4
     micro.loss_and_grad(micro.init_params(0), **_inputs(micro, 64, np.random.default_rng(1)))
     held = micro.memory_stats()["arena_bytes"]
     for st in micro.PARTITION["stage"]:

@@ -355,6 +355,13 @@ def test_the_budget_bounds_the_arena_the_module_allocates(tmp_path):
         assert sum(doc["arena_bytes"].values()) + (doc["workspace_bytes"] or 0) <= budget
         mod.loss_and_grad(mod.init_params(0), **inputs)
         assert sum(mod.memory_stats()["arena_bytes"].values()) <= budget
+    # a DAG whose DP refused at its least memory while one unit more fitted: the minimum named compiles
+    with pytest.raises(gc.GradcError, match=r"is below the minimum") as e:
+        compile_model(_dag(), out=str(tmp_path / "no"), order=1, dtype="float64", bind={"B": 8}, warm_cache=False,
+                      memory_budget=1)
+    least = int(re.search(r"the minimum [^(]*\(([\d,]+) bytes\)", str(e.value)).group(1).replace(",", ""))
+    compile_model(_dag(), out=str(tmp_path / "dag"), order=1, dtype="float64", bind={"B": 8}, warm_cache=False,
+                  memory_budget=least)
 
 
 def test_dag_plan_falls_back_to_the_chain_dp_when_the_milp_finds_nothing(tmp_path, monkeypatch):
