@@ -354,7 +354,7 @@ def plan_pipeline(graph, dims, pipe, model, budget=None):
                                                      flights, dims)
         except StageBudgetError as e:
             raise GradcError(f"--memory-budget {format_size(budget)} is below the least stage {e.stage} can be "
-                             f"planned to, {format_size(e.minimum)} (its forward's or backward's peak and its kernels' "
+                             f"planned to, {format_size(e.minimum)} (its forward's or backward's arena and its kernels' "
                              f"workspace, plus what its backward reads from the forward for each of the {e.flight} "
                              f"microbatch(es) it holds under the {pipe['schedule']} schedule; keeping every activation "
                              f"needs {format_size(e.store_all)})", model.src) from None
