@@ -135,8 +135,8 @@ def _stage_lines(stages):
              "is of one process over the whole batch; --memory-budget bounds each stage):"] if stages else []
     for st in stages:
         fwd, bwd = st["forward"], st["backward"]
-        line = (f"    stage {st['stage']}: forward peak {_short(fwd['peak_bytes'])}, backward peak "
-                f"{_short(bwd['peak_bytes'])}")
+        line = (f"    stage {st['stage']}: forward arena {_short(sum(fwd['arena_bytes'].values()))}, backward arena "
+                f"{_short(sum(bwd['arena_bytes'].values()))}")
         r = st.get("retention")
         if r:
             line += (f"; holds {_short(r['activation_bytes'])} for activations ({_short(r['held_per_microbatch_bytes'])} "

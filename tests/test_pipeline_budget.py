@@ -159,7 +159,7 @@ def test_budget_errors_and_the_cli(tmp_path):
     assert r.returncode == 0, r.stderr
     shown = subprocess.run([sys.executable, "-m", "gradc.cli", "inspect", "out/chain", "--memory"], cwd=tmp_path,
                            capture_output=True, text=True).stdout
-    assert re.search(r"stage 0: forward peak .* per microbatch x 4 in flight\) against a budget of 1.50 KiB, .* "
+    assert re.search(r"stage 0: forward arena .* per microbatch x 4 in flight\) against a budget of 1.50 KiB, .* "
                      r"keeping every activation; its backward recomputes \d+ forward values", shown), shown
 
 
