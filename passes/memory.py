@@ -356,19 +356,25 @@ def _within_budget(graph, order, roots, dims, sizes, budget, store_all, total):
     (the budget with the workspace) with them."""
     work = {}
     flops_of = lambda n: work[n] if n in work else work.setdefault(n, node_flops(graph, n, dims))
-    peaks = {}   # steps -> their live peak, of every whole plan measured (not the MILP's coarse nodes)
+    peaks = {}   # steps -> their live peak, of the chain DP's plans measured
 
     def peak_of(s, returned=roots):
+        return _measure(s, returned)[0]
+
+    def dp_peak_of(s, returned=roots):
+        value, live = _measure(s, returned)
+        peaks[tuple(s)] = live
+        return value
+
+    def _measure(s, returned):
         live = peak_bytes(graph, s, returned, dims)
-        if returned is roots:
-            peaks[tuple(s)] = live
-        return live if live > budget else arena_bytes(graph, s, returned, dims)
+        return (live if live > budget else arena_bytes(graph, s, returned, dims)), live
 
     extra_work = lambda s: sum(map(flops_of, s)) - sum(map(flops_of, set(s)))
     chain = build_chain(graph, order, sizes, flops_of)
     candidates, refusal = [], None
     try:
-        steps, info = plan_retention(graph, chain, order, budget, peak_of, arena_total(store_all))
+        steps, info = plan_retention(graph, chain, order, budget, dp_peak_of, arena_total(store_all))
         info["method"] = f"dp-chain over {info['layers']} layers (Revolve-style, heterogeneous)"
         candidates.append((extra_work(steps), peak_of(steps), steps, info))
     except BudgetError as e:
@@ -383,9 +389,13 @@ def _within_budget(graph, order, roots, dims, sizes, budget, store_all, total):
             milp_info["method"] = (f"checkmate-milp over {milp_info['coarse_nodes']} coarse nodes "
                                    f"({milp_info['status']}, gap {100 * gap:.1f}%)")
             candidates.append((extra_work(steps), peak_of(steps), steps, milp_info))
-    if not candidates:   # the least: the arena of the plan of least live peak measured (none: the DP's own figure)
+    if not candidates:
+        # the least a budget can be and compile: the arena of the chain DP's plan of least live peak (the DP
+        # tries the memories next to its least at every budget; the MILP's plans depend on its time
+        # limit), or keeping every activation where that is less
         least = arena_bytes(graph, min(peaks, key=peaks.get), roots, dims) if peaks else refusal.minimum
-        raise BudgetError(least, arena_total(store_all), store_all_peak=store_all["peak_bytes"])
+        raise BudgetError(min(least, arena_total(store_all)), arena_total(store_all),
+                          store_all_peak=store_all["peak_bytes"])
     _, _, steps, chosen = min(candidates, key=lambda c: c[:2])
     info = dict(chosen, candidates=[{"method": c[3]["method"], "extra_flops": int(c[0]), "peak_bytes": int(c[1])}
                                     for c in candidates])

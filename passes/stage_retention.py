@@ -221,9 +221,11 @@ def _recompute(graph, order, K, trainable, k, budget, flight, dims, record):
         if count(nodes) <= budget:
             return plan(nodes)
         limit -= max(1, -(-(count(nodes) - budget) // unit))   # the model fell short by this much: ask it for less
-    # the plan the model says holds least (what the error names when even that does not fit)
-    least = [(flight * u + m, m, u) for m, (cost, _) in plans.items() for u in
-             [int(np.argmax(np.isfinite(cost[0])))] if np.isfinite(cost[0, u])]
-    if least and count(nodes_of(*min(least)[1:])) <= budget:
-        return plan(nodes_of(*min(least)[1:]))
-    raise StageBudgetError(k, min(tried.values()), record["store_all_bytes"], flight)
+    # each working memory's plan with the fewest units stashed, counted: tried at every budget, so the
+    # least of them (or store-all's count, where less) is a budget that compiles, and what the error names
+    fewest = {m: int(np.argmax(np.isfinite(cost[0]))) for m, (cost, _) in plans.items() if np.isfinite(cost[0]).any()}
+    least = min(fewest, key=lambda m: (count(nodes_of(m, fewest[m])), m), default=None)
+    if least is not None and count(nodes_of(least, fewest[least])) <= budget:
+        return plan(nodes_of(least, fewest[least]))
+    named = [count(nodes_of(m, u)) for m, u in fewest.items()] + [count(backward), record["store_all_bytes"]]
+    raise StageBudgetError(k, min(named), record["store_all_bytes"], flight)
