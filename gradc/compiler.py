@@ -357,7 +357,10 @@ def plan_pipeline(graph, dims, pipe, model, budget=None):
                              f"planned to, {format_size(e.minimum)} (its forward's or backward's arena and its kernels' "
                              f"workspace, plus what its backward reads from the forward for each of the {e.flight} "
                              f"microbatch(es) it holds under the {pipe['schedule']} schedule; keeping every activation "
-                             f"needs {format_size(e.store_all)})", model.src) from None
+                             f"needs {format_size(e.store_all)})"
+                             + (f"; the cut into {pipe['K']} stages is chosen for speed, with the stages' memory only "
+                                f"under --device-memory, and `with m.stage(i):` moves it" if pipe["K"] > 1 else ""),
+                             model.src) from None
     batch_inputs = batch_axes(graph, pipe["batch"]) if pipe["batch"] is not None else {}
     decayed = tuple(p for p in trainable if model.param_info[p]["decay"]) if model.weight_decay else ()
     return {"functions": functions, "transfers": transfers(graph), "schedule": pipe["schedule"],
