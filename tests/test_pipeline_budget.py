@@ -1,5 +1,5 @@
 """--memory-budget in a pipeline (passes/stage_retention.py): each stage's activations (its forward's or
-backward's peak, its workspace, and per microbatch in flight what its backward reads from the forward)
+backward's arena, its workspace, and per microbatch in flight what its backward reads from the forward)
 fit the budget, its backward recomputing the rest; the gradients stay the one-device build's (float64).
 """
 import json
