@@ -76,7 +76,7 @@ def _check_counts(mod, stages, budget, inputs):
     (lambda: _mlp(layers=10, width=16), 2, 4, "gpipe"),
     pytest.param(lambda: _mlp(layers=10, width=16), 1, 4, "gpipe", marks=pytest.mark.slow),
     pytest.param(_dag, 3, 3, "1f1b", marks=pytest.mark.slow),
-    (_dag, 2, 2, "sequential"),
+    pytest.param(_dag, 2, 2, "sequential", marks=pytest.mark.slow),
 ], ids=["mlp-2x4-gpipe", "mlp-1x4-gpipe", "dag-3x3-1f1b", "dag-2x2-sequential"])
 def test_budgeted_stages_fit_and_give_the_one_device_gradients(tmp_path, make, K, M, schedule):
     model = make()
@@ -122,6 +122,7 @@ def test_a_stage_that_starts_by_reshaping_what_it_receives(tmp_path):
     _against_one_device(one, mod, inputs)
 
 
+@pytest.mark.slow
 def test_gpipe_keeps_little_more_than_the_stage_inputs_under_a_small_budget(tmp_path):
     """GPipe's re-materialisation: with 8 microbatches in flight, the least budget holds a fraction of
     what keeping every activation does, the backward running the stage's forward again."""
