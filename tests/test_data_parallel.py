@@ -51,6 +51,8 @@ RANK_SCRIPT = textwrap.dedent('''
             if run.get("checkpoint"):
                 path = os.path.join(os.path.dirname(sys.argv[3]), f"ckpt{i}.npz")
                 tr.save(path)
+                for k, v in tr.params.items():   # what each rank holds right after the save
+                    results[f"s{i}_{k}"] = v.copy_to_host() if hasattr(v, "copy_to_host") else v
                 tr = m.Trainer.load(path, parallel="data", **run.get("parallel", {}))
                 losses += [tr.step(**batch) for _ in range(run["steps"])]
         else:
@@ -226,10 +228,13 @@ def test_data_parallel_with_pipeline_stages(tmp_path):
     expected = [_serial(one, inputs, o, 6) for o in OPTIONS]
     stages = mod._PIPELINE.grad_stages   # with a stage a rank, a rank updates its own stage's params
     _check(_run(tmp_path, build, model.name, runs, 4), runs, expected, owned=lambda r, k: stages[k] == r % 2)
+    ranks = [np.load(tmp_path / f"rank{r}.npz") for r in range(4)]
     for i, o in enumerate(OPTIONS):   # rank 0 wrote every stage's params (the checkpoint after 3 steps)
         saved = np.load(tmp_path / f"ckpt{i}.npz")
         for k, v in _serial(one, inputs, o, 3)[1].items():
             np.testing.assert_allclose(saved[f"param/{k}"], v, rtol=0, atol=1e-10, err_msg=k)
+            for r, got in enumerate(ranks):   # and every rank of both replicas holds them after the save
+                np.testing.assert_array_equal(got[f"s{i}_{k}"], saved[f"param/{k}"], err_msg=f"rank {r} {k}")
     for run in runs:
         run["parallel"] = {"stage_ranks": 1}
     _check(_run(tmp_path, build, model.name, runs, 2), runs, expected)

@@ -279,8 +279,9 @@ class DataParallel:
     # ---- checkpoints -----------------------------------------------------------------------------
     def save(self, path, write):
         """Rank 0 writes (a pipeline's stages first send it their params and state); every rank
-        returns once the file is written, or raises the error rank 0 met."""
-        if self.pipe_comm is not None and self.replica == 0:
+        returns once the file is written, or raises the error rank 0 met. Every replica gathers its
+        stages, so that every rank holds every param current after a save, as one pipeline's do."""
+        if self.pipe_comm is not None:
             gather_stages(self.tr, self.pipe_comm, self.owned)
         write_on_rank_0(self.world, path, write, self.tr.model_name)
 
