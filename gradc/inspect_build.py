@@ -129,7 +129,7 @@ def memory_report(base):
 
 
 def _stage_lines(stages):
-    """A pipeline's stages: each one's forward and backward peaks and, under --memory-budget, what it
+    """A pipeline's stages: each one's forward and backward arenas and, under --memory-budget, what it
     holds per microbatch in flight and what its backward recomputes (passes/stage_retention.py)."""
     lines = ["  pipeline stages: loss_and_grad and Trainer.step run as these, a microbatch per call (the plan above "
              "is of one process over the whole batch; --memory-budget bounds each stage):"] if stages else []
