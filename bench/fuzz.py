@@ -1,6 +1,6 @@
 """Fuzz gradc against PyTorch autograd on random graphs (the generator is tests/fuzz_graphs.py).
 
-    python bench/fuzz.py --n 1000 [--seed0 S] [--compiled K] [--per-model 3] [--pipelined P]
+    python bench/fuzz.py --n 1000 [--seed0 S] [--compiled K] [--per-model 3] [--pipelined P [--budget]]
 
 Every seed S0 .. S0+N-1 goes through gradc's numpy interpreter: loss, gradients and H v against
 torch in float64 (dense ops, conv2d and pools, indexing, concat/stack, take, batched matmul and
@@ -46,6 +46,8 @@ def main():
     ap.add_argument("--per-model", type=int, default=3, help="small programs per compiled model")
     ap.add_argument("--pipelined", type=int, default=0,
                     help="seeds (from seed0) also compiled with --devices 2 --microbatches 2, one program each")
+    ap.add_argument("--budget", action="store_true",
+                    help="compile the --pipelined seeds under the least --memory-budget their stages fit")
     args = ap.parse_args()
 
     coverage = Counter()
@@ -78,7 +80,7 @@ def main():
             ran_with = {}
             ok, msg = run(f"seed {seed} (compiled on 2 devices)", lambda: ran_with.update(
                 fuzz_graphs.check_pipelined(fuzz_graphs.random_case(seed, small=True), out,
-                                            ("gpipe", "1f1b", "sequential")[seed % 3])))
+                                            ("gpipe", "1f1b", "sequential")[seed % 3], args.budget)))
         ran += 1
         if not ok:
             failed += 1

@@ -26,6 +26,7 @@ the programs.
 """
 import math
 import operator
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -1423,10 +1424,23 @@ def gradc_compiled(case, out, dtype="float64", hessian=True, **options):
             "param_order": [p for p in mod.PARAM_ORDER if p in case.trainable]}
 
 
-def check_pipelined(case, out, schedule="1f1b"):
+def least_budget(case, out, options):
+    """The least --memory-budget every stage fits, as the error for a 1-byte budget names it."""
+    try:
+        gradc_compiled(case, out, hessian=False, order=2, memory_budget=1, **options)
+    except gc.GradcError as e:
+        found = re.search(r"below the least stage \d+ can be planned to, (?:[^(,]*\()?([\d,]+) bytes", str(e))
+        if found:
+            return int(found.group(1).replace(",", ""))
+        raise
+    return 1   # (stages that hold nothing)
+
+
+def check_pipelined(case, out, schedule="1f1b", budget=False):
     """One program compiled with --devices 2 and --microbatches 2 (--devices 2 alone where the rows
     check refuses microbatches, naming why: a batch statistic, random ops, one row) against torch;
-    returns the options it ran with."""
+    with `budget`, under the least --memory-budget its stages fit (so they recompute). Returns the
+    options it ran with."""
     (prog,) = case.programs
     batch = prog.dims[BATCH]
     ref = torch_reference(case)
@@ -1434,6 +1448,8 @@ def check_pipelined(case, out, schedule="1f1b"):
     for extra in tries:
         options = dict(devices=2, bind={BATCH: batch}, **extra)
         try:
+            if budget:
+                options["memory_budget"] = least_budget(case, out, options)
             got = gradc_compiled(case, out, hessian=False, order=2, **options)
         except gc.GradcError as e:
             if extra and "--microbatches 2: " in str(e):

@@ -93,6 +93,13 @@ def test_compiled_convs_over_parts_of_the_batch_match_torch(tmp_path, monkeypatc
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("seed", [3, 7])
+def test_programs_on_two_devices_under_the_least_budget_match_torch(tmp_path, seed):
+    """--memory-budget at the least the stages fit: their backwards recompute, gradients and hvp stay torch's."""
+    assert check_pipelined(random_case(seed, small=True), str(tmp_path), "gpipe", budget=True)["memory_budget"] > 0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [2, 44])
 def test_programs_with_scans_on_two_devices_match_torch(tmp_path, seed):
     """--devices 2 (--microbatches 2 where the rows check takes the model): a scan runs whole in a stage."""

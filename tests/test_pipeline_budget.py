@@ -33,7 +33,7 @@ def _least(model, out, batch=BATCH, **options):
     with pytest.raises(GradcError, match=r"--memory-budget 1 bytes is below the least stage (\d+) can be planned to") as e:
         compile_model(model, out=str(out), order=1, bind={"B": batch}, warm_cache=False, dtype="float64",
                       memory_budget=1, **options)
-    return int(re.search(r"planned to, [^(]*\(([\d,]+) bytes\)", str(e.value)).group(1).replace(",", ""))
+    return int(re.search(r"planned to, (?:[^(,]*\()?([\d,]+) bytes", str(e.value)).group(1).replace(",", ""))
 
 
 def _check_counts(mod, stages, budget, inputs):
@@ -174,10 +174,10 @@ def test_a_budgeted_rnn_recomputes_its_scan_in_the_backward(tmp_path):
     one = compile_model(model, out=str(tmp_path / "one"), order=1, bind=bind, warm_cache=False, dtype="float64")
     rng = np.random.default_rng(2)
     inputs = {"x": rng.standard_normal((5, 7, 3)), "y": rng.integers(0, 4, 7)}
-    with pytest.raises(GradcError, match=r"planned to, [^(]*\(([\d,]+) bytes\)") as e:
+    with pytest.raises(GradcError, match=r"planned to, (?:[^(,]*\()?([\d,]+) bytes") as e:
         compile_model(model, out=str(tmp_path / "n"), order=1, bind=bind, warm_cache=False, dtype="float64",
                       memory_budget=1, **options)
-    least = int(re.search(r"planned to, [^(]*\(([\d,]+) bytes\)", str(e.value)).group(1).replace(",", ""))
+    least = int(re.search(r"planned to, (?:[^(,]*\()?([\d,]+) bytes", str(e.value)).group(1).replace(",", ""))
     roomy = compile_model(model, out=str(tmp_path / "all"), order=1, bind=bind, warm_cache=False, dtype="float64",
                           memory_budget="1GiB", **options)
     (st,) = _stages(tmp_path / "all", model.name)   # the forward's scan stacks are what the backward takes
