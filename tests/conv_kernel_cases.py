@@ -19,7 +19,17 @@ def difference(got, ref):
     return float(np.abs(got - ref).max()) if not np.isnan(got).any() else math.inf
 
 
-def worst_error(target):
+FAMILIES = ("conv", "taps", "winograd", "direct1", "direct2", "direct4", "direct8", "pool", "pool_windows",
+            "pool_windows_more")
+# the windows nets use most: 2x2 stride 2 with and without padding, 3x3 stride 2 padding 1
+COMMON_WINDOWS = {(2, 2, 2, 2, 0, 0), (2, 2, 2, 2, 1, 1), (3, 3, 2, 2, 1, 1)}
+
+
+def worst_error(target, families=FAMILIES):
+    """The largest difference over the kernels of `families` (a conv family is its kernel and both
+    gradients; "directN" the direct kernels summing N output channels at once; "pool" the kernels that take
+    the window as arguments, "pool_windows" the CPU's with the window written into their text, on
+    COMMON_WINDOWS, and "pool_windows_more" on the other windows; cuda has conv and pool)."""
     from gradc.ops import conv as C, conv_direct as CD, conv_winograd as CW, pool as P
     if target == "cuda":
         from numba import cuda
@@ -52,8 +62,13 @@ def worst_error(target):
                        "conv_w": partial(CW.cpu_conv2d_winograd_source, block=WINOGRAD_TEST_BLOCK),
                        "dx_w": partial(CW.cpu_input_grad_winograd_source, block=WINOGRAD_TEST_BLOCK),
                        "dw_w": partial(CW.cpu_weight_grad_winograd_source, block=WINOGRAD_TEST_BLOCK)})
+    family_of = {"conv": "conv", "dx": "conv", "dw": "conv", "conv_t": "taps", "dx_t": "taps",
+                 "conv_w": "winograd", "dx_w": "winograd", "dw_w": "winograd"}
+    wanted = lambda nm: family_of.get(nm, f"direct{nm.split('_d')[-1]}" if "_d" in nm else "pool") in families
     grids = {}
     for nm, make in makers.items():
+        if not wanted(nm):
+            continue
         made = make(nm)
         exec(made[0], ns)
         ns[nm] = deco(ns[nm])
@@ -78,7 +93,7 @@ def worst_error(target):
                   (64, 3, 1, (3, 3), (1, 1), (1, 2), (1, 2), 32, 30), (8, 6, 2, (3, 2), (1, 1), (1, 0), (2, 1), 10, 9, 20)]
     if target == "cuda":   # (the simulator runs a thread in Python: the CPU's tiling cases would take minutes)
         conv_cases = conv_cases[:4]
-    for (c, o, G, k, s, p, d, h, w, *n) in conv_cases:
+    for (c, o, G, k, s, p, d, h, w, *n) in conv_cases * ("conv" in families):
         x = rng.standard_normal((n[0] if n else 2, c, h, w)); wt = rng.standard_normal((o, c // G) + k)
         y = C.conv2d_np(x, wt, s, p, d, G); g = rng.standard_normal(y.shape)
         ints = [*s, *p, *d, G]
@@ -89,7 +104,8 @@ def worst_error(target):
     if target == "cpu":
         # (channels, outputs, groups, kernel, padding, dilation, H, W, images), unit strides
         for (c, o, G, k, p, d, h, w, n) in [(32, 8, 1, (3, 3), (1, 1), (1, 1), 9, 7, 2), (64, 6, 2, (3, 2), (1, 2), (2, 1), 10, 9, 3),
-                                            (32, 32, 1, (1, 1), (0, 0), (1, 1), 5, 6, 2), (32, 40, 1, (5, 3), (2, 0), (1, 2), 13, 11, 1)]:
+                                            (32, 32, 1, (1, 1), (0, 0), (1, 1), 5, 6, 2),
+                                            (32, 40, 1, (5, 3), (2, 0), (1, 2), 13, 11, 1)] * ("taps" in families):
             assert c // G >= C.TAPS_MIN_CHANNELS
             x = rng.standard_normal((n, c, h, w)); wt = rng.standard_normal((o, c // G) + k)
             y = C.conv2d_np(x, wt, (1, 1), p, d, G); g = rng.standard_normal(y.shape)
@@ -101,7 +117,8 @@ def worst_error(target):
         # takes (0..2), odd and even sizes (tiles cut at the bottom and right), one pixel, and blocks of a
         # few tile rows (the last one short). The kernels do not depend on the channel threshold.
         for (c, o, p, h, w, n) in [(3, 4, (1, 1), 6, 6, 2), (5, 2, (0, 0), 7, 9, 1), (4, 3, (2, 1), 5, 8, 2),
-                                   (3, 3, (1, 1), 1, 1, 1), (3, 4, (1, 2), 29, 13, 2), (2, 5, (2, 2), 12, 3, 1)]:
+                                   (3, 3, (1, 1), 1, 1, 1), (3, 4, (1, 2), 29, 13, 2),
+                                   (2, 5, (2, 2), 12, 3, 1)] * ("winograd" in families):
             x = rng.standard_normal((n, c, h, w)); wt = rng.standard_normal((o, c, 3, 3))
             y = C.conv2d_np(x, wt, (1, 1), p, (1, 1), 1); g = rng.standard_normal(y.shape)
             ints = [1, 1, *p, 1, 1, 1]
@@ -116,12 +133,13 @@ def worst_error(target):
         for (c, o, G, k, p, d, h, w, n) in [(1, 6, 1, (5, 5), (2, 2), (1, 1), 9, 7, 3), (4, 6, 2, (3, 2), (0, 3), (2, 1), 8, 9, 2),
                                             (3, 17, 1, (2, 3), (1, 2), (1, 2), 6, 6, 2), (2, 3, 1, (3, 3), (3, 2), (1, 1), 7, 5, 2),
                                             (6, 2, 2, (3, 3), (1, 1), (1, 1), 1, 1, 2), (16, 5, 1, (5, 5), (4, 4), (1, 1), 10, 10, 1),
-                                            (2, 9, 1, (3, 3), (1, 1), (1, 1), 4, 70, 1), (1, 3, 1, (3, 3), (1, 1), (1, 1), 20, 18, 12)]:
+                                            (2, 9, 1, (3, 3), (1, 1), (1, 1), 4, 70, 1), (1, 3, 1, (3, 3), (1, 1), (1, 1), 20, 18, 12)
+                                            ] * any(f"direct{ob}" in families for ob in (1, 2, 4, 8)):
             x = rng.standard_normal((n, c, h, w)); wt = rng.standard_normal((o, c // G) + k)
             y = C.conv2d_np(x, wt, (1, 1), p, d, G); g = rng.standard_normal(y.shape)
             ints = [1, 1, *p, *d, G]
             dx, dw = C.conv2d_input_grad_np(g, wt, (1, 1), p, d, G, (h, w)), C.conv2d_weight_grad_np(x, g, (1, 1), p, d, G, k)
-            for ob in (1, 2, 4, 8):
+            for ob in [ob for ob in (1, 2, 4, 8) if f"direct{ob}" in families]:
                 for got, ref in [(run(f"conv_d{ob}", [x, wt, *ints], y.shape), y), (run(f"dx_d{ob}", [g, wt, *ints], x.shape), dx),
                                  (run(f"dw_d{ob}", [x, g, *ints], wt.shape), dw)]:
                     worst = max(worst, difference(got, ref))
@@ -145,7 +163,9 @@ def worst_error(target):
             if ties:   # an infinite gradient stays where its window's maximum is, zeros elsewhere
                 g[0, 1, 0, 0] = np.inf
             ints = [*k, *s, *p]
-            if target == "cpu":   # the window written into the kernel's text: windows inside the input row by row
+            common = tuple(ints) in COMMON_WINDOWS
+            if target == "cpu" and ("pool_windows" if common else "pool_windows_more") in families:
+                # the window written into the kernel's text: windows inside the input row by row
                 nm = f"mp_{'_'.join(map(str, ints))}"
                 if nm not in ns:
                     exec(P.cpu_max_pool_source(nm, tuple(ints))[0], ns)
@@ -166,6 +186,8 @@ def worst_error(target):
                 dx32 = np.full(x.shape, np.nan, np.float32)   # float32 too (the selects in out's dtype)
                 ns["g" + nm](x.astype(np.float32), g.astype(np.float32), dx32)
                 assert (dx32[~fin] == ref[~fin]).all() and np.abs(dx32[fin] - ref[fin]).max(initial=0.0) <= 1e-5, (k, s, p)
+            if "pool" not in families:
+                continue
             for got, ref in [(run("mp", [x, *ints], y.shape), y),
                              (run("mpick", [x, u, *ints], y.shape), P.max_pool2d_pick_np(x, u, k, s, p)),
                              (run("mgrad", [x, g, *ints], x.shape), P.max_pool2d_grad_np(x, g, k, s, p)),
@@ -180,4 +202,4 @@ def worst_error(target):
 
 
 if __name__ == "__main__":
-    print("worst", worst_error(sys.argv[1]))
+    print("worst", worst_error(sys.argv[1], sys.argv[2].split(",") if len(sys.argv) > 2 else FAMILIES))

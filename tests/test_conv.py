@@ -307,9 +307,17 @@ def test_conv2d_takes_a_numpy_weight_and_bias_as_constants(rng):
 
 
 # ---- the kernels (gradc/ops/conv.py, pool.py) and a compiled conv net -------------------------------
-def test_cpu_kernels_match_numpy():
-    from conv_kernel_cases import worst_error
-    assert worst_error("cpu") <= 1e-12
+# each family compiles its own kernels: the default tier takes one block size of the direct kernels and
+# the common pooling windows (a few seconds a kernel), the slow tier the rest
+KERNEL_FAMILIES = ["conv", "taps", "winograd", "direct8", "pool", "pool_windows"] + [
+    pytest.param(f, marks=pytest.mark.slow) for f in ("direct1", "direct2", "direct4", "pool_windows_more")]
+
+
+@pytest.mark.parametrize("family", KERNEL_FAMILIES)
+def test_cpu_kernels_match_numpy(family):
+    from conv_kernel_cases import FAMILIES, worst_error
+    assert family in FAMILIES
+    assert worst_error("cpu", (family,)) <= 1e-12
 
 
 def test_cuda_kernels_match_numpy_under_the_simulator():
@@ -366,9 +374,10 @@ def test_compiled_conv_net_matches_torch(build_dir, rng):
         np.testing.assert_allclose(hv[k], h.numpy(), rtol=1e-8, atol=1e-11, err_msg=k)
 
 
-def test_convs_by_taps_match_torch_in_a_compiled_net(build_dir, rng, monkeypatch):
+@pytest.mark.parametrize("hvp", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["grads", "hvp"])
+def test_convs_by_taps_match_torch_in_a_compiled_net(hvp, build_dir, rng, monkeypatch):
     """Unit-stride convs of >= TAPS_MIN_CHANNELS channels a group and enough output positions run
-    tap by tap on the band (no im2col), and so do their input gradients: loss, gradients and an hvp
+    tap by tap on the band (no im2col), and so do their input gradients: loss, gradients (and with hvp an hvp)
     of a net of them (padding, dilation, groups, a 1x1) against torch, float64. The positions'
     threshold is lowered so that the images stay small; a conv below it runs by im2col. The direct
     path (which would take most of these) is turned off."""
@@ -388,7 +397,7 @@ def test_convs_by_taps_match_torch_in_a_compiled_net(build_dir, rng, monkeypatch
         return conv(h[:, :, :2, :], p["w4"])                                          # 2 x 5 positions: im2col
     y = forward(gc, x, p)
     m.minimize(gc.mean(y * y))
-    mod = gc.compile(m, out=build_dir, dtype="float64", warm=False)
+    mod = gc.compile(m, out=build_dir, dtype="float64", order=2 if hvp else 1, warm=False)
     source = open(mod.__file__).read()
     for kernel in ("conv2d_by_taps", "conv2d_input_grad_by_taps", "conv2d", "conv2d_input_grad"):
         assert re.search(rf"def k\d+_{kernel}\(", source), kernel
@@ -396,21 +405,29 @@ def test_convs_by_taps_match_torch_in_a_compiled_net(build_dir, rng, monkeypatch
     params = mod.init_params(1)
     X = rng.standard_normal((3, 32, 7, 6))
     loss, grads = mod.loss_and_grad(params, x=X)
-    v = {k: rng.standard_normal(params[k].shape) for k in mod.TRAINABLE}
-    hv = mod.hvp(params, v, x=X)
     pt = {k: _t(a) for k, a in params.items()}
     ref = (forward(torch, torch.tensor(X), pt) ** 2).mean()
     tg = torch.autograd.grad(ref, list(pt.values()), create_graph=True)
-    thv = torch.autograd.grad(sum((g * torch.tensor(v[k])).sum() for k, g in zip(pt, tg)), list(pt.values()))
     np.testing.assert_allclose(loss, ref.item(), rtol=1e-12)
-    for k, g, h in zip(pt, tg, thv):
+    for k, g in zip(pt, tg):
         np.testing.assert_allclose(grads[k], g.detach().numpy(), rtol=1e-9, atol=1e-12, err_msg=k)
-        np.testing.assert_allclose(hv[k], h.numpy(), rtol=1e-8, atol=1e-11, err_msg=k)
+    if hvp:
+        v = {k: rng.standard_normal(params[k].shape) for k in mod.TRAINABLE}
+        hv = mod.hvp(params, v, x=X)
+        thv = torch.autograd.grad(sum((g * torch.tensor(v[k])).sum() for k, g in zip(pt, tg)), list(pt.values()))
+        for k, h in zip(pt, thv):
+            np.testing.assert_allclose(hv[k], h.numpy(), rtol=1e-8, atol=1e-11, err_msg=k)
 
 
-def _check_net_against_torch(mod, forward, params, X, dtype, rng, input_grad=False):
+# a float64 build's loss and gradients, a float32 build's, and (slow: its kernels compile on the first call)
+# a float64 build's hvp
+NET_CHECKS = [pytest.param("float64", False, id="float64"), pytest.param("float32", False, id="float32"),
+              pytest.param("float64", True, id="float64-hvp", marks=pytest.mark.slow)]
+
+
+def _check_net_against_torch(mod, forward, params, X, dtype, rng, input_grad=False, hvp=False):
     """A compiled net's loss and gradients (the input's too if input_grad) against torch's, float64 params
-    and input; a float32 build within float32's precision; in float64 also an hvp."""
+    and input; a float32 build within float32's precision; in float64 an hvp too if hvp."""
     cast = (lambda a: a.astype(np.float32)) if dtype == "float32" else (lambda a: a)
     loss, grads = mod.loss_and_grad({k: cast(v) for k, v in params.items()}, x=cast(X))
     got = [grads[k] for k in params]
@@ -426,7 +443,7 @@ def _check_net_against_torch(mod, forward, params, X, dtype, rng, input_grad=Fal
         scale = float(np.abs(g.detach().numpy()).max())
         np.testing.assert_allclose(mine, g.detach().numpy(), rtol=1e-9 if tight else 0,
                                    atol=1e-12 if tight else 2e-5 * scale, err_msg=k)
-    if tight:
+    if tight and hvp:
         v = {k: rng.standard_normal(params[k].shape) for k in mod.TRAINABLE}
         hv = mod.hvp(params, v, x=X)
         thv = torch.autograd.grad(sum((g * torch.tensor(v[k])).sum() for k, g in zip(pt, tg)), list(pt.values()))
@@ -434,8 +451,8 @@ def _check_net_against_torch(mod, forward, params, X, dtype, rng, input_grad=Fal
             np.testing.assert_allclose(hv[k], h.numpy(), rtol=1e-8, atol=1e-11, err_msg=k)
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_convs_by_winograd_match_torch_in_a_compiled_net(dtype, build_dir, rng, monkeypatch):
+@pytest.mark.parametrize("dtype, hvp", NET_CHECKS)
+def test_convs_by_winograd_match_torch_in_a_compiled_net(dtype, hvp, build_dir, rng, monkeypatch):
     """3x3 unit-stride convs of >= WINOGRAD_MIN_CHANNELS channels run by Winograd F(2x2, 3x3), and so do
     their weight gradients, and their input gradients while the padding is at most 2 (padding 3's runs
     by another path): loss,
@@ -456,13 +473,13 @@ def test_convs_by_winograd_match_torch_in_a_compiled_net(dtype, build_dir, rng, 
         return conv(h, p["w3"], padding=3)                # (B, 32, 13, 11): its input gradient not by Winograd
     y = forward(gc, x, p)
     m.minimize(gc.mean(y * y))
-    mod = gc.compile(m, out=build_dir, dtype=dtype, warm=False)
+    mod = gc.compile(m, out=build_dir, dtype=dtype, order=2 if hvp else 1, warm=False)
     source = open(mod.__file__).read()
     for kernel in ("conv2d_winograd", "conv2d_input_grad_winograd", "conv2d_weight_grad_winograd"):
         assert re.search(rf"def k\d+_{kernel}\(", source), kernel
     assert re.search(r"def k\d+_conv2d_input_grad(_by_taps|_direct)?\(", source)   # padding 3's: another path
     params = {k: v.astype(np.float64) for k, v in mod.init_params(1).items()}
-    _check_net_against_torch(mod, forward, params, rng.standard_normal((3, 32, 9, 7)), dtype, rng)
+    _check_net_against_torch(mod, forward, params, rng.standard_normal((3, 32, 9, 7)), dtype, rng, hvp=hvp)
 
 
 def test_which_convs_run_by_winograd():
@@ -483,8 +500,8 @@ def test_which_convs_run_by_winograd():
     assert not winograd(conv | {"padding": (3, 1)}, (64, 64, 3, 3), (56, 56), input_grad=True)
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_convs_by_direct_sums_match_torch_in_a_compiled_net(dtype, build_dir, rng):
+@pytest.mark.parametrize("dtype, hvp", NET_CHECKS)
+def test_convs_by_direct_sums_match_torch_in_a_compiled_net(dtype, hvp, build_dir, rng):
     """Unit-stride convs that make few channels a group run directly (gradc/ops/conv_direct.py), each
     output's taps summed in vector registers (gradc/runtime/simd.py), and so do input gradients with
     few source or many made channels, and weight gradients of few taps: a 5x5 conv of one channel
@@ -507,14 +524,15 @@ def test_convs_by_direct_sums_match_torch_in_a_compiled_net(dtype, build_dir, rn
         return conv(h, p["w4"])                                             # 1x1: im2col
     y = forward(gc, x, p)
     m.minimize(gc.mean(y * y))
-    mod = gc.compile(m, out=build_dir, dtype=dtype, warm=False)
+    mod = gc.compile(m, out=build_dir, dtype=dtype, order=2 if hvp else 1, warm=False)
     source = open(mod.__file__).read()
     for kernel in ("conv2d_direct", "conv2d_input_grad_direct", "conv2d_weight_grad_direct", "conv2d_weight_grad",
                    "conv2d_input_grad_by_taps"):
         assert re.search(rf"def k\d+_{kernel}\(", source), kernel
     assert re.search(r"def k\d+_conv2d\(", source)
     params = {k: v.astype(np.float64) for k, v in mod.init_params(1).items()}
-    _check_net_against_torch(mod, forward, params, rng.standard_normal((3, 1, 11, 9)), dtype, rng, input_grad=True)
+    _check_net_against_torch(mod, forward, params, rng.standard_normal((3, 1, 11, 9)), dtype, rng, input_grad=True,
+                             hvp=hvp)
 
 
 def test_direct_blocks_are_chosen_for_the_image_each_kernel_makes(build_dir):
