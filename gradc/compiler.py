@@ -606,7 +606,8 @@ def write_outputs(out, name, files, stored, warm_dims, timings, notes, graph_nod
     compile remove the leftovers of a killed one and leave those of a live one alone.
     """
     made = make_out(out)
-    refuse_foreign_files(out, name, list(files) + [f"{name}.{x}" for x in ("data.npz", "graph.svg", "partition.json")])
+    refuse_foreign_files(out, name, list(files) + [f"{name}.{x}" for x in ("data.npz", "graph.svg", "partition.json")]
+                         + [os.path.join(STORE, name)])   # the link to the current build
     store = os.path.join(out, STORE)
     current = os.path.join(store, name)
     build = os.path.join(store, temp_name(f"{name}."))

@@ -1,6 +1,7 @@
 """Shapes with symbolic dims: ints broadcast as in numpy; a str dim matches only the same name."""
 import functools
 
+import numpy as np
 import sympy as sp
 
 from .errors import ShapeError
@@ -66,7 +67,13 @@ def normalize_axes(axis, rank):
     """axis=None -> all axes; ints may be negative; duplicates and out-of-range are errors."""
     if axis is None:
         return tuple(range(rank))
-    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    if isinstance(axis, (list, tuple)):
+        axes = tuple(axis)
+    elif isinstance(axis, (int, np.integer)):
+        axes = (axis,)
+    else:
+        raise ShapeError(f"axis {axis!r} is not an int or a tuple of ints")
+    axes = tuple(int(a) if isinstance(a, np.integer) else a for a in axes)
     out = []
     for a in axes:
         if isinstance(a, bool) or not isinstance(a, int):

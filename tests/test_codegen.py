@@ -87,11 +87,12 @@ def reductions_and_attention():
 
 def user_ops():
     mish = gc.elementwise("cg_mish", lambda u: u * sp.tanh(sp.log(1 + sp.exp(u))))
+    huber = gc.elementwise("cg_huber", lambda u: sp.Piecewise((u ** 2 / 2, sp.Abs(u) <= 1), (sp.Abs(u) - sp.S.Half, True)))
     m = gc.Model("cg_user")
     x = m.input("x", ("B", 4))
     w = m.param("w", (4, 4))
     h = mish(x @ w)
-    out = gc.maximum(h, -h * 0.3) + gc.abs(h) + gc.gelu(h) + gc.sqrt(gc.square(h) + 1.0)
+    out = gc.maximum(h, -h * 0.3) + gc.abs(h) + gc.gelu(h) + gc.sqrt(gc.square(h) + 1.0) + huber(h * 2.0)
     m.minimize(gc.mean(out) + gc.mean(gc.sin(x) * gc.cos(out)))
     return m
 

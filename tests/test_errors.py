@@ -38,6 +38,7 @@ def test_shape_mismatch_names_file_line_op_and_shapes():
 @pytest.mark.parametrize("build,match", [
     (lambda m, x: x.sum(axis=2), "sum: axis 2 is out of range"),
     (lambda m, x: x.mean(axis=(0, 0)), "repeats an axis"),
+    (lambda m, x: x.sum(axis=1.0), r"sum: axis 1.0 is not an int or a tuple of ints \(operand shape \(B, 4\)\)"),
     (lambda m, x: gc.transpose(x, (0, 0)), "not a permutation"),
     (lambda m, x: x.reshape((5, 7)), "cannot reshape"),
     (lambda m, x: gc.softmax(x, axis=3), "softmax: axis 3 is out of range"),
@@ -121,6 +122,10 @@ def test_elementwise_definition_errors():
         gc.elementwise("tanh", lambda u: u)
     with pytest.raises(GradcError, match="fn failed on sympy symbols"):
         gc.elementwise("e_fail", lambda u: 1 / 0)
+    with pytest.raises(GradcError, match=r"test_errors\.py:\d+: .*'e_complex'.*the imaginary unit I"):
+        gc.elementwise("e_complex", lambda u: sp.I * u + u ** 2)
+    with pytest.raises(GradcError, match=r"'e_partial'.*Piecewise without a last \(value, True\) clause"):
+        gc.elementwise("e_partial", lambda u: sp.Piecewise((u, u > 0)))
     two = gc.elementwise("e_two", lambda a, b: a * b)
     m = gc.Model("e6")
     x = m.input("x", (3,))
@@ -327,7 +332,16 @@ def test_a_hyperparameter_the_optimizer_does_not_use_is_refused(small):
     with pytest.raises(ValueError, match=r"Trainer: eps=0.001 is not a hyperparameter of 'sgd'"):
         small.Trainer(p, eps=1e-3)
     small.Trainer(p, optimizer="adam", lr=0.01, betas=(0.5, 0.9), eps=1e-6)   # each optimizer's own are fine
-    small.Trainer(p, optimizer="sgd", lr=0.01, momentum=0.9)
+    tr = small.Trainer(p, optimizer="sgd", lr=0.01, momentum=0.9)
+    with pytest.raises(ValueError, match=r"Trainer: eps=0.001 is not a hyperparameter of 'sgd' \(sgd: lr, momentum\)"):
+        tr.eps = 1e-3   # set later too
+    adam = small.Trainer(p, optimizer="adam")
+    with pytest.raises(ValueError, match=r"Trainer: momentum=0.9 is not a hyperparameter of 'adam'"):
+        adam.momentum = 0.9
+    adam.momentum = 0.0   # the value it runs with
+    with pytest.raises(AttributeError, match=r"Trainer: the optimizer is chosen when the Trainer is made"):
+        adam.optimizer = "sgd"
+    assert (tr.eps, adam.momentum, adam.optimizer) == (1e-8, 0.0, "adam")
 
 
 def test_checkpoint_of_another_model_is_refused(small, tmp_path):
@@ -406,6 +420,51 @@ def test_cuda_arrays_are_checked_from_their_interface():
     cpu = Signature("m", {"w": (2, 3)}, {}, "float32", {})
     with pytest.raises(ValueError, match="param 'w' must be a numpy array, got TorchLike"):
         cpu.params({"w": TorchLike((2, 3))})
+
+
+def test_a_scalar_param_may_be_a_number_of_its_dtype():
+    """Found by a new-user trial: a () param given as np.float64(2.0) was refused ("must be a numpy array")
+    where a () input took it. Numbers are taken as numpy makes them, and their dtype checked, never cast."""
+    from gradc.runtime import Signature
+    sig = Signature("m", {"s": (), "w": (2,)}, {}, "float64", {})
+    w = np.ones(2)
+    assert sig.params({"s": np.float64(2.0), "w": w})["s"].tolist() == [2.0]
+    assert sig.params({"s": 2.5, "w": w})["s"].tolist() == [2.5]
+    with pytest.raises(ValueError, match=r"param 'w' has shape \(\), expected \(2,\)"):
+        sig.params({"s": 2.5, "w": 1.0})
+    single = Signature("m", {"s": ()}, {}, "float32", {})
+    with pytest.raises(ValueError, match=r"param 's' has dtype float64, expected float32 \(a float becomes a float64 "
+                                         r"array: pass np.asarray\(..., dtype=float32\)\)"):
+        single.params({"s": 2.5})
+    assert single.params({"s": np.float32(2.5)})["s"].dtype == np.float32
+    with pytest.raises(ValueError, match="param 's' must be a numpy array, got bool"):
+        single.params({"s": True})
+
+
+def test_a_trainer_adopts_a_numpy_scalar_assigned_to_a_scalar_param(tmp_path):
+    m = gc.Model("e_scalar_param")
+    x = m.input("x", ("B",))
+    s = m.param("s", (), init="ones")
+    m.minimize(((x * s - 1.0) ** 2).mean())
+    mod = gc.compile(m, out=str(tmp_path), dtype="float64", order=1, warm=False)
+    tr = mod.Trainer(mod.init_params(0), lr=0.1)
+    own = tr.params["s"]
+    tr.params["s"] = np.float64(3.0)
+    X = np.array([1.0, 2.0])
+    tr.step(x=X)   # d/ds mean((x s - 1)^2) = mean(2 x (x s - 1)) = 2 (2 + 10) / 2 = 12 at s = 3
+    assert tr.params["s"] is own and float(own) == pytest.approx(3.0 - 0.1 * 12.0, rel=1e-14)
+
+
+def test_load_takes_settings_from_the_checkpoint_and_says_so(small, tmp_path):
+    """Found by a new-user trial: Trainer.load(path, lr=0.5) raised "got multiple values for keyword 'lr'"."""
+    path = str(tmp_path / "ckpt.npz")
+    small.Trainer(small.init_params(0), lr=0.1).save(path)
+    with pytest.raises(TypeError, match=r"Trainer.load: lr, seed come from the checkpoint \(load takes parallel= "
+                                        r"and its options\); set them on the trainer it returns, e.g. tr.lr = ..."):
+        small.Trainer.load(path, lr=0.5, seed=3)
+    tr = small.Trainer.load(path)
+    tr.lr = 0.5
+    assert tr.lr == 0.5
 
 
 def test_cli_refuses_an_abbreviated_option(capsys):

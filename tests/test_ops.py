@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 import sympy as sp
+import torch
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import mutually_broadcastable_shapes
 
@@ -187,6 +188,46 @@ def test_user_elementwise_ops(rng):
     out = blend(mish(x), w)
     _weighted_sum(m, out, rng)
     assert_grads_match_fd(m, {"w": rng.standard_normal(4)}, {"x": rng.standard_normal((3, 4))})
+
+
+def test_piecewise_and_heaviside_user_ops_are_sympys_formulas(rng):
+    """A Piecewise op evaluates its clauses in order and differentiates clause by clause; Heaviside(0) is
+    sympy's 1/2 (H0 given: that value), its derivative 0: values, gradients and Hessians against torch."""
+    huber = gc.elementwise("huber_t", lambda u: sp.Piecewise((u ** 2 / 2, sp.Abs(u) <= 1), (sp.Abs(u) - sp.S.Half, True)))
+    gate = gc.elementwise("gate_t", lambda u, c: sp.Piecewise((c * sp.tanh(u), (u > 0) & (c > 0)), (sp.exp(u) * c, True))
+                          + sp.Heaviside(u - 1) * u + sp.Heaviside(u, 0) * c)
+    m = gc.Model("piecewise")
+    x = m.input("x", (9,))
+    c = m.param("c", (9,))
+    y = gate(huber(x) * 2, c)
+    m.output("y", y)
+    m.minimize((y * y).sum())
+    xv = np.array([-2.0, -1.0, -0.3, 0.0, 0.25, 0.5, 1.0, 1.5, 2.5])   # |x| = 1 and u = 1 take the first clause
+    cv = rng.standard_normal(9)
+    cv[:3] = np.abs(cv[:3])
+
+    def torch_y(xt, ct):
+        h = torch.where(xt.abs() <= 1, xt ** 2 / 2, xt.abs() - 0.5) * 2
+        g = torch.where((h > 0) & (ct > 0), ct * torch.tanh(h), torch.exp(h) * ct)
+        step = lambda u, at0: torch.where(u > 0, 1.0, torch.where(u == 0, at0, 0.0)).detach()   # torch's heaviside, a constant
+        return g + step(h - 1, 0.5) * h + step(h, 0.0) * ct
+    graph = build_training_graph(m, "float64")
+    got = evaluate(graph, {"c": cv}, {"x": xv}, [graph.outputs["y"], graph.grads["c"], graph.input_grads["x"]])
+    xt, ct = torch.tensor(xv, requires_grad=True), torch.tensor(cv, requires_grad=True)
+    yt = torch_y(xt, ct)
+    np.testing.assert_allclose(got[graph.outputs["y"]], yt.detach().numpy(), rtol=1e-14)
+    # x = +-1: huber's first clause gives 1/2, so u = 1 and Heaviside(u - 1) = 1/2; x = 0: u = 0, Heaviside(u, 0) = 0
+    np.testing.assert_allclose(got[graph.outputs["y"]][[1, 6]], cv[[1, 6]] * np.tanh(1.0) * (cv[[1, 6]] > 0)
+                               + np.exp(1.0) * cv[[1, 6]] * (cv[[1, 6]] <= 0) + 0.5 + cv[[1, 6]], rtol=1e-14)
+    loss = (yt * yt).sum()
+    gc_, gx = torch.autograd.grad(loss, [ct, xt], create_graph=True)
+    np.testing.assert_allclose(got[graph.grads["c"]], gc_.detach().numpy(), rtol=1e-13)
+    np.testing.assert_allclose(got[graph.input_grads["x"]], gx.detach().numpy(), rtol=1e-13)
+    hess = torch.autograd.functional.hessian(lambda ct: (torch_y(torch.tensor(xv), ct) ** 2).sum(), torch.tensor(cv))
+    order2 = build_training_graph(m, "float64", order=2)
+    v = rng.standard_normal(9)
+    hv = evaluate(order2, {"c": cv}, {"x": xv}, [order2.hvps["c"]], tangents={"c": v})[order2.hvps["c"]]
+    np.testing.assert_allclose(hv, hess.numpy() @ v, rtol=1e-12)
 
 
 def test_weight_decay_is_in_the_objective(rng):

@@ -553,6 +553,13 @@ def test_compile_never_replaces_a_file_it_did_not_write(tmp_path):
     line = one_error_line(gradc("compile", "tiny.py", "-o", "out", "--warm", "none", cwd=tmp_path))
     assert "tiny.graph.json exists and was not written by gradc" in line
     assert (tmp_path / "out" / "tiny.graph.json").read_text() == "mine"
+    (tmp_path / "out" / "tiny.graph.json").unlink()
+    (tmp_path / "out" / ".gradc").mkdir()   # the store's link to the current build, as a file of the user's
+    (tmp_path / "out" / ".gradc" / "tiny").write_text("mine")
+    line = one_error_line(gradc("compile", "tiny.py", "-o", "out", "--warm", "none", cwd=tmp_path))
+    assert ".gradc/tiny exists and was not written by gradc" in line, line
+    assert (tmp_path / "out" / ".gradc" / "tiny").read_text() == "mine"
+    assert sorted(os.listdir(tmp_path / "out")) == [".gradc"] and os.listdir(tmp_path / "out" / ".gradc") == ["tiny"]
 
 
 def test_command_line_slips(tmp_path):

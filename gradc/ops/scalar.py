@@ -121,9 +121,16 @@ SYMPY_FUNCTIONS = (sp.exp, sp.log, sp.tanh, sp.sin, sp.cos, sp.tan, sp.erf, sp.a
                    sp.asin, sp.acos, sp.asinh, sp.acosh, sp.atanh, sp.erfc)
 
 
+def _heaviside(x, h0=sp.S.Half):
+    """sympy's Heaviside(x, H0) (H0 = 1/2 unless given) in the functions above: Tie(x, 0) - Step(x) is 1/2 at
+    0 and 0 elsewhere."""
+    return Step(x) + 2 * h0 * (Tie(x, sp.S.Zero) - Step(x))
+
+
 def to_differentiable(expr):
-    """Replace sympy functions whose derivatives hold DiracDelta by the ones above."""
-    return expr.replace(sp.Heaviside, lambda *a: Step(a[0])) \
+    """Replace sympy functions whose derivatives hold DiracDelta by the ones above, with the values
+    sympy gives them (Heaviside(0) is 1/2, as sympy's)."""
+    return expr.replace(sp.Heaviside, _heaviside) \
                .replace(sp.sign, Sign) \
                .replace(sp.Abs, AbsF) \
                .replace(sp.Max, lambda *a: _fold(Max2, a)) \
@@ -145,10 +152,15 @@ def unsupported_parts(expr):
             bad.append(str(f))
         elif isinstance(f, GRADC_FUNCTIONS) or f.func in SYMPY_FUNCTIONS:
             continue
+        elif isinstance(f, sp.Piecewise):
+            if f.args[-1].cond != sp.true:
+                bad.append("Piecewise without a last (value, True) clause (undefined where no condition holds)")
         else:
             bad.append(f.func.__name__)
     if expr.has(sp.DiracDelta):
         bad.append("DiracDelta")
     if expr.has(sp.zoo, sp.nan):
         bad.append("an undefined value (zoo/nan)")
+    if expr.has(sp.I):
+        bad.append("the imaginary unit I (gradc computes in real numbers)")
     return sorted(set(bad))

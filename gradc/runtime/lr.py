@@ -118,6 +118,7 @@ class LRTrainer:
     the same optimizers and checks, driven by lr_grad's estimate; step t draws its noise from seed + t.
     gradient="backprop" (the default) uses loss_and_grad."""
     _lr = None   # the module's LikelihoodRatio
+    _gradient_option_names = ("gradient", "samples", "sigma", "seed", "antithetic", "layerwise", "baseline")
 
     def __init__(self, params, /, *args, gradient="backprop", samples=SAMPLES, sigma=SIGMA, seed=0, antithetic=True,
                  layerwise=False, baseline=True, **kwargs):

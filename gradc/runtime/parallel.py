@@ -197,8 +197,9 @@ class DataParallel:
             a = tr.signature.inputs(inputs, tr.loss_inputs, "Trainer.step")
             rows = _rows(tr, a)
             tr._adopt()
-        except ValueError as e:
-            error, rows = e, 0
+        except ValueError as e:   # raised on every rank below; this one says why
+            error, rows = ValueError(f"{e} (rank {self.world.Get_rank()}; step {tr.steps + 1} changes nothing on any "
+                                     f"rank)"), 0
         # every rank learns the global batch, whether some rank refused its inputs, and whether the replicas'
         # inputs differ beside the batch dim (then there is no one batch they are rows of); then all raise
         shapes = _beside_rows(tr, a) if error is None else None

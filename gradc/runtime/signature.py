@@ -20,6 +20,22 @@ def _range_of(labels):
     return lo, hi
 
 
+def as_array(v):
+    """(v as a numpy array, the type it was given as when not an array): a number or numpy scalar becomes a
+    0-d array of the dtype numpy gives it (a Python float is float64), which is then checked, never cast."""
+    if isinstance(v, np.ndarray):
+        return v, None
+    return np.asarray(v), type(v).__name__
+
+
+def dtype_hint(given_as, dtype, expected):
+    """Why a value of `dtype` is refused where `expected` is."""
+    if not given_as:
+        return "gradc never casts inputs"
+    article = "an" if given_as[0] in "aeiou" else "a"
+    return f"{article} {given_as} becomes a {dtype} array: pass np.asarray(..., dtype={expected})"
+
+
 def _fmt(shape):
     inner = ", ".join(str(d) for d in shape)
     return f"({inner},)" if len(shape) == 1 else f"({inner})"
@@ -91,13 +107,14 @@ class Signature:
             if array_dtype(v) != self.float:
                 raise ValueError(f"{what} has dtype {array_dtype(v)}, expected {self.float}")
             return v
-        if not isinstance(v, np.ndarray):
+        if not isinstance(v, (np.ndarray, np.generic, int, float)) or isinstance(v, bool):
             raise ValueError(f"{what} must be a numpy array{' or a CUDA array' if self.devices else ''}, "
                              f"got {type(v).__name__}")
+        v, given_as = as_array(v)
         if v.shape != shape:
             raise ValueError(f"{what} has shape {_fmt(v.shape)}, expected {_fmt(shape)}")
         if v.dtype != self.float:
-            raise ValueError(f"{what} has dtype {v.dtype}, expected {self.float}")
+            raise ValueError(f"{what} has dtype {v.dtype}, expected {self.float} ({dtype_hint(given_as, v.dtype, self.float)})")
         return v
 
     def wants_loss(self, given, loss_inputs, output_inputs):
@@ -121,15 +138,12 @@ class Signature:
             shape, dtype = self.inputs_spec[name]
             v = given[name]
             device = self._on_device(v)
-            given_as = None if device or isinstance(v, np.ndarray) else type(v).__name__
-            if given_as is not None:
-                v = np.asarray(v)
+            given_as = None
+            if not device:
+                v, given_as = as_array(v)
             if array_dtype(v) != np.dtype(dtype):
-                article = "an" if (given_as or "x")[0] in "aeiou" else "a"
-                how = (f"{article} {given_as} becomes a {array_dtype(v)} array: pass np.asarray(..., dtype={dtype})"
-                       if given_as else "gradc never casts inputs")
                 raise ValueError(f"{self.model}.{entry}: input {name!r} has dtype {array_dtype(v)}, expected {dtype} "
-                                 f"({how})")
+                                 f"({dtype_hint(given_as, array_dtype(v), dtype)})")
             if len(v.shape) != len(shape):
                 raise ValueError(f"{self.model}.{entry}: input {name!r} has shape {_fmt(v.shape)}, expected {_fmt(shape)}")
             for d, actual in zip(shape, v.shape):

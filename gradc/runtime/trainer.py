@@ -13,8 +13,14 @@ from .parallel import gather_stages, write_on_rank_0
 OPTIMIZERS = ("sgd", "adam")
 
 
+# each optimizer's hyperparameters, and the others' values it runs with (what it ignores may only hold those)
+OWN = {"sgd": ("lr", "momentum"), "adam": ("lr", "betas", "eps")}
+IGNORED = {"sgd": {"betas": (0.9, 0.999), "eps": 1e-8}, "adam": {"momentum": 0.0}}
+
+
 class Hyperparameter:
-    """A Trainer attribute whose every assignment is checked by `check(trainer, value)`."""
+    """A Trainer attribute whose every assignment is checked by `check(trainer, value)`, and refused where the
+    trainer's optimizer would ignore it."""
 
     def __init__(self, check):
         self.check = check
@@ -26,7 +32,13 @@ class Hyperparameter:
         return self if tr is None else tr.__dict__[self.name]
 
     def __set__(self, tr, value):
-        tr.__dict__[self.name] = self.check(tr, value)
+        checked = self.check(tr, value)
+        optimizer = tr.__dict__.get("_optimizer")
+        ignored = IGNORED.get(optimizer, {})
+        if self.name in ignored and checked != ignored[self.name]:
+            raise ValueError(f"{tr.model_name}.Trainer: {self.name}={checked!r} is not a hyperparameter of {optimizer!r} "
+                             f"({optimizer}: {', '.join(OWN[optimizer])})")
+        tr.__dict__[self.name] = checked
 
 
 class TrainerBase:
@@ -60,22 +72,24 @@ class TrainerBase:
                  clip_norm=None, parallel=None, **parallel_options):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"{self.model_name}.Trainer: unknown optimizer {optimizer!r} (use 'sgd' or 'adam')")
-        pair = tuple(float(b) for b in betas) if isinstance(betas, (list, tuple, np.ndarray)) else betas
-        unused = ({"betas": (pair, (0.9, 0.999)), "eps": (eps, 1e-8)} if optimizer == "sgd"
-                  else {"momentum": (momentum, 0.0)})
-        for name, (value, default) in unused.items():   # a hyperparameter the optimizer would ignore
-            if value != default:
-                raise ValueError(f"{self.model_name}.Trainer: {name}={value!r} is not a hyperparameter of "
-                                 f"{optimizer!r} ({'sgd: lr, momentum' if optimizer == 'sgd' else 'adam: lr, betas, eps'})")
-        checked = self.signature.params(params)
-        self.optimizer = optimizer
+        self._optimizer = optimizer   # first: the hyperparameters it ignores are refused (Hyperparameter)
         self.lr, self.momentum, self.betas, self.eps, self.clip_norm = lr, momentum, betas, eps, clip_norm
+        checked = self.signature.params(params)
         self.steps = 0
         size = max((end for _, end in self.grad_slices.values()), default=0)
         slots = ("momentum",) if optimizer == "sgd" else ("m", "v")
         self._store(checked, size, slots)
         if parallel is not None or parallel_options:
             self._parallel = self._parallel_executor(parallel, parallel_options)
+
+    @property
+    def optimizer(self):
+        return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, value):   # its state (momentum, or Adam's moments) is made for it
+        raise AttributeError(f"{self.model_name}.Trainer: the optimizer is chosen when the Trainer is made "
+                             f"(Trainer(params, optimizer={value!r}, ...)), not set after")
 
     def _parallel_executor(self, parallel, options):
         from . import parallel as par
@@ -179,6 +193,8 @@ class TrainerBase:
                                  f"array of shape {view.shape}); it holds the trainer's own values again")
             new = self.params[k]
             if new is not view:
+                if view.ndim == 0 and isinstance(new, np.generic):   # a scalar param's value as a numpy scalar
+                    new = np.asarray(new)
                 if not isinstance(new, np.ndarray) or new.shape != view.shape or new.dtype != view.dtype:
                     given = (f"a {new.dtype} array of shape {new.shape}" if isinstance(new, np.ndarray)
                              else f"a {type(new).__name__}")
@@ -315,6 +331,11 @@ class TrainerBase:
         ValueError naming the file for one that is damaged, incomplete or not a checkpoint. Every rank of
         a parallel run loads the same file: `Trainer.load(path, parallel="data")`."""
         path = os.fspath(path)
+        settings = [k for k in parallel_options if k in ("optimizer", "lr", "momentum", "betas", "eps", "clip_norm")
+                    or k in cls._gradient_option_names]
+        if settings:
+            raise TypeError(f"{cls.model_name}.Trainer.load: {', '.join(settings)} come from the checkpoint (load takes "
+                            f"parallel= and its options); set them on the trainer it returns, e.g. tr.lr = ...")
         arrays = read_npz(path)
         meta = arrays.get("meta")
         if meta is None:
@@ -364,6 +385,8 @@ class TrainerBase:
             tr._restore(slot, saved)
         tr.steps = steps
         return tr
+
+    _gradient_option_names = ()   # a subclass's gradient options (load takes them from the checkpoint)
 
     def _gradient_meta(self):
         """What the checkpoint records of how gradients are made (a subclass's gradient modes)."""
