@@ -153,6 +153,9 @@ class KernelPrinter(PythonCodePrinter):
     def _print_Rational(self, expr):
         return repr(float(expr))
 
+    def _print_Float(self, expr):   # sympy writes 15 digits: 1/3 came out 1 ulp off, 0.1234567890123457 9 ulps
+        return repr(float(expr))
+
     def _print_Integer(self, expr):
         return f"{int(expr)}.0" if abs(int(expr)) < 2 ** 53 else repr(float(expr))
 

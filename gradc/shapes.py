@@ -67,10 +67,10 @@ def normalize_axes(axis, rank):
     """axis=None -> all axes; ints may be negative; duplicates and out-of-range are errors."""
     if axis is None:
         return tuple(range(rank))
-    if isinstance(axis, (list, tuple)):
-        axes = tuple(axis)
-    elif isinstance(axis, (int, np.integer)):
+    if isinstance(axis, (int, np.integer)):
         axes = (axis,)
+    elif isinstance(axis, (list, tuple, range)):
+        axes = tuple(axis)
     else:
         raise ShapeError(f"axis {axis!r} is not an int or a tuple of ints")
     axes = tuple(int(a) if isinstance(a, np.integer) else a for a in axes)

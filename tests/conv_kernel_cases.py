@@ -26,7 +26,7 @@ COMMON_WINDOWS = {(2, 2, 2, 2, 0, 0), (2, 2, 2, 2, 1, 1), (3, 3, 2, 2, 1, 1)}
 
 
 def worst_error(target, families=FAMILIES):
-    """The largest difference over the kernels of `families` (a conv family is its kernel and both
+    """The largest difference over the kernels of `families` (inf when they compared nothing) (a conv family is its kernel and both
     gradients; "directN" the direct kernels summing N output channels at once; "pool" the kernels that take
     the window as arguments, "pool_windows" the CPU's with the window written into their text, on
     COMMON_WINDOWS, and "pool_windows_more" on the other windows; cuda has conv and pool)."""
@@ -84,7 +84,7 @@ def worst_error(target, families=FAMILIES):
         return out
 
     rng = np.random.default_rng(1)
-    worst = 0.0
+    worst, checked = 0.0, 0   # checked: the kernel results compared (none: the families ran nothing)
     # (channels, outputs, groups, kernel, stride, padding, dilation, H, W[, images]); unit strides take one run
     # of the band per tap: with padding and dilation, several bands of rows (the last one short), and
     # tiles of several whole images (the last tile short)
@@ -101,6 +101,7 @@ def worst_error(target, families=FAMILIES):
                          (run("dx", [g, wt, *ints], x.shape), C.conv2d_input_grad_np(g, wt, s, p, d, G, (h, w))),
                          (run("dw", [x, g, *ints], wt.shape), C.conv2d_weight_grad_np(x, g, s, p, d, G, k))]:
             worst = max(worst, difference(got, ref))
+            checked += 1
     if target == "cpu":
         # (channels, outputs, groups, kernel, padding, dilation, H, W, images), unit strides
         for (c, o, G, k, p, d, h, w, n) in [(32, 8, 1, (3, 3), (1, 1), (1, 1), 9, 7, 2), (64, 6, 2, (3, 2), (1, 2), (2, 1), 10, 9, 3),
@@ -113,6 +114,7 @@ def worst_error(target, families=FAMILIES):
             for got, ref in [(run("conv_t", [x, wt, *ints], y.shape), y),
                              (run("dx_t", [g, wt, *ints], x.shape), C.conv2d_input_grad_np(g, wt, (1, 1), p, d, G, (h, w)))]:
                 worst = max(worst, difference(got, ref))
+                checked += 1
         # Winograd F(2x2, 3x3) (the conv and both gradients): 3x3, unit strides and dilations, one group; every padding its input gradient
         # takes (0..2), odd and even sizes (tiles cut at the bottom and right), one pixel, and blocks of a
         # few tile rows (the last one short). The kernels do not depend on the channel threshold.
@@ -126,6 +128,7 @@ def worst_error(target, families=FAMILIES):
                              (run("dx_w", [g, wt, *ints], x.shape), C.conv2d_input_grad_np(g, wt, (1, 1), p, (1, 1), 1, (h, w))),
                              (run("dw_w", [x, g, *ints], wt.shape), C.conv2d_weight_grad_np(x, g, (1, 1), p, (1, 1), 1, (3, 3)))]:
                 worst = max(worst, difference(got, ref))
+                checked += 1
         # Direct (conv_direct.py): unit strides, any kernel, padding (the input gradient's band cropped where
         # the padding exceeds (k - 1) d), dilation and groups; channels made a group not a multiple of the
         # block, a one-pixel output, rows of positions wider than a call's, each block size on each case; the
@@ -143,6 +146,7 @@ def worst_error(target, families=FAMILIES):
                 for got, ref in [(run(f"conv_d{ob}", [x, wt, *ints], y.shape), y), (run(f"dx_d{ob}", [g, wt, *ints], x.shape), dx),
                                  (run(f"dw_d{ob}", [x, g, *ints], wt.shape), dw)]:
                     worst = max(worst, difference(got, ref))
+                    checked += 1
     pool_cases = [((2, 2), (2, 2), (0, 0), 6, 6), ((3, 3), (2, 2), (1, 1), 7, 8), ((2, 3), (1, 2), (1, 0), 5, 6),
                   ((3, 2), (3, 1), (0, 1), 9, 4), ((3, 3), (1, 1), (1, 1), 4, 5), ((2, 2), (2, 2), (1, 1), 7, 3),
                   ((5, 4), (2, 3), (2, 1), 11, 10), ((2, 2), (2, 2), (0, 0), 7, 5), ((3, 3), (3, 3), (0, 0), 9, 6),
@@ -183,6 +187,7 @@ def worst_error(target, families=FAMILIES):
                 assert (dx[~fin] == ref[~fin]).all() and np.abs(dx[fin] - ref[fin]).max(initial=0.0) <= 1e-12, \
                     (k, s, p)
                 assert not np.isnan(dx).any(), (k, s, p)   # every input written
+                checked += 1
                 dx32 = np.full(x.shape, np.nan, np.float32)   # float32 too (the selects in out's dtype)
                 ns["g" + nm](x.astype(np.float32), g.astype(np.float32), dx32)
                 assert (dx32[~fin] == ref[~fin]).all() and np.abs(dx32[fin] - ref[fin]).max(initial=0.0) <= 1e-5, (k, s, p)
@@ -198,7 +203,8 @@ def worst_error(target, families=FAMILIES):
                 fin = np.isfinite(ref)
                 assert (got[~fin & ~np.isnan(ref)] == ref[~fin & ~np.isnan(ref)]).all()
                 worst = max(worst, float(np.abs(got[fin] - ref[fin]).max()) if fin.any() else 0.0)
-    return worst
+                checked += 1
+    return worst if checked else math.inf
 
 
 if __name__ == "__main__":

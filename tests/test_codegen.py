@@ -87,7 +87,8 @@ def reductions_and_attention():
 
 def user_ops():
     mish = gc.elementwise("cg_mish", lambda u: u * sp.tanh(sp.log(1 + sp.exp(u))))
-    huber = gc.elementwise("cg_huber", lambda u: sp.Piecewise((u ** 2 / 2, sp.Abs(u) <= 1), (sp.Abs(u) - sp.S.Half, True)))
+    huber = gc.elementwise("cg_huber", lambda u: sp.Piecewise((u ** 2 / 2, sp.Abs(u) <= 1), (sp.Abs(u) - sp.S.Half, True))
+                           + sp.Heaviside(u - 2, 0.7) * u)
     m = gc.Model("cg_user")
     x = m.input("x", ("B", 4))
     w = m.param("w", (4, 4))

@@ -126,6 +126,8 @@ def test_elementwise_definition_errors():
         gc.elementwise("e_complex", lambda u: sp.I * u + u ** 2)
     with pytest.raises(GradcError, match=r"'e_partial'.*Piecewise without a last \(value, True\) clause"):
         gc.elementwise("e_partial", lambda u: sp.Piecewise((u, u > 0)))
+    with pytest.raises(GradcError, match=r"'e_contains'.*unsupported: Contains in a Piecewise condition"):
+        gc.elementwise("e_contains", lambda u: sp.Piecewise((u, sp.Contains(u, sp.Interval(0, 1))), (0, True)))
     two = gc.elementwise("e_two", lambda a, b: a * b)
     m = gc.Model("e6")
     x = m.input("x", (3,))
@@ -441,18 +443,27 @@ def test_a_scalar_param_may_be_a_number_of_its_dtype():
         single.params({"s": True})
 
 
-def test_a_trainer_adopts_a_numpy_scalar_assigned_to_a_scalar_param(tmp_path):
+def test_a_trainer_adopts_a_number_assigned_to_a_scalar_param_and_nothing_beside_a_wrong_one(tmp_path):
     m = gc.Model("e_scalar_param")
     x = m.input("x", ("B",))
     s = m.param("s", (), init="ones")
-    m.minimize(((x * s - 1.0) ** 2).mean())
+    w = m.param("w", (2,), init="ones")
+    m.minimize(((x * s - 1.0) ** 2).mean() + (w * w).sum() * 0.0)
     mod = gc.compile(m, out=str(tmp_path), dtype="float64", order=1, warm=False)
     tr = mod.Trainer(mod.init_params(0), lr=0.1)
-    own = tr.params["s"]
-    tr.params["s"] = np.float64(3.0)
+    own_s, own_w = tr.params["s"], tr.params["w"]
     X = np.array([1.0, 2.0])
-    tr.step(x=X)   # d/ds mean((x s - 1)^2) = mean(2 x (x s - 1)) = 2 (2 + 10) / 2 = 12 at s = 3
-    assert tr.params["s"] is own and float(own) == pytest.approx(3.0 - 0.1 * 12.0, rel=1e-14)
+    tr.params["w"] = np.array([5.0, 6.0])
+    tr.params["s"] = np.float32(3.0)   # another dtype: refused, and w not adopted either
+    with pytest.raises(ValueError, match=r"params\['s'\] must stay a float64 array of shape \(\), got a float32 array"):
+        tr.step(x=X)
+    assert tr.params["s"] is own_s and float(own_s) == 1.0 and own_w.tolist() == [1.0, 1.0]
+    for given in (np.float64(3.0), 3.0):
+        tr.params["s"] = given
+        own_s[...] = 0.0
+        tr.step(x=X)   # d/ds mean((x s - 1)^2) = mean(2 x (x s - 1)) = 2 (2 + 10) / 2 = 12 at s = 3
+        assert tr.params["s"] is own_s and float(own_s) == pytest.approx(3.0 - 0.1 * 12.0, rel=1e-14)
+    assert tr.params["w"] is own_w and own_w.tolist() == [5.0, 6.0]   # adopted at the first step that ran
 
 
 def test_load_takes_settings_from_the_checkpoint_and_says_so(small, tmp_path):

@@ -230,6 +230,22 @@ def test_piecewise_and_heaviside_user_ops_are_sympys_formulas(rng):
     np.testing.assert_allclose(hv, hess.numpy() @ v, rtol=1e-12)
 
 
+def test_heaviside_is_exactly_one_above_zero_whatever_its_value_at_zero():
+    """Found by a review: written as Step + 2 H0 (Tie - Step), H0 = 0.7 gave 1 - 1 ulp above 0."""
+    m = gc.Model("heaviside_h0")
+    x = m.input("x", (3,))
+    step_at = lambda h0: (lambda u: sp.Heaviside(u, h0))
+    hs = [gc.elementwise(f"heaviside_{i}", step_at(h0)) for i, h0 in enumerate((0.7, 1 / 3, 0.58))]
+    outs = [h(x) for h in hs]
+    for i, o in enumerate(outs):
+        m.output(f"h{i}", o)
+    m.minimize(sum(((o * x).sum() for o in outs[1:]), (outs[0] * x).sum()))
+    graph = build_training_graph(m, "float64")
+    got = evaluate(graph, {}, {"x": np.array([2.0, 0.0, -2.0])}, [graph.outputs[f"h{i}"] for i in range(3)])
+    for node, h0 in zip(got, (0.7, 1 / 3, 0.58)):
+        assert got[node].tolist() == [1.0, h0, 0.0]
+
+
 def test_weight_decay_is_in_the_objective(rng):
     m = gc.Model("wd")
     x = m.input("x", (4, 3))

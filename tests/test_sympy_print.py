@@ -29,6 +29,19 @@ def test_printed_expression_evaluates_like_sympy(expr):
         assert scope["out"] == pytest.approx(expected, rel=1e-12), lines
 
 
+def test_float_constants_are_written_exactly():
+    """sympy writes a Float with 15 digits: `x * (1/3)` ran with 0.333333333333333, 1 ulp off, in the kernels and
+    the interpreter alike (found while testing Heaviside's value at 0)."""
+    from gradc.ops.elementwise import numpy_function
+    consts = (1 / 3, 0.12345678901234568, 2.0 ** -60 * 3, 1e300 / 7)
+    expr = sum(sp.Float(c) * x for c, x in zip(consts, (x0, x1, x2))) + sp.Float(consts[3])
+    lines, _ = print_block(expr, {X[j]: sp.Symbol(f"a{j}", real=True) for j in range(3)}, "out")
+    for c in consts:
+        assert repr(c) in lines[-1], (c, lines)
+    args = (np.array([1.0]), np.array([0.0]), np.array([0.0]))
+    assert numpy_function(expr, 3)(*args)[0] == consts[0] + consts[3]
+
+
 def test_written_out_tanh_helper_is_what_sympy_derives():
     from gradc.codegen.sympy_print import HELPERS, _rational_tanh_source
     assert HELPERS["_tanh"] == _rational_tanh_source()

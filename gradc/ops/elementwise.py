@@ -10,6 +10,7 @@ from functools import lru_cache
 
 import numpy as np
 import sympy as sp
+from sympy.printing.numpy import NumPyPrinter
 
 from . import Op, REGISTRY, register
 from .scalar import (AbsF, Max2, NUMPY_FUNCTIONS, Relu, Sigmoid, Softplus, to_differentiable,
@@ -35,9 +36,25 @@ def derivative(expr, i):
     return d if expr.is_Symbol or d.is_Number else d.subs(expr, Y)
 
 
+class ExactFloatPrinter(NumPyPrinter):
+    """lambdify's printer, with each float written as Python does (sympy writes 15 digits)."""
+
+    def _print_Float(self, expr):
+        return repr(float(expr))
+
+
 @lru_cache(maxsize=None)
 def numpy_function(expr, nargs):
-    return sp.lambdify(X[:nargs], expr, modules=[NUMPY_FUNCTIONS, "numpy"])
+    f = sp.lambdify(X[:nargs], expr, modules=[NUMPY_FUNCTIONS, "numpy"],
+                    printer=ExactFloatPrinter({"fully_qualified_modules": False, "inline": True,
+                                               "allow_unknown_functions": True}))   # lambdify's own settings
+    if not expr.has(sp.Piecewise):
+        return f
+
+    def quiet_clauses(*args):   # numpy.select evaluates the clauses not taken too: their warnings are not the op's
+        with np.errstate(all="ignore"):
+            return f(*args)
+    return quiet_clauses
 
 
 def _infer(attrs, shapes, dtypes):

@@ -122,9 +122,9 @@ SYMPY_FUNCTIONS = (sp.exp, sp.log, sp.tanh, sp.sin, sp.cos, sp.tan, sp.erf, sp.a
 
 
 def _heaviside(x, h0=sp.S.Half):
-    """sympy's Heaviside(x, H0) (H0 = 1/2 unless given) in the functions above: Tie(x, 0) - Step(x) is 1/2 at
-    0 and 0 elsewhere."""
-    return Step(x) + 2 * h0 * (Tie(x, sp.S.Zero) - Step(x))
+    """sympy's Heaviside(x, H0) (H0 = 1/2 unless given) as the Piecewise it is: exactly 1 above 0 whatever H0
+    (a sum of Step and Tie weighted by H0 rounded to 1 - 1 ulp), its derivative 0 clause by clause."""
+    return sp.Piecewise((sp.S.One, x > 0), (h0, sp.Eq(x, 0)), (sp.S.Zero, True))
 
 
 def to_differentiable(expr):
@@ -144,6 +144,16 @@ def _fold(f, args):
     return out
 
 
+def _unsupported_logic(cond):
+    """Names of what a Piecewise condition holds beside comparisons, and, or, not, True and False (what
+    prints as Python)."""
+    if isinstance(cond, (sp.core.relational.Relational, sp.logic.boolalg.BooleanAtom)):
+        return []
+    if isinstance(cond, (sp.And, sp.Or, sp.Not)):
+        return [name for c in cond.args for name in _unsupported_logic(c)]
+    return [type(cond).__name__]
+
+
 def unsupported_parts(expr):
     """Names of the parts of `expr` that gradc cannot evaluate or differentiate."""
     bad = []
@@ -155,6 +165,8 @@ def unsupported_parts(expr):
         elif isinstance(f, sp.Piecewise):
             if f.args[-1].cond != sp.true:
                 bad.append("Piecewise without a last (value, True) clause (undefined where no condition holds)")
+            for _, cond in f.args:
+                bad += [f"{name} in a Piecewise condition" for name in _unsupported_logic(cond)]
         else:
             bad.append(f.func.__name__)
     if expr.has(sp.DiracDelta):

@@ -10,6 +10,7 @@ device in a small array before each step, so changing `tr.lr` between steps need
 import numpy as np
 
 from .cuda import array_dtype, block, flat, is_device_array
+from .signature import number_as_array
 from .trainer import TrainerBase
 
 
@@ -74,21 +75,27 @@ class CudaTrainerBase(TrainerBase):
         self.runner.sync()
 
     def _adopt(self):
-        """An array assigned into tr.params replaces the values, not the trainer's buffer; a wrong one (or a
-        deleted name) is refused, and tr.params[k] is the trainer's own array again (as on the CPU)."""
+        """An array assigned into tr.params replaces the values, not the trainer's buffer (a () param's may be a
+        number of its dtype); a wrong one (or a deleted name) is refused before any is adopted, and tr.params[k]
+        is the trainer's own array again (as on the CPU)."""
+        adopted = {}
         for k, view in self._views.items():
-            new = self.params.get(k)
-            if new is view:
+            given = self.params.get(k)
+            if given is view:
                 continue
             shape = self.signature.param_shapes[k]
+            new = number_as_array(given) if shape == () else given
             if not (isinstance(new, np.ndarray) or is_device_array(new)) or array_dtype(new) != self.signature.float \
                     or tuple(new.shape) not in (tuple(shape), (1,) if shape == () else tuple(shape)):
-                given = ("nothing (it is missing)" if k not in self.params else
-                         f"a {array_dtype(new)} array of shape {tuple(new.shape)}"
-                         if isinstance(new, np.ndarray) or is_device_array(new) else f"a {type(new).__name__}")
+                what = ("nothing (it is missing)" if k not in self.params else
+                        f"a {array_dtype(new)} array of shape {tuple(new.shape)}"
+                        if isinstance(new, np.ndarray) or is_device_array(new) else f"a {type(new).__name__}")
                 self.params[k] = view
                 raise ValueError(f"{self.model_name}.Trainer: params[{k!r}] must stay a {self.signature.float} array "
-                                 f"of shape {tuple(shape)}, got {given}; it holds the trainer's own values again")
+                                 f"of shape {tuple(shape)}, got {what}; it holds the trainer's own values again")
+            adopted[k] = new
+        for k, new in adopted.items():
+            view = self._views[k]
             source = new if not isinstance(new, np.ndarray) else np.ascontiguousarray(new)
             view.copy_to_device(self.runner.device(source).reshape(view.shape) if not isinstance(new, np.ndarray)
                                 else source.reshape(view.shape), stream=self.runner.stream)

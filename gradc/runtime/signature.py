@@ -21,19 +21,29 @@ def _range_of(labels):
 
 
 def as_array(v):
-    """(v as a numpy array, the type it was given as when not an array): a number or numpy scalar becomes a
-    0-d array of the dtype numpy gives it (a Python float is float64), which is then checked, never cast."""
+    """(v as a numpy array, the type it was given as when not an array): a list, number or numpy scalar
+    becomes the array numpy makes of it (a Python float is float64), which is then checked, never cast."""
     if isinstance(v, np.ndarray):
         return v, None
     return np.asarray(v), type(v).__name__
+
+
+def number_as_array(v):
+    """A number or numpy scalar (not a bool) as a 0-d array of the dtype numpy gives it; anything else as it is."""
+    if isinstance(v, (np.generic, int, float)) and not isinstance(v, (bool, np.bool_)):
+        return np.asarray(v)
+    return v
+
+
+def _with_article(word):
+    return f"{'an' if str(word)[0] in 'aeiou' else 'a'} {word}"
 
 
 def dtype_hint(given_as, dtype, expected):
     """Why a value of `dtype` is refused where `expected` is."""
     if not given_as:
         return "gradc never casts inputs"
-    article = "an" if given_as[0] in "aeiou" else "a"
-    return f"{article} {given_as} becomes a {dtype} array: pass np.asarray(..., dtype={expected})"
+    return f"{_with_article(given_as)} becomes {_with_article(dtype)} array: pass np.asarray(..., dtype={expected})"
 
 
 def _fmt(shape):
@@ -107,10 +117,12 @@ class Signature:
             if array_dtype(v) != self.float:
                 raise ValueError(f"{what} has dtype {array_dtype(v)}, expected {self.float}")
             return v
-        if not isinstance(v, (np.ndarray, np.generic, int, float)) or isinstance(v, bool):
-            raise ValueError(f"{what} must be a numpy array{' or a CUDA array' if self.devices else ''}, "
-                             f"got {type(v).__name__}")
-        v, given_as = as_array(v)
+        given_as = None
+        if not isinstance(v, np.ndarray):
+            if number_as_array(v) is v:
+                raise ValueError(f"{what} must be a numpy array{' or a CUDA array' if self.devices else ''}, "
+                                 f"got {type(v).__name__}")
+            v, given_as = number_as_array(v), type(v).__name__
         if v.shape != shape:
             raise ValueError(f"{what} has shape {_fmt(v.shape)}, expected {_fmt(shape)}")
         if v.dtype != self.float:

@@ -9,6 +9,7 @@ import numpy as np
 from ..files import read_npz, write_replacing
 from .optim import CHECK, CHECKED_WRITE, WRITE, adam_update, clip_scale, sgd_update, sum_squares
 from .parallel import gather_stages, write_on_rank_0
+from .signature import number_as_array
 
 OPTIMIZERS = ("sgd", "adam")
 
@@ -183,26 +184,30 @@ class TrainerBase:
         return self.signature.params(self.params, exact=True)
 
     def _adopt(self):
-        """An array assigned into tr.params replaces the values, not the trainer's buffer. A wrong one (or a
-        deleted name) is refused, and tr.params[k] is the trainer's own array again, its values unchanged:
-        the next step or save works without the user having to undo it."""
+        """An array assigned into tr.params replaces the values, not the trainer's buffer (a () param's may be a
+        number of its dtype). A wrong one (or a deleted name) is refused before any is adopted, and tr.params[k]
+        is the trainer's own array again, its values unchanged: the next step or save works without the user
+        having to undo it."""
+        adopted = {}
         for k, view in self._views.items():
             if k not in self.params:
                 self.params[k] = view
                 raise ValueError(f"{self.model_name}.Trainer: params[{k!r}] is missing (it must stay a {view.dtype} "
                                  f"array of shape {view.shape}); it holds the trainer's own values again")
-            new = self.params[k]
-            if new is not view:
-                if view.ndim == 0 and isinstance(new, np.generic):   # a scalar param's value as a numpy scalar
-                    new = np.asarray(new)
-                if not isinstance(new, np.ndarray) or new.shape != view.shape or new.dtype != view.dtype:
-                    given = (f"a {new.dtype} array of shape {new.shape}" if isinstance(new, np.ndarray)
-                             else f"a {type(new).__name__}")
-                    self.params[k] = view
-                    raise ValueError(f"{self.model_name}.Trainer: params[{k!r}] must stay a {view.dtype} array of "
-                                     f"shape {view.shape}, got {given}; it holds the trainer's own values again")
-                view[...] = new
+            given = self.params[k]
+            if given is view:
+                continue
+            new = number_as_array(given) if view.ndim == 0 else given
+            if not isinstance(new, np.ndarray) or new.shape != view.shape or new.dtype != view.dtype:
+                what = (f"a {new.dtype} array of shape {new.shape}" if isinstance(new, np.ndarray)
+                        else f"a {type(new).__name__}")
                 self.params[k] = view
+                raise ValueError(f"{self.model_name}.Trainer: params[{k!r}] must stay a {view.dtype} array of "
+                                 f"shape {view.shape}, got {what}; it holds the trainer's own values again")
+            adopted[k] = new
+        for k, new in adopted.items():
+            self._views[k][...] = new
+            self.params[k] = self._views[k]
 
     def step(self, **inputs):
         if self._parallel is not None:
