@@ -229,8 +229,10 @@ class _Builder:
         op, node = g.op(n), g.node(n)
         shape = node["shape"]
         if op == "input":
-            # an adjacency (N, N) read only as the left factor of products is the same for every sample
-            adjacency = len(shape) == 2 and shape[0] == shape[1] and all(
+            # an adjacency (N, N) read only as the left factor of products is the same for every sample (N, N
+            # as declared: a batch x (B, 12) with B bound to 12 is not one)
+            declared = g.declared_shapes.get(n, shape)
+            adjacency = len(shape) == 2 and declared[0] == declared[1] and all(
                 g.op(u) == "matmul" and g.operands(u)[0] == n and n not in g.operands(u)[1:]
                 and not g.attrs(u).get("transpose_a") for u in g.users(n) if u in self.fwd)
             axis = self.axes.get(n)

@@ -110,6 +110,18 @@ def test_mean_over_seeds_converges_to_the_gradient(name):
     assert errors[1] < 0.4, errors
 
 
+def test_a_batch_bound_to_the_size_of_its_features_is_not_an_adjacency():
+    """Found by a new-user trial: x (B, 5) with --bind B=5 is (5, 5) and read only as a left factor, like a
+    GCN's adjacency; lr_grad was left out of the build ("rows on axis None"). The declared shape tells them apart."""
+    m, params, inputs = problem("mlp", np.random.default_rng(0))
+    inputs = {"x": inputs["x"][:5], "y": inputs["y"][:5]}
+    bound, free = (build_training_graph(m, "float64", dims, order=1) for dims in ({"B": 5}, {}))
+    assert bound.lr["why"] is None and bound.lr["per_row"]
+    est_bound, true = interpret_lr(bound, params, inputs, 8, 1e-3, seed=3)
+    est_free, _ = interpret_lr(free, params, inputs, 8, 1e-3, seed=3)
+    np.testing.assert_allclose(est_bound, est_free, rtol=1e-12, atol=1e-12)
+
+
 def reads_only_leaves_of_the_forward(graph):
     """The estimate reads no value of the forward but leaves (inputs, params, counts): its clean values are
     its own, so the forward's products keep their only readers and fuse as in a build without lr_grad."""
