@@ -7,6 +7,7 @@ rows. Also the Trainer's gradient="lr" options, checked when the Trainer is made
 import math
 import numbers
 import threading
+from types import MappingProxyType
 
 import numpy as np
 
@@ -125,7 +126,7 @@ class LRTrainer:
         if gradient not in ("backprop", "lr"):
             raise ValueError(f"{self.model_name}.Trainer: gradient must be 'backprop' or 'lr', got {gradient!r}")
         self.gradient = gradient
-        self.lr_options = None
+        self._lr_options = self._lr_seed = None
         given = {"samples": (samples, SAMPLES), "sigma": (sigma, SIGMA), "seed": (seed, 0),
                  "antithetic": (antithetic, True), "layerwise": (layerwise, False), "baseline": (baseline, True)}
         ignored = [f"{k}={v!r}" for k, (v, default) in given.items() if v is not default and v != default]
@@ -135,10 +136,14 @@ class LRTrainer:
         if gradient == "lr":
             samples, sigma, seed, antithetic, layerwise, baseline = self._lr.check(
                 samples, sigma, seed, antithetic, layerwise, baseline, what="Trainer")
-            self.lr_seed = seed
-            self.lr_options = {"samples": samples, "sigma": sigma, "antithetic": antithetic, "layerwise": layerwise,
-                               "baseline": baseline}
+            self._lr_seed = seed
+            self._lr_options = MappingProxyType({"samples": samples, "sigma": sigma, "antithetic": antithetic,
+                                                 "layerwise": layerwise, "baseline": baseline})
         super().__init__(params, *args, **kwargs)
+
+    # chosen when the trainer is made (a changed sigma would not be the run its checkpoint resumes): read-only
+    lr_options = property(lambda self: self._lr_options, doc="gradient='lr''s options (None for backprop)")
+    lr_seed = property(lambda self: self._lr_seed, doc="the seed step 0 draws its noise from (step t: seed + t)")
 
     def _step_options(self):
         """lr_grad's options for this step, in LikelihoodRatio.leaves' order: step t draws from seed + t

@@ -82,6 +82,15 @@ class TrainerBase:
         self._store(checked, size, slots)
         if parallel is not None or parallel_options:
             self._parallel = self._parallel_executor(parallel, parallel_options)
+        self._made = True
+
+    def __setattr__(self, name, value):
+        # a setting the trainer does not have would be ignored without a word (tr.sigma = ..., a misspelt tr.l_r)
+        if self.__dict__.get("_made") and not name.startswith("_") and name not in self.__dict__ \
+                and not hasattr(type(self), name):
+            raise AttributeError(f"{self.model_name}.Trainer has no setting {name!r}: set lr, momentum, betas, eps or "
+                                 f"clip_norm; the others (gradient='lr''s samples, sigma, ...) are chosen when it is made")
+        super().__setattr__(name, value)
 
     @property
     def optimizer(self):
