@@ -31,13 +31,16 @@ def lr_api_source(g, built, run_src, views_src, cuda=False, pipeline=False):
              "    options = _LR.check(samples, sigma, seed, antithetic, layerwise, baseline)",
              "    p = _SIGNATURE.params(params)",
              '    a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS, "lr_grad")']
+    estimate = ["    try:",
+                "        loss = _lr_into(p, a, grads, *options)",
+                "    except MemoryError as e:   # the copies' rows are what grows",
+                '        raise MemoryError(f"{MODEL_NAME}.lr_grad: samples={samples} runs {_LR.copies(samples, layerwise)} '
+                'perturbed copies of the batch at once, which do not fit in memory ({e}): give fewer samples") from None']
     if cuda:
-        lines += ['    grads = _CUDA.buffer("lr_grads", (max(GRAD_SIZE, 1),))',
-                  "    loss = _lr_into(p, a, grads, *options)",
+        lines += ['    grads = _CUDA.buffer("lr_grads", (max(GRAD_SIZE, 1),))', *estimate,
                   "    grads = _CUDA.out(grads)"]
     else:
-        lines += ["    grads = np.empty(GRAD_SIZE, FLOAT)",
-                  "    loss = _lr_into(p, a, grads, *options)"]
+        lines += ["    grads = np.empty(GRAD_SIZE, FLOAT)", *estimate]
     owned = "_PIPELINE.owned({{\n        {}\n    }})" if pipeline else "{{\n        {}\n    }}"
     lines += [f"    return float(loss), {owned.format(views_src + ',')}" if views_src else "    return float(loss), {}",
               "", "",

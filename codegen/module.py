@@ -258,8 +258,10 @@ def generate(graph, plans, info):
         out.append(f"# scalars each host function keeps on the device (slots of `scal`)\n_SCALARS = {scalar_slots!r}")
         out.append(f"_CUDA = CudaRunner(MODEL_NAME, FLOAT, _ARENA_TABLES, {dim_sources!r}, _SCALARS, DATA)")
     else:
+        devices = tuple(sorted({g.node(n)["device"] for n in g.nx.nodes}))
         out.append(f"_ARENA = Arena(FLOAT, _ARENA_TABLES, dim_sources={dim_sources!r},\n"
-                   f"               plain={tuple(f for f in plans if f in writer.plain)!r})   # these take ready views")
+                   f"               plain={tuple(f for f in plans if f in writer.plain)!r},   # these take ready views\n"
+                   f"               devices={devices if len(devices) > 1 else ()!r})   # a pipeline's stages")
     out.append(f"# the batch dim, how the loss reduces it, and the weight decay: how a data-parallel Trainer weights ranks\n"
                f"_ROWS = {info.get('rows')!r}")
     out.append(f"_LOSS_INPUTS = {inputs_of('_forward_loss')!r}")

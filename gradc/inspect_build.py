@@ -51,7 +51,8 @@ def report(build, graph=False, memory=False, partition=False, kernels=False, ptx
                  f"{meta['flops']['loss_and_grad']}" + (f"; hvp {meta['flops']['hvp']}" if "hvp" in meta["flops"] else ""))
     lines.append(f"kernels: {len(meta['kernels'])} (gradc inspect --kernels lists them)")
     saved = meta["saved_for_backward"]
-    lines.append(f"values saved for the backward: {len(saved)} (gradc inspect --memory for bytes)")
+    lines.append(f"forward values the backward reads: {len(saved)} (gradc inspect --memory: which are kept, which "
+                 f"a --memory-budget recomputes, and their bytes)")
     for s in saved:
         label = s["name"] or f"%{s['node']} {s['op']}"
         lines.append(f"  {label:<24} {_shape(s['shape']):<16} {s['src']}")

@@ -93,7 +93,7 @@ def test_inspect(compiled):
     r = gradc("inspect", "out/tiny", "--graph", "--memory", "--kernels", "--partition", cwd=compiled)
     assert r.returncode == 0, r.stderr
     text = r.stdout
-    for needle in ("model tiny", "nodes per phase: forward", "W0", "(6, 16)", "FLOPs per call", "values saved for the backward",
+    for needle in ("model tiny", "nodes per phase: forward", "W0", "(6, 16)", "FLOPs per call", "forward values the backward reads",
                    "model.py:", "kernels (", "def k0_", "backward (", "partition: one device",
                    "memory plan of loss_and_grad: dims are symbolic"):
         assert needle in text, needle

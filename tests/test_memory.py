@@ -502,3 +502,14 @@ def test_order_2_builds_plan_first_order_entries_as_order_1_does(make):
         one, two = p1[entry], p2[entry]
         assert two["peak_bytes"] == one["peak_bytes"], entry
         assert [g2.op(n) for n in two["steps"]] == [g1.op(n) for n in one["steps"]], entry
+
+
+def test_memory_stats_reports_every_stage_one_with_no_arena_as_zero():
+    """Found by a new-user trial: an RNN's first stage, whose scan stacks are workspace, was left out of
+    memory_stats() ("reports each" stage, the README says)."""
+    from gradc.runtime.arena import Arena
+    tables = {"_stage1": ((((4,), 0, 1, "cpu:1"), ((2, 3), 1, 2, "cpu:1")))}
+    arena = Arena(np.float64, tables, {}, devices=("cpu:0", "cpu:1"))
+    buffer, offsets = arena.get("_stage1", {})
+    assert arena.held_by_device() == {"cpu:0": 0, "cpu:1": buffer.nbytes}
+    assert buffer.nbytes >= (4 + 6) * 8

@@ -88,7 +88,7 @@ class Arena:
     entry, shape and buffer and then reused, so a call makes no views at all.
     """
 
-    def __init__(self, dtype, tables, dim_sources, device="cpu", allocate=np.empty, plain=()):
+    def __init__(self, dtype, tables, dim_sources, device="cpu", allocate=np.empty, plain=(), devices=()):
         self.dtype = np.dtype(dtype)
         self.align = max(1, ALIGN_BYTES // self.dtype.itemsize)
         self.tables = tables
@@ -100,6 +100,7 @@ class Arena:
         self.allocate = allocate         # (elements, dtype) -> a flat buffer: host memory, or a device's
         self._layouts = {}
         self._regions = {}               # device -> the largest region any layout gave it
+        self.devices = tuple(devices)    # a pipeline's stages: each is reported, one with no arena as 0
         self._local = threading.local()
         self._buffers = {}               # thread id -> buffer, for memory_stats
         self._lock = threading.Lock()
@@ -164,9 +165,10 @@ class Arena:
     def held_by_device(self):
         """{device: bytes}: with one device, what held_bytes says; with several, each device's
         largest region times the buffers held."""
-        if len(self._regions) <= 1:
-            return {self.device if not self._regions else next(iter(self._regions)): self.held_bytes()}
+        regions = dict.fromkeys(self.devices, 0) | self._regions
+        if len(regions) <= 1:
+            return {self.device if not regions else next(iter(regions)): self.held_bytes()}
         with self._lock:
             self._forget_finished_threads()
             buffers = len(self._buffers)
-        return {d: r * self.dtype.itemsize * buffers for d, r in sorted(self._regions.items())}
+        return {d: r * self.dtype.itemsize * buffers for d, r in sorted(regions.items())}
