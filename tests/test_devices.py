@@ -154,6 +154,10 @@ def test_device_memory_is_checked_by_the_stage_functions_plans(tmp_path):
     need = max(st["memory_bytes"] for st in micro.PARTITION["stage"])
     fits = build("fits", microbatches=4, device_memory=need)
     assert max(st["memory_bytes"] for st in fits.PARTITION["stage"]) <= need
+    # a limit the fastest cut meets by its plans keeps that cut (found by a new-user trial: the cost model, above the
+    # plans, chose a slower cut, and named a least need above what the fastest cut held)
+    assert [st["params"] for st in fits.PARTITION["stage"]] == [st["params"] for st in micro.PARTITION["stage"]]
+    assert fits.PARTITION["replans"] == 0
     for limit in (need - 1, need - 2000):   # another cut that fits by the plans, or the error that says none does
         try:
             other = build("tight", microbatches=4, device_memory=limit)
@@ -163,12 +167,29 @@ def test_device_memory_is_checked_by_the_stage_functions_plans(tmp_path):
         assert max(st["memory_bytes"] for st in other.PARTITION["stage"]) <= limit
 
 
+def test_a_limit_the_fastest_cut_meets_keeps_that_cut(tmp_path):
+    """Found by a new-user trial: the cost model puts this MLP's stages above their plans, so --device-memory at
+    what the fastest cut holds was refused ("the least any cut needs (by the cost model) is 4.76 MiB", 4.33 held)."""
+    build = lambda out, **o: compile_model(_mlp(8, 256), out=str(tmp_path / out), order=1, dtype="float64",
+                                           bind={"B": 64}, warm_cache=False, devices=2, schedule="1f1b",
+                                           microbatches=4, **o)
+    free = build("free")
+    need = max(st["memory_bytes"] for st in free.PARTITION["stage"])
+    assert need < max(st["model_memory_bytes"] for st in free.PARTITION["stage"])   # the model is above the plans
+    fits = build("fits", device_memory=need)
+    assert [st["params"] for st in fits.PARTITION["stage"]] == [st["params"] for st in free.PARTITION["stage"]]
+    assert fits.PARTITION["replans"] == 0
+    with pytest.raises(gc.GradcError, match=rf"the fastest cut is one whose stage [01] needs .*\({need:,} bytes\)$"):
+        build("tight", device_memory=need - 1)
+
+
 def test_device_option_errors(tmp_path):
     model = _mlp(layers=2, width=4)
     cases = [
         (dict(devices=2), r"--devices needs every symbolic dim bound with --bind \(unbound: B"),
         (dict(devices=2, bind={"B": 4}, device_memory=16), r"no cut of the model into 2 contiguous stages fits --device-memory 16 bytes per device under the "
-         r"sequential schedule: the least any cut needs \(by the cost model\) is \d+ bytes per device \(its stage [01]"),
+         r"sequential schedule: the least any cut needs \(by the cost model\) is \d+ bytes per device \(its stage [01].*; "
+         r"the fastest cut is one whose stage [01] needs \d+ bytes$"),
         (dict(devices=500, bind={"B": 4}), r"--devices 500: the model has \d+ forward ops, fewer than 500 stages"),
         (dict(devices=2, bind={"B": 4}, schedule="zigzag"), r"--schedule 'zigzag': use one of sequential, gpipe, 1f1b"),
         (dict(devices=2, bind={"B": 4}, microbatches=0), r"--microbatches 0: give a whole number >= 1"),
