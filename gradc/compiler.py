@@ -322,6 +322,7 @@ def plan_stages(graph, dims, pipe, target, model, budget=None):
         over = [k for k, h in enumerate(held) if limit is not None and h > limit]
         if not over:
             doc["replans"] = len(tried)
+            doc["device_memory"] = limit   # (the fastest cut is planned with no limit)
             return placed, doc, pipeline, plans
         k = max(over, key=lambda k: held[k])
         tried.append(f"one whose stage {k} needs {format_size(held[k])}")

@@ -178,7 +178,7 @@ def test_a_limit_the_fastest_cut_meets_keeps_that_cut(tmp_path):
     assert need < max(st["model_memory_bytes"] for st in free.PARTITION["stage"])   # the model is above the plans
     fits = build("fits", device_memory=need)
     assert [st["params"] for st in fits.PARTITION["stage"]] == [st["params"] for st in free.PARTITION["stage"]]
-    assert fits.PARTITION["replans"] == 0
+    assert fits.PARTITION["replans"] == 0 and fits.PARTITION["device_memory"] == need
     with pytest.raises(gc.GradcError, match=rf"the fastest cut is one whose stage [01] needs .*\({need:,} bytes\)$"):
         build("tight", device_memory=need - 1)
 

@@ -259,7 +259,7 @@ def test_a_param_assigned_into_the_trainer_is_adopted_and_a_wrong_one_refused(sm
                             r"got a float32 array of shape \(4, 3\)"),
                            (np.zeros((3, 4)), r"params\['w'\] must stay a float32 .* got a float64 array"),
                            ([[0.0] * 4] * 3, r"params\['w'\] must stay .* got a list"),
-                           (None, r"params\['w'\] is missing")):
+                           (None, r"params \['w'\] were missing \(they hold the trainer's own values again\)")):
         for call in (lambda: tr.step(x=x, y=y), lambda: tr.save(path)):   # a checkpoint is never written with it
             if wrong is None:
                 del tr.params["w"]
@@ -269,11 +269,13 @@ def test_a_param_assigned_into_the_trainer_is_adopted_and_a_wrong_one_refused(sm
                 call()
             assert np.shares_memory(tr.params["w"], tr._flat)   # the trainer's own array again, unchanged
             np.testing.assert_array_equal(tr.params["w"], before)
-    tr.params["v"] = np.zeros(3, np.float32)
     for call in (lambda: tr.step(x=x, y=y), lambda: tr.save(path)):
-        with pytest.raises(ValueError, match=r"params unknown \['v'\]"):
+        tr.params["v"] = np.zeros(3, np.float32)   # removed at the refusal, so the next call works (a new-user trial)
+        with pytest.raises(ValueError, match=r"params \['v'\] are not the model's \(removed; its params are \['w'\]\)"):
             call()
-    del tr.params["v"]
+        assert "v" not in tr.params
+    with pytest.raises(AttributeError, match=r"assign into tr.params\[name\] .*, not tr.params itself"):
+        tr.params = {}
     assert tr.steps == 1 and path.read_bytes() == saved
     np.testing.assert_array_equal(tr.params["w"], before)
     np.testing.assert_array_equal(small.Trainer.load(path).params["w"], before)

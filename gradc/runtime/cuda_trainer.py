@@ -78,6 +78,7 @@ class CudaTrainerBase(TrainerBase):
         """An array assigned into tr.params replaces the values, not the trainer's buffer (a () param's may be a
         number of its dtype); a wrong one (or a deleted name) is refused before any is adopted, and tr.params[k]
         is the trainer's own array again (as on the CPU)."""
+        self._put_back()
         adopted = {}
         for k, view in self._views.items():
             given = self.params.get(k)

@@ -86,6 +86,9 @@ class TrainerBase:
 
     def __setattr__(self, name, value):
         # a setting the trainer does not have would be ignored without a word (tr.sigma = ..., a misspelt tr.l_r)
+        if self.__dict__.get("_made") and name == "params":
+            raise AttributeError(f"{self.model_name}.Trainer: assign into tr.params[name] (adopted at the next step or "
+                                 f"save), not tr.params itself")
         if self.__dict__.get("_made") and not name.startswith("_") and name not in self.__dict__ \
                 and not hasattr(type(self), name):
             raise AttributeError(f"{self.model_name}.Trainer has no setting {name!r}: set lr, momentum, betas, eps or "
@@ -197,12 +200,9 @@ class TrainerBase:
         number of its dtype). A wrong one (or a deleted name) is refused before any is adopted, and tr.params[k]
         is the trainer's own array again, its values unchanged: the next step or save works without the user
         having to undo it."""
+        self._put_back()
         adopted = {}
         for k, view in self._views.items():
-            if k not in self.params:
-                self.params[k] = view
-                raise ValueError(f"{self.model_name}.Trainer: params[{k!r}] is missing (it must stay a {view.dtype} "
-                                 f"array of shape {view.shape}); it holds the trainer's own values again")
             given = self.params[k]
             if given is view:
                 continue
@@ -217,6 +217,21 @@ class TrainerBase:
         for k, new in adopted.items():
             self._views[k][...] = new
             self.params[k] = self._views[k]
+
+    def _put_back(self):
+        """Trained params deleted from tr.params come back (the trainer's own arrays), names it does not have are
+        removed; ValueError naming them, so that the next call works."""
+        missing = [k for k in self._views if k not in self.params]
+        unknown = [k for k in self.params if k not in self.signature.param_shapes]
+        for k in missing:
+            self.params[k] = self._views[k]
+        for k in unknown:
+            del self.params[k]
+        if missing or unknown:
+            raise ValueError(f"{self.model_name}.Trainer: " + "; ".join(
+                ([f"params {missing} were missing (they hold the trainer's own values again)"] if missing else [])
+                + ([f"params {unknown} are not the model's (removed; its params are {list(self.signature.param_shapes)})"]
+                   if unknown else [])))
 
     def step(self, **inputs):
         if self._parallel is not None:
