@@ -118,7 +118,7 @@ def test_device_inputs_are_checked_by_name(results):
 def test_a_wrong_array_assigned_into_the_trainer_is_refused_and_undone(results):
     wrong, missing = results["trainer"]["assigned"]
     assert "got a float" in wrong and "array of shape (1, 1); it holds the trainer's own values again" in wrong
-    assert "got nothing (it is missing); it holds the trainer's own values again" in missing
+    assert "params ['W0'] were missing (they hold the trainer's own values again)" in missing
 
 
 def test_graph_path_captures_once_per_shape_and_replays(results):

@@ -81,15 +81,14 @@ class CudaTrainerBase(TrainerBase):
         self._put_back()
         adopted = {}
         for k, view in self._views.items():
-            given = self.params.get(k)
+            given = self.params[k]   # (_put_back: every name is there)
             if given is view:
                 continue
             shape = self.signature.param_shapes[k]
             new = number_as_array(given) if shape == () else given
             if not (isinstance(new, np.ndarray) or is_device_array(new)) or array_dtype(new) != self.signature.float \
                     or tuple(new.shape) not in (tuple(shape), (1,) if shape == () else tuple(shape)):
-                what = ("nothing (it is missing)" if k not in self.params else
-                        f"a {array_dtype(new)} array of shape {tuple(new.shape)}"
+                what = (f"a {array_dtype(new)} array of shape {tuple(new.shape)}"
                         if isinstance(new, np.ndarray) or is_device_array(new) else f"a {type(new).__name__}")
                 self.params[k] = view
                 raise ValueError(f"{self.model_name}.Trainer: params[{k!r}] must stay a {self.signature.float} array "
