@@ -303,12 +303,10 @@ def plan_stages(graph, dims, pipe, target, model, budget=None):
     K, limit = pipe["K"], pipe["device_memory"]
     order = store_all_steps(graph, entry_roots(graph, 1)["_loss_and_grad"], representative_sizes(graph, dims))
     pristine = copy.deepcopy(graph) if limit is not None else None
-    # with a limit the fastest cut is measured first: where its stages' plans fit, no cut is faster, and the
-    # cost model's memory (which can be above the plans') would have refused it
-    model_limits = [None, limit] if limit is not None else [None]
-    tried = []
-    for attempt in range(MAX_REPLANS + len(model_limits)):
-        model_limit = model_limits[min(attempt, len(model_limits) - 1)]
+    # the fastest cut is measured first: where its stages' plans fit a limit, no cut is faster, and the cost
+    # model's memory (which can be above the plans') would have refused it
+    model_limit, tried = None, []
+    for attempt in range(MAX_REPLANS + 2):
         placed = graph if attempt == 0 else copy.deepcopy(pristine)
         try:
             doc = plan_devices(placed, order, dims, K, target, model_limit, pipe["schedule"], pipe["M"], memory_dims)
@@ -326,10 +324,11 @@ def plan_stages(graph, dims, pipe, target, model, budget=None):
             return placed, doc, pipeline, plans
         k = max(over, key=lambda k: held[k])
         tried.append(f"one whose stage {k} needs {format_size(held[k])}")
-        if model_limit is not None:
-            # assume the cost model falls short by as much elsewhere: this cut's stages over the limit no longer pass
+        if model_limit is None:   # the fastest cut does not fit: a cut under the limit by the cost model
+            model_limit = limit
+        else:   # assume the cost model falls short by as much elsewhere: this cut's stages over the limit no longer pass
             gap = max(held[k] - doc["stage"][k]["model_memory_bytes"] for k in over)
-            model_limits[-1] = min(model_limit, limit - gap)
+            model_limit = min(model_limit, limit - gap)
     raise GradcError(f"no cut of the model into {K} stages fits --device-memory {format_size(limit)} per device by the "
                      f"stages' memory plans under the {pipe['schedule']} schedule (cuts tried: " + "; ".join(tried[:3])
                      + ")", model.src)

@@ -119,10 +119,10 @@ class Signature:
             return v
         given_as = None
         if not isinstance(v, np.ndarray):
-            if number_as_array(v) is v:
+            given_as, v = type(v).__name__, number_as_array(v)
+            if not isinstance(v, np.ndarray):
                 raise ValueError(f"{what} must be a numpy array{' or a CUDA array' if self.devices else ''}, "
-                                 f"got {type(v).__name__}")
-            v, given_as = number_as_array(v), type(v).__name__
+                                 f"got {given_as}")
         if v.shape != shape:
             raise ValueError(f"{what} has shape {_fmt(v.shape)}, expected {_fmt(shape)}")
         if v.dtype != self.float:

@@ -12,6 +12,7 @@ from .parallel import gather_stages, write_on_rank_0
 from .signature import number_as_array
 
 OPTIMIZERS = ("sgd", "adam")
+SETTINGS = ("optimizer", "lr", "momentum", "betas", "eps", "clip_norm")   # what a checkpoint records and restores
 
 
 # each optimizer's hyperparameters, and the others' values it runs with (what it ignores may only hold those)
@@ -221,6 +222,8 @@ class TrainerBase:
     def _put_back(self):
         """Trained params deleted from tr.params come back (the trainer's own arrays), names it does not have are
         removed; ValueError naming them, so that the next call works."""
+        if self.params.keys() == self.signature.param_shapes.keys():   # (every step: the usual case, at C speed)
+            return
         missing = [k for k in self._views if k not in self.params]
         unknown = [k for k in self.params if k not in self.signature.param_shapes]
         for k in missing:
@@ -360,8 +363,7 @@ class TrainerBase:
         ValueError naming the file for one that is damaged, incomplete or not a checkpoint. Every rank of
         a parallel run loads the same file: `Trainer.load(path, parallel="data")`."""
         path = os.fspath(path)
-        settings = [k for k in parallel_options if k in ("optimizer", "lr", "momentum", "betas", "eps", "clip_norm")
-                    or k in cls._gradient_option_names]
+        settings = [k for k in parallel_options if k in SETTINGS or k in cls._gradient_option_names]
         if settings:
             raise TypeError(f"{cls.model_name}.Trainer.load: {', '.join(settings)} come from the checkpoint (load takes "
                             f"parallel= and its options); set them on the trainer it returns, e.g. tr.lr = ...")
@@ -388,7 +390,7 @@ class TrainerBase:
             raise ValueError(f"{path}: checkpoint of model {meta.get('model')!r} (fingerprint "
                              f"{str(meta.get('fingerprint'))[:12]}) does not match model {cls.model_name!r} "
                              f"(fingerprint {cls.fingerprint[:12]}): it was written by another model or gradc version")
-        missing = [k for k in ("optimizer", "lr", "momentum", "betas", "eps", "clip_norm", "steps") if k not in meta]
+        missing = [k for k in SETTINGS + ("steps",) if k not in meta]
         missing += [f"param/{k}" for k in cls.param_order if f"param/{k}" not in arrays]
         if missing:
             raise ValueError(f"{path}: the checkpoint lacks {', '.join(missing)}")
