@@ -59,6 +59,10 @@ USER_OPS = {
                    lambda u: torch.exp(-u ** 2 / 2) + u / 4),
     "fuzz_mix": (gc.elementwise("fuzz_mix", lambda a, b: a * sp.tanh(b) + b ** 2 / 4),
                  lambda a, b: a * torch.tanh(b) + b ** 2 / 4),
+    # a Piecewise (Huber's loss, by a float constant that 15 digits would round)
+    "fuzz_huber": (gc.elementwise("fuzz_huber", lambda u: sp.Piecewise((u ** 2 / 2, sp.Abs(u) <= 1),
+                                                                     (sp.Abs(u) - sp.S.Half, True)) * (1 / 3)),
+                   lambda u: torch.where(u.abs() <= 1, u ** 2 / 2, u.abs() - 0.5) * (1 / 3)),
 }
 UNARY = {"exp": torch.exp, "log": torch.log, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "relu": torch.relu,
          "softplus": F.softplus, "gelu": F.gelu, "sin": torch.sin, "cos": torch.cos, "sqrt": torch.sqrt,
