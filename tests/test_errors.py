@@ -204,7 +204,7 @@ def test_runtime_input_errors(small):
         small.loss_and_grad({"w": np.zeros((4, 3), np.float32)}, x=x, y=y)
     with pytest.raises(ValueError, match="param 'w' has dtype float64"):
         small.loss_and_grad({"w": np.zeros((3, 4))}, x=x, y=y)
-    with pytest.raises(ValueError, match="lr must be a finite number > 0"):
+    with pytest.raises(ValueError, match="lr must be a finite number >= 0"):
         small.Trainer(p, lr=-1.0)
     with pytest.raises(ValueError, match="unknown optimizer 'rmsprop'"):
         small.Trainer(p, optimizer="rmsprop")
@@ -310,20 +310,49 @@ def test_an_update_that_overflows_changes_nothing(small, optimizer):
 
 def test_hyperparameters_the_dtype_cannot_hold_are_refused(small):
     p = small.init_params(0)
-    with pytest.raises(ValueError, match="lr must be a finite number > 0 in float32, got 1e\\+39"):
+    with pytest.raises(ValueError, match="lr must be a finite number >= 0 in float32, got 1e\\+39"):
         small.Trainer(p, lr=1e39)
     with pytest.raises(ValueError, match="eps must be a finite number > 0 in float32"):
         small.Trainer(p, optimizer="adam", eps=1e-50)   # 0 in float32
     with pytest.raises(ValueError, match=r"betas\[1\] must be a number in \[0, 1\) in float32"):
         small.Trainer(p, optimizer="adam", betas=(0.9, 0.999999999))   # rounds to 1 in float32
     tr = small.Trainer(p, lr=0.1)
-    with pytest.raises(ValueError, match="lr must be a finite number > 0"):
+    with pytest.raises(ValueError, match="lr must be a finite number >= 0"):
         tr.lr = 1e39           # checked when set, not only at construction
     with pytest.raises(ValueError, match="clip_norm must be a finite number > 0"):
         tr.clip_norm = float("inf")
     with pytest.raises(ValueError, match=r"momentum must be a number in \[0, 1\)"):
         tr.momentum = 1.0
     assert tr.lr == 0.1
+
+
+def test_hyperparameters_take_numpy_numbers_and_lr_zero_and_are_never_deleted(small):
+    """A schedule may hand over np.float32 values and warm up from lr=0; a bool is a mistake; deleting a setting or
+    the training state would lose it."""
+    p = small.init_params(0)
+    rng = np.random.default_rng(3)
+    x, y = rng.uniform(0.5, 2.0, (5, 3)).astype(np.float32), rng.integers(0, 4, 5)
+    tr = small.Trainer(p, optimizer="adam", lr=np.float32(0.0), betas=(np.float32(0.9), np.float64(0.999)),
+                       eps=np.float32(1e-6))
+    assert type(tr.lr) is float and tr.lr == 0.0 and tr.eps == float(np.float32(1e-6))
+    tr.step(x=x, y=y)
+    np.testing.assert_array_equal(tr.params["w"], p["w"])   # lr 0: the moments move, the params do not
+    assert np.abs(tr.state["m"]).max() > 0
+    tr.lr = np.float32(0.1)
+    tr.step(x=x, y=y)
+    assert np.abs(tr.params["w"] - p["w"]).max() > 0
+    for bad in (True, np.bool_(True), "0.1", None, np.float64(-0.5), np.float32("nan")):
+        with pytest.raises(ValueError, match=r"lr must be a finite number >= 0 in float32, got "):
+            tr.lr = bad
+    with pytest.raises(ValueError, match=r"eps must be a finite number > 0 in float32, got 0.0"):
+        tr.eps = 0.0
+    with pytest.raises(ValueError, match=r"momentum must be a number in \[0, 1\) in float32, got True"):
+        small.Trainer(p, momentum=True)
+    for name in ("lr", "eps", "params", "steps", "state"):
+        with pytest.raises(AttributeError, match=f"e_small.Trainer: {name} cannot be deleted"):
+            delattr(tr, name)
+    assert tr.lr == float(np.float32(0.1)) and tr.steps == 2
+    tr.step(x=x, y=y)
 
 
 def test_a_hyperparameter_the_optimizer_does_not_use_is_refused(small):

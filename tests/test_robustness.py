@@ -592,6 +592,6 @@ def test_save_names_the_path_the_user_gave_and_bad_lr_warns_nothing(small, tmp_p
     tr = small.Trainer(small.init_params(0))
     with pytest.raises(FileNotFoundError, match=r"nowhere/ckpt.npz: the folder .*nowhere does not exist"):
         tr.save(str(tmp_path / "nowhere" / "ckpt.npz"))
-    with pytest.raises(ValueError, match="lr must be a finite number > 0 in float32"):
+    with pytest.raises(ValueError, match="lr must be a finite number >= 0 in float32"):
         small.Trainer(small.init_params(0), lr=1e39)
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in recwarn]

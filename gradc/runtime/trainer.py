@@ -1,6 +1,7 @@
 """The Trainer every generated module subclasses: optimizer state, steps, atomic checkpoints."""
 import json
 import math
+import numbers
 import os
 import stat
 
@@ -64,7 +65,7 @@ class TrainerBase:
     _parallel = None       # DataParallel or ParameterServer (gradc/runtime/parallel.py)
 
     # checked whenever they are set (tr.lr = ... between steps too), in the params' dtype
-    lr = Hyperparameter(lambda tr, v: tr._positive("lr", v))
+    lr = Hyperparameter(lambda tr, v: tr._positive("lr", v, zero=True))   # 0: a warmup's first steps, a frozen model
     eps = Hyperparameter(lambda tr, v: tr._positive("eps", v))
     clip_norm = Hyperparameter(lambda tr, v: None if v is None else tr._positive("clip_norm", v))
     momentum = Hyperparameter(lambda tr, v: tr._fraction("momentum", v))
@@ -95,6 +96,12 @@ class TrainerBase:
             raise AttributeError(f"{self.model_name}.Trainer has no setting {name!r}: set lr, momentum, betas, eps or "
                                  f"clip_norm; the others (gradient='lr''s samples, sigma, ...) are chosen when it is made")
         super().__setattr__(name, value)
+
+    def __delattr__(self, name):
+        # tr.params, tr.steps, tr.state ... are the training state: deleting one loses it
+        if not name.startswith("_"):
+            raise AttributeError(f"{self.model_name}.Trainer: {name} cannot be deleted")
+        super().__delattr__(name)
 
     @property
     def optimizer(self):
@@ -429,18 +436,18 @@ class TrainerBase:
         return {}
 
     # ---- hyperparameter checks -------------------------------------------------------------
-    def _positive(self, name, value):
-        """A finite number > 0 that stays so in the params' dtype (1e39 overflows float32, 1e-50 is 0 there)."""
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value) \
-                or not 0 < self._in_dtype(value) < math.inf:
-            raise ValueError(f"{self.model_name}.Trainer: {name} must be a finite number > 0 in "
+    def _positive(self, name, value, zero=False):
+        """A finite number > 0 (>= 0 with zero=True) that stays so in the params' dtype (1e39 overflows float32,
+        1e-50 is 0 there). A numpy scalar is a number too (tr.lr = np.float32(0.1))."""
+        held = self._in_dtype(value) if _is_number(value) and math.isfinite(value) else math.nan
+        if not (math.isfinite(held) and (held > 0 or zero and value == 0)):
+            raise ValueError(f"{self.model_name}.Trainer: {name} must be a finite number {'>=' if zero else '>'} 0 in "
                              f"{np.dtype(self.signature.float).name}, got {value!r}")
         return float(value)
 
     def _fraction(self, name, value):
         """A number in [0, 1) that stays below 1 in the params' dtype (float32 rounds 0.99999999 to 1)."""
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1 \
-                or not self._in_dtype(value) < 1:
+        if not (_is_number(value) and 0 <= value < 1 and self._in_dtype(value) < 1):
             raise ValueError(f"{self.model_name}.Trainer: {name} must be a number in [0, 1) in "
                              f"{np.dtype(self.signature.float).name}, got {value!r}")
         return float(value)
@@ -453,3 +460,8 @@ class TrainerBase:
         if not (isinstance(value, (tuple, list)) and len(value) == 2):
             raise ValueError(f"{self.model_name}.Trainer: betas must be a pair, got {value!r}")
         return self._fraction("betas[0]", value[0]), self._fraction("betas[1]", value[1])
+
+
+def _is_number(value):
+    """A real number, Python's or numpy's, but not a bool (lr=True is a mistake, not 1.0)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
