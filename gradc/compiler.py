@@ -252,7 +252,7 @@ def check_module_name(name, src=None):
 def resolve_budget(graph, memory_budget, src, dims=()):
     """--memory-budget as bytes (None when not given); `auto`: what this machine has free. `dims`:
     those --bind gave (a pipeline's batch dim stays symbolic in the graph)."""
-    from .runtime.hessian import MEMORY_SHARE, available_bytes
+    from .runtime.host_memory import MEMORY_SHARE, available_bytes
     from .sizes import parse_size
 
     if memory_budget is None:

@@ -7,6 +7,7 @@ import sympy as sp
 
 import gradc as gc
 from gradc import GradcError
+from gradc.runtime import arena, host_memory
 
 HERE = os.path.basename(__file__)
 
@@ -353,6 +354,39 @@ def test_hyperparameters_take_numpy_numbers_and_lr_zero_and_are_never_deleted(sm
             delattr(tr, name)
     assert tr.lr == float(np.float32(0.1)) and tr.steps == 2
     tr.step(x=x, y=y)
+
+
+def test_intermediates_larger_than_the_free_memory_raise_memory_error_before_allocating(small, monkeypatch):
+    """Linux hands out more than it has and the OOM killer ends the process when the pages are touched: the
+    arena compares what an entry needs with what the system has first."""
+    rng = np.random.default_rng(5)
+    x, y = rng.uniform(0.5, 2.0, (20000, 3)).astype(np.float32), rng.integers(0, 4, 20000)
+    p = small.init_params(0)
+    monkeypatch.setattr(arena, "available_bytes", lambda: 2**16)   # 64 KiB free
+    with pytest.raises(MemoryError, match=r"loss_and_grad's intermediates at B=20000 need 0\.\d\d GiB, but only "
+                                          r"0\.00 GiB of memory is available"):
+        small.loss_and_grad(p, x=x, y=y)
+    with pytest.raises(MemoryError, match=r"e_small.lr_grad: samples=64 runs 64 perturbed copies of the batch at "
+                                          r"once, which do not fit in memory \(lr_grad's intermediates at B=20000, "
+                                          r".*\): give fewer samples"):
+        small.lr_grad(p, samples=64, x=x, y=y)
+    monkeypatch.setattr(arena, "available_bytes", lambda: None)      # a system that does not say: no check
+    loss, _ = small.loss_and_grad(p, x=x, y=y)
+    assert np.isfinite(loss)
+
+
+def test_available_memory_is_the_smaller_of_the_systems_and_the_cgroups(tmp_path, monkeypatch):
+    free = host_memory.available_bytes()
+    assert free is None or 0 < free < 2**50
+    limit, usage = tmp_path / "limit", tmp_path / "usage"
+    usage.write_text("300\n")
+    for written, headroom in (("max\n", None), (f"{2**63 - 4096}\n", None), ("1000\n", 700), ("200\n", 0)):
+        limit.write_text(written)
+        assert host_memory._cgroup_headroom(limit, usage) == headroom
+    assert host_memory._cgroup_headroom(tmp_path / "absent", usage) is None
+    limit.write_text("1000\n")
+    monkeypatch.setattr(host_memory, "CGROUP_LIMITS", ((limit, usage),))
+    assert host_memory.available_bytes() == 700
 
 
 def test_a_hyperparameter_the_optimizer_does_not_use_is_refused(small):

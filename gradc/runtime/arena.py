@@ -10,6 +10,8 @@ import threading
 
 import numpy as np
 
+from .host_memory import available_bytes
+
 ALIGN_BYTES = 64   # a cache line: every buffer starts on one
 
 
@@ -88,7 +90,7 @@ class Arena:
     entry, shape and buffer and then reused, so a call makes no views at all.
     """
 
-    def __init__(self, dtype, tables, dim_sources, device="cpu", allocate=np.empty, plain=(), devices=()):
+    def __init__(self, dtype, tables, dim_sources, device="cpu", allocate=None, plain=(), devices=()):
         self.dtype = np.dtype(dtype)
         self.align = max(1, ALIGN_BYTES // self.dtype.itemsize)
         self.tables = tables
@@ -97,7 +99,7 @@ class Arena:
         self.dim_sources = dim_sources   # dim -> [(input name, axis) that carry it]
         self.device = device
         self.plain = frozenset(plain)    # entries that take their buffers as ready views
-        self.allocate = allocate         # (elements, dtype) -> a flat buffer: host memory, or a device's
+        self.allocate = allocate         # (elements, dtype) -> a device's flat buffer; None: host memory, checked
         self._layouts = {}
         self._regions = {}               # device -> the largest region any layout gave it
         self.devices = tuple(devices)    # a pipeline's stages: each is reported, one with no arena as 0
@@ -135,7 +137,7 @@ class Arena:
         offsets, total = self.layout(entry, dims)
         buffer = getattr(self._local, "buffer", None)
         if buffer is None or buffer.size < total:
-            buffer = self.allocate(max(total, 1), self.dtype)
+            buffer = self._allocate(entry, dims, max(total, 1))
             self._local.buffer = buffer
             self._local.views = {}
             with self._lock:
@@ -150,6 +152,17 @@ class Arena:
             views = self._local.views[key] = tuple(
                 buffer[o:o + math.prod(s)].reshape(s) for o, s in zip(offsets.tolist(), shapes))
         return views,
+
+    def _allocate(self, entry, dims, count):
+        if self.allocate is not None:
+            return self.allocate(count, self.dtype)
+        # a buffer the system cannot hold gets the OOM killer when it is touched, not a MemoryError here
+        need, free = count * self.dtype.itemsize, available_bytes()
+        if free is not None and need > free:
+            at = ", ".join(f"{d}={n}" for d, n in sorted(dims.items()))
+            raise MemoryError(f"{entry.lstrip('_')}'s intermediates{' at ' + at if at else ''} need "
+                              f"{need / 2**30:.2f} GiB, but only {free / 2**30:.2f} GiB of memory is available")
+        return np.empty(count, self.dtype)
 
     def _forget_finished_threads(self):
         alive = {t.ident for t in threading.enumerate()}

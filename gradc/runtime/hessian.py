@@ -8,15 +8,7 @@ import numpy as np
 from numba import njit
 
 from gradc.runtime import kernel_cache
-
-MEMORY_SHARE = 0.8   # of the memory available now, what one Hessian may take
-
-
-def available_bytes():
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+from gradc.runtime.host_memory import MEMORY_SHARE, available_bytes
 
 
 def hessian_buffer(model, rows, size, dtype):
