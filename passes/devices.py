@@ -71,7 +71,9 @@ def plan_devices(graph, order, dims, K, target="cpu", device_memory=None, schedu
     memory_dims = memory_dims or dims
     estimate = estimate_nodes(graph)   # lr_grad's: the cut is of the training step
     costs = node_costs(graph, dims, estimate)
-    forward = [n for n in order if graph.node(n)["phase"] == "forward" and graph.op(n) not in LEAVES]
+    # the cut is of the model's forward; weight decay's ||p||^2 runs wherever its param lands (placement)
+    forward = [n for n in order if graph.node(n)["phase"] == "forward" and graph.op(n) not in LEAVES
+               and graph.node(n).get("decay_of") is None]
     if len(forward) < K:
         raise DevicePlanError(f"--devices {K}: the model has {len(forward)} forward ops, fewer than {K} stages")
     for n in forward:

@@ -7,9 +7,14 @@ def add_objective(graph, decayed, weight_decay):
     if weight_decay == 0 or not decayed:
         graph.objective = loss
         return
-    terms = [graph.apply("sum", [graph.apply("square", [graph.params[name]], src=src)],
-                         {"axes": tuple(range(len(graph.shape(graph.params[name])))), "keepdims": False}, src=src)
-             for name in decayed]
+    terms = []
+    for name in decayed:
+        p = graph.params[name]
+        square = graph.apply("square", [p], src=src)
+        terms.append(graph.apply("sum", [square], {"axes": tuple(range(len(graph.shape(p)))), "keepdims": False},
+                                 src=src))
+        for n in (square, terms[-1]):   # placed with the param (passes/placement.py): a scalar travels, not p
+            graph.node(n)["decay_of"] = p
     total = terms[0]
     for t in terms[1:]:
         total = graph.apply("add", [total, t], src=src)

@@ -35,7 +35,8 @@ def assign_stages(graph, stage_of, stages, estimate=frozenset()):
     """stage per node from `stage_of` (forward nodes the partitioner placed). The rest: params with
     their first reader (not counting lr_grad's `estimate` nodes, which run whole); derivatives by
     home; other forward nodes (outputs the loss does not need, the estimate's) with their latest
-    operand. Replicated leaves get the stage of their first reader (a label)."""
+    operand, but the weight decay's ||p||^2, which runs with its param. Replicated leaves get the stage of their
+    first reader (a label)."""
     stage = dict(stage_of)
     order = graph.topo_order()
     rank = {n: i for i, n in enumerate(order)}
@@ -54,9 +55,13 @@ def assign_stages(graph, stage_of, stages, estimate=frozenset()):
         if n in stage or graph.op(n) in LEAVES or graph.node(n)["phase"] != "forward":
             continue
         stage[n] = max((stage[u] for u in graph.operands(n) if u in stage), default=0)
+    decay = {n: graph.survivor(graph.node(n)["decay_of"]) for n in order if graph.node(n).get("decay_of") is not None}
     for p in graph.params.values():   # with its first reader, which is where its gradient adds up
-        readers = sorted((u for u in graph.users(p) if u in stage and u not in estimate), key=rank.get)
+        readers = sorted((u for u in graph.users(p) if u in stage and u not in estimate and u not in decay),
+                         key=rank.get)
         stage[p] = stage[readers[0]] if readers else 0
+    for n, p in decay.items():        # ||p||^2 where p lives: the objective's stage gets a scalar, not p
+        stage[n] = stage[p]
     for n in graph.inputs.values():   # an input is labelled with its first forward reader's stage
         readers = [stage[u] for u in graph.users(n) if u in stage]
         if readers:

@@ -264,3 +264,45 @@ def test_a_conv_net_with_biases_runs_on_two_devices(tmp_path):
     assert loss2 == pytest.approx(loss1, abs=1e-12)
     for k in grads1:
         np.testing.assert_allclose(grads2[k], grads1[k], rtol=0, atol=1e-12, err_msg=k)
+
+
+def test_weight_decay_is_summed_where_each_param_lives(tmp_path):
+    """Each stage squares its own params and sends the objective's stage one scalar each: the params
+    themselves never travel (they did, every microbatch). Loss, gradients, hvp and Adam steps against
+    one device, float64, with microbatches (whose objectives each hold the decay once)."""
+    m = gc.Model("decay_on_devices")
+    x = m.input("x", ("B", 6))
+    y = m.input("y", ("B",), dtype="int64")
+    h = x
+    for i in range(4):
+        h = gc.tanh(h @ m.param(f"W{i}", (6, 6)) + m.param(f"b{i}", (6,), init="normal", decay=i % 2 == 0))
+    m.minimize(gc.softmax_cross_entropy(h @ m.param("Wo", (6, 3)), y), weight_decay=0.07)
+    one = compile_model(m, out=str(tmp_path / "one"), order=2, bind={"B": 8}, warm_cache=False, dtype="float64")
+    many = compile_model(m, out=str(tmp_path / "many"), order=2, bind={"B": 8}, warm_cache=False, dtype="float64",
+                         devices=3, schedule="gpipe", microbatches=2)
+    graph, plan = _load(tmp_path / "many", m.name)
+    _check_placement(graph, plan, 3)
+    nodes = {n["id"]: n for n in graph["nodes"]}
+    assert not [t for t in plan["transfers"] if t["carries"] == "param"], plan["transfers"]
+    squares = 0
+    for link in graph["links"]:   # ||p||^2 is computed on p's device
+        u, v = nodes[link["source"]], nodes[link["target"]]
+        if u["op"] == "param" and v["op"] == "square" and v["phase"] == "forward":
+            assert v["device"] == u["device"], (u, v)
+            squares += 1   # W0..W3, Wo, b0 and b2
+    assert squares == 5 + 2 and len({s["stage"] for s in plan["stage"] if s["params"]}) == 3
+    rng = np.random.default_rng(11)
+    params = one.init_params(4)
+    inputs = _inputs(one, 8, rng)
+    loss1, grads1 = one.loss_and_grad(params, **inputs)
+    lossK, gradsK = many.loss_and_grad(params, **inputs)
+    assert lossK == pytest.approx(loss1, abs=1e-12)
+    for k in grads1:
+        np.testing.assert_allclose(gradsK[k], grads1[k], rtol=0, atol=1e-12, err_msg=k)
+    v = {k: rng.standard_normal(p.shape) for k, p in params.items()}
+    hv1, hvK = one.hvp(params, v, **inputs), many.hvp(params, v, **inputs)
+    for k in hv1:
+        np.testing.assert_allclose(hvK[k], hv1[k], rtol=0, atol=1e-12, err_msg=k)
+    t1, tK = one.Trainer(params, optimizer="adam", lr=1e-2), many.Trainer(params, optimizer="adam", lr=1e-2)
+    for _ in range(3):
+        assert tK.step(**inputs) == pytest.approx(t1.step(**inputs), abs=1e-12)

@@ -1,0 +1,1 @@
+.gradc/digits_mlp/digits_mlp.py
