@@ -237,7 +237,8 @@ def solve_stages(coarse, budget, seconds):
 
 
 def plan(graph, order, sizes, flops_of, budget, peak_of, returned):
-    """Steps of loss_and_grad whose true bytes (peak_of) fit `budget`, from the MILP, or (None, info).
+    """(steps of loss_and_grad whose true bytes (peak_of) fit `budget` from the MILP, or None; info; the steps
+    of the plan of least model memory where it was tried, else None: what a refusal's minimum can name).
 
     The model's bytes are not the true ones, so the model budget moves by the difference between
     the true peak and the budget after each solve: down when the plan does not fit, up when it
@@ -272,13 +273,14 @@ def plan(graph, order, sizes, flops_of, budget, peak_of, returned):
         if peak <= budget and (best is None or info["solves"][-1]["objective"] < best[0]["objective"]):
             best = (info["solves"][-1], steps)
         target += budget - peak
+    least = None
     if best is None and deadline > time.perf_counter():
-        steps, peak = attempt(None)
-        if steps is not None:
+        least, peak = attempt(None)
+        if least is not None:
             info["least_peak"] = peak
             if peak <= budget:
-                best = (info["solves"][-1], steps)
+                best = (info["solves"][-1], least)
     if best is None:
-        return None, info
+        return None, info, least
     info.update(gap=best[0]["gap"], status=best[0]["status"])
-    return best[1], info
+    return best[1], info, least

@@ -379,11 +379,11 @@ def _within_budget(graph, order, roots, dims, sizes, budget, store_all, total):
         candidates.append((extra_work(steps), peak_of(steps), steps, info))
     except BudgetError as e:
         refusal = e
-    milp_info = None
+    milp_info = milp_least = None
     if chain.skips:
         # imported here: scipy.optimize takes ~0.5 s to import, and only a --memory-budget build needs it
         from . import checkmate
-        steps, milp_info = checkmate.plan(graph, order, sizes, flops_of, budget, peak_of, roots)
+        steps, milp_info, milp_least = checkmate.plan(graph, order, sizes, flops_of, budget, peak_of, roots)
         if steps is not None:
             gap = milp_info["gap"]
             milp_info["method"] = (f"checkmate-milp over {milp_info['coarse_nodes']} coarse nodes "
@@ -391,11 +391,13 @@ def _within_budget(graph, order, roots, dims, sizes, budget, store_all, total):
             candidates.append((extra_work(steps), peak_of(steps), steps, milp_info))
     if not candidates:
         # the least a budget can be and compile: the arena of the chain DP's plan of least live peak (the DP
-        # tries the memories next to its least at every budget; the MILP's plans depend on its time
-        # limit), or keeping every activation where that is less
-        least = arena_bytes(graph, min(peaks, key=peaks.get), roots, dims) if peaks else refusal.minimum
-        raise BudgetError(min(least, arena_total(store_all)), arena_total(store_all),
-                          store_all_peak=store_all["peak_bytes"])
+        # tries the memories next to its least at every budget), of the MILP's plan of least memory (a U-Net's
+        # long skips leave the chain few layers to cut), or keeping every activation, whichever is least
+        least = [arena_total(store_all), arena_bytes(graph, min(peaks, key=peaks.get), roots, dims) if peaks
+                 else refusal.minimum]
+        if milp_least is not None:
+            least.append(arena_bytes(graph, milp_least, roots, dims))
+        raise BudgetError(min(least), arena_total(store_all), store_all_peak=store_all["peak_bytes"])
     _, _, steps, chosen = min(candidates, key=lambda c: c[:2])
     info = dict(chosen, candidates=[{"method": c[3]["method"], "extra_flops": int(c[0]), "peak_bytes": int(c[1])}
                                     for c in candidates])

@@ -364,6 +364,34 @@ def test_the_budget_bounds_the_arena_the_module_allocates(tmp_path):
                   memory_budget=least)
 
 
+def test_a_refusal_names_the_milps_least_plan_where_the_chain_has_none(tmp_path):
+    """A U-Net's long skips leave the chain DP nothing to cut, so its least is keeping everything; the MILP
+    plans the DAG below that. The refusal named keeping everything as the minimum while the MILP's plan of
+    least memory needed less: the minimum named is now the least of the three, and it compiles."""
+    m = gc.Model("unet_least")
+    x, t = m.input("x", ("B", 16)), m.input("t", ("B", 1))
+    h, skips = x, []
+    for i in range(3):
+        h = gc.tanh(h @ m.param(f"E{i}", (16, 16)))
+        skips.append(h)
+    for i in reversed(range(3)):
+        h = gc.tanh(h @ m.param(f"D{i}", (16, 16)) + skips[i] @ m.param(f"S{i}", (16, 16)))
+    m.minimize(gc.mse(h @ m.param("Wo", (16, 1)), t))
+    build = dict(order=1, bind={"B": 8}, warm_cache=False, dtype="float64")
+    with pytest.raises(gc.GradcError, match=r"is below the minimum") as e:
+        compile_model(m, out=str(tmp_path / "no"), memory_budget=1, **build)
+    least, store_all = (int(v.replace(",", "")) for v in re.findall(r"\(([\d,]+) bytes\)", str(e.value)))
+    assert least < store_all, str(e.value)
+    mod = compile_model(m, out=str(tmp_path / "least"), memory_budget=least, **build)
+    assert mod.MEMORY_PLAN["method"].startswith("checkmate-milp") and mod.MEMORY_PLAN["peak_bytes"] <= least
+    full = compile_model(m, out=str(tmp_path / "full"), **build)
+    rng = np.random.default_rng(8)
+    params, inputs = full.init_params(3), _inputs(full, 8, rng)
+    loss0, grads0 = full.loss_and_grad(params, **inputs)
+    loss1, grads1 = mod.loss_and_grad(params, **inputs)
+    assert loss1 == loss0 and all(np.array_equal(grads1[k], grads0[k]) for k in grads0)
+
+
 def test_dag_plan_falls_back_to_the_chain_dp_when_the_milp_finds_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(checkmate, "TIME_LIMIT_S", 0.0)
     model = _dag()
