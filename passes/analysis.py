@@ -3,6 +3,7 @@ import numpy as np
 import sympy as sp
 
 from gradc.ops import get_op
+from gradc.ops.scan_layout import operand_leaves
 from gradc.shapes import bind_dims, size
 
 
@@ -46,21 +47,37 @@ def index_inputs(graph):
     """int inputs whose values index something (labels into classes, rows of a table: ops whose
     record has `indexes`), with how many values they may take, so that the module can check
     them at call time; an input read by several gets the smallest int bound. The ints may reach
-    the op through layout ops (reshape, slice, concat, ...)."""
+    the op through layout ops (reshape, slice, concat, ...) and through scans: a step's labels
+    are a slice of a scanned sequence or a value the step closes over."""
+    inputs = set(graph.inputs.values())   # not lr_grad's tiled copies
+    return {graph.node(u)["name"]: bound for u, bound in _indexing_leaves(graph).items() if u in inputs}
+
+
+def _indexing_leaves(graph):
+    """{input leaf of `graph` (a scan body's placeholder too): the least bound of what it indexes}."""
     bounds = {}
-    for n in graph.nx.nodes:
-        rule = get_op(graph.op(n)).indexes
-        if rule is None:
-            continue
-        j, bound = rule(graph, n)
-        stack = [graph.operands(n)[j]]
+
+    def reach(u, bound):
+        stack = [u]
         while stack:
             u = stack.pop()
             if get_op(graph.op(u)).kind == "layout":
                 stack.extend(graph.operands(u))
-            elif graph.op(u) == "input" and u in graph.inputs.values():   # not lr_grad's tiled copies
-                name = graph.node(u)["name"]
-                old = bounds.get(name)
-                bounds[name] = bound if old is None or isinstance(old, str) or (
+            elif graph.op(u) == "input":
+                old = bounds.get(u)
+                bounds[u] = bound if old is None or isinstance(old, str) or (
                     isinstance(bound, int) and bound < old) else old
+
+    for n in graph.nx.nodes:
+        rule = get_op(graph.op(n)).indexes
+        if rule is not None:
+            j, bound = rule(graph, n)
+            reach(graph.operands(n)[j], bound)
+        elif graph.op(n) == "scan":   # the body's indexing leaves stand for the scan's operands
+            attrs = graph.attrs(n)
+            leaves = list(attrs["body"].inputs.values())
+            inner = _indexing_leaves(attrs["body"])
+            for u, j in zip(graph.operands(n), operand_leaves(attrs)):
+                if leaves[j] in inner:
+                    reach(u, inner[leaves[j]])
     return bounds

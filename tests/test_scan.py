@@ -623,3 +623,42 @@ def test_a_scalar_carry_matches_torch(tmp_path):
     dot = sum((gt * torch.tensor(v[k])).sum() for k, gt in zip(tp, tg))
     for k, ht in zip(tp, torch.autograd.grad(dot, list(tp.values()))):
         np.testing.assert_allclose(hv[k], ht.numpy(), rtol=1e-9, atol=1e-12, err_msg=f"hvp {k}")
+
+
+def test_labels_and_table_rows_read_in_a_step_are_checked_at_call_time(tmp_path):
+    """A step's labels (a slice of a scanned (T, B) input, or a (B,) input it closes over) and a step's
+    embedding rows were never range-checked: a label of 9 for 4 classes read memory it does not own (a
+    wrong loss, a segfault at 10**7). They are checked as outside a scan, naming the input."""
+    m = gc.Model("step_labels")
+    tok, tgt = m.input("tok", ("T", "B"), dtype="int64"), m.input("tgt", ("T", "B"), dtype="int64")
+    last = m.input("last", ("B",), dtype="int64")
+    h0 = m.input("h0", ("B", 3))
+    E, W, O = m.param("E", (5, 3)), m.param("W", (3, 3)), m.param("O", (3, 4))
+
+    def step(h, xs):
+        tok_t, tgt_t = xs
+        h = gc.tanh(h @ W + gc.take(E, tok_t))
+        return h, gc.softmax_cross_entropy(h @ O, tgt_t) + gc.softmax_cross_entropy(h @ O, last)
+
+    _, losses = gc.scan(step, h0, (tok, tgt))
+    m.minimize(losses.mean())
+    mod = gc.compile(m, out=str(tmp_path), dtype="float64", warm_cache=False)
+    assert mod._LABELS == {"tok": 5, "tgt": 4, "last": 4}
+    rng = np.random.default_rng(4)
+    T, B = 3, 2
+    good = {"tok": rng.integers(0, 5, (T, B)), "tgt": rng.integers(0, 4, (T, B)), "last": rng.integers(0, 4, B),
+            "h0": rng.standard_normal((B, 3))}
+    p = mod.init_params(0)
+    loss, _ = mod.loss_and_grad(p, **good)
+    assert np.isfinite(loss)
+    tr = mod.Trainer(p, optimizer="sgd", lr=0.1)
+    for name, value, shown in (("tgt", 4, "4, outside 0..3"), ("last", 9, "9, outside 0..3"),
+                               ("tok", 5, "5, outside 0..4"), ("tgt", 10**7, "10000000, outside 0..3"),
+                               ("tok", -1, "-1, outside 0..4")):
+        bad = dict(good, **{name: good[name].copy()})
+        bad[name].flat[-1] = value
+        for call in (lambda: mod.loss_and_grad(p, **bad), lambda: mod.forward(p, **bad), lambda: tr.step(**bad),
+                     lambda: mod.input_grads(p, **bad), lambda: mod.hvp(p, p, **bad)):
+            with pytest.raises(ValueError, match=f"input '{name}' holds {shown}"):
+                call()
+    np.testing.assert_array_equal(tr.params["W"], p["W"])   # no step ran
