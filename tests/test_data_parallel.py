@@ -395,3 +395,79 @@ def test_data_parallel_of_a_cuda_module_under_the_simulator(tmp_path, builds):
     assert out.returncode == 0, out.stdout + out.stderr
     ranks = [np.load(tmp_path / f"rank{r}.npz") for r in range(2)]
     _check(ranks, runs, [_serial(mod, inputs, OPTIONS[1], 2), _serial(mod, inputs, OPTIONS[0], 2)])
+
+
+DISAGREE_SCRIPT = textwrap.dedent('''
+    import sys
+    import numpy as np
+    from mpi4py import MPI
+    sys.path.insert(0, sys.argv[1])
+    m = __import__("dp_mlp")
+    rank = MPI.COMM_WORLD.Get_rank()
+    rng = np.random.default_rng(rank)
+    batch = {"x": rng.standard_normal((3 + rank, 6)), "y": rng.integers(0, 4, 3 + rank)}
+
+    def attempt(tr, what):
+        try:
+            tr.step(**batch)
+            print(f"rank {rank}: {what}: accepted")
+        except ValueError as e:
+            print(f"rank {rank}: {what}: {e}")
+
+    for what, options in (("lr", dict(lr=0.1 if rank == 0 else 0.2)),
+                          ("overlap", dict(overlap=rank == 0)),
+                          ("bucket_bytes", dict(bucket_bytes=1 << 20 if rank == 0 else 64)),
+                          ("optimizer", dict(optimizer="sgd" if rank == 0 else "adam"))):
+        attempt(m.Trainer(m.init_params(0), parallel="data", **options), what)
+    tr = m.Trainer(m.init_params(0), parallel="data", lr=0.1)
+    attempt(tr, "alike")
+    if rank == 1:
+        tr.lr = 0.5                      # set on one rank only
+    attempt(tr, "set later")
+    tr.lr = 0.5
+    attempt(tr, "set alike")
+    if rank == 1:
+        tr.params["W0"] = tr.params["W0"] + 1.0
+    attempt(tr, "assigned")
+    w = tr.params["W0"].copy()
+    print(f"rank {rank}: W0 {float(w.sum())!r}")
+    tr.params["W0"] = np.full_like(w, 0.25)   # the same on every rank: taken
+    attempt(tr, "assigned alike")
+    try:
+        tr.save(f"{sys.argv[1]}/ck{rank}.npz")   # each rank its own file: rank 0 alone would write
+        print(f"rank {rank}: save apart: accepted")
+    except ValueError as e:
+        print(f"rank {rank}: save apart: {e}")
+    print(f"rank {rank}: steps: {tr.steps}")
+''')
+
+
+def test_ranks_whose_trainers_differ_are_refused_not_left_to_drift_or_hang(tmp_path):
+    """A rank with another lr or optimizer drifted apart from the others without a word; another overlap hung
+    (Iallreduce against Allreduce) and other buckets ended in an MPI error; an array assigned into tr.params
+    on one rank made the replicas differ for good. Every rank now refuses such a step, naming what differs
+    and where, and the replicas hold one model after it."""
+    compile_model(_digits_like(), out=str(tmp_path / "b"), order=1, dtype="float64", warm_cache=False)
+    (tmp_path / "disagree.py").write_text(DISAGREE_SCRIPT)
+    mpiexec = shutil.which("mpiexec") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    out = subprocess.run([mpiexec, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, "-m", "mpi4py",
+                          str(tmp_path / "disagree.py"), str(tmp_path / "b")], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    for rank in (0, 1):
+        said = dict(line.split(": ", 2)[1:] for line in out.stdout.splitlines() if line.startswith(f"rank {rank}: ")
+                    and line.count(": ") >= 2)
+        assert "the ranks' trainers differ (lr: 0.1 on rank 0, 0.2 on rank 1)" in said["lr"], said
+        assert "overlap: True on rank 0, False on rank 1" in said["overlap"], said
+        assert "bucket_bytes: 1048576 on rank 0, 64 on rank 1" in said["bucket_bytes"], said
+        assert "optimizer: 'sgd' on rank 0, 'adam' on rank 1" in said["optimizer"], said
+        assert said["alike"] == "accepted" and said["set alike"] == "accepted", said
+        assert "lr: 0.1 on rank 0, 0.5 on rank 1" in said["set later"], said
+        assert "params assigned into tr.params differ between the replicas (rank(s) 1 hold other values than " \
+               "rank 0)" in said["assigned"], said
+        assert said["assigned alike"] == "accepted", said
+        assert said["steps"] == "3", said
+        assert "Trainer.save: the ranks name different paths (rank 0: " in said["save apart"], said
+    assert not list((tmp_path / "b").glob("ck*.npz"))
+    w0 = [line for line in out.stdout.splitlines() if " W0 " in line]
+    assert len(w0) == 2 and w0[0].split()[-1] == w0[1].split()[-1], w0   # rank 0's params on both

@@ -28,6 +28,7 @@ the R ranks that run that stage (`stage_ranks=1` runs each replica's K stages in
 `parallel="ps"`: see ParameterServer.
 """
 import math
+import os
 import time
 import zlib
 
@@ -86,6 +87,14 @@ def _differing_shapes(tr, every):
                       f"rank's rows must be rows of one batch; this step changed nothing")
 
 
+def _differing_settings(tr, every):
+    """The error when the ranks' trainers are set differently (tr.lr set on one rank only, say)."""
+    names = [k for k in every[0] if any(e[k] != every[0][k] for e in every)]
+    seen = "; ".join(f"{k}: " + ", ".join(f"{e[k]!r} on rank {r}" for r, e in enumerate(every)) for k in names)
+    return ValueError(f"{tr.model_name}.Trainer.step {tr.steps + 1}: the ranks' trainers differ ({seen}); every rank "
+                      f"must make its Trainer with the same settings and set them alike; this step changed nothing")
+
+
 def _weighting(tr, what):
     """The loss's reduction over rows ("mean" or "sum"), or a ValueError saying why ranks cannot split it."""
     facts = tr.rows
@@ -112,7 +121,7 @@ class DataParallel:
             raise ValueError(f"{tr.model_name}.Trainer: overlap must be True or False, got {overlap!r}")
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"{tr.model_name}.Trainer: bucket_bytes must be an int >= 1, got {bucket_bytes!r}")
-        self.overlap = overlap
+        self.overlap, self.bucket_bytes = overlap, bucket_bytes
         self.comm_seconds = 0.0
         pipe = tr.pipeline
         K = pipe.K if pipe is not None else 1
@@ -193,6 +202,7 @@ class DataParallel:
     def step(self, inputs):
         tr, MPI = self.tr, self.MPI
         error = None
+        assigned = any(tr.params.get(k) is not view for k, view in tr._views.items())   # tr.params[k] = ...
         try:
             a = tr.signature.inputs(inputs, tr.loss_inputs, "Trainer.step")
             rows = _rows(tr, a)
@@ -200,17 +210,26 @@ class DataParallel:
         except ValueError as e:   # raised on every rank below; this one says why
             error, rows = ValueError(f"{e} (rank {self.world.Get_rank()}; step {tr.steps + 1} changes nothing on any "
                                      f"rank)"), 0
-        # every rank learns the global batch, whether some rank refused its inputs, and whether the replicas'
-        # inputs differ beside the batch dim (then there is no one batch they are rows of); then all raise
+        # every rank learns the global batch, whether some rank refused its inputs, whether the replicas'
+        # inputs differ beside the batch dim (then there is no one batch they are rows of), and whether their
+        # settings differ (the replicas would drift apart, or their reductions not match); then all raise
         shapes = _beside_rows(tr, a) if error is None else None
-        counts = np.array([rows, error is not None], dtype=np.int64)
+        settings = self._settings()
+        counts = np.array([rows, error is not None, assigned], dtype=np.int64)
         self.comm.Allreduce(MPI.IN_PLACE, counts)
         key = zlib.crc32(repr(shapes).encode()) if shapes is not None else NO_KEY
-        keys = np.array([key, -key if shapes is not None else NO_KEY], dtype=np.int64)
-        self.comm.Allreduce(MPI.IN_PLACE, keys, op=MPI.MAX)
+        same = zlib.crc32(repr(settings).encode())
+        keys = np.array([key, -key if shapes is not None else NO_KEY, same, -same], dtype=np.int64)
+        self.world.Allreduce(MPI.IN_PLACE, keys, op=MPI.MAX)
         differ = int(keys[0] != -keys[1])
         if differ:
-            error = error or _differing_shapes(tr, self.comm.allgather(shapes))
+            error = error or _differing_shapes(tr, self.world.allgather(shapes))
+        if keys[2] != -keys[3]:
+            error, differ = error or _differing_settings(tr, self.world.allgather(settings)), 1
+        if counts[2]:   # params assigned on some rank: do the replicas still hold one model?
+            mismatch = self._assigned_alike()
+            if mismatch is not None:
+                error, differ = error or mismatch, 1
         if self.pipe_comm is not None:
             counts[1] = self.pipe_comm.allreduce(int(counts[1]) + differ)
         if counts[1] or differ:
@@ -267,6 +286,25 @@ class DataParallel:
             loss += extra * 0.5 * facts["weight_decay"] * squares
         return tr._dp_update(loss, grads, self)
 
+    def _settings(self):
+        """What every rank must train with alike: a rank with another lr, optimizer or clip norm drifts
+        apart, one with other buckets or overlap waits for reductions no other rank starts."""
+        return {**self.tr._settings(), "overlap": self.overlap, "bucket_bytes": self.bucket_bytes}
+
+    def _assigned_alike(self):
+        """After tr.params[k] = ... on some rank: None when every replica still holds the same params; else
+        every rank takes rank 0's params again and gets the ValueError that says so."""
+        tr = self.tr
+        every = self.comm.allgather(zlib.crc32(np.ascontiguousarray(tr._host(tr._flat)).tobytes()))
+        if len(set(every)) == 1:
+            return None
+        differ = [r for r, c in enumerate(every) if c != every[0]]
+        self._same_params()
+        return ValueError(f"{tr.model_name}.Trainer.step {tr.steps + 1}: params assigned into tr.params differ "
+                          f"between the replicas (rank(s) {', '.join(map(str, differ))} hold other values than "
+                          f"rank 0): assign the same values on every rank; every rank holds rank 0's params again, "
+                          f"and this step changed nothing")
+
     def pipe_sum(self, x):
         """x summed over this replica's stages (each holds its own params' gradients)."""
         return x if self.pipe_comm is None else self.pipe_comm.allreduce(x)
@@ -306,7 +344,13 @@ def gather_stages(tr, comm, owned):
 
 def write_on_rank_0(comm, path, write, model_name):
     """Rank 0 runs write(path); every rank returns once the file is written, or raises the error rank
-    0 met (every rank raises: none waits for a file that is not there)."""
+    0 met (every rank raises: none waits for a file that is not there). Every rank must name the same
+    path: a rank that named its own would return as if its file were written."""
+    paths = comm.allgather(os.fspath(path))
+    if len(set(paths)) > 1:
+        raise ValueError(f"{model_name}.Trainer.save: the ranks name different paths "
+                         f"({'; '.join(f'rank {r}: {p}' for r, p in enumerate(paths))}); rank 0 writes the one "
+                         f"checkpoint of every rank's training: give every rank the same path")
     error = None
     if comm.Get_rank() == 0:
         try:

@@ -328,10 +328,14 @@ class TrainerBase:
         self.steps += 1
 
     # ---- checkpoints ---------------------------------------------------------------------
+    def _settings(self):
+        """The training state besides the arrays: the hyperparameters, how gradients are made, the steps
+        taken (what a checkpoint records, and what every data-parallel rank must hold alike)."""
+        return {**{k: getattr(self, k) for k in SETTINGS}, "betas": list(self.betas), "steps": self.steps,
+                **self._gradient_meta()}
+
     def _write(self, path):
-        meta = {"model": self.model_name, "fingerprint": self.fingerprint, "optimizer": self.optimizer,
-                "lr": self.lr, "momentum": self.momentum, "betas": list(self.betas), "eps": self.eps,
-                "clip_norm": self.clip_norm, "steps": self.steps} | self._gradient_meta()
+        meta = {"model": self.model_name, "fingerprint": self.fingerprint, **self._settings()}
         arrays = {"meta": np.array(json.dumps(meta))}
         arrays |= {f"param/{k}": self._host(v) for k, v in self.params.items()}
         arrays |= {f"state/{slot}": self._host(v) for slot, v in self.state.items()}
