@@ -1,12 +1,14 @@
 """`gradc compile`: model -> passes -> generated module, written atomically into OUT and warmed."""
 import copy
 import hashlib
+import numbers
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -431,10 +433,14 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     check_module_name(model.name, model.src)   # before anything is written, at the line that named it
     if order not in (1, 2):
         raise GradcError(f"--order {order}: use 1 (gradients) or 2 (also hvp and hessian)", options_src)
+    if bind is not None and not isinstance(bind, Mapping):
+        raise GradcError(f"compile: bind must be a dict of dim names to ints (bind={{'B': 64}}), got {bind!r}",
+                         options_src or model.src)
     dims = dict(bind or {})
     for d, v in dims.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise GradcError(f"--bind {d}={v}: a dim must be bound to an int >= 1", options_src)
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            raise GradcError(f"--bind {d}={v!r}: a dim must be bound to an int >= 1", options_src or model.src)
+        dims[d] = int(v)   # (a numpy int is an int)
     check_bound_dims(model.graph, dims, options_src or model.src)
     timings = {} if timings is None else timings
     t0 = time.perf_counter()

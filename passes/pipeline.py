@@ -1,5 +1,6 @@
 """The pass order, from the user's forward graph to the graph the planners and codegen read."""
 import copy
+import math
 import time
 from dataclasses import dataclass
 
@@ -19,13 +20,24 @@ from .second_order import build_hvp
 from .simplify import simplify
 
 
+LARGEST_BYTES = 2 ** 62   # numpy counts elements and bytes in int64: no tensor can be larger
+
+
 def check_bound_dims(graph, dims, src):
-    """GradcError at `src` when `dims` (--bind) names a dim the model does not have."""
+    """GradcError at `src` when `dims` (--bind) names a dim the model does not have, or makes a tensor larger
+    than numpy can count (its bytes past int64: an OverflowError deep in the planner)."""
     declared = {d for n in graph.nx.nodes for d in graph.shape(n) if isinstance(d, str)}
     unknown = sorted(set(dims) - declared)
     if unknown:
         raise GradcError(f"--bind names dim {', '.join(unknown)} that model {graph.name!r} does not have "
                          f"(its dims: {', '.join(sorted(declared)) or 'none'})", src)
+    for g in [graph] + graph.bodies():
+        for n in g.nx.nodes:
+            shape = bind_dims(g.shape(n), dims)
+            if all(isinstance(d, int) for d in shape) and math.prod(shape) * 8 >= LARGEST_BYTES:
+                bound = ", ".join(f"{d}={dims[d]}" for d in g.shape(n) if isinstance(d, str) and d in dims)
+                raise GradcError(f"--bind {bound}: {g.describe(n)} would be of shape {tuple(shape)}, more elements "
+                                 f"than numpy can hold in one array", src)
 
 
 def bind(graph, dtype, dims, src):

@@ -455,12 +455,17 @@ def test_bad_compile_options_name_the_compile_call(tmp_path):
     with pytest.raises(gc.GradcError, match=r"warm='later': use True or 'first'"):
         gc.compile(m, out=str(tmp_path), warm="later")
     for bad, message in ((dict(order=3), "--order 3"), (dict(target="tpu"), "--target 'tpu'"),
-                         (dict(bind={"B": 0}), "--bind B=0"), (dict(bind={"N": 4}), "--bind names dim N")):
+                         (dict(bind={"B": 0}), "--bind B=0"), (dict(bind={"N": 4}), "--bind names dim N"),
+                         (dict(bind={"B": 8.0}), "--bind B=8.0: a dim must be bound to an int"),
+                         (dict(bind="B=8"), "compile: bind must be a dict of dim names to ints .*got 'B=8'"),
+                         (dict(bind={"B": 2**62}), r"--bind B=4611686018427387904: 'x' would be of shape "
+                                                   r"\(4611686018427387904, 3\), more elements than numpy can hold")):
         call = f"{os.path.basename(__file__)}:{inspect.currentframe().f_lineno + 2}"
         with pytest.raises(gc.GradcError, match=rf"{call}: {message}"):
             gc.compile(m, out=str(tmp_path), **bad)
     assert not list(tmp_path.iterdir())
     assert gc.compile(m, out=str(tmp_path), warm="none").loss_and_grad
+    assert gc.compile(m, out=str(tmp_path), warm="none", bind={"B": np.int64(5)}).INPUTS["x"][0] == (5, 3)
 
 
 def test_cuda_arrays_are_checked_from_their_interface():
