@@ -8,6 +8,7 @@ import traceback
 
 from . import sizes
 from .errors import GradcError, _short
+from .version import __version__
 
 
 class UsageError(Exception):
@@ -126,8 +127,16 @@ def cmd_compile(args):
 
 def cmd_inspect(args):
     from .inspect_build import report
-    print(report(args.build, graph=args.graph, memory=args.memory, partition=args.partition, kernels=args.kernels,
-                 ptx_of=args.ptx, run_module=args.run_module, layers=args.layers))
+    try:
+        text = report(args.build, graph=args.graph, memory=args.memory, partition=args.partition,
+                      kernels=args.kernels, ptx_of=args.ptx, run_module=args.run_module, layers=args.layers)
+    except ValueError as e:   # a dump that is not JSON (gradc.files.read_json names it)
+        raise GradcError(f"{e}; compile the model again") from e
+    except (KeyError, TypeError, IndexError) as e:   # JSON, but not what this gradc writes
+        raise GradcError(f"{args.build}: a dump of this build lacks what gradc {__version__} writes "
+                         f"({type(e).__name__}: {e}): it was edited, or written by another gradc; compile the "
+                         f"model again") from e
+    print(text)
     return 0
 
 

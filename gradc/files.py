@@ -92,6 +92,16 @@ def read_npz(path):
             raise ValueError(f"{path}: a damaged .npz archive ({type(e).__name__}: {e})") from e
 
 
+def read_json(path):
+    """The JSON dump at `path`; ValueError naming the file when it is not JSON (a truncated write by hand,
+    another program's file). A missing or unreadable file raises OSError."""
+    with open(path, "rb") as f:
+        try:
+            return json.loads(f.read().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not a JSON dump ({e})") from e
+
+
 def import_path(name, path):
     """Import the Python file at `path` as module `name`, registered in sys.modules (Numba's
     cache finds a compiled function's globals through its module's name); nothing is left

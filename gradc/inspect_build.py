@@ -1,11 +1,10 @@
 """`gradc inspect OUT/NAME`: a readable summary of the graph dump `compile` wrote."""
-import json
 import os
 import re
 from collections import Counter
 
 from .errors import GradcError
-from .files import write_replacing
+from .files import read_json, write_replacing
 from .inspect_kernels import kernel_listing, ptx
 from .inspect_layers import layers_report
 from .inspect_partition import partition_report
@@ -17,8 +16,7 @@ def _load(build):
     path = base + ".graph.json"
     if not os.path.isfile(path):
         raise GradcError(f"{path}: not found; give OUT/NAME of a `gradc compile` output (e.g. build/mlp)")
-    with open(path) as f:
-        return base, json.load(f)
+    return base, read_json(path)
 
 
 def _shape(s):
@@ -70,7 +68,7 @@ def report(build, graph=False, memory=False, partition=False, kernels=False, ptx
         lines += layers_report(base, data)
     if partition:
         lines.append("")
-        lines += partition_report(base)
+        lines += partition_report(base, data)
     return "\n".join(lines)
 
 
@@ -80,8 +78,7 @@ def memory_report(base):
     path = base + ".memplan.json"
     if not os.path.isfile(path):
         return [f"{path}: not found (compiled by an older gradc?)"]
-    with open(path) as f:
-        plan = json.load(f)
+    plan = read_json(path)
     if plan["peak_bytes"] is None:
         return [f"memory plan of {plan['entry']}: dims are symbolic, so bytes are formulas; "
                 f"compile with --bind DIM=INT for byte counts"] + [

@@ -5,13 +5,13 @@ A layer is a forward product with weights or a pooling (an op of kind conv, matm
 weights are the params it reads and those its elementwise successors read (a bias); its output is
 its value (the activation after it has the same size).
 """
-import json
 import os
 
 import numpy as np
 
 from gradc.ops import get_op
 
+from .files import read_json
 from .sizes import format_size
 
 LAYER_KINDS = ("conv", "matmul", "pool")
@@ -86,8 +86,7 @@ def layers_report(base, data):
     path = base + ".memplan.json"
     if not os.path.isfile(path):
         return lines + [f"  ({path} not found: no peaks)"]
-    with open(path) as f:
-        plan = json.load(f)
+    plan = read_json(path)
     entries = plan["entries"]
     inference = entries.get("forward") or entries.get("forward_loss")
     kept = sum(t["bytes"] for t in plan["tensors"] if t["retained"]) if plan["peak_bytes"] is not None else None

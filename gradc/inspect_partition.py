@@ -1,20 +1,23 @@
 """`gradc inspect --partition`: the stages, their FLOPs, memory and transfers, and the pipeline
 schedule as a text Gantt chart (a PNG too with the viz extra)."""
-import json
 import os
 
-from .files import write_replacing
+from .files import read_json, write_replacing
 from .sizes import format_size
 
 WIDTH = 72   # columns of the Gantt chart
 
 
-def partition_report(base):
+def partition_report(base, graph):
+    """`graph`: the build's graph dump, whose nodes say which device runs them."""
     path = base + ".partition.json"
     if not os.path.isfile(path):
+        devices = sorted({n["device"] for n in graph["nodes"] if n.get("device")})
+        if len(devices) > 1:
+            return [f"partition: {path} not found, though the graph's nodes run on {len(devices)} devices "
+                    f"({', '.join(devices)}); compile the model again"]
         return ["partition: one device (compiled without --devices K)"]
-    with open(path) as f:
-        plan = json.load(f)
+    plan = read_json(path)
     K, M = plan["stages"], plan["microbatches"]
     cost = plan["cost_model"]
     lines = [f"partition: {K} stages on {plan['target']}, schedule {plan['schedule']}, {M} microbatch"

@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -97,6 +98,19 @@ def test_inspect(compiled):
                    "model.py:", "kernels (", "def k0_", "backward (", "partition: one device",
                    "memory plan of loss_and_grad: dims are symbolic"):
         assert needle in text, needle
+
+
+def test_inspect_of_a_damaged_dump_exits_2_naming_it(compiled, tmp_path):
+    """A truncated or edited dump gave `internal error: JSONDecodeError` (or KeyError) and exit 1."""
+    shutil.copytree(compiled / "out", tmp_path / "out")
+    plan = tmp_path / "out" / "tiny.memplan.json"
+    for text, message in ((plan.read_text()[:40], "out/tiny.memplan.json: not a JSON dump ("),
+                          ("{}", "out/tiny: a dump of this build lacks what gradc")):
+        plan.write_text(text)
+        r = gradc("inspect", "out/tiny", "--memory", cwd=tmp_path)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.stderr
+        assert "compile the model again" in lines[0], r.stderr
 
 
 @pytest.mark.parametrize("source,args,message", [
