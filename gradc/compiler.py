@@ -435,11 +435,11 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
         raise GradcError(f"--order {order}: use 1 (gradients) or 2 (also hvp and hessian)", options_src)
     if bind is not None and not isinstance(bind, Mapping):
         raise GradcError(f"compile: bind must be a dict of dim names to ints (bind={{'B': 64}}), got {bind!r}",
-                         options_src or model.src)
+                         options_src)
     dims = dict(bind or {})
     for d, v in dims.items():
         if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-            raise GradcError(f"--bind {d}={v!r}: a dim must be bound to an int >= 1", options_src or model.src)
+            raise GradcError(f"--bind {d}={v!r}: a dim must be bound to an int >= 1", options_src)
         dims[d] = int(v)   # (a numpy int is an int)
     check_bound_dims(model.graph, dims, options_src or model.src)
     timings = {} if timings is None else timings

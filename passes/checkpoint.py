@@ -41,6 +41,7 @@ class Chain:
     transient: list       # T_j: bytes of layer j's backward values
     needed: list = field(default_factory=list)   # forward nodes of layer j needed for x_{j+1} alone
     skips: int = 0        # forward values read more than one layer after their own: the graph is not a chain
+    prelude: list = field(default_factory=list)  # run once before layer 0: the weight decay's terms (params alone)
 
 
 # ---- the dynamic program ---------------------------------------------------------------------
@@ -129,7 +130,10 @@ def build_chain(graph, order, sizes, flops_of, max_layers=MAX_LAYERS, even_work=
     Boundaries are the cheapest cuts (fewest crossing bytes); with `even_work`, the cheapest cut
     near each of max_layers - 1 points that split the forward work evenly (a coarse graph)."""
     nodes = set(order)
-    forward = [n for n in order if graph.node(n)["phase"] == "forward" and graph.op(n) not in LEAVES]
+    # the penalty's terms read params alone: run once, first, they are never recomputed with a layer
+    prelude = [n for n in order if graph.node(n).get("decay_term")]
+    forward = [n for n in order if graph.node(n)["phase"] == "forward" and graph.op(n) not in LEAVES
+               and not graph.node(n).get("decay_term")]
     backward = [n for n in order if graph.node(n)["phase"] != "forward" and graph.op(n) not in LEAVES]
     pos = {n: i for i, n in enumerate(forward)}
     fwd_set = set(forward)
@@ -182,7 +186,7 @@ def build_chain(graph, order, sizes, flops_of, max_layers=MAX_LAYERS, even_work=
     skips = sum(1 for v, last in last_layer.items()
                 if last > layer_of[v] + 1 and sizes[v] * MEMORY_UNITS >= crossing.max(initial=0))
     return Chain(layers, groups, [int(cum_flops[bounds[j + 1]] - cum_flops[bounds[j]]) for j in range(L)],
-                 cut, keep, transient, needed, skips)
+                 cut, keep, transient, needed, skips, prelude)
 
 
 def _choose_boundaries(graph, forward, crossing, cum_flops, max_layers):
@@ -275,10 +279,10 @@ def _ancestors_within(graph, targets, members):
 
 
 # ---- from a DP schedule to the steps of the entry point --------------------------------------
-def steps_of(chain, ops, leaves):
-    """Node ids in execution order: the leaves, then each layer op (a layer run without keeping
-    computes only what the next layer reads)."""
-    steps = list(leaves)
+def steps_of(chain, ops, leaves, prelude=True):
+    """Node ids in execution order: the leaves, the prelude (which a stage's backward, whose forward ran it,
+    leaves out), then each layer op (a layer run without keeping computes only what the next layer reads)."""
+    steps = list(leaves) + (chain.prelude if prelude else [])
     for op in ops:
         if op[0] == "F":
             j, keep = op[1], op[2]
