@@ -49,11 +49,13 @@ def layer_rows(data):
         node = nodes[n]
         if n not in model or get_op(node["op"]).kind not in LAYER_KINDS:
             continue
-        readers = [u for u in users[n] if u in model and get_op(nodes[u]["op"]).kind == "elementwise"]
+        sent = [n] + [u for u in users[n] if nodes[u]["op"] == "transfer"]   # its bias may be added on the next stage
+        readers = [u for v in sent for u in users[v] if u in model and get_op(nodes[u]["op"]).kind == "elementwise"]
         weights = []
         for m in [n] + readers:
             for u in operands[m]:
-                while get_op(nodes[u]["op"]).kind == "layout" and operands[u]:   # a bias reshaped to broadcast
+                # a bias reshaped to broadcast, or sent from the stage that owns it (a transfer is a layout op)
+                while get_op(nodes[u]["op"]).kind == "layout" and operands[u]:
                     u = operands[u][0]
                 if u in param_of and u not in weights:
                     weights.append(u)
@@ -81,8 +83,9 @@ def layers_report(base, data):
     lines.append(f"  {'total':<22} {'':<12} {'':<22} {_size(sum(r[3] for r in rows)):>12} {_size(total_out):>12}")
     if total_out is None:
         unbound = sorted({d for _, _, shape, _, _ in rows for d in shape if isinstance(d, str)})
-        return lines + [f"  (?: dims {', '.join(unbound)} are symbolic; compile with --bind "
-                        f"{unbound[0]}=INT for bytes and peaks)"]
+        return lines + [f"  (?: dims {', '.join(unbound)} are symbolic in the code; compile with --bind "
+                        f"{unbound[0]}=INT for bytes and peaks: a --microbatches build keeps its batch dim "
+                        f"symbolic, and --memory and --partition give its sizes per microbatch)"]
     path = base + ".memplan.json"
     if not os.path.isfile(path):
         return lines + [f"  ({path} not found: no peaks)"]

@@ -93,3 +93,23 @@ def test_budget_planning_of_a_conv_net_with_a_bias():
     assert refused.value.minimum > full["workspace_bytes"]
     enough = full["peak_bytes"] + full["workspace_bytes"]
     assert plan_memory(graph, {"B": 64}, 1, budget=enough)["_loss_and_grad"]["peak_bytes"] <= full["peak_bytes"]
+
+
+def test_a_pipeline_builds_layers_keep_the_bias_added_on_the_next_stage(tmp_path):
+    """A layer's product on one stage whose bias is added on the next (the product is sent between them)
+    lost its bias in the table, and the weights' total with it."""
+    m = gc.Model("layers_two_stages")
+    h = m.input("x", ("B", 8))
+    for i in range(6):
+        with m.stage(0 if i < 3 else 1):
+            z = h @ m.param(f"W{i}", (8, 8))
+        with m.stage(1 if i == 2 else (0 if i < 3 else 1)):
+            h = gc.tanh(z + m.param(f"b{i}", (8,)))
+    m.minimize(h.mean())
+    one = tmp_path / "one"
+    gc.compile(m, out=str(one), bind={"B": 4}, order=1, warm=False)
+    gc.compile(m, out=str(tmp_path / "two"), bind={"B": 4}, order=1, warm=False, devices=2)
+    graph = _load(str(tmp_path / "two" / m.name))[1]
+    assert any(n["op"] == "transfer" for n in graph["nodes"])
+    rows = lambda out: [(label, wb) for label, _, _, wb, _ in layer_rows(_load(str(out / m.name))[1])]
+    assert rows(tmp_path / "two") == rows(one) == [(f"W{i}, b{i}", (64 + 8) * 4) for i in range(6)]
