@@ -16,7 +16,7 @@ from gradc.passes.analysis import index_inputs
 from gradc.passes.entries import ENTRIES
 
 from .errors import GradcError
-from .files import import_path, json_text, remove_stale, temp_name
+from .files import import_path, json_text, link_replacing, remove_stale, temp_name
 from .ir import FLOAT_DTYPES
 from .shapes import expr_text
 from .version import __version__
@@ -572,19 +572,6 @@ def remove_empty(folders):
             pass   # not empty: someone else's files, or a live build
 
 
-def _link(path, target, store, name):
-    """Make `path` a symlink to `target`, replacing what is there by one rename (never writing through it)."""
-    if os.path.islink(path) and os.readlink(path) == target:
-        return
-    tmp = os.path.join(store, temp_name(f"{name}.", ".link"))
-    os.symlink(target, tmp)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def refuse_foreign_files(out, name, names):
     """GradcError when OUT holds a file or folder at one of the build's names that gradc did not
     write (`-o .` beside a model file NAME.py, say): a compile never replaces the user's data.
@@ -654,9 +641,9 @@ def write_outputs(out, name, files, stored, warm_dims, timings, notes, graph_nod
         _move_cache(os.path.join(build, "__pycache__"), os.path.join(out, "__pycache__"), name)
         for f in made_files:   # names the current build lacks: they appear with the switch
             if not os.path.lexists(os.path.join(out, f)):
-                _link(os.path.join(out, f), os.path.join(STORE, name, f), store, name)
+                link_replacing(os.path.join(out, f), os.path.join(STORE, name, f), store, f"{name}.")
                 created.append(os.path.join(out, f))
-        _link(current, os.path.basename(build), store, name)
+        link_replacing(current, os.path.basename(build), store, f"{name}.")
         switched = True
     except BaseException:
         if not switched:
@@ -670,7 +657,7 @@ def write_outputs(out, name, files, stored, warm_dims, timings, notes, graph_nod
     for f in os.listdir(out):
         path = os.path.join(out, f)
         if f in made_files:   # a file of a gradc before this layout, or a link planted there
-            _link(path, os.path.join(STORE, name, f), store, name)
+            link_replacing(path, os.path.join(STORE, name, f), store, f"{name}.")
         elif os.path.islink(path) and os.readlink(path) == os.path.join(STORE, name, f):
             os.unlink(path)   # a file the old build had and this one has not
         elif f in (f"{name}.data.npz", f"{name}.graph.svg", f"{name}.partition.json") and os.path.isfile(path):

@@ -78,6 +78,38 @@ def write_replacing(path, write, prefix=".gradc-tmp-", suffix="", mode=None, syn
         raise
 
 
+def link_replacing(path, target, tmp_folder, prefix):
+    """Make `path` a symlink to `target`, replacing what is there by one rename (never writing through it);
+    the temp link is made in `tmp_folder` (on the same file system)."""
+    if os.path.islink(path) and os.readlink(path) == target:
+        return
+    tmp = os.path.join(tmp_folder, temp_name(prefix, ".link"))
+    os.symlink(target, tmp)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_beside_dumps(base, suffix, write):
+    """Write OUT/NAME<suffix> (a picture `gradc inspect` draws of a build) by write(f). In a build of the
+    .gradc/ layout the file goes into the build's own folder and OUT/NAME<suffix> is a link through
+    OUT/.gradc/NAME, like the dumps': the next compile's switch takes it away with its build, so a
+    picture of an old build never sits beside a new one. Returns the path the user reads."""
+    path = base + suffix
+    dump = base + ".graph.json"
+    if not os.path.islink(dump):   # a build from a gradc before the .gradc/ layout
+        write_replacing(path, write)
+        return path
+    out, name = os.path.split(base)
+    current = os.path.dirname(os.readlink(dump))           # .gradc/NAME
+    folder = os.path.realpath(os.path.join(out, current))  # that build's own folder
+    write_replacing(os.path.join(folder, name + suffix), write)
+    link_replacing(path, os.path.join(current, name + suffix), folder, f"{name}.")
+    return path
+
+
 def read_npz(path):
     """Every array of the .npz at `path`, read in full (so a damaged member shows here); ValueError
     naming the file when it is not a readable .npz. A missing or unreadable file raises OSError."""

@@ -4,7 +4,7 @@ import re
 from collections import Counter
 
 from .errors import GradcError
-from .files import read_json, write_replacing
+from .files import read_json, write_beside_dumps
 from .inspect_kernels import kernel_listing, ptx
 from .inspect_layers import layers_report
 from .inspect_partition import partition_report
@@ -170,8 +170,7 @@ def _live_bytes_png(base, plan):
     ax.set_title(f"{plan['entry']}: live bytes over the schedule")
     ax.legend()
     fig.tight_layout()
-    path = base + ".memory.png"
-    write_replacing(path, lambda f: fig.savefig(f, format="png", dpi=110))   # never through a planted link
+    path = write_beside_dumps(base, ".memory.png", lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
     return path
 

@@ -2,7 +2,7 @@
 schedule as a text Gantt chart (a PNG too with the viz extra)."""
 import os
 
-from .files import read_json, write_replacing
+from .files import read_json, write_beside_dumps
 from .sizes import format_size
 
 WIDTH = 72   # columns of the Gantt chart
@@ -78,7 +78,6 @@ def _gantt_png(base, plan):
     ax.set_xlabel("ms (cost model)")
     ax.set_title(f"{plan['schedule']}, {K} stages, {plan['microbatches']} microbatches")
     fig.tight_layout()
-    path = base + ".partition.png"
-    write_replacing(path, lambda f: fig.savefig(f, format="png", dpi=110))   # never through a planted link
+    path = write_beside_dumps(base, ".partition.png", lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
     return path

@@ -451,7 +451,7 @@ def test_sigkill_during_save_leaves_a_temp_that_the_next_save_removes(small, tmp
 # ---- 8. planted symlinks ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("flag,png,args", [("--memory", "memory.png", ["--bind", "B=4"]),
                                           ("--partition", "partition.png", ["--bind", "B=4", "--devices", "2"])])
-def test_inspect_png_replaces_a_planted_symlink(tmp_path, flag, png, args):
+def test_inspect_png_replaces_a_planted_symlink_and_goes_with_its_build(tmp_path, flag, png, args):
     pytest.importorskip("matplotlib")
     (tmp_path / "model.py").write_text(MODEL)
     r = gradc("compile", "model.py", "-o", "out", "--no-warm", "--order", "1", *args, cwd=tmp_path)
@@ -462,9 +462,13 @@ def test_inspect_png_replaces_a_planted_symlink(tmp_path, flag, png, args):
     r = gradc("inspect", "out/tiny", flag, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert victim.read_text() == "precious"
-    written = tmp_path / "out" / f"tiny.{png}"
-    assert not written.is_symlink() and written.read_bytes().startswith(b"\x89PNG")
+    written = tmp_path / "out" / f"tiny.{png}"   # in the build's folder, linked as the dumps are
+    assert os.readlink(written) == f".gradc/tiny/tiny.{png}" and written.read_bytes().startswith(b"\x89PNG")
     assert not [f for f in os.listdir(tmp_path / "out") if f.startswith(".") and f != ".gradc"]
+    # the next compile takes the picture away with the build it was drawn of (it stayed, stale, beside the new one)
+    r = gradc("compile", "model.py", "-o", "out", "--no-warm", "--order", "1", "--bind", "B=5", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert not os.path.lexists(written) and victim.read_text() == "precious"
 
 
 # ---- 9. inspect does not run a build's code ---------------------------------------------------------------
