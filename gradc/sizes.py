@@ -6,8 +6,8 @@ MAX_BYTES = 2**63 - 1   # what an int64 byte count holds; the planners and numpy
 
 
 def parse_size(text):
-    """'auto', an int, or text like '512', '1.5GiB', '200MB' -> 'auto' or bytes; ValueError otherwise
-    (also for negative, non-finite and over-int64 sizes)."""
+    """'auto', an int, or text like '512', '1.5GiB', '200MB' -> 'auto' or whole bytes (rounded down); ValueError
+    otherwise (also for negative, non-finite, over-int64 sizes and those between 0 and 1 byte)."""
     usage = f"{text!r} is not a size (bytes, or with KiB/MiB/GiB or KB/MB/GB)"
     if isinstance(text, bool):
         raise ValueError(usage)
@@ -27,6 +27,8 @@ def parse_size(text):
             raise ValueError(f"{text!r} is not a size: it is not finite")
     if value < 0:
         raise ValueError(f"{text!r} is not a size: it is negative")
+    if 0 < value < 1:   # (a larger fraction is rounded down to whole bytes: a bound stays a bound)
+        raise ValueError(f"{text!r} is not a size: it is less than one byte")
     if value > MAX_BYTES:
         raise ValueError(f"{text!r} is not a size: it is more than {MAX_BYTES:,} bytes")
     return int(value)

@@ -92,7 +92,7 @@ def spawn_and_signal(args, cwd, marker, sig, path_prefix=None):
 
 # ---- 1. sizes ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("text", ["inf", "-inf", "nan", "NaN", "infinity", "1e400", "-1", "-0.5KiB", "1e30GiB",
-                                  2**80, -3, float("inf"), "12 apples"])
+                                  2**80, -3, float("inf"), "12 apples", "0.5", "0.001KiB"])
 def test_parse_size_refuses_non_finite_negative_and_huge(text):
     with pytest.raises(ValueError, match="is not a size"):
         sizes.parse_size(text)
@@ -101,6 +101,7 @@ def test_parse_size_refuses_non_finite_negative_and_huge(text):
 def test_parse_size_accepts_sizes():
     assert sizes.parse_size("1.5GiB") == 3 * 2**29 and sizes.parse_size("200MB") == 200 * 10**6
     assert sizes.parse_size(0) == 0 and sizes.parse_size("auto") == "auto" and sizes.parse_size("1e3") == 1000
+    assert sizes.parse_size("1.3KiB") == 1331   # 1331.2: whole bytes, rounded down
 
 
 @pytest.mark.parametrize("value", ["inf", "nan", "1e400", "-5"])
