@@ -92,7 +92,7 @@ def spawn_and_signal(args, cwd, marker, sig, path_prefix=None):
 
 # ---- 1. sizes ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("text", ["inf", "-inf", "nan", "NaN", "infinity", "1e400", "-1", "-0.5KiB", "1e30GiB",
-                                  2**80, -3, float("inf"), "12 apples", "0.5", "0.001KiB"])
+                                  2**80, -3, float("inf"), "12 apples", "0.5", "0.0001KiB"])
 def test_parse_size_refuses_non_finite_negative_and_huge(text):
     with pytest.raises(ValueError, match="is not a size"):
         sizes.parse_size(text)
