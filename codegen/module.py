@@ -423,7 +423,7 @@ def pipeline_source(g, pipeline, stage_specs, trainable, memory):
         f"    reduction={pipeline['reduction']!r}, batch_inputs={pipeline['batch_inputs']!r},",
         f"    weight_decay={pipeline['weight_decay']!r}, decayed={pipeline['decayed']!r}, memory={memory},",
         f"    param_names={ {n: p for p, n in g.params.items()}!r}, objective_stage={stage_index(g, g.objective)},",
-        f"    grad_stages={ {p: stage_index(g, n) for n, p in grad_nodes.items()}!r})"]) + "\n"
+        f"    grad_stages={ {p: stage_index(g, n) for n, p in grad_nodes.items()}!r}, model=MODEL_NAME)"]) + "\n"
 
 
 LAUNCH_WORDS = {"flat": f"one thread per output element, {THREADS} a block",

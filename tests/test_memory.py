@@ -308,7 +308,7 @@ def test_budgeted_plans_give_store_all_gradients_within_budget(tmp_path, make):
         tried += 1
         plan = mod.MEMORY_PLAN
         assert plan["peak_bytes"] <= budget and plan["budget_bytes"] == budget
-        assert plan["recompute_flops"] > 0 and any(t["recomputed"] for t in plan["tensors"])
+        assert plan["recompute_flops"] > 0 and plan["recomputed"]
         with open(out / f"{model.name}.memplan.json") as f:
             doc = json.load(f)
         assert sum(doc["arena_bytes"].values()) + (doc["workspace_bytes"] or 0) <= budget

@@ -47,7 +47,7 @@ def test_every_schedule_and_microbatch_count_gives_the_one_device_gradients(tmp_
         assert tp.step(**inputs) == pytest.approx(t1.step(**inputs), abs=1e-10)
     for k in params:
         np.testing.assert_allclose(tp.params[k], t1.params[k], rtol=0, atol=1e-10)
-    with pytest.raises(ValueError, match="a batch of 2 rows cannot make 3 microbatches"):
+    with pytest.raises(ValueError, match=f"^{pipe.MODEL_NAME}: a batch of 2 rows cannot make 3 microbatches"):
         pipe.loss_and_grad(params, **{k: v[:2] for k, v in inputs.items()})
 
 

@@ -153,7 +153,8 @@ class Pipeline:
 
     def __init__(self, functions, transfers, objective, grad_nodes, grad_slices, *, stages, schedule, microbatches,
                  reduction, batch_inputs, weight_decay, decayed, memory, param_names, objective_stage,
-                 grad_stages):
+                 grad_stages, model="model"):
+        self.model = model                    # the model's name, which errors start with
         self.functions = functions
         self.transfers = transfers            # (transfer node, source, from stage, to stage, when made)
         self.sources = {}                     # (stage, kind) -> [(source node, transfer node)]
@@ -260,12 +261,12 @@ class Pipeline:
         axes = self.batch_inputs
         rows = {np.shape(inputs[name])[axis] for name, axis in axes.items() if name in inputs}
         if len(rows) != 1:
-            raise ValueError(f"the batch inputs {', '.join(f'{k} (axis {a})' for k, a in axes.items())} must have "
-                             f"the same number of rows, got {sorted(rows)}")
+            raise ValueError(f"{self.model}: the batch inputs {', '.join(f'{k} (axis {a})' for k, a in axes.items())} "
+                             f"must have the same number of rows, got {sorted(rows)}")
         B = rows.pop()
         if B < self.M:
-            raise ValueError(f"a batch of {B} rows cannot make {self.M} microbatches (this build's --microbatches): "
-                             f"give at least {self.M} rows")
+            raise ValueError(f"{self.model}: a batch of {B} rows cannot make {self.M} microbatches (this build's "
+                             f"--microbatches): give at least {self.M} rows")
         bounds = np.linspace(0, B, self.M + 1).round().astype(int)
         micro = [{k: (_rows(v, axes[k], a, b) if k in axes else v) for k, v in inputs.items()}
                  for a, b in zip(bounds[:-1], bounds[1:])]
