@@ -25,7 +25,13 @@ def compile(model, **options):
     """
     from .compiler import compile_model
     from .errors import user_src
-    return compile_model(model, options_src=user_src(), **options)
+    src = user_src()
+    try:
+        return compile_model(model, options_src=src, **options)
+    except GradcError as e:
+        if e.src is None:   # an option's mistake (a flag's, on the command line): the call's line
+            raise GradcError(e.message, src) from None
+        raise
 
 
 __all__ = ["Model", "Tensor", "GradcError", "compile", "exp", "log", "tanh", "sigmoid", "relu", "softplus",

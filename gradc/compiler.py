@@ -35,7 +35,7 @@ def check_options(options, src):
         raise GradcError(f"compile: unknown option {key!r}", src)
 
 
-def device_options(options, model, dims, memory_budget, src):
+def device_options(options, model, dims, memory_budget, src, options_src=None):
     """--devices, --schedule, --device-memory, --microbatches, --batch-dim, checked: a dict with
     K, schedule, device_memory (bytes or None), M, batch (the batch dim when M > 1), reduction. A bad
     flag value is named by the flag alone, not the model's file:line (nothing in the file is wrong)."""
@@ -68,7 +68,7 @@ def device_options(options, model, dims, memory_budget, src):
         unbound = sorted(declared - set(dims))
         if unbound:
             raise GradcError(f"--devices needs every symbolic dim bound with --bind (unbound: {', '.join(unbound)}; "
-                             f"e.g. --bind {unbound[0]}=256, or bind={{{unbound[0]!r}: 256}} in gc.compile)", src)
+                             f"e.g. --bind {unbound[0]}=256, or bind={{{unbound[0]!r}: 256}} in gc.compile)", options_src)
     if (K > 1 or M > 1) and memory_budget == "auto":
         raise GradcError("--memory-budget auto applies to one device: with --devices or --microbatches give a size, "
                          "which bounds each stage's activations")
@@ -445,7 +445,7 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     timings = {} if timings is None else timings
     t0 = time.perf_counter()
     check_scans(model, scan_backward, target, memory_budget)
-    pipe = device_options(devices, model, dims, memory_budget, model.src)
+    pipe = device_options(devices, model, dims, memory_budget, model.src, options_src)
     # microbatches run the code at other batch sizes: the batch dim stays symbolic in it (the plans bind it)
     code_dims = {d: v for d, v in dims.items() if d != pipe["batch"]}
     graph = build_training_graph(model, dtype, code_dims, timings, order=order, target=target)

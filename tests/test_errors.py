@@ -459,7 +459,9 @@ def test_bad_compile_options_name_the_compile_call(tmp_path):
                          (dict(bind={"B": 8.0}), "--bind B=8.0: a dim must be bound to an int"),
                          (dict(bind="B=8"), "compile: bind must be a dict of dim names to ints .*got 'B=8'"),
                          (dict(bind={"B": 2**62}), r"--bind B=4611686018427387904: 'x' would be of shape "
-                                                   r"\(4611686018427387904, 3\), more elements than numpy can hold")):
+                                                   r"\(4611686018427387904, 3\), more elements than numpy can hold"),
+                         (dict(devices=2), r"--devices needs every symbolic dim bound with --bind \(unbound: B"),
+                         (dict(scan_backward="forward"), "--scan-backward 'forward': use reverse or bppsa")):
         call = f"{os.path.basename(__file__)}:{inspect.currentframe().f_lineno + 2}"
         with pytest.raises(gc.GradcError, match=rf"{call}: {message}"):
             gc.compile(m, out=str(tmp_path), **bad)
