@@ -438,6 +438,11 @@ DISAGREE_SCRIPT = textwrap.dedent('''
         print(f"rank {rank}: save apart: accepted")
     except ValueError as e:
         print(f"rank {rank}: save apart: {e}")
+    try:   # a parameter server whose ranks differ (the servers ran on different shards until the timeout)
+        with m.Trainer(m.init_params(0), parallel="ps", servers=1, staleness=rank, timeout=20) as ps:
+            print(f"rank {rank}: ps: accepted")
+    except ValueError as e:
+        print(f"rank {rank}: ps: {e}")
     print(f"rank {rank}: steps: {tr.steps}")
 ''')
 
@@ -468,6 +473,8 @@ def test_ranks_whose_trainers_differ_are_refused_not_left_to_drift_or_hang(tmp_p
         assert said["assigned alike"] == "accepted", said
         assert said["steps"] == "3", said
         assert "Trainer.save: the ranks name different paths (rank 0: " in said["save apart"], said
+        assert "Trainer(parallel='ps'): the ranks' trainers differ (staleness: 0 on rank 0, 1 on rank 1)" \
+            in said["ps"], said
     assert not list((tmp_path / "b").glob("ck*.npz"))
     w0 = [line for line in out.stdout.splitlines() if " W0 " in line]
     assert len(w0) == 2 and w0[0].split()[-1] == w0[1].split()[-1], w0   # rank 0's params on both

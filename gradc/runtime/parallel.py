@@ -87,12 +87,12 @@ def _differing_shapes(tr, every):
                       f"rank's rows must be rows of one batch; this step changed nothing")
 
 
-def _differing_settings(tr, every):
+def _differing_settings(tr, every, where=None, outcome="this step changed nothing"):
     """The error when the ranks' trainers are set differently (tr.lr set on one rank only, say)."""
-    names = [k for k in every[0] if any(e[k] != every[0][k] for e in every)]
-    seen = "; ".join(f"{k}: " + ", ".join(f"{e[k]!r} on rank {r}" for r, e in enumerate(every)) for k in names)
-    return ValueError(f"{tr.model_name}.Trainer.step {tr.steps + 1}: the ranks' trainers differ ({seen}); every rank "
-                      f"must make its Trainer with the same settings and set them alike; this step changed nothing")
+    names = [k for k in every[0] if any(e.get(k) != every[0][k] for e in every)]
+    seen = "; ".join(f"{k}: " + ", ".join(f"{e.get(k)!r} on rank {r}" for r, e in enumerate(every)) for k in names)
+    return ValueError(f"{tr.model_name}.{where or f'Trainer.step {tr.steps + 1}'}: the ranks' trainers differ ({seen}); "
+                      f"every rank must make its Trainer with the same settings and set them alike; {outcome}")
 
 
 def _weighting(tr, what):
@@ -422,6 +422,12 @@ class ParameterServer:
         if tr.pipeline is not None:
             tr.pipeline.attach(None)
         size = comm.Get_size()
+        # first, before a check that one rank could fail alone: every rank is made alike (servers that differ
+        # ran the protocol on different shards until the timeout; a worker's own lr went unused)
+        mine = {"servers": servers, "staleness": staleness, "timeout": timeout, **tr._settings()}
+        every = comm.allgather(mine)
+        if any(e != mine for e in every):
+            raise _differing_settings(tr, every, "Trainer(parallel='ps')", "no rank made one")
         for name, value, low in (("servers", servers, 1), ("staleness", staleness, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{tr.model_name}.Trainer: {name} must be an int >= {low}, got {value!r}")
