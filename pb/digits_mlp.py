@@ -1,1 +1,0 @@
-.gradc/digits_mlp/digits_mlp.py
