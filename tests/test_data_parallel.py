@@ -309,6 +309,17 @@ def test_parallel_options_are_checked(tmp_path):
             mod.Trainer(mod.init_params(0), parallel="data", **bad)
 
 
+def _two_ranks(tmp_path, script, build):
+    """`script` run on 2 MPI ranks with the build folder as its argument; the finished process (exit 0)."""
+    (tmp_path / "ranks.py").write_text(script)
+    mpiexec = shutil.which("mpiexec") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    out = subprocess.run([mpiexec, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, "-m", "mpi4py",
+                          str(tmp_path / "ranks.py"), str(build)], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
 MISMATCH_SCRIPT = textwrap.dedent('''
     import sys
     import numpy as np
@@ -341,12 +352,7 @@ def test_ranks_whose_inputs_differ_beside_the_batch_dim_are_refused(tmp_path):
     y = m.input("y", ("B", "T", 2))
     m.minimize(gc.mse(gc.tanh(x @ m.param("W", (4, 2))), y))
     compile_model(m, out=str(tmp_path / "b"), order=1, dtype="float64", warm_cache=False)
-    (tmp_path / "mismatch.py").write_text(MISMATCH_SCRIPT)
-    mpiexec = shutil.which("mpiexec") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    out = subprocess.run([mpiexec, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, "-m", "mpi4py",
-                          str(tmp_path / "mismatch.py"), str(tmp_path / "b")], capture_output=True, text=True,
-                         timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"))
-    assert out.returncode == 0, out.stdout + out.stderr
+    out = _two_ranks(tmp_path, MISMATCH_SCRIPT, tmp_path / "b")
     lines = out.stdout.splitlines()
     for rank in (0, 1):
         said = [line for line in lines if line.startswith(f"rank {rank}:")]
@@ -453,12 +459,7 @@ def test_ranks_whose_trainers_differ_are_refused_not_left_to_drift_or_hang(tmp_p
     on one rank made the replicas differ for good. Every rank now refuses such a step, naming what differs
     and where, and the replicas hold one model after it."""
     compile_model(_digits_like(), out=str(tmp_path / "b"), order=1, dtype="float64", warm_cache=False)
-    (tmp_path / "disagree.py").write_text(DISAGREE_SCRIPT)
-    mpiexec = shutil.which("mpiexec") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    out = subprocess.run([mpiexec, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, "-m", "mpi4py",
-                          str(tmp_path / "disagree.py"), str(tmp_path / "b")], capture_output=True, text=True,
-                         timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"))
-    assert out.returncode == 0, out.stdout + out.stderr
+    out = _two_ranks(tmp_path, DISAGREE_SCRIPT, tmp_path / "b")
     for rank in (0, 1):
         said = dict(line.split(": ", 2)[1:] for line in out.stdout.splitlines() if line.startswith(f"rank {rank}: ")
                     and line.count(": ") >= 2)

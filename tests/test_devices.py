@@ -50,6 +50,26 @@ def _check_placement(graph, plan, K):
     assert stages == sorted(stages) and set(stages) == set(range(K))
 
 
+def _same_as_one_device(one, many, rng, seed, hvp, tol):
+    """Loss, gradients, hvp (when built) and three Adam steps of a --devices build against one device's,
+    on batch 8 of random inputs."""
+    params = one.init_params(seed)
+    inputs = _inputs(one, 8, rng)
+    loss1, grads1 = one.loss_and_grad(params, **inputs)
+    lossK, gradsK = many.loss_and_grad(params, **inputs)
+    assert lossK == pytest.approx(loss1, abs=tol)
+    for k in grads1:
+        np.testing.assert_allclose(gradsK[k], grads1[k], rtol=0, atol=tol, err_msg=k)
+    if hvp:
+        v = {k: rng.standard_normal(p.shape) for k, p in params.items()}
+        hv1, hvK = one.hvp(params, v, **inputs), many.hvp(params, v, **inputs)
+        for k in hv1:
+            np.testing.assert_allclose(hvK[k], hv1[k], rtol=0, atol=tol, err_msg=k)
+    t1, tK = one.Trainer(params, optimizer="adam", lr=1e-2), many.Trainer(params, optimizer="adam", lr=1e-2)
+    for _ in range(3):
+        assert tK.step(**inputs) == pytest.approx(t1.step(**inputs), abs=tol)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("make,K", [(_mlp, 2), (_dag, 3)], ids=["mlp-2", "dag-3"])
 def test_devices_give_the_one_device_gradients(tmp_path, make, K):
@@ -62,22 +82,7 @@ def test_devices_give_the_one_device_gradients(tmp_path, make, K):
     _check_placement(graph, plan, K)
     assert many.PARTITION == plan and one.PARTITION is None
     assert set(many.MEMORY_PLAN["arena_bytes"]) == {f"cpu:{k}" for k in range(K)}
-    rng = np.random.default_rng(5)
-    params = one.init_params(2)
-    inputs = _inputs(one, 8, rng)
-    loss1, grads1 = one.loss_and_grad(params, **inputs)
-    lossK, gradsK = many.loss_and_grad(params, **inputs)
-    assert lossK == pytest.approx(loss1, abs=1e-10)
-    for k in grads1:
-        np.testing.assert_allclose(gradsK[k], grads1[k], rtol=0, atol=1e-10)
-    if order == 2:
-        v = {k: rng.standard_normal(p.shape) for k, p in params.items()}
-        hv1, hvK = one.hvp(params, v, **inputs), many.hvp(params, v, **inputs)
-        for k in hv1:
-            np.testing.assert_allclose(hvK[k], hv1[k], rtol=0, atol=1e-10)
-    t1, tK = one.Trainer(params, optimizer="adam", lr=1e-2), many.Trainer(params, optimizer="adam", lr=1e-2)
-    for _ in range(3):
-        assert tK.step(**inputs) == pytest.approx(t1.step(**inputs), abs=1e-10)
+    _same_as_one_device(one, many, np.random.default_rng(5), 2, order == 2, 1e-10)
     with pytest.raises(ValueError, match="batch dim bound"):   # a --microbatches 1 build cannot split batches
         many._PIPELINE.reschedule("gpipe", 2)
     stats = many.memory_stats()["arena_bytes"]
@@ -291,18 +296,4 @@ def test_weight_decay_is_summed_where_each_param_lives(tmp_path):
             assert v["device"] == u["device"], (u, v)
             squares += 1   # W0..W3, Wo, b0 and b2
     assert squares == 5 + 2 and len({s["stage"] for s in plan["stage"] if s["params"]}) == 3
-    rng = np.random.default_rng(11)
-    params = one.init_params(4)
-    inputs = _inputs(one, 8, rng)
-    loss1, grads1 = one.loss_and_grad(params, **inputs)
-    lossK, gradsK = many.loss_and_grad(params, **inputs)
-    assert lossK == pytest.approx(loss1, abs=1e-12)
-    for k in grads1:
-        np.testing.assert_allclose(gradsK[k], grads1[k], rtol=0, atol=1e-12, err_msg=k)
-    v = {k: rng.standard_normal(p.shape) for k, p in params.items()}
-    hv1, hvK = one.hvp(params, v, **inputs), many.hvp(params, v, **inputs)
-    for k in hv1:
-        np.testing.assert_allclose(hvK[k], hv1[k], rtol=0, atol=1e-12, err_msg=k)
-    t1, tK = one.Trainer(params, optimizer="adam", lr=1e-2), many.Trainer(params, optimizer="adam", lr=1e-2)
-    for _ in range(3):
-        assert tK.step(**inputs) == pytest.approx(t1.step(**inputs), abs=1e-12)
+    _same_as_one_device(one, many, np.random.default_rng(11), 4, True, 1e-12)
