@@ -121,7 +121,8 @@ def plan_devices(graph, order, dims, K, target="cpu", device_memory=None, schedu
         why = ([f"fits --device-memory {format_size(device_memory)} per device under the {schedule} schedule"]
                if device_memory is not None else []) + (["keeps every pinned op on its stage (" +
                                                          "; ".join(pinned[:4]) + ")"] if pinned else [])
-        need = (f": the least any cut needs (by the cost model) is {format_size(least[0])} per device (its stage "
+        need = (f": the least any cut needs (by the cost model, an estimate that can be above what the stages' "
+                f"plans hold) is {format_size(least[0])} per device (its stage "
                 f"{least[1]}: its params and their gradients, the activations it keeps for {max(flight)} "
                 f"microbatch(es) in flight, its largest step)") if least else ""
         raise DevicePlanError(f"no cut of the model into {K} contiguous stages " + " and ".join(why) + need) from None

@@ -193,7 +193,8 @@ def test_device_option_errors(tmp_path):
     cases = [
         (dict(devices=2), r"--devices needs every symbolic dim bound with --bind \(unbound: B"),
         (dict(devices=2, bind={"B": 4}, device_memory=16), r"no cut of the model into 2 contiguous stages fits --device-memory 16 bytes per device under the "
-         r"sequential schedule: the least any cut needs \(by the cost model\) is \d+ bytes per device \(its stage [01].*; "
+         r"sequential schedule: the least any cut needs \(by the cost model, an estimate that can be above what the "
+         r"stages' plans hold\) is \d+ bytes per device \(its stage [01].*; "
          r"the fastest cut is one whose stage [01] needs \d+ bytes$"),
         (dict(devices=500, bind={"B": 4}), r"--devices 500: the model has \d+ forward ops, fewer than 500 stages"),
         (dict(devices=2, bind={"B": 4}, schedule="zigzag"), r"--schedule 'zigzag': use one of sequential, gpipe, 1f1b"),
@@ -271,10 +272,11 @@ def test_a_conv_net_with_biases_runs_on_two_devices(tmp_path):
         np.testing.assert_allclose(grads2[k], grads1[k], rtol=0, atol=1e-12, err_msg=k)
 
 
-def test_weight_decay_is_summed_where_each_param_lives(tmp_path):
+@pytest.mark.parametrize("order", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_weight_decay_is_summed_where_each_param_lives(tmp_path, order):
     """Each stage squares its own params and sends the objective's stage one scalar each: the params
-    themselves never travel (they did, every microbatch). Loss, gradients, hvp and Adam steps against
-    one device, float64, with microbatches (whose objectives each hold the decay once)."""
+    themselves never travel (they did, every microbatch). Loss, gradients, Adam steps and (slow tier) hvp
+    against one device, float64, with microbatches (whose objectives each hold the decay once)."""
     m = gc.Model("decay_on_devices")
     x = m.input("x", ("B", 6))
     y = m.input("y", ("B",), dtype="int64")
@@ -282,8 +284,8 @@ def test_weight_decay_is_summed_where_each_param_lives(tmp_path):
     for i in range(4):
         h = gc.tanh(h @ m.param(f"W{i}", (6, 6)) + m.param(f"b{i}", (6,), init="normal", decay=i % 2 == 0))
     m.minimize(gc.softmax_cross_entropy(h @ m.param("Wo", (6, 3)), y), weight_decay=0.07)
-    one = compile_model(m, out=str(tmp_path / "one"), order=2, bind={"B": 8}, warm_cache=False, dtype="float64")
-    many = compile_model(m, out=str(tmp_path / "many"), order=2, bind={"B": 8}, warm_cache=False, dtype="float64",
+    one = compile_model(m, out=str(tmp_path / "one"), order=order, bind={"B": 8}, warm_cache=False, dtype="float64")
+    many = compile_model(m, out=str(tmp_path / "many"), order=order, bind={"B": 8}, warm_cache=False, dtype="float64",
                          devices=3, schedule="gpipe", microbatches=2)
     graph, plan = _load(tmp_path / "many", m.name)
     _check_placement(graph, plan, 3)
@@ -296,4 +298,4 @@ def test_weight_decay_is_summed_where_each_param_lives(tmp_path):
             assert v["device"] == u["device"], (u, v)
             squares += 1   # W0..W3, Wo, b0 and b2
     assert squares == 5 + 2 and len({s["stage"] for s in plan["stage"] if s["params"]}) == 3
-    _same_as_one_device(one, many, np.random.default_rng(11), 4, True, 1e-12)
+    _same_as_one_device(one, many, np.random.default_rng(11), 4, order == 2, 1e-12)
