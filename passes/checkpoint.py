@@ -41,7 +41,7 @@ class Chain:
     transient: list       # T_j: bytes of layer j's backward values
     needed: list = field(default_factory=list)   # forward nodes of layer j needed for x_{j+1} alone
     skips: int = 0        # forward values read more than one layer after their own: the graph is not a chain
-    prelude: list = field(default_factory=list)  # run once before layer 0: the weight decay's terms (params alone)
+    prelude: list = field(default_factory=list)  # run once before layer 0: the weight decay's terms (_prelude)
 
 
 # ---- the dynamic program ---------------------------------------------------------------------
@@ -130,10 +130,10 @@ def build_chain(graph, order, sizes, flops_of, max_layers=MAX_LAYERS, even_work=
     Boundaries are the cheapest cuts (fewest crossing bytes); with `even_work`, the cheapest cut
     near each of max_layers - 1 points that split the forward work evenly (a coarse graph)."""
     nodes = set(order)
-    # the penalty's terms read params alone: run once, first, they are never recomputed with a layer
-    prelude = [n for n in order if graph.node(n).get("decay_term")]
+    prelude = _prelude(graph, order)
+    first = set(prelude)
     forward = [n for n in order if graph.node(n)["phase"] == "forward" and graph.op(n) not in LEAVES
-               and not graph.node(n).get("decay_term")]
+               and n not in first]
     backward = [n for n in order if graph.node(n)["phase"] != "forward" and graph.op(n) not in LEAVES]
     pos = {n: i for i, n in enumerate(forward)}
     fwd_set = set(forward)
@@ -187,6 +187,17 @@ def build_chain(graph, order, sizes, flops_of, max_layers=MAX_LAYERS, even_work=
                 if last > layer_of[v] + 1 and sizes[v] * MEMORY_UNITS >= crossing.max(initial=0))
     return Chain(layers, groups, [int(cum_flops[bounds[j + 1]] - cum_flops[bounds[j]]) for j in range(L)],
                  cut, keep, transient, needed, skips, prelude)
+
+
+def _prelude(graph, order):
+    """The weight decay's terms that read params (and each other) alone, in `order`: they run once before
+    the layers and are never recomputed with one. A term that CSE merged into the user's own node (a
+    gc.square(W) of the model) is the user's: it stays in its layer, and so do the terms that read it."""
+    prelude = {}
+    for n in order:
+        if graph.node(n).get("decay_term") and all(graph.op(u) in LEAVES or u in prelude for u in graph.operands(n)):
+            prelude[n] = None
+    return list(prelude)
 
 
 def _choose_boundaries(graph, forward, crossing, cum_flops, max_layers):

@@ -1,5 +1,6 @@
 """Memory planning: buffer assignment, liveness, retention under a budget, and the code that follows it."""
 import heapq
+import inspect
 import itertools
 import json
 import os
@@ -392,24 +393,29 @@ def test_a_refusal_names_the_milps_least_plan_where_the_chain_has_none(tmp_path)
     assert loss1 == loss0 and all(np.array_equal(grads1[k], grads0[k]) for k in grads0)
 
 
-def test_weight_decay_terms_run_once_under_a_budget(tmp_path):
+@pytest.mark.parametrize("user_square,share", [(False, 0.5), (True, 0.5), pytest.param(True, 0.7, marks=pytest.mark.slow)])
+def test_weight_decay_terms_run_once_under_a_budget(tmp_path, user_square, share):
     """The penalty's ||p||^2 read params alone, yet a budgeted plan recomputed them with the layer they fell
-    in (a new-user trial counted 23 sums in a step instead of 14): they run once, before the layers."""
+    in (a new-user trial counted 23 sums in a step instead of 14): they run once, before the layers. A model
+    that squares a weight itself shares that node with the penalty (CSE): it stays in its layer (run first, it
+    read a value not made yet), by the chain DP (share 0.5) and the MILP (0.7)."""
     m = gc.Model("decay_budget")
     x, y = m.input("x", ("B", 16)), m.input("y", ("B",), dtype="int64")
     h = x
     for i in range(10):
-        h = gc.tanh(h @ m.param(f"W{i}", (16, 16)) + m.param(f"b{i}", (16,)))
+        W = m.param(f"W{i}", (16, 16))
+        h = gc.tanh(h @ (gc.square(W) if user_square and i == 5 else W) + m.param(f"b{i}", (16,)))
     m.minimize(gc.softmax_cross_entropy(h @ m.param("Wo", (16, 4)), y), weight_decay=1e-2)
+    penalty_line = f"{os.path.basename(__file__)}:{inspect.currentframe().f_lineno - 1}"   # the loss's line
     build = dict(order=1, bind={"B": 32}, warm_cache=False, dtype="float64")
     full = compile_model(m, out=str(tmp_path / "full"), **build)
-    budget = int(0.5 * full.MEMORY_PLAN["peak_bytes"])
+    budget = int(share * full.MEMORY_PLAN["peak_bytes"])
     mod = compile_model(m, out=str(tmp_path / "b"), memory_budget=budget, **build)
     with open(tmp_path / "b" / "decay_budget.memplan.json") as f:
         plan = json.load(f)
     assert plan["recompute_flops"] > 0 and any(t["recomputed"] for t in plan["tensors"])
-    squares = [t for t in plan["tensors"] if t["op"] == "square"]
-    assert len(squares) == 11 and not [t for t in squares if t["recomputed"]], squares   # W0..W9, Wo: once each
+    squares = [t for t in plan["tensors"] if t["op"] == "square" and t["src"].endswith(penalty_line)]
+    assert len(squares) == 11 - user_square and not [t for t in squares if t["recomputed"]], squares
     params, inputs = full.init_params(2), _inputs(full, 32, np.random.default_rng(6))
     loss0, grads0 = full.loss_and_grad(params, **inputs)
     loss1, grads1 = mod.loss_and_grad(params, **inputs)
