@@ -439,6 +439,27 @@ DISAGREE_SCRIPT = textwrap.dedent('''
     print(f"rank {rank}: W0 {float(w.sum())!r}")
     tr.params["W0"] = np.full_like(w, 0.25)   # the same on every rank: taken
     attempt(tr, "assigned alike")
+    refused = dict(batch, y=np.where(np.arange(3 + rank) == 0, 9, batch["y"])) if rank == 0 else batch
+    if rank == 1:
+        tr.lr = 0.7                      # while rank 0's labels are refused: every rank still hears of both
+    try:
+        tr.step(**refused)
+        print(f"rank {rank}: refused and set later: accepted")
+    except ValueError as e:
+        print(f"rank {rank}: refused and set later: {e}")
+    tr.lr = 0.7
+    tr.params["W1"] = np.full_like(tr.params["W1"], 0.5)   # on every rank, in a step rank 0's labels fail
+    try:
+        tr.step(**refused)
+    except ValueError as e:
+        print(f"rank {rank}: refused and assigned alike: {e}")
+    attempt(tr, "after")
+    frozen = __import__("dp_frozen")
+    tf = frozen.Trainer(frozen.init_params(0), parallel="data")
+    if rank == 1:
+        tf.params["S"] = tf.params["S"] + 1.0   # a param that is not trained, assigned on one rank
+    attempt(tf, "frozen assigned")
+    attempt(tf, "frozen after")
     try:
         tr.save(f"{sys.argv[1]}/ck{rank}.npz")   # each rank its own file: rank 0 alone would write
         print(f"rank {rank}: save apart: accepted")
@@ -459,6 +480,11 @@ def test_ranks_whose_trainers_differ_are_refused_not_left_to_drift_or_hang(tmp_p
     on one rank made the replicas differ for good. Every rank now refuses such a step, naming what differs
     and where, and the replicas hold one model after it."""
     compile_model(_digits_like(), out=str(tmp_path / "b"), order=1, dtype="float64", warm_cache=False)
+    frozen = gc.Model("dp_frozen")
+    x, y = frozen.input("x", ("B", 6)), frozen.input("y", ("B",), dtype="int64")
+    scale = frozen.param("S", (4,), init="ones", trainable=False)
+    frozen.minimize(gc.softmax_cross_entropy((x @ frozen.param("W", (6, 4))) * scale, y))
+    compile_model(frozen, out=str(tmp_path / "b"), order=1, dtype="float64", warm_cache=False)
     out = _two_ranks(tmp_path, DISAGREE_SCRIPT, tmp_path / "b")
     for rank in (0, 1):
         said = dict(line.split(": ", 2)[1:] for line in out.stdout.splitlines() if line.startswith(f"rank {rank}: ")
@@ -472,7 +498,13 @@ def test_ranks_whose_trainers_differ_are_refused_not_left_to_drift_or_hang(tmp_p
         assert "params assigned into tr.params differ between the replicas (rank(s) 1 hold other values than " \
                "rank 0)" in said["assigned"], said
         assert said["assigned alike"] == "accepted", said
-        assert said["steps"] == "3", said
+        assert said["steps"] == "4", said
+        assert "input 'y' holds 9, outside 0..3" in said["refused and set later"] if rank == 0 else \
+            "lr: 0.5 on rank 0, 0.7 on rank 1" in said["refused and set later"], said
+        assert ("input 'y' holds 9" if rank == 0 else "the inputs of rank(s) 0 were refused") in \
+            said["refused and assigned alike"], said
+        assert said["after"] == "accepted" and said["frozen after"] == "accepted", said
+        assert "params assigned into tr.params differ between the replicas (rank(s) 1" in said["frozen assigned"], said
         assert "Trainer.save: the ranks name different paths (rank 0: " in said["save apart"], said
         assert "Trainer(parallel='ps'): the ranks' trainers differ (staleness: 0 on rank 0, 1 on rank 1)" \
             in said["ps"], said

@@ -174,6 +174,7 @@ class DataParallel:
         self.buckets = [(a, b, names) for a, b, names, _ in self.buckets]
         self.bucket_of = {name: i for i, (_, _, names) in enumerate(self.buckets) for name in names}
         self._same_params()
+        self._frozen = {k: v for k, v in tr.params.items() if k not in tr._views}   # their arrays (_assigned)
 
     # ---- every replica starts from rank 0's params ---------------------------------------------
     def _same_params(self):
@@ -186,10 +187,12 @@ class DataParallel:
         if frozen:
             frozen = self.comm.bcast(frozen, root=0)
             for k, v in frozen.items():
-                if isinstance(tr.params[k], np.ndarray):
+                if isinstance(tr.params[k], np.ndarray) and tr.params[k].shape == np.shape(v):
                     tr.params[k][...] = v
-                else:
+                elif hasattr(tr.params[k], "copy_to_device"):
                     tr.params[k].copy_to_device(np.ascontiguousarray(v))
+                else:   # a number or a list assigned on this rank: rank 0's array instead
+                    tr.params[k] = np.array(v)
 
     def _set_flat(self, flat):
         tr = self.tr
@@ -201,18 +204,19 @@ class DataParallel:
     # ---- a step --------------------------------------------------------------------------------
     def step(self, inputs):
         tr, MPI = self.tr, self.MPI
-        error = None
-        assigned = any(tr.params.get(k) is not view for k, view in tr._views.items())   # tr.params[k] = ...
-        try:
+        error, rows = None, 0
+        assigned = self._assigned()
+        try:   # an assignment into tr.params first: whatever the inputs, every rank's params are compared below
+            tr._adopt()
             a = tr.signature.inputs(inputs, tr.loss_inputs, "Trainer.step")
             rows = _rows(tr, a)
-            tr._adopt()
         except ValueError as e:   # raised on every rank below; this one says why
             error, rows = ValueError(f"{e} (rank {self.world.Get_rank()}; step {tr.steps + 1} changes nothing on any "
                                      f"rank)"), 0
         # every rank learns the global batch, whether some rank refused its inputs, whether the replicas'
         # inputs differ beside the batch dim (then there is no one batch they are rows of), and whether their
-        # settings differ (the replicas would drift apart, or their reductions not match); then all raise
+        # settings differ (the replicas would drift apart, or their reductions not match); then all raise.
+        # (Every rank reaches each collective below: the conditions are the same on every rank.)
         shapes = _beside_rows(tr, a) if error is None else None
         settings = self._settings()
         counts = np.array([rows, error is not None, assigned], dtype=np.int64)
@@ -221,15 +225,16 @@ class DataParallel:
         same = zlib.crc32(repr(settings).encode())
         keys = np.array([key, -key if shapes is not None else NO_KEY, same, -same], dtype=np.int64)
         self.world.Allreduce(MPI.IN_PLACE, keys, op=MPI.MAX)
-        differ = int(keys[0] != -keys[1])
-        if differ:
-            error = error or _differing_shapes(tr, self.world.allgather(shapes))
+        found = []   # what differs between the ranks, in the order it is told
+        if keys[0] != -keys[1]:
+            found.append(_differing_shapes(tr, self.world.allgather(shapes)))
         if keys[2] != -keys[3]:
-            error, differ = error or _differing_settings(tr, self.world.allgather(settings)), 1
+            found.append(_differing_settings(tr, self.world.allgather(settings)))
         if counts[2]:   # params assigned on some rank: do the replicas still hold one model?
-            mismatch = self._assigned_alike()
-            if mismatch is not None:
-                error, differ = error or mismatch, 1
+            found.append(self._assigned_alike())
+        found = [f for f in found if f is not None]
+        differ = int(bool(found))
+        error = error or (found[0] if found else None)
         if self.pipe_comm is not None:
             counts[1] = self.pipe_comm.allreduce(int(counts[1]) + differ)
         if counts[1] or differ:
@@ -291,11 +296,25 @@ class DataParallel:
         apart, one with other buckets or overlap waits for reductions no other rank starts."""
         return {**self.tr._settings(), "overlap": self.overlap, "bucket_bytes": self.bucket_bytes}
 
+    def _assigned(self):
+        """Whether tr.params[k] = ... was done since the last step: a trained param's array is not the trainer's
+        own (adopted at this step), or a frozen param's is another object."""
+        tr = self.tr
+        frozen = {k: v for k, v in tr.params.items() if k not in tr._views}
+        assigned = any(tr.params.get(k) is not view for k, view in tr._views.items()) or \
+            frozen.keys() != self._frozen.keys() or any(v is not self._frozen[k] for k, v in frozen.items())
+        self._frozen = frozen   # (held: an object's id is not reused while it is)
+        return assigned
+
     def _assigned_alike(self):
         """After tr.params[k] = ... on some rank: None when every replica still holds the same params; else
         every rank takes rank 0's params again and gets the ValueError that says so."""
         tr = self.tr
-        every = self.comm.allgather(zlib.crc32(np.ascontiguousarray(tr._host(tr._flat)).tobytes()))
+        held = [tr._flat] + [v for k, v in sorted(tr.params.items()) if k not in tr._views]
+        mine = 0
+        for array in held:
+            mine = zlib.crc32(np.ascontiguousarray(tr._host(array)).tobytes(), mine)
+        every = self.comm.allgather(mine)
         if len(set(every)) == 1:
             return None
         differ = [r for r, c in enumerate(every) if c != every[0]]
