@@ -378,15 +378,17 @@ def test_intermediates_larger_than_the_free_memory_raise_memory_error_before_all
 def test_available_memory_is_the_smaller_of_the_systems_and_the_cgroups(tmp_path, monkeypatch):
     free = host_memory.available_bytes()
     assert free is None or 0 < free < 2**50
-    limit, usage = tmp_path / "limit", tmp_path / "usage"
+    limit, usage, stat = tmp_path / "limit", tmp_path / "usage", tmp_path / "stat"
     usage.write_text("300\n")
     for written, headroom in (("max\n", None), (f"{2**63 - 4096}\n", None), ("1000\n", 700), ("200\n", 0)):
         limit.write_text(written)
-        assert host_memory._cgroup_headroom(limit, usage) == headroom
-    assert host_memory._cgroup_headroom(tmp_path / "absent", usage) is None
+        assert host_memory._cgroup_headroom(limit, usage, stat, "inactive_file") == headroom   # (no stat file)
+    assert host_memory._cgroup_headroom(tmp_path / "absent", usage, stat, "inactive_file") is None
     limit.write_text("1000\n")
-    monkeypatch.setattr(host_memory, "CGROUP_LIMITS", ((limit, usage),))
-    assert host_memory.available_bytes() == 700
+    stat.write_text("active_file 50\ninactive_file 120\nanon 100\n")   # the cache it gives back is not used
+    assert host_memory._cgroup_headroom(limit, usage, stat, "inactive_file") == 820
+    monkeypatch.setattr(host_memory, "CGROUP_LIMITS", ((limit, usage, stat, "inactive_file"),))
+    assert host_memory.available_bytes() == 820
 
 
 def test_a_hyperparameter_the_optimizer_does_not_use_is_refused(small):

@@ -2,21 +2,24 @@
 
 Linux's MemAvailable counts the page cache the kernel would give back (MemFree does not: on a machine
 whose cache fills half the memory, MemFree refuses what fits). A cgroup's limit (a container's) is
-where the OOM killer strikes, so its headroom counts too, whichever is smaller."""
+where the OOM killer strikes, so its headroom counts too (its inactive file cache, which it would
+give back first, not counted as used), whichever is smaller."""
 import os
 
 MEMORY_SHARE = 0.8   # of the memory available now, what one Hessian or an automatic budget may take
 
-CGROUP_LIMITS = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),                        # cgroup v2
-                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))  # v1
+# (limit, usage, stats, the stat of the file cache the kernel reclaims before the OOM killer acts)
+CGROUP_LIMITS = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.stat",
+                  "inactive_file"),                                                                        # cgroup v2
+                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+                  "/sys/fs/cgroup/memory/memory.stat", "total_inactive_file"))                             # v1
 NO_LIMIT = 2 ** 60   # cgroup v1 writes "no limit" as a number near 2^63
 
 
 def available_bytes():
     """Bytes this process can allocate now without swapping or meeting its cgroup's limit; None when the
     system does not say."""
-    known = [b for b in (_mem_available(), *(_cgroup_headroom(limit, usage) for limit, usage in CGROUP_LIMITS))
-             if b is not None]
+    known = [b for b in (_mem_available(), *(_cgroup_headroom(*files) for files in CGROUP_LIMITS)) if b is not None]
     return min(known) if known else None
 
 
@@ -34,13 +37,25 @@ def _mem_available():
         return None
 
 
-def _cgroup_headroom(limit_path, usage_path):
+def _cgroup_headroom(limit_path, usage_path, stat_path, cache_key):
+    """The cgroup's limit less its use, the cache it would give back not counted as use (as the kubelet's
+    working set); None without a limit."""
     try:
         with open(limit_path) as f:
             limit = f.read().strip()
         if limit == "max" or int(limit) >= NO_LIMIT:
             return None
         with open(usage_path) as f:
-            return max(0, int(limit) - int(f.read().strip()))
+            usage = int(f.read().strip())
     except (OSError, ValueError):
         return None
+    cache = 0
+    try:
+        with open(stat_path) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == cache_key:
+                    cache = int(value)
+    except (OSError, ValueError):
+        pass
+    return max(0, int(limit) - max(0, usage - cache))
