@@ -127,15 +127,20 @@ def cmd_compile(args):
 
 def cmd_inspect(args):
     from .inspect_build import report
+    dumps_only = not (args.run_module or args.ptx)   # (else the build's own code runs: its errors are its own)
     try:
         text = report(args.build, graph=args.graph, memory=args.memory, partition=args.partition,
                       kernels=args.kernels, ptx_of=args.ptx, run_module=args.run_module, layers=args.layers)
     except ValueError as e:   # a dump that is not JSON (gradc.files.read_json names it)
+        if not dumps_only or "not a JSON dump" not in str(e):
+            raise
         raise GradcError(f"{e}; compile the model again") from e
     except (KeyError, TypeError, IndexError) as e:   # JSON, but not what this gradc writes
+        if not dumps_only:
+            raise
         raise GradcError(f"{args.build}: a dump of this build lacks what gradc {__version__} writes "
-                         f"({type(e).__name__}: {e}): it was edited, or written by another gradc; compile the "
-                         f"model again") from e
+                         f"({type(e).__name__}: {e}; --debug shows where): it was edited, or written by another "
+                         f"gradc; compile the model again") from e
     print(text)
     return 0
 

@@ -36,8 +36,9 @@ def check_bound_dims(graph, dims, src):
             shape = bind_dims(g.shape(n), dims)
             if all(isinstance(d, int) for d in shape) and math.prod(shape) * 8 >= LARGEST_BYTES:
                 bound = ", ".join(f"{d}={dims[d]}" for d in g.shape(n) if isinstance(d, str) and d in dims)
-                raise GradcError(f"--bind {bound}: {g.describe(n)} would be of shape {tuple(shape)}, more elements "
-                                 f"than numpy can hold in one array", src)
+                raise GradcError(f"{f'--bind {bound}: ' if bound else ''}{g.describe(n)} would be of shape "
+                                 f"{tuple(shape)}, more elements than numpy can hold in one array",
+                                 src if bound else g.node(n)["src"])
 
 
 def bind(graph, dtype, dims, src):

@@ -30,8 +30,9 @@ def hessian_row_range(model, start, stop, size):
     if start > stop:
         raise ValueError(f"{model}.hessian_rows: start {start} is after stop {stop} (rows start..stop-1)")
     if not 0 <= start <= stop <= size:
+        rows = f"{size} rows, 0..{size - 1}" if size else "no rows"
         raise ValueError(f"{model}.hessian_rows: start {start} and stop {stop} must be within 0..{size} (the "
-                         f"Hessian has {size} rows, 0..{size - 1}; stop is one past the last row returned)")
+                         f"Hessian has {rows}; stop is one past the last row returned)")
     return int(start), int(stop)
 
 

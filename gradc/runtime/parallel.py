@@ -89,7 +89,7 @@ def _differing_shapes(tr, every):
 
 def _differing_settings(tr, every, where=None, outcome="this step changed nothing"):
     """The error when the ranks' trainers are set differently (tr.lr set on one rank only, say)."""
-    names = [k for k in every[0] if any(e.get(k) != every[0][k] for e in every)]
+    names = [k for k in every[0] if any(repr(e.get(k)) != repr(every[0][k]) for e in every)]
     seen = "; ".join(f"{k}: " + ", ".join(f"{e.get(k)!r} on rank {r}" for r, e in enumerate(every)) for k in names)
     return ValueError(f"{tr.model_name}.{where or f'Trainer.step {tr.steps + 1}'}: the ranks' trainers differ ({seen}); "
                       f"every rank must make its Trainer with the same settings and set them alike; {outcome}")
@@ -445,7 +445,7 @@ class ParameterServer:
         # ran the protocol on different shards until the timeout; a worker's own lr went unused)
         mine = {"servers": servers, "staleness": staleness, "timeout": timeout, **tr._settings()}
         every = comm.allgather(mine)
-        if any(e != mine for e in every):
+        if any(repr(e) != repr(mine) for e in every):   # (repr: a nan timeout equals itself)
             raise _differing_settings(tr, every, "Trainer(parallel='ps')", "no rank made one")
         for name, value, low in (("servers", servers, 1), ("staleness", staleness, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

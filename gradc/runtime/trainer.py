@@ -445,8 +445,11 @@ class TrainerBase:
         1e-50 is 0 there). A numpy scalar is a number too (tr.lr = np.float32(0.1))."""
         held = self._in_dtype(value) if _is_number(value) and math.isfinite(value) else math.nan
         if not (math.isfinite(held) and (held > 0 or zero and value == 0)):
+            dtype = np.dtype(self.signature.float).name
+            held_as = f", which {dtype} rounds to {'0' if held == 0 else held}" if _is_number(value) and value > 0 \
+                and math.isfinite(value) else ""
             raise ValueError(f"{self.model_name}.Trainer: {name} must be a finite number {'>=' if zero else '>'} 0 in "
-                             f"{np.dtype(self.signature.float).name}, got {value!r}")
+                             f"{dtype}, got {value!r}{held_as}")
         return float(value)
 
     def _fraction(self, name, value):
