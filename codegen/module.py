@@ -254,11 +254,12 @@ def generate(graph, plans, info):
             if isinstance(d, str):
                 dim_sources.setdefault(d, []).append((f"lr:{k}", axis))
     out.append("}")
+    devices = tuple(sorted({g.node(n)["device"] for n in g.nx.nodes}))
     if cuda:
         out.append(f"# scalars each host function keeps on the device (slots of `scal`)\n_SCALARS = {scalar_slots!r}")
-        out.append(f"_CUDA = CudaRunner(MODEL_NAME, FLOAT, _ARENA_TABLES, {dim_sources!r}, _SCALARS, DATA)")
+        out.append(f"_CUDA = CudaRunner(MODEL_NAME, FLOAT, _ARENA_TABLES, {dim_sources!r}, _SCALARS, DATA"
+                   + (f",\n                   devices={devices!r})   # a pipeline's stages" if len(devices) > 1 else ")"))
     else:
-        devices = tuple(sorted({g.node(n)["device"] for n in g.nx.nodes}))
         out.append(f"_ARENA = Arena(FLOAT, _ARENA_TABLES, dim_sources={dim_sources!r},\n"
                    f"               plain={tuple(f for f in plans if f in writer.plain)!r},   # these take ready views\n"
                    f"               devices={devices if len(devices) > 1 else ()!r})   # a pipeline's stages")

@@ -61,8 +61,9 @@ def on_its_gpu(method):
 
 
 class CudaRunner:
-    def __init__(self, model, dtype, tables, dim_sources, scalars, data, graphs=True, gpu=None):
+    def __init__(self, model, dtype, tables, dim_sources, scalars, data, graphs=True, gpu=None, devices=()):
         self.model = model
+        self.devices = tuple(devices)    # a pipeline's stages: memory_stats reports each, one with no arena as 0
         self.dtype = np.dtype(dtype)
         self.tables, self.dim_sources, self.scalars = tables, dim_sources, scalars
         self.host_data = data
@@ -100,7 +101,7 @@ class CudaRunner:
         self.cuda = cuda
         self.gpu = getattr(device, "id", 0) if self.pinned is None else self.pinned
         self.arena = Arena(self.dtype, self.tables, self.dim_sources, device=f"cuda:{self.gpu}",
-                           allocate=lambda n, dtype: cuda.device_array(n, dtype))
+                           allocate=lambda n, dtype: cuda.device_array(n, dtype), devices=self.devices)
         self.stream = 0
         self._graphs = {}              # (fn, shapes, places) -> _Captured, or _DIRECT where capture failed
         self.calls = {"captured": 0, "replayed": 0, "direct": 0}   # how the calls with graphs on ran
