@@ -34,6 +34,8 @@ def lr_api_source(g, built, run_src, views_src, cuda=False, pipeline=False):
     estimate = ["    try:",
                 "        loss = _lr_into(p, a, grads, *options)",
                 "    except MemoryError as e:   # the copies' rows are what grows",
+                '        if str(e).startswith(f"{MODEL_NAME}.lr_grad:"):   # _LR.leaves said it, naming samples',
+                "            raise",
                 '        raise MemoryError(f"{MODEL_NAME}.lr_grad: samples={samples} runs {_LR.copies(samples, layerwise)} '
                 'perturbed copies of the batch at once, which do not fit in memory ({e}): give fewer samples") from None']
     if cuda:

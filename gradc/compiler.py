@@ -438,6 +438,8 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
                          options_src)
     dims = dict(bind or {})
     for d, v in dims.items():
+        if not isinstance(d, str):
+            raise GradcError(f"compile: bind's keys are dim names (bind={{'B': 64}}), got {d!r}", options_src)
         if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
             raise GradcError(f"--bind {d}={v!r}: a dim must be bound to an int >= 1", options_src)
         dims[d] = int(v)   # (a numpy int is an int)

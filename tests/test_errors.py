@@ -373,6 +373,14 @@ def test_intermediates_larger_than_the_free_memory_raise_memory_error_before_all
     monkeypatch.setattr(arena, "available_bytes", lambda: None)      # a system that does not say: no check
     loss, _ = small.loss_and_grad(p, x=x, y=y)
     assert np.isfinite(loss)
+    # the copies' own leaves (a sign per copy and row) come before the arena: they are checked first (a new-user
+    # trial's samples=10**9 was killed by the OOM killer); in the Trainer too, which had numpy's bare error
+    huge = r"e_small.lr_grad: samples=1000000000000 runs 1000000000000 perturbed copies of the batch at once, " \
+           r"whose noise signs alone need [\d.]+ GiB, but only [\d.]+ GiB of memory is available: give fewer samples$"
+    with pytest.raises(MemoryError, match=huge):
+        small.lr_grad(p, samples=10**12, x=x[:5], y=y[:5])
+    with pytest.raises(MemoryError, match=huge):
+        small.Trainer(p, gradient="lr", samples=10**12).step(x=x[:5], y=y[:5])
 
 
 def test_available_memory_is_the_smaller_of_the_systems_and_the_cgroups(tmp_path, monkeypatch):
@@ -460,6 +468,7 @@ def test_bad_compile_options_name_the_compile_call(tmp_path):
                          (dict(bind={"B": 0}), "--bind B=0"), (dict(bind={"N": 4}), "--bind names dim N"),
                          (dict(bind={"B": 8.0}), "--bind B=8.0: a dim must be bound to an int"),
                          (dict(bind="B=8"), "compile: bind must be a dict of dim names to ints .*got 'B=8'"),
+                         (dict(bind={4: 4}), r"compile: bind's keys are dim names \(bind=\{'B': 64\}\), got 4"),
                          (dict(bind={"B": 2**62}), r"--bind B=4611686018427387904: 'x' would be of shape "
                                                    r"\(4611686018427387904, 3\), more elements than numpy can hold"),
                          (dict(devices=2), r"--devices needs every symbolic dim bound with --bind \(unbound: B"),

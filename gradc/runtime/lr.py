@@ -11,6 +11,8 @@ from types import MappingProxyType
 
 import numpy as np
 
+from .host_memory import available_bytes
+
 SIGMA = 1e-2      # lr_grad's default noise std: small enough for little bias, large enough for float32 losses
 SAMPLES = 64
 KEYWORDS = ("samples", "sigma", "seed", "antithetic", "layerwise", "baseline")   # lr_grad's, beside **inputs
@@ -76,6 +78,7 @@ class LikelihoodRatio:
         if rows is None:
             raise ValueError(f"{self.model_name}.lr_grad: no batch input given")
         options = (samples, antithetic, layerwise, baseline, rows, adopt)
+        self._refuse_beyond_memory(samples, layerwise, rows)
         with self._kept_lock:   # one set per options, also when threads call at once
             kept = self._kept.get(options)
             if kept is None:
@@ -88,6 +91,18 @@ class LikelihoodRatio:
                 x = a[name] if isinstance(a[name], np.ndarray) else host(a[name])
                 out[f"lr:{leaf}"] = np.tile(x, tuple(total if d == axis else 1 for d in range(x.ndim)))
         return out
+
+    def _refuse_beyond_memory(self, samples, layerwise, rows):
+        """MemoryError naming `samples` before the copies' leaves are made, when their rows alone (a sign per
+        copy and row for each site, the copies' row flags, the int inputs' copies: 8 bytes a value at most)
+        would not fit in the memory available; the arena's own check comes after (gradc/runtime/arena.py)."""
+        copies = self.copies(samples, layerwise)
+        need = 8 * copies * (rows * (len(self.info["masks"]) + 1 + len(self.info["tiled"])) + 4)
+        free = available_bytes()
+        if free is not None and need > free:
+            raise MemoryError(f"{self.model_name}.lr_grad: samples={samples} runs {copies} perturbed copies of the "
+                              f"batch at once, whose noise signs alone need {need / 2**30:.2f} GiB, but only "
+                              f"{free / 2**30:.2f} GiB of memory is available: give fewer samples")
 
     def _lasting(self, samples, antithetic, layerwise, baseline, rows, adopt):
         """The leaves a call with these options and `rows` batch rows shares with every other such call."""
