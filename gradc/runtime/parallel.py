@@ -321,8 +321,8 @@ class DataParallel:
         self._same_params()
         return ValueError(f"{tr.model_name}.Trainer.step {tr.steps + 1}: params assigned into tr.params differ "
                           f"between the replicas (rank(s) {', '.join(map(str, differ))} hold other values than "
-                          f"rank 0): assign the same values on every rank; every rank holds rank 0's params again, "
-                          f"and this step changed nothing")
+                          f"rank 0): assign the same values on every rank; every rank now holds rank 0's params "
+                          f"(with what rank 0 assigned, if it did), and this step trained nothing")
 
     def pipe_sum(self, x):
         """x summed over this replica's stages (each holds its own params' gradients)."""
