@@ -126,14 +126,13 @@ def cmd_compile(args):
 
 
 def cmd_inspect(args):
+    from .files import NotJSON
     from .inspect_build import report
     dumps_only = not (args.run_module or args.ptx)   # (else the build's own code runs: its errors are its own)
     try:
         text = report(args.build, graph=args.graph, memory=args.memory, partition=args.partition,
                       kernels=args.kernels, ptx_of=args.ptx, run_module=args.run_module, layers=args.layers)
-    except ValueError as e:   # a dump that is not JSON (gradc.files.read_json names it)
-        if not dumps_only or "not a JSON dump" not in str(e):
-            raise
+    except NotJSON as e:   # (read_json names the file)
         raise GradcError(f"{e}; compile the model again") from e
     except (KeyError, TypeError, IndexError) as e:   # JSON, but not what this gradc writes
         if not dumps_only:

@@ -124,14 +124,18 @@ def read_npz(path):
             raise ValueError(f"{path}: a damaged .npz archive ({type(e).__name__}: {e})") from e
 
 
+class NotJSON(ValueError):
+    """A dump that is not JSON (cut short, another program's file), named by its path."""
+
+
 def read_json(path):
-    """The JSON dump at `path`; ValueError naming the file when it is not JSON (a truncated write by hand,
-    another program's file). A missing or unreadable file raises OSError."""
+    """The JSON dump at `path`; NotJSON naming the file when it is not JSON. A missing or unreadable file
+    raises OSError."""
     with open(path, "rb") as f:
         try:
             return json.loads(f.read().decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: not a JSON dump ({e})") from e
+            raise NotJSON(f"{path}: not a JSON dump ({e})") from e
 
 
 def import_path(name, path):

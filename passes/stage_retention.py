@@ -193,7 +193,8 @@ def _recompute(graph, order, K, trainable, k, budget, flight, dims, record):
     units = lambda xs: [-(-int(x) // unit) for x in xs]
     solution = Solution(chain.flops, units(chain.cut), units(chain.keep), units(chain.transient), 2 * MEMORY_UNITS)
     plans = {m: top_level(solution, m) for m in np.unique(np.geomspace(1, solution.Q, 40).astype(int))}
-    nodes_of = lambda m, u: backward_steps(graph, steps_of(chain, top_ops(solution, plans[m][1], m, u), [], prelude=False), forward)
+    nodes_of = lambda m, u: backward_steps(graph, steps_of(chain, top_ops(solution, plans[m][1], m, u), [],
+                                                           prelude=False), forward)
 
     def cheapest(limit):
         """(m, u) of the least recompute whose modelled bytes (u stashed per microbatch in flight, m

@@ -78,10 +78,10 @@ class LikelihoodRatio:
         if rows is None:
             raise ValueError(f"{self.model_name}.lr_grad: no batch input given")
         options = (samples, antithetic, layerwise, baseline, rows, adopt)
-        self._refuse_beyond_memory(samples, layerwise, rows)
         with self._kept_lock:   # one set per options, also when threads call at once
             kept = self._kept.get(options)
-            if kept is None:
+            if kept is None:   # (checked when first made: not at every call of a training loop)
+                self._refuse_beyond_memory(samples, layerwise, rows)
                 kept = self._kept[options] = self._lasting(samples, antithetic, layerwise, baseline, rows, adopt)
         total = self.copies(samples, layerwise)
         out = {**a, **kept, "lr:seed": np.array([seed], dtype=np.int64),
