@@ -234,7 +234,9 @@ def generate(graph, plans, info):
     for k, v in inline.items():
         out.append(f'DATA["{k}"] = {_literal_array(v)}.reshape({v.shape!r})')
     out.append(f"_INITS = {inits!r}")
-    out.append(f"_LABELS = {info['labels']!r}   # int inputs used as class labels -> number of classes")
+    out.append("# int inputs whose values index classes or table rows -> how many: one bound, or per bound the")
+    out.append("# ranges of flat positions over the input's fixed axes that it limits")
+    out.append(f"_LABELS = {info['labels']!r}")
     out.append("_SIGNATURE = Signature(MODEL_NAME, PARAM_SHAPES, INPUTS, FLOAT, _LABELS" + (", devices=True)" if cuda else ")"))
     several = len({t["device"] for plan in plans.values() for t in plan["tensors"]}) > 1
     out.append("# the arena buffers of each entry point, in the order it reads them: (shape, first step, last step"

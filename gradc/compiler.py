@@ -132,8 +132,9 @@ def _synthetic_inputs(module, dims):
     for name, (shape, dtype) in module.INPUTS.items():
         concrete = tuple(dims.get(d, 3) if isinstance(d, str) else d for d in shape)
         if dtype.startswith("int"):
-            classes = module._LABELS.get(name)
-            n = dims.get(classes, 3) if isinstance(classes, str) else (classes or 1)
+            limits = module._LABELS.get(name, 1)
+            n = min(dims.get(bound, 3) if isinstance(bound, str) else bound
+                    for bound in (limits if isinstance(limits, dict) else (limits,)))
             values[name] = rng.integers(0, n, size=concrete).astype(dtype)
         else:
             values[name] = rng.uniform(0.5, 1.5, size=concrete).astype(dtype)

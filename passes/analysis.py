@@ -43,41 +43,122 @@ def node_flops(graph, n, dims):
     return int(flops.subs({s: dims[s.name] for s in flops.free_symbols if s.name in dims}))
 
 
+# sizes given to the symbolic dims when following each int element to what it indexes: a map that
+# differs between them (a reshape that mixes a symbolic axis into fixed ones) is not trusted
+BINDINGS = (2, 3, 5)
+
+
 def index_inputs(graph):
     """int inputs whose values index something (labels into classes, rows of a table: ops whose
     record has `indexes`), with how many values they may take, so that the module can check
-    them at call time; an input read by several gets the smallest int bound. The ints may reach
-    the op through layout ops (reshape, slice, concat, ...) and through scans: a step's labels
-    are a slice of a scanned sequence or a value the step closes over."""
-    inputs = set(graph.inputs.values())   # not lr_grad's tiled copies
-    return {graph.node(u)["name"]: bound for u, bound in _indexing_leaves(graph).items() if u in inputs}
+    them at call time. The ints may reach the op through layout ops (reshape, slice, concat, ...)
+    and through scans: a step's labels are a slice of a scanned sequence or a value the step
+    closes over.
+
+    {name: bound} where every element indexes below one bound (an int, or a dim's name);
+    {name: {bound: [(start, stop), ...]}} where elements differ (`pr[:, 0]` rows of a table,
+    `pr[:, 1]` labels): each bound with the ranges of the flat positions over the input's fixed
+    axes whose elements it limits (an element limited twice is checked against both)."""
+    maps = [_element_bounds(graph, b) for b in BINDINGS]
+    out = {}
+    for name, u in graph.inputs.items():
+        if not graph.dtype(u).startswith("int"):
+            continue
+        shape = graph.shape(u)
+        seen = [{bound: _fixed_positions(shape, b, mask) for bound, mask in m.get(u, {}).items()}
+                for b, m in zip(BINDINGS, maps)]
+        if not any(seen):
+            continue
+        positions = seen[0]
+        if any(s.keys() != positions.keys() or any((s[k] != positions[k]).any() for k in s) for s in seen[1:]):
+            count = size(_fixed(shape))   # not the same in every binding: every bound on every element
+            positions = {bound: np.ones(count, bool) for s in seen for bound in s}
+        out[name] = _compact(positions)
+    return out
 
 
-def _indexing_leaves(graph):
-    """{input leaf of `graph` (a scan body's placeholder too): the least bound of what it indexes}."""
-    bounds = {}
+def _fixed(shape):
+    return tuple(d for d in shape if not isinstance(d, str))
 
-    def reach(u, bound):
-        stack = [u]
-        while stack:
-            u = stack.pop()
-            if get_op(graph.op(u)).kind == "layout":
-                stack.extend(graph.operands(u))
-            elif graph.op(u) == "input":
-                old = bounds.get(u)
-                bounds[u] = bound if old is None or isinstance(old, str) or (
-                    isinstance(bound, int) and bound < old) else old
+
+def _bound(shape, b):
+    return tuple(b if isinstance(d, str) else d for d in shape)
+
+
+def _fixed_positions(shape, b, mask):
+    """Which flat positions over the fixed axes of `shape` a mask of its elements (dims b) touches."""
+    symbolic = tuple(i for i, d in enumerate(shape) if isinstance(d, str))
+    return mask.reshape(_bound(shape, b)).any(axis=symbolic).reshape(-1)
+
+
+def _compact(positions):
+    """The module's entry for one input (index_inputs' docstring): a bound alone when it is the
+    only one and limits every element."""
+    if len(positions) == 1 and next(iter(positions.values())).all():
+        return next(iter(positions))
+    out = {}
+    for bound in sorted(positions, key=str):
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], positions[bound].astype(np.int8), [0]])))
+        out[bound] = [(int(a), int(z)) for a, z in zip(edges[::2], edges[1::2])]
+    return out
+
+
+def _element_bounds(graph, b):
+    """{int input leaf of `graph` (a scan body's placeholder too): {bound: mask of its flat elements
+    that index below it}}, every symbolic dim taken as b. Each leaf's elements are numbered and
+    carried through the layout ops by the ops' own numpy evaluation, so that each indexing op
+    sees which elements it reads."""
+    dims = _Every(b)
+    ids, leaves, total = {}, [], 0
+    for n in graph.topo_order():
+        if graph.op(n) == "input" and graph.dtype(n).startswith("int"):
+            shape = _bound(graph.shape(n), b)
+            ids[n] = total + np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
+            leaves.append((n, total))
+            total += ids[n].size
+        elif get_op(graph.op(n)).kind == "layout" and any(u in ids for u in graph.operands(n)):
+            args = [ids[u] if u in ids else np.full(_bound(graph.shape(u), b), -1, np.int64)
+                    for u in graph.operands(n)]
+            ids[n] = np.asarray(get_op(graph.op(n)).evaluate(graph.attrs(n), args, _bound(graph.shape(n), b), dims))
+    limits = {}   # bound -> mask over every leaf's element ids
+
+    def limit(elements, bound):
+        elements = elements[elements >= 0]
+        limits.setdefault(bound, np.zeros(total, bool))[elements] = True
 
     for n in graph.nx.nodes:
         rule = get_op(graph.op(n)).indexes
         if rule is not None:
             j, bound = rule(graph, n)
-            reach(graph.operands(n)[j], bound)
-        elif graph.op(n) == "scan":   # the body's indexing leaves stand for the scan's operands
+            u = graph.operands(n)[j]
+            if u in ids:
+                limit(ids[u], bound)
+        elif graph.op(n) == "scan":   # the body's limits on its leaves fall on the scan's operands
             attrs = graph.attrs(n)
-            leaves = list(attrs["body"].inputs.values())
-            inner = _indexing_leaves(attrs["body"])
+            body_leaves = list(attrs["body"].inputs.values())
+            inner = _element_bounds(attrs["body"], b)
             for u, j in zip(graph.operands(n), operand_leaves(attrs)):
-                if leaves[j] in inner:
-                    reach(u, inner[leaves[j]])
-    return bounds
+                leaf = body_leaves[j]
+                if leaf not in inner or u not in ids:
+                    continue
+                operand = ids[u]
+                for bound, mask in inner[leaf].items():
+                    if operand.size == mask.size:   # a closed-over value: element for element
+                        limit(operand.reshape(-1)[mask], bound)
+                    elif operand.size and operand[0].size == mask.size:   # a sequence: step t reads operand[t]
+                        limit(operand.reshape(operand.shape[0], -1)[:, mask], bound)
+                    else:   # a layout not foreseen here: the bound on every element
+                        limit(operand, bound)
+    return {n: {bound: mask[start:start + ids[n].size] for bound, mask in limits.items()
+                if mask[start:start + ids[n].size].any()}
+            for n, start in leaves if any(mask[start:start + ids[n].size].any() for mask in limits.values())}
+
+
+class _Every(dict):
+    """Dims where every symbolic dim has the one size."""
+    def __init__(self, b):
+        super().__init__()
+        self.b = b
+
+    def __missing__(self, key):
+        return self.b

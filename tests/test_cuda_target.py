@@ -110,8 +110,8 @@ def test_device_inputs_are_checked_by_name(results):
     shape, label, step = results["trainer"]["refusals"]
     assert "input 'x' has shape (6, 4), expected (B, 5)" in shape
     # device labels are checked when the kernels' guard turns a bad one into a NaN loss
-    assert "loss_and_grad: input 'y' holds 7, outside 0..2" in label
-    assert "Trainer.step: input 'y' holds -1, outside 0..2" in step
+    assert "loss_and_grad: input 'y' holds 7 at [0], outside 0..2" in label
+    assert "Trainer.step: input 'y' holds -1 at [0], outside 0..2" in step
     assert results["trainer"]["label_step_unchanged"] == 0.0
 
 

@@ -499,7 +499,7 @@ def test_ranks_whose_trainers_differ_are_refused_not_left_to_drift_or_hang(tmp_p
                "rank 0)" in said["assigned"], said
         assert said["assigned alike"] == "accepted", said
         assert said["steps"] == "4", said
-        assert "input 'y' holds 9, outside 0..3" in said["refused and set later"] if rank == 0 else \
+        assert "input 'y' holds 9 at [0], outside 0..3" in said["refused and set later"] if rank == 0 else \
             "lr: 0.5 on rank 0, 0.7 on rank 1" in said["refused and set later"], said
         assert ("input 'y' holds 9" if rank == 0 else "the inputs of rank(s) 0 were refused") in \
             said["refused and assigned alike"], said

@@ -195,9 +195,9 @@ def test_runtime_input_errors(small):
         small.Trainer(p).step(x=x[:0], y=y[:0])
     with pytest.raises(ValueError, match="dim B is 4 in input 'x'"):
         small.loss_and_grad(p, x=x, y=y[:3])
-    with pytest.raises(ValueError, match=r"holds 4, outside 0..3"):
+    with pytest.raises(ValueError, match=r"holds 4 at \[3\], outside 0..3"):
         small.loss_and_grad(p, x=x, y=np.array([0, 1, 2, 4]))
-    with pytest.raises(ValueError, match=r"holds -1, outside 0..3"):
+    with pytest.raises(ValueError, match=r"holds -1 at \[1\], outside 0..3"):
         small.forward(p, x=x, y=np.array([0, -1, 2, 3]))
     with pytest.raises(ValueError, match=r"params missing \['w'\]"):
         small.loss_and_grad({}, x=x, y=y)

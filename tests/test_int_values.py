@@ -129,6 +129,69 @@ def test_the_arena_holds_floats_and_the_int_buffers_are_workspace(tmp_path):
         np.testing.assert_allclose(grads[k], tg[k].detach().numpy(), rtol=1e-4, atol=1e-5, err_msg=k)
 
 
+def packed():
+    """One int input packing several kinds of index: each element is checked against what it indexes."""
+    m = gc.Model("int_packed")
+    pr = m.input("pr", ("B", 3), dtype="int64")            # rows of E; labels; rows of E and labels
+    seq = m.input("seq", ("T", "B", 2), dtype="int64")     # per step: rows of F, labels
+    E, F = m.param("E", (8, 4), init="normal"), m.param("F", (6, 4), init="normal")
+    U, W = m.param("U", (4, 4)), m.param("W", (4, 3))
+
+    def step(h, s):
+        h = gc.tanh(h @ U + gc.take(F, s[:, 0]))
+        return h, gc.softmax_cross_entropy(h @ W, s[:, 1])
+
+    hT, losses = gc.scan(step, gc.take(E, pr[:, 0]) + gc.take(E, pr[:, 2]), seq)
+    m.minimize(losses.mean() + gc.softmax_cross_entropy(hT @ W, pr[:, 1])
+               + gc.softmax_cross_entropy(hT @ W, pr[:, 2]))
+    return m
+
+
+def torch_packed(p, inputs):
+    pr, seq = torch.tensor(inputs["pr"]), torch.tensor(inputs["seq"])
+    xent = torch.nn.functional.cross_entropy
+    h, losses = p["E"][pr[:, 0]] + p["E"][pr[:, 2]], []
+    for s in seq:
+        h = torch.tanh(h @ p["U"] + p["F"][s[:, 0]])
+        losses.append(xent(h @ p["W"], s[:, 1]))
+    return torch.stack(losses).mean() + xent(h @ p["W"], pr[:, 1]) + xent(h @ p["W"], pr[:, 2])
+
+
+def test_each_element_of_an_int_input_is_checked_against_what_it_indexes(tmp_path):
+    """A column of table rows beside a column of labels was checked against the smaller range: a row
+    index of 7 into 8 rows was refused as a label of 3 classes. Each element is now checked against
+    the bounds of the ops that read it (both, where two do), inside a scan's steps too."""
+    mod = compile_model(packed(), out=str(tmp_path), dtype="float64", order=1, warm_cache=False)
+    assert mod._LABELS == {"pr": {3: [(1, 3)], 8: [(0, 1), (2, 3)]}, "seq": {3: [(1, 2)], 6: [(0, 1)]}}
+    rng = np.random.default_rng(5)
+    params = {k: rng.standard_normal(s) for k, s in mod.PARAM_SHAPES.items()}
+    pr = np.stack([rng.integers(0, 8, B), rng.integers(0, 3, B), rng.integers(0, 3, B)], axis=1)
+    pr[0, 0] = 7                                     # the last row of E: once refused
+    seq = np.stack([rng.integers(0, 6, (T, B)), rng.integers(0, 3, (T, B))], axis=2)
+    seq[1, 2] = (5, 2)
+    tp = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    expected = torch_packed(tp, {"pr": pr, "seq": seq})
+    tg = dict(zip(tp, torch.autograd.grad(expected, list(tp.values()))))
+    loss, grads = mod.loss_and_grad(params, pr=pr, seq=seq)
+    assert loss == pytest.approx(expected.item(), rel=1e-12)
+    for k in grads:
+        np.testing.assert_allclose(grads[k], tg[k].numpy(), rtol=1e-10, atol=1e-13, err_msg=k)
+    tr = mod.Trainer(params, optimizer="sgd", lr=0.1)
+    for name, at, value, shown in (("pr", (1, 0), 8, r"8 at \[1, 0\], outside 0..7"),
+                                   ("pr", (2, 1), 3, r"3 at \[2, 1\], outside 0..2"),
+                                   ("pr", (3, 2), 3, r"3 at \[3, 2\], outside 0..2"),   # a row of E, but a label too
+                                   ("pr", (4, 2), -1, r"-1 at \[4, 2\], outside 0..2"),
+                                   ("seq", (3, 4, 0), 6, r"6 at \[3, 4, 0\], outside 0..5"),
+                                   ("seq", (0, 1, 1), 3, r"3 at \[0, 1, 1\], outside 0..2")):
+        bad = {"pr": pr.copy(), "seq": seq.copy()}
+        bad[name][at] = value
+        for call in (lambda: mod.loss_and_grad(params, **bad), lambda: mod.forward(params, **bad),
+                     lambda: tr.step(**bad)):
+            with pytest.raises(ValueError, match=f"input '{name}' holds {shown}: the values there index"):
+                call()
+    assert tr.steps == 0
+
+
 @pytest.mark.slow
 def test_int_values_on_the_cuda_target_under_the_simulator(tmp_path):
     errors = json.loads(cuda_script(__file__, tmp_path))

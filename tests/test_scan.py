@@ -652,9 +652,9 @@ def test_labels_and_table_rows_read_in_a_step_are_checked_at_call_time(tmp_path)
     loss, _ = mod.loss_and_grad(p, **good)
     assert np.isfinite(loss)
     tr = mod.Trainer(p, optimizer="sgd", lr=0.1)
-    for name, value, shown in (("tgt", 4, "4, outside 0..3"), ("last", 9, "9, outside 0..3"),
-                               ("tok", 5, "5, outside 0..4"), ("tgt", 10**7, "10000000, outside 0..3"),
-                               ("tok", -1, "-1, outside 0..4")):
+    for name, value, shown in (("tgt", 4, r"4 at \[2, 1\], outside 0..3"), ("last", 9, r"9 at \[1\], outside 0..3"),
+                               ("tok", 5, r"5 at \[2, 1\], outside 0..4"), ("tgt", 10**7, r"10000000 at \[2, 1\], outside 0..3"),
+                               ("tok", -1, r"-1 at \[2, 1\], outside 0..4")):
         bad = dict(good, **{name: good[name].copy()})
         bad[name].flat[-1] = value
         for call in (lambda: mod.loss_and_grad(p, **bad), lambda: mod.forward(p, **bad), lambda: tr.step(**bad),

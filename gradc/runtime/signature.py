@@ -179,18 +179,25 @@ class Signature:
         return out
 
     def check_labels(self, inputs, entry, skip_device=False):
-        """ValueError naming the first label input that holds a class out of range."""
-        for name, classes in self.labels.items():
+        """ValueError naming the first label input that holds a class out of range (passes/analysis.py
+        `index_inputs` says what self.labels holds: a bound per input, or bounds per position)."""
+        for name, limits in self.labels.items():
             v = inputs.get(name)
             if v is None or not v.size or (skip_device and self._on_device(v)):
                 continue
-            n = classes if not isinstance(classes, str) else self._dim_of(inputs, classes)
-            labels = to_numpy(v) if self._on_device(v) else v
-            lo, hi = (int(end) for end in _range_of(labels))
-            if lo < 0 or hi >= n:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"{self.model}.{entry}: input {name!r} holds {bad}, outside 0..{n - 1}: its values "
-                                 f"index {n} classes or table rows")
+            v = to_numpy(v) if self._on_device(v) else v
+            shape = self.inputs_spec[name][0]
+            for bound, ranges in (limits.items() if isinstance(limits, dict) else ((limits, None),)):
+                n = bound if not isinstance(bound, str) else self._dim_of(inputs, bound)
+                lo, hi = (int(end) for end in _range_of(v if ranges is None else _at(v, shape, ranges)))
+                if lo < 0 or hi >= n:
+                    bad = (v < 0) | (v >= n)
+                    if ranges is not None:
+                        bad &= _mask(v, shape, ranges)
+                    at = tuple(int(i) for i in np.argwhere(bad)[0])
+                    raise ValueError(f"{self.model}.{entry}: input {name!r} holds {v[at]} at {list(at)}, outside "
+                                     f"0..{n - 1}: {'its values' if ranges is None else 'the values there'} index {n} "
+                                     f"classes or table rows")
 
     def _dim_of(self, inputs, dim):
         for name, v in inputs.items():
@@ -198,6 +205,21 @@ class Signature:
             if dim in shape:
                 return v.shape[shape.index(dim)]
         raise AssertionError(f"no input carries dim {dim}")
+
+
+def _mask(v, shape, ranges):
+    """Which elements of `v` lie at the flat positions `ranges` over the fixed axes of its `shape`."""
+    fixed = tuple(d for d in shape if not isinstance(d, str))
+    at = np.zeros(int(np.prod(fixed)), bool)
+    for start, stop in ranges:
+        at[start:stop] = True
+    at = at.reshape(fixed)
+    return np.broadcast_to(np.expand_dims(at, tuple(i for i, d in enumerate(shape) if isinstance(d, str))), v.shape)
+
+
+def _at(v, shape, ranges):
+    """The elements of `v` at those positions, flat."""
+    return v[_mask(v, shape, ranges)]
 
 
 def _c_strides(shape, itemsize):
