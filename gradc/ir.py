@@ -30,6 +30,8 @@ class Graph:
         self.inputs = {}        # name -> node
         self.params = {}        # name -> node
         self.outputs = {}       # name -> node
+        self.forward_outputs = {}   # name -> the `forward` entry's lean copy, where it has one
+                                    # (passes/forward_outputs.py); {}: the outputs themselves
         self.loss = None        # the user's loss node
         self.objective = None   # loss plus weight decay: what is minimised
         self.weight_decay = 0.0
@@ -91,7 +93,7 @@ class Graph:
         self.merged[old] = new
         for user in list(self.users(old)):
             self.set_operands(user, [new if u == old else u for u in self.operands(user)])
-        for table in (self.outputs, self.grads, self.input_grads, self.hvps, self.lr_grads):
+        for table in (self.outputs, self.forward_outputs, self.grads, self.input_grads, self.hvps, self.lr_grads):
             for k, v in table.items():
                 if v == old:
                     table[k] = new
@@ -167,7 +169,7 @@ class Graph:
 
     def roots(self):
         """Values some entry point returns: outputs, loss, objective, gradients."""
-        out = list(self.outputs.values())
+        out = list(self.outputs.values()) + list(self.forward_outputs.values())
         out += [r for r in (self.loss, self.objective) if r is not None]
         out += [v for v in self.grads.values() if v is not None]
         out += [v for v in self.input_grads.values() if v is not None]

@@ -35,7 +35,7 @@ def _lr_grads(g):
 
 
 ENTRIES = (
-    Entry("_forward", "forward", lambda g: list(g.outputs.values()), "The declared outputs.",
+    Entry("_forward", "forward", lambda g: list((g.forward_outputs or g.outputs).values()), "The declared outputs.",
           present=lambda g: bool(g.outputs),
           call=lambda mod, params, inputs: mod.OUTPUTS and mod.forward(
               params, **{k: v for k, v in inputs.items() if k in mod._OUTPUT_INPUTS})),

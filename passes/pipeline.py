@@ -11,6 +11,7 @@ from gradc.ir import FLOAT_DTYPES
 from gradc.shapes import bind_dims
 
 from .autodiff import build_backward
+from .forward_outputs import lean_forward_outputs
 from .fusion import fuse_elementwise, split_second_order_uses
 from .gemm_fusion import fuse_gemms
 from .likelihood_ratio import build_lr
@@ -107,6 +108,8 @@ PASSES = (
     ("likelihood_ratio", lambda g, b: build_lr(g, b.trainable, b.decayed, b.model.weight_decay), None),
     ("autodiff", lambda g, b: build_backward(g, b.trainable), None),
     ("second_order", lambda g, b: build_hvp(g, b.trainable), lambda b: b.order == 2),
+    # `forward` reads no more of a scan than its outputs need (a step's loss and its labels stay out)
+    ("forward_outputs", lambda g, b: lean_forward_outputs(g), None),
     ("simplify", lambda g, b: simplify(g), None),
     # a value read by first- and second-order code is computed once for each, so --order 2
     # leaves loss_and_grad as lean as --order 1 builds it

@@ -662,3 +662,65 @@ def test_labels_and_table_rows_read_in_a_step_are_checked_at_call_time(tmp_path)
             with pytest.raises(ValueError, match=f"input '{name}' holds {shown}"):
                 call()
     np.testing.assert_array_equal(tr.params["W"], p["W"])   # no step ran
+
+
+def _tagger(teacher_forcing=False):
+    """A sequence tagger whose step returns its logits and its loss (the loss reads the labels); inside
+    an outer scan over sentences, so that the lean copy goes through a nested scan too."""
+    m = gc.Model("tagger_tf" if teacher_forcing else "tagger")
+    x = m.input("x", ("S", "T", "B", 3))
+    y = m.input("y", ("S", "T", "B"), dtype="int64")
+    h0 = m.input("h0", ("B", 4))
+    W, U, O, E = m.param("W", (3, 4)), m.param("U", (4, 4)), m.param("O", (4, 5)), m.param("E", (5, 4))
+
+    def word(h, xs):
+        xt, yt = xs
+        h = gc.tanh(xt @ W + h @ U + (gc.take(E, yt) if teacher_forcing else 0.0))
+        return h, (h @ O, gc.softmax_cross_entropy(h @ O, yt))
+
+    def sentence(h, xs):
+        h, (logits, losses) = gc.scan(word, h, xs)
+        return h, (logits, losses.mean())
+
+    hS, (logits, losses) = gc.scan(sentence, h0, (x, y))
+    m.output("logits", logits)
+    m.output("last", hS)
+    m.minimize(losses.mean())
+    return m
+
+
+def test_forward_needs_only_the_inputs_its_outputs_read(tmp_path):
+    """A step that returns its logits and its loss: `forward` for the logits once asked for the labels
+    (and computed the loss at every step). Its scans are now copies that compute what the outputs read."""
+    mod = gc.compile(_tagger(), out=str(tmp_path / "tagger"), dtype="float64", warm=False)
+    assert mod._OUTPUT_INPUTS == ("x", "h0")
+    rng = np.random.default_rng(7)
+    S, T, B = 2, 3, 2
+    params = {k: rng.standard_normal(s) * 0.5 for k, s in mod.PARAM_SHAPES.items()}
+    inputs = {"x": rng.standard_normal((S, T, B, 3)), "y": rng.integers(0, 5, (S, T, B)),
+              "h0": rng.standard_normal((B, 4))}
+    tp = {k: torch.tensor(v) for k, v in params.items()}
+    h, logits, losses = torch.tensor(inputs["h0"]), [], []
+    for s in range(S):
+        per_word = []
+        for t in range(T):
+            h = torch.tanh(torch.tensor(inputs["x"][s, t]) @ tp["W"] + h @ tp["U"])
+            logits.append(h @ tp["O"])
+            per_word.append(torch.nn.functional.cross_entropy(logits[-1], torch.tensor(inputs["y"][s, t])))
+        losses.append(torch.stack(per_word).mean())
+    expected = torch.stack(logits).reshape(S, T, B, 5).numpy()
+    out = mod.forward(params, x=inputs["x"], h0=inputs["h0"])
+    assert set(out) == {"logits", "last"}
+    np.testing.assert_allclose(out["logits"], expected, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(out["last"], h.numpy(), rtol=1e-12, atol=1e-14)
+    with_loss = mod.forward(params, **inputs)   # the labels given: the loss too, from the one full scan
+    np.testing.assert_allclose(with_loss["logits"], expected, rtol=1e-12, atol=1e-14)
+    assert with_loss["loss"] == pytest.approx(torch.stack(losses).mean().item(), rel=1e-12)
+    source = (tmp_path / "tagger" / "tagger.py").read_text()
+    forward = source[source.index("def _forward("):source.index("def _forward_loss(")]
+    assert "in_y" not in forward and "xent" not in forward, forward
+    # a step whose carry reads the labels needs them for the outputs too
+    teacher = gc.compile(_tagger(teacher_forcing=True), out=str(tmp_path / "tf"), dtype="float64", warm=False)
+    assert teacher._OUTPUT_INPUTS == ("x", "y", "h0")
+    with pytest.raises(ValueError, match="missing input 'y'"):
+        teacher.forward(params, x=inputs["x"], h0=inputs["h0"])
