@@ -353,7 +353,14 @@ def test_hyperparameters_take_numpy_numbers_and_lr_zero_and_are_never_deleted(sm
         with pytest.raises(AttributeError, match=f"e_small.Trainer: {name} cannot be deleted"):
             delattr(tr, name)
     assert tr.lr == float(np.float32(0.1)) and tr.steps == 2
+    for bad in (-1, 2.0, True, "3", None):   # Adam's bias correction reads it
+        with pytest.raises(ValueError, match=r"steps must be an int >= 0, got "):
+            tr.steps = bad
     tr.step(x=x, y=y)
+    tr.steps = np.int64(10)   # a resume by hand: the next step is Adam's 11th
+    assert type(tr.steps) is int and tr.steps == 10
+    tr.step(x=x, y=y)
+    assert tr.steps == 11
 
 
 def test_intermediates_larger_than_the_free_memory_raise_memory_error_before_allocating(small, monkeypatch):

@@ -70,6 +70,8 @@ class TrainerBase:
     clip_norm = Hyperparameter(lambda tr, v: None if v is None else tr._positive("clip_norm", v))
     momentum = Hyperparameter(lambda tr, v: tr._fraction("momentum", v))
     betas = Hyperparameter(lambda tr, v: tr._betas(v))
+    # the steps taken: Adam's bias correction reads it, so setting it (a resume by hand) is checked too
+    steps = Hyperparameter(lambda tr, v: tr._count("steps", v))
 
     def __init__(self, params, /, optimizer="sgd", lr=0.01, momentum=0.0, betas=(0.9, 0.999), eps=1e-8,
                  clip_norm=None, parallel=None, **parallel_options):
@@ -458,6 +460,11 @@ class TrainerBase:
             raise ValueError(f"{self.model_name}.Trainer: {name} must be a number in [0, 1) in "
                              f"{np.dtype(self.signature.float).name}, got {value!r}")
         return float(value)
+
+    def _count(self, name, value):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"{self.model_name}.Trainer: {name} must be an int >= 0, got {value!r}")
+        return int(value)
 
     def _in_dtype(self, value):
         with np.errstate(over="ignore", under="ignore"):   # what overflows is refused by name, not warned about
