@@ -134,7 +134,7 @@ def cmd_inspect(args):
                       kernels=args.kernels, ptx_of=args.ptx, run_module=args.run_module, layers=args.layers)
     except NotJSON as e:   # (read_json names the file)
         raise GradcError(f"{e}; compile the model again") from e
-    except (KeyError, TypeError, IndexError) as e:   # JSON, but not what this gradc writes
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError) as e:   # JSON, but not what this gradc writes
         if not dumps_only:
             raise
         raise GradcError(f"{args.build}: a dump of this build lacks what gradc {__version__} writes "

@@ -104,8 +104,10 @@ def test_inspect_of_a_damaged_dump_exits_2_naming_it(compiled, tmp_path):
     """A truncated or edited dump gave `internal error: JSONDecodeError` (or KeyError) and exit 1."""
     shutil.copytree(compiled / "out", tmp_path / "out")
     plan = tmp_path / "out" / "tiny.memplan.json"
+    edited = json.loads(plan.read_text()) | {"peak_bytes": 5, "peak_step": 0, "arena_bytes": None}
     for text, message in ((plan.read_text()[:40], "out/tiny.memplan.json: not a JSON dump ("),
-                          ("{}", "out/tiny: a dump of this build lacks what gradc")):
+                          ("{}", "out/tiny: a dump of this build lacks what gradc"),
+                          (json.dumps(edited), "out/tiny: a dump of this build lacks what gradc")):
         plan.write_text(text)
         r = gradc("inspect", "out/tiny", "--memory", cwd=tmp_path)
         lines = r.stderr.strip().splitlines()
