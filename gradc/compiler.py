@@ -449,6 +449,10 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     t0 = time.perf_counter()
     check_scans(model, scan_backward, target, memory_budget)
     pipe = device_options(devices, model, dims, memory_budget, model.src, options_src)
+    pins = [model.graph.node(n)["src"] for n in model.graph.nx.nodes if model.graph.node(n).get("stage") is not None]
+    if pins and pipe["K"] == 1 and notes is not None:
+        notes.append(f"{pins[0]}: `with m.stage(i)` pins ops to pipeline stages, but this build has one device; the "
+                     f"pins apply with --devices K")
     # microbatches run the code at other batch sizes: the batch dim stays symbolic in it (the plans bind it)
     code_dims = {d: v for d, v in dims.items() if d != pipe["batch"]}
     graph = build_training_graph(model, dtype, code_dims, timings, order=order, target=target)

@@ -191,6 +191,24 @@ def test_compile_float64_with_bind(tmp_path):
     assert r.stdout.strip() == "float64 ((8, 6), 'float64')", r.stderr
 
 
+def test_stage_pins_in_a_one_device_build_are_noted(tmp_path):
+    """`with m.stage(i)` without --devices was ignored without a word."""
+    (tmp_path / "model.py").write_text(textwrap.dedent("""
+        import gradc as gc
+        m = gc.Model("pinned")
+        x = m.input("x", ("B", 3))
+        with m.stage(0):
+            h = gc.tanh(x @ m.param("W", (3, 2)))
+        with m.stage(1):
+            m.minimize((h @ m.param("V", (2, 2))).mean())
+        """))
+    r = gradc("compile", "model.py", "-o", "out", "--no-warm", cwd=tmp_path)
+    assert r.returncode == 0 and "gradc: note: model.py:6: `with m.stage(i)` pins ops to pipeline stages, but this " \
+        "build has one device; the pins apply with --devices K" in r.stdout, r.stdout + r.stderr
+    r = gradc("compile", "model.py", "-o", "out2", "--no-warm", "--devices", "2", "--bind", "B=4", cwd=tmp_path)
+    assert r.returncode == 0 and "pins" not in r.stdout, r.stdout + r.stderr
+
+
 @pytest.mark.slow
 def test_budgeted_compile_and_memory_report(tmp_path):
     deep = MODEL.replace('h = gc.tanh(x @ m.param("W0", (6, 16)) + m.param("b0", (16,)))',
