@@ -1418,8 +1418,11 @@ def gradc_compiled(case, out, dtype="float64", hessian=True, **options):
     loss, grads = mod.loss_and_grad(params, **inputs)
     fwd = mod.forward(params, **inputs)
     needed = [prefix + n for prog, prefix in zip(case.programs, case.prefixes) for n in prog.output_inputs()]
-    # with only the inputs the outputs read (when those are all the objective reads, "loss" comes too)
-    fwd_outputs_only = {k: x for k, x in mod.forward(params, **{k: inputs[k] for k in needed}).items() if k != "loss"}
+    # the module asks for no more than the outputs read (a scan's read for its other outputs alone may be left
+    # out: passes/forward_outputs.py); with only those (when they are all the objective reads, "loss" comes too)
+    assert set(mod._OUTPUT_INPUTS) <= set(needed), (mod._OUTPUT_INPUTS, needed)
+    fwd_outputs_only = {k: x for k, x in mod.forward(params, **{k: inputs[k] for k in mod._OUTPUT_INPUTS}).items()
+                        if k != "loss"}
     flat_v = np.concatenate([case.tangents[p].ravel() for p in mod.PARAM_ORDER if p in case.trainable])
     hessian_v = {"hessian_v": mod.hessian(params, **inputs) @ flat_v} if hessian else {}
     return hessian_v | {"loss": loss, "forward_loss": fwd["loss"],
