@@ -363,6 +363,34 @@ def test_hyperparameters_take_numpy_numbers_and_lr_zero_and_are_never_deleted(sm
     assert tr.steps == 11
 
 
+def test_optimizer_state_buffers_cannot_be_replaced(small, tmp_path):
+    """tr.state["momentum"] = np.zeros(P - 1) was taken: the update loop read and wrote past its end, and
+    the next save replaced a good checkpoint with one that load refuses. The buffers can only be written
+    in place."""
+    p = small.init_params(0)
+    rng = np.random.default_rng(3)
+    x, y = rng.uniform(0.5, 2.0, (5, 3)).astype(np.float32), rng.integers(0, 4, 5)
+    for optimizer, slot in (("sgd", "momentum"), ("adam", "v")):
+        tr = small.Trainer(p, optimizer=optimizer, lr=0.1, **({"momentum": 0.9} if optimizer == "sgd" else {}))
+        tr.step(x=x, y=y)
+        tr.save(str(tmp_path / "good.npz"))
+        own = tr.state[slot]
+        for bad in (np.zeros(own.size - 1, own.dtype), np.zeros(3), own.copy()):
+            with pytest.raises(TypeError, match=rf"tr.state\['{slot}'\] is the optimizer's own buffer: write its "
+                                                rf"values in place"):
+                tr.state[slot] = bad
+        with pytest.raises(TypeError, match="cannot be deleted"):
+            del tr.state[slot]
+        with pytest.raises(AttributeError, match="tr.state holds the optimizer's own buffers"):
+            tr.state = {}
+        assert tr.state[slot] is own and set(tr.state) == ({"momentum"} if optimizer == "sgd" else {"m", "v"})
+        tr.state[slot][...] = 0.5   # in place: taken, and saved
+        tr.save(str(tmp_path / "edited.npz"))
+        back = small.Trainer.load(str(tmp_path / "edited.npz"))
+        assert (back.state[slot] == 0.5).all() and back.steps == 1
+        assert small.Trainer.load(str(tmp_path / "good.npz")).steps == 1
+
+
 def test_intermediates_larger_than_the_free_memory_raise_memory_error_before_allocating(small, monkeypatch):
     """Linux hands out more than it has and the OOM killer ends the process when the pages are touched: the
     arena compares what an entry needs with what the system has first."""

@@ -11,7 +11,7 @@ import numpy as np
 
 from .cuda import array_dtype, block, flat, is_device_array
 from .signature import number_as_array
-from .trainer import TrainerBase
+from .trainer import OptimizerState, TrainerBase
 
 
 class CudaTrainerBase(TrainerBase):
@@ -54,7 +54,7 @@ class CudaTrainerBase(TrainerBase):
                 self.params[k] = run.adopt(checked[k])
         self._grads = run.empty((max(size, 1),))
         zeros = np.zeros(max(size, 1), dtype=self.signature.float)
-        self.state = {slot: run.adopt(zeros) for slot in slots}
+        self.state = OptimizerState(self.model_name, {slot: run.adopt(zeros) for slot in slots})
         self._hyper = run.empty((7,))
         self._status = run.empty((3,))            # the loss, |g|^2, values the update would make non-finite
         self._launch = self._launch_step          # one bound method: the captured graph's key

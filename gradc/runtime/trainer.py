@@ -4,6 +4,7 @@ import math
 import numbers
 import os
 import stat
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -42,6 +43,34 @@ class Hyperparameter:
             raise ValueError(f"{tr.model_name}.Trainer: {self.name}={checked!r} is not a hyperparameter of {optimizer!r} "
                              f"({optimizer}: {', '.join(OWN[optimizer])})")
         tr.__dict__[self.name] = checked
+
+
+class OptimizerState(Mapping):
+    """tr.state: the optimizer's own buffers by slot, read-only as a mapping. The update loops run over the
+    params' length with no bounds check, so a buffer of another size must never take a slot's place; its
+    values may be written in place (tr.state["m"][...] = 0)."""
+
+    def __init__(self, model_name, buffers):
+        self._model_name, self._buffers = model_name, buffers
+
+    def __getitem__(self, slot):
+        return self._buffers[slot]
+
+    def __iter__(self):
+        return iter(self._buffers)
+
+    def __len__(self):
+        return len(self._buffers)
+
+    def __setitem__(self, slot, value):
+        raise TypeError(f"{self._model_name}.Trainer: tr.state[{slot!r}] is the optimizer's own buffer: write its "
+                        f"values in place (tr.state[{slot!r}][...] = ...), do not replace it")
+
+    def __delitem__(self, slot):
+        raise TypeError(f"{self._model_name}.Trainer: tr.state[{slot!r}] cannot be deleted")
+
+    def __repr__(self):
+        return f"OptimizerState({self._buffers!r})"
 
 
 class TrainerBase:
@@ -93,6 +122,9 @@ class TrainerBase:
         if self.__dict__.get("_made") and name == "params":
             raise AttributeError(f"{self.model_name}.Trainer: assign into tr.params[name] (adopted at the next step or "
                                  f"save), not tr.params itself")
+        if self.__dict__.get("_made") and name == "state":
+            raise AttributeError(f"{self.model_name}.Trainer: tr.state holds the optimizer's own buffers: write their "
+                                 f"values in place (tr.state['m'][...] = ...), not tr.state itself")
         if self.__dict__.get("_made") and not name.startswith("_") and name not in self.__dict__ \
                 and not hasattr(type(self), name):
             raise AttributeError(f"{self.model_name}.Trainer has no setting {name!r}: set lr, momentum, betas, eps or "
@@ -184,7 +216,8 @@ class TrainerBase:
                 self.params[k] = np.array(checked[k], copy=True).reshape(shape)
         self._own_call_form = {k: v.reshape(1) if v.ndim == 0 else v for k, v in self._views.items()}
         self._grads = np.empty(size, dtype=self.signature.float)   # reused by every step
-        self.state = {slot: np.zeros(size, dtype=self.signature.float) for slot in slots}   # flat, like _flat
+        self.state = OptimizerState(self.model_name, {slot: np.zeros(size, dtype=self.signature.float)
+                                                      for slot in slots})   # flat, like _flat
 
     def _host(self, array):
         """A numpy array of a param or state buffer (for checkpoints)."""
