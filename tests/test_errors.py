@@ -391,6 +391,17 @@ def test_optimizer_state_buffers_cannot_be_replaced(small, tmp_path):
         assert small.Trainer.load(str(tmp_path / "good.npz")).steps == 1
 
 
+def test_save_errors_name_the_users_path(small, tmp_path):
+    """Saving to a folder's path raised IsADirectoryError about a temp file made in the parent; a folder
+    that takes no files named the temp file, which the user never sees."""
+    tr = small.Trainer(small.init_params(0))
+    with pytest.raises(IsADirectoryError, match=f"{tmp_path}: is a folder; save takes a file's path"):
+        tr.save(str(tmp_path))
+    assert list(tmp_path.parent.glob(".ckpt-*")) == []
+    with pytest.raises(OSError, match=r"/proc/ckpt.npz: cannot write the checkpoint: "):   # not even root may
+        tr.save("/proc/ckpt.npz")
+
+
 def test_intermediates_larger_than_the_free_memory_raise_memory_error_before_allocating(small, monkeypatch):
     """Linux hands out more than it has and the OOM killer ends the process when the pages are touched: the
     arena compares what an entry needs with what the system has first."""

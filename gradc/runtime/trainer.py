@@ -377,11 +377,18 @@ class TrainerBase:
         target = os.path.realpath(os.fspath(path))
         if not os.path.isdir(os.path.dirname(target)):
             raise FileNotFoundError(f"{os.fspath(path)}: the folder {os.path.dirname(target)} does not exist")
+        if os.path.isdir(target):
+            raise IsADirectoryError(f"{os.fspath(path)}: is a folder; save takes a file's path (e.g. "
+                                    f"{os.path.join(os.fspath(path), 'ckpt.npz')})")
         try:
             mode = stat.S_IMODE(os.stat(target).st_mode)
         except FileNotFoundError:
             mode = None
-        write_replacing(target, lambda f: np.savez(f, **arrays), prefix=".ckpt-", suffix=".npz", mode=mode, sync=True)
+        try:
+            write_replacing(target, lambda f: np.savez(f, **arrays), prefix=".ckpt-", suffix=".npz", mode=mode,
+                            sync=True)
+        except OSError as e:   # it named the temp file, which the user never sees
+            raise type(e)(e.errno, f"{os.fspath(path)}: cannot write the checkpoint: {e.strerror}") from e
 
     def save(self, path):
         """Write params and optimizer state to `path` (.npz) atomically: a crash leaves the old file, and
