@@ -2,17 +2,24 @@
 one, never through a link planted at the name, and without leaving a killed writer's temp files
 for long; .npz archives read back with one clear error when they are damaged.
 
-Temp files and folders carry their writer's pid (`PREFIX<pid>-<random>`): the next writer into
-the same folder removes those of processes that are gone, and leaves those of live (concurrent)
-writers alone. A pid reused by an unrelated process only delays the removal.
+Temp files and folders carry their writer's pid and where that pid means something
+(`PREFIX<pid>.<where>-<random>`, `where` from the host, its boot and the pid namespace): the next
+writer into the same folder removes those of processes of its own namespace that are gone, and
+leaves those of live (concurrent) writers alone. A pid reused by an unrelated process only delays
+the removal. One written from elsewhere (another container or host on shared storage, whose pids
+this process cannot see) is removed only when a day old.
 """
+import functools
+import hashlib
 import importlib.util
 import json
 import os
 import re
 import secrets
 import shutil
+import socket
 import sys
+import time
 
 import numpy as np
 
@@ -27,22 +34,48 @@ def pid_alive(pid):
     return True
 
 
+ELSEWHERE_STALE_SECONDS = 24 * 3600   # a temp entry from another pid namespace is removed at this age
+
+
+@functools.cache
+def pid_namespace():
+    """8 hex digits naming where this process's pids mean something: the host, its boot, the pid namespace."""
+    where = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            where.append(f.read().strip())
+        where.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    except OSError:   # not Linux: the host alone
+        pass
+    return hashlib.sha256("|".join(where).encode()).hexdigest()[:8]
+
+
 def temp_name(prefix, suffix=""):
-    """A name no other writer picks, that says which process wrote it."""
-    return f"{prefix}{os.getpid()}-{secrets.token_hex(4)}{suffix}"
+    """A name no other writer picks, that says which process wrote it, and where."""
+    return f"{prefix}{os.getpid()}.{pid_namespace()}-{secrets.token_hex(4)}{suffix}"
 
 
 def remove_stale(folder, prefix, keep=()):
-    """Remove the entries `prefix<pid>-...` of `folder` (files, links or folders) whose writer is
-    gone, except the names in `keep`. Our own pid is left alone: this process may be writing them."""
-    pattern = re.compile(re.escape(prefix) + r"(\d+)-")
+    """Remove the entries `prefix<pid>.<where>-...` of `folder` (files, links or folders) whose writer
+    is gone, except the names in `keep`. Our own pid is left alone: this process may be writing them.
+    One from another pid namespace goes only when a day old; one without `<where>` (an older gradc's)
+    is taken as this namespace's."""
+    pattern = re.compile(re.escape(prefix) + r"(\d+)(?:\.([0-9a-f]{8}))?-")
     try:
         entries = list(os.scandir(folder))
     except OSError:
         return
     for entry in entries:
         m = pattern.match(entry.name)
-        if not m or entry.name in keep or int(m.group(1)) == os.getpid() or pid_alive(int(m.group(1))):
+        if not m or entry.name in keep:
+            continue
+        if m.group(2) not in (None, pid_namespace()):
+            try:
+                if time.time() - entry.stat(follow_symlinks=False).st_mtime < ELSEWHERE_STALE_SECONDS:
+                    continue
+            except FileNotFoundError:
+                continue
+        elif int(m.group(1)) == os.getpid() or pid_alive(int(m.group(1))):
             continue
         try:
             if entry.is_dir(follow_symlinks=False):

@@ -19,6 +19,7 @@ import pytest
 import gradc as gc
 from gradc import GradcError
 from gradc import compiler, sizes
+from gradc.files import ELSEWHERE_STALE_SECONDS, pid_namespace
 from test_cli import MODEL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -447,6 +448,22 @@ def test_sigkill_during_save_leaves_a_temp_that_the_next_save_removes(small, tmp
     finally:
         live.kill()
         live.wait()
+
+
+def test_a_save_leaves_the_temps_of_writers_in_other_pid_namespaces(small, tmp_path):
+    """A writer in another container or on another host sharing the folder has pids this process cannot see:
+    its temp file was taken for a dead process's and removed mid-save (each of its saves then failed). Such a
+    temp is now removed only when a day old."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    ours = tmp_path / f".ckpt-{gone.pid}.{pid_namespace()}-0a1b.npz"
+    other = "0" * 8 if pid_namespace() != "0" * 8 else "1" * 8
+    elsewhere, old = (tmp_path / f".ckpt-{gone.pid}.{other}-{t}.npz" for t in ("0a1c", "0a1d"))
+    for f in (ours, elsewhere, old):
+        f.write_bytes(b"x")
+    os.utime(old, (time.time() - 2 * ELSEWHERE_STALE_SECONDS,) * 2)
+    small.Trainer(small.init_params(0)).save(str(tmp_path / "ck.npz"))
+    assert sorted(f for f in os.listdir(tmp_path) if f.startswith(".ckpt-")) == [elsewhere.name]
 
 
 # ---- 8. planted symlinks ---------------------------------------------------------------------------------

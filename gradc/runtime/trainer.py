@@ -392,7 +392,8 @@ class TrainerBase:
 
     def save(self, path):
         """Write params and optimizer state to `path` (.npz) atomically: a crash leaves the old file, and
-        the next save into that folder removes the temp file of a killed one. The file keeps its
+        the next save into that folder removes the temp file of a killed one (gradc/files.py: one from
+        another host or container sharing the folder, when a day old). The file keeps its
         permissions; a symlink stays one, and its target gets the new contents. With parallel=..., or
         with a pipeline's stages on MPI ranks (each rank updates its own stage's params), every rank
         calls it: the stages' params and state are gathered onto every rank, rank 0 writes the file,
