@@ -475,7 +475,17 @@ def test_checkpoint_of_another_model_is_refused(small, tmp_path):
     other = gc.compile(m, out=str(tmp_path), warm_cache=False)
     path = str(tmp_path / "ckpt.npz")
     other.Trainer(other.init_params(0)).save(path)
-    with pytest.raises(ValueError, match="checkpoint of model 'e_other'.*does not match model 'e_small'"):
+    with pytest.raises(ValueError, match=r"checkpoint of model 'e_other'.*does not match model 'e_small'.*; its params "
+                                         r"differ: v only there$"):
+        small.Trainer.load(path)
+    # the same model edited (tanh for log): its params still fit, and the error says how to start from them
+    m = gc.Model("e_small")
+    x, y = m.input("x", ("B", 3)), m.input("y", ("B",), dtype="int64")
+    m.minimize(gc.softmax_cross_entropy(gc.tanh(x) @ m.param("w", (3, 4)), y))
+    edited = gc.compile(m, out=str(tmp_path / "edited"), warm_cache=False)
+    edited.Trainer(edited.init_params(0)).save(path)
+    with pytest.raises(ValueError, match=r"its params have this model's names, shapes and dtype: to start a new "
+                                         r"Trainer from them .* read them with np.load, the arrays 'param/NAME'"):
         small.Trainer.load(path)
     np.savez(str(tmp_path / "junk.npz"), a=np.zeros(3))
     with pytest.raises(ValueError, match="not a gradc checkpoint"):

@@ -443,7 +443,8 @@ class TrainerBase:
         if meta.get("fingerprint") != cls.fingerprint:
             raise ValueError(f"{path}: checkpoint of model {meta.get('model')!r} (fingerprint "
                              f"{str(meta.get('fingerprint'))[:12]}) does not match model {cls.model_name!r} "
-                             f"(fingerprint {cls.fingerprint[:12]}): it was written by another model or gradc version")
+                             f"(fingerprint {cls.fingerprint[:12]}): it was written by another model or gradc version"
+                             f"; {cls._params_compared(arrays)}")
         missing = [k for k in SETTINGS + ("steps",) if k not in meta]
         missing += [f"param/{k}" for k in cls.param_order if f"param/{k}" not in arrays]
         if missing:
@@ -501,6 +502,21 @@ class TrainerBase:
             raise ValueError(f"{self.model_name}.Trainer: {name} must be a number in [0, 1) in "
                              f"{np.dtype(self.signature.float).name}, got {value!r}")
         return float(value)
+
+    @classmethod
+    def _params_compared(cls, arrays):
+        """What a checkpoint's params are to this model's: the same names, shapes and dtype (then a new
+        Trainer may start from them), or which differ."""
+        saved = {k[len("param/"):]: a for k, a in arrays.items() if k.startswith("param/")}
+        ours = cls.signature.param_shapes
+        differ = [f"{k} {tuple(saved[k].shape)} there, {tuple(ours[k])} here" for k in ours
+                  if k in saved and tuple(saved[k].shape) != tuple(ours[k])]
+        differ += [f"{k} only here" for k in ours if k not in saved] + [f"{k} only there" for k in saved if k not in ours]
+        if not differ and all(a.dtype == cls.signature.float for a in saved.values()):
+            return ("its params have this model's names, shapes and dtype: to start a new Trainer from them (without "
+                    "the optimizer's state), read them with np.load, the arrays 'param/NAME'")
+        return "its params differ: " + "; ".join(differ[:6] + (["..."] if len(differ) > 6 else [])) if differ else \
+            "its params are of another dtype"
 
     def _count(self, name, value):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
