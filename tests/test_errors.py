@@ -534,7 +534,15 @@ def test_bad_compile_options_name_the_compile_call(tmp_path):
             gc.compile(m, out=str(tmp_path), **bad)
     assert not list(tmp_path.iterdir())
     assert gc.compile(m, out=str(tmp_path), warm="none").loss_and_grad
-    assert gc.compile(m, out=str(tmp_path), warm="none", bind={"B": np.int64(5)}).INPUTS["x"][0] == (5, 3)
+    bound = gc.compile(m, out=str(tmp_path), warm="none", bind={"B": np.int64(5)})
+    assert bound.INPUTS["x"][0] == (5, 3)
+    # a batch of another size: the message says the dim was bound (a last partial batch meets it)
+    p = bound.init_params(0)
+    with pytest.raises(ValueError, match=r"input 'x' has shape \(4, 3\), expected \(5, 3\) \(B=5 was bound when the "
+                                         r"module was compiled \(--bind\); compile without it for any size\)$"):
+        bound.loss_and_grad(p, x=np.ones((4, 3), np.float32))
+    with pytest.raises(ValueError, match=r"input 'x' has shape \(5, 4\), expected \(5, 3\)$"):
+        bound.loss_and_grad(p, x=np.ones((5, 4), np.float32))
 
 
 def test_cuda_arrays_are_checked_from_their_interface():

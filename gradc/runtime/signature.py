@@ -52,13 +52,21 @@ def _fmt(shape):
 
 
 class Signature:
-    def __init__(self, model_name, param_shapes, inputs, float_dtype, labels, devices=False):
+    def __init__(self, model_name, param_shapes, inputs, float_dtype, labels, devices=False, declared=None):
         self.model = model_name
         self.devices = devices    # a --target cuda module: CUDA arrays are accepted where they are
         self.param_shapes = param_shapes
         self.inputs_spec = inputs
         self.float = np.dtype(float_dtype)
         self.labels = labels
+        self.declared = declared or {}   # input -> its declared shape, where --bind made a dim an int
+
+    def _bound_hint(self, name, shape, given):
+        """Why an int of the expected shape differs from the model's: the dims --bind fixed at compile time."""
+        declared = self.declared.get(name, ())
+        fixed = [f"{d}={e}" for d, e, a in zip(declared, shape, given) if isinstance(d, str) and e != a]
+        return (f" ({', '.join(fixed)} was bound when the module was compiled (--bind); compile without it for "
+                f"any size)") if fixed else ""
 
     def params(self, params, exact=False):
         """Checked params, in call form (0-d arrays as 1-element views)."""
@@ -171,7 +179,8 @@ class Signature:
                         raise ValueError(f"{self.model}.{entry}: input {name!r} has shape {_fmt(v.shape)}, but dim {d} "
                                          f"is {seen[0]} in input {seen[1]!r}")
                 elif d != actual:
-                    raise ValueError(f"{self.model}.{entry}: input {name!r} has shape {_fmt(v.shape)}, expected {_fmt(shape)}")
+                    raise ValueError(f"{self.model}.{entry}: input {name!r} has shape {_fmt(v.shape)}, expected "
+                                     f"{_fmt(shape)}{self._bound_hint(name, shape, v.shape)}")
             if not device and not v.flags.c_contiguous:
                 v = np.ascontiguousarray(v)
             out[name] = v.reshape(1) if len(shape) == 0 else v
