@@ -391,6 +391,26 @@ def test_optimizer_state_buffers_cannot_be_replaced(small, tmp_path):
         assert small.Trainer.load(str(tmp_path / "good.npz")).steps == 1
 
 
+def test_second_order_entries_check_the_inputs_when_the_hessian_reads_none(tmp_path):
+    """The Hessian of (x @ W).mean() + ||W||^2 reads no input: hvp and hessian took no x at all, an int x of
+    another shape, or a str, and answered. They check what loss_and_grad checks."""
+    m = gc.Model("e_hconst")
+    x, W = m.input("x", ("B", 3)), m.param("W", (3, 2))
+    m.minimize((x @ W).mean() + (W * W).sum())
+    mod = gc.compile(m, out=str(tmp_path), order=2, warm_cache=False)
+    p = mod.init_params(0)
+    v = {k: np.ones_like(a) for k, a in p.items()}
+    for call, entry in ((lambda **a: mod.hvp(p, v, **a), "hvp"), (lambda **a: mod.hessian(p, **a), "hessian"),
+                        (lambda **a: mod.hessian_rows(p, 0, 2, **a), "hessian_rows")):
+        with pytest.raises(ValueError, match=rf"e_hconst.{entry}: missing input 'x'"):
+            call()
+        with pytest.raises(ValueError, match=rf"e_hconst.{entry}: input 'x' has dtype int64, expected float32"):
+            call(x=np.ones((7, 9), np.int64))
+        with pytest.raises(ValueError, match=rf"e_hconst.{entry}: input 'x' has shape \(7, 9\)"):
+            call(x=np.ones((7, 9), np.float32))
+    np.testing.assert_array_equal(mod.hvp(p, v, x=np.ones((2, 3), np.float32))["W"], 2 * v["W"])
+
+
 def test_save_errors_name_the_users_path(small, tmp_path):
     """Saving to a folder's path raised IsADirectoryError about a temp file made in the parent; a folder
     that takes no files named the temp file, which the user never sees."""
