@@ -19,8 +19,10 @@ RESERVED_OUTPUTS = ("loss",)   # forward() reports the objective under this key
 
 
 def _check_name(what, name, src):
-    if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+    if not isinstance(name, str) or not name.isidentifier():
         raise GradcError(f"{what} name {name!r} is not a Python identifier", src)
+    if keyword.iskeyword(name):
+        raise GradcError(f"{what} name {name!r} is a Python keyword: pick another name", src)
 
 
 class Model:
@@ -225,6 +227,7 @@ class Tensor:
     def __pow__(self, o): return _op("pow", self, o)
     def __rpow__(self, o): return _op("pow", o, self)
     def __neg__(self): return _op("neg", self)
+    def __abs__(self): return _op("abs", self)
     def __matmul__(self, o): return matmul(self, o, src=user_src())
     def __rmatmul__(self, o): return matmul(o, self, src=user_src())
 

@@ -82,6 +82,9 @@ def test_declaration_errors():
         m.input("bad name", (3,))
     with pytest.raises(GradcError, match="not a Python identifier"):
         gc.Model("1model")
+    with pytest.raises(GradcError, match="param name 'class' is a Python keyword: pick another name"):
+        m.param("class", (3,))
+    assert m.graph.op(abs(m.input("a", (3,))).node) == "abs"   # Python's abs() is gc.abs
     t = m.input("t", (3,))
     m.output("o", t)
     with pytest.raises(GradcError, match="duplicate output name 'o'"):
