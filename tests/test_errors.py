@@ -394,6 +394,22 @@ def test_optimizer_state_buffers_cannot_be_replaced(small, tmp_path):
         assert small.Trainer.load(str(tmp_path / "good.npz")).steps == 1
 
 
+def test_an_int_seed_of_the_wrong_kind_is_explained(tmp_path):
+    """2**63 for an int64 seed was told to pass np.asarray(..., dtype=int64), which overflows; a numpy
+    int32 was "an int32 that becomes an int32 array"."""
+    m = gc.Model("e_seeded")
+    x, s = m.input("x", ("B", 3)), m.input("seed", (), dtype="int64")
+    m.minimize(gc.dropout(x @ m.param("W", (3, 2)), 0.5, s).mean())
+    mod = gc.compile(m, out=str(tmp_path), warm_cache=False)
+    p, x = mod.init_params(0), np.ones((2, 3), np.float32)
+    for seed, why in ((2**63, r"has dtype uint64, expected int64 \(9223372036854775808 is outside int64's range\)"),
+                      (np.int32(3), r"has dtype int32, expected int64 \(a numpy int32 scalar: pass np.asarray\("),
+                      (np.uint64(3), r"has dtype uint64, expected int64 \(a numpy uint64 scalar")):
+        with pytest.raises(ValueError, match=rf"input 'seed' {why}"):
+            mod.loss_and_grad(p, x=x, seed=seed)
+    assert np.isfinite(mod.loss_and_grad(p, x=x, seed=2**63 - 1)[0])
+
+
 def test_second_order_entries_check_the_inputs_when_the_hessian_reads_none(tmp_path):
     """The Hessian of (x @ W).mean() + ||W||^2 reads no input: hvp and hessian took no x at all, an int x of
     another shape, or a str, and answered. They check what loss_and_grad checks."""

@@ -36,13 +36,19 @@ def number_as_array(v):
 
 
 def _with_article(word):
-    return f"{'an' if str(word)[0] in 'aeiou' else 'a'} {word}"
+    return f"{'an' if str(word)[0] in 'aeio' else 'a'} {word}"   # (a uint64)
 
 
-def dtype_hint(given_as, dtype, expected):
-    """Why a value of `dtype` is refused where `expected` is."""
+def dtype_hint(given_as, dtype, expected, value=None):
+    """Why a value of `dtype` is refused where `expected` is (`value`: the array numpy made of it)."""
     if not given_as:
         return "gradc never casts inputs"
+    expected = np.dtype(expected)
+    if given_as == "int" and expected.kind == "i" and value is not None and value.size == 1 and not (
+            np.iinfo(expected).min <= int(value.flat[0]) <= np.iinfo(expected).max):
+        return f"{int(value.flat[0])} is outside {expected}'s range"
+    if given_as == np.dtype(dtype).name:   # a numpy scalar
+        return f"a numpy {dtype} scalar: pass np.asarray(..., dtype={expected})"
     return f"{_with_article(given_as)} becomes {_with_article(dtype)} array: pass np.asarray(..., dtype={expected})"
 
 
@@ -163,7 +169,7 @@ class Signature:
                 v, given_as = as_array(v)
             if array_dtype(v) != np.dtype(dtype):
                 raise ValueError(f"{self.model}.{entry}: input {name!r} has dtype {array_dtype(v)}, expected {dtype} "
-                                 f"({dtype_hint(given_as, array_dtype(v), dtype)})")
+                                 f"({dtype_hint(given_as, array_dtype(v), dtype, v)})")
             if len(v.shape) != len(shape):
                 raise ValueError(f"{self.model}.{entry}: input {name!r} has shape {_fmt(v.shape)}, expected {_fmt(shape)}")
             for d, actual in zip(shape, v.shape):
