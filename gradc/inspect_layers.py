@@ -3,7 +3,8 @@ inference and training peaks of the memory plan (seed 004's VGG-16 table, from a
 
 A layer is a forward product with weights or a pooling (an op of kind conv, matmul or pool); its
 weights are the params it reads and those its elementwise successors read (a bias); its output is
-its value (the activation after it has the same size).
+its value (the activation after it has the same size). A scan is one layer (an RNN): its weights are
+the params its steps read, its output the results the model reads (the final carries, the ys).
 """
 import os
 
@@ -47,6 +48,9 @@ def layer_rows(data):
     rows, pools = [], 0
     for n in sorted(nodes):
         node = nodes[n]
+        if n in model and node["op"] == "scan":
+            rows.append(_scan_row(n, nodes, operands, users, model, param_of, itemsize))
+            continue
         if n not in model or get_op(node["op"]).kind not in LAYER_KINDS:
             continue
         sent = [n] + [u for u in users[n] if nodes[u]["op"] == "transfer"]   # its bias may be added on the next stage
@@ -67,6 +71,24 @@ def layer_rows(data):
         weight_bytes = sum(_bytes(nodes[u]["shape"], itemsize) for u in weights)
         rows.append((label, node["op"], node["shape"], weight_bytes, _bytes(node["shape"], itemsize)))
     return rows
+
+
+def _param_under(u, nodes, operands, param_of):
+    """The param a value is, through layout ops (a bias reshaped to broadcast, a transfer), or None."""
+    while get_op(nodes[u]["op"]).kind == "layout" and operands[u]:
+        u = operands[u][0]
+    return u if u in param_of else None
+
+
+def _scan_row(n, nodes, operands, users, model, param_of, itemsize):
+    weights = list(dict.fromkeys(w for u in operands[n] if (w := _param_under(u, nodes, operands, param_of))
+                                 is not None))
+    results = [u for u in users[n] if u in model]   # what the model reads, not the stacks the backward reads
+    sizes = [_bytes(nodes[u]["shape"], itemsize) for u in results]
+    shape = nodes[results[0]]["shape"] if len(results) == 1 else ()
+    return (", ".join(param_of[u] for u in weights) or "scan", "scan", shape,
+            sum(_bytes(nodes[u]["shape"], itemsize) for u in weights),
+            None if None in sizes else sum(sizes))
 
 
 def layers_report(base, data):

@@ -113,3 +113,18 @@ def test_a_pipeline_builds_layers_keep_the_bias_added_on_the_next_stage(tmp_path
     assert any(n["op"] == "transfer" for n in graph["nodes"])
     rows = lambda out: [(label, wb) for label, _, _, wb, _ in layer_rows(_load(str(out / m.name))[1])]
     assert rows(tmp_path / "two") == rows(one) == [(f"W{i}, b{i}", (64 + 8) * 4) for i in range(6)]
+
+
+def test_a_scan_is_a_layer_with_the_weights_its_steps_read(tmp_path):
+    """An RNN's scan was left out of the table, and its weights out of the total."""
+    m = gc.Model("layers_rnn")
+    x, y, h0 = m.input("x", ("T", "B", 3)), m.input("y", ("B",), dtype="int64"), m.input("h0", ("B", 4))
+    W, U, b = m.param("W", (3, 4)), m.param("U", (4, 4)), m.param("b", (4,))
+    hT, hs = gc.scan(lambda h, xt: (gc.tanh(xt @ W + h @ U + b), h), gc.tanh(h0), x)
+    m.output("states", hs)
+    m.minimize(gc.softmax_cross_entropy(hT @ m.param("V", (4, 2)), y))
+    gc.compile(m, out=str(tmp_path), bind={"B": 5, "T": 7}, order=1, warm=False)
+    rows = layer_rows(_load(str(tmp_path / m.name))[1])
+    # the scan's output: the final carry (B, 4) and the states (T, B, 4) the model reads
+    assert [(label, op, wb, ob) for label, op, _, wb, ob in rows] == [
+        ("W, U, b", "scan", (12 + 16 + 4) * 4, (5 * 4 + 7 * 5 * 4) * 4), ("V", "matmul", 8 * 4, 5 * 2 * 4)]
