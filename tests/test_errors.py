@@ -430,6 +430,20 @@ def test_second_order_entries_check_the_inputs_when_the_hessian_reads_none(tmp_p
     np.testing.assert_array_equal(mod.hvp(p, v, x=np.ones((2, 3), np.float32))["W"], 2 * v["W"])
 
 
+def test_a_step_on_non_finite_params_says_they_are(small):
+    """After tr.params["w"] = NaN every step said the params were "left as they were before this step"."""
+    tr = small.Trainer(small.init_params(0))
+    x, y = _xy()
+    tr.params["w"] = np.full((3, 4), np.nan, np.float32)
+    for _ in range(2):
+        with pytest.raises(FloatingPointError, match=r"step 1: the loss is nan \(params 'w' hold non-finite "
+                                                     r"values already: assign finite ones into tr.params, or load a "
+                                                     r"checkpoint\); parameters and optimizer state are left as they"):
+            tr.step(x=x, y=y)
+    tr.params["w"] = np.ones((3, 4), np.float32)
+    assert np.isfinite(tr.step(x=x, y=y)) and tr.steps == 1
+
+
 def test_save_errors_name_the_users_path(small, tmp_path):
     """Saving to a folder's path raised IsADirectoryError about a temp file made in the parent; a folder
     that takes no files named the temp file, which the user never sees."""

@@ -358,6 +358,10 @@ class TrainerBase:
             what = (f"the loss is {loss}" if not math.isfinite(loss) else "the gradient is not finite"
                     if not math.isfinite(sq) else f"the update overflows {np.dtype(self.signature.float).name} in "
                     f"{int(bad)} value(s) (lr {self.lr:g} too large?)")
+            held = [k for k, v in self.params.items() if not np.isfinite(self._host(v)).all()]
+            if held:   # no step can mend them: say so, rather than only that they were left as they were
+                what += (f" (params {', '.join(map(repr, held))} hold non-finite values already: assign finite "
+                         f"ones into tr.params, or load a checkpoint)")
             raise FloatingPointError(f"{self.model_name}.Trainer.step {self.steps + 1}: {what}; parameters and "
                                      f"optimizer state are left as they were before this step")
         self.steps += 1
