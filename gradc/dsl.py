@@ -525,7 +525,20 @@ def _getitem(x, key, src):
     out = x
     if any(e is not None for e in index):
         out = _op("slice", x, src=src, index=tuple(index))
-    return out if tuple(final) == out.shape else reshape(out, tuple(final), src=src)
+    out = out if tuple(final) == out.shape else reshape(out, tuple(final), src=src)
+    base = x.model.graph.node(x.node)
+    base = base.get("name") or base.get("shown")
+    if out is not x and base:   # errors name it as the user wrote it: ii[:, 1], not "%5 (reshape)"
+        key_items = key if isinstance(key, tuple) else (key,)
+        out.model.graph.node(out.node)["shown"] = f"{base}[{', '.join(map(_index_text, key_items))}]"
+    return out
+
+
+def _index_text(item):
+    if isinstance(item, slice):
+        parts = ["" if v is None else str(_index_int(v)) for v in (item.start, item.stop, item.step)]
+        return ":".join(parts[:2] if not parts[2] else parts)
+    return "..." if item is Ellipsis else "None" if item is None else str(_index_int(item))
 
 
 def _tensor_list(op, tensors, src):

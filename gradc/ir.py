@@ -163,6 +163,8 @@ class Graph:
         node = self.nx.nodes[n]
         if node.get("name"):
             return repr(node["name"])
+        if node.get("shown"):   # an index of a named value, as the user wrote it (gradc/dsl.py)
+            return f"%{n} {node['shown']}"
         if node["op"] == "random":   # the DSL function that made it
             return f"%{n} (gc.{'dropout' if node['attrs']['dist'] == 'dropout' else 'gaussian_noise'})"
         return f"%{n} ({node['op']})"

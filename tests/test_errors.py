@@ -49,6 +49,9 @@ def test_shape_mismatch_names_file_line_op_and_shapes():
     (lambda m, x: gc.exp(m.input("i", ("B",), dtype="int64")), "elementwise ops take float operands"),
     (lambda m, x: gc.matmul(m.input("x3", ("B", 2, 4)), m.param("w3", (3, 4, 2))), r"batch dims \(B,\) and \(3,\)"),
     (lambda m, x: x + "text", "cannot use a str as a tensor"),
+    # an index of a named value is named as written, not "%5 (reshape)"
+    (lambda m, x: gc.exp(m.input("ii", ("B", 2), dtype="int64")[:, 1]), r"\(operands: %\d+ ii\[:, 1\] \(B,\) int64\)"),
+    (lambda m, x: x[:, 0:3] @ x[..., ::2], r"\(operands: %\d+ x\[:, 0:3\] \(B, 3\) float, %\d+ x\[..., ::2\] \(B, 2\)"),
     (lambda m, x: x + gc.Model("other").input("x", (4,)), "a tensor of model 'other' is used in model 'e2'"),
 ])
 def test_op_errors(build, match):
