@@ -78,7 +78,7 @@ def cuda_api(g, trainable, outputs, input_grads, order, grad_slices, shapes, cal
     lines = ["def forward(params, /, **inputs):",
              '    """The outputs (dict); with every input the objective needs, also "loss": the objective."""',
              "    p = _SIGNATURE.params(params)",
-             "    if _SIGNATURE.wants_loss(inputs, _LOSS_INPUTS, _OUTPUT_INPUTS):",
+             "    if _SIGNATURE.wants_loss(inputs, _LOSS_INPUTS, _OUTPUT_READS):",
              '        a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS + _OUTPUT_INPUTS, "forward", device_labels_later=True)',
              f"        {fwd_out + ', ' if outputs else ''}loss{'' if outputs else ','} = {run('_forward_loss')}",
              f"        return {{{fwd_dict + ', ' if outputs else ''}\"loss\": _loss_value(loss, a, \"forward\")}}"]

@@ -274,6 +274,9 @@ def generate(graph, plans, info):
                f"_ROWS = {info.get('rows')!r}")
     out.append(f"_LOSS_INPUTS = {inputs_of('_forward_loss')!r}")
     out.append(f"_OUTPUT_INPUTS = {inputs_of('_forward') if outputs else ()!r}")
+    # what the outputs read where they share a scan with the loss: given alone, they do not ask for the loss
+    read = g.ancestors(list(g.outputs.values()))
+    out.append(f"_OUTPUT_READS = {tuple(i for i, n in g.inputs.items() if n in read)!r}")
     if order == 2:
         out.append(f"_HVP_INPUTS = {inputs_of('_hvp_block')!r}")
 
@@ -312,7 +315,7 @@ def generate(graph, plans, info):
     lines = ["def forward(params, /, **inputs):",
              '    """The outputs (dict); with every input the objective needs, also "loss": the objective."""',
              "    p = _SIGNATURE.params(params)",
-             "    if _SIGNATURE.wants_loss(inputs, _LOSS_INPUTS, _OUTPUT_INPUTS):",
+             "    if _SIGNATURE.wants_loss(inputs, _LOSS_INPUTS, _OUTPUT_READS):",
              '        a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS + _OUTPUT_INPUTS, "forward")',
              f"        {fwd_out + ', ' if outputs else ''}loss{'' if outputs else ','} = _forward_loss({', '.join(call('_forward_loss') + [arena('_forward_loss')])})",
              f"        return {{{fwd_dict + ', ' if outputs else ''}\"loss\": float(loss)}}"]

@@ -798,6 +798,10 @@ def scan(step, init, xs, reverse=False):
                 raise GradcError(f"scan: the step ({step_src}) returns a {type(y).__name__} as y {m}; return "
                                  f"a tensor, a tuple of them or None", src)
             node = body._node(y, "scan", src)
+            if not bg.dtype(node).startswith("float"):   # (its range checks follow inputs, not a scan's results)
+                raise GradcError(f"scan: the step ({step_src}) returns y {m} of dtype {bg.dtype(node)}; a step's ys "
+                                 f"must be float: an int y is a rearrangement of the int sequence, so index that "
+                                 f"outside the scan", src)
             y_shapes.append(bg.shape(node))
             outputs.append(node if bg.shape(node) else bg.apply("reshape", [node], {"shape": (1,)}, src=src))
     finally:

@@ -29,7 +29,8 @@ def _size(b):
 
 
 def layer_rows(data):
-    """(label, op, shape, weight bytes, output bytes) per layer, in forward order."""
+    """(label, op, output shapes, weight bytes, output bytes) per layer, in forward order (a scan may have
+    several outputs: its final carries and ys)."""
     meta = data["graph"]
     itemsize = np.dtype(meta["dtype"]).itemsize
     nodes = {n["id"]: n for n in data["nodes"]}
@@ -55,26 +56,21 @@ def layer_rows(data):
             continue
         sent = [n] + [u for u in users[n] if nodes[u]["op"] == "transfer"]   # its bias may be added on the next stage
         readers = [u for v in sent for u in users[v] if u in model and get_op(nodes[u]["op"]).kind == "elementwise"]
-        weights = []
-        for m in [n] + readers:
-            for u in operands[m]:
-                # a bias reshaped to broadcast, or sent from the stage that owns it (a transfer is a layout op)
-                while get_op(nodes[u]["op"]).kind == "layout" and operands[u]:
-                    u = operands[u][0]
-                if u in param_of and u not in weights:
-                    weights.append(u)
+        weights = list(dict.fromkeys(w for m in [n] + readers for u in operands[m]
+                                     if (w := _param_under(u, nodes, operands, param_of)) is not None))
         if weights:
             label = ", ".join(param_of[u] for u in weights)
         else:
             pools += 1
             label = f"{node['op']} {pools}"
         weight_bytes = sum(_bytes(nodes[u]["shape"], itemsize) for u in weights)
-        rows.append((label, node["op"], node["shape"], weight_bytes, _bytes(node["shape"], itemsize)))
+        rows.append((label, node["op"], [node["shape"]], weight_bytes, _bytes(node["shape"], itemsize)))
     return rows
 
 
 def _param_under(u, nodes, operands, param_of):
-    """The param a value is, through layout ops (a bias reshaped to broadcast, a transfer), or None."""
+    """The param a value is, through layout ops (a bias reshaped to broadcast, or sent from the stage that
+    owns it: a transfer is a layout op), or None."""
     while get_op(nodes[u]["op"]).kind == "layout" and operands[u]:
         u = operands[u][0]
     return u if u in param_of else None
@@ -85,8 +81,7 @@ def _scan_row(n, nodes, operands, users, model, param_of, itemsize):
                                  is not None))
     results = [u for u in users[n] if u in model]   # what the model reads, not the stacks the backward reads
     sizes = [_bytes(nodes[u]["shape"], itemsize) for u in results]
-    shape = nodes[results[0]]["shape"] if len(results) == 1 else ()
-    return (", ".join(param_of[u] for u in weights) or "scan", "scan", shape,
+    return (", ".join(param_of[u] for u in weights) or "scan", "scan", [nodes[u]["shape"] for u in results],
             sum(_bytes(nodes[u]["shape"], itemsize) for u in weights),
             None if None in sizes else sum(sizes))
 
@@ -97,14 +92,14 @@ def layers_report(base, data):
         return ["layers: none (no conv, matmul or pool in the forward)"]
     lines = [f"layers ({data['graph']['dtype']}, shapes as compiled):",
              f"  {'layer (weights)':<22} {'op':<12} {'output shape':<22} {'weights':>12} {'output':>12}"]
-    for label, op, shape, wb, ob in rows:
-        shape_text = "(" + ", ".join(str(d) for d in shape) + ")"
+    for label, op, shapes, wb, ob in rows:
+        shape_text = " + ".join("(" + ", ".join(str(d) for d in shape) + ")" for shape in shapes)
         lines.append(f"  {label[:22]:<22} {op:<12} {shape_text:<22} {_size(wb):>12} {_size(ob):>12}")
     outputs = [ob for *_, ob in rows]
     total_out = None if None in outputs else sum(outputs)
     lines.append(f"  {'total':<22} {'':<12} {'':<22} {_size(sum(r[3] for r in rows)):>12} {_size(total_out):>12}")
     if total_out is None:
-        unbound = sorted({d for _, _, shape, _, _ in rows for d in shape if isinstance(d, str)})
+        unbound = sorted({d for _, _, shapes, _, _ in rows for shape in shapes for d in shape if isinstance(d, str)})
         return lines + [f"  (?: dims {', '.join(unbound)} are symbolic in the code; compile with --bind "
                         f"{unbound[0]}=INT for bytes and peaks: a --microbatches build keeps its batch dim "
                         f"symbolic, and --memory and --partition give its sizes per microbatch)"]

@@ -248,7 +248,8 @@ class Graph:
         g.add_edges_from(self.nx.edges(keys=True, data=True))
         data = nx.node_link_data(g, edges="links")
         data["graph"] = {"name": self.name, "inputs": self.inputs, "params": self.params,
-                         "outputs": self.outputs, "loss": self.loss, "objective": self.objective,
+                         "outputs": self.outputs, "forward_outputs": self.forward_outputs or self.outputs,
+                         "loss": self.loss, "objective": self.objective,
                          "grads": self.grads, "input_grads": self.input_grads, "tangents": self.tangents,
                          "hvps": self.hvps, **(extra or {})}
         return json_text(data, default=_jsonable)

@@ -64,14 +64,15 @@ def index_inputs(graph):
     for name, u in graph.inputs.items():
         if not graph.dtype(u).startswith("int"):
             continue
-        shape = graph.shape(u)
-        seen = [{bound: _fixed_positions(shape, b, mask) for bound, mask in m.get(u, {}).items()}
+        # a dim --bind fixed is still any size to the model (it is taken whole): its axis is not a position
+        shape, declared = graph.shape(u), graph.declared_shapes.get(u, graph.shape(u))
+        seen = [{bound: _fixed_positions(shape, declared, b, mask) for bound, mask in m.get(u, {}).items()}
                 for b, m in zip(BINDINGS, maps)]
         if not any(seen):
             continue
         positions = seen[0]
         if any(s.keys() != positions.keys() or any((s[k] != positions[k]).any() for k in s) for s in seen[1:]):
-            count = size(_fixed(shape))   # not the same in every binding: every bound on every element
+            count = size(_fixed(declared))   # not the same in every binding: every bound on every element
             positions = {bound: np.ones(count, bool) for s in seen for bound in s}
         out[name] = _compact(positions)
     return out
@@ -85,9 +86,10 @@ def _bound(shape, b):
     return tuple(b if isinstance(d, str) else d for d in shape)
 
 
-def _fixed_positions(shape, b, mask):
-    """Which flat positions over the fixed axes of `shape` a mask of its elements (dims b) touches."""
-    symbolic = tuple(i for i, d in enumerate(shape) if isinstance(d, str))
+def _fixed_positions(shape, declared, b, mask):
+    """Which flat positions over the fixed axes of the `declared` shape a mask of the elements of `shape`
+    (its symbolic dims b) touches."""
+    symbolic = tuple(i for i, d in enumerate(declared) if isinstance(d, str))
     return mask.reshape(_bound(shape, b)).any(axis=symbolic).reshape(-1)
 
 

@@ -68,10 +68,12 @@ def _lean_scan(graph, n, read, copied):
     lean.outputs = dict(zip(lean.outputs, inner))
     used = lean.ancestors(inner)
     names = list(lean.inputs)
-    # the carries stay (the loop threads them), and one sequence at least (it gives the length)
+    # the carries stay (the loop threads them), and one sequence at least (it gives the length): a float
+    # one where there is one (an int sequence is most likely the labels forward should not ask for)
     keep = [j for j, leaf in enumerate(leaves) if j < K or lean.inputs[names[j]] in used]
     if not any(K <= j < K + X for j in keep):
-        keep = sorted(keep + [K])
+        floats = [j for j in range(K, K + X) if lean.dtype(lean.inputs[names[j]]).startswith("float")]
+        keep = sorted(keep + [(floats or [K])[0]])
     lean.inputs = {names[j]: lean.inputs[names[j]] for j in keep}
     lean.remove([v for v in lean.nx.nodes if v not in lean.ancestors(list(lean.outputs.values()))
                  and v not in lean.inputs.values()])

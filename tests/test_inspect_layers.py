@@ -7,7 +7,7 @@ import pytest
 
 import gradc as gc
 from gradc.inspect_build import _load, report
-from gradc.inspect_layers import layer_rows
+from gradc.inspect_layers import layer_rows, layers_report
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "vgg16.py"
 MIB = 2 ** 20
@@ -128,3 +128,7 @@ def test_a_scan_is_a_layer_with_the_weights_its_steps_read(tmp_path):
     # the scan's output: the final carry (B, 4) and the states (T, B, 4) the model reads
     assert [(label, op, wb, ob) for label, op, _, wb, ob in rows] == [
         ("W, U, b", "scan", (12 + 16 + 4) * 4, (5 * 4 + 7 * 5 * 4) * 4), ("V", "matmul", 8 * 4, 5 * 2 * 4)]
+    # dims left symbolic: the scan's two results are shown (a lone () read as a scalar; the report crashed)
+    gc.compile(m, out=str(tmp_path / "free"), order=1, warm=False)
+    text = "\n".join(layers_report(str(tmp_path / "free" / m.name), _load(str(tmp_path / "free" / m.name))[1]))
+    assert "(B, 4) + (T, B, 4)" in text and "dims B, T are symbolic" in text, text

@@ -192,6 +192,37 @@ def test_each_element_of_an_int_input_is_checked_against_what_it_indexes(tmp_pat
     assert tr.steps == 0
 
 
+def test_a_bound_batch_dim_is_not_a_position_of_the_checks(tmp_path):
+    """With --bind B, every row of a packed input became a position of its own: a range per row in the
+    module, walked at every call."""
+    unbound = compile_model(packed(), out=str(tmp_path / "free"), dtype="float64", order=1, warm_cache=False)
+    bound = compile_model(packed(), out=str(tmp_path / "bound"), dtype="float64", order=1, warm_cache=False,
+                          bind={"B": 4096, "T": T})
+    assert bound._LABELS == unbound._LABELS
+    pr = np.zeros((4096, 3), np.int64)
+    pr[4000, 0] = 8
+    with pytest.raises(ValueError, match=r"input 'pr' holds 8 at \[4000, 0\], outside 0..7"):
+        bound.forward(bound.init_params(0), pr=pr, seq=np.zeros((T, 4096, 2), np.int64))
+
+
+def test_a_bound_by_a_dim_whose_carrier_is_not_given_is_not_checked(tmp_path):
+    """Labels read as table rows (10) by an output and as classes of an input table (V) by the loss: forward
+    with the labels alone raised AssertionError (no input carries V), and so did the compile's warm-up."""
+    m = gc.Model("int_carrier")
+    y, tbl = m.input("y", ("B",), dtype="int64"), m.input("tbl", ("B", "V"))
+    emb = gc.take(m.param("P", (10, 4), init="normal"), y)
+    m.output("emb", emb)
+    m.minimize(gc.softmax_cross_entropy(tbl, y) + (emb * emb).sum())
+    mod = compile_model(m, out=str(tmp_path), dtype="float64", order=1)
+    assert mod._LABELS == {"y": {10: [(0, 1)], "V": [(0, 1)]}} and mod._OUTPUT_INPUTS == ("y",)
+    p, y = mod.init_params(0), np.array([9, 0, 5])
+    np.testing.assert_array_equal(mod.forward(p, y=y)["emb"], p["P"][y])
+    with pytest.raises(ValueError, match=r"input 'y' holds 9 at \[0\], outside 0..3: .* index 4 classes"):
+        mod.forward(p, y=y, tbl=np.zeros((3, 4)))
+    with pytest.raises(ValueError, match=r"input 'y' holds 10 at \[2\], outside 0..9"):
+        mod.forward(p, y=np.array([1, 2, 10]))
+
+
 @pytest.mark.slow
 def test_int_values_on_the_cuda_target_under_the_simulator(tmp_path):
     errors = json.loads(cuda_script(__file__, tmp_path))

@@ -16,7 +16,7 @@ from gradc.interpret import evaluate
 from gradc.passes.likelihood_ratio import estimate_nodes
 from gradc.passes.lr_sites import KB
 from gradc.passes.pipeline import build_training_graph
-from gradc.runtime.lr import LikelihoodRatio
+from gradc.runtime.lr import KEPT_HOST_SETS, LikelihoodRatio
 
 SCALARS = ("lr:seed", "lr:half", "lr:sigma", "lr:scale", "lr:baseline")
 
@@ -252,6 +252,14 @@ def test_compiled_lr_grad_and_trainer(build_dir):
         np.testing.assert_allclose(np.concatenate([grads[p].ravel() for p in mod.TRAINABLE]), est, rtol=1e-9,
                                    atol=1e-9)
         assert loss == mod.loss_and_grad(params, **inputs)[0]   # the unperturbed objective
+    # a sweep over batch sizes: the host module keeps the leaves of the last few, and a size seen again
+    # (made anew) gives the same estimate
+    first = mod.lr_grad(params, samples=4, seed=3, **inputs)[1]
+    for rows in range(1, 13):
+        mod.lr_grad(params, samples=4, seed=3, x=rng.normal(size=(rows, 5)), y=rng.integers(0, 3, rows))
+    assert len(mod._LR._kept) == KEPT_HOST_SETS
+    again = mod.lr_grad(params, samples=4, seed=3, **inputs)[1]
+    assert all(np.array_equal(first[k], again[k]) for k in first)
     with pytest.raises(ValueError, match="odd"):
         mod.lr_grad(params, samples=3, **inputs)
     with pytest.raises(ValueError, match="sigma"):

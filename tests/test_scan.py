@@ -204,6 +204,11 @@ def test_bad_step_functions_name_the_line():
         gc.scan(lambda h, xt: (h, None), h0, (x, m.input("z", ("S", 2))))
     with pytest.raises(GradcError, match=r"test_scan.py:\d+: matmul: inner dims differ"):
         gc.scan(lambda h, xt: (h @ W, None), h0, x)
+    # an int y went unchecked where it was read as labels (a wild read for a label out of range)
+    tok = m.input("tok", ("T", "B"), dtype="int64")
+    with pytest.raises(GradcError, match=r"test_scan.py:\d+: scan: the step .* returns y 1 of dtype int64; a step's ys "
+                                         r"must be float"):
+        gc.scan(lambda h, xs: (h, (h, xs[1])), h0, (x, tok))
     leaked = []
     gc.scan(lambda h, xt: (leaked.append(h * 2) or h, None), h0, x)
     with pytest.raises(GradcError, match=r"computed inside the step of gc.scan .* is used outside it"):
@@ -664,10 +669,10 @@ def test_labels_and_table_rows_read_in_a_step_are_checked_at_call_time(tmp_path)
     np.testing.assert_array_equal(tr.params["W"], p["W"])   # no step ran
 
 
-def _tagger(teacher_forcing=False):
+def _tagger(teacher_forcing=False, weighted=False):
     """A sequence tagger whose step returns its logits and its loss (the loss reads the labels); inside
     an outer scan over sentences, so that the lean copy goes through a nested scan too."""
-    m = gc.Model("tagger_tf" if teacher_forcing else "tagger")
+    m = gc.Model("tagger_tf" if teacher_forcing else "tagger_wt" if weighted else "tagger")
     x = m.input("x", ("S", "T", "B", 3))
     y = m.input("y", ("S", "T", "B"), dtype="int64")
     h0 = m.input("h0", ("B", 4))
@@ -685,7 +690,7 @@ def _tagger(teacher_forcing=False):
     hS, (logits, losses) = gc.scan(sentence, h0, (x, y))
     m.output("logits", logits)
     m.output("last", hS)
-    m.minimize(losses.mean())
+    m.minimize((losses * m.input("wt", ("S",))).mean() if weighted else losses.mean())
     return m
 
 
@@ -719,6 +724,11 @@ def test_forward_needs_only_the_inputs_its_outputs_read(tmp_path):
     source = (tmp_path / "tagger" / "tagger.py").read_text()
     forward = source[source.index("def _forward("):source.index("def _forward_loss(")]
     assert "in_y" not in forward and "xent" not in forward, forward
+    # the labels given without the rest of what the loss reads: the outputs alone, as before the lean copy
+    weighted = gc.compile(_tagger(weighted=True), out=str(tmp_path / "wt"), dtype="float64", warm=False)
+    assert weighted._OUTPUT_INPUTS == ("x", "h0") and weighted._OUTPUT_READS == ("x", "y", "h0")
+    assert set(weighted.forward(params, **inputs)) == {"logits", "last"}
+    assert set(weighted.forward(params, **inputs, wt=np.ones(S))) == {"logits", "last", "loss"}
     # a step whose carry reads the labels needs them for the outputs too
     teacher = gc.compile(_tagger(teacher_forcing=True), out=str(tmp_path / "tf"), dtype="float64", warm=False)
     assert teacher._OUTPUT_INPUTS == ("x", "y", "h0")

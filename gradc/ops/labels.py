@@ -38,9 +38,12 @@ def _lowering(key, source):
     return lower
 
 
+# the module checks labels at call time; the kernels still never read or write outside a row (a NaN loss)
 CPU_PICK = lambda name: (f"def {name}(x0, labels, out):\n"
                          "    for i in range(out.shape[0]):\n"
-                         "        out[i] = x0[i, labels[i]]", "out[i] = x0[i, labels[i]]")
+                         "        label = labels[i]\n"
+                         "        out[i] = x0[i, label] if 0 <= label < x0.shape[1] else math.nan",
+                         "out[i] = x0[i, labels[i]]")
 CUDA_PICK = lambda name: (f"def {name}(x0, labels, out):\n"
                           "    i = cuda.grid(1)\n"
                           "    if i < out.shape[0]:\n"
@@ -50,7 +53,8 @@ CUDA_PICK = lambda name: (f"def {name}(x0, labels, out):\n"
 CPU_PICK_GRAD = lambda name: (f"def {name}(g, labels, out):\n"
                               "    out[:] = 0.0\n"
                               "    for i in range(out.shape[0]):\n"
-                              "        out[i, labels[i]] = g[i]", "out[i, labels[i]] = g[i], zeros elsewhere")
+                              "        if 0 <= labels[i] < out.shape[1]:\n"
+                              "            out[i, labels[i]] = g[i]", "out[i, labels[i]] = g[i], zeros elsewhere")
 CUDA_PICK_GRAD = lambda name: (f"def {name}(g, labels, out):\n"
                                "    i = cuda.grid(1)\n"
                                "    if i < out.shape[0]:\n"
@@ -59,7 +63,9 @@ CUDA_PICK_GRAD = lambda name: (f"def {name}(g, labels, out):\n"
                                "out[i, labels[i]] = g[i], zeros elsewhere", ("rows", -1, (1,)))
 CPU_XENT_ROWS = lambda name: ("\n".join([
     f"def {name}(x0, labels, out):", "    for i in range(x0.shape[0]):", *row_max_and_sum_exp("        "),
-    "        out[i] = m + math.log(total) - x0[i, labels[i]]"]), "out[i] = logsumexp(x[i]) - x[i, labels[i]]")
+    "        label = labels[i]",
+    "        out[i] = m + math.log(total) - x0[i, label] if 0 <= label < x0.shape[1] else math.nan"]),
+    "out[i] = logsumexp(x[i]) - x[i, labels[i]]")
 CUDA_XENT_ROWS = lambda name: ("\n".join([
     f"def {name}(x0, labels, out):", *ROW_HEADER, *row_max_and_sum_exp("    "),
     "    label = labels[i]",

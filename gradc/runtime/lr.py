@@ -7,6 +7,7 @@ rows. Also the Trainer's gradient="lr" options, checked when the Trainer is made
 import math
 import numbers
 import threading
+from collections import OrderedDict
 from types import MappingProxyType
 
 import numpy as np
@@ -15,6 +16,7 @@ from .host_memory import available_bytes
 
 SIGMA = 1e-2      # lr_grad's default noise std: small enough for little bias, large enough for float32 losses
 SAMPLES = 64
+KEPT_HOST_SETS = 8   # sets of lasting leaves (one per options and batch size) a host module keeps
 KEYWORDS = ("samples", "sigma", "seed", "antithetic", "layerwise", "baseline")   # lr_grad's, beside **inputs
 
 
@@ -29,7 +31,7 @@ class LikelihoodRatio:
         self.float = np.dtype(float_type)
         self.info = info
         self.taken = [k for k in KEYWORDS if k in inputs]   # inputs a call of lr_grad could not give
-        self._kept = {}   # (options, rows, adopt) -> the leaves calls share (LikelihoodRatio.leaves)
+        self._kept = OrderedDict()   # (options, rows, adopt) -> the leaves calls share (LikelihoodRatio.leaves)
         self._kept_lock = threading.Lock()
 
     def refuse(self, what="lr_grad"):
@@ -83,6 +85,12 @@ class LikelihoodRatio:
             if kept is None:   # (checked when first made: not at every call of a training loop)
                 self._refuse_beyond_memory(samples, layerwise, rows)
                 kept = self._kept[options] = self._lasting(samples, antithetic, layerwise, baseline, rows, adopt)
+                # host sets beyond the last few used go (a sweep over batch sizes made one each, for good); a
+                # device set stays: a captured CUDA graph reads it in place
+                host = [key for key in self._kept if key[-1] is None]
+                for key in host[:max(len(host) - KEPT_HOST_SETS, 0)]:
+                    del self._kept[key]
+            self._kept.move_to_end(options)
         total = self.copies(samples, layerwise)
         out = {**a, **kept, "lr:seed": np.array([seed], dtype=np.int64),
                "lr:sigma": np.array([sigma], dtype=self.float)}

@@ -143,9 +143,11 @@ class Signature:
             raise ValueError(f"{what} has dtype {v.dtype}, expected {self.float} ({dtype_hint(given_as, v.dtype, self.float)})")
         return v
 
-    def wants_loss(self, given, loss_inputs, output_inputs):
-        """forward(): the objective is computed when every input it needs is given."""
-        return all(k in given for k in loss_inputs) or any(k not in output_inputs for k in given)
+    def wants_loss(self, given, loss_inputs, output_reads):
+        """forward(): the objective is computed when every input it needs is given, or one the outputs do not
+        read (then the loss's missing inputs are named); `output_reads` counts those of a scan the outputs
+        share with the loss, though their own copy of it may not read them (passes/forward_outputs.py)."""
+        return all(k in given for k in loss_inputs) or any(k not in output_reads for k in given)
 
     def inputs(self, given, needed, entry, device_labels_later=False):
         """Checked inputs for `entry`, in call form; symbolic dims must agree across inputs.
@@ -201,25 +203,29 @@ class Signature:
             if v is None or not v.size or (skip_device and self._on_device(v)):
                 continue
             v = to_numpy(v) if self._on_device(v) else v
-            shape = self.inputs_spec[name][0]
+            shape = self.declared.get(name, self.inputs_spec[name][0])   # (positions are over the declared fixed axes)
             for bound, ranges in (limits.items() if isinstance(limits, dict) else ((limits, None),)):
                 n = bound if not isinstance(bound, str) else self._dim_of(inputs, bound)
+                if n is None:   # the dim's carrier is not given: what reads this bound is not computed
+                    continue
                 lo, hi = (int(end) for end in _range_of(v if ranges is None else _at(v, shape, ranges)))
                 if lo < 0 or hi >= n:
                     bad = (v < 0) | (v >= n)
                     if ranges is not None:
                         bad &= _mask(v, shape, ranges)
                     at = tuple(int(i) for i in np.argwhere(bad)[0])
-                    raise ValueError(f"{self.model}.{entry}: input {name!r} holds {v[at]} at {list(at)}, outside "
+                    where = f" at {list(at)}" if shape else ""   # (a () input is held as (1,))
+                    raise ValueError(f"{self.model}.{entry}: input {name!r} holds {v[at]}{where}, outside "
                                      f"0..{n - 1}: {'its values' if ranges is None else 'the values there'} index {n} "
                                      f"classes or table rows")
 
     def _dim_of(self, inputs, dim):
+        """The size of symbolic dim `dim` in the given inputs; None when none carries it."""
         for name, v in inputs.items():
             shape = self.inputs_spec[name][0]
             if dim in shape:
                 return v.shape[shape.index(dim)]
-        raise AssertionError(f"no input carries dim {dim}")
+        return None
 
 
 def _mask(v, shape, ranges):

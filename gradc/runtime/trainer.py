@@ -392,7 +392,8 @@ class TrainerBase:
             write_replacing(target, lambda f: np.savez(f, **arrays), prefix=".ckpt-", suffix=".npz", mode=mode,
                             sync=True)
         except OSError as e:   # it named the temp file, which the user never sees
-            raise type(e)(e.errno, f"{os.fspath(path)}: cannot write the checkpoint: {e.strerror}") from e
+            why = f"{os.fspath(path)}: cannot write the checkpoint: {e.strerror or e}"
+            raise (type(e)(e.errno, why) if e.errno is not None else type(e)(why)) from e
 
     def save(self, path):
         """Write params and optimizer state to `path` (.npz) atomically: a crash leaves the old file, and
