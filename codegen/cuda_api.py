@@ -57,7 +57,7 @@ def cuda_api(g, trainable, outputs, input_grads, order, grad_slices, shapes, cal
             out of range makes it NaN in the kernels): then the ValueError names the label."""
             value = _CUDA.scalar(loss)
             if value != value:
-                _SIGNATURE.check_labels(a, entry)
+                _SIGNATURE.check_indices(a, entry)
             return value
 
 

@@ -236,12 +236,12 @@ def generate(graph, plans, info):
     out.append(f"_INITS = {inits!r}")
     out.append("# int inputs whose values index classes or table rows -> how many: one bound, or per bound the")
     out.append("# ranges of flat positions over the input's fixed axes that it limits")
-    out.append(f"_LABELS = {info['labels']!r}")
+    out.append(f"_INDEX_BOUNDS = {info['index_bounds']!r}")
     declared = {i: tuple(g.declared_shapes[n]) for i, n in g.inputs.items()
                 if tuple(g.declared_shapes.get(n, g.shape(n))) != tuple(g.shape(n))}
     if declared:
         out.append(f"_DECLARED = {declared!r}   # the inputs' shapes as declared, where --bind fixed a dim")
-    out.append("_SIGNATURE = Signature(MODEL_NAME, PARAM_SHAPES, INPUTS, FLOAT, _LABELS" + (", devices=True" if cuda else "")
+    out.append("_SIGNATURE = Signature(MODEL_NAME, PARAM_SHAPES, INPUTS, FLOAT, _INDEX_BOUNDS" + (", devices=True" if cuda else "")
                + (", declared=_DECLARED)" if declared else ")"))
     several = len({t["device"] for plan in plans.values() for t in plan["tensors"]}) > 1
     out.append("# the arena buffers of each entry point, in the order it reads them: (shape, first step, last step"

@@ -132,7 +132,7 @@ def _synthetic_inputs(module, dims):
     for name, (shape, dtype) in module.INPUTS.items():
         concrete = tuple(dims.get(d, 3) if isinstance(d, str) else d for d in shape)
         if dtype.startswith("int"):
-            limits = module._LABELS.get(name, 1)
+            limits = module._INDEX_BOUNDS.get(name, 1)
             n = min(dims.get(bound, 3) if isinstance(bound, str) else bound
                     for bound in (limits if isinstance(limits, dict) else (limits,)))
             values[name] = rng.integers(0, n, size=concrete).astype(dtype)
@@ -461,7 +461,7 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
         use_bppsa(graph)
     name = model.name
     info = {"name": name, "version": __version__, "dtype": dtype, "fingerprint": fingerprint(model, dtype, dims),
-            "param_info": model.param_info, "labels": index_inputs(graph), "order": order, "target": target,
+            "param_info": model.param_info, "index_bounds": index_inputs(graph), "order": order, "target": target,
             "source": source or model.src.rsplit(":", 1)[0]}
     budget = resolve_budget(graph, memory_budget, options_src or model.src, dims)
     pipelined = pipe["K"] > 1 or pipe["M"] > 1   # the budget is then each stage's (plan_pipeline)

@@ -207,7 +207,7 @@ def _inputs(module, rng, batch=5):
     for name, (shape, dtype) in module.INPUTS.items():
         concrete = tuple(batch if isinstance(d, str) else d for d in shape)
         if dtype.startswith("int"):
-            out[name] = rng.integers(0, module._LABELS[name], concrete).astype(dtype)
+            out[name] = rng.integers(0, module._INDEX_BOUNDS[name], concrete).astype(dtype)
         else:
             out[name] = np.asarray(rng.uniform(0.5, 1.5, concrete) * rng.choice([-1, 1], concrete), dtype=dtype)
     if "temp" in out:

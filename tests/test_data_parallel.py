@@ -116,7 +116,7 @@ def _inputs(mod, rng):
     out = {}
     for name, (shape, dtype) in mod.INPUTS.items():
         concrete = tuple(BATCH if isinstance(d, str) else d for d in shape)
-        out[name] = (rng.integers(0, mod._LABELS[name], size=concrete) if dtype.startswith("int")
+        out[name] = (rng.integers(0, mod._INDEX_BOUNDS[name], size=concrete) if dtype.startswith("int")
                      else rng.standard_normal(concrete)).astype(dtype)
     return out
 

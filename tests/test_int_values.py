@@ -162,7 +162,7 @@ def test_each_element_of_an_int_input_is_checked_against_what_it_indexes(tmp_pat
     index of 7 into 8 rows was refused as a label of 3 classes. Each element is now checked against
     the bounds of the ops that read it (both, where two do), inside a scan's steps too."""
     mod = compile_model(packed(), out=str(tmp_path), dtype="float64", order=1, warm_cache=False)
-    assert mod._LABELS == {"pr": {3: [(1, 3)], 8: [(0, 1), (2, 3)]}, "seq": {3: [(1, 2)], 6: [(0, 1)]}}
+    assert mod._INDEX_BOUNDS == {"pr": {3: [(1, 3)], 8: [(0, 1), (2, 3)]}, "seq": {3: [(1, 2)], 6: [(0, 1)]}}
     rng = np.random.default_rng(5)
     params = {k: rng.standard_normal(s) for k, s in mod.PARAM_SHAPES.items()}
     pr = np.stack([rng.integers(0, 8, B), rng.integers(0, 3, B), rng.integers(0, 3, B)], axis=1)
@@ -198,7 +198,7 @@ def test_a_bound_batch_dim_is_not_a_position_of_the_checks(tmp_path):
     unbound = compile_model(packed(), out=str(tmp_path / "free"), dtype="float64", order=1, warm_cache=False)
     bound = compile_model(packed(), out=str(tmp_path / "bound"), dtype="float64", order=1, warm_cache=False,
                           bind={"B": 4096, "T": T})
-    assert bound._LABELS == unbound._LABELS
+    assert bound._INDEX_BOUNDS == unbound._INDEX_BOUNDS
     pr = np.zeros((4096, 3), np.int64)
     pr[4000, 0] = 8
     with pytest.raises(ValueError, match=r"input 'pr' holds 8 at \[4000, 0\], outside 0..7"):
@@ -214,7 +214,7 @@ def test_a_bound_by_a_dim_whose_carrier_is_not_given_is_not_checked(tmp_path):
     m.output("emb", emb)
     m.minimize(gc.softmax_cross_entropy(tbl, y) + (emb * emb).sum())
     mod = compile_model(m, out=str(tmp_path), dtype="float64", order=1)
-    assert mod._LABELS == {"y": {10: [(0, 1)], "V": [(0, 1)]}} and mod._OUTPUT_INPUTS == ("y",)
+    assert mod._INDEX_BOUNDS == {"y": {10: [(0, 1)], "V": [(0, 1)]}} and mod._OUTPUT_INPUTS == ("y",)
     p, y = mod.init_params(0), np.array([9, 0, 5])
     np.testing.assert_array_equal(mod.forward(p, y=y)["emb"], p["P"][y])
     with pytest.raises(ValueError, match=r"input 'y' holds 9 at \[0\], outside 0..3: .* index 4 classes"):

@@ -256,7 +256,7 @@ def _inputs(module, batch, rng):
     for name, (shape, dtype) in module.INPUTS.items():
         concrete = tuple(batch if isinstance(d, str) else d for d in shape)
         if dtype.startswith("int"):
-            out[name] = rng.integers(0, module._LABELS[name], size=concrete).astype(dtype)
+            out[name] = rng.integers(0, module._INDEX_BOUNDS[name], size=concrete).astype(dtype)
         else:
             out[name] = rng.standard_normal(concrete).astype(dtype)
     return out

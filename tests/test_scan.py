@@ -648,7 +648,7 @@ def test_labels_and_table_rows_read_in_a_step_are_checked_at_call_time(tmp_path)
     _, losses = gc.scan(step, h0, (tok, tgt))
     m.minimize(losses.mean())
     mod = gc.compile(m, out=str(tmp_path), dtype="float64", warm_cache=False)
-    assert mod._LABELS == {"tok": 5, "tgt": 4, "last": 4}
+    assert mod._INDEX_BOUNDS == {"tok": 5, "tgt": 4, "last": 4}
     rng = np.random.default_rng(4)
     T, B = 3, 2
     good = {"tok": rng.integers(0, 5, (T, B)), "tgt": rng.integers(0, 4, (T, B)), "last": rng.integers(0, 4, B),

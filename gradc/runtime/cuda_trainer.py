@@ -267,6 +267,6 @@ class CudaTrainerBase(TrainerBase):
                 self._launch_apply(self._grads, self._flat, *state, self._hyper, self._status, run.stream)
         loss, sq, bad = (float(x) for x in run.host(self._status))
         if loss != loss:   # a device label out of range gives NaN: name it (nothing was updated)
-            self.signature.check_labels(a, "Trainer.step")
+            self.signature.check_indices(a, "Trainer.step")
         self._count_step(loss, sq, bad)
         return loss

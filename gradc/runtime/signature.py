@@ -58,13 +58,13 @@ def _fmt(shape):
 
 
 class Signature:
-    def __init__(self, model_name, param_shapes, inputs, float_dtype, labels, devices=False, declared=None):
+    def __init__(self, model_name, param_shapes, inputs, float_dtype, index_bounds, devices=False, declared=None):
         self.model = model_name
         self.devices = devices    # a --target cuda module: CUDA arrays are accepted where they are
         self.param_shapes = param_shapes
         self.inputs_spec = inputs
         self.float = np.dtype(float_dtype)
-        self.labels = labels
+        self.index_bounds = index_bounds   # int inputs -> what their values index (passes/analysis.py index_inputs)
         self.declared = declared or {}   # input -> its declared shape, where --bind made a dim an int
 
     def _bound_hint(self, name, shape, given):
@@ -153,7 +153,7 @@ class Signature:
         """Checked inputs for `entry`, in call form; symbolic dims must agree across inputs.
 
         device_labels_later: labels already on a device are not copied to the host here; the
-        kernels turn a label out of range into a NaN loss, and the caller runs check_labels then."""
+        kernels turn a label out of range into a NaN loss, and the caller runs check_indices then."""
         unknown = [k for k in given if k not in self.inputs_spec]
         if unknown:
             raise ValueError(f"{self.model}.{entry}: unknown input {', '.join(map(repr, unknown))} "
@@ -192,13 +192,14 @@ class Signature:
             if not device and not v.flags.c_contiguous:
                 v = np.ascontiguousarray(v)
             out[name] = v.reshape(1) if len(shape) == 0 else v
-        self.check_labels(out, entry, skip_device=device_labels_later)
+        self.check_indices(out, entry, skip_device=device_labels_later)
         return out
 
-    def check_labels(self, inputs, entry, skip_device=False):
-        """ValueError naming the first label input that holds a class out of range (passes/analysis.py
-        `index_inputs` says what self.labels holds: a bound per input, or bounds per position)."""
-        for name, limits in self.labels.items():
+    def check_indices(self, inputs, entry, skip_device=False):
+        """ValueError naming the first int input that holds a label or table row out of range, and where
+        (passes/analysis.py `index_inputs` says what self.index_bounds holds: a bound per input, or bounds
+        per position)."""
+        for name, limits in self.index_bounds.items():
             v = inputs.get(name)
             if v is None or not v.size or (skip_device and self._on_device(v)):
                 continue
