@@ -87,8 +87,8 @@ class LikelihoodRatio:
                 kept = self._kept[options] = self._lasting(samples, antithetic, layerwise, baseline, rows, adopt)
                 # host sets beyond the last few used go (a sweep over batch sizes made one each, for good); a
                 # device set stays: a captured CUDA graph reads it in place
-                host = [key for key in self._kept if key[-1] is None]
-                for key in host[:max(len(host) - KEPT_HOST_SETS, 0)]:
+                on_host = [key for key in self._kept if key[-1] is None]
+                for key in on_host[:max(len(on_host) - KEPT_HOST_SETS, 0)]:
                     del self._kept[key]
             self._kept.move_to_end(options)
         total = self.copies(samples, layerwise)
