@@ -590,12 +590,15 @@ def take(table, idx):
     """Embedding lookup: rows of a (V, D) float table at an int tensor idx of any shape -> idx.shape + (D,).
     An index outside 0..V-1 is an error (the module refuses such an input with ValueError)."""
     src = user_src()
-    if not isinstance(table, Tensor):
-        raise GradcError(f"take: the table must be a gradc Tensor (a param (V, D)), got {type(table).__name__}", src)
     if not isinstance(idx, Tensor) or not idx.dtype.startswith("int"):
         got = (f"{idx.model.graph.describe(idx.node)} of dtype {idx.dtype}" if isinstance(idx, Tensor)
                else type(idx).__name__)
         raise GradcError(f"take: the indices must be an int gradc Tensor (an input with dtype='int64'), got {got}", src)
+    if isinstance(table, np.ndarray):   # a constant table, as numpy arrays are constants everywhere
+        table = Tensor(idx.model, idx.model._node(table, "take", src))
+    if not isinstance(table, Tensor):
+        raise GradcError(f"take: the table must be a gradc Tensor or a numpy array (V, D), got "
+                         f"{type(table).__name__}", src)
     if table.ndim != 2:
         raise GradcError(f"take: the table must have shape (V, D), got {fmt(table.shape)}", src)
     return _op("take", table, idx, src=src)

@@ -59,8 +59,9 @@ def _lean_scan(graph, n, read, copied):
     body, leaves, outputs, K, X, C, M = parts(attrs)
     ys = [i for i in range(M) if index_of(attrs, YS, i) in read]
     operands = [_value(copied.get(u, u)) for u in graph.operands(n)]
-    if len(ys) == M and operands == graph.operands(n):
-        return None
+    read_leaves = body.ancestors(outputs)
+    if len(ys) == M and operands == graph.operands(n) and all(leaf in read_leaves for leaf in leaves[K:]):
+        return None   # (a leaf no step reads, a sequence the step ignores, would be asked for in vain)
     lean = copy.deepcopy(body)
     kept_outputs = [f for j, f in enumerate(lean.outputs) if j < K or j - K in ys]
     lean.outputs = {name: lean.outputs[name] for name in kept_outputs}

@@ -111,7 +111,10 @@ class ScanNoise:
                 continue
             src = body.node(m)["src"]
             if isinstance(w, tuple):
-                raise Unsupported(f"{src}: {body.describe(m)} reduces over the batch rows inside the step of a scan")
+                raise Unsupported(f"{src}: {body.describe(m)} reduces over the batch rows inside the step of a scan (a "
+                                  f"batch mean such as softmax_cross_entropy's mixes the noised copies' rows): return "
+                                  f"per-row values from the step and reduce them outside the scan, e.g. "
+                                  f"-(gc.log_softmax(logits, axis=-1) * gc.take(np.eye(C), y)).sum(axis=1)")
             op, a = body.op(m), dict(body.attrs(m))
             if op == "scan":
                 raise Unsupported(f"{src}: lr_grad does not follow a scan nested in another scan's step")

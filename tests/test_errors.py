@@ -599,6 +599,13 @@ def test_bad_compile_options_name_the_compile_call(tmp_path):
         bound.loss_and_grad(p, x=np.ones((4, 3), np.float32))
     with pytest.raises(ValueError, match=r"input 'x' has shape \(5, 4\), expected \(5, 3\)$"):
         bound.loss_and_grad(p, x=np.ones((5, 4), np.float32))
+    # a microbatch build keeps its batch dim symbolic in the code: only the other bound dims are named
+    m = gc.Model("e_micro")
+    x = m.input("x", ("B", "D"))
+    m.minimize((x * x).sum())
+    micro = gc.compile(m, out=str(tmp_path / "micro"), warm="none", bind={"B": 4, "D": 3}, microbatches=2)
+    with pytest.raises(ValueError, match=r"input 'x' has shape \(4, 5\), expected \(B, 3\) \(D=3 was bound when"):
+        micro.loss_and_grad({}, x=np.ones((4, 5), np.float32))
 
 
 def test_cuda_arrays_are_checked_from_their_interface():

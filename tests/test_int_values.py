@@ -205,6 +205,25 @@ def test_a_bound_batch_dim_is_not_a_position_of_the_checks(tmp_path):
         bound.forward(bound.init_params(0), pr=pr, seq=np.zeros((T, 4096, 2), np.int64))
 
 
+def test_a_numpy_table_is_a_constant_of_take(tmp_path):
+    """gc.take refused a numpy array (numpy arrays are constants everywhere else): a one-hot table makes a
+    per-row cross-entropy."""
+    m = gc.Model("int_onehot")
+    x, y = m.input("x", ("B", 4)), m.input("y", ("B",), dtype="int64")
+    logits = x @ m.param("W", (4, 4))
+    m.minimize(-(gc.log_softmax(logits, axis=-1) * gc.take(np.eye(4), y)).sum(axis=1).mean())
+    mod = compile_model(m, out=str(tmp_path), dtype="float64", order=1, warm_cache=False)
+    assert mod._INDEX_BOUNDS == {"y": 4}
+    rng = np.random.default_rng(8)
+    p, x, y = {"W": rng.standard_normal((4, 4))}, rng.standard_normal((B, 4)), rng.integers(0, 4, B)
+    W = torch.tensor(p["W"], requires_grad=True)
+    expected = torch.nn.functional.cross_entropy(torch.tensor(x) @ W, torch.tensor(y))
+    expected.backward()
+    loss, grads = mod.loss_and_grad(p, x=x, y=y)
+    assert loss == pytest.approx(expected.item(), rel=1e-12)
+    np.testing.assert_allclose(grads["W"], W.grad.numpy(), rtol=1e-10, atol=1e-14)
+
+
 def test_a_bound_by_a_dim_whose_carrier_is_not_given_is_not_checked(tmp_path):
     """Labels read as table rows (10) by an output and as classes of an input table (V) by the loss: forward
     with the labels alone raised AssertionError (no input carries V), and so did the compile's warm-up."""

@@ -138,3 +138,38 @@ def test_a_learned_initial_state_is_named():
     m.minimize((hT * hT).mean())
     why = build_training_graph(m, "float64", order=1).lr["why"]
     assert "'h0'" in why and "scan" in why
+
+
+def _language_model(per_row):
+    """A step that makes its loss: a batch mean (softmax_cross_entropy), or per-row cross-entropies from a
+    numpy one-hot table, reduced outside the scan."""
+    m = gc.Model("lm_rows" if per_row else "lm_mean")
+    tok, tgt = m.input("tok", ("T", "B"), dtype="int64"), m.input("tgt", ("T", "B"), dtype="int64")
+    E = m.param("E", (5, 4), init="normal", trainable=False)
+    W, O = m.param("W", (4, 4)), m.param("O", (4, 5))
+
+    def step(h, xs):
+        h = gc.tanh(h @ W + gc.take(E, xs[0]))
+        logits = h @ O
+        if per_row:
+            return h, -(gc.log_softmax(logits, axis=-1) * gc.take(np.eye(5), xs[1])).sum(axis=1)
+        return h, gc.softmax_cross_entropy(logits, xs[1])
+
+    _, losses = gc.scan(step, m.input("h0", ("B", 4)), (tok, tgt))
+    m.minimize(losses.mean())
+    return m
+
+
+def test_a_loss_made_in_a_step_is_named_and_per_row_losses_are_estimated():
+    why = build_training_graph(_language_model(False), "float64", order=1).lr["why"]
+    assert "reduces over the batch rows inside the step of a scan" in why and "return per-row values" in why, why
+    m = _language_model(True)
+    graph = build_training_graph(m, "float64", order=1)
+    assert graph.lr.get("why") is None
+    rng = np.random.default_rng(5)
+    T, B = 3, 4
+    params = {k: rng.standard_normal(graph.shape(n)) for k, n in graph.params.items()}
+    inputs = {"tok": rng.integers(0, 5, (T, B)), "tgt": rng.integers(0, 5, (T, B)), "h0": rng.standard_normal((B, 4))}
+    runs = [interpret_lr(graph, params, inputs, 64, 1e-2, seed) for seed in range(20)]
+    mean, true = np.mean([est for est, _ in runs], axis=0), runs[0][1]
+    assert mean @ true / np.linalg.norm(mean) / np.linalg.norm(true) > 0.9

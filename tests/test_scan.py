@@ -734,3 +734,22 @@ def test_forward_needs_only_the_inputs_its_outputs_read(tmp_path):
     assert teacher._OUTPUT_INPUTS == ("x", "y", "h0")
     with pytest.raises(ValueError, match="missing input 'y'"):
         teacher.forward(params, x=inputs["x"], h0=inputs["h0"])
+
+
+def test_forward_does_not_ask_for_a_sequence_no_step_reads(tmp_path):
+    """A step that unpacks (tok, tags) and never reads tags made forward ask for the tags."""
+    m = gc.Model("ignored_seq")
+    tok, tags = m.input("tok", ("T", "B"), dtype="int64"), m.input("tags", ("T", "B"), dtype="int64")
+    E = m.param("E", (6, 3), init="normal")
+    hT, hs = gc.scan(lambda h, xs: (gc.tanh(h + gc.take(E, xs[0])), h), m.input("h0", ("B", 3)), (tok, tags))
+    m.output("states", hs)
+    m.minimize((hT * hT).mean())
+    mod = gc.compile(m, out=str(tmp_path), dtype="float64", warm=False)
+    assert mod._OUTPUT_INPUTS == ("tok", "h0")
+    rng = np.random.default_rng(2)
+    p, tok, h0 = mod.init_params(0), rng.integers(0, 6, (4, 2)), rng.standard_normal((2, 3))
+    expected, h = [], h0
+    for t in range(4):
+        expected.append(h)
+        h = np.tanh(h + p["E"][tok[t]])
+    np.testing.assert_allclose(mod.forward(p, tok=tok, h0=h0)["states"], np.stack(expected), rtol=1e-12)

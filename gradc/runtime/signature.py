@@ -70,7 +70,8 @@ class Signature:
     def _bound_hint(self, name, shape, given):
         """Why an int of the expected shape differs from the model's: the dims --bind fixed at compile time."""
         declared = self.declared.get(name, ())
-        fixed = [f"{d}={e}" for d, e, a in zip(declared, shape, given) if isinstance(d, str) and e != a]
+        fixed = [f"{d}={e}" for d, e, a in zip(declared, shape, given) if isinstance(d, str) and not isinstance(e, str)
+                 and e != a]
         return (f" ({', '.join(fixed)} was bound when the module was compiled (--bind); compile without it for "
                 f"any size)") if fixed else ""
 
