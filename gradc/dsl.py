@@ -594,13 +594,17 @@ def take(table, idx):
         got = (f"{idx.model.graph.describe(idx.node)} of dtype {idx.dtype}" if isinstance(idx, Tensor)
                else type(idx).__name__)
         raise GradcError(f"take: the indices must be an int gradc Tensor (an input with dtype='int64'), got {got}", src)
-    if isinstance(table, np.ndarray):   # a constant table, as numpy arrays are constants everywhere
-        table = Tensor(idx.model, idx.model._node(table, "take", src))
-    if not isinstance(table, Tensor):
+    if not isinstance(table, (Tensor, np.ndarray)):
         raise GradcError(f"take: the table must be a gradc Tensor or a numpy array (V, D), got "
                          f"{type(table).__name__}", src)
     if table.ndim != 2:
         raise GradcError(f"take: the table must have shape (V, D), got {fmt(table.shape)}", src)
+    if table.shape[0] == 0:
+        raise GradcError(f"take: the table {fmt(table.shape)} has no rows: no index would be valid", src)
+    if isinstance(table, np.ndarray):   # a constant table, as numpy arrays are constants everywhere
+        if table.dtype.kind != "f":     # (as a Tensor table must be float: no silent cast)
+            raise GradcError(f"take: the table has dtype {table.dtype}; it must be float", src)
+        table = Tensor(idx.model, idx.model._node(table, "take", src))
     return _op("take", table, idx, src=src)
 
 
@@ -803,8 +807,8 @@ def scan(step, init, xs, reverse=False):
             node = body._node(y, "scan", src)
             if not bg.dtype(node).startswith("float"):   # (its range checks follow inputs, not a scan's results)
                 raise GradcError(f"scan: the step ({step_src}) returns y {m} of dtype {bg.dtype(node)}; a step's ys "
-                                 f"must be float: an int y is a rearrangement of the int sequence, so index that "
-                                 f"outside the scan", src)
+                                 f"must be float: an int y only rearranges int values the step reads (a sequence or a "
+                                 f"closed-over value), so index those outside the scan", src)
             y_shapes.append(bg.shape(node))
             outputs.append(node if bg.shape(node) else bg.apply("reshape", [node], {"shape": (1,)}, src=src))
     finally:
