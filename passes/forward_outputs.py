@@ -76,8 +76,8 @@ def _lean_scan(graph, n, read, copied):
         floats = [j for j in range(K, K + X) if lean.dtype(lean.inputs[names[j]]).startswith("float")]
         keep = sorted(keep + [(floats or [K])[0]])
     lean.inputs = {names[j]: lean.inputs[names[j]] for j in keep}
-    lean.remove([v for v in lean.nx.nodes if v not in lean.ancestors(list(lean.outputs.values()))
-                 and v not in lean.inputs.values()])
+    alive = used | set(lean.inputs.values())
+    lean.remove([v for v in lean.nx.nodes if v not in alive])
     xs = sum(1 for j in keep if K <= j < K + X)
     scan = _copy(graph, n, [operands[j] for j in keep], body=lean, carries=K, xs=xs)
     index_map = {index_of(attrs, FINAL, k): k for k in range(K)}
