@@ -18,6 +18,7 @@ from gradc.passes.entries import ENTRIES
 from .errors import GradcError
 from .files import import_path, json_text, link_replacing, remove_stale, temp_name
 from .ir import FLOAT_DTYPES
+from .runtime.signature import index_limits
 from .shapes import expr_text
 from .version import __version__
 
@@ -132,9 +133,8 @@ def _synthetic_inputs(module, dims):
     for name, (shape, dtype) in module.INPUTS.items():
         concrete = tuple(dims.get(d, 3) if isinstance(d, str) else d for d in shape)
         if dtype.startswith("int"):
-            limits = module._INDEX_BOUNDS.get(name, 1)
             n = min(dims.get(bound, 3) if isinstance(bound, str) else bound
-                    for bound in (limits if isinstance(limits, dict) else (limits,)))
+                    for bound, _ in index_limits(module._INDEX_BOUNDS.get(name, 1)))
             values[name] = rng.integers(0, n, size=concrete).astype(dtype)
         else:
             values[name] = rng.uniform(0.5, 1.5, size=concrete).astype(dtype)

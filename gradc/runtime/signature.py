@@ -35,6 +35,12 @@ def number_as_array(v):
     return v
 
 
+def index_limits(entry):
+    """The (bound, ranges) pairs of one input's _INDEX_BOUNDS entry (passes/analysis.py index_inputs);
+    ranges None where the bound limits every element."""
+    return entry.items() if isinstance(entry, dict) else ((entry, None),)
+
+
 def _with_article(word):
     return f"{'an' if str(word)[0] in 'aeio' else 'a'} {word}"   # (a uint64)
 
@@ -206,7 +212,7 @@ class Signature:
                 continue
             v = to_numpy(v) if self._on_device(v) else v
             shape = self.declared.get(name, self.inputs_spec[name][0])   # (positions are over the declared fixed axes)
-            for bound, ranges in (limits.items() if isinstance(limits, dict) else ((limits, None),)):
+            for bound, ranges in index_limits(limits):
                 n = bound if not isinstance(bound, str) else self._dim_of(inputs, bound)
                 if n is None:   # the dim's carrier is not given: what reads this bound is not computed
                     continue
