@@ -11,7 +11,7 @@ HESSIAN = "\n".join([
     "def hessian(params, /, **inputs):",
     '    """The symmetric (P, P) Hessian of the objective (a numpy array); rows and columns are the trainable',
     '    params in PARAM_ORDER, each flattened in C order (GRAD_SLICES). Refuses when P*P does not fit in memory."""',
-    '    _SIGNATURE.inputs(inputs, _LOSS_INPUTS + _HVP_INPUTS, "hessian")   # (errors named by what was called)',
+    '    _SIGNATURE.inputs(inputs, _HVP_INPUTS, "hessian")   # (errors named by what was called)',
     "    H = hessian_rows(params, 0, GRAD_SIZE, **inputs)",
     "    symmetrize(H)",
     "    return H"])

@@ -278,7 +278,8 @@ def generate(graph, plans, info):
     read = g.ancestors(list(g.outputs.values()))
     out.append(f"_OUTPUT_READS = {tuple(i for i, n in g.inputs.items() if n in read)!r}")
     if order == 2:
-        out.append(f"_HVP_INPUTS = {inputs_of('_hvp_block')!r}")
+        # every input the objective reads is checked, also where the Hessian reads none of them
+        out.append(f"_HVP_INPUTS = {tuple(dict.fromkeys(inputs_of('_forward_loss') + inputs_of('_hvp_block')))!r}")
 
     if cuda:   # what the Trainer launches after the gradients
         trainer_kernels = {opt + part: make(opt) for opt in ("sgd", "adam")
@@ -363,7 +364,7 @@ def generate(graph, plans, info):
             '    """Hessian-vector product of the objective: H v, with v and the result dicts shaped like the trainable params."""',
             "    p = _SIGNATURE.params(params)",
             "    t = _SIGNATURE.tangents(v, TRAINABLE)",
-            '    a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS + _HVP_INPUTS, "hvp")   # (all the objective reads: checked)',
+            '    a = _SIGNATURE.inputs(inputs, _HVP_INPUTS, "hvp")',
             "    V = np.empty((1, GRAD_SIZE), FLOAT)",
             "    for name, (start, stop) in GRAD_SLICES.items():",
             "        V[0, start:stop] = t[name].reshape(-1)",
@@ -376,7 +377,7 @@ def generate(graph, plans, info):
             '    each block one call, the blocks spread over the cores."""',
             "    start, stop = hessian_row_range(MODEL_NAME, start, stop, GRAD_SIZE)",
             "    p = _SIGNATURE.params(params)",
-            '    a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS + _HVP_INPUTS, "hessian_rows")',
+            '    a = _SIGNATURE.inputs(inputs, _HVP_INPUTS, "hessian_rows")',
             "    H = hessian_buffer(MODEL_NAME, stop - start, GRAD_SIZE, FLOAT)",
             f"    in_blocks(lambda V, rows: _hvp_block({', '.join(call('_hvp_block') + ['V', 'rows', arena('_hvp_block')])}), H, start)",
             "    return H",
