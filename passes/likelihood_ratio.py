@@ -25,8 +25,8 @@ repeating the first for antithetic pairs; a per-site mask of shape (KB_lr, 1, ..
 per block of samples) and sigma are chosen at call time.
 
 Which loss pairs with which noise: when no op mixes rows, row b's loss depends only on row b's
-noise, and each row's loss term (its share of the objective: l_b / B for a mean) pairs with its
-own noise (per row). When an op mixes rows (A @ H in a graph convolution: a row-mixing product
+noise, and each row's loss term (its share of the objective: l_b / B for a mean; passes/lr_shares.py
+keeps the loss's reduction over rows per row) pairs with its own noise (per row). When an op mixes rows (A @ H in a graph convolution: a row-mixing product
 runs per sample, as a batch_matmul over (K, N, F)), every row of sample k pairs with the sample's
 whole loss L_k (per sample). Both are unbiased for the noised objective; per row has far less
 variance. The baseline (call time) is the mean over the samples of each row's (or sample's) loss,
@@ -38,11 +38,12 @@ one), random ops, and ops that mix rows in ways not covered make lr_grad raise a
 the reason (graph.lr["why"]); compile never fails because of this pass.
 """
 from gradc.errors import GradcError
-from gradc.ops import get_op
+from gradc.ops import get_op, rows_of
 from gradc.ops.scan_layout import index_of, kind_of, parts
 
 from .autodiff import VJPContext, accumulate
 from .lr_scan import ScanNoise
+from .lr_shares import reduced_copy, row_shares, rows_first
 from .lr_sites import DIMS, K, KB, LAYOUT, Site, Unsupported, chains, misuses  # noqa: F401 (DIMS: for importers)
 
 STREAM = 1 << 20                 # noise streams, apart from the model's own random ops
@@ -287,17 +288,17 @@ class _Builder:
             self.copy[n] = self.view(prod, (KB,) + tuple(shape[1:]))
             self.mixing.append(n)
             return 0
-        record = get_op(op)
-        if record.kind != "elementwise" and any(isinstance(w, tuple) for w in ins):
-            fail("uses the loss after its reduction over rows in a way that is not a sum of scaled terms")
-        if record.rows is None:
-            fail("is an op gradc cannot follow the rows through")
-        where = record.rows(g, n, ins, fail)
-        if isinstance(where, tuple) and not any(isinstance(w, tuple) for w in ins):
-            self.copy[n] = self.per_row(n, ins[0], where[1])
-            return where
-        if isinstance(where, tuple):   # a scale or sum of reduced terms: the same on each row's share
-            self.copy[n] = self.apply(op, [self.stacked(u) for u in g.operands(n)], src, **attrs)
+        where = rows_of(g, n, ins, fail)
+        if isinstance(where, tuple):   # the loss's reduction over rows, or a value after it: kept per row
+            emit = lambda op, inputs, **a: self.apply(op, inputs, src, **a)
+            if op == "scan_out":   # a per-step loss, stacked (T, KB_lr, ...)
+                attrs["shape"] = tuple(shape[:1]) + (KB,) + tuple(shape[1:])
+                self.copy[n] = rows_first(self.apply(op, operands, src, **attrs), 1, len(shape) + 1, emit)
+            elif any(isinstance(w, tuple) for w in ins):
+                self.copy[n] = reduced_copy(g, n, ins, [self.stacked(u) for u in g.operands(n)], emit)
+            else:
+                count = lambda dims, dtype: self.apply("count", [], src, dims=dims, dtype=dtype)
+                self.copy[n] = row_shares(g, n, ins[0], where[1], self.stacked(g.operands(n)[0]), emit, count)
             return where
         if clean:
             self.clean.add(n)
@@ -345,24 +346,6 @@ class _Builder:
         before, after = shape[:axis], shape[axis:]
         spread = self.apply("broadcast_to", [self.view(n, before + (1,) + after)], shape=before + (K,) + after)
         return self.view(spread, before + (KB,) + after[1:])
-
-    def per_row(self, n, axis, kind):
-        """The loss's reduction over rows, keeping the rows: each row's share of it, shape (KB_lr,)."""
-        g = self.g
-        (x,) = g.operands(n)
-        if g.op(n) not in ("sum", "mean") or g.attrs(n).get("keepdims"):
-            raise Unsupported(f"{g.node(n)['src']}: the loss reduces the rows with {g.describe(n)}; lr_grad takes a "
-                              f"sum or a mean (without keepdims)")
-        xc = self.stacked(x)
-        axes = tuple(a for a in g.attrs(n)["axes"] if a != axis)
-        r = self.apply("sum", [xc], g.node(n)["src"], axes=axes, keepdims=False) if axes else xc
-        if tuple(g.shape(r)) != (KB,):
-            r = self.view(r, (KB,))
-        if kind == "mean":
-            dims = tuple(g.shape(x)[a] for a in g.attrs(n)["axes"])
-            count = self.apply("count", [], g.node(n)["src"], dims=dims, dtype=self.float)
-            r = self.apply("div", [r, count], g.node(n)["src"])
-        return r
 
     def coefficients(self, r, baseline, rows):
         """Each stacked row's weight c: its share of the loss (per row) or its sample's loss (per sample),

@@ -15,6 +15,10 @@ steps: the same product with h's stack (T, KB_lr, ...) as its row operand (a bat
 sums over the steps), with cotangent c * eps * mask / sigma^2. Nothing flows back through the loop,
 so the estimate stays a forward graph; it keeps each site's h_t and noise for every step, as the
 estimate outside a scan keeps each site's h and noise.
+
+A loss made in the step (a batch mean of the step's rows) is kept per row there, as outside
+(passes/lr_shares.py): the copy's y is each row's share, and a mean's count of rows, which the step
+cannot know (its rows are K * B), comes in as a closed-over scalar.
 """
 import copy
 from collections import namedtuple
@@ -23,6 +27,7 @@ from gradc.errors import GradcError
 from gradc.ops.scan import ScanRows, body_rows, result
 from gradc.ops.scan_layout import YS, parts
 
+from .lr_shares import reduced_copy, row_shares
 from .lr_sites import KB, LAYOUT, Unsupported, chains, misuses
 from .simplify import eliminate_dead
 
@@ -104,17 +109,29 @@ class ScanNoise:
             except GradcError as e:
                 raise Unsupported(f"{src}: {e}") from None
 
+        counts = {}   # (dims, dtype) -> (a closed-over leaf, the outer count): the step does not know B
+
+        def count(dims, dtype):
+            if (dims, dtype) not in counts:
+                outer = b.apply("count", [], g.node(n)["src"], dims=dims, dtype=dtype)
+                counts[dims, dtype] = (placeholder(f"lr_count{len(counts)}", (), dtype, g.node(n)["src"]), outer)
+            return counts[dims, dtype][0]
+
         sites = []   # StepSite
         for m in body.topo_order():
             w = where[m]
             if m in leaves or w is None:
                 continue
             src = body.node(m)["src"]
-            if isinstance(w, tuple):
-                raise Unsupported(f"{src}: {body.describe(m)} reduces over the batch rows inside the step of a scan (a "
-                                  f"batch mean such as softmax_cross_entropy's mixes the noised copies' rows): return "
-                                  f"per-row values from the step and reduce them outside the scan, e.g. "
-                                  f"-(gc.log_softmax(logits, axis=-1) * gc.take(np.eye(C), y)).sum(axis=1)")
+            if isinstance(w, tuple):   # a per-step loss (a batch mean): kept per row, returned as (KB_lr, ...)
+                emit = lambda op, inputs, **attrs: apply(op, inputs, attrs, src)
+                reads = [where[u] for u in body.operands(m)]
+                operands_m = [copies.get(u, u) for u in body.operands(m)]
+                if any(isinstance(r, tuple) for r in reads):
+                    copies[m] = reduced_copy(body, m, reads, operands_m, emit)
+                else:
+                    copies[m] = row_shares(body, m, reads[0], w[1], operands_m[0], emit, count)
+                continue
             op, a = body.op(m), dict(body.attrs(m))
             if op == "scan":
                 raise Unsupported(f"{src}: lr_grad does not follow a scan nested in another scan's step")
@@ -147,12 +164,14 @@ class ScanNoise:
                               f"batch rows: the estimate perturbs products of rows")
         inputs = list(zip(names, [copies.get(leaf, leaf) for leaf in leaves]))
         new.inputs = dict(inputs[:K + X] + [(new.node(s.eps)["name"], s.eps) for s in sites] + inputs[K + X:]
-                          + [(new.node(s.mask_leaf)["name"], s.mask_leaf) for s in sites])
+                          + [(new.node(s.mask_leaf)["name"], s.mask_leaf) for s in sites]
+                          + [(new.node(leaf)["name"], leaf) for leaf, _ in counts.values()])
         new.outputs = {name: copies.get(o, o) for name, o in body.outputs.items()}
         ys = [(product, row) for site in sites for product, row in site.rows.items()]
         new.outputs |= {f"lr_rows{i}": row for i, (_, row) in enumerate(ys)}
         eliminate_dead(new)
-        ops = operands[:K + X] + [s.noise for s in sites] + operands[K + X:] + [s.mask for s in sites]
+        ops = operands[:K + X] + [s.noise for s in sites] + operands[K + X:] + [s.mask for s in sites] \
+            + [outer for _, outer in counts.values()]
         scan = b.apply("scan", ops, g.node(n)["src"], **dict(attrs, body=new, xs=X + len(sites)))
         emit = lambda op, inputs, **a: b.apply(op, inputs, g.node(n)["src"], **a)
         stacked = {product: result(g, scan, YS, M + i, emit) for i, (product, _) in enumerate(ys)}

@@ -110,6 +110,26 @@ def test_mean_over_seeds_converges_to_the_gradient(name):
     assert errors[1] < 0.4, errors
 
 
+def test_a_loss_averaged_over_rows_then_summed_over_outputs_is_estimated():
+    """((pred - t)**2).mean(axis=0).sum(): the reduction over rows leaves one value per output, summed after
+    it. Each row's shares are kept per output and summed (it was refused, or viewed to the wrong shape)."""
+    m = gc.Model("lrmse")
+    x, t = m.input("x", ("B", 5)), m.input("t", ("B", 3))
+    W0, W1, b1 = m.param("W0", (5, 6)), m.param("W1", (6, 3)), m.param("b1", (3,), init="normal")
+    m.minimize(gc.square(gc.tanh(x @ W0) @ W1 + b1 - t).mean(axis=0).sum())
+    graph = build_training_graph(m, "float64", order=1)
+    assert graph.lr["why"] is None, graph.lr["why"]
+    rng = np.random.default_rng(4)
+    params = {k: rng.normal(size=graph.shape(n)) for k, n in graph.params.items()}
+    inputs = {"x": rng.normal(size=(7, 5)), "t": rng.normal(size=(7, 3))}
+    errors = []
+    for samples in (16, 256):
+        runs = [interpret_lr(graph, params, inputs, samples, 1e-3, seed) for seed in range(8)]
+        mean, true = np.mean([e for e, _ in runs], axis=0), runs[0][1]
+        errors.append(np.linalg.norm(mean - true) / np.linalg.norm(true))
+    assert errors[1] < errors[0] / 2.5 and errors[1] < 0.4, errors
+
+
 def test_a_batch_bound_to_the_size_of_its_features_is_not_an_adjacency():
     """Found by a new-user trial: x (B, 5) with --bind B=5 is (5, 5) and read only as a left factor, like a
     GCN's adjacency; lr_grad was left out of the build ("rows on axis None"). The declared shape tells them apart."""

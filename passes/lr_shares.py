@@ -1,0 +1,68 @@
+"""The loss kept per row for lr_grad (passes/likelihood_ratio.py, passes/lr_scan.py).
+
+The estimate pairs each stacked row's share of the loss with that row's noise, so the loss's reduction
+over the batch rows (a mean or sum: the objective's, or a per-step loss made in a scan's step) is not
+done: each row's share of it is kept. A value after that reduction (shape S in the model) is carried
+as its shares, rows first: (KB_lr,) + S. The ops the model may apply to it (rows_of in gradc/ops: it
+is only scaled, added, summed or moved) are applied to the shares with the rows axis put in front of
+theirs: sums and means over axes of S, reshapes and transposes of S, slices, concatenations along S,
+and elementwise ops (a lower-rank share gets 1s after its rows, so it broadcasts as S does). A per-step
+loss stacked by a scan, (T, KB_lr) + S, is moved to (KB_lr, T) + S by `rows_first`.
+"""
+from gradc.ops import get_op
+
+from .lr_sites import KB, Unsupported
+
+
+def row_shares(g, n, axis, kind, x, emit, count):
+    """n (a sum or mean of g, without keepdims, over axes that hold the rows, on `axis` of its operand)
+    kept per row: each row's share, (KB_lr,) + n's shape, from x, the operand's stacked copy. count(dims,
+    dtype) is the number of elements of those dims (in a scan's step, where the batch dim is not
+    known, a value from outside)."""
+    if g.op(n) not in ("sum", "mean") or g.attrs(n).get("keepdims"):
+        raise Unsupported(f"{g.node(n)['src']}: the loss reduces the rows with {g.describe(n)}; lr_grad takes a "
+                          f"sum or a mean (without keepdims)")
+    (operand,) = g.operands(n)
+    axes = tuple(g.attrs(n)["axes"])
+    others = tuple(a for a in axes if a != axis)
+    r = emit("sum", [x], axes=others, keepdims=False) if others else x
+    r = rows_first(r, axis - sum(a < axis for a in others), len(g.shape(n)) + 1, emit)
+    if kind == "mean":
+        r = emit("div", [r, count(tuple(g.shape(operand)[a] for a in axes), g.dtype(n))])
+    return r
+
+
+def rows_first(x, at, rank, emit):
+    """x (of `rank` axes) with its rows, now on axis `at`, moved to the front."""
+    if at == 0:
+        return x
+    return emit("transpose", [x], axes=(at,) + tuple(a for a in range(rank) if a != at))
+
+
+def reduced_copy(g, n, ins, operands, emit):
+    """n's shares, given its operands' (`operands`: shares where `ins` says an operand is reduced, the
+    value itself where it has no rows)."""
+    op, attrs, shape = g.op(n), dict(g.attrs(n)), g.shape(n)
+    record = get_op(op)
+    if record.kind == "elementwise":
+        ready = []
+        for u, w, c in zip(g.operands(n), ins, operands):
+            lack = len(shape) - len(g.shape(u))
+            if isinstance(w, tuple) and lack:
+                c = emit("reshape", [c], shape=(KB,) + (1,) * lack + tuple(g.shape(u)))
+            ready.append(c)
+        if "shape" in attrs:
+            attrs["shape"] = (KB,) + tuple(attrs["shape"])
+        return emit(op, ready, **attrs)
+    if op in ("sum", "mean"):
+        return emit(op, operands, **dict(attrs, axes=tuple(a + 1 for a in attrs["axes"])))
+    if op == "reshape":
+        return emit(op, operands, shape=(KB,) + tuple(attrs["shape"]))
+    if op == "transpose":
+        return emit(op, operands, axes=(0,) + tuple(a + 1 for a in attrs["axes"]))
+    if op == "slice":
+        return emit(op, operands, index=(None,) + tuple(attrs["index"]))
+    if op == "concat":
+        return emit(op, operands, axis=attrs["axis"] + 1)
+    raise Unsupported(f"{g.node(n)['src']}: {g.describe(n)} reads the loss after its reduction over rows; lr_grad "
+                      f"follows it through scales, sums, means, reshapes, transposes, slices and concatenations")
