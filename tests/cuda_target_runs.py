@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gradc as gc  # noqa: E402
 import test_codegen as zoo  # noqa: E402
+import test_lr_scan as lr_scans  # noqa: E402
 import test_scan as scans  # noqa: E402
 from gradc.interpret import evaluate  # noqa: E402
 from gradc.passes.pipeline import build_training_graph  # noqa: E402
@@ -317,6 +318,13 @@ def run_lr(build):
     l1, g1 = cpu.lr_grad(params, samples=2, seed=3, **inputs)
     l2, g2 = dev.lr_grad(params, samples=2, seed=3, **{k: cuda.to_device(v) for k, v in inputs.items()})
     out["scan_device_inputs"] = max(abs(l1 - l2), err(g1, g2))
+    # a loss made in the step (a batch mean, kept per row; the count of rows a closed-over scalar)
+    model, cpu, dev = both(lambda: lr_scans._language_model(False), os.path.join(build, "lm"))
+    params = cpu.init_params(seed=5)
+    inputs = {"tok": rng.integers(0, 5, (3, 2)), "tgt": rng.integers(0, 5, (3, 2)), "h0": rng.normal(size=(2, 4))}
+    l1, g1 = cpu.lr_grad(params, samples=2, seed=3, **inputs)
+    l2, g2 = dev.lr_grad(params, samples=2, seed=3, **inputs)
+    out["scan_step_loss"] = max(abs(l1 - l2), err(g1, g2))
     return out
 
 

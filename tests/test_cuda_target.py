@@ -86,7 +86,8 @@ def test_streamed_backward_hands_each_gradient_over_after_its_kernels(results):
 def test_lr_grad_and_its_trainer_match_the_cpu_target(results):
     """The same noise from the same seed in the kernels: the same estimate, MLP and scan alike."""
     lr = results["trainer"]["lr"]
-    assert set(lr) == {"mlp_antithetic", "mlp_layerwise", "trainer", "trainer_resumed", "scan_device_inputs"}
+    assert set(lr) == {"mlp_antithetic", "mlp_layerwise", "trainer", "trainer_resumed", "scan_device_inputs",
+                       "scan_step_loss"}
     assert all(isinstance(v, float) and v <= TOLERANCE for v in lr.values()), lr
 
 
