@@ -132,6 +132,8 @@ def test_inspect_of_a_damaged_dump_exits_2_naming_it(compiled, tmp_path):
      ["--target", "tpu"], "invalid choice: 'tpu'"),
     ("import gradc as gc\nm = gc.Model('b8')\nm.minimize(m.input('x', ('B',)).sum())\n", ["--order", "3"], "invalid choice: 3"),
     ("import gradc as gc\nm = gc.Model('b9')\nm.minimize(m.input('x', ('B',)).sum())\n", ["--bind", "B"], "expected DIM=INT"),
+    ("import gradc as gc\nm = gc.Model('b10')\nm.minimize(m.input('x', ('B',)).sum())\n", ["--bind", "B=+4"],
+     "--bind 'B=+4': '+4' is not an int written in decimal digits"),
     (MODEL, ["--memory-budget", "1KiB"], "--memory-budget needs every symbolic dim bound with --bind (unbound: B"),
     (MODEL, ["--memory-budget", "100", "--bind", "B=64"], "model.py:3: budget 100 bytes is below the minimum"),
     (MODEL, ["--memory-budget", "lots"], "'lots' is not a size"),
