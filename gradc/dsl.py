@@ -348,20 +348,24 @@ softmax, log_softmax = _axis_op("softmax"), _axis_op("log_softmax")
 
 
 def softmax_cross_entropy(logits, labels):
-    """Mean over rows of -log softmax(logits)[row, label]; labels are an int tensor."""
+    """Mean over rows of -log softmax(logits)[row, label]: logits (N, C) and int labels (N,), or a
+    sequence's logits (T, B, C) (any rank, classes last) and labels (T, B), averaged over every row."""
     src = user_src()
     if not isinstance(logits, Tensor) or not isinstance(labels, Tensor):
         raise GradcError("softmax_cross_entropy: logits and labels must be gradc Tensors", src)
-    if logits.ndim != 2 or labels.ndim != 1:
-        raise GradcError(f"softmax_cross_entropy: needs logits (N, C) and labels (N,), got "
+    if logits.ndim < 2 or labels.ndim != logits.ndim - 1:
+        raise GradcError(f"softmax_cross_entropy: needs logits (N, C) and labels (N,), or (..., C) and (...), got "
                          f"{fmt(logits.shape)} and {fmt(labels.shape)}", src)
     if not labels.dtype.startswith("int"):
         raise GradcError(f"softmax_cross_entropy: labels must be an int input, got dtype {labels.dtype}", src)
-    if logits.shape[0] != labels.shape[0]:
-        raise GradcError(f"softmax_cross_entropy: logits have {logits.shape[0]} rows but labels {labels.shape[0]} "
-                         f"({fmt(logits.shape)} vs {fmt(labels.shape)})", src)
-    rows = _op("softmax_xent", logits, labels, src=src)   # one fused kernel each way
-    return _op("mean", rows, src=src, axes=(0,), keepdims=False)
+    if tuple(logits.shape[:-1]) != tuple(labels.shape):
+        raise GradcError(f"softmax_cross_entropy: logits {fmt(logits.shape)} need labels of shape "
+                         f"{fmt(logits.shape[:-1])}, got {fmt(labels.shape)}", src)
+    if logits.ndim == 2:
+        rows = _op("softmax_xent", logits, labels, src=src)   # one fused kernel each way
+    else:   # the fused kernels take (N, C); a (T, B) of rows cannot be seen as T * B of them while T and B are symbols
+        rows = _op("neg", _op("pick", _op("log_softmax", logits, src=src, axis=logits.ndim - 1), labels, src=src), src=src)
+    return _op("mean", rows, src=src, axes=tuple(range(labels.ndim)), keepdims=False)
 
 
 def mse(pred, target):

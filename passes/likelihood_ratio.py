@@ -184,22 +184,27 @@ class _Builder:
     def batch_axes(self):
         """The batch dim, and for each input the axis it has the rows on (None: it is shared). An input
         that reaches a scan's sequences has time on axis 0, so its rows on axis 1 when its dim there is
-        the batch dim; the batch dim is axis 0 of the first input that reaches no sequence."""
+        the batch dim; the batch dim is axis 0 of the first input that reaches no sequence, unless that
+        is a sequence's time (labels (T, B) read outside the scan). Dims are compared as declared (T and
+        B bound to one size are still two dims)."""
         g = self.g
         sequences = set()
         for n in self.fwd:
             if g.op(n) == "scan":
                 _, _, _, K, X, _, _ = parts(g.attrs(n))
                 sequences |= g.ancestors(g.operands(n)[K:K + X])
-        shaped = [(n, (1, 0) if n in sequences else (0,)) for n in g.inputs.values() if n in self.fwd]
-        candidates = [g.shape(n)[order[0]] for n, order in shaped if len(g.shape(n)) > order[0]]
+        shapes = {n: g.declared_shapes.get(n, g.shape(n)) for n in g.inputs.values() if n in self.fwd}
+        shaped = [(n, (1, 0) if n in sequences else (0,)) for n in shapes]
+        candidates = [shapes[n][order[0]] for n, order in shaped if len(shapes[n]) > order[0]]
         if not candidates:
             raise Unsupported("the model has no input with rows to perturb")
-        plain = [g.shape(n)[0] for n, order in shaped if order == (0,) and g.shape(n)]
+        times = {shapes[n][0] for n, order in shaped if order == (1, 0) and shapes[n]}
+        plain = [shapes[n][0] for n, order in shaped if order == (0,) and shapes[n] and shapes[n][0] not in times]
         batch = plain[0] if plain else candidates[0]
-        axes = {n: next((a for a in order if len(g.shape(n)) > a and g.shape(n)[a] == batch), None)
-                for n, order in shaped}
-        return batch, axes
+        axes = {n: next((a for a in order + tuple(range(len(shapes[n]))) if len(shapes[n]) > a
+                         and shapes[n][a] == batch), None) for n, order in shaped}
+        n, axis = next((n, a) for n, a in axes.items() if a is not None)
+        return g.shape(n)[axis], axes   # the dim as the graph has it (bound, where --bind bound it)
 
     def check_params(self, sites):
         """Every use of a trainable param must be a factor of a site's product or a bias in its sum."""

@@ -3,7 +3,7 @@ import sympy as sp
 
 from gradc.ops.elementwise import X
 from gradc.ops import get_op
-from gradc.ops.labels import CUDA_PICK, CUDA_PICK_GRAD, CUDA_XENT_GRAD, CUDA_XENT_ROWS
+from gradc.ops.labels import CUDA_XENT_GRAD, CUDA_XENT_ROWS, cuda_pick_grad_source, cuda_pick_source
 from gradc.ops.layout import cuda_transpose_source
 from gradc.ops.reduce import cuda_argmax_source, cuda_reduction_source
 from gradc.ops.softmax import cuda_softmax_source
@@ -97,10 +97,15 @@ _case("log_softmax", _record_kernel(("log_softmax", 2, 1), cuda_softmax_source, 
 _case("softmax_axis0", _record_kernel(("softmax", 2, 0), cuda_softmax_source, "softmax", 2, 0), ["x"], {"x": [[4, 3], "f"]}, [4, 3],
       "np.exp(x - x.max(0)) / np.exp(x - x.max(0)).sum(0)")
 # labels
-_case("pick", _K._get(("pick",), "pick", CUDA_PICK), ["x", "y"], {"x": [[6, 4], "f"], "y": [[6], "labels"]}, [6],
+_case("pick", _record_kernel(("pick", 2), cuda_pick_source, 2), ["x", "y"], {"x": [[6, 4], "f"], "y": [[6], "labels"]}, [6],
       "x[np.arange(6), y]", classes=4)
-_case("pick_grad", _K._get(("pick_grad",), "pick_grad", CUDA_PICK_GRAD), ["g", "y"], {"g": [[6], "f"], "y": [[6], "labels"]}, [6, 4],
-      "np.eye(4)[y] * g[:, None]", classes=4)
+_case("pick_grad", _record_kernel(("pick_grad", 2), cuda_pick_grad_source, 2), ["g", "y"], {"g": [[6], "f"], "y": [[6], "labels"]},
+      [6, 4], "np.eye(4)[y] * g[:, None]", classes=4)
+# a sequence's labels (T, B): rank 3
+_case("pick_rank3", _record_kernel(("pick", 3), cuda_pick_source, 3), ["x", "y"], {"x": [[3, 5, 4], "f"], "y": [[3, 5], "labels"]},
+      [3, 5], "np.take_along_axis(x, y[..., None], -1)[..., 0]", classes=4)
+_case("pick_grad_rank3", _record_kernel(("pick_grad", 3), cuda_pick_grad_source, 3), ["g", "y"],
+      {"g": [[3, 5], "f"], "y": [[3, 5], "labels"]}, [3, 5, 4], "np.eye(4)[y] * g[..., None]", classes=4)
 # every axis reduced (a loss): one block, more elements than threads, so both the strided loop and the tree run
 _case("sum_all", _record_kernel(("reduce", "sum", 2, (0, 1), False), cuda_reduction_source, "sum", 2, (0, 1), False), ["x"], {"x": [[23, 29], "f"]}, [1], "x.sum()")
 _case("mean_all_keep", _record_kernel(("reduce", "mean", 2, (0, 1), True), cuda_reduction_source, "mean", 2, (0, 1), True), ["x"], {"x": [[23, 29], "f"]}, [1, 1], "x.mean()")

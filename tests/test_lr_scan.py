@@ -8,7 +8,7 @@ import gradc as gc
 from gradc.passes.pipeline import build_training_graph
 
 from test_lr_grad import interpret_lr
-from test_scan import _rnn
+from test_scan import _rnn, _seq_loss
 
 
 def _gru(H=3, D=2):
@@ -226,3 +226,20 @@ def test_a_loss_made_in_steps_is_followed_through_scales_slices_and_joins(build_
     _, grads = mod.lr_grad(params, samples=4, sigma=1e-2, seed=3, **inputs)
     est, _ = interpret_lr(graph, params, inputs, 4, 1e-2, 3)
     np.testing.assert_allclose(np.concatenate([grads[p].ravel() for p in mod.TRAINABLE]), est, rtol=1e-9, atol=1e-12)
+
+
+def test_a_sequence_loss_made_outside_the_scan_is_estimated():
+    """Labels (T, B) read only outside the scan lead with the sequences' time, not the batch: lr_grad took T
+    for the batch dim and refused ("scans along the batch dim"). Rows on axis 1, tiled there."""
+    graph = build_training_graph(_seq_loss(), "float64", {}, order=1)
+    assert graph.lr["why"] is None, graph.lr["why"]
+    assert graph.lr["tiled"]["y"] == ("tile:y", 1) and graph.lr["batch"] == "B"
+    rng = np.random.default_rng(4)
+    params = {p: 0.7 * rng.normal(size=graph.shape(n)) for p, n in graph.params.items()}
+    inputs = {"x": rng.normal(size=(5, 4, 2)), "h0": rng.normal(size=(4, 3)), "y": rng.integers(0, 3, size=(5, 4))}
+    errors = []
+    for samples in (16, 256):
+        runs = [interpret_lr(graph, params, inputs, samples, 1e-3, seed) for seed in range(12)]
+        mean, true = np.mean([est for est, _ in runs], axis=0), runs[0][1]
+        errors.append(np.linalg.norm(mean - true) / np.linalg.norm(true))
+    assert errors[1] < errors[0] / 2.5 and errors[1] < 0.4, errors

@@ -141,8 +141,33 @@ def _torch_nested(tp, inputs):
     return (h * h).mean() + (ys * ys).mean()
 
 
+def _seq_loss(name="seq_loss", H=3, D=2, C=3):
+    """A sequence's loss made outside the scan: softmax_cross_entropy of the stacked logits (T, B, C)
+    against labels (T, B) (a log_softmax and a pick of rank 3: the fused kernels take (N, C))."""
+    m = gc.Model(name)
+    x, y = m.input("x", ("T", "B", D)), m.input("y", ("T", "B"), dtype="int64")
+    W, U, V = m.param("W", (H, H)), m.param("U", (D, H)), m.param("V", (H, C))
+
+    def step(h, xt):
+        h = gc.tanh(h @ W + xt @ U)
+        return h, h @ V
+
+    _, logits = gc.scan(step, m.input("h0", ("B", H)), x)
+    m.minimize(gc.softmax_cross_entropy(logits, y))
+    return m
+
+
+def _torch_seq_loss(tp, inputs):
+    h, logits = torch.tensor(inputs["h0"]), []
+    for xt in torch.tensor(inputs["x"]):
+        h = torch.tanh(h @ tp["W"] + xt @ tp["U"])
+        logits.append(h @ tp["V"])
+    logits = torch.stack(logits)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.tensor(inputs["y"]).reshape(-1))
+
+
 CASES = {"rnn": (_rnn, _torch_rnn, 3), "gru": (_gru, _torch_gru, 2), "stacked": (_stacked, _torch_stacked, 2),
-         "nested": (_nested, _torch_nested, 2)}
+         "nested": (_nested, _torch_nested, 2), "seq_loss": (_seq_loss, _torch_seq_loss, 2)}
 
 
 def _data(graph, rng, T=4, B=2):
@@ -187,6 +212,40 @@ def test_gradients_match_finite_differences(case):
     g = build_training_graph(m, "float64", {}, order=1)
     params, inputs = _data(g, np.random.default_rng(2), T=3)
     assert_grads_match_fd(m, params, inputs)
+
+
+def test_a_sequence_loss_made_outside_the_scan_compiles(tmp_path):
+    """softmax_cross_entropy of (T, B, C) logits, compiled: torch's loss and gradients, the interpreter's
+    HVP and lr_grad, microbatches over B (axis 1 of the labels), and the labels checked element by element."""
+    from test_lr_grad import interpret_lr
+    g = build_training_graph(_seq_loss(), "float64", {}, order=2)
+    rng = np.random.default_rng(4)
+    params, inputs = _data(g, rng, T=5, B=4)
+    inputs["y"] = rng.integers(0, 3, size=(5, 4))
+    mod = gc.compile(_seq_loss("seq_loss_c"), out=str(tmp_path / "plain"), dtype="float64", order=2, warm=False)
+    loss, grads = mod.loss_and_grad(params, **inputs)
+    tp = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    tl = _torch_seq_loss(tp, inputs)
+    assert loss == pytest.approx(float(tl.detach()), rel=1e-12)
+    for p, gt in zip(grads, torch.autograd.grad(tl, [tp[p] for p in grads])):
+        np.testing.assert_allclose(grads[p], gt.numpy(), rtol=1e-9, atol=1e-12, err_msg=p)
+    v = {p: rng.normal(size=params[p].shape) for p in grads}
+    ref = evaluate(g, params, inputs, [g.hvps[p] for p in grads], tangents=v)
+    for p, hv in mod.hvp(params, v, **inputs).items():
+        np.testing.assert_allclose(hv, ref[g.hvps[p]], rtol=1e-9, atol=1e-12, err_msg=f"hvp {p}")
+    _, est = mod.lr_grad(params, samples=4, sigma=1e-2, seed=2, **inputs)
+    np.testing.assert_allclose(np.concatenate([est[p].ravel() for p in mod.TRAINABLE]),
+                               interpret_lr(g, params, inputs, 4, 1e-2, 2)[0], rtol=1e-9, atol=1e-12)
+    split = gc.compile(_seq_loss("seq_loss_m"), out=str(tmp_path / "split"), dtype="float64", order=1, warm=False,
+                       bind={"T": 5, "B": 4}, devices=2, microbatches=2)
+    loss2, grads2 = split.loss_and_grad(params, **inputs)
+    assert loss2 == pytest.approx(loss, rel=1e-12)
+    for p in grads:
+        np.testing.assert_allclose(grads2[p], grads[p], rtol=1e-9, atol=1e-12, err_msg=f"microbatches {p}")
+    bad = inputs["y"].copy()
+    bad[2, 1] = 3
+    with pytest.raises(ValueError, match=r"input 'y' holds 3 at \[2, 1\], outside 0..2"):
+        mod.loss_and_grad(params, **dict(inputs, y=bad))
 
 
 def test_bad_step_functions_name_the_line():

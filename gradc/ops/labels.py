@@ -4,31 +4,33 @@ On CUDA a label out of range gives NaN, never a read outside the row."""
 import numpy as np
 
 from . import Op, register
-from .kernel_text import (ROW_HEADER, row_max_and_exp_into_out, row_max_and_sum_exp, xent_grad_row,
-                          xent_grad_row_from_out)
+from .kernel_text import (ROW_HEADER, dims_line, index, kept_index, loops, row_max_and_exp_into_out,
+                          row_max_and_sum_exp, unravel, xent_grad_row, xent_grad_row_from_out)
 from .softmax import _np_log_softmax
 from ..errors import ShapeError
 from ..shapes import size
 
 
 def _row_wise(graph, n, ins, fail):
-    """Row i reads row i of the values and label i."""
+    """Element i of the labels picks from row i of the values' last axis: the rows go through on any
+    other axis the two share."""
     x, labels = ins[:2]
-    if x == 0 and labels in (0, None):
-        return 0
+    if x is not None and x < len(graph.shape(graph.operands(n)[0])) - 1 and labels in (x, None):
+        return x
     fail("picks across rows")
 
 
 def _row_wise_grad(graph, n, ins, fail):
-    """Row i reads row i of the values (or of g), label i and g's row i."""
-    if all(w in (0, None) for w in ins) and 0 in ins:
-        return 0
+    """Row i of the result reads element i of the labels and of g (and row i of the values)."""
+    axes = {w for w in ins if w is not None}
+    if len(axes) == 1 and next(iter(axes)) < len(graph.shape(n)) - 1:
+        return axes.pop()
     fail("picks across rows")
 
 
 def _label_bound(graph, n):
-    """The labels (operand 1) pick one of the values' columns."""
-    return 1, graph.shape(graph.operands(n)[0])[1]
+    """The labels (operand 1) pick one of the values' last axis."""
+    return 1, graph.shape(graph.operands(n)[0])[-1]
 
 
 def _lowering(key, source):
@@ -38,29 +40,50 @@ def _lowering(key, source):
     return lower
 
 
+def _rank_lowering(key, source):
+    """One kernel per rank of the values (pick's operand, pick_grad's result), writing the node's buffer."""
+    def lower(s):
+        rank = len(s.graph.shape(s.operands[0]) if key == "pick" else s.shape)
+        return s.into_out(s.kernel((key, rank), key, lambda name: source(name, rank)))
+    return lower
+
+
 # the module checks labels at call time; the kernels still never read or write outside a row (a NaN loss)
-CPU_PICK = lambda name: (f"def {name}(x0, labels, out):\n"
-                         "    for i in range(out.shape[0]):\n"
-                         "        label = labels[i]\n"
-                         "        out[i] = x0[i, label] if 0 <= label < x0.shape[1] else math.nan",
-                         "out[i] = x0[i, labels[i]]")
-CUDA_PICK = lambda name: (f"def {name}(x0, labels, out):\n"
-                          "    i = cuda.grid(1)\n"
-                          "    if i < out.shape[0]:\n"
-                          "        label = labels[i]\n"
-                          "        out[i] = x0[i, label] if 0 <= label < x0.shape[1] else math.nan   # never a wild read",
-                          "out[i] = x0[i, labels[i]]", ("flat", -1))
-CPU_PICK_GRAD = lambda name: (f"def {name}(g, labels, out):\n"
-                              "    out[:] = 0.0\n"
-                              "    for i in range(out.shape[0]):\n"
-                              "        if 0 <= labels[i] < out.shape[1]:\n"
-                              "            out[i, labels[i]] = g[i]", "out[i, labels[i]] = g[i], zeros elsewhere")
-CUDA_PICK_GRAD = lambda name: (f"def {name}(g, labels, out):\n"
-                               "    i = cuda.grid(1)\n"
-                               "    if i < out.shape[0]:\n"
-                               "        for c in range(out.shape[1]):\n"
-                               "            out[i, c] = g[i] if c == labels[i] else 0.0",
-                               "out[i, labels[i]] = g[i], zeros elsewhere", ("rows", -1, (1,)))
+def cpu_pick_source(name, rank):
+    """out[i...] = x0[i..., labels[i...]] over the labels' rank - 1 axes."""
+    lead = [f"i{d}" for d in range(rank - 1)]
+    body = [f"label = labels[{index(lead)}]",
+            f"out[{index(lead)}] = x0[{index(lead + ['label'])}] if 0 <= label < x0.shape[{rank - 1}] else math.nan"]
+    return ("\n".join([f"def {name}(x0, labels, out):"] + dims_line("labels", rank - 1) + loops(range(rank - 1), body)),
+            "out[i] = x0[i, labels[i]]")
+
+
+def cuda_pick_source(name, rank):
+    lead = [f"i{d}" for d in range(rank - 1)]
+    return ("\n".join([f"def {name}(x0, labels, out):", "    i = cuda.grid(1)", "    if i >= out.size:", "        return",
+                       *unravel(rank - 1), f"    label = labels[{index(lead)}]",
+                       f"    out[{index(lead)}] = x0[{index(lead + ['label'])}] if 0 <= label < x0.shape[{rank - 1}] "
+                       f"else math.nan   # never a wild read"]),
+            "out[i] = x0[i, labels[i]]", ("flat", -1))
+
+
+def cpu_pick_grad_source(name, rank):
+    """Every element written (zeros off the label), none outside a row."""
+    lead = [f"i{d}" for d in range(rank - 1)]
+    body = [f"label = labels[{index(lead)}]", f"for c in range(out.shape[{rank - 1}]):",
+            f"    out[{index(lead + ['c'])}] = g[{index(lead)}] if c == label else 0.0"]
+    return ("\n".join([f"def {name}(g, labels, out):"] + dims_line("labels", rank - 1) + loops(range(rank - 1), body)),
+            "out[i, labels[i]] = g[i], zeros elsewhere")
+
+
+def cuda_pick_grad_source(name, rank):
+    lead = [f"i{d}" for d in range(rank - 1)]
+    return ("\n".join([f"def {name}(g, labels, out):", *kept_index(range(rank - 1), "out"),
+                       f"    label = labels[{index(lead)}]", f"    for c in range(out.shape[{rank - 1}]):",
+                       f"        out[{index(lead + ['c'])}] = g[{index(lead)}] if c == label else 0.0"]),
+            "out[i, labels[i]] = g[i], zeros elsewhere", ("rows", -1, (rank - 1,)))
+
+
 CPU_XENT_ROWS = lambda name: ("\n".join([
     f"def {name}(x0, labels, out):", "    for i in range(x0.shape[0]):", *row_max_and_sum_exp("        "),
     "        label = labels[i]",
@@ -82,36 +105,37 @@ CUDA_XENT_GRAD = lambda name: ("\n".join([
 
 def _pick_infer(attrs, shapes, dtypes):
     (x, labels), (dx, dl) = shapes, dtypes
-    if len(x) != 2 or len(labels) != 1:
-        raise ShapeError(f"needs (N, C) values and (N,) labels, got {x} and {labels}")
+    if len(x) < 2 or len(labels) != len(x) - 1:
+        raise ShapeError(f"needs (..., C) values and (...) labels, got {x} and {labels}")
     if not dl.startswith("int"):
         raise ShapeError(f"labels must be integers, got {dl}")
-    if x[0] != labels[0]:
-        raise ShapeError(f"{x[0]} rows of values but {labels[0]} labels")
-    return (x[0],), dx
+    if tuple(x[:-1]) != tuple(labels):
+        raise ShapeError(f"values {x} need labels of shape {tuple(x[:-1])}, got {labels}")
+    return tuple(labels), dx
 
 
 def _pick_vjp(ctx, n, g):
     x, labels = ctx.graph.operands(n)
-    return [ctx.emit("pick_grad", [g, labels], num_classes=ctx.graph.shape(x)[1]), None]
+    return [ctx.emit("pick_grad", [g, labels], num_classes=ctx.graph.shape(x)[-1]), None]
 
 
 register(Op("pick", "nn", _pick_infer,
-            lambda attrs, values, out_shape, dims: np.take_along_axis(values[0], values[1][:, None], 1)[:, 0],
+            lambda attrs, values, out_shape, dims: np.take_along_axis(values[0], values[1][..., None], -1)[..., 0],
             lambda attrs, in_shapes, out_shape: size(out_shape), vjp=_pick_vjp, arity=2, rows=_row_wise,
-            cpu=_lowering("pick", CPU_PICK), cuda=_lowering("pick", CUDA_PICK), indexes=_label_bound,
+            cpu=_rank_lowering("pick", cpu_pick_source), cuda=_rank_lowering("pick", cuda_pick_source),
+            indexes=_label_bound,
             doc="out[i] = x[i, labels[i]]"))
 
 
 def _pick_grad_infer(attrs, shapes, dtypes):
     (g, labels) = shapes
-    return (g[0], attrs["num_classes"]), dtypes[0]
+    return tuple(g) + (attrs["num_classes"],), dtypes[0]
 
 
 def _pick_grad_evaluate(attrs, values, out_shape, dims):
     g, labels = values
     out = np.zeros(out_shape, dtype=g.dtype)
-    out[np.arange(len(labels)), labels] = g
+    np.put_along_axis(out, labels[..., None], g[..., None], -1)
     return out
 
 
@@ -122,13 +146,16 @@ def _pick_grad_vjp(ctx, n, g):
 
 register(Op("pick_grad", "nn", _pick_grad_infer, _pick_grad_evaluate,
             lambda attrs, in_shapes, out_shape: size(out_shape), vjp=_pick_grad_vjp, arity=2, rows=_row_wise_grad,
-            cpu=_lowering("pick_grad", CPU_PICK_GRAD), cuda=_lowering("pick_grad", CUDA_PICK_GRAD),
+            cpu=_rank_lowering("pick_grad", cpu_pick_grad_source),
+            cuda=_rank_lowering("pick_grad", cuda_pick_grad_source),
             doc="out[i, labels[i]] = g[i], zeros elsewhere"))
 
 
 # ---- softmax cross-entropy ------------------------------------------------------------------
 def _xent_infer(attrs, shapes, dtypes):
     (x, labels), (dx, dl) = shapes[:2], dtypes[:2]
+    if len(x) != 2:   # its kernels take rows; softmax_cross_entropy makes higher ranks of pick and log_softmax
+        raise ShapeError(f"needs (N, C) logits, got {x}")
     _pick_infer(attrs, [x, labels], [dx, dl])
     if not dx.startswith("float"):
         raise ShapeError(f"logits of dtype {dx} are not float")
