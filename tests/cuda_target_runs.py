@@ -86,7 +86,7 @@ def run_models(build):
         errors[model.name] = entry_errors(model, dev, dev.init_params(seed=3), zoo._inputs(dev, rng), order, rng)
         print(model.name, round(time.perf_counter() - t0, 1), file=sys.stderr)
     # gc.scan: a host loop calling the step's launches; gradients and HVPs go through reverse scans
-    for make in (scans._rnn, scans._gru, scans._stacked, scans._nested):
+    for make in (scans._rnn, scans._gru, scans._stacked, scans._nested, scans._seq_loss):
         t0 = time.perf_counter()
         model = make(f"cg_scan_{make.__name__[1:]}")
         dev = gc.compile(model, out=os.path.join(build, "cuda"), target="cuda", dtype="float64", order=2)

@@ -36,12 +36,12 @@ def results(tmp_path_factory):
 def test_every_entry_point_matches_the_cpu_target(results):
     models = results["models"]["zoo"]
     assert {"cg_mlp", "cg_shared", "cg_reduce3", "cg_user", "cg_scalars", "cg_layout"} <= set(models)
-    # gc.scan: reverse=True, two carries, a scan over a scan's ys, a scan in a scan's step
-    assert {"cg_scan_rnn", "cg_scan_gru", "cg_scan_stacked", "cg_scan_nested"} <= set(models)
+    # gc.scan: reverse=True, two carries, a scan over a scan's ys, a scan in a scan's step, a loss of (T, B, C) logits
+    assert {"cg_scan_rnn", "cg_scan_gru", "cg_scan_stacked", "cg_scan_nested", "cg_scan_seq_loss"} <= set(models)
     assert all({"forward", "loss", "grads", "input_grads"} <= set(e) for e in models.values())
     assert {m for m, e in models.items() if "hvp" in e} == {"cg_mlp", "cg_shared", "cg_reduce3", "cg_scalars",
                                                             "cg_scan_rnn", "cg_scan_gru", "cg_scan_stacked",
-                                                            "cg_scan_nested"}
+                                                            "cg_scan_nested", "cg_scan_seq_loss"}
     assert "hessian" in models["cg_scalars"]
     bad = {(m, k): v for m, e in models.items() for k, v in e.items() if not v <= TOLERANCE}
     assert not bad, bad
