@@ -26,9 +26,9 @@ per block of samples) and sigma are chosen at call time.
 
 Which loss pairs with which noise: when no op mixes rows, row b's loss depends only on row b's
 noise, and each row's loss term (its share of the objective: l_b / B for a mean; passes/lr_shares.py
-keeps the loss's reduction over rows per row) pairs with its own noise (per row). When an op mixes rows (A @ H in a graph convolution: a row-mixing product
-runs per sample, as a batch_matmul over (K, N, F)), every row of sample k pairs with the sample's
-whole loss L_k (per sample). Both are unbiased for the noised objective; per row has far less
+keeps the loss's reduction over rows per row) pairs with its own noise (per row). When an op mixes
+rows (A @ H in a graph convolution: a row-mixing product runs per sample, as a batch_matmul over
+(K, N, F)), every row of sample k pairs with the sample's whole loss L_k (per sample). Both are unbiased for the noised objective; per row has far less
 variance. The baseline (call time) is the mean over the samples of each row's (or sample's) loss,
 made leave-one-out by the factor K/(K-1) the module folds into the scale; with antithetic pairs
 no baseline is needed (the pair's difference removes any baseline).
