@@ -28,10 +28,13 @@ Which loss pairs with which noise: when no op mixes rows, row b's loss depends o
 noise, and each row's loss term (its share of the objective: l_b / B for a mean; passes/lr_shares.py
 keeps the loss's reduction over rows per row) pairs with its own noise (per row). When an op mixes
 rows (A @ H in a graph convolution: a row-mixing product runs per sample, as a batch_matmul over
-(K, N, F)), every row of sample k pairs with the sample's whole loss L_k (per sample). Both are unbiased for the noised objective; per row has far less
-variance. The baseline (call time) is the mean over the samples of each row's (or sample's) loss,
-made leave-one-out by the factor K/(K-1) the module folds into the scale; with antithetic pairs
-no baseline is needed (the pair's difference removes any baseline).
+(K, N, F)), every row of sample k pairs with the sample's whole loss L_k (per sample). Both are
+unbiased for the noised objective; per row has far less variance. The baseline subtracted from each
+row's (or sample's) loss is the copies' losses weighted by a leaf (K_lr, 1) set at call time: without
+antithetic pairs the mean over the samples, made leave-one-out by the factor K/(K-1) the module folds
+into the scale; with pairs the loss of two copies without noise. Pairs alone do not remove the loss:
+where a noised product reads a value the noise has already reached (a second layer, the step after
+the first), the + and - copies read different values, and the loss times their difference stays.
 
 Params the estimate cannot reach (used other than as a factor of a product or a bias added to
 one), random ops, and ops that mix rows in ways not covered make lr_grad raise at call time with
@@ -121,7 +124,7 @@ class _Builder:
         self.sigma = self.leaf("sigma", (), self.float)
         # 1 / (samples * sigma**2), the part before sigma a leaf (times K / (K - 1) for a leave-one-out baseline)
         scale = self.apply("div", [self.leaf("scale", (), self.float), self.apply("mul", [self.sigma, self.sigma])])
-        baseline = self.leaf("baseline", (), self.float)
+        baseline = self.leaf("baseline", (K, 1), self.float)   # each copy's weight in the baseline
         for n in g.topo_order(self.fwd):
             self.where[n] = self.track(n)
             if n in tops:
@@ -354,13 +357,14 @@ class _Builder:
 
     def coefficients(self, r, baseline, rows):
         """Each stacked row's weight c: its share of the loss (per row) or its sample's loss (per sample),
-        less `baseline` times the mean over the samples, times the row's weight; shape (KB_lr,)."""
+        less the baseline (the copies' losses weighted by `baseline`, (K_lr, 1)), times the row's weight;
+        shape (KB_lr,)."""
         r2 = self.view(r, (K, self.batch))
         if self.mixing:
             total = self.apply("sum", [r2], axes=(1,), keepdims=True)
             r2 = self.apply("broadcast_to", [total], shape=(K, self.batch))
-        mean = self.apply("mean", [r2], axes=(0,), keepdims=True)
-        c2 = self.apply("mul", [self.apply("sub", [r2, self.apply("mul", [baseline, mean])]), rows])
+        base = self.apply("sum", [self.apply("mul", [r2, baseline])], axes=(0,), keepdims=True)
+        c2 = self.apply("mul", [self.apply("sub", [r2, base]), rows])
         return self.view(c2, (KB,))
 
     def local_vjp(self, copies, cot):

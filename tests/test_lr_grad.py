@@ -18,7 +18,7 @@ from gradc.passes.lr_sites import KB
 from gradc.passes.pipeline import build_training_graph
 from gradc.runtime.lr import KEPT_HOST_SETS, LikelihoodRatio
 
-SCALARS = ("lr:seed", "lr:half", "lr:sigma", "lr:scale", "lr:baseline")
+SCALARS = ("lr:seed", "lr:half", "lr:sigma", "lr:scale")
 
 
 def mlp(weight_decay=1e-2):

@@ -1,7 +1,7 @@
 """What a generated module's lr_grad hands its compiled function besides params and inputs
 (passes/likelihood_ratio.py builds the graph; DESIGN.md §1.9): a mask of signs per noise site (+-1
-where the site is perturbed in that sample, 0 where not), the seed, sigma, the antithetic flag, the
-baseline flag, the estimate's scale before its 1 / sigma**2, and int inputs tiled K times on the
+where the site is perturbed in that sample, 0 where not), the seed, sigma, the antithetic flag, each
+copy's weight in the baseline, the estimate's scale before its 1 / sigma**2, and int inputs tiled K times on the
 rows. Also the Trainer's gradient="lr" options, checked when the Trainer is made.
 """
 import math
@@ -69,6 +69,11 @@ class LikelihoodRatio:
         """The perturbed copies one call runs: samples, or samples per site layer-wise."""
         return samples * (len(self.info["masks"]) if layerwise else 1)
 
+    def total(self, samples, antithetic, layerwise, baseline):
+        """The copies of the batch one call runs: the perturbed ones, and with antithetic pairs and the
+        baseline two without noise (the last of each half), whose loss is the baseline."""
+        return self.copies(samples, layerwise) + (2 if antithetic and baseline else 0)
+
     def leaves(self, a, samples, sigma, seed, antithetic, layerwise, baseline, adopt=None, host=None):
         """`a` (the checked inputs) with the lr leaves added under their "lr:" keys. Those that depend only on
         the options other than sigma and seed, and on the batch size (the masks' signs, the flags, the rows),
@@ -80,10 +85,11 @@ class LikelihoodRatio:
         if rows is None:
             raise ValueError(f"{self.model_name}.lr_grad: no batch input given")
         options = (samples, antithetic, layerwise, baseline, rows, adopt)
+        total = self.total(samples, antithetic, layerwise, baseline)
         with self._kept_lock:   # one set per options, also when threads call at once
             kept = self._kept.get(options)
             if kept is None:   # (checked when first made: not at every call of a training loop)
-                self._refuse_beyond_memory(samples, layerwise, rows)
+                self._refuse_beyond_memory(samples, total, rows)
                 kept = self._kept[options] = self._lasting(samples, antithetic, layerwise, baseline, rows, adopt)
                 # host sets beyond the last few used go (a sweep over batch sizes made one each, for good); a
                 # device set stays: a captured CUDA graph reads it in place
@@ -91,7 +97,6 @@ class LikelihoodRatio:
                 for key in on_host[:max(len(on_host) - KEPT_HOST_SETS, 0)]:
                     del self._kept[key]
             self._kept.move_to_end(options)
-        total = self.copies(samples, layerwise)
         out = {**a, **kept, "lr:seed": np.array([seed], dtype=np.int64),
                "lr:sigma": np.array([sigma], dtype=self.float)}
         for name, (leaf, axis) in self.info["tiled"].items():   # int inputs: copies sample-major along the rows' axis
@@ -100,11 +105,10 @@ class LikelihoodRatio:
                 out[f"lr:{leaf}"] = np.tile(x, tuple(total if d == axis else 1 for d in range(x.ndim)))
         return out
 
-    def _refuse_beyond_memory(self, samples, layerwise, rows):
-        """MemoryError naming `samples` before the copies' leaves are made, when their rows alone (a sign per
+    def _refuse_beyond_memory(self, samples, copies, rows):
+        """MemoryError naming `samples` before the `copies` leaves are made, when their rows alone (a sign per
         copy and row for each site, the copies' row flags, the int inputs' copies: 8 bytes a value at most)
         would not fit in the memory available; the arena's own check comes after (gradc/runtime/arena.py)."""
-        copies = self.copies(samples, layerwise)
         need = 8 * copies * (rows * (len(self.info["masks"]) + 1 + len(self.info["tiled"])) + 4)
         free = available_bytes()
         if free is not None and need > free:
@@ -115,24 +119,33 @@ class LikelihoodRatio:
     def _lasting(self, samples, antithetic, layerwise, baseline, rows, adopt):
         """The leaves a call with these options and `rows` batch rows shares with every other such call."""
         F = self.float
-        total = self.copies(samples, layerwise)
+        total = self.total(samples, antithetic, layerwise, baseline)
         out = {}
         # sample k perturbs site s with sign: copies are sample-major; with antithetic pairs the second half of
-        # the copies mirrors the first (the noise kernel repeats its draws there) with the opposite sign
+        # the copies mirrors the first (the noise kernel repeats its draws there) with the opposite sign, and
+        # with the baseline the last copy of each half has no noise
         half = total // 2 if antithetic else total
+        noisy = self.copies(samples, layerwise) // (2 if antithetic else 1)   # perturbed copies in a half
         k = np.arange(total)
-        sign = np.where(k < half, 1.0, -1.0) if antithetic else np.ones(total)
         within = k % half
+        sign = np.where(within >= noisy, 0.0, np.where(k < half, 1.0, -1.0))
         per_site = samples // 2 if antithetic else samples
         for s, (key, rank) in enumerate(self.info["masks"]):
             active = (within // per_site == s) if layerwise else np.ones(total, dtype=bool)
             m = np.where(active, sign, 0.0).astype(F)
             out[f"lr:{key}"] = np.repeat(m, rows).reshape((total * rows,) + (1,) * (rank - 1))
-        loo = baseline and not antithetic and total > 1   # leave-one-out mean: unbiased
-        # the scale before its 1 / sigma**2, which the graph applies
+        # each copy's weight in the baseline every row's loss is taken from: with pairs the noise-free copies'
+        # loss (a pair's + and - copies read different perturbed values, so their difference alone leaves the
+        # loss times that difference in the estimate); without, the leave-one-out mean. Both are unbiased.
+        loo = baseline and not antithetic and total > 1
+        if antithetic and baseline:
+            weights = np.where(within >= noisy, 0.5, 0.0)
+        else:
+            weights = np.full(total, 1.0 / total if loo else 0.0)
+        out["lr:baseline"] = weights.astype(F).reshape(total, 1)
+        # the scale before its 1 / sigma**2, which the graph applies (times K / (K - 1): the leave-one-out mean)
         out["lr:scale"] = np.array([1.0 / samples * (total / (total - 1) if loo else 1.0)], dtype=F)
         out["lr:half"] = np.array([1 if antithetic else 0], dtype=np.int64)
-        out["lr:baseline"] = np.array([1.0 if loo else 0.0], dtype=F)
         out["lr:rows"] = np.ones((total, rows), dtype=F)
         return out if adopt is None else {k: adopt(v) for k, v in out.items()}
 
