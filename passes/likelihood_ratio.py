@@ -188,20 +188,21 @@ class _Builder:
         """The batch dim, and for each input the axis it has the rows on (None: it is shared). An input
         that reaches a scan's sequences has time on axis 0, so its rows on axis 1 when its dim there is
         the batch dim; the batch dim is axis 0 of the first input that reaches no sequence, unless that
-        is a sequence's time (labels (T, B) read outside the scan). Dims are compared as declared (T and
+        is the time of an input scanned as it is (labels (T, B) read outside the scan). Dims are compared as declared (T and
         B bound to one size are still two dims)."""
         g = self.g
-        sequences = set()
+        sequences, scanned = set(), set()   # inputs that reach a scan's sequences; those that are one
         for n in self.fwd:
             if g.op(n) == "scan":
                 _, _, _, K, X, _, _ = parts(g.attrs(n))
                 sequences |= g.ancestors(g.operands(n)[K:K + X])
+                scanned |= set(g.operands(n)[K:K + X])
         shapes = {n: g.declared_shapes.get(n, g.shape(n)) for n in g.inputs.values() if n in self.fwd}
         shaped = [(n, (1, 0) if n in sequences else (0,)) for n in shapes]
         candidates = [shapes[n][order[0]] for n, order in shaped if len(shapes[n]) > order[0]]
         if not candidates:
             raise Unsupported("the model has no input with rows to perturb")
-        times = {shapes[n][0] for n, order in shaped if order == (1, 0) and shapes[n]}
+        times = {shapes[n][0] for n in scanned if n in shapes and shapes[n]}
         plain = [shapes[n][0] for n, order in shaped if order == (0,) and shapes[n] and shapes[n][0] not in times]
         batch = plain[0] if plain else candidates[0]
         axes = {n: next((a for a in order + tuple(range(len(shapes[n]))) if len(shapes[n]) > a

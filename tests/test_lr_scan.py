@@ -260,3 +260,22 @@ def test_antithetic_pairs_subtract_the_loss_of_noise_free_copies():
     pairs, plain, bare = error(), error(antithetic=False), error(baseline=False)
     assert pairs < 2 * plain, (pairs, plain)
     assert bare > 3 * pairs, (bare, pairs)   # the pairs alone: what the default was
+
+
+def test_an_input_read_as_a_sequence_through_a_reshape_keeps_its_rows_first():
+    """x (B, 6) seen as 3 steps of 2 pixels, (3, B, 2): its axis 0 is the batch, not a sequence's time (the
+    first version of the rule above took the batch dim for time and refused this model)."""
+    m = gc.Model("lrpixels")
+    x, y = m.input("x", ("B", 6)), m.input("y", ("B",), dtype="int64")
+    W, U, V = m.param("W", (3, 3)), m.param("U", (2, 3)), m.param("V", (3, 4))
+    rows = gc.transpose(x.reshape(("B", 3, 2)), (1, 0, 2))
+    h, _ = gc.scan(lambda h, xt: (gc.tanh(xt @ U + h @ W), None), x[:, :3] * 0.0, rows)
+    m.minimize(gc.softmax_cross_entropy(h @ V, y))
+    graph = build_training_graph(m, "float64", order=1)
+    assert graph.lr["why"] is None and graph.lr["batch"] == "B" and graph.lr["tiled"]["x"] == (None, 0)
+    rng = np.random.default_rng(6)
+    params = {p: rng.normal(size=graph.shape(n)) for p, n in graph.params.items()}
+    inputs = {"x": rng.normal(size=(5, 6)), "y": rng.integers(0, 4, 5)}
+    runs = [interpret_lr(graph, params, inputs, 256, 1e-3, seed) for seed in range(12)]
+    mean, true = np.mean([est for est, _ in runs], axis=0), runs[0][1]
+    assert np.linalg.norm(mean - true) / np.linalg.norm(true) < 0.4
