@@ -130,7 +130,9 @@ class _Builder:
             if n in tops:
                 if self.where[n] != 0:
                     raise Unsupported(f"{g.node(n)['src']}: {g.describe(n)} has its batch rows on axis "
-                                      f"{self.where[n]}, not the first: the estimate perturbs products of rows")
+                                      f"{self.where[n]}, not the first: the estimate perturbs products of rows "
+                                      f"(a product of a scan's stacked results (T, B, ...): make it in the step, "
+                                      f"where the rows come first)")
                 clean = n in self.clean
                 z = self.stacked(n)
                 noise, mask = self.noise(g.shape(z), g.node(n)["src"], g.op(tops[n][0]))
@@ -264,7 +266,11 @@ class _Builder:
         src = node["src"]
 
         def fail(why):
-            raise Unsupported(f"{src}: {g.describe(n)} {why}; lr_grad stacks the K perturbed copies on the rows")
+            carry = " (a loss summed in a scan's carry: return it as the step's y)" if op == "scan" else ""
+            raise Unsupported(f"{src}: {g.describe(n)} {why}; lr_grad stacks the K perturbed copies on the rows and "
+                              f"pairs each row's share of the loss with its noise, so the loss must be a sum or mean "
+                              f"over rows of per-row terms, then only scaled, added, summed or moved{carry}; or "
+                              f"train this model with loss_and_grad")
 
         if op == "random":   # its draws have the batch's rows, not the K copies'
             raise Unsupported(f"{src}: {g.describe(n)}: lr_grad does not take a model's own random ops (train "

@@ -73,6 +73,10 @@ class ScanNoise:
         param = self.param_of(n)
         closed = [leaf for leaf in leaves[K + X:] if param(leaf) is not None]
         bad = misuses(body, closed, set(body.topo_order()), self.sites(n), param)
+        for _, u in bad:
+            if body.op(u) == "scan":   # the params it reads may well be factors there: say what is missing
+                raise Unsupported(f"{body.node(u)['src']}: lr_grad does not follow a scan nested in another scan's "
+                                  f"step (train this model with loss_and_grad)")
         # a param as an initial carry (a learned h0) or a sequence gets no noise of its own either
         entering = [self.b.param_of(u) for u in g.operands(n)[:K + X]]
         return [(self.b.trainable[p], n, g) for p in entering if p is not None] + \
@@ -134,7 +138,8 @@ class ScanNoise:
                 continue
             op, a = body.op(m), dict(body.attrs(m))
             if op == "scan":
-                raise Unsupported(f"{src}: lr_grad does not follow a scan nested in another scan's step")
+                raise Unsupported(f"{src}: lr_grad does not follow a scan nested in another scan's step (train this "
+                                  f"model with loss_and_grad)")
             if "shape" in a:
                 target = list(a["shape"])
                 target[w] = KB

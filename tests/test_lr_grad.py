@@ -284,6 +284,9 @@ def test_compiled_lr_grad_and_trainer(build_dir):
         mod.lr_grad(params, samples=3, **inputs)
     with pytest.raises(ValueError, match="sigma"):
         mod.lr_grad(params, sigma=0, **inputs)
+    with pytest.raises(ValueError, match=r"unknown input 'sample' \(inputs are 'x', 'y'; lr_grad's options are "
+                                         r"samples, sigma, .*\): did you mean 'samples'\?"):
+        mod.lr_grad(params, sample=8, **inputs)
     # its plan is forward memory only: every step is a forward node, nothing of a backward
     plan = json.load(open(os.path.join(build_dir, "lrmlp.memplan.json")))["entries"]["lr_grad"]
     phases = {n["phase"] for n in json.load(open(os.path.join(build_dir, "lrmlp.graph.json")))["nodes"]
@@ -299,6 +302,9 @@ def test_compiled_lr_grad_and_trainer(build_dir):
     assert last < 0.6 * first
     with pytest.raises(ValueError, match="gradient must be"):
         mod.Trainer(params, gradient="evolution")
+    with pytest.raises(AttributeError):   # a backprop trainer turned "lr" had no options to step with
+        mod.Trainer(params).gradient = "lr"
+    assert tr.gradient == "lr"
     for option in (dict(samples=8), dict(sigma=0.5), dict(layerwise=True), dict(antithetic=False), dict(seed=3)):
         with pytest.raises(ValueError, match=r"option\(s\) of gradient='lr'"):   # backprop would ignore it
             mod.Trainer(params, **option)

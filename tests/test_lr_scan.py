@@ -279,3 +279,31 @@ def test_an_input_read_as_a_sequence_through_a_reshape_keeps_its_rows_first():
     runs = [interpret_lr(graph, params, inputs, 256, 1e-3, seed) for seed in range(12)]
     mean, true = np.mean([est for est, _ in runs], axis=0), runs[0][1]
     assert np.linalg.norm(mean - true) / np.linalg.norm(true) < 0.4
+
+
+def test_refusals_name_the_reason_and_what_to_do():
+    """From a new-user trial: a nested scan was called a param misuse; refusals of a loss that mixes rows
+    said what was wrong but not what to do."""
+    from test_scan import _nested
+    why = build_training_graph(_nested("lrnested"), "float64", order=1).lr["why"]
+    assert "does not follow a scan nested in another scan's step" in why and "reach(es)" not in why, why
+
+    m = gc.Model("lrcarry")
+    x, y = m.input("x", ("T", "B", 2)), m.input("y", ("T", "B"), dtype="int64")
+    W, V = m.param("W", (2, 3)), m.param("V", (3, 4))
+
+    def step(total, xs):
+        return total + gc.softmax_cross_entropy(gc.tanh(xs[0] @ W) @ V, xs[1]), None
+
+    total, _ = gc.scan(step, m.input("zero", ()), (x, y))
+    m.minimize(total)
+    why = build_training_graph(m, "float64", order=1).lr["why"]
+    assert "return it as the step's y" in why and "train this model with loss_and_grad" in why, why
+
+    m = gc.Model("lrstackedproduct")
+    x, y = m.input("x", ("T", "B", 2)), m.input("y", ("T", "B"), dtype="int64")
+    W, V = m.param("W", (2, 3)), m.param("V", (3, 4))
+    _, hs = gc.scan(lambda h, xt: (gc.tanh(xt @ W + h),) * 2, m.input("h0", ("B", 3)), x)
+    m.minimize(gc.softmax_cross_entropy(hs @ V, y))
+    why = build_training_graph(m, "float64", order=1).lr["why"]
+    assert "make it in the step, where the rows come first" in why, why

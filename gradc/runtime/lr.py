@@ -89,7 +89,7 @@ class LikelihoodRatio:
         with self._kept_lock:   # one set per options, also when threads call at once
             kept = self._kept.get(options)
             if kept is None:   # (checked when first made: not at every call of a training loop)
-                self._refuse_beyond_memory(samples, total, rows)
+                self._refuse_beyond_memory(samples, layerwise, total, rows)
                 kept = self._kept[options] = self._lasting(samples, antithetic, layerwise, baseline, rows, adopt)
                 # host sets beyond the last few used go (a sweep over batch sizes made one each, for good); a
                 # device set stays: a captured CUDA graph reads it in place
@@ -105,11 +105,12 @@ class LikelihoodRatio:
                 out[f"lr:{leaf}"] = np.tile(x, tuple(total if d == axis else 1 for d in range(x.ndim)))
         return out
 
-    def _refuse_beyond_memory(self, samples, copies, rows):
-        """MemoryError naming `samples` before the `copies` leaves are made, when their rows alone (a sign per
-        copy and row for each site, the copies' row flags, the int inputs' copies: 8 bytes a value at most)
-        would not fit in the memory available; the arena's own check comes after (gradc/runtime/arena.py)."""
-        need = 8 * copies * (rows * (len(self.info["masks"]) + 1 + len(self.info["tiled"])) + 4)
+    def _refuse_beyond_memory(self, samples, layerwise, total, rows):
+        """MemoryError naming `samples` before the leaves of `total` copies are made, when their rows alone (a
+        sign per copy and row for each site, the copies' row flags, the int inputs' copies: 8 bytes a value at
+        most) would not fit in the memory available; the arena's own check comes after (gradc/runtime/arena.py)."""
+        copies = self.copies(samples, layerwise)
+        need = 8 * total * (rows * (len(self.info["masks"]) + 1 + len(self.info["tiled"])) + 4)
         free = available_bytes()
         if free is not None and need > free:
             raise MemoryError(f"{self.model_name}.lr_grad: samples={samples} runs {copies} perturbed copies of the "
@@ -161,7 +162,7 @@ class LRTrainer:
                  layerwise=False, baseline=True, **kwargs):
         if gradient not in ("backprop", "lr"):
             raise ValueError(f"{self.model_name}.Trainer: gradient must be 'backprop' or 'lr', got {gradient!r}")
-        self.gradient = gradient
+        self._gradient = gradient
         self._lr_options = self._lr_seed = None
         given = {"samples": (samples, SAMPLES), "sigma": (sigma, SIGMA), "seed": (seed, 0),
                  "antithetic": (antithetic, True), "layerwise": (layerwise, False), "baseline": (baseline, True)}
@@ -178,6 +179,7 @@ class LRTrainer:
         super().__init__(params, *args, **kwargs)
 
     # chosen when the trainer is made (a changed sigma would not be the run its checkpoint resumes): read-only
+    gradient = property(lambda self: self._gradient, doc="'backprop' (loss_and_grad) or 'lr' (lr_grad's estimate)")
     lr_options = property(lambda self: self._lr_options, doc="gradient='lr''s options (None for backprop)")
     lr_seed = property(lambda self: self._lr_seed, doc="the seed step 0 draws its noise from (step t: seed + t)")
 

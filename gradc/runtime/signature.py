@@ -3,10 +3,13 @@
 Nothing is broadcast or cast: a wrong value raises ValueError naming the input, what was
 expected and what was given.
 """
+from difflib import get_close_matches
+
 import numpy as np
 from numba import njit
 
 from .cuda import array_dtype, is_device_array, to_numpy
+from .lr import KEYWORDS
 
 
 @njit(cache=True, nogil=True)
@@ -163,8 +166,13 @@ class Signature:
         kernels turn a label out of range into a NaN loss, and the caller runs check_indices then."""
         unknown = [k for k in given if k not in self.inputs_spec]
         if unknown:
+            options = KEYWORDS if entry == "lr_grad" else ()   # a misspelt option lands here too
+            known = list(self.inputs_spec) + list(options)
+            near = [m for k in unknown for m in get_close_matches(k, known, n=1)]
             raise ValueError(f"{self.model}.{entry}: unknown input {', '.join(map(repr, unknown))} "
-                             f"(inputs are {', '.join(map(repr, self.inputs_spec))})")
+                             f"(inputs are {', '.join(map(repr, self.inputs_spec))}"
+                             + (f"; lr_grad's options are {', '.join(options)}" if options else "") + ")"
+                             + (f": did you mean {', '.join(map(repr, near))}?" if near else ""))
         missing = [k for k in dict.fromkeys(needed) if k not in given]
         if missing:
             raise ValueError(f"{self.model}.{entry}: missing input {', '.join(map(repr, missing))}")
