@@ -128,6 +128,10 @@ class _Builder:
         for n in g.topo_order(self.fwd):
             self.where[n] = self.track(n)
             if n in tops:
+                if self.where[n] is None:
+                    raise Unsupported(f"{g.node(n)['src']}: {g.describe(n)} reads a trainable param but has no batch "
+                                      f"rows: the estimate perturbs products of rows (declare its params "
+                                      f"trainable=False, or train this model with loss_and_grad)")
                 if self.where[n] != 0:
                     raise Unsupported(f"{g.node(n)['src']}: {g.describe(n)} has its batch rows on axis "
                                       f"{self.where[n]}, not the first: the estimate perturbs products of rows "

@@ -15,18 +15,22 @@ from .lr_sites import KB, Unsupported
 
 
 def row_shares(g, n, axis, kind, x, emit, count):
-    """n (a sum or mean of g, without keepdims, over axes that hold the rows, on `axis` of its operand)
+    """n (a sum or mean of g over axes that hold the rows, on `axis` of its operand)
     kept per row: each row's share, (KB_lr,) + n's shape, from x, the operand's stacked copy. count(dims,
     dtype) is the number of elements of those dims (in a scan's step, where the batch dim is not
     known, a value from outside)."""
-    if g.op(n) not in ("sum", "mean") or g.attrs(n).get("keepdims"):
+    if g.op(n) not in ("sum", "mean"):
         raise Unsupported(f"{g.node(n)['src']}: the loss reduces the rows with {g.describe(n)}; lr_grad takes a "
-                          f"sum or a mean (without keepdims)")
+                          f"sum or a mean")
     (operand,) = g.operands(n)
-    axes = tuple(g.attrs(n)["axes"])
+    axes, keepdims = tuple(g.attrs(n)["axes"]), bool(g.attrs(n).get("keepdims"))
     others = tuple(a for a in axes if a != axis)
-    r = emit("sum", [x], axes=others, keepdims=False) if others else x
-    r = rows_first(r, axis - sum(a < axis for a in others), len(g.shape(n)) + 1, emit)
+    r = emit("sum", [x], axes=others, keepdims=keepdims) if others else x
+    if keepdims:   # n's 1 on the rows' axis comes back after them
+        r = rows_first(r, axis, len(g.shape(operand)), emit)
+        r = emit("reshape", [r], shape=(KB,) + tuple(g.shape(n)))
+    else:
+        r = rows_first(r, axis - sum(a < axis for a in others), len(g.shape(n)) + 1, emit)
     if kind == "mean":
         r = emit("div", [r, count(tuple(g.shape(operand)[a] for a in axes), g.dtype(n))])
     return r

@@ -110,13 +110,16 @@ def test_mean_over_seeds_converges_to_the_gradient(name):
     assert errors[1] < 0.4, errors
 
 
-def test_a_loss_averaged_over_rows_then_summed_over_outputs_is_estimated():
+@pytest.mark.parametrize("reduce", [lambda e: e.mean(axis=0).sum(), lambda e: e.sum(axis=0, keepdims=True).mean(),
+                                    lambda e: e.T.mean(axis=1, keepdims=True).sum()], ids=["mean", "keepdims", "axis1"])
+def test_a_loss_averaged_over_rows_then_summed_over_outputs_is_estimated(reduce):
     """((pred - t)**2).mean(axis=0).sum(): the reduction over rows leaves one value per output, summed after
-    it. Each row's shares are kept per output and summed (it was refused, or viewed to the wrong shape)."""
+    it. Each row's shares are kept per output and summed (it was refused, or viewed to the wrong shape); with
+    keepdims, and with the rows on axis 1 (a fuzzer's program had keepdims refused)."""
     m = gc.Model("lrmse")
     x, t = m.input("x", ("B", 5)), m.input("t", ("B", 3))
     W0, W1, b1 = m.param("W0", (5, 6)), m.param("W1", (6, 3)), m.param("b1", (3,), init="normal")
-    m.minimize(gc.square(gc.tanh(x @ W0) @ W1 + b1 - t).mean(axis=0).sum())
+    m.minimize(reduce(gc.square(gc.tanh(x @ W0) @ W1 + b1 - t)))
     graph = build_training_graph(m, "float64", order=1)
     assert graph.lr["why"] is None, graph.lr["why"]
     rng = np.random.default_rng(4)
