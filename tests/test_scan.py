@@ -216,36 +216,48 @@ def test_gradients_match_finite_differences(case):
 
 def test_a_sequence_loss_made_outside_the_scan_compiles(tmp_path):
     """softmax_cross_entropy of (T, B, C) logits, compiled: torch's loss and gradients, the interpreter's
-    HVP and lr_grad, microbatches over B (axis 1 of the labels), and the labels checked element by element."""
+    lr_grad, and the labels checked element by element (the HVP: the slow test below)."""
     from test_lr_grad import interpret_lr
     g = build_training_graph(_seq_loss(), "float64", {}, order=2)
     rng = np.random.default_rng(4)
     params, inputs = _data(g, rng, T=5, B=4)
     inputs["y"] = rng.integers(0, 3, size=(5, 4))
-    mod = gc.compile(_seq_loss("seq_loss_c"), out=str(tmp_path / "plain"), dtype="float64", order=2, warm=False)
+    mod = gc.compile(_seq_loss("seq_loss_c"), out=str(tmp_path / "plain"), dtype="float64", order=1, warm=False)
     loss, grads = mod.loss_and_grad(params, **inputs)
     tp = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
     tl = _torch_seq_loss(tp, inputs)
     assert loss == pytest.approx(float(tl.detach()), rel=1e-12)
     for p, gt in zip(grads, torch.autograd.grad(tl, [tp[p] for p in grads])):
         np.testing.assert_allclose(grads[p], gt.numpy(), rtol=1e-9, atol=1e-12, err_msg=p)
-    v = {p: rng.normal(size=params[p].shape) for p in grads}
-    ref = evaluate(g, params, inputs, [g.hvps[p] for p in grads], tangents=v)
-    for p, hv in mod.hvp(params, v, **inputs).items():
-        np.testing.assert_allclose(hv, ref[g.hvps[p]], rtol=1e-9, atol=1e-12, err_msg=f"hvp {p}")
     _, est = mod.lr_grad(params, samples=4, sigma=1e-2, seed=2, **inputs)
     np.testing.assert_allclose(np.concatenate([est[p].ravel() for p in mod.TRAINABLE]),
                                interpret_lr(g, params, inputs, 4, 1e-2, 2)[0], rtol=1e-9, atol=1e-12)
-    split = gc.compile(_seq_loss("seq_loss_m"), out=str(tmp_path / "split"), dtype="float64", order=1, warm=False,
-                       bind={"T": 5, "B": 4}, devices=2, microbatches=2)
-    loss2, grads2 = split.loss_and_grad(params, **inputs)
-    assert loss2 == pytest.approx(loss, rel=1e-12)
-    for p in grads:
-        np.testing.assert_allclose(grads2[p], grads[p], rtol=1e-9, atol=1e-12, err_msg=f"microbatches {p}")
     bad = inputs["y"].copy()
     bad[2, 1] = 3
     with pytest.raises(ValueError, match=r"input 'y' holds 3 at \[2, 1\], outside 0..2"):
         mod.loss_and_grad(params, **dict(inputs, y=bad))
+
+
+@pytest.mark.slow
+def test_a_sequence_loss_made_outside_the_scan_splits_into_microbatches(tmp_path):
+    """The batch rows of (T, B) targets are on axis 1: microbatches over two stages give one device's gradients;
+    the compiled HVP (rank-3 pick_grad's own VJP) is the interpreter's."""
+    g = build_training_graph(_seq_loss(), "float64", {}, order=2)
+    rng = np.random.default_rng(4)
+    params, inputs = _data(g, rng, T=5, B=4)
+    inputs["y"] = rng.integers(0, 3, size=(5, 4))
+    got = evaluate(g, params, inputs, [g.objective] + [g.grads[p] for p in g.grads])
+    mod = gc.compile(_seq_loss("seq_loss_h"), out=str(tmp_path / "hvp"), dtype="float64", order=2, warm=False)
+    v = {p: rng.normal(size=params[p].shape) for p in g.grads}
+    ref = evaluate(g, params, inputs, [g.hvps[p] for p in g.grads], tangents=v)
+    for p, hv in mod.hvp(params, v, **inputs).items():
+        np.testing.assert_allclose(hv, ref[g.hvps[p]], rtol=1e-9, atol=1e-12, err_msg=f"hvp {p}")
+    split = gc.compile(_seq_loss("seq_loss_m"), out=str(tmp_path / "split"), dtype="float64", order=1, warm=False,
+                       bind={"T": 5, "B": 4}, devices=2, microbatches=2)
+    loss, grads = split.loss_and_grad(params, **inputs)
+    assert loss == pytest.approx(got[g.objective], rel=1e-12)
+    for p in grads:
+        np.testing.assert_allclose(grads[p], got[g.grads[p]], rtol=1e-9, atol=1e-12, err_msg=f"microbatches {p}")
 
 
 def test_bad_step_functions_name_the_line():
