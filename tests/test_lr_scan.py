@@ -7,7 +7,7 @@ import pytest
 import gradc as gc
 from gradc.passes.pipeline import build_training_graph
 
-from test_lr_grad import interpret_lr
+from test_lr_grad import assert_mean_converges, interpret_lr
 from test_scan import _rnn, _seq_loss
 
 
@@ -62,16 +62,7 @@ def test_mean_over_seeds_converges_to_the_gradient_through_scans(name):
     graph, params, inputs = _problem(name, np.random.default_rng(0))
     assert graph.lr["why"] is None, graph.lr["why"]
     assert graph.lr["tiled"]["x"] == (None, 1)   # the sequence has its rows on axis 1 (stacked in the graph)
-    errors = []
-    for samples in (16, 256):
-        runs = [interpret_lr(graph, params, inputs, samples, 1e-3, seed) for seed in range(12)]
-        true = runs[0][1]
-        assert np.linalg.norm(true) > 1e-3
-        mean = np.mean([e for e, _ in runs], axis=0)
-        errors.append(np.linalg.norm(mean - true) / np.linalg.norm(true))
-    # 16x the samples: the error of the mean shrinks like 1/sqrt(K), by about 4
-    assert errors[1] < errors[0] / 2.5, errors
-    assert errors[1] < 0.4, errors
+    assert_mean_converges(graph, params, inputs, seeds=12)
 
 
 def test_layerwise_and_plain_noise_through_a_scan_are_unbiased():
@@ -176,12 +167,7 @@ def test_a_loss_made_in_a_step_is_estimated_per_row(build_dir):
     for seed in range(3):
         np.testing.assert_allclose(interpret_lr(graph, params, inputs, 8, 1e-2, seed)[0],
                                    interpret_lr(per_row, params, inputs, 8, 1e-2, seed)[0], rtol=1e-10, atol=1e-12)
-    errors = []
-    for samples in (16, 256):
-        runs = [interpret_lr(graph, params, inputs, samples, 1e-3, seed) for seed in range(12)]
-        mean, true = np.mean([est for est, _ in runs], axis=0), runs[0][1]
-        errors.append(np.linalg.norm(mean - true) / np.linalg.norm(true))
-    assert errors[1] < errors[0] / 2.5 and errors[1] < 0.4, errors
+    assert_mean_converges(graph, params, inputs, seeds=12)
     mod = gc.compile(_language_model(False), out=build_dir, dtype="float64", order=1, warm_cache=False)
     for mode in (dict(), dict(antithetic=False, layerwise=True)):
         loss, grads = mod.lr_grad(params, samples=6, sigma=1e-2, seed=5, **inputs, **mode)
@@ -216,12 +202,7 @@ def test_a_loss_made_in_steps_is_followed_through_scales_slices_and_joins(build_
     rng = np.random.default_rng(8)
     params = {k: 0.7 * rng.standard_normal(graph.shape(n)) for k, n in graph.params.items()}
     inputs = {"tok": rng.integers(0, 5, (T, B)), "tgt": rng.integers(0, 5, (T, B)), "h0": rng.standard_normal((B, 4))}
-    errors = []
-    for samples in (16, 256):
-        runs = [interpret_lr(graph, params, inputs, samples, 1e-3, seed) for seed in range(12)]
-        mean, true = np.mean([est for est, _ in runs], axis=0), runs[0][1]
-        errors.append(np.linalg.norm(mean - true) / np.linalg.norm(true))
-    assert errors[1] < errors[0] / 2.5 and errors[1] < 0.4, errors
+    assert_mean_converges(graph, params, inputs, seeds=12)
     mod = gc.compile(_two_step_losses(T), out=build_dir, dtype="float64", order=1, warm_cache=False)
     _, grads = mod.lr_grad(params, samples=4, sigma=1e-2, seed=3, **inputs)
     est, _ = interpret_lr(graph, params, inputs, 4, 1e-2, 3)
@@ -237,12 +218,7 @@ def test_a_sequence_loss_made_outside_the_scan_is_estimated():
     rng = np.random.default_rng(4)
     params = {p: 0.7 * rng.normal(size=graph.shape(n)) for p, n in graph.params.items()}
     inputs = {"x": rng.normal(size=(5, 4, 2)), "h0": rng.normal(size=(4, 3)), "y": rng.integers(0, 3, size=(5, 4))}
-    errors = []
-    for samples in (16, 256):
-        runs = [interpret_lr(graph, params, inputs, samples, 1e-3, seed) for seed in range(12)]
-        mean, true = np.mean([est for est, _ in runs], axis=0), runs[0][1]
-        errors.append(np.linalg.norm(mean - true) / np.linalg.norm(true))
-    assert errors[1] < errors[0] / 2.5 and errors[1] < 0.4, errors
+    assert_mean_converges(graph, params, inputs, seeds=12)
 
 
 def test_antithetic_pairs_subtract_the_loss_of_noise_free_copies():
