@@ -85,16 +85,21 @@ def test_every_step_has_its_own_noise():
     assert sorted(graph.shape(n)[:2] for n in noise) == [("KB_lr", "T")] * 2   # drawn rows first, all T steps
 
 
-def test_compiled_lr_grad_through_a_scan_matches_the_interpreter(build_dir):
-    model = _rnn("lrscan")
-    mod = gc.compile(model, out=build_dir, dtype="float64", order=1, warm_cache=False)
-    graph, params, inputs = _problem("rnn", np.random.default_rng(3), T=7, B=4)
+def _assert_compiled_is_interpreted(mod, graph, params, inputs):
+    """The compiled lr_grad is the interpreter's estimate (pairs; plain and layer-wise), its loss loss_and_grad's."""
     for mode in (dict(), dict(antithetic=False, layerwise=True)):
         loss, grads = mod.lr_grad(params, samples=6, sigma=1e-2, seed=5, **inputs, **mode)
         est, _ = interpret_lr(graph, params, inputs, 6, 1e-2, 5, **mode)
         np.testing.assert_allclose(np.concatenate([grads[p].ravel() for p in mod.TRAINABLE]), est, rtol=1e-9,
                                    atol=1e-12)
         assert loss == mod.loss_and_grad(params, **inputs)[0]
+
+
+def test_compiled_lr_grad_through_a_scan_matches_the_interpreter(build_dir):
+    model = _rnn("lrscan")
+    mod = gc.compile(model, out=build_dir, dtype="float64", order=1, warm_cache=False)
+    graph, params, inputs = _problem("rnn", np.random.default_rng(3), T=7, B=4)
+    _assert_compiled_is_interpreted(mod, graph, params, inputs)
 
 
 @pytest.mark.slow
@@ -169,12 +174,7 @@ def test_a_loss_made_in_a_step_is_estimated_per_row(build_dir):
                                    interpret_lr(per_row, params, inputs, 8, 1e-2, seed)[0], rtol=1e-10, atol=1e-12)
     assert_mean_converges(graph, params, inputs, seeds=12)
     mod = gc.compile(_language_model(False), out=build_dir, dtype="float64", order=1, warm_cache=False)
-    for mode in (dict(), dict(antithetic=False, layerwise=True)):
-        loss, grads = mod.lr_grad(params, samples=6, sigma=1e-2, seed=5, **inputs, **mode)
-        est, _ = interpret_lr(graph, params, inputs, 6, 1e-2, 5, **mode)
-        np.testing.assert_allclose(np.concatenate([grads[p].ravel() for p in mod.TRAINABLE]), est, rtol=1e-9,
-                                   atol=1e-12)
-        assert loss == mod.loss_and_grad(params, **inputs)[0]
+    _assert_compiled_is_interpreted(mod, graph, params, inputs)
 
 
 def _two_step_losses(T):
