@@ -39,7 +39,8 @@ def parse_bind(items):
             raise UsageError(f"--bind {item!r}: expected DIM=INT, e.g. --bind B=256")
         if name in dims:
             raise UsageError(f"--bind {item!r}: {name} is bound twice")
-        if not (value.isascii() and value.isdigit()):   # int() would take "+4", " 4", "4_000" and other scripts' digits
+        digits = value[1:] if value.startswith("-") else value
+        if not (digits.isascii() and digits.isdigit()):   # int() would take "+4", " 4", "4_000" and other scripts' digits
             raise UsageError(f"--bind {item!r}: {value!r} is not an int written in decimal digits")
         dims[name] = int(value)
         if dims[name] < 1:

@@ -46,7 +46,7 @@ from gradc.ops.scan_layout import index_of, kind_of, parts
 
 from .autodiff import VJPContext, accumulate
 from .lr_scan import ScanNoise
-from .lr_shares import reduced_copy, row_shares, rows_first
+from .lr_shares import rows_first, shares
 from .lr_sites import DIMS, K, KB, LAYOUT, Site, Unsupported, chains, misuses  # noqa: F401 (DIMS: for importers)
 
 STREAM = 1 << 20                 # noise streams, apart from the model's own random ops
@@ -194,8 +194,8 @@ class _Builder:
         """The batch dim, and for each input the axis it has the rows on (None: it is shared). An input
         that reaches a scan's sequences has time on axis 0, so its rows on axis 1 when its dim there is
         the batch dim; the batch dim is axis 0 of the first input that reaches no sequence, unless that
-        is the time of an input scanned as it is (labels (T, B) read outside the scan). Dims are compared as declared (T and
-        B bound to one size are still two dims)."""
+        is the time of an input scanned as it is (labels (T, B) read outside the scan). Dims are compared
+        as declared (T and B bound to one size are still two dims)."""
         g = self.g
         sequences, scanned = set(), set()   # inputs that reach a scan's sequences; those that are one
         for n in self.fwd:
@@ -211,8 +211,10 @@ class _Builder:
         times = {shapes[n][0] for n in scanned if n in shapes and shapes[n]}
         plain = [shapes[n][0] for n, order in shaped if order == (0,) and shapes[n] and shapes[n][0] not in times]
         batch = plain[0] if plain else candidates[0]
-        axes = {n: next((a for a in order + tuple(range(len(shapes[n]))) if len(shapes[n]) > a
-                         and shapes[n][a] == batch), None) for n, order in shaped}
+        # a named batch dim is the batch on any axis (targets (T, B)); a literal size only where rows go
+        anywhere = lambda n: tuple(range(len(shapes[n]))) if isinstance(batch, str) else ()
+        axes = {n: next((a for a in order + anywhere(n) if len(shapes[n]) > a and shapes[n][a] == batch), None)
+                for n, order in shaped}
         n, axis = next((n, a) for n, a in axes.items() if a is not None)
         return g.shape(n)[axis], axes   # the dim as the graph has it (bound, where --bind bound it)
 
@@ -270,11 +272,13 @@ class _Builder:
         src = node["src"]
 
         def fail(why):
-            carry = " (a loss summed in a scan's carry: return it as the step's y)" if op == "scan" else ""
-            raise Unsupported(f"{src}: {g.describe(n)} {why}; lr_grad stacks the K perturbed copies on the rows and "
-                              f"pairs each row's share of the loss with its noise, so the loss must be a sum or mean "
-                              f"over rows of per-row terms, then only scaled, added, summed or moved{carry}; or "
-                              f"train this model with loss_and_grad")
+            loss = ""
+            if op == "scan" or any(isinstance(w, tuple) for w in ins):   # about the loss after its reduction
+                carry = " (a loss summed in a scan's carry: return it as the step's y)" if op == "scan" else ""
+                loss = (f" and pairs each row's share of the loss with its noise, so the loss must be a sum or mean "
+                        f"over rows of per-row terms, then only scaled, added, summed or moved{carry}")
+            raise Unsupported(f"{src}: {g.describe(n)} {why}; lr_grad stacks the K perturbed copies on the rows"
+                              f"{loss}; or train this model with loss_and_grad")
 
         if op == "random":   # its draws have the batch's rows, not the K copies'
             raise Unsupported(f"{src}: {g.describe(n)}: lr_grad does not take a model's own random ops (train "
@@ -309,15 +313,13 @@ class _Builder:
             return 0
         where = rows_of(g, n, ins, fail)
         if isinstance(where, tuple):   # the loss's reduction over rows, or a value after it: kept per row
-            emit = lambda op, inputs, **a: self.apply(op, inputs, src, **a)
+            emit = lambda kind, inputs, **a: self.apply(kind, inputs, src, **a)
             if op == "scan_out":   # a per-step loss, stacked (T, KB_lr, ...)
                 attrs["shape"] = tuple(shape[:1]) + (KB,) + tuple(shape[1:])
                 self.copy[n] = rows_first(self.apply(op, operands, src, **attrs), 1, len(shape) + 1, emit)
-            elif any(isinstance(w, tuple) for w in ins):
-                self.copy[n] = reduced_copy(g, n, ins, [self.stacked(u) for u in g.operands(n)], emit)
             else:
                 count = lambda dims, dtype: self.apply("count", [], src, dims=dims, dtype=dtype)
-                self.copy[n] = row_shares(g, n, ins[0], where[1], self.stacked(g.operands(n)[0]), emit, count)
+                self.copy[n] = shares(g, n, ins, where, [self.stacked(u) for u in g.operands(n)], emit, count)
             return where
         if clean:
             self.clean.add(n)

@@ -27,7 +27,7 @@ from gradc.errors import GradcError
 from gradc.ops.scan import ScanRows, body_rows, result
 from gradc.ops.scan_layout import YS, parts
 
-from .lr_shares import reduced_copy, row_shares
+from .lr_shares import shares
 from .lr_sites import KB, LAYOUT, Unsupported, chains, misuses
 from .simplify import eliminate_dead
 
@@ -128,13 +128,9 @@ class ScanNoise:
                 continue
             src = body.node(m)["src"]
             if isinstance(w, tuple):   # a per-step loss (a batch mean): kept per row, returned as (KB_lr, ...)
-                emit = lambda op, inputs, **attrs: apply(op, inputs, attrs, src)
-                reads = [where[u] for u in body.operands(m)]
-                operands_m = [copies.get(u, u) for u in body.operands(m)]
-                if any(isinstance(r, tuple) for r in reads):
-                    copies[m] = reduced_copy(body, m, reads, operands_m, emit)
-                else:
-                    copies[m] = row_shares(body, m, reads[0], w[1], operands_m[0], emit, count)
+                emit = lambda kind, inputs, **attrs: apply(kind, inputs, attrs, src)
+                copies[m] = shares(body, m, [where[u] for u in body.operands(m)], w,
+                                   [copies.get(u, u) for u in body.operands(m)], emit, count)
                 continue
             op, a = body.op(m), dict(body.attrs(m))
             if op == "scan":

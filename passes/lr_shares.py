@@ -14,6 +14,14 @@ from gradc.ops import get_op
 from .lr_sites import KB, Unsupported
 
 
+def shares(g, n, ins, where, operands, emit, count):
+    """n's shares, where n (of g) is the loss's reduction over rows (`where`, a tuple) or a value after it:
+    `ins` says where each operand has its rows, `operands` are their stacked copies (or shares)."""
+    if any(isinstance(w, tuple) for w in ins):
+        return reduced_copy(g, n, ins, operands, emit)
+    return row_shares(g, n, ins[0], where[1], operands[0], emit, count)
+
+
 def row_shares(g, n, axis, kind, x, emit, count):
     """n (a sum or mean of g over axes that hold the rows, on `axis` of its operand)
     kept per row: each row's share, (KB_lr,) + n's shape, from x, the operand's stacked copy. count(dims,

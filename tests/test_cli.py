@@ -134,6 +134,8 @@ def test_inspect_of_a_damaged_dump_exits_2_naming_it(compiled, tmp_path):
     ("import gradc as gc\nm = gc.Model('b9')\nm.minimize(m.input('x', ('B',)).sum())\n", ["--bind", "B"], "expected DIM=INT"),
     ("import gradc as gc\nm = gc.Model('b10')\nm.minimize(m.input('x', ('B',)).sum())\n", ["--bind", "B=+4"],
      "--bind 'B=+4': '+4' is not an int written in decimal digits"),
+    ("import gradc as gc\nm = gc.Model('b11')\nm.minimize(m.input('x', ('B',)).sum())\n", ["--bind", "B=-1"],
+     "--bind 'B=-1': a dim must be >= 1"),
     (MODEL, ["--memory-budget", "1KiB"], "--memory-budget needs every symbolic dim bound with --bind (unbound: B"),
     (MODEL, ["--memory-budget", "100", "--bind", "B=64"], "model.py:3: budget 100 bytes is below the minimum"),
     (MODEL, ["--memory-budget", "lots"], "'lots' is not a size"),

@@ -133,6 +133,17 @@ def test_a_loss_averaged_over_rows_then_summed_over_outputs_is_estimated(reduce)
     assert_mean_converges(graph, params, inputs, seeds=8)
 
 
+def test_an_input_whose_later_axis_equals_a_literal_batch_is_shared():
+    """Found by review: x (8, 5) and a projection P (5, 8) given as an input. A literal batch of 8 is the
+    batch on axis 0 only (where rows go); P's 8 is a column count, so P is shared, as before the rule that
+    finds a named batch on any axis (targets (T, B))."""
+    m = gc.Model("lrliteral")
+    x, y, P = m.input("x", (8, 5)), m.input("y", (8,), dtype="int64"), m.input("P", (5, 8))
+    m.minimize(gc.softmax_cross_entropy(gc.tanh(x @ P) @ m.param("W", (8, 3)), y))
+    lr = build_training_graph(m, "float64", order=1).lr
+    assert lr["why"] is None and "P" not in lr["tiled"] and lr["tiled"]["x"] == (None, 0), lr
+
+
 def test_a_batch_bound_to_the_size_of_its_features_is_not_an_adjacency():
     """Found by a new-user trial: x (B, 5) with --bind B=5 is (5, 5) and read only as a left factor, like a
     GCN's adjacency; lr_grad was left out of the build ("rows on axis None"). The declared shape tells them apart."""

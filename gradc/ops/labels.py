@@ -50,7 +50,7 @@ def _rank_lowering(key, source):
 
 # the module checks labels at call time; the kernels still never read or write outside a row (a NaN loss)
 def cpu_pick_source(name, rank):
-    """out[i...] = x0[i..., labels[i...]] over the labels' rank - 1 axes."""
+    """out[i...] = x0[i..., labels[i...]] over every axis of the labels (the values' but the last)."""
     lead = [f"i{d}" for d in range(rank - 1)]
     body = [f"label = labels[{index(lead)}]",
             f"out[{index(lead)}] = x0[{index(lead + ['label'])}] if 0 <= label < x0.shape[{rank - 1}] else math.nan"]

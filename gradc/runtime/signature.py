@@ -168,7 +168,9 @@ class Signature:
         if unknown:
             options = KEYWORDS if entry == "lr_grad" else ()   # a misspelt option lands here too
             known = list(self.inputs_spec) + list(options)
-            near = [m for k in unknown for m in get_close_matches(k, known, n=1)]
+            open_names = [k for k in known if k not in given]   # not one the call already gave
+            lower = {k.lower(): k for k in open_names}
+            near = [lower[m] for k in unknown for m in get_close_matches(k.lower(), list(lower), n=1)]
             raise ValueError(f"{self.model}.{entry}: unknown input {', '.join(map(repr, unknown))} "
                              f"(inputs are {', '.join(map(repr, self.inputs_spec))}"
                              + (f"; lr_grad's options are {', '.join(options)}" if options else "") + ")"
