@@ -364,7 +364,8 @@ def softmax_cross_entropy(logits, labels):
     if logits.ndim == 2:
         rows = _op("softmax_xent", logits, labels, src=src)   # one fused kernel each way
     else:   # the fused kernels take (N, C); a (T, B) of rows cannot be seen as T * B of them while T and B are symbols
-        rows = _op("neg", _op("pick", _op("log_softmax", logits, src=src, axis=logits.ndim - 1), labels, src=src), src=src)
+        log_p = _op("log_softmax", logits, src=src, axis=logits.ndim - 1)
+        rows = _op("neg", _op("pick", log_p, labels, src=src), src=src)
     return _op("mean", rows, src=src, axes=tuple(range(labels.ndim)), keepdims=False)
 
 

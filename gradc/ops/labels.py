@@ -40,12 +40,17 @@ def _lowering(key, source):
     return lower
 
 
-def _rank_lowering(key, source):
-    """One kernel per rank of the values (pick's operand, pick_grad's result), writing the node's buffer."""
+def _rank_lowering(key, source, values_shape):
+    """One kernel per rank of the values (values_shape(statement): pick's operand, pick_grad's result),
+    writing the node's buffer."""
     def lower(s):
-        rank = len(s.graph.shape(s.operands[0]) if key == "pick" else s.shape)
+        rank = len(values_shape(s))
         return s.into_out(s.kernel((key, rank), key, lambda name: source(name, rank)))
     return lower
+
+
+_operand_shape = lambda s: s.operand_shape(0)
+_result_shape = lambda s: s.shape
 
 
 # the module checks labels at call time; the kernels still never read or write outside a row (a NaN loss)
@@ -122,7 +127,8 @@ def _pick_vjp(ctx, n, g):
 register(Op("pick", "nn", _pick_infer,
             lambda attrs, values, out_shape, dims: np.take_along_axis(values[0], values[1][..., None], -1)[..., 0],
             lambda attrs, in_shapes, out_shape: size(out_shape), vjp=_pick_vjp, arity=2, rows=_row_wise,
-            cpu=_rank_lowering("pick", cpu_pick_source), cuda=_rank_lowering("pick", cuda_pick_source),
+            cpu=_rank_lowering("pick", cpu_pick_source, _operand_shape),
+            cuda=_rank_lowering("pick", cuda_pick_source, _operand_shape),
             indexes=_label_bound,
             doc="out[i] = x[i, labels[i]]"))
 
@@ -146,8 +152,8 @@ def _pick_grad_vjp(ctx, n, g):
 
 register(Op("pick_grad", "nn", _pick_grad_infer, _pick_grad_evaluate,
             lambda attrs, in_shapes, out_shape: size(out_shape), vjp=_pick_grad_vjp, arity=2, rows=_row_wise_grad,
-            cpu=_rank_lowering("pick_grad", cpu_pick_grad_source),
-            cuda=_rank_lowering("pick_grad", cuda_pick_grad_source),
+            cpu=_rank_lowering("pick_grad", cpu_pick_grad_source, _result_shape),
+            cuda=_rank_lowering("pick_grad", cuda_pick_grad_source, _result_shape),
             doc="out[i, labels[i]] = g[i], zeros elsewhere"))
 
 

@@ -129,7 +129,8 @@ class LikelihoodRatio:
         noisy = self.copies(samples, layerwise) // (2 if antithetic else 1)   # perturbed copies in a half
         k = np.arange(total)
         within = k % half
-        sign = np.where(within >= noisy, 0.0, np.where(k < half, 1.0, -1.0))
+        clean = within >= noisy   # the noise-free copies of the pairs' baseline (none otherwise)
+        sign = np.where(clean, 0.0, np.where(k < half, 1.0, -1.0))
         per_site = samples // 2 if antithetic else samples
         for s, (key, rank) in enumerate(self.info["masks"]):
             active = (within // per_site == s) if layerwise else np.ones(total, dtype=bool)
@@ -140,7 +141,7 @@ class LikelihoodRatio:
         # loss times that difference in the estimate); without, the leave-one-out mean. Both are unbiased.
         loo = baseline and not antithetic and total > 1
         if antithetic and baseline:
-            weights = np.where(within >= noisy, 0.5, 0.0)
+            weights = np.where(clean, 0.5, 0.0)
         else:
             weights = np.full(total, 1.0 / total if loo else 0.0)
         out["lr:baseline"] = weights.astype(F).reshape(total, 1)
