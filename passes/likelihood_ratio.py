@@ -1,7 +1,8 @@
 """Gradients without backpropagation: the likelihood-ratio estimate of lr_grad (DESIGN.md §1.9, seed 003).
 
 Each product of the forward that has a trainable param as a factor (matmul, batch_matmul, conv2d;
-with the bias added to it, when one is) is a noise site: its output z gets Gaussian noise,
+with the bias added to it, when one is), and each lookup of rows in a trainable table (take: an
+embedding, whose VJP adds each row's cotangent into the row it read), is a noise site: its output z gets Gaussian noise,
 z~ = z + sigma * eps. For z = h W (+ b), d/dz E[l(z~)] = E[l(z~) eps] / sigma, so
 
     dL/dW ~ mean over samples of  h~^T (c * eps) / sigma,    dL/db ~ the same with h~^T replaced by a row sum,
@@ -51,14 +52,49 @@ from .lr_sites import DIMS, K, KB, LAYOUT, Site, Unsupported, chains, misuses  #
 
 STREAM = 1 << 20                 # noise streams, apart from the model's own random ops
 PHASE = "forward"                # an estimate is forward work: nothing here is kept for a backward
+SHARES = ("reduced", "shares")   # where a value after the loss's reduction over rows has its rows
 
 
 def build_lr(graph, trainable, decayed=(), weight_decay=0.0):
-    """graph.lr: the estimate's tables (grads, leaves, sites, ...), or {"why": reason} when it cannot be built."""
-    try:
-        graph.lr = _Builder(graph, trainable, decayed, weight_decay).build()
-    except Unsupported as e:
-        graph.lr = {"why": str(e)}   # the nodes made so far are dead code: simplify removes them
+    """graph.lr: the estimate's tables (grads, leaves, sites, ...), or {"why": reason} when it cannot be built.
+    Each dim that may be the batch's is tried, the likeliest first (batch_choices); the reason given is the
+    likeliest's. Any choice that builds is a valid estimate: the rows rules refuse whatever mixes its rows."""
+    first = None
+    for batch, axes in batch_choices(graph, graph.ancestors([graph.loss])):
+        try:
+            graph.lr = _Builder(graph, trainable, decayed, weight_decay, batch, axes).build()
+            return
+        except Unsupported as e:   # the nodes made so far are dead code: simplify removes them
+            first = first or e
+    graph.lr = {"why": str(first or "the model has no input with rows to perturb")}
+
+
+def batch_choices(g, fwd):
+    """(the batch dim, {input: the axis it has the rows on, None: shared}) for each dim that may be the
+    batch's, the likeliest first. An input that reaches a scan's sequences likely has time on axis 0, so
+    its rows on axis 1; the likeliest batch dim is axis 0 of the first input that reaches no sequence,
+    unless that is the time of an input scanned as it is (labels (T, B) read outside the scan). Then any
+    other dim some input has where rows go (tokens (B, T) read as a sequence through a transpose). Dims are
+    compared as declared (T and B bound to one size are still two dims); a named batch dim is the batch on
+    any axis, a literal size only where rows go."""
+    sequences, scanned = set(), set()   # inputs that reach a scan's sequences; those that are one
+    for n in fwd:
+        if g.op(n) == "scan":
+            _, _, _, K, X, _, _ = parts(g.attrs(n))
+            sequences |= g.ancestors(g.operands(n)[K:K + X])
+            scanned |= set(g.operands(n)[K:K + X])
+    shapes = {n: g.declared_shapes.get(n, g.shape(n)) for n in g.inputs.values() if n in fwd}
+    shaped = [(n, (1, 0) if n in sequences else (0,)) for n in shapes]
+    times = {shapes[n][0] for n in scanned if n in shapes and shapes[n]}
+    plain = [shapes[n][0] for n, order in shaped if order == (0,) and shapes[n] and shapes[n][0] not in times]
+    likely = [shapes[n][a] for n, order in shaped for a in order[:1] if len(shapes[n]) > a]
+    others = [shapes[n][a] for n, order in shaped for a in order if len(shapes[n]) > a]
+    for batch in dict.fromkeys(plain[:1] + likely[:1] + others):
+        anywhere = lambda n: tuple(range(len(shapes[n]))) if isinstance(batch, str) else ()
+        axes = {n: next((a for a in order + anywhere(n) if len(shapes[n]) > a and shapes[n][a] == batch), None)
+                for n, order in shaped}
+        n, axis = next((n, a) for n, a in axes.items() if a is not None)
+        yield g.shape(n)[axis], axes   # the dim as the graph has it (bound, where --bind bound it)
 
 
 def estimate_nodes(graph):
@@ -71,8 +107,9 @@ def estimate_nodes(graph):
 
 
 class _Builder:
-    def __init__(self, g, trainable, decayed, weight_decay):
+    def __init__(self, g, trainable, decayed, weight_decay, batch, axes):
         self.g = g
+        self.batch, self.axes = batch, axes
         self.trainable = {g.params[p]: p for p in trainable}
         self.decayed, self.wd = set(decayed), weight_decay
         self.fwd = g.ancestors([g.loss])
@@ -113,7 +150,6 @@ class _Builder:
     # ---- the pass --------------------------------------------------------------------------
     def build(self):
         g = self.g
-        self.batch, self.axes = self.batch_axes()
         sites = chains(g, g.topo_order(self.fwd), self.param_of)
         self.check_params(sites)
         tops = {chain[-1]: chain for chain in sites}
@@ -132,14 +168,9 @@ class _Builder:
                     raise Unsupported(f"{g.node(n)['src']}: {g.describe(n)} reads a trainable param but has no batch "
                                       f"rows: the estimate perturbs products of rows (declare its params "
                                       f"trainable=False, or train this model with loss_and_grad)")
-                if self.where[n] != 0:
-                    raise Unsupported(f"{g.node(n)['src']}: {g.describe(n)} has its batch rows on axis "
-                                      f"{self.where[n]}, not the first: the estimate perturbs products of rows "
-                                      f"(a product of a scan's stacked results (T, B, ...): make it in the step, "
-                                      f"where the rows come first)")
                 clean = n in self.clean
                 z = self.stacked(n)
-                noise, mask = self.noise(g.shape(z), g.node(n)["src"], g.op(tops[n][0]))
+                noise, mask = self.noise(g.shape(z), g.node(n)["src"], g.op(tops[n][0]), axis=self.where[n])
                 pert = self.apply("mul", [noise, mask], g.node(n)["src"])
                 self.copy[n] = self.apply("add", [z, pert], g.node(n)["src"])
                 self.clean.discard(n)
@@ -156,8 +187,9 @@ class _Builder:
             c = self.view(coef, (KB,) + (1,) * (site.rank - 1)) if site.rank > 1 else coef
             cot = self.apply("mul", [self.apply("mul", [c, site.pert]), scale])
             if site.clean:   # one chain for every copy: sum the copies' cotangents first (K times less work)
-                shape = g.shape(site.copies[-1])
-                cot = self.apply("sum", [self.view(cot, (K,) + tuple(shape))], axes=(0,), keepdims=False)
+                shape = tuple(g.shape(site.copies[-1]))
+                a = len(shape) - site.rank   # the rows' axis
+                cot = self.apply("sum", [self.view(cot, shape[:a] + (K,) + shape[a:])], axes=(a,), keepdims=False)
             for p, gp in self.local_vjp(site.copies, cot).items():
                 contributions[p].append(gp)
         grads = {}
@@ -174,49 +206,25 @@ class _Builder:
                 "per_row": not self.mixing, "batch": self.batch,
                 "mixing": [g.node(n)["src"] for n in self.mixing]}
 
-    def noise(self, shape, src, what, steps=None):
-        """A new site's noise (`shape`, or one such per step stacked on a new axis 0 when `steps` is
-        given) and its mask leaf (KB_lr, 1, ...); the Site is appended to self.sites, to be completed."""
+    def noise(self, shape, src, what, steps=None, axis=0):
+        """A new site's noise (`shape`, its rows on `axis`; or one such per step stacked on a new axis 0
+        when `steps` is given) and its mask leaf (KB_lr, 1, ...), which broadcasts from the rows' axis on;
+        the Site is appended to self.sites, to be completed."""
         i = len(self.sites)
-        drawn = shape if steps is None else (shape[0], steps) + tuple(shape[1:])
+        full, at = (tuple(shape), axis) if steps is None else ((steps,) + tuple(shape), axis + 1)
+        drawn = (full[at],) + full[:at] + full[at + 1:]
         noise = self.apply("random", [self.seed, self.half], src, dist="normal", p=0.0, stream=STREAM + i,
                            shape=drawn, dtype=self.float)
-        if steps is not None:   # drawn rows first, so the antithetic half is the second half of the rows
-            noise = self.apply("transpose", [noise], src, axes=(1, 0) + tuple(range(2, len(drawn))))
+        if at:   # drawn rows first, so the antithetic half is the second half of the rows
+            noise = self.apply("transpose", [noise], src, axes=tuple(range(1, at + 1)) + (0,)
+                               + tuple(range(at + 1, len(drawn))))
         # the mask: +-sigma or 0 per row, from a leaf of signs (+-1, 0) that stays the same from call to call
-        signs = self.leaf(f"mask{i}", (KB,) + (1,) * (len(shape) - 1), self.float)
+        rank = len(shape) - axis
+        signs = self.leaf(f"mask{i}", (KB,) + (1,) * (rank - 1), self.float)
         mask = self.apply("mul", [signs, self.sigma], src)
-        self.sites.append(Site(None, None, len(shape), {"op": what, "shape": [str(d) for d in shape], "src": src,
-                                                         "mask": f"mask{i}"}))
+        self.sites.append(Site(None, None, rank, {"op": what, "shape": [str(d) for d in shape], "src": src,
+                                                   "mask": f"mask{i}", "rank": rank}))
         return noise, mask
-
-    def batch_axes(self):
-        """The batch dim, and for each input the axis it has the rows on (None: it is shared). An input
-        that reaches a scan's sequences has time on axis 0, so its rows on axis 1 when its dim there is
-        the batch dim; the batch dim is axis 0 of the first input that reaches no sequence, unless that
-        is the time of an input scanned as it is (labels (T, B) read outside the scan). Dims are compared
-        as declared (T and B bound to one size are still two dims)."""
-        g = self.g
-        sequences, scanned = set(), set()   # inputs that reach a scan's sequences; those that are one
-        for n in self.fwd:
-            if g.op(n) == "scan":
-                _, _, _, K, X, _, _ = parts(g.attrs(n))
-                sequences |= g.ancestors(g.operands(n)[K:K + X])
-                scanned |= set(g.operands(n)[K:K + X])
-        shapes = {n: g.declared_shapes.get(n, g.shape(n)) for n in g.inputs.values() if n in self.fwd}
-        shaped = [(n, (1, 0) if n in sequences else (0,)) for n in shapes]
-        candidates = [shapes[n][order[0]] for n, order in shaped if len(shapes[n]) > order[0]]
-        if not candidates:
-            raise Unsupported("the model has no input with rows to perturb")
-        times = {shapes[n][0] for n in scanned if n in shapes and shapes[n]}
-        plain = [shapes[n][0] for n, order in shaped if order == (0,) and shapes[n] and shapes[n][0] not in times]
-        batch = plain[0] if plain else candidates[0]
-        # a named batch dim is the batch on any axis (targets (T, B)); a literal size only where rows go
-        anywhere = lambda n: tuple(range(len(shapes[n]))) if isinstance(batch, str) else ()
-        axes = {n: next((a for a in order + anywhere(n) if len(shapes[n]) > a and shapes[n][a] == batch), None)
-                for n, order in shaped}
-        n, axis = next((n, a) for n, a in axes.items() if a is not None)
-        return g.shape(n)[axis], axes   # the dim as the graph has it (bound, where --bind bound it)
 
     def check_params(self, sites):
         """Every use of a trainable param must be a factor of a site's product or a bias in its sum."""
@@ -234,8 +242,8 @@ class _Builder:
         """bad: [(param name, the node that reads it, the graph it is in)], not empty."""
         names = ", ".join(dict.fromkeys(repr(n) for n, _, _ in bad))
         name, u, g = bad[0]
-        raise Unsupported(f"param {names} reach(es) the loss other than as a factor of a matmul or conv2d (or a "
-                          f"bias added to one): {name!r} is read by {g.describe(u)} at {g.node(u)['src']}. The "
+        raise Unsupported(f"param {names} reach(es) the loss other than as a factor of a matmul or conv2d, a table "
+                          f"read by take, or a bias added to one of these: {name!r} is read by {g.describe(u)} at {g.node(u)['src']}. The "
                           f"likelihood-ratio estimate perturbs only the products' outputs, so it has nothing to "
                           f"attribute to such a param (it would not be zero, and lr_grad will not pretend it is): "
                           f"declare it trainable=False, or train with loss_and_grad")
@@ -311,7 +319,8 @@ class _Builder:
             self.copy[n] = self.view(prod, (KB,) + tuple(shape[1:]))
             self.mixing.append(n)
             return 0
-        where = rows_of(g, n, ins, fail)
+        # a mean over rows may be added to a sum over rows: their kinds matter to microbatches, not to shares
+        where = rows_of(g, n, [SHARES if isinstance(w, tuple) else w for w in ins], fail)
         if isinstance(where, tuple):   # the loss's reduction over rows, or a value after it: kept per row
             emit = lambda kind, inputs, **a: self.apply(kind, inputs, src, **a)
             if op == "scan_out":   # a per-step loss, stacked (T, KB_lr, ...)

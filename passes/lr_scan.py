@@ -28,7 +28,7 @@ from gradc.ops.scan import ScanRows, body_rows, result
 from gradc.ops.scan_layout import YS, parts
 
 from .lr_shares import shares
-from .lr_sites import KB, LAYOUT, Unsupported, chains, misuses
+from .lr_sites import KB, LAYOUT, LOOKUPS, Unsupported, chains, misuses, row_operand
 from .simplify import eliminate_dead
 
 
@@ -154,11 +154,11 @@ class ScanNoise:
                 for product in tops[m]:
                     if body.op(product) == "add":
                         continue
-                    left = body.operands(product)[0]
-                    if where[left] is None or any(where[u] is not None for u in body.operands(product)[1:]):
+                    factors, r = body.operands(product), row_operand(body, product)
+                    if where[factors[r]] is None or any(where[u] is not None for u in factors[:r] + factors[r + 1:]):
                         raise Unsupported(f"{body.node(product)['src']}: {body.describe(product)} has its rows in "
                                           f"its right factor; lr_grad perturbs products whose left factor has them")
-                    rows[product] = copies[left]
+                    rows[product] = copies[factors[r]]
                 sites.append(StepSite(tops[m], eps, scale, rows, noise, mask))
         for top in tops.keys() - {s.tree[-1] for s in sites}:
             raise Unsupported(f"{body.node(top)['src']}: {body.describe(top)} reads a trainable param but has no "
@@ -184,7 +184,8 @@ class ScanNoise:
     def over_steps(self, n, body, tree, stacked, emit):
         """A site's products and adds again in the outer graph, over the stacked steps: each product's
         row operand's stack (T, KB_lr, ...) from `stacked` and the closed-over params (through the step's
-        reshapes and transposes) as its factors (a batch_matmul: its VJP sums over the steps), the adds
+        reshapes and transposes) as its factors (a batch_matmul: its VJP sums over the steps; a lookup
+        of every step's indices at once: its VJP adds them all into the table), the adds
         of params as they are; a term that is neither is left out (the estimate never reads it)."""
         outer, param = self.closed(n), self.param_of(n)
 
@@ -196,9 +197,12 @@ class ScanNoise:
         copies = {}
         for x in tree:
             if x in stacked:
+                if body.op(x) in LOOKUPS:   # the rows read at every step: (T, KB_lr, D)
+                    copies[x] = emit(body.op(x), [lift(body.operands(x)[0]), stacked[x]], **body.attrs(x))
+                    continue
                 if body.op(x) not in ("matmul", "batch_matmul"):
-                    raise Unsupported(f"{body.node(x)['src']}: lr_grad perturbs matmuls in a scan's step, not "
-                                      f"{body.describe(x)}")
+                    raise Unsupported(f"{body.node(x)['src']}: lr_grad perturbs matmuls and lookups in a scan's "
+                                      f"step, not {body.describe(x)}")
                 a = body.attrs(x)
                 copies[x] = emit("batch_matmul", [stacked[x], lift(body.operands(x)[1])],
                                  transpose_a=bool(a.get("transpose_a")), transpose_b=bool(a.get("transpose_b")),

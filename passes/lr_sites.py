@@ -4,6 +4,7 @@ its scans (passes/lr_scan.py)."""
 from gradc.ops import get_op
 
 PRODUCT_KINDS = ("matmul", "conv")   # the records whose outputs are pre-activations: noise goes there
+LOOKUPS = ("take",)   # an embedding's rows read from a trainable table: noise there too (its VJP a scatter-add)
 LAYOUT = ("reshape", "transpose")
 K, KB = "K_lr", "KB_lr"          # the samples, and the stacked rows K * B
 DIMS = (K, KB)
@@ -25,16 +26,26 @@ class Site:
         self.clean = False   # outside a scan: no noise reaches the chain, so `copies` are the estimate's B-row nodes
 
 
+def is_product(graph, n):
+    """Does n's output get noise when a trainable param is one of its factors?"""
+    return get_op(graph.op(n)).kind in PRODUCT_KINDS or graph.op(n) in LOOKUPS
+
+
+def row_operand(graph, n):
+    """The operand of product n that holds the batch rows: a lookup's indices, otherwise the left factor."""
+    return 1 if graph.op(n) in LOOKUPS else 0
+
+
 def chains(graph, nodes, param_of):
-    """The noise sites among `nodes` (in topological order): each product with a trainable param as a
-    factor (param_of(value) is not None), up through the adds of its sum while it is their only use and
+    """The noise sites among `nodes` (in topological order): each product (or table lookup) with a
+    trainable param as a factor (param_of(value) is not None), up through the adds of its sum while it is their only use and
     they keep its shape (x @ U + h @ W + b: the products meet at one pre-activation). Returns each site
     as its nodes in topological order, the one that gets the noise last."""
     nodes = list(nodes)
     order = {n: i for i, n in enumerate(nodes)}
     trees = {}
     for n in nodes:
-        if get_op(graph.op(n)).kind not in PRODUCT_KINDS or not any(param_of(u) is not None
+        if not is_product(graph, n) or not any(param_of(u) is not None
                                                                       for u in graph.operands(n)):
             continue
         path = [n]

@@ -294,7 +294,8 @@ def streamed_backward(dev, params, inputs):
 
 def run_lr(build):
     """lr_grad and Trainer(gradient="lr") on CUDA against the CPU target: the same noise (drawn in the
-    kernels from the seed), so the same estimate; an MLP and an RNN as a gc.scan, device inputs too."""
+    kernels from the seed), so the same estimate; an MLP, an RNN as a gc.scan (device inputs too),
+    language models with trained embeddings."""
     from numba import cuda
     rng = np.random.default_rng(2)
     out = {}
@@ -325,6 +326,13 @@ def run_lr(build):
     l1, g1 = cpu.lr_grad(params, samples=2, seed=3, **inputs)
     l2, g2 = dev.lr_grad(params, samples=2, seed=3, **inputs)
     out["scan_step_loss"] = max(abs(l1 - l2), err(g1, g2))
+    # trained embeddings: looked up before the scan (noise on rows on axis 1) and in the step (int ys)
+    model, cpu, dev = both(lambda: lr_scans._embedded("both"), os.path.join(build, "embedded"))
+    params = cpu.init_params(seed=5)
+    inputs = {"tok": rng.integers(0, 5, (3, 2)), "tgt": rng.integers(0, 5, (3, 2)), "h0": rng.normal(size=(2, 4))}
+    l1, g1 = cpu.lr_grad(params, samples=2, seed=3, **inputs)
+    l2, g2 = dev.lr_grad(params, samples=2, seed=3, **inputs)
+    out["embeddings"] = max(abs(l1 - l2), err(g1, g2))
     return out
 
 

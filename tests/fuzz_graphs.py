@@ -12,7 +12,8 @@ Besides dense ops the programs use the ops of DESIGN.md §1.7: images (N, C, H, 
 input ("B", C, H, W) or a reshape of a (B, k) value (H, W <= 8, C <= 4) and go through conv2d
 (stride, padding, dilation, groups, bias), max_pool2d (no ties in a window) and avg_pool2d; basic
 indexing (ints, slices, steps, negatives, `...`, None), concat and stack, take (an embedding of
-an int64 input: the labels or an `ids` input), matmul with an operand of rank >= 3, and dropout /
+an int64 input: the labels or an `ids` input), softmax_cross_entropy of (B, C) logits or of (B, k, C)
+with labels (B, k), matmul with an operand of rank >= 3, and dropout /
 gaussian_noise seeded by an int64 () input, and gc.scan (DESIGN.md §1.8) over a random recurrent
 cell: one or two carries, one or two sequences (a new input, a stack of activations, or the ys of
 an earlier scan), gates, closed-over params and activations, a scan in the step (over the whole
@@ -421,7 +422,7 @@ _RUN["torch"].update({
     "matmul": lambda args, kw, dims: args[0] @ args[1],
     "transpose": lambda args, kw, dims: args[0].permute(kw["axes"] or tuple(reversed(range(args[0].dim())))),
     "reshape": lambda args, kw, dims: args[0].reshape(_concrete(kw["shape"], dims)),
-    "xent": lambda args, kw, dims: F.cross_entropy(*args),
+    "xent": lambda args, kw, dims: F.cross_entropy(args[0].reshape(-1, args[0].shape[-1]), args[1].reshape(-1)),
     "mse": lambda args, kw, dims: F.mse_loss(*args),
     "conv2d": _torch_conv,
     "max_pool2d": lambda args, kw, dims: F.max_pool2d(args[0], **kw),
@@ -1118,6 +1119,14 @@ class _Generator:
         w = self.pick(weights) if weights and self.rng.random() < 0.5 else self.add_param((self.shapes[a][1], self.C))
         return self.matmul(a, w)
 
+    def logits_per_position(self, k):
+        """A (B, k, C) value for softmax_cross_entropy with labels (B, k): a batch value times a weight
+        (B, k * C), reshaped."""
+        a = self.pick(self.floats(lambda s: len(s) == 2 and s[0] == BATCH and isinstance(s[1], int)))
+        flat = self.matmul(a, self.add_param((self.shapes[a][1], k * self.C)))
+        return self.emit("reshape", [flat], (BATCH, k, self.C), tag="reshape[logits per position]",
+                         form=str(self.rng.choice(["method", "fn"])), shape=(BATCH, k, self.C))
+
     def term(self, v):
         """v reduced to a scalar loss term."""
         rng = self.rng
@@ -1231,9 +1240,16 @@ def _generate(seed, small=False, nested=True):
     # objective: every unused step (so nothing is dead) plus cross-entropy
     terms = []
     if xent:
-        logits = g.attempt(g.logits)
+        side = np.random.default_rng([seed, 13])
+        if side.random() < 0.3:   # a sequence's loss: labels (B, k), logits (B, k, C), from a stream of their own
+            g.rng, k = side, int(side.integers(2, 4))
+            labels = g.add_input("yk", (BATCH, k), dtype="int64")
+            logits = g.attempt(lambda: g.logits_per_position(k))
+            g.rng = main
+        else:
+            labels, logits = "y", g.attempt(g.logits)
         if logits:
-            terms.append(g.emit("xent", [logits, "y"], (), bounded=False))
+            terms.append(g.emit("xent", [logits, labels], (), bounded=False))
     sinks = [n for n in g.floats(leaves=False) if not g.uses[n] and n not in terms]
     for v in sinks:
         t = g.attempt(g.term, v)
@@ -1334,6 +1350,7 @@ class Case:
             counts["feature: shared weight (a param used twice or more)"] += any(uses[p] >= 2 for p in prog.params)
             counts["feature: const array"] += any(isinstance(a, Const) and a.name for s in prog.steps for a in s.args)
             counts["feature: int labels"] += "y" in prog.inputs
+            counts["feature: labels (B, k), logits (B, k, C)"] += "yk" in prog.inputs
             counts["feature: (1, N) or (N, 1) param read once"] += any(
                 len(s) == 2 and 1 in s and uses[p] == 1 for p, (s, _, _) in prog.params.items())
             counts["feature: frozen param"] += any(not t for _, t, _ in prog.params.values())

@@ -133,6 +133,38 @@ def test_a_loss_averaged_over_rows_then_summed_over_outputs_is_estimated(reduce)
     assert_mean_converges(graph, params, inputs, seeds=8)
 
 
+def test_a_tied_embedding_gets_the_parts_of_its_lookup_and_its_product():
+    """E read by take (a bag of token embeddings) and as the output layer's factor E^T: two sites, the
+    table's estimate the sum of the lookup's scatter-add and the product's part."""
+    m = gc.Model("lrtied")
+    tok, y = m.input("tok", ("B", 3), dtype="int64"), m.input("y", ("B",), dtype="int64")
+    E, W = m.param("E", (6, 4), init="normal"), m.param("W", (4, 4))
+    h = gc.tanh(gc.take(E, tok).mean(axis=1) @ W)
+    m.minimize(gc.softmax_cross_entropy(h @ gc.transpose(E, (1, 0)), y))
+    graph = build_training_graph(m, "float64", order=1)
+    assert graph.lr["why"] is None and [s["op"] for s in graph.lr["sites"]] == ["take", "matmul", "matmul"]
+    rng = np.random.default_rng(12)
+    params = {k: rng.normal(size=graph.shape(n)) for k, n in graph.params.items()}
+    assert_mean_converges(graph, params, {"tok": rng.integers(0, 6, (5, 3)), "y": rng.integers(0, 6, 5)}, seeds=8)
+
+
+def test_a_mean_over_rows_added_to_a_sum_over_rows_is_estimated():
+    """A classifier's mean cross-entropy plus a summed regression term: each row's share is l_b / B + r_b.
+    The kinds differ, which matters to microbatches (the weights of their losses), not to the shares: it
+    was refused ("mixes a value reduced over rows")."""
+    m = gc.Model("lrmixed")
+    x, y, t = m.input("x", ("B", 5)), m.input("y", ("B",), dtype="int64"), m.input("t", ("B", 2))
+    W0, W1, W2 = m.param("W0", (5, 6)), m.param("W1", (6, 3)), m.param("W2", (6, 2))
+    h = gc.tanh(x @ W0)
+    m.minimize(gc.softmax_cross_entropy(h @ W1, y) + 0.1 * gc.square(h @ W2 - t).sum())
+    graph = build_training_graph(m, "float64", order=1)
+    assert graph.lr["why"] is None, graph.lr["why"]
+    rng = np.random.default_rng(11)
+    params = {k: rng.normal(size=graph.shape(n)) for k, n in graph.params.items()}
+    inputs = {"x": rng.normal(size=(6, 5)), "y": rng.integers(0, 3, 6), "t": rng.normal(size=(6, 2))}
+    assert_mean_converges(graph, params, inputs, seeds=8)
+
+
 def test_an_input_whose_later_axis_equals_a_literal_batch_is_shared():
     """Found by review: x (8, 5) and a projection P (5, 8) given as an input. A literal batch of 8 is the
     batch on axis 0 only (where rows go); P's 8 is a column count, so P is shared, as before the rule that

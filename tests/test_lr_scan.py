@@ -1,6 +1,8 @@
 """lr_grad through gc.scan (passes/lr_scan.py, DESIGN.md §1.9): noise on the pre-activation at every
 step. Statistics through the numpy interpreter in float64 (the mean over seeds converges to
 loss_and_grad's gradient like 1/sqrt(K)); one compiled module against the interpreter; refusals."""
+import os
+
 import numpy as np
 import pytest
 
@@ -163,7 +165,7 @@ def _lm_problem(rng, T=3, B=4):
     return graphs, params, inputs
 
 
-def test_a_loss_made_in_a_step_is_estimated_per_row(build_dir):
+def test_a_loss_made_in_a_step_is_estimated_per_row():
     """softmax_cross_entropy in the step (a batch mean) is kept per row in the perturbed copy: the estimate
     is the one of per-row losses reduced outside the scan (the same noise, so the same numbers), and it
     converges to the gradient like 1/sqrt(K). Found by a new-user trial: it was refused."""
@@ -173,6 +175,12 @@ def test_a_loss_made_in_a_step_is_estimated_per_row(build_dir):
         np.testing.assert_allclose(interpret_lr(graph, params, inputs, 8, 1e-2, seed)[0],
                                    interpret_lr(per_row, params, inputs, 8, 1e-2, seed)[0], rtol=1e-10, atol=1e-12)
     assert_mean_converges(graph, params, inputs, seeds=12)
+
+
+@pytest.mark.slow
+def test_compiled_lr_grad_of_a_loss_made_in_a_step_matches_the_interpreter(build_dir):
+    """(The default run compiles a loss made in steps in the test after this one's.)"""
+    (graph, _), params, inputs = _lm_problem(np.random.default_rng(5))
     mod = gc.compile(_language_model(False), out=build_dir, dtype="float64", order=1, warm_cache=False)
     _assert_compiled_is_interpreted(mod, graph, params, inputs)
 
@@ -276,10 +284,66 @@ def test_refusals_name_the_reason_and_what_to_do():
     why = build_training_graph(m, "float64", order=1).lr["why"]
     assert "return it as the step's y" in why and "train this model with loss_and_grad" in why, why
 
-    m = gc.Model("lrstackedproduct")
-    x, y = m.input("x", ("T", "B", 2)), m.input("y", ("T", "B"), dtype="int64")
-    W, V = m.param("W", (2, 3)), m.param("V", (3, 4))
-    _, hs = gc.scan(lambda h, xt: (gc.tanh(xt @ W + h),) * 2, m.input("h0", ("B", 3)), x)
-    m.minimize(gc.softmax_cross_entropy(hs @ V, y))
-    why = build_training_graph(m, "float64", order=1).lr["why"]
-    assert "make it in the step, where the rows come first" in why, why
+
+
+def _embedded(where, named=True):
+    """A language model with a trained embedding table E: looked up in the step, before the scan on
+    tokens (T, B) (or both, with a second table), or on tokens (B, T) moved to (T, B, D) (every input then reaches the scan as a
+    sequence: the batch is no input's axis 0 after the moves); the logits a product of the stacked
+    results outside the scan, (T, B, H) @ V + c, rows on axis 1, where tokens are (T, B)."""
+    m = gc.Model(f"lremb_{where}")
+    B, T = ("B", "T") if named else (4, 3)
+    tok = m.input("tok", (B, T) if where == "bt" else (T, B), dtype="int64")
+    tgt = m.input("tgt", (B, T) if where == "bt" else (T, B), dtype="int64")
+    E, W, V, c = m.param("E", (5, 4), init="normal"), m.param("W", (4, 4)), m.param("V", (4, 5)), m.param("c", (5,))
+    if where == "step":
+        _, hs = gc.scan(lambda h, t: (gc.tanh(h @ W + gc.take(E, t)),) * 2, m.input("h0", (B, 4)), tok)
+        m.minimize(gc.softmax_cross_entropy(hs @ V + c, tgt))
+    elif where == "before":
+        _, hs = gc.scan(lambda h, e: (gc.tanh(h @ W + e),) * 2, m.input("h0", (B, 4)), gc.take(E, tok))
+        m.minimize(gc.softmax_cross_entropy(hs @ V + c, tgt))
+    elif where == "both":   # a second table F looked up in the step, its rows added to the sum h @ W + e_t
+        F = m.param("F", (5, 4), init="normal")
+        step = lambda h, xs: (gc.tanh(h @ W + xs[0] + gc.take(F, xs[1])),) * 2
+        _, hs = gc.scan(step, m.input("h0", (B, 4)), (gc.take(E, tok), tok))
+        m.minimize(gc.softmax_cross_entropy(hs @ V + c, tgt))
+    else:
+        e = gc.take(E, tok)
+        step = lambda h, xs: (lambda h: (h, gc.softmax_cross_entropy(h @ V + c, xs[1])))(gc.tanh(h @ W + xs[0]))
+        _, losses = gc.scan(step, gc.tanh(e.mean(axis=1)), (gc.transpose(e, (1, 0, 2)), gc.transpose(tgt, (1, 0))))
+        m.minimize(losses.mean())
+    return m
+
+
+def _embedded_problem(where, rng, named=True, T=3, B=4):
+    graph = build_training_graph(_embedded(where, named), "float64", order=1)
+    params = {k: 0.7 * rng.standard_normal(graph.shape(n)) for k, n in graph.params.items()}
+    shape = (B, T) if where == "bt" else (T, B)
+    inputs = {"tok": rng.integers(0, 5, shape), "tgt": rng.integers(0, 5, shape)}
+    if where != "bt":
+        inputs["h0"] = rng.standard_normal((B, 4))
+    return graph, params, inputs
+
+
+@pytest.mark.parametrize("where,named", [("step", True), ("before", True), ("bt", True), ("bt", False)])
+def test_a_trained_embedding_is_estimated_wherever_it_is_read(where, named):
+    """An embedding's rows (take) get noise like a product's output: the table's part is take's VJP (a
+    scatter-add of c * eps / sigma into the rows read). Before, lr_grad refused a trained table. With rows
+    on axis 1 (the lookup of tokens (T, B), the logits (T, B, C) of the stacked results) the noise is drawn
+    rows first; tokens (B, T) were taken as a batch of T and refused."""
+    graph, params, inputs = _embedded_problem(where, np.random.default_rng(9), named)
+    assert graph.lr["why"] is None, graph.lr["why"]
+    assert all(graph.lr_grads.get(p) is not None for p in params)   # E's part too (the test below sums all)
+    ops = [s["op"] for s in graph.lr["sites"]]   # a site is named after its first product (x @ W + take(E, t))
+    assert ("take" in ops) == (where != "step") and ("batch_matmul" in ops) == (where != "bt"), ops
+    assert graph.lr["tiled"]["tok"] == ("tile:tok", 0 if where == "bt" else 1)
+    assert_mean_converges(graph, params, inputs, seeds=12)
+
+
+def test_compiled_lr_grad_of_embeddings_matches_the_interpreter(build_dir):
+    """The noise drawn rows first and moved to axis 1, the lookup's scatter-add, the step's indices
+    returned as a y (ints) and looked up over every step at once, in generated code."""
+    graph, params, inputs = _embedded_problem("both", np.random.default_rng(10))
+    assert graph.lr["why"] is None, graph.lr["why"]
+    mod = gc.compile(_embedded("both"), out=build_dir, dtype="float64", order=1, warm_cache=False)
+    _assert_compiled_is_interpreted(mod, graph, params, inputs)

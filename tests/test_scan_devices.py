@@ -94,15 +94,16 @@ def test_a_scan_across_devices_and_microbatches_gives_the_one_device_gradients(t
         with open(tmp_path / f"{model.name}.graph.json") as f:
             graph = json.load(f)
         nodes = {n["id"]: n for n in graph["nodes"]}
-        (scan,) = [n for n in nodes.values() if n["op"] == "scan" and n["phase"] == "forward"]
+        # the model's scan: the one the backward's differentiates (lr_grad's perturbed copy is another)
+        (scan,) = [nodes[n["of"]] for n in nodes.values() if n["op"] == "scan" and n["phase"] == "backward"]
         outs = [nodes[link["target"]] for link in graph["links"] if link["source"] == scan["id"]]
         assert outs and {n["op"] for n in outs} == {"scan_out"} and {n["device"] for n in outs} == {scan["device"]}
 
 
 @pytest.mark.slow
 def test_lr_grad_of_a_scan_in_a_pipeline_build_runs_whole(tmp_path):
-    """(Without the encoder: the estimate perturbs products of rows on axis 0, as the step's are.)"""
-    model = _seq_rnn("lr_rnn", encoder=False)
+    """The encoder's product of the whole sequence (T, B, D) @ E gets its noise with the rows on axis 1."""
+    model = _seq_rnn("lr_rnn")
     one = compile_model(model, out=str(tmp_path / "one"), order=1, dtype="float64", warm_cache=False)
     many = compile_model(model, out=str(tmp_path / "many"), order=1, dtype="float64", warm_cache=False,
                          bind={"T": T, "B": B}, devices=2, microbatches=2)

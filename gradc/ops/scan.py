@@ -164,7 +164,8 @@ def _run(attrs, values, dims=None):
             if isinstance(d, str):
                 bound[d] = actual
     shape_of = lambda n: tuple(bound.get(d, d) if isinstance(d, str) else d for d in body.shape(n))
-    ys = [np.zeros((T,) + shape_of(outputs[K + m]), dtype) for m in range(M)]
+    kept = lambda n: dtype if body.dtype(n).startswith("float") else np.dtype(body.dtype(n))   # int ys stay ints
+    ys = [np.zeros((T,) + shape_of(outputs[K + m]), kept(outputs[K + m])) for m in range(M)]
     stacks = [np.zeros((T,) + c.shape, dtype) for c in carries]
     ostacks = [np.zeros((T,) + c.shape, dtype) for c in carries]
     for t in (range(T - 1, -1, -1) if attrs.get("reverse") else range(T)):
