@@ -1,13 +1,15 @@
 """Fuzz gradc against PyTorch autograd on random graphs (the generator is tests/fuzz_graphs.py).
 
-    python bench/fuzz.py --n 1000 [--seed0 S] [--compiled K] [--per-model 3] [--pipelined P [--budget]]
+    python bench/fuzz.py --n 1000 [--seed0 S] [--compiled K] [--per-model 3] [--pipelined P [--budget]] [--lr L]
 
 Every seed S0 .. S0+N-1 goes through gradc's numpy interpreter: loss, gradients and H v against
 torch in float64 (dense ops, conv2d and pools, indexing, concat/stack, take, batched matmul and
 seeded dropout / Gaussian noise). The first K seeds also go through the compiled module (small programs,
 --per-model of them per compiled model, as tests/test_fuzz.py does), and the first P with --devices 2
 and --microbatches 2 (a scan placed whole on a stage, its rows split; --devices 2 alone where the rows
-check refuses microbatches). Failures print with their
+check refuses microbatches). With --lr, L row-wise programs (tests/fuzz_lr.py) check that lr_grad
+takes them and that the mean of its estimates is loss_and_grad's gradient within their standard error
+(the interpreter). Failures print with their
 programs; the last lines are the summary `N graphs: X passed, Y failed` and how often each op
 variant and graph feature was generated.
 """
@@ -20,6 +22,7 @@ from collections import Counter
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 import fuzz_graphs  # noqa: E402
+import fuzz_lr  # noqa: E402
 
 
 def run(label, check):
@@ -48,6 +51,7 @@ def main():
                     help="seeds (from seed0) also compiled with --devices 2 --microbatches 2, one program each")
     ap.add_argument("--budget", action="store_true",
                     help="compile the --pipelined seeds under the least --memory-budget their stages fit")
+    ap.add_argument("--lr", type=int, default=0, help="row-wise programs (from seed0) through lr_grad's bias check")
     args = ap.parse_args()
 
     coverage = Counter()
@@ -87,6 +91,16 @@ def main():
             print(msg, flush=True)
         print(f"2 devices {seed}: {'ok ' + str(ran_with) if ok else 'FAILED'} ({time.perf_counter() - t0:.0f} s so far)",
               flush=True)
+
+    t0 = time.perf_counter()
+    for seed in range(args.seed0, args.seed0 + args.lr):
+        ok, msg = run(f"seed {seed} (lr_grad, row-wise program)", lambda: fuzz_lr.check_lr(fuzz_lr.lr_case(seed)))
+        ran += 1
+        if not ok:
+            failed += 1
+            print(msg, flush=True)
+    if args.lr:
+        print(f"lr_grad: {args.lr} row-wise graphs in {time.perf_counter() - t0:.1f} s", flush=True)
 
     print("\ncoverage (interpreter seeds; op variants count steps, features count programs):")
     for name, count in sorted(coverage.items()):

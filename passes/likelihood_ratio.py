@@ -71,12 +71,12 @@ def build_lr(graph, trainable, decayed=(), weight_decay=0.0):
 
 def batch_choices(g, fwd):
     """(the batch dim, {input: the axis it has the rows on, None: shared}) for each dim that may be the
-    batch's, the likeliest first. An input that reaches a scan's sequences likely has time on axis 0, so
-    its rows on axis 1; the likeliest batch dim is axis 0 of the first input that reaches no sequence,
-    unless that is the time of an input scanned as it is (labels (T, B) read outside the scan). Then any
-    other dim some input has where rows go (tokens (B, T) read as a sequence through a transpose). Dims are
-    compared as declared (T and B bound to one size are still two dims); a named batch dim is the batch on
-    any axis, a literal size only where rows go."""
+    batch's, the likeliest first. An input scanned as it is has time on axis 0, so its rows on axis 1;
+    the likeliest batch dim is axis 0 of the first input that is not, unless that is the time of one that
+    is (labels (T, B) read outside the scan); then axis 1 of a scanned input; then the named dims, then
+    any other dim some input has where rows go (axis 0, or 1 of an input that reaches a scan: tokens
+    (T, B) looked up before the scan). Dims are compared as declared (T and B bound to one size are still
+    two dims); a named batch dim is the batch on any axis, a literal size only where rows go."""
     sequences, scanned = set(), set()   # inputs that reach a scan's sequences; those that are one
     for n in fwd:
         if g.op(n) == "scan":
@@ -84,12 +84,13 @@ def batch_choices(g, fwd):
             sequences |= g.ancestors(g.operands(n)[K:K + X])
             scanned |= set(g.operands(n)[K:K + X])
     shapes = {n: g.declared_shapes.get(n, g.shape(n)) for n in g.inputs.values() if n in fwd}
-    shaped = [(n, (1, 0) if n in sequences else (0,)) for n in shapes]
+    shaped = [(n, (1, 0) if n in scanned else (0, 1) if n in sequences else (0,)) for n in shapes]
     times = {shapes[n][0] for n in scanned if n in shapes and shapes[n]}
-    plain = [shapes[n][0] for n, order in shaped if order == (0,) and shapes[n] and shapes[n][0] not in times]
-    likely = [shapes[n][a] for n, order in shaped for a in order[:1] if len(shapes[n]) > a]
+    plain = [shapes[n][0] for n in shapes if n not in scanned and shapes[n] and shapes[n][0] not in times]
+    likely = [shapes[n][1] for n in scanned if n in shapes and len(shapes[n]) > 1]
     others = [shapes[n][a] for n, order in shaped for a in order if len(shapes[n]) > a]
-    for batch in dict.fromkeys(plain[:1] + likely[:1] + others):
+    named = [d for d in others if isinstance(d, str)]
+    for batch in dict.fromkeys(plain[:1] + likely[:1] + named + others):
         anywhere = lambda n: tuple(range(len(shapes[n]))) if isinstance(batch, str) else ()
         axes = {n: next((a for a in order + anywhere(n) if len(shapes[n]) > a and shapes[n][a] == batch), None)
                 for n, order in shaped}

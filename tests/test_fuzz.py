@@ -1,7 +1,8 @@
 """Random graphs (tests/fuzz_graphs.py) against PyTorch autograd in float64: the loss, the gradients
 of the params and float inputs, and Hessian-vector products. The programs mix dense ops with
 convolutions, pools, indexing, concat/stack, embeddings (take), batched matmul, seeded random ops and
-scans of random recurrent cells. Slow cases run the conv programs with every conv split over parts of
+scans of random recurrent cells; lr_grad's estimate on row-wise programs (tests/fuzz_lr.py) against
+the gradient, by its mean over seeds. Slow cases run the conv programs with every conv split over parts of
 the batch (gradc/runtime/conv_cores.py), and by each CPU path (direct, by taps, Winograd).
 
 Many seeds go through gradc's numpy interpreter of the order-2 training graph (fast), and those with
@@ -19,7 +20,9 @@ import pytest
 import gradc.codegen.entry as entry
 from gradc.ops import conv, conv_direct, conv_winograd
 from conftest import split_every_conv
+import gradc.passes.likelihood_ratio as likelihood_ratio
 from fuzz_graphs import check_compiled, check_interpreted, check_pipelined, combined_case, random_case
+from fuzz_lr import check_lr, lr_case
 
 INTERPRETED_SEEDS = range(120)   # about 50 s of CPU on one core; bench/fuzz.py runs more
 # seeds 0 and 2 have a scan each; seed 8 two (one reverse), run by plain-Python entry points;
@@ -32,6 +35,32 @@ COMPILED_SEEDS = [(0, 1, 2), (3, 4, 8), (38,), (588,), (310, 856)]
 @pytest.mark.parametrize("seed", INTERPRETED_SEEDS)
 def test_interpreter_matches_torch(seed):
     check_interpreted(random_case(seed))
+
+
+LR_SEEDS = range(30)   # about 20 s; the slow tier runs 200 more, bench/fuzz.py --lr any number
+
+
+@pytest.mark.parametrize("seed", LR_SEEDS)
+def test_lr_grad_of_row_wise_programs_is_unbiased(seed):
+    check_lr(lr_case(seed))
+
+
+@pytest.mark.slow
+def test_lr_grad_of_more_row_wise_programs_is_unbiased():
+    for seed in range(30, 230):
+        check_lr(lr_case(seed))
+
+
+def test_the_lr_check_finds_a_biased_estimate(monkeypatch):
+    """The check can fail: with every site's part negated (or 1.5x) the means are many standard errors off."""
+    vjp = likelihood_ratio._Builder.local_vjp
+    for factor in (-1.0, 1.5):
+        def scaled(self, copies, cot, factor=factor):
+            k = self.apply("const", [], value=factor, shape=(), dtype=self.float)
+            return {p: self.apply("mul", [g, k]) for p, g in vjp(self, copies, cot).items()}
+        monkeypatch.setattr(likelihood_ratio._Builder, "local_vjp", scaled)
+        with pytest.raises(AssertionError, match="mean squared z-score"):
+            check_lr(lr_case(1))
 
 
 @pytest.mark.parametrize("seeds", [s if s == (38,) else pytest.param(s, marks=pytest.mark.slow) for s in COMPILED_SEEDS])

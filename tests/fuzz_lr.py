@@ -1,0 +1,163 @@
+"""Random models that lr_grad estimates (DESIGN.md §1.9), for fuzzing it (no tests here: see test_fuzz.py).
+
+tests/fuzz_graphs.py's programs read params elementwise and mix the batch's rows (x.T, reductions and
+softmaxes over any axis), which the likelihood-ratio estimate refuses. These programs are grown by the
+same generator with its moves kept to what the estimate takes: a row never meets another row before
+the loss, and a trainable param is only a product's factor (matmul, conv2d), a table of take, or a
+bias added to a product. Besides those: elementwise ops of row values and constants (user ops too),
+reshapes and transposes that keep the rows an axis, sums, means and maxes and softmaxes over other
+axes, indexing, concatenations and stacks, images, pools, embeddings of int inputs, scans of random
+recurrent cells (gates, two carries, ys made by a product in the step), frozen params read
+elementwise, and a loss of per-row terms: cross-entropy over (B, C) or (B, k, C) logits plus sums,
+means and squared errors over whole values, weighted, added and subtracted, with weight decay.
+
+`lr_case(seed)` gives a fuzz_graphs.Case; `check_lr(case)` asserts that lr_grad builds for it (a
+refusal is a finding: the program is one the estimate should take) and that the estimate is unbiased:
+over `seeds` estimates, each coordinate's mean is within what its standard error allows of
+loss_and_grad's gradient (the same interpreted graph's, compared with torch autograd first). Mean squared z-scores near 1 say unbiased; a biased or missing part gives thousands.
+"""
+import numpy as np
+
+from fuzz_graphs import BATCH, BINARY, USER_OPS, Case, Const, _Generator, _Reject, check_interpreted
+from gradc.passes.pipeline import build_training_graph
+from test_lr_grad import interpret_lr
+
+
+BROADCASTING = set(BINARY) | {"maximum"} | set(USER_OPS)
+
+
+class _RowGenerator(_Generator):
+    """The generator with every move kept to row-wise values (see the module's docstring)."""
+
+    def floats(self, pred=lambda s: True, leaves=True):
+        """Values with the batch's rows only: params (and what only params make) are never an operand of
+        an elementwise op, a reduction or a join; the product moves add their own weights."""
+        return [n for n in super().floats(pred, leaves) if BATCH in self.shapes[n]]
+
+    def emit(self, op, args, result, tag=None, bounded=True, **kw):
+        """A broadcast must keep the rows on one axis: (B, 1) against (B,) would pair every row with every other."""
+        if op in BROADCASTING:
+            ranked = [self.shape_of(a) for a in args]
+            at = {len(result) - len(s) + s.index(BATCH) for s in ranked if BATCH in s}
+            if len(at) > 1 or list(result).count(BATCH) > 1:
+                raise _Reject("rows against another axis")
+        return super().emit(op, args, result, tag, bounded, **kw)
+
+    def matmul(self, a=None, b=None):
+        """A row value (B, F) times a new weight or a constant (a rank-1 left factor would sum over rows)."""
+        if a is None:
+            a = self.pick(self.floats(lambda s: len(s) == 2 and s[0] == BATCH))
+        if self.shapes[a][0] != BATCH or len(self.shapes[a]) != 2:
+            raise _Reject("not rows")
+        shared = [p for p, (s, trainable, _) in self.prog.params.items()
+                  if trainable and len(s) == 2 and s[0] == self.shapes[a][1] and p not in self.single_use]
+        if b is None and shared and self.rng.random() < 0.3:   # a weight two products share: both sites' parts
+            b = shared[self.rng.integers(len(shared))]
+        return super().matmul(a, b)
+
+    def layout(self, v=None):
+        """A transpose of the axes other than the rows', or a reshape that keeps the rows an axis."""
+        v = v or self.pick(self.floats(lambda s: len(s) >= 2))
+        s, rng = self.shapes[v], self.rng
+        others = [i for i in range(len(s)) if s[i] != BATCH]
+        if len(others) >= 2 and rng.random() < 0.5:
+            moved = [others[i] for i in rng.permutation(len(others))]
+            if moved == others:
+                moved = moved[1:] + moved[:1]
+            axes, it = [], iter(moved)
+            axes = tuple(i if s[i] == BATCH else next(it) for i in range(len(s)))
+            return self.emit("transpose", [v], tuple(s[i] for i in axes), tag=f"transpose[{len(s)}d, rows kept]",
+                             form="axes", axes=axes)
+        target = self.reshape_target(s)
+        if target == s[::-1] and len(s) == 2:
+            raise _Reject("moves the rows")
+        return self.emit("reshape", [v], target, tag="reshape", form=str(rng.choice(["method", "fn"])),
+                         shape=tuple(target))
+
+    def reduce(self, v=None):
+        """A sum, mean or max over axes other than the rows'."""
+        v = v or self.pick(self.floats(lambda s: len(s) >= 2))
+        s, rng = self.shapes[v], self.rng
+        others = [i for i in range(len(s)) if s[i] != BATCH]
+        if not others:
+            raise _Reject("only rows")
+        axis = others[rng.integers(len(others))] if len(others) == 1 or rng.random() < 0.6 else \
+            tuple(sorted(int(i) for i in rng.choice(others, 2, replace=False)))
+        op, keepdims = str(rng.choice(["sum", "mean", "max"])), bool(rng.random() < 0.4)
+        return self.emit(op, [v], _reduced(s, axis, keepdims), tag=f"{op}[axes{', keepdims' if keepdims else ''}]",
+                         axis=axis, keepdims=keepdims, form=str(rng.choice(["method", "fn"])))
+
+    def softmax(self, v=None):
+        v = v or self.pick(self.floats(lambda s: len(s) >= 2))
+        s = self.shapes[v]
+        axis = int(self.rng.choice([i for i in range(len(s)) if s[i] != BATCH]))
+        return self.emit(str(self.rng.choice(["softmax", "log_softmax"])), [v], s, axis=axis)
+
+
+def _reduced(shape, axis, keepdims):
+    axes = {axis} if isinstance(axis, int) else set(axis)
+    return tuple(1 if i in axes else d for i, d in enumerate(shape) if keepdims or i not in axes)
+
+
+def _generate_rows(seed):
+    g = _RowGenerator(seed)
+    rng = g.rng
+    x = g.add_input("x", (BATCH, g.N))
+    if rng.random() < 0.3:   # a frozen gain read elementwise: the estimate needs nothing from it
+        gain = g.add_param((g.N,), trainable=False)
+        x = g.emit("mul", [x, gain], (BATCH, g.N), tag="mul[frozen param]")
+    xent = rng.random() < 0.7
+    if xent:
+        g.add_input("y", (BATCH,), dtype="int64")
+    if rng.random() < 0.3:
+        g.add_input("img", (BATCH, int(rng.integers(1, 4)), int(rng.integers(3, 8)), int(rng.integers(3, 8))))
+    g.attempt(lambda: g.matmul(x, g.add_param((g.N, g.M))))
+    moves = [g.unary, g.binary, g.matmul, g.layout, g.reduce, g.softmax, g.rank3, g.conv, g.pool, g.index, g.join,
+             g.take, g.scan]
+    weights = np.array([0.2, 0.2, 0.2, 0.08, 0.08, 0.05, 0.04, 0.08, 0.05, 0.05, 0.05, 0.1, 0.12])
+    g.nest_rng, g.nest_chance = np.random.default_rng([seed, 11]), 0.0   # lr_grad does not follow nested scans
+    for _ in range(int(rng.integers(5, 12))):
+        g.attempt(moves[rng.choice(len(moves), p=weights / weights.sum())])
+    terms = []
+    if xent:
+        k = int(rng.integers(2, 4)) if rng.random() < 0.25 else None
+        labels = "y" if k is None else g.add_input("yk", (BATCH, k), dtype="int64")
+        logits = g.attempt(g.logits if k is None else lambda: g.logits_per_position(k))
+        if logits:
+            terms.append(g.emit("xent", [logits, labels], (), bounded=False))
+    for v in [n for n in g.floats(leaves=False) if not g.uses[n] and n not in terms]:
+        t = g.attempt(g.term, v)
+        if t:
+            terms.append(t)
+    loss = terms[0]
+    for t in terms[1:]:
+        w = g.emit("mul", [t, Const(float(np.round(rng.uniform(0.3, 1.5), 3)))], (), tag="mul[const]", bounded=False)
+        loss = g.emit(str(rng.choice(["add", "sub"])), [loss, w], (), bounded=False)
+    g.prog.loss = loss
+    g.prog.weight_decay = float(rng.choice([0.0, 0.01, 0.1]))
+    return g.prog, g.data
+
+
+def lr_case(seed):
+    prog, data = _generate_rows(seed)
+    return Case([prog], [data], f"lrfuzz{seed}")
+
+
+def check_lr(case, samples=256, seeds=16, sigma=1e-3, limit=4.0):
+    """lr_grad builds for the case, and the mean of `seeds` estimates is loss_and_grad's gradient within
+    its standard error: the mean squared z-score over the coordinates is below `limit` (about 1 when
+    unbiased). The gradient is first checked against torch autograd (check_interpreted). Returns that mean."""
+    check_interpreted(case)
+    graph = build_training_graph(case.model, "float64", order=1)
+    assert graph.lr["why"] is None, f"lr_grad refused lrfuzz seed {case.seeds}: {graph.lr['why']}\n{case.text()}"
+    runs = [interpret_lr(graph, case.params, case.inputs, samples, sigma, seed) for seed in range(seeds)]
+    true = runs[0][1]
+    estimates = np.array([est for est, _ in runs])
+    mean, se = estimates.mean(axis=0), estimates.std(axis=0, ddof=1) / np.sqrt(seeds)
+    off, scale = np.abs(mean - true), 1e-9 * (1.0 + np.abs(true))
+    exact = se < scale   # no noise reaches it (weight decay alone, a table row no one reads): rounding only
+    assert np.all(off[exact] < scale[exact]), f"lrfuzz seed {case.seeds}: an exact part that is not the gradient"
+    z2 = np.where(exact, 0.0, off / np.where(exact, 1.0, se)) ** 2
+    assert z2.mean() < limit, (f"lrfuzz seed {case.seeds}: mean squared z-score {z2.mean():.3g} over {z2.size} "
+                               f"coordinates (worst {z2.max():.3g})\n{case.text()}")
+    return float(z2.mean())
