@@ -11,12 +11,15 @@ recurrent cells (gates, two carries, ys made by a product in the step), frozen p
 elementwise, and a loss of per-row terms: cross-entropy over (B, C) or (B, k, C) logits plus sums,
 means and squared errors over whole values, weighted, added and subtracted, with weight decay.
 
-`lr_case(seed)` gives a fuzz_graphs.Case; `check_lr(case)` asserts that lr_grad builds for it (a
+`lr_case(seed)` gives a fuzz_graphs.Case; `check_lr_compiled(case, out)` that the generated module's
+lr_grad is the interpreter's; `check_lr(case)` asserts that lr_grad builds for it (a
 refusal is a finding: the program is one the estimate should take) and that the estimate is unbiased:
 over `seeds` estimates, each coordinate's mean is within what its standard error allows of
 loss_and_grad's gradient (the same interpreted graph's, compared with torch autograd first). Mean squared z-scores near 1 say unbiased; a biased or missing part gives thousands.
 """
 import numpy as np
+
+import gradc as gc
 
 from fuzz_graphs import BATCH, BINARY, USER_OPS, Case, Const, _Generator, _Reject, check_interpreted
 from gradc.passes.pipeline import build_training_graph
@@ -161,3 +164,16 @@ def check_lr(case, samples=256, seeds=16, sigma=1e-3, limit=4.0):
     assert z2.mean() < limit, (f"lrfuzz seed {case.seeds}: mean squared z-score {z2.mean():.3g} over {z2.size} "
                                f"coordinates (worst {z2.max():.3g})\n{case.text()}")
     return float(z2.mean())
+
+
+def check_lr_compiled(case, out):
+    """The module gc.compile writes computes the interpreter's estimate: the same noise from the same seed
+    (pairs with the baseline, and plain layer-wise draws)."""
+    graph = build_training_graph(case.model, "float64", order=1)
+    mod = gc.compile(case.model, out=out, dtype="float64", order=1, warm_cache=False)
+    for mode in (dict(), dict(antithetic=False, layerwise=True)):
+        _, grads = mod.lr_grad(case.params, samples=4, sigma=1e-2, seed=7, **case.inputs, **mode)
+        want, _ = interpret_lr(graph, case.params, case.inputs, 4, 1e-2, 7, **mode)
+        got = np.concatenate([grads[p].ravel() for p in case.params if graph.lr_grads.get(p) is not None])
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12,
+                                   err_msg=f"lrfuzz seed {case.seeds}, {mode}\n{case.text()}")

@@ -22,7 +22,7 @@ from gradc.ops import conv, conv_direct, conv_winograd
 from conftest import split_every_conv
 import gradc.passes.likelihood_ratio as likelihood_ratio
 from fuzz_graphs import check_compiled, check_interpreted, check_pipelined, combined_case, random_case
-from fuzz_lr import check_lr, lr_case
+from fuzz_lr import check_lr, check_lr_compiled, lr_case
 
 INTERPRETED_SEEDS = range(120)   # about 50 s of CPU on one core; bench/fuzz.py runs more
 # seeds 0 and 2 have a scan each; seed 8 two (one reverse), run by plain-Python entry points;
@@ -49,6 +49,12 @@ def test_lr_grad_of_row_wise_programs_is_unbiased(seed):
 def test_lr_grad_of_more_row_wise_programs_is_unbiased():
     for seed in range(30, 230):
         check_lr(lr_case(seed))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 3, 4, 9])   # convs and pools, scans, embeddings, (B, k, C) logits
+def test_compiled_lr_grad_of_row_wise_programs_matches_the_interpreter(seed, tmp_path):
+    check_lr_compiled(lr_case(seed), str(tmp_path))
 
 
 def test_the_lr_check_finds_a_biased_estimate(monkeypatch):
