@@ -43,6 +43,7 @@ the reason (graph.lr["why"]); compile never fails because of this pass.
 """
 from gradc.errors import GradcError
 from gradc.ops import get_op, rows_of
+from gradc.shapes import fmt
 from gradc.ops.scan_layout import index_of, kind_of, parts
 
 from .autodiff import VJPContext, accumulate
@@ -289,9 +290,8 @@ class _Builder:
             raise Unsupported(f"{src}: {g.describe(n)} {why}; lr_grad stacks the K perturbed copies on the rows"
                               f"{loss}; or train this model with loss_and_grad")
 
-        if op == "random":   # its draws have the batch's rows, not the K copies'
-            raise Unsupported(f"{src}: {g.describe(n)}: lr_grad does not take a model's own random ops (train "
-                              f"this model with loss_and_grad, or leave the op out)")
+        if op == "random":   # the model's own draws (dropout, noise): the same in every copy, as loss_and_grad
+            return self.drawn(n)   # draws them from the seed given, so the estimate is of that call's gradient
         if all(w is None for w in ins):
             if op == "scan" and self.scans.sites(n):
                 fail("reads trainable params in its step but has no batch rows (the estimate perturbs products "
@@ -336,6 +336,21 @@ class _Builder:
             return where
         self.copy[n] = self.restacked(n, operands, where, attrs)
         return where
+
+    def drawn(self, n):
+        """Where the rows lie in the model's random op n (a dropout mask or noise the shape of a value):
+        on the axis its shape has the batch dim; it is clean, drawn once and broadcast to the copies."""
+        g = self.g
+        axes = [a for a, d in enumerate(g.shape(n)) if d == self.batch]
+        if len(axes) > 1:
+            raise Unsupported(f"{g.node(n)['src']}: {g.describe(n)} {fmt(g.shape(n))} has the batch size "
+                              f"{self.batch} on more than one axis, so lr_grad cannot tell which holds the rows")
+        if any(self.where[u] is not None for u in g.operands(n)):
+            raise Unsupported(f"{g.node(n)['src']}: {g.describe(n)} draws from a seed with batch rows")
+        if not axes:
+            return None   # noise the shape of a weight: the same for every row too
+        self.clean.add(n)
+        return axes[0]
 
     def restacked(self, n, operands, where, attrs=None):
         """n's op (with `attrs`, default its own) applied to stacked operands: its copy, rows on axis

@@ -7,7 +7,8 @@ the loss, and a trainable param is only a product's factor (matmul, conv2d), a t
 bias added to a product. Besides those: elementwise ops of row values and constants (user ops too),
 reshapes and transposes that keep the rows an axis, sums, means and maxes and softmaxes over other
 axes, indexing, concatenations and stacks, images, pools, embeddings of int inputs, scans of random
-recurrent cells (gates, two carries, ys made by a product in the step), frozen params read
+recurrent cells (gates, two carries, ys made by a product in the step), dropout and Gaussian noise
+drawn from an int input (the same draws in every perturbed copy), frozen params read
 elementwise, and a loss of per-row terms: cross-entropy over (B, C) or (B, k, C) logits plus sums,
 means and squared errors over whole values, weighted, added and subtracted, with weight decay.
 
@@ -97,6 +98,20 @@ class _RowGenerator(_Generator):
         return self.emit(str(self.rng.choice(["softmax", "log_softmax"])), [v], s, axis=axis)
 
 
+    def random(self):
+        """Dropout or Gaussian noise of a row value, drawn from the int input `draw` (an input named seed
+        could not be given to lr_grad beside its option seed)."""
+        if "draw" not in self.prog.inputs:
+            self.add_input("draw", (), "int64")
+        v = self.pick(self.floats())
+        kw = {"dist": "dropout", "p": float(self.rng.choice([0.1, 0.25, 0.5]))} if self.rng.random() < 0.5 else \
+            {"dist": "normal", "std": float(self.rng.choice([0.1, 0.5]))}
+        out = self.emit("random", [v, "draw"], self.shapes[v], tag="dropout" if kw["dist"] == "dropout"
+                        else "gaussian_noise", stream=self.streams, **kw)
+        self.streams += 1
+        return out
+
+
 def _reduced(shape, axis, keepdims):
     axes = {axis} if isinstance(axis, int) else set(axis)
     return tuple(1 if i in axes else d for i, d in enumerate(shape) if keepdims or i not in axes)
@@ -116,8 +131,8 @@ def _generate_rows(seed):
         g.add_input("img", (BATCH, int(rng.integers(1, 4)), int(rng.integers(3, 8)), int(rng.integers(3, 8))))
     g.attempt(lambda: g.matmul(x, g.add_param((g.N, g.M))))
     moves = [g.unary, g.binary, g.matmul, g.layout, g.reduce, g.softmax, g.rank3, g.conv, g.pool, g.index, g.join,
-             g.take, g.scan]
-    weights = np.array([0.2, 0.2, 0.2, 0.08, 0.08, 0.05, 0.04, 0.08, 0.05, 0.05, 0.05, 0.1, 0.12])
+             g.take, g.scan, g.random]
+    weights = np.array([0.2, 0.2, 0.2, 0.08, 0.08, 0.05, 0.04, 0.08, 0.05, 0.05, 0.05, 0.1, 0.12, 0.04])
     g.nest_rng, g.nest_chance = np.random.default_rng([seed, 11]), 0.0   # lr_grad does not follow nested scans
     for _ in range(int(rng.integers(5, 12))):
         g.attempt(moves[rng.choice(len(moves), p=weights / weights.sum())])
