@@ -42,32 +42,36 @@ one), random ops, and ops that mix rows in ways not covered make lr_grad raise a
 the reason (graph.lr["why"]); compile never fails because of this pass.
 """
 from gradc.errors import GradcError
-from gradc.ops import get_op, rows_of
+from gradc.ops import get_op
 from gradc.shapes import fmt
 from gradc.ops.scan_layout import index_of, kind_of, parts
 
 from .autodiff import VJPContext, accumulate
 from .lr_scan import ScanNoise
-from .lr_shares import rows_first, shares
+from .lr_shares import rows_first, share_rows, shares
 from .lr_sites import DIMS, K, KB, LAYOUT, Site, Unsupported, chains, misuses  # noqa: F401 (DIMS: for importers)
 
 STREAM = 1 << 20                 # noise streams, apart from the model's own random ops
 PHASE = "forward"                # an estimate is forward work: nothing here is kept for a backward
-SHARES = ("reduced", "shares")   # where a value after the loss's reduction over rows has its rows
 
 
 def build_lr(graph, trainable, decayed=(), weight_decay=0.0):
     """graph.lr: the estimate's tables (grads, leaves, sites, ...), or {"why": reason} when it cannot be built.
     Each dim that may be the batch's is tried, the likeliest first (batch_choices); the reason given is the
     likeliest's. Any choice that builds is a valid estimate: the rows rules refuse whatever mixes its rows."""
-    first = None
+    why = {}
     for batch, axes in batch_choices(graph, graph.ancestors([graph.loss])):
         try:
             graph.lr = _Builder(graph, trainable, decayed, weight_decay, batch, axes).build()
             return
         except Unsupported as e:   # the nodes made so far are dead code: simplify removes them
-            first = first or e
-    graph.lr = {"why": str(first or "the model has no input with rows to perturb")}
+            why[batch] = str(e)
+    if not why:
+        graph.lr = {"why": "the model has no input with rows to perturb"}
+        return
+    (batch, first), *others = why.items()
+    named = [f"with {d!r} for the batch: {w}" for d, w in others if isinstance(d, str)]
+    graph.lr = {"why": first + (f" (with {batch!r} for the batch; " + "; ".join(named) + ")" if named else "")}
 
 
 def batch_choices(g, fwd):
@@ -87,7 +91,7 @@ def batch_choices(g, fwd):
     shapes = {n: g.declared_shapes.get(n, g.shape(n)) for n in g.inputs.values() if n in fwd}
     shaped = [(n, (1, 0) if n in scanned else (0, 1) if n in sequences else (0,)) for n in shapes]
     times = {shapes[n][0] for n in scanned if n in shapes and shapes[n]}
-    plain = [shapes[n][0] for n in shapes if n not in scanned and shapes[n] and shapes[n][0] not in times]
+    plain = [shapes[n][0] for n in shapes if n not in sequences and shapes[n] and shapes[n][0] not in times]
     likely = [shapes[n][1] for n in scanned if n in shapes and len(shapes[n]) > 1]
     others = [shapes[n][a] for n, order in shaped for a in order if len(shapes[n]) > a]
     named = [d for d in others if isinstance(d, str)]
@@ -119,6 +123,7 @@ class _Builder:
         self.src = g.node(g.loss)["src"]
         self.leaves, self.tiled, self.copy, self.where = {}, {}, {}, {}
         self.clean = set()         # values with rows that no noise reaches: the same in every copy, made once
+        self.constants = set()     # their sums and means over the rows: constants of the estimate where needed
         self.owned = {}            # a clean value -> the estimate's own node of it (B rows)
         self.inner = set()
         self.mixing = []
@@ -245,7 +250,7 @@ class _Builder:
         names = ", ".join(dict.fromkeys(repr(n) for n, _, _ in bad))
         name, u, g = bad[0]
         raise Unsupported(f"param {names} reach(es) the loss other than as a factor of a matmul or conv2d, a table "
-                          f"read by take, or a bias added to one of these: {name!r} is read by {g.describe(u)} at {g.node(u)['src']}. The "
+                          f"read by take, or a bias added to a value with batch rows: {name!r} is read by {g.describe(u)} at {g.node(u)['src']}. The "
                           f"likelihood-ratio estimate perturbs only the products' outputs, so it has nothing to "
                           f"attribute to such a param (it would not be zero, and lr_grad will not pretend it is): "
                           f"declare it trainable=False, or train with loss_and_grad")
@@ -320,16 +325,25 @@ class _Builder:
             self.copy[n] = self.view(prod, (KB,) + tuple(shape[1:]))
             self.mixing.append(n)
             return 0
-        # a mean over rows may be added to a sum over rows: their kinds matter to microbatches, not to shares
-        where = rows_of(g, n, [SHARES if isinstance(w, tuple) else w for w in ins], fail)
+        try:
+            where = share_rows(g, n, ins, fail)
+        except Unsupported:   # not linear in the loss: unless what it is not linear in is a sum no noise reaches
+            held = [u in self.constants for u in g.operands(n)]
+            if not any(held):
+                raise
+            ins = [None if h else w for h, w in zip(held, ins)]   # (a mask's count): a constant of the estimate
+            where = share_rows(g, n, ins, fail)
         if isinstance(where, tuple):   # the loss's reduction over rows, or a value after it: kept per row
+            if clean and not any(isinstance(w, tuple) for w in ins):
+                self.constants.add(n)
             emit = lambda kind, inputs, **a: self.apply(kind, inputs, src, **a)
             if op == "scan_out":   # a per-step loss, stacked (T, KB_lr, ...)
                 attrs["shape"] = tuple(shape[:1]) + (KB,) + tuple(shape[1:])
                 self.copy[n] = rows_first(self.apply(op, operands, src, **attrs), 1, len(shape) + 1, emit)
             else:
                 count = lambda dims, dtype: self.apply("count", [], src, dims=dims, dtype=dtype)
-                self.copy[n] = shares(g, n, ins, where, [self.stacked(u) for u in g.operands(n)], emit, count)
+                values = [u if w is None else self.stacked(u) for u, w in zip(g.operands(n), ins)]
+                self.copy[n] = shares(g, n, ins, where, values, emit, count)
             return where
         if clean:
             self.clean.add(n)

@@ -27,7 +27,7 @@ from gradc.errors import GradcError
 from gradc.ops.scan import ScanRows, body_rows, result
 from gradc.ops.scan_layout import YS, parts
 
-from .lr_shares import shares
+from .lr_shares import share_rows, shares
 from .lr_sites import KB, LAYOUT, LOOKUPS, Unsupported, chains, misuses, row_operand
 from .simplify import eliminate_dead
 
@@ -88,7 +88,7 @@ class ScanNoise:
         b, g = self.b, self.b.g
         attrs = g.attrs(n)
         body, leaves, outputs, K, X, C, M = parts(attrs)
-        where = body_rows(g, n, ins, fail)
+        where = body_rows(g, n, ins, fail, share_rows)
         tops = {chain[-1]: chain for chain in self.sites(n)}
         new = copy.deepcopy(body)
         new.name = body.name + "_lr"
@@ -159,6 +159,10 @@ class ScanNoise:
                         raise Unsupported(f"{body.node(product)['src']}: {body.describe(product)} has its rows in "
                                           f"its right factor; lr_grad perturbs products whose left factor has them")
                     rows[product] = copies[factors[r]]
+                if not rows:
+                    raise Unsupported(f"{src}: {body.describe(m)} adds a trainable bias in a scan's step to a value "
+                                      f"no product of the step with a trainable factor makes; lr_grad perturbs a "
+                                      f"step's products (add the bias to one, or after the scan)")
                 sites.append(StepSite(tops[m], eps, scale, rows, noise, mask))
         for top in tops.keys() - {s.tree[-1] for s in sites}:
             raise Unsupported(f"{body.node(top)['src']}: {body.describe(top)} reads a trainable param but has no "

@@ -9,9 +9,17 @@ theirs: sums and means over axes of S, reshapes and transposes of S, slices, con
 and elementwise ops (a lower-rank share gets 1s after its rows, so it broadcasts as S does). A per-step
 loss stacked by a scan, (T, KB_lr) + S, is moved to (KB_lr, T) + S by `rows_first`.
 """
-from gradc.ops import get_op
+from gradc.ops import get_op, rows_of
 
 from .lr_sites import KB, Unsupported
+
+SHARES = ("reduced", "shares")   # where a value after the loss's reduction over rows has its rows
+
+
+def share_rows(g, n, ins, fail):
+    """rows_of, but a mean over rows may meet a sum over rows: their kinds matter to microbatches (the
+    weights of their losses), not to the shares."""
+    return rows_of(g, n, [SHARES if isinstance(w, tuple) else w for w in ins], fail)
 
 
 def shares(g, n, ins, where, operands, emit, count):

@@ -38,15 +38,18 @@ def row_operand(graph, n):
 
 def chains(graph, nodes, param_of):
     """The noise sites among `nodes` (in topological order): each product (or table lookup) with a
-    trainable param as a factor (param_of(value) is not None), up through the adds of its sum while it is their only use and
+    trainable param as a factor (param_of(value) is not None), or a trainable bias added to a value no
+    such product makes, up through the adds of its sum while it is their only use and
     they keep its shape (x @ U + h @ W + b: the products meet at one pre-activation). Returns each site
     as its nodes in topological order, the one that gets the noise last."""
     nodes = list(nodes)
     order = {n: i for i, n in enumerate(nodes)}
-    trees = {}
+    trees, claimed = {}, set()
     for n in nodes:
-        if not is_product(graph, n) or not any(param_of(u) is not None
-                                                                      for u in graph.operands(n)):
+        factor = any(param_of(u) is not None for u in graph.operands(n))
+        # a product with a trainable factor; or a bias added to a value no such product makes (logits + c after
+        # a scan, (x @ W) * 0.5 + b), whose own output then gets the noise
+        if not factor or not (is_product(graph, n) or graph.op(n) == "add" and n not in claimed):
             continue
         path = [n]
         while True:
@@ -55,6 +58,7 @@ def chains(graph, nodes, param_of):
                 break
             path.append(users[0])
         trees.setdefault(path[-1], set()).update(path)
+        claimed.update(path)
     return [sorted(tree, key=order.get) for tree in trees.values()]
 
 

@@ -148,6 +148,24 @@ def test_a_tied_embedding_gets_the_parts_of_its_lookup_and_its_product():
     assert_mean_converges(graph, params, {"tok": rng.integers(0, 6, (5, 3)), "y": rng.integers(0, 6, 5)}, seeds=8)
 
 
+def test_a_bias_added_after_a_scale_or_another_op_is_its_own_site():
+    """From a new-user trial: (x @ W) * 0.5 + b and logits + c (c added after the product's other uses, or
+    after a scan's stacked logits) were refused as misused params. The add gets noise of its own; the
+    bias's part is the add's VJP (a sum over rows)."""
+    m = gc.Model("lrbias")
+    x, y = m.input("x", ("B", 5)), m.input("y", ("B",), dtype="int64")
+    W0, b0, W1, c = m.param("W0", (5, 6)), m.param("b0", (6,)), m.param("W1", (6, 3)), m.param("c", (3,))
+    h = gc.tanh((x @ W0) * 0.5 + b0)
+    logits = h @ W1
+    m.minimize(gc.softmax_cross_entropy(logits + c, y) + 0.1 * gc.square(logits).mean())
+    graph = build_training_graph(m, "float64", order=1)
+    assert graph.lr["why"] is None, graph.lr["why"]
+    assert [s["op"] for s in graph.lr["sites"]] == ["matmul", "add", "matmul", "add"]
+    rng = np.random.default_rng(16)
+    params = {k: rng.normal(size=graph.shape(n)) for k, n in graph.params.items()}
+    assert_mean_converges(graph, params, {"x": rng.normal(size=(6, 5)), "y": rng.integers(0, 3, 6)}, seeds=8)
+
+
 def test_a_mean_over_rows_added_to_a_sum_over_rows_is_estimated():
     """A classifier's mean cross-entropy plus a summed regression term: each row's share is l_b / B + r_b.
     The kinds differ, which matters to microbatches (the weights of their losses), not to the shares: it

@@ -284,6 +284,14 @@ def test_refusals_name_the_reason_and_what_to_do():
     why = build_training_graph(m, "float64", order=1).lr["why"]
     assert "return it as the step's y" in why and "train this model with loss_and_grad" in why, why
 
+    m = gc.Model("lrstepbias")
+    x, y = m.input("x", ("T", "B", 3)), m.input("y", ("B",), dtype="int64")
+    b, V = m.param("b", (3,)), m.param("V", (3, 4))
+    hT, _ = gc.scan(lambda h, xt: (gc.tanh(xt * 2.0 + h + b), None), m.input("h0", ("B", 3)), x)
+    m.minimize(gc.softmax_cross_entropy(hT @ V, y))
+    why = build_training_graph(m, "float64", order=1).lr["why"]
+    assert "adds a trainable bias in a scan's step" in why, why
+
 
 
 def _embedded(where, named=True):
@@ -347,3 +355,42 @@ def test_compiled_lr_grad_of_embeddings_matches_the_interpreter(build_dir):
     assert graph.lr["why"] is None, graph.lr["why"]
     mod = gc.compile(_embedded("both"), out=build_dir, dtype="float64", order=1, warm_cache=False)
     _assert_compiled_is_interpreted(mod, graph, params, inputs)
+
+
+def _masked_or_mixed(kind):
+    """From a new-user trial: a padded sequence's loss, the masked sum over positions divided by the
+    mask's count (an input: a constant of the estimate), and a step's loss adding a batch mean to a batch
+    sum. Both were refused (the second "mixes a value reduced over rows with other batch values"; the
+    first named the reason of the wrong candidate batch dim, T)."""
+    m = gc.Model(f"lr_{kind}")
+    tok, y = m.input("tok", ("T", "B"), dtype="int64"), m.input("y", ("T", "B"), dtype="int64")
+    E, W, V = m.param("E", (5, 4), init="normal"), m.param("W", (4, 4)), m.param("V", (4, 5))
+    if kind == "masked":
+        mask = m.input("mask", ("T", "B"))
+        _, logits = gc.scan(lambda h, e: (lambda h: (h, h @ V))(gc.tanh(e + h @ W)), m.input("h0", ("B", 4)),
+                            gc.take(E, tok))
+        nll = -(gc.log_softmax(logits, axis=-1) * gc.take(np.eye(5), y)).sum(axis=-1)
+        m.minimize((nll * mask).sum() / mask.sum())
+    else:
+        z, R = m.input("z", ("T", "B", 2)), m.param("R", (4, 2))
+
+        def step(h, xs):
+            h = gc.tanh(xs[0] + h @ W)
+            return h, gc.softmax_cross_entropy(h @ V, xs[1]) + 0.1 * gc.square(h @ R - xs[2]).sum()
+
+        _, losses = gc.scan(step, m.input("h0", ("B", 4)), (gc.take(E, tok), y, z))
+        m.minimize(losses.mean())
+    return m
+
+
+@pytest.mark.parametrize("kind", ["masked", "mixed"])
+def test_a_masked_loss_and_a_step_loss_of_mixed_kinds_are_estimated(kind):
+    graph = build_training_graph(_masked_or_mixed(kind), "float64", order=1)
+    assert graph.lr["why"] is None, graph.lr["why"]
+    rng = np.random.default_rng(15)
+    T, B = 4, 5
+    params = {k: 0.7 * rng.standard_normal(graph.shape(n)) for k, n in graph.params.items()}
+    inputs = {"tok": rng.integers(0, 5, (T, B)), "y": rng.integers(0, 5, (T, B)), "h0": rng.standard_normal((B, 4))}
+    inputs |= {"mask": (rng.uniform(size=(T, B)) < 0.7).astype(float)} if kind == "masked" else \
+        {"z": rng.standard_normal((T, B, 2))}
+    assert_mean_converges(graph, params, inputs, seeds=12)

@@ -418,9 +418,9 @@ def _carry_per_row(body, leaves, outputs, K):
     return all(where.get(outputs[k]) == 0 for k in range(K))
 
 
-def _follow_rows(body, seeds, fail):
+def _follow_rows(body, seeds, fail, rows=rows_of):
     """Where the batch rows lie in every value of the body, from where they lie in its leaves
-    (`seeds`), by each op's rows rule (a step's op that fails is named with its own line)."""
+    (`seeds`), by each op's rows rule (`rows`; a step's op that fails is named with its own line)."""
     where = dict(seeds)
     for m in body.topo_order():
         if m in where:
@@ -429,7 +429,7 @@ def _follow_rows(body, seeds, fail):
         if all(w is None for w in mins):
             where[m] = None
         else:
-            where[m] = rows_of(body, m, mins, lambda why, m=m: fail(
+            where[m] = rows(body, m, mins, lambda why, m=m: fail(
                 f"runs {body.op(m)} (at {body.node(m)['src']}) in its step, which {why}"))
     return where
 
@@ -501,9 +501,10 @@ def _scan_rows(graph, n, ins, fail):
     return ScanRows(tuple(where[o] for o in outputs), K)
 
 
-def body_rows(graph, n, ins, fail):
+def body_rows(graph, n, ins, fail, rows=rows_of):
     """Where the batch rows lie in every value of scan n's body ({body node: axis or None}), from
-    where they lie in its operands (`ins`); `fail(why)` when a step does not keep them per row."""
+    where they lie in its operands (`ins`), by the ops' rows rules (`rows`: lr_grad's lets a mean over
+    rows be added to a sum); `fail(why)` when a step does not keep them per row."""
     attrs = graph.attrs(n)
     body, leaves, outputs, K, X, C, M = parts(attrs)
     seeds, at = {}, dict(zip(operand_leaves(attrs), ins))
@@ -520,7 +521,7 @@ def body_rows(graph, n, ins, fail):
             w -= 1
         seeds[leaf] = w
     for _ in range(2):   # the carries' rows after one step must be where they were before it
-        where = _follow_rows(body, seeds, fail)
+        where = _follow_rows(body, seeds, fail, rows)
         changed = False
         for k in range(K):
             if where[outputs[k]] != seeds[leaves[k]]:
