@@ -598,7 +598,9 @@ def take(table, idx):
     if not isinstance(idx, Tensor) or not idx.dtype.startswith("int"):
         got = (f"{idx.model.graph.describe(idx.node)} of dtype {idx.dtype}" if isinstance(idx, Tensor)
                else type(idx).__name__)
-        raise GradcError(f"take: the indices must be an int gradc Tensor (an input with dtype='int64'), got {got}", src)
+        raise GradcError(f"take: the indices must be an int gradc Tensor (an input with dtype='int64' or an int "
+                         f"value made from one; a numpy array of positions is no index: add a param of the rows "
+                         f"instead), got {got}", src)
     if not isinstance(table, (Tensor, np.ndarray)):
         raise GradcError(f"take: the table must be a gradc Tensor or a numpy array (V, D), got "
                          f"{type(table).__name__}", src)
@@ -774,6 +776,7 @@ def scan(step, init, xs, reverse=False):
     x_args = []
     for j, x in enumerate(seqs):
         leaf = bg.apply("input", attrs={"shape": x.shape[1:], "dtype": x.dtype}, src=src, name=f"x{j}")
+        bg.node(leaf)["shown"] = f"{g.describe(x.node)}[t]"   # errors name the user's sequence, not x{j}
         bg.inputs[f"x{j}"] = leaf
         x_args.append(Tensor(body, leaf))
     try:

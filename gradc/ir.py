@@ -161,10 +161,10 @@ class Graph:
     def describe(self, n):
         """How an error names a value: the user's name, or the op and node id."""
         node = self.nx.nodes[n]
+        if node.get("shown"):   # an index of a named value, or a step's slice of a sequence, as the user wrote it
+            return f"%{n} {node['shown']}"
         if node.get("name"):
             return repr(node["name"])
-        if node.get("shown"):   # an index of a named value, as the user wrote it (gradc/dsl.py)
-            return f"%{n} {node['shown']}"
         if node["op"] == "random":   # the DSL function that made it
             return f"%{n} (gc.{'dropout' if node['attrs']['dist'] == 'dropout' else 'gaussian_noise'})"
         return f"%{n} ({node['op']})"

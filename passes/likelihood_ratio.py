@@ -70,8 +70,8 @@ def build_lr(graph, trainable, decayed=(), weight_decay=0.0):
         graph.lr = {"why": "the model has no input with rows to perturb"}
         return
     (batch, first), *others = why.items()
-    named = [f"with {d!r} for the batch: {w}" for d, w in others if isinstance(d, str)]
-    graph.lr = {"why": first + (f" (with {batch!r} for the batch; " + "; ".join(named) + ")" if named else "")}
+    named = [f"with {d!r}: {w.split('; ')[0]}" for d, w in others if isinstance(d, str)]   # their reasons, not advice
+    graph.lr = {"why": first + (f" (that is with {batch!r} as the batch dim; " + "; ".join(named) + ")" if named else "")}
 
 
 def batch_choices(g, fwd):
@@ -247,10 +247,11 @@ class _Builder:
 
     def refuse_params(self, bad):
         """bad: [(param name, the node that reads it, the graph it is in)], not empty."""
-        names = ", ".join(dict.fromkeys(repr(n) for n, _, _ in bad))
+        names = ", ".join(dict.fromkeys(f"{n!r} {fmt(self.g.shape(self.g.params[n]))}" for n, _, _ in bad))
         name, u, g = bad[0]
         raise Unsupported(f"param {names} reach(es) the loss other than as a factor of a matmul or conv2d, a table "
-                          f"read by take, or a bias added to a value with batch rows: {name!r} is read by {g.describe(u)} at {g.node(u)['src']}. The "
+                          f"read by take, or a bias added to a value with batch rows: {name!r} is read by "
+                          f"{g.describe(u)} {fmt(g.shape(u))} at {g.node(u)['src']}. The "
                           f"likelihood-ratio estimate perturbs only the products' outputs, so it has nothing to "
                           f"attribute to such a param (it would not be zero, and lr_grad will not pretend it is): "
                           f"declare it trainable=False, or train with loss_and_grad")
@@ -289,7 +290,8 @@ class _Builder:
         def fail(why):
             loss = ""
             if op == "scan" or any(isinstance(w, tuple) for w in ins):   # about the loss after its reduction
-                carry = " (a loss summed in a scan's carry: return it as the step's y)" if op == "scan" else ""
+                carry = " (a loss summed in a scan's carry: return it as the step's y)" \
+                    if op == "scan" and "return it as the step's y" not in why else ""
                 loss = (f" and pairs each row's share of the loss with its noise, so the loss must be a sum or mean "
                         f"over rows of per-row terms, then only scaled, added, summed or moved{carry}")
             raise Unsupported(f"{src}: {g.describe(n)} {why}; lr_grad stacks the K perturbed copies on the rows"
