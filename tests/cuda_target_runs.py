@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gradc as gc  # noqa: E402
 import test_codegen as zoo  # noqa: E402
+import test_lr_grad as lr_grads  # noqa: E402
 import test_lr_scan as lr_scans  # noqa: E402
 import test_scan as scans  # noqa: E402
 from gradc.interpret import evaluate  # noqa: E402
@@ -295,7 +296,7 @@ def streamed_backward(dev, params, inputs):
 def run_lr(build):
     """lr_grad and Trainer(gradient="lr") on CUDA against the CPU target: the same noise (drawn in the
     kernels from the seed), so the same estimate; an MLP, an RNN as a gc.scan (device inputs too),
-    language models with trained embeddings."""
+    language models with trained embeddings, an MLP with dropout."""
     from numba import cuda
     rng = np.random.default_rng(2)
     out = {}
@@ -333,6 +334,13 @@ def run_lr(build):
     l1, g1 = cpu.lr_grad(params, samples=2, seed=3, **inputs)
     l2, g2 = dev.lr_grad(params, samples=2, seed=3, **inputs)
     out["embeddings"] = max(abs(l1 - l2), err(g1, g2))
+    # the model's own dropout and noise, drawn once and read by every copy
+    model, cpu, dev = both(lr_grads._dropout_mlp, os.path.join(build, "dropout"))
+    params = cpu.init_params(seed=5)
+    inputs = {"x": rng.normal(size=(6, 5)), "y": rng.integers(0, 3, 6), "draw": np.array(9)}
+    l1, g1 = cpu.lr_grad(params, samples=4, seed=3, **inputs)
+    l2, g2 = dev.lr_grad(params, samples=4, seed=3, **inputs)
+    out["dropout"] = max(abs(l1 - l2), err(g1, g2))
     return out
 
 
