@@ -1,9 +1,10 @@
 """Gradients without backpropagation: the likelihood-ratio estimate of lr_grad (DESIGN.md §1.9, seed 003).
 
 Each product of the forward that has a trainable param as a factor (matmul, batch_matmul, conv2d;
-with the bias added to it, when one is), and each lookup of rows in a trainable table (take: an
-embedding, whose VJP adds each row's cotangent into the row it read), is a noise site: its output z gets Gaussian noise,
-z~ = z + sigma * eps. For z = h W (+ b), d/dz E[l(z~)] = E[l(z~) eps] / sigma, so
+with the bias added to it, when one is), each lookup of rows in a trainable table (take: an
+embedding, whose VJP adds each row's cotangent into the row it read), and each trainable bias added
+to a value no such product just made (logits + c) is a noise site: its output z gets Gaussian noise,
+z~ = z + sigma * eps, on whichever axis z has the batch rows. For z = h W (+ b), d/dz E[l(z~)] = E[l(z~) eps] / sigma, so
 
     dL/dW ~ mean over samples of  h~^T (c * eps) / sigma,    dL/db ~ the same with h~^T replaced by a row sum,
 
@@ -18,8 +19,10 @@ estimate computes it once, on B rows, and its copies are a broadcast of it where
 needs them; a site whose chain is clean gets its noise on that broadcast, and its params' parts sum
 the copies' cotangents first (K times less work). A clean value is the estimate's own node, never
 the forward's (`distinct`, which CSE leaves apart): a second reader of the forward's product would
-keep its bias and activation from fusing into it in every other entry. An int input's copies
-(labels) are tiled by the module. Values without rows (params, constants, a GCN's adjacency) are
+keep its bias and activation from fusing into it in every other entry. The model's own random ops
+(dropout, noise) are clean too: drawn once from their seed input, as loss_and_grad draws them, so the
+estimate is of that call's gradient. A sum over rows of clean values (a mask's count) is a constant of
+the estimate where the loss is not linear in it. An int input's copies (labels) are tiled by the module. Values without rows (params, constants, a GCN's adjacency) are
 shared. The sites' noise comes from the counter-based `random` op (one stream each), its second half
 repeating the first for antithetic pairs; a per-site mask of shape (KB_lr, 1, ...) holds +-sigma or
 0 per row (a leaf of signs times the leaf sigma), so antithetic pairs, layer-wise injection (one site
@@ -37,14 +40,16 @@ into the scale; with pairs the loss of two copies without noise. Pairs alone do 
 where a noised product reads a value the noise has already reached (a second layer, the step after
 the first), the + and - copies read different values, and the loss times their difference stays.
 
-Params the estimate cannot reach (used other than as a factor of a product or a bias added to
-one), random ops, and ops that mix rows in ways not covered make lr_grad raise at call time with
-the reason (graph.lr["why"]); compile never fails because of this pass.
+The batch dim is not declared: each dim that may be it is tried, the likeliest first (batch_choices);
+any choice the rows rules accept gives an unbiased estimate. Params the estimate cannot reach (used
+other than as a factor of a product, a table or a bias), nested scans, and ops that mix rows in ways
+not covered make lr_grad raise at call time with the reason (graph.lr["why"]); compile never fails
+because of this pass.
 """
 from gradc.errors import GradcError
 from gradc.ops import get_op
-from gradc.shapes import fmt
 from gradc.ops.scan_layout import index_of, kind_of, parts
+from gradc.shapes import fmt
 
 from .autodiff import VJPContext, accumulate
 from .lr_scan import ScanNoise
