@@ -4,7 +4,8 @@ Each product of the forward that has a trainable param as a factor (matmul, batc
 with the bias added to it, when one is), each lookup of rows in a trainable table (take: an
 embedding, whose VJP adds each row's cotangent into the row it read), and each trainable bias added
 to a value no such product just made (logits + c) is a noise site: its output z gets Gaussian noise,
-z~ = z + sigma * eps, on whichever axis z has the batch rows. For z = h W (+ b), d/dz E[l(z~)] = E[l(z~) eps] / sigma, so
+z~ = z + sigma * eps, on whichever axis z has the batch rows. For z = h W (+ b),
+d/dz E[l(z~)] = E[l(z~) eps] / sigma, so
 
     dL/dW ~ mean over samples of  h~^T (c * eps) / sigma,    dL/db ~ the same with h~^T replaced by a row sum,
 
@@ -22,8 +23,8 @@ the forward's (`distinct`, which CSE leaves apart): a second reader of the forwa
 keep its bias and activation from fusing into it in every other entry. The model's own random ops
 (dropout, noise) are clean too: drawn once from their seed input, as loss_and_grad draws them, so the
 estimate is of that call's gradient. A sum over rows of clean values (a mask's count) is a constant of
-the estimate where the loss is not linear in it. An int input's copies (labels) are tiled by the module. Values without rows (params, constants, a GCN's adjacency) are
-shared. The sites' noise comes from the counter-based `random` op (one stream each), its second half
+the estimate where the loss is not linear in it. An int input's copies (labels) are tiled by the
+module. Values without rows (params, constants, a GCN's adjacency) are shared. The sites' noise comes from the counter-based `random` op (one stream each), its second half
 repeating the first for antithetic pairs; a per-site mask of shape (KB_lr, 1, ...) holds +-sigma or
 0 per row (a leaf of signs times the leaf sigma), so antithetic pairs, layer-wise injection (one site
 per block of samples) and sigma are chosen at call time.
@@ -63,7 +64,8 @@ PHASE = "forward"                # an estimate is forward work: nothing here is 
 def build_lr(graph, trainable, decayed=(), weight_decay=0.0):
     """graph.lr: the estimate's tables (grads, leaves, sites, ...), or {"why": reason} when it cannot be built.
     Each dim that may be the batch's is tried, the likeliest first (batch_choices); the reason given is the
-    likeliest's. Any choice that builds is a valid estimate: the rows rules refuse whatever mixes its rows."""
+    likeliest's, with the other named dims' after it. Any choice that builds is a valid estimate: the rows
+    rules refuse whatever mixes its rows."""
     why = {}
     for batch, axes in batch_choices(graph, graph.ancestors([graph.loss])):
         try:
