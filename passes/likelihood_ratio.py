@@ -24,8 +24,8 @@ keep its bias and activation from fusing into it in every other entry. The model
 (dropout, noise) are clean too: drawn once from their seed input, as loss_and_grad draws them, so the
 estimate is of that call's gradient. A sum over rows of clean values (a mask's count) is a constant of
 the estimate where the loss is not linear in it. An int input's copies (labels) are tiled by the
-module. Values without rows (params, constants, a GCN's adjacency) are shared. The sites' noise comes from the counter-based `random` op (one stream each), its second half
-repeating the first for antithetic pairs; a per-site mask of shape (KB_lr, 1, ...) holds +-sigma or
+module. Values without rows (params, constants, a GCN's adjacency) are shared. The sites' noise comes
+from the counter-based `random` op (one stream each), its second half repeating the first for antithetic pairs; a per-site mask of shape (KB_lr, 1, ...) holds +-sigma or
 0 per row (a leaf of signs times the leaf sigma), so antithetic pairs, layer-wise injection (one site
 per block of samples) and sigma are chosen at call time.
 
