@@ -13,21 +13,22 @@ c being each row's loss minus a baseline. That is the matmul's (conv2d's) own VJ
 cotangent c * eps / sigma: this pass builds exactly that with the ops' VJP rules, local to each
 site (no value flows back from one layer to another), so the estimate is a forward graph.
 
-The K perturbed copies run as one batched forward: every value that the noise reaches is copied with
-its rows stacked K times (dim KB_lr = K * B, sample-major). A value with rows that no noise reaches
-(a float input, the first layer's product, a GCN's A @ X) is "clean", the same in every copy: the
-estimate computes it once, on B rows, and its copies are a broadcast of it where a noised value
-needs them; a site whose chain is clean gets its noise on that broadcast, and its params' parts sum
-the copies' cotangents first (K times less work). A clean value is the estimate's own node, never
-the forward's (`distinct`, which CSE leaves apart): a second reader of the forward's product would
-keep its bias and activation from fusing into it in every other entry. The model's own random ops
-(dropout, noise) are clean too: drawn once from their seed input, as loss_and_grad draws them, so the
-estimate is of that call's gradient. A sum over rows of clean values (a mask's count) is a constant of
-the estimate where the loss is not linear in it. An int input's copies (labels) are tiled by the
-module. Values without rows (params, constants, a GCN's adjacency) are shared. The sites' noise comes
-from the counter-based `random` op (one stream each), its second half repeating the first for antithetic pairs; a per-site mask of shape (KB_lr, 1, ...) holds +-sigma or
-0 per row (a leaf of signs times the leaf sigma), so antithetic pairs, layer-wise injection (one site
-per block of samples) and sigma are chosen at call time.
+The K perturbed copies run as one batched forward: every value that the noise reaches is copied with its
+rows stacked K times (dim KB_lr = K * B, sample-major). A value with rows that no noise reaches (a float
+input, the first layer's product, a GCN's A @ X) is "clean", the same in every copy: the estimate
+computes it once, on B rows, and its copies are a broadcast of it where a noised value needs them; a
+site whose chain is clean gets its noise on that broadcast, and its params' parts sum the copies'
+cotangents first (K times less work). A clean value is the estimate's own node, never the forward's
+(`distinct`, which CSE leaves apart): a second reader of the forward's product would keep its bias and
+activation from fusing into it in every other entry. The model's own random ops (dropout, noise) are
+clean too: drawn once from their seed input, as loss_and_grad draws them, so the estimate is of that
+call's gradient. A sum over rows of clean values (a mask's count) is a constant of the estimate where
+the loss is not linear in it. An int input's copies (labels) are tiled by the module. Values without
+rows (params, constants, a GCN's adjacency) are shared. The sites' noise comes from the counter-based
+`random` op (one stream each), its second half repeating the first for antithetic pairs; a per-site mask
+of shape (KB_lr, 1, ...) holds +-sigma or 0 per row (a leaf of signs times the leaf sigma), so
+antithetic pairs, layer-wise injection (one site per block of samples) and sigma are chosen at call
+time.
 
 Which loss pairs with which noise: when no op mixes rows, row b's loss depends only on row b's
 noise, and each row's loss term (its share of the objective: l_b / B for a mean; passes/lr_shares.py
