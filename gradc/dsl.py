@@ -532,7 +532,7 @@ def _getitem(x, key, src):
         out = _op("slice", x, src=src, index=tuple(index))
     out = out if tuple(final) == out.shape else reshape(out, tuple(final), src=src)
     base = x.model.graph.node(x.node)
-    base = base.get("name") or base.get("shown")
+    base = base.get("shown") or base.get("name")   # (a step's slice: the user's sequence, 'tok'[t])
     if out is not x and base:   # errors name it as the user wrote it: ii[:, 1], not "%5 (reshape)"
         key_items = key if isinstance(key, tuple) else (key,)
         out.model.graph.node(out.node)["shown"] = f"{base}[{', '.join(map(_index_text, key_items))}]"
@@ -776,7 +776,8 @@ def scan(step, init, xs, reverse=False):
     x_args = []
     for j, x in enumerate(seqs):
         leaf = bg.apply("input", attrs={"shape": x.shape[1:], "dtype": x.dtype}, src=src, name=f"x{j}")
-        bg.node(leaf)["shown"] = f"{g.describe(x.node)}[t]"   # errors name the user's sequence, not x{j}
+        outer = g.node(x.node).get("shown") or (repr(g.node(x.node)["name"]) if g.node(x.node).get("name") else None)
+        bg.node(leaf)["shown"] = f"{outer}[t]" if outer else f"(the step's slice of the scan's sequence {j})"   # not x{j}
         bg.inputs[f"x{j}"] = leaf
         x_args.append(Tensor(body, leaf))
     try:

@@ -55,7 +55,7 @@ from gradc.shapes import fmt
 
 from .autodiff import VJPContext, accumulate
 from .lr_scan import ScanNoise
-from .lr_shares import rows_first, share_rows, shares
+from .lr_shares import SHARES, rows_first, share_rows, shares
 from .lr_sites import DIMS, K, KB, LAYOUT, Site, Unsupported, chains, misuses  # noqa: F401 (DIMS: for importers)
 
 STREAM = 1 << 20                 # noise streams, apart from the model's own random ops
@@ -64,20 +64,22 @@ PHASE = "forward"                # an estimate is forward work: nothing here is 
 
 def build_lr(graph, trainable, decayed=(), weight_decay=0.0):
     """graph.lr: the estimate's tables (grads, leaves, sites, ...), or {"why": reason} when it cannot be built.
-    Each dim that may be the batch's is tried, the likeliest first (batch_choices); the reason given is the
-    likeliest's, with the other named dims' after it. Any choice that builds is a valid estimate: the rows
+    Each dim that may be the batch's is tried, the likeliest first (batch_choices); the reason given is that
+    of the one that got furthest through the forward (the likeliest first among equals), with the other
+    named dims' after it. Any choice that builds is a valid estimate: the rows
     rules refuse whatever mixes its rows."""
     why = {}
     for batch, axes in batch_choices(graph, graph.ancestors([graph.loss])):
+        builder = _Builder(graph, trainable, decayed, weight_decay, batch, axes)
         try:
-            graph.lr = _Builder(graph, trainable, decayed, weight_decay, batch, axes).build()
+            graph.lr = builder.build()
             return
         except Unsupported as e:   # the nodes made so far are dead code: simplify removes them
-            why[batch] = str(e)
+            why[batch] = (len(builder.where), str(e))   # how far it got: the furthest names the likeliest cause
     if not why:
         graph.lr = {"why": "the model has no input with rows to perturb"}
         return
-    (batch, first), *others = why.items()
+    (batch, first), *others = [(d, w) for d, (_, w) in sorted(why.items(), key=lambda kv: -kv[1][0])]
     named = [f"with {d!r}: {w.split('; ')[0]}" for d, w in others if isinstance(d, str)]   # their reasons, not advice
     graph.lr = {"why": first + (f" (that is with {batch!r} as the batch dim; " + "; ".join(named) + ")" if named else "")}
 
@@ -171,7 +173,7 @@ class _Builder:
         self.inner = {x for chain in sites for x in chain[:-1]}   # a chain's products and adds below its top
         self.seed = self.leaf("seed", (), "int64")
         self.half = self.leaf("half", (), "int64")
-        rows = self.leaf("rows", (K, self.batch), self.float)   # each (sample, row)'s weight (ones); carries K_lr, B
+        self.rows = self.leaf("rows", (K, self.batch), self.float)   # each (sample, row)'s weight (ones); carries K_lr, B
         self.sigma = self.leaf("sigma", (), self.float)
         # 1 / (samples * sigma**2), the part before sigma a leaf (times K / (K - 1) for a leave-one-out baseline)
         scale = self.apply("div", [self.leaf("scale", (), self.float), self.apply("mul", [self.sigma, self.sigma])])
@@ -196,7 +198,7 @@ class _Builder:
         if not isinstance(self.where[g.loss], tuple):
             raise Unsupported(f"{self.src}: the loss does not reduce over the batch rows ({self.batch!r}), so there "
                               f"is no loss per row or per sample to pair with the noise")
-        coef = self.coefficients(self.stacked(g.loss), baseline, rows)
+        coef = self.coefficients(self.stacked(g.loss), baseline, self.rows)
         contributions = {p: [] for p in self.trainable}
         for site in self.sites:
             c = self.view(coef, (KB,) + (1,) * (site.rank - 1)) if site.rank > 1 else coef
@@ -211,7 +213,7 @@ class _Builder:
         for p, name in self.trainable.items():
             parts = contributions[p]
             total = accumulate(g, parts, PHASE, self.src) if parts else None
-            if name in self.decayed and self.wd and p in self.fwd:   # the objective's decay, exactly
+            if name in self.decayed and self.wd:   # the objective's decay, exactly (also of a param the loss never reads)
                 wd = self.apply("const", [], value=float(self.wd), shape=(), dtype=self.float)
                 term = self.apply("mul", [wd, p])
                 total = term if total is None else self.apply("add", [total, term])
@@ -299,14 +301,14 @@ class _Builder:
             loss = ""
             if op == "scan" or any(isinstance(w, tuple) for w in ins):   # about the loss after its reduction
                 carry = " (a loss summed in a scan's carry: return it as the step's y)" \
-                    if op == "scan" and "return it as the step's y" not in why else ""
+                    if op == "scan" and "without batch rows" in why and "return it as the step's y" not in why else ""
                 loss = (f" and pairs each row's share of the loss with its noise, so the loss must be a sum or mean "
                         f"over rows of per-row terms, then only scaled, added, summed or moved{carry}")
             raise Unsupported(f"{src}: {g.describe(n)} {why}; lr_grad stacks the K perturbed copies on the rows"
                               f"{loss}; or train this model with loss_and_grad")
 
         if op == "random":   # the model's own draws (dropout, noise): the same in every copy, as loss_and_grad
-            return self.drawn(n)   # draws them from the seed given, so the estimate is of that call's gradient
+            return self.model_draws(n)   # draws them from the seed given, so the estimate is of that call's gradient
         if all(w is None for w in ins):
             if op == "scan" and self.scans.sites(n):
                 fail("reads trainable params in its step but has no batch rows (the estimate perturbs products "
@@ -337,12 +339,18 @@ class _Builder:
             return 0
         try:
             where = share_rows(g, n, ins, fail)
-        except Unsupported:   # not linear in the loss: unless what it is not linear in is a sum no noise reaches
-            held = [u in self.constants for u in g.operands(n)]
+        except Unsupported:   # it mixes rows, unless through a sum over rows no noise reaches (a mask's count,
+            held = [u in self.constants for u in g.operands(n)]   # x.mean(0)): the same in every copy, a constant
             if not any(held):
                 raise
-            ins = [None if h else w for h, w in zip(held, ins)]   # (a mask's count): a constant of the estimate
+            ins = [None if h else w for h, w in zip(held, ins)]
             where = share_rows(g, n, ins, fail)
+            if where is None:   # a function of such sums alone: a constant too, its shares an even split
+                self.constants.add(n)
+                self.copy[n] = self.split(n)
+                return SHARES
+            clean = all(u in self.clean for u, w in zip(g.operands(n), ins) if w is not None)
+            operands = [u if w is None or clean else self.stacked(u) for u, w in zip(g.operands(n), ins)]
         if isinstance(where, tuple):   # the loss's reduction over rows, or a value after it: kept per row
             if clean and not any(isinstance(w, tuple) for w in ins):
                 self.constants.add(n)
@@ -361,7 +369,16 @@ class _Builder:
         self.copy[n] = self.restacked(n, operands, where, attrs)
         return where
 
-    def drawn(self, n):
+    def split(self, n):
+        """Shares of n, a constant of the estimate (the same in every copy): n / B for each row, (KB_lr,) + its
+        shape. Any split would do: a constant in each copy's loss moves no estimate but its variance."""
+        g = self.g
+        shape = tuple(g.shape(n))
+        count = self.apply("count", [], g.node(n)["src"], dims=(self.batch,), dtype=g.dtype(n))
+        ones = self.view(self.rows, (KB,) + (1,) * len(shape))
+        return self.apply("mul", [ones, self.apply("div", [n, count])])
+
+    def model_draws(self, n):
         """Where the rows lie in the model's random op n (a dropout mask or noise the shape of a value):
         on the axis its shape has the batch dim; it is clean, drawn once and broadcast to the copies."""
         g = self.g

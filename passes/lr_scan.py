@@ -161,8 +161,9 @@ class ScanNoise:
                     rows[product] = copies[factors[r]]
                 if not rows:
                     raise Unsupported(f"{src}: {body.describe(m)} adds a trainable bias in a scan's step to a value "
-                                      f"no product of the step with a trainable factor makes; lr_grad perturbs a "
-                                      f"step's products (add the bias to one, or after the scan)")
+                                      f"that is not a product with a trainable factor read only by that sum; lr_grad "
+                                      f"perturbs such sums in a step (add the bias to the product alone, or after "
+                                      f"the scan)")
                 sites.append(StepSite(tops[m], eps, scale, rows, noise, mask))
         for top in tops.keys() - {s.tree[-1] for s in sites}:
             raise Unsupported(f"{body.node(top)['src']}: {body.describe(top)} reads a trainable param but has no "

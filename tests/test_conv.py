@@ -501,7 +501,8 @@ def test_which_convs_run_by_winograd():
     assert not winograd(conv | {"padding": (3, 1)}, (64, 64, 3, 3), (56, 56), input_grad=True)
 
 
-@pytest.mark.parametrize("dtype, hvp", NET_CHECKS)
+@pytest.mark.parametrize("dtype, hvp", [NET_CHECKS[0], pytest.param("float32", False, id="float32", marks=pytest.mark.slow),
+                                        NET_CHECKS[2]])
 def test_convs_by_direct_sums_match_torch_in_a_compiled_net(dtype, hvp, build_dir, rng):
     """Unit-stride convs that make few channels a group run directly (gradc/ops/conv_direct.py), each
     output's taps summed in vector registers (gradc/runtime/simd.py), and so do input gradients with

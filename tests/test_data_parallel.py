@@ -240,6 +240,7 @@ def test_data_parallel_with_pipeline_stages(tmp_path):
     _check(_run(tmp_path, build, model.name, runs, 2), runs, expected)
 
 
+@pytest.mark.slow
 def test_data_parallel_of_a_time_major_rnn(tmp_path):
     """A gc.scan over a (T, B, D) sequence: each rank's shard is its rows on axis 1 (the labels' on 0),
     unequal; with pipeline stages too (2 replicas, each running both stages and 2 microbatches). The

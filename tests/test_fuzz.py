@@ -59,15 +59,21 @@ def test_compiled_lr_grad_of_row_wise_programs_matches_the_interpreter(seed, tmp
 
 
 def test_the_lr_check_finds_a_biased_estimate(monkeypatch):
-    """The check can fail: with every site's part negated (or 1.5x) the means are many standard errors off."""
+    """The check can fail: with every site's part negated, a bias's parts alone 1.5x, or a bias's parts left
+    out (found by review: the first version of the check compared only the parts given, over all of them)."""
     vjp = likelihood_ratio._Builder.local_vjp
-    for factor in (-1.0, 1.5):
-        def scaled(self, copies, cot, factor=factor):
+    for factor, bias_only, match in ((-1.0, False, "mean squared z-score"), (1.5, True, "mean squared z-score"),
+                                     (None, True, "no estimate for")):
+        def changed(self, copies, cot, factor=factor, bias_only=bias_only):
+            parts = vjp(self, copies, cot)
+            if factor is None:
+                return {p: g for p, g in parts.items() if len(self.g.shape(p)) > 1}
             k = self.apply("const", [], value=factor, shape=(), dtype=self.float)
-            return {p: self.apply("mul", [g, k]) for p, g in vjp(self, copies, cot).items()}
-        monkeypatch.setattr(likelihood_ratio._Builder, "local_vjp", scaled)
-        with pytest.raises(AssertionError, match="mean squared z-score"):
-            check_lr(lr_case(1))
+            return {p: self.apply("mul", [g, k]) if len(self.g.shape(p)) == 1 or not bias_only else g
+                    for p, g in parts.items()}
+        monkeypatch.setattr(likelihood_ratio._Builder, "local_vjp", changed)
+        with pytest.raises(AssertionError, match=match):
+            check_lr(lr_case(0))
 
 
 @pytest.mark.parametrize("seeds", [s if s == (38,) else pytest.param(s, marks=pytest.mark.slow) for s in COMPILED_SEEDS])

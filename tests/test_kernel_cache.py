@@ -351,6 +351,7 @@ CUDA_RUN = PRELUDE + textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_cuda_kernels_come_from_the_cache_too(tmp_path):
     """--target cuda under numba-cuda's simulator: every kernel is loaded from its cache file, the
     second model shares the first one's kernels, and the results are the CPU target's."""

@@ -1,8 +1,6 @@
 """lr_grad through gc.scan (passes/lr_scan.py, DESIGN.md §1.9): noise on the pre-activation at every
 step. Statistics through the numpy interpreter in float64 (the mean over seeds converges to
 loss_and_grad's gradient like 1/sqrt(K)); one compiled module against the interpreter; refusals."""
-import os
-
 import numpy as np
 import pytest
 
@@ -97,6 +95,7 @@ def _assert_compiled_is_interpreted(mod, graph, params, inputs):
         assert loss == mod.loss_and_grad(params, **inputs)[0]
 
 
+@pytest.mark.slow
 def test_compiled_lr_grad_through_a_scan_matches_the_interpreter(build_dir):
     model = _rnn("lrscan")
     mod = gc.compile(model, out=build_dir, dtype="float64", order=1, warm_cache=False)

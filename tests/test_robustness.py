@@ -467,7 +467,7 @@ def test_a_save_leaves_the_temps_of_writers_in_other_pid_namespaces(small, tmp_p
 
 
 # ---- 8. planted symlinks ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("flag,png,args", [("--memory", "memory.png", ["--bind", "B=4"]),
+@pytest.mark.parametrize("flag,png,args", [pytest.param("--memory", "memory.png", ["--bind", "B=4"], marks=pytest.mark.slow),
                                           ("--partition", "partition.png", ["--bind", "B=4", "--devices", "2"])])
 def test_inspect_png_replaces_a_planted_symlink_and_goes_with_its_build(tmp_path, flag, png, args):
     pytest.importorskip("matplotlib")

@@ -674,6 +674,7 @@ def test_a_random_op_in_a_step_is_refused_by_name():
         gc.scan(lambda h, xt: (gc.gaussian_noise(h + xt, 0.1, seed), None), h0, x)
 
 
+@pytest.mark.slow
 def test_a_scalar_carry_matches_torch(tmp_path):
     """A carry of shape () (the loop holds it as (1,)): its init was passed as () and the scan refused it."""
     m = gc.Model("scalar_carry")
