@@ -309,8 +309,8 @@ def test_conv2d_takes_a_numpy_weight_and_bias_as_constants(rng):
 # ---- the kernels (gradc/ops/conv.py, pool.py) and a compiled conv net -------------------------------
 # each family compiles its own kernels: the default tier takes one block size of the direct kernels and
 # the common pooling windows (a few seconds a kernel), the slow tier the rest
-KERNEL_FAMILIES = ["conv", "taps", "winograd", "direct8", "pool", "pool_windows"] + [
-    pytest.param(f, marks=pytest.mark.slow) for f in ("direct1", "direct2", "direct4", "pool_windows_more")]
+KERNEL_FAMILIES = ["conv", "taps", "winograd", "direct8", "pool"] + [
+    pytest.param(f, marks=pytest.mark.slow) for f in ("direct1", "direct2", "direct4", "pool_windows", "pool_windows_more")]
 
 
 @pytest.mark.parametrize("family", KERNEL_FAMILIES)

@@ -121,6 +121,7 @@ def test_corrupted_cache_files_are_compiled_again(tmp_path):
     assert {f: (cache / "kernels" / f).read_text() for f in files} == good   # the files are whole again
 
 
+@pytest.mark.slow
 def test_damaged_numba_index_files_are_written_again(tmp_path):
     """A Numba index file (.nbi) cut short or emptied: the kernel compiles again and its index is
     written anew, in a new build and in a build made before (saving used to raise UnpicklingError)."""

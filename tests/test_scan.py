@@ -319,6 +319,7 @@ def test_rows_rule_keeps_a_scan_over_time_per_row():
         _scan_rows(bad, [0, 1])
 
 
+@pytest.mark.slow
 def test_compiled_scan_runs_any_length_from_one_build(tmp_path):
     m = _rnn("scan_any_T")
     mod = gc.compile(m, out=str(tmp_path), dtype="float64", order=2, warm=False)
