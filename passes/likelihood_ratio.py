@@ -81,7 +81,8 @@ def build_lr(graph, trainable, decayed=(), weight_decay=0.0):
         return
     (batch, first), *others = [(d, w) for d, (_, w) in sorted(why.items(), key=lambda kv: -kv[1][0])]
     named = [f"with {d!r}: {w.split('; ')[0]}" for d, w in others if isinstance(d, str)]   # their reasons, not advice
-    graph.lr = {"why": first + (f" (that is with {batch!r} as the batch dim; " + "; ".join(named) + ")" if named else "")}
+    rest = f" (that is with {batch!r} as the batch dim; " + "; ".join(named) + ")" if named else ""
+    graph.lr = {"why": first + rest}
 
 
 def batch_choices(g, fwd):
@@ -173,7 +174,7 @@ class _Builder:
         self.inner = {x for chain in sites for x in chain[:-1]}   # a chain's products and adds below its top
         self.seed = self.leaf("seed", (), "int64")
         self.half = self.leaf("half", (), "int64")
-        self.rows = self.leaf("rows", (K, self.batch), self.float)   # each (sample, row)'s weight (ones); carries K_lr, B
+        self.rows = self.leaf("rows", (K, self.batch), self.float)   # each (sample, row)'s weight (ones)
         self.sigma = self.leaf("sigma", (), self.float)
         # 1 / (samples * sigma**2), the part before sigma a leaf (times K / (K - 1) for a leave-one-out baseline)
         scale = self.apply("div", [self.leaf("scale", (), self.float), self.apply("mul", [self.sigma, self.sigma])])
@@ -213,7 +214,7 @@ class _Builder:
         for p, name in self.trainable.items():
             parts = contributions[p]
             total = accumulate(g, parts, PHASE, self.src) if parts else None
-            if name in self.decayed and self.wd:   # the objective's decay, exactly (also of a param the loss never reads)
+            if name in self.decayed and self.wd:   # the objective's decay, exactly (a param the loss never reads too)
                 wd = self.apply("const", [], value=float(self.wd), shape=(), dtype=self.float)
                 term = self.apply("mul", [wd, p])
                 total = term if total is None else self.apply("add", [total, term])

@@ -2,21 +2,23 @@
 
 tests/fuzz_graphs.py's programs read params elementwise and mix the batch's rows (x.T, reductions and
 softmaxes over any axis), which the likelihood-ratio estimate refuses. These programs are grown by the
-same generator with its moves kept to what the estimate takes: a row never meets another row before
-the loss, and a trainable param is only a product's factor (matmul, conv2d), a table of take, or a
-bias added to a product. Besides those: elementwise ops of row values and constants (user ops too),
-reshapes and transposes that keep the rows an axis, sums, means and maxes and softmaxes over other
-axes, indexing, concatenations and stacks, images, pools, embeddings of int inputs, scans of random
-recurrent cells (gates, two carries, ys made by a product in the step), dropout and Gaussian noise
-drawn from an int input (the same draws in every perturbed copy), biases added to
-any row value, frozen params read elementwise, and a loss of per-row terms: cross-entropy over (B, C) or (B, k, C) logits plus sums,
-means and squared errors over whole values, weighted, added and subtracted, with weight decay.
+same generator with its moves kept to what the estimate takes: a row never meets another row before the
+loss, and a trainable param is only a product's factor (matmul, conv2d), a table of take, or a bias
+added to a product. Besides those: elementwise ops of row values and constants (user ops too), reshapes
+and transposes that keep the rows an axis, sums, means and maxes and softmaxes over other axes,
+indexing, concatenations and stacks, images, pools, embeddings of int inputs (tokens (T, B) too: noise
+on axis 1), scans of random recurrent cells (gates, two carries, ys made by a product in the step),
+dropout and Gaussian noise drawn from an int input (the same draws in every perturbed copy), biases
+added to any row value, frozen params read elementwise, and a loss of per-row terms: cross-entropy over
+(B, C) or (B, k, C) logits plus sums, means and squared errors over whole values, means weighted by an
+input mask over its count, weighted, added and subtracted, with weight decay.
 
 `lr_case(seed)` gives a fuzz_graphs.Case; `check_lr_compiled(case, out)` that the generated module's
-lr_grad is the interpreter's; `check_lr(case)` asserts that lr_grad builds for it (a
-refusal is a finding: the program is one the estimate should take) and that the estimate is unbiased:
-over `seeds` estimates, each coordinate's mean is within what its standard error allows of
-loss_and_grad's gradient (the same interpreted graph's, compared with torch autograd first). Mean squared z-scores near 1 say unbiased; a biased or missing part gives thousands.
+lr_grad is the interpreter's; `check_lr(case)` asserts that lr_grad builds for it (a refusal is a
+finding: the program is one the estimate should take) and that the estimate is unbiased: over `seeds`
+estimates, each coordinate's mean is within what its standard error allows of loss_and_grad's gradient
+(the same interpreted graph's, compared with torch autograd first). Mean squared z-scores near 1 say
+unbiased; a biased or missing part gives thousands.
 """
 import numpy as np
 
@@ -102,7 +104,6 @@ class _RowGenerator(_Generator):
         s = self.shapes[v]
         axis = int(self.rng.choice([i for i in range(len(s)) if s[i] != BATCH]))
         return self.emit(str(self.rng.choice(["softmax", "log_softmax"])), [v], s, axis=axis)
-
 
     def embed_sequence(self):
         """Tokens (T, B) looked up in a trainable table: a sequence for a scan, its rows on axis 1 (the site's
@@ -216,7 +217,8 @@ def check_lr(case, samples=256, seeds=16, sigma=1e-3):
     limits = np.repeat([2 + 6 * np.sqrt(2 / n) for n in sizes], sizes)
     runs = []
     for count in (seeds, 4 * seeds):
-        runs += [interpret_lr(graph, case.params, case.inputs, samples, sigma, seed) for seed in range(len(runs), count)]
+        runs += [interpret_lr(graph, case.params, case.inputs, samples, sigma, seed)
+                 for seed in range(len(runs), count)]
         true = runs[0][1]
         assert true.size == sum(sizes)   # interpret_lr's coordinates: the reached params', in that order
         estimates = np.array([est for est, _ in runs])

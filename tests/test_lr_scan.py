@@ -292,11 +292,10 @@ def test_refusals_name_the_reason_and_what_to_do():
     assert "adds a trainable bias in a scan's step" in why, why
 
 
-
 def _embedded(where, named=True):
     """A language model with a trained embedding table E: looked up in the step, before the scan on
-    tokens (T, B) (or both, with a second table), or on tokens (B, T) moved to (T, B, D) (every input then reaches the scan as a
-    sequence: the batch is no input's axis 0 after the moves); the logits a product of the stacked
+    tokens (T, B) (or both, with a second table), or on tokens (B, T) moved to (T, B, D) (every input then
+    reaches the scan as a sequence: the batch is no input's axis 0 after the moves); the logits a product of the stacked
     results outside the scan, (T, B, H) @ V + c, rows on axis 1, where tokens are (T, B)."""
     m = gc.Model(f"lremb_{where}")
     B, T = ("B", "T") if named else (4, 3)
