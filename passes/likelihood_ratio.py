@@ -301,10 +301,9 @@ class _Builder:
         def fail(why):
             loss = ""
             if op == "scan" or any(isinstance(w, tuple) for w in ins):   # about the loss after its reduction
-                carry = " (a loss summed in a scan's carry: return it as the step's y)" \
-                    if op == "scan" and "without batch rows" in why and "return it as the step's y" not in why else ""
-                loss = (f" and pairs each row's share of the loss with its noise, so the loss must be a sum or mean "
-                        f"over rows of per-row terms, then only scaled, added, summed or moved{carry}")
+                # (a loss summed in a scan's carry: the rows rule's reason already says to return it as the step's y)
+                loss = (" and pairs each row's share of the loss with its noise, so the loss must be a sum or mean "
+                        "over rows of per-row terms, then only scaled, added, summed or moved")
             raise Unsupported(f"{src}: {g.describe(n)} {why}; lr_grad stacks the K perturbed copies on the rows"
                               f"{loss}; or train this model with loss_and_grad")
 

@@ -538,7 +538,7 @@ class _Generator:
     # values
     def add_input(self, name, shape, dtype="float", high=None):
         self.prog.inputs[name] = (shape, dtype)
-        if name == SEED:
+        if name == self.SEED_INPUT:
             value = np.asarray(self.rng.integers(0, 2 ** 62), dtype=np.int64)
         elif dtype == "int64":
             self.int_high[name] = high or self.C
@@ -947,16 +947,18 @@ class _Generator:
         tag = f"matmul[batched {len(self.shapes[a])}d @ {len(self.shapes[b])}d]"
         return self.emit("matmul", [a, b], shape, tag=tag, form=str(rng.choice(["op", "fn"])))
 
+    SEED_INPUT = SEED   # the int input random ops draw from
+
     def random(self):
         rng = self.rng
-        if SEED not in self.prog.inputs:
-            self.add_input(SEED, (), "int64")
+        if self.SEED_INPUT not in self.prog.inputs:
+            self.add_input(self.SEED_INPUT, (), "int64")
         v = self.pick(self.floats(lambda s: len(s) >= 1))
         if rng.random() < 0.5:
             kw = {"dist": "dropout", "p": float(rng.choice([0.1, 0.25, 0.5]))}
         else:
             kw = {"dist": "normal", "std": float(rng.choice([0.1, 0.5, 1.0]))}
-        out = self.emit("random", [v, SEED], self.shapes[v], tag="dropout" if kw["dist"] == "dropout"
+        out = self.emit("random", [v, self.SEED_INPUT], self.shapes[v], tag="dropout" if kw["dist"] == "dropout"
                         else "gaussian_noise", stream=self.streams, **kw)
         self.streams += 1
         return out
@@ -1360,7 +1362,7 @@ class Case:
             counts["feature: conv then pool"] += any(
                 s.op in ("max_pool2d", "avg_pool2d") and any(t.out == s.args[0] and t.op == "conv2d" for t in prog.steps)
                 for s in prog.steps)
-            counts["feature: random ops seeded by an input"] += SEED in prog.inputs
+            counts["feature: random ops seeded by an input"] += any(s.op == "random" for s in prog.steps)
         return counts
 
 

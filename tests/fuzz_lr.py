@@ -35,6 +35,8 @@ BROADCASTING = set(BINARY) | {"maximum"} | set(USER_OPS)
 class _RowGenerator(_Generator):
     """The generator with every move kept to row-wise values (see the module's docstring)."""
 
+    SEED_INPUT = "draw"   # an input named seed could not be given to lr_grad beside its option seed
+
     def floats(self, pred=lambda s: True, leaves=True):
         """Values with the batch's rows only: params (and what only params make) are never an operand of
         an elementwise op, a reduction or a join; the product moves add their own weights."""
@@ -137,19 +139,6 @@ class _RowGenerator(_Generator):
         count = self.emit("sum", ["w"], (), tag="sum[all]", axis=None, keepdims=False, form="fn", bounded=False)
         return self.emit("div", [total, count], (), tag="div[by a mask's count]", bounded=False)
 
-    def random(self):
-        """Dropout or Gaussian noise of a row value, drawn from the int input `draw` (an input named seed
-        could not be given to lr_grad beside its option seed)."""
-        if "draw" not in self.prog.inputs:
-            self.add_input("draw", (), "int64")
-        v = self.pick(self.floats())
-        kw = {"dist": "dropout", "p": float(self.rng.choice([0.1, 0.25, 0.5]))} if self.rng.random() < 0.5 else \
-            {"dist": "normal", "std": float(self.rng.choice([0.1, 0.5]))}
-        out = self.emit("random", [v, "draw"], self.shapes[v], tag="dropout" if kw["dist"] == "dropout"
-                        else "gaussian_noise", stream=self.streams, **kw)
-        self.streams += 1
-        return out
-
 
 def _reduced(shape, axis, keepdims):
     axes = {axis} if isinstance(axis, int) else set(axis)
@@ -204,8 +193,8 @@ def check_lr(case, samples=256, seeds=16, sigma=1e-3):
     """lr_grad builds for the case, gives every trainable param that reaches the loss a part, and the mean
     of `seeds` estimates is loss_and_grad's gradient within its standard error: for each param, the mean
     squared z-score over its coordinates is below 2 + 6 sqrt(2 / size) (about 1 when unbiased; a bias
-    confined to one small param shows on its own). A param above it is checked again with 4x the seeds: a
-    bias grows with them, a chance excursion of heavy-tailed estimates does not. The gradient is first
+    confined to one small param shows on its own). A param above it is checked again with 4x, then 16x
+    the seeds: a bias grows with them, a chance excursion of heavy-tailed estimates does not. The gradient is first
     checked against torch autograd (check_interpreted). Returns the largest per-param mean."""
     check_interpreted(case)
     graph = build_training_graph(case.model, "float64", order=1)
@@ -216,7 +205,7 @@ def check_lr(case, samples=256, seeds=16, sigma=1e-3):
     sizes = [case.params[p].size for p in reached]
     limits = np.repeat([2 + 6 * np.sqrt(2 / n) for n in sizes], sizes)
     runs = []
-    for count in (seeds, 4 * seeds):
+    for count in (seeds, 4 * seeds, 16 * seeds):
         runs += [interpret_lr(graph, case.params, case.inputs, samples, sigma, seed)
                  for seed in range(len(runs), count)]
         true = runs[0][1]
