@@ -111,9 +111,10 @@ class _RowGenerator(_Generator):
         """Tokens (T, B) looked up in a trainable table: a sequence for a scan, its rows on axis 1 (the site's
         noise there too)."""
         rng = self.rng
-        name = f"tokens{len(self.int_high)}"
+        name = f"tokens{len(self.prog.inputs)}"
         self.add_input(name, (int(rng.integers(2, 5)), BATCH), "int64", high=int(rng.integers(3, 8)))
-        table = self.add_param((self.int_high[name], int(rng.choice([self.N, self.M]))))
+        rows = self.int_high.pop(name)   # no other take reads them: its index moves take rows on axis 0
+        table = self.add_param((rows, int(rng.choice([self.N, self.M]))))
         return self.emit("take", [table, name], self.shapes[name] + (self.shapes[table][1],),
                          tag="take[param, tokens (T, B)]")
 
