@@ -55,7 +55,7 @@ from gradc.shapes import fmt
 
 from .autodiff import VJPContext, accumulate
 from .lr_scan import ScanNoise
-from .lr_shares import SHARES, rows_first, share_rows, shares
+from .lr_shares import SHARES, offset_shares, rows_first, share_rows, shares
 from .lr_sites import DIMS, K, KB, LAYOUT, Site, Unsupported, chains, misuses  # noqa: F401 (DIMS: for importers)
 
 STREAM = 1 << 20                 # noise streams, apart from the model's own random ops
@@ -159,18 +159,14 @@ class _Builder:
         return self.g.add_node("reshape", [x], {"shape": tuple(shape)}, tuple(shape), self.g.dtype(x), phase=PHASE,
                                src=self.src)
 
-    def param_of(self, n):
-        """The trainable param n is (through reshapes and transposes), or None."""
-        while self.g.op(n) in LAYOUT:
-            n = self.g.operands(n)[0]
-        return n if n in self.trainable else None
-
     # ---- the pass --------------------------------------------------------------------------
     def build(self):
         g = self.g
-        sites = chains(g, g.topo_order(self.fwd), self.param_of)
-        self.check_params(sites)
+        self.free = self.param_values()
+        order = g.topo_order(self.fwd)
+        sites = chains(g, [n for n in order if n not in self.free], self.free.__contains__, general=True)
         tops = {chain[-1]: chain for chain in sites}
+        self.check_scans()
         self.inner = {x for chain in sites for x in chain[:-1]}   # a chain's products and adds below its top
         self.seed = self.leaf("seed", (), "int64")
         self.half = self.leaf("half", (), "int64")
@@ -179,9 +175,10 @@ class _Builder:
         # 1 / (samples * sigma**2), the part before sigma a leaf (times K / (K - 1) for a leave-one-out baseline)
         scale = self.apply("div", [self.leaf("scale", (), self.float), self.apply("mul", [self.sigma, self.sigma])])
         baseline = self.leaf("baseline", (K, 1), self.float)   # each copy's weight in the baseline
-        for n in g.topo_order(self.fwd):
+        built = []
+        for n in order:
             self.where[n] = self.track(n)
-            if n in tops:
+            if n in tops and not isinstance(self.where[n], tuple):   # (a term added to the loss: exact, below)
                 if self.where[n] is None:
                     raise Unsupported(f"{g.node(n)['src']}: {g.describe(n)} reads a trainable param but has no batch "
                                       f"rows: the estimate perturbs products of rows (declare its params "
@@ -196,6 +193,8 @@ class _Builder:
                 # a clean site's chain is one for every copy: the estimate's own, on B rows
                 site.copies = [self.own(x) for x in tops[n]] if clean else [self.copy[x] for x in tops[n][:-1]] + [z]
                 site.pert, site.clean = pert, clean
+                built.append(tops[n])
+        self.check_params(built)
         if not isinstance(self.where[g.loss], tuple):
             raise Unsupported(f"{self.src}: the loss does not reduce over the batch rows ({self.batch!r}), so there "
                               f"is no loss per row or per sample to pair with the noise")
@@ -210,6 +209,8 @@ class _Builder:
                 cot = self.apply("sum", [self.view(cot, shape[:a] + (K,) + shape[a:])], axes=(a,), keepdims=False)
             for p, gp in self.local_vjp(site.copies, cot).items():
                 contributions[p].append(gp)
+        for p, gp in self.exact_parts().items():
+            contributions[p].append(gp)
         grads = {}
         for p, name in self.trainable.items():
             parts = contributions[p]
@@ -244,28 +245,72 @@ class _Builder:
                                                    "mask": f"mask{i}", "rank": rank}))
         return noise, mask
 
+    def param_values(self):
+        """The forward's values made of trainable params without batch rows (a param, W * s, U @ V, an L2
+        penalty): computed once, as the forward computes them, and differentiated exactly where the
+        estimate's parts go through them (nothing in them has rows, so their VJP is cheap). A scan is
+        never one (lr_grad refuses a scan without rows that reads params)."""
+        g = self.g
+        rowful, free = set(), set()
+        for n in g.topo_order(self.fwd):
+            op = g.op(n)
+            if op == "input" and self.input_axis(n) is not None or op == "random" and self.batch in g.shape(n) \
+                    or any(u in rowful for u in g.operands(n)):
+                rowful.add(n)
+            elif n in self.trainable or op != "scan" and any(u in free for u in g.operands(n)):
+                free.add(n)
+        return free
+
+    def names(self, v):
+        """The names of the trainable params value v is made of."""
+        g = self.g
+        return [self.trainable[a] for a in g.topo_order(g.ancestors([v])) if a in self.trainable]
+
     def check_params(self, sites):
-        """Every use of a trainable param must be a factor of a site's product or a bias in its sum."""
+        """Every use of a value made of trainable params must be a factor of a site (`sites`, the chains
+        that got noise) or a term of the loss after its reduction over rows (differentiated exactly)."""
         g = self.g
         bad = []
-        for p, u in misuses(g, [p for p in self.trainable if p in self.fwd], self.fwd, sites, self.param_of):
-            if g.op(u) == "scan":   # its step must read the param only as a factor or bias, like the graph
-                bad += self.scans.misuses(u)
-            else:
-                bad.append((self.trainable[p], u, g))
+        for p, u in misuses(g, [p for p in self.trainable if p in self.fwd], self.fwd, sites, self.free.__contains__,
+                            self.free.__contains__, lambda u: isinstance(self.where.get(u), tuple)):
+            if g.op(u) != "scan":   # (check_scans did those)
+                bad.append((p, u, g))
+        if bad:
+            self.refuse_params(bad)
+
+    def check_scans(self):
+        """A scan's step must read values made of params only as a factor or bias, like the graph, and a
+        scan must not take one as a carry or sequence (checked before the copies: a learned initial
+        state would be refused as a carry without rows)."""
+        g = self.g
+        bad = [b for n in g.topo_order(self.fwd) if g.op(n) == "scan" and any(u in self.free for u in g.operands(n))
+               for b in self.scans.misuses(n)]
         if bad:
             self.refuse_params(bad)
 
     def refuse_params(self, bad):
-        """bad: [(param name, the node that reads it, the graph it is in)], not empty."""
-        names = ", ".join(dict.fromkeys(f"{n!r} {fmt(self.g.shape(self.g.params[n]))}" for n, _, _ in bad))
-        name, u, g = bad[0]
-        raise Unsupported(f"param {names} reach(es) the loss other than as a factor of a matmul or conv2d, a table "
-                          f"read by take, or a bias added to a value with batch rows: {name!r} is read by "
-                          f"{g.describe(u)} {fmt(g.shape(u))} at {g.node(u)['src']}. The "
-                          f"likelihood-ratio estimate perturbs only the products' outputs, so it has nothing to "
-                          f"attribute to such a param (it would not be zero, and lr_grad will not pretend it is): "
-                          f"declare it trainable=False, or train with loss_and_grad")
+        """bad: [(a value made of params, in the graph; the node that reads it; the graph it is in)], not empty."""
+        names = ", ".join(dict.fromkeys(f"{n!r} {fmt(self.g.shape(self.g.params[n]))}"
+                                        for v, _, _ in bad for n in self.names(v)))
+        v, u, g = bad[0]
+        raise Unsupported(f"param {names} reach(es) the loss through an op the estimate cannot perturb: "
+                          f"{self.names(v)[0]!r} is read by {g.describe(u)} {fmt(g.shape(u))} at {g.node(u)['src']}. "
+                          f"The likelihood-ratio estimate perturbs the outputs of products, lookups and biases (and, "
+                          f"outside a scan's step, of elementwise ops on batch rows) and differentiates terms of "
+                          f"params alone added to the loss, so it has nothing to attribute to such a use (it would "
+                          f"not be zero, and lr_grad will not pretend it is): declare it trainable=False, or train "
+                          f"with loss_and_grad")
+
+    def input_axis(self, n):
+        """The axis input n has the batch rows on, or None: none, or an adjacency (N, N) read only as the
+        left factor of products, the same for every sample (N, N as declared: a batch x (B, 12) with B bound
+        to 12 is not one)."""
+        g = self.g
+        declared = g.declared_shapes.get(n, g.shape(n))
+        adjacency = len(declared) == 2 and declared[0] == declared[1] and all(
+            g.op(u) == "matmul" and g.operands(u)[0] == n and n not in g.operands(u)[1:]
+            and not g.attrs(u).get("transpose_a") for u in g.users(n) if u in self.fwd)
+        return None if adjacency else self.axes.get(n)
 
     def track(self, n):
         """Where n's batch rows lie (an axis, None when it has none, ("reduced", kind) after the loss's
@@ -274,14 +319,8 @@ class _Builder:
         op, node = g.op(n), g.node(n)
         shape = node["shape"]
         if op == "input":
-            # an adjacency (N, N) read only as the left factor of products is the same for every sample (N, N
-            # as declared: a batch x (B, 12) with B bound to 12 is not one)
-            declared = g.declared_shapes.get(n, shape)
-            adjacency = len(shape) == 2 and declared[0] == declared[1] and all(
-                g.op(u) == "matmul" and g.operands(u)[0] == n and n not in g.operands(u)[1:]
-                and not g.attrs(u).get("transpose_a") for u in g.users(n) if u in self.fwd)
-            axis = self.axes.get(n)
-            if axis is None or adjacency:
+            axis = self.input_axis(n)
+            if axis is None:
                 return None
             name = node["name"]
             if node["dtype"].startswith("float"):   # clean: its copies, where needed, a broadcast in the graph
@@ -337,12 +376,18 @@ class _Builder:
             self.copy[n] = self.view(prod, (KB,) + tuple(shape[1:]))
             self.mixing.append(n)
             return 0
+        emit = lambda kind, inputs, **a: self.apply(kind, inputs, src, **a)
         try:
             where = share_rows(g, n, ins, fail)
         except Unsupported:   # it mixes rows, unless through a sum over rows no noise reaches (a mask's count,
             held = [u in self.constants for u in g.operands(n)]   # x.mean(0)): the same in every copy, a constant
             if not any(held):
-                raise
+                # or it adds a value without rows to the loss (loss + 0.5, an L2 penalty): its linear part
+                offset = offset_shares(g, n, ins, [self.stacked(u) for u in g.operands(n)], emit)
+                if offset is None:
+                    raise
+                self.copy[n] = offset
+                return SHARES
             ins = [None if h else w for h, w in zip(held, ins)]
             where = share_rows(g, n, ins, fail)
             if where is None:   # a function of such sums alone: a constant too, its shares an even split
@@ -354,7 +399,6 @@ class _Builder:
         if isinstance(where, tuple):   # the loss's reduction over rows, or a value after it: kept per row
             if clean and not any(isinstance(w, tuple) for w in ins):
                 self.constants.add(n)
-            emit = lambda kind, inputs, **a: self.apply(kind, inputs, src, **a)
             if op == "scan_out":   # a per-step loss, stacked (T, KB_lr, ...)
                 attrs["shape"] = tuple(shape[:1]) + (KB,) + tuple(shape[1:])
                 self.copy[n] = rows_first(self.apply(op, operands, src, **attrs), 1, len(shape) + 1, emit)
@@ -448,17 +492,51 @@ class _Builder:
 
     def local_vjp(self, copies, cot):
         """The params' parts of the estimate at one site: the VJPs of its copies (products, adds)
-        and of the layout ops between them and the params, with cotangent `cot` at the last copy z."""
+        and of the values made of params they read (through the layout ops a scan's site lifts them
+        with), with cotangent `cot` at the last copy z."""
         g = self.g
-        z = copies[-1]
         active = set(copies)
         for x in copies:
             for u in g.operands(x):
-                if self.param_of(u) is not None:
-                    while u not in active:
-                        active.add(u)
-                        if g.op(u) in LAYOUT:
-                            u = g.operands(u)[0]
+                lifted = []
+                while u not in self.free and g.op(u) in LAYOUT:
+                    lifted.append(u)
+                    u = g.operands(u)[0]
+                if u in self.free:
+                    active |= set(lifted) | (g.ancestors([u]) & self.free)
+        return self.vjp(active, copies[-1], cot)
+
+    def exact_parts(self):
+        """The params' parts through terms of params alone added to the loss after its reduction over rows
+        (an L2 penalty written in the loss): the exact VJP from the loss down to those terms, through the
+        loss's ops after its reduction (whose VJPs towards them must not read a value with rows)."""
+        g = self.g
+        tail = {n for n, w in self.where.items() if isinstance(w, tuple)}
+        reads = [n for n in tail if any(u in self.free for u in g.operands(n))]
+        if not reads:
+            return {}
+        between, stack = set(), list(reads)   # the loss's ops from those terms on
+        while stack:
+            n = stack.pop()
+            if n in tail and n not in between:
+                between.add(n)
+                stack += g.users(n)
+        active = self.free | between
+        one = self.apply("const", [], value=1.0, shape=tuple(g.shape(g.loss)), dtype=self.float)
+        parts = self.vjp(active, g.loss, one)
+        rows = {n for n, w in self.where.items() if w is not None}
+        if parts and g.ancestors(parts.values()) & rows:
+            n = reads[0]
+            raise Unsupported(f"{g.node(n)['src']}: {g.describe(n)} combines the loss with a value made of params "
+                              f"({', '.join(map(repr, self.names(next(u for u in g.operands(n) if u in self.free))))}) "
+                              f"other than by adding it: its gradient would read the loss's batch rows, which "
+                              f"lr_grad does not compute (add such a term to the loss, or train this model with "
+                              f"loss_and_grad)")
+        return parts
+
+    def vjp(self, active, z, cot):
+        """{trainable param: its part}: the VJPs of the `active` nodes, from cotangent `cot` at z."""
+        g = self.g
         adjoints = {z: [cot]}
         result = {}
         for n in reversed(g.topo_order(active)):

@@ -50,37 +50,38 @@ class ScanNoise:
         return dict(zip(leaves[K + X:], g.operands(n)[K + X:]))
 
     def param_of(self, n):
-        """A function: the trainable param (of the outer graph) a value of scan n's step is, through
-        reshapes and transposes of a closed-over leaf, or None."""
+        """A function: the value made of trainable params (of the outer graph: a param, W * s) that a value
+        of scan n's step is, through reshapes and transposes of a closed-over leaf, or None."""
         body, outer = self.b.g.attrs(n)["body"], self.closed(n)
 
         def param(m):
             while body.op(m) in LAYOUT:
                 m = body.operands(m)[0]
-            return self.b.param_of(outer[m]) if m in outer else None
+            return outer[m] if m in outer and outer[m] in self.b.free else None
         return param
 
     def sites(self, n):
         """The noise sites of scan n's step (lr_sites.chains)."""
         body = self.b.g.attrs(n)["body"]
-        return chains(body, body.topo_order(), self.param_of(n))
+        param = self.param_of(n)
+        return chains(body, body.topo_order(), lambda m: param(m) is not None)
 
     def misuses(self, n):
-        """[(param name, the node reading it, its graph)] for each use of a trainable param by scan n
-        other than as a factor of a site's product or a bias in its sum, in the step."""
+        """[(the outer value made of params, the node reading it, its graph)] for each use of such a value
+        by scan n other than as a factor of a site's product or a bias in its sum, in the step."""
         g = self.b.g
         body, leaves, _, K, X, _, _ = parts(g.attrs(n))
         param = self.param_of(n)
         closed = [leaf for leaf in leaves[K + X:] if param(leaf) is not None]
-        bad = misuses(body, closed, set(body.topo_order()), self.sites(n), param)
+        bad = misuses(body, closed, set(body.topo_order()), self.sites(n), lambda m: param(m) is not None,
+                      lambda m: body.op(m) in LAYOUT)
         for _, u in bad:
             if body.op(u) == "scan":   # the params it reads may well be factors there: say what is missing
                 raise Unsupported(f"{body.node(u)['src']}: lr_grad does not follow a scan nested in another scan's "
                                   f"step (train this model with loss_and_grad)")
         # a param as an initial carry (a learned h0) or a sequence gets no noise of its own either
-        entering = [self.b.param_of(u) for u in g.operands(n)[:K + X]]
-        return [(self.b.trainable[p], n, g) for p in entering if p is not None] + \
-            [(self.b.trainable[param(leaf)], u, body) for leaf, u in bad]
+        entering = [u for u in g.operands(n)[:K + X] if u in self.b.free]
+        return [(u, n, g) for u in entering] + [(param(leaf), u, body) for leaf, u in bad]
 
     def copy(self, n, ins, operands, fail):
         """The perturbed copy of scan n (its operands' stacked copies `operands`, their rows at `ins`) and

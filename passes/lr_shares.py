@@ -9,7 +9,10 @@ theirs: sums and means over axes of S, reshapes and transposes of S, slices, con
 and elementwise ops (a lower-rank share gets 1s after its rows, so it broadcasts as S does). A per-step
 loss stacked by a scan, (T, KB_lr) + S, is moved to (KB_lr, T) + S by `rows_first`.
 """
+import sympy as sp
+
 from gradc.ops import get_op, rows_of
+from gradc.ops.elementwise import X, expr_of
 
 from .lr_sites import KB, Unsupported
 
@@ -50,6 +53,33 @@ def row_shares(g, n, axis, kind, x, emit, count):
     if kind == "mean":
         r = emit("div", [r, count(tuple(g.shape(operand)[a] for a in axes), g.dtype(n))])
     return r
+
+
+def offset_shares(g, n, ins, operands, emit):
+    """n's shares where n adds values without rows to the loss after its reduction (loss + 0.5, an L2
+    penalty written in the loss): an elementwise op affine in its reduced operands, which the microbatch
+    rule refuses. The shares are its linear part: the rest is the same in every copy's loss, so it pairs
+    with no noise (a param's part through it is exact: likelihood_ratio's exact_parts). None when n is
+    not such an op. `operands` are the reduced operands' shares and the others' values."""
+    reduced = [i for i, w in enumerate(ins) if isinstance(w, tuple)]
+    if get_op(g.op(n)).kind != "elementwise" or not reduced or any(isinstance(w, int) for w in ins):
+        return None
+    expr = expr_of(g, n)
+    linear = sp.simplify(expr - expr.xreplace({X[i]: 0 for i in reduced}))
+    t = sp.Symbol("t", positive=True)
+    if sp.simplify(linear.xreplace({X[i]: t * X[i] for i in reduced}) - t * linear) != 0:
+        return None
+    shape = tuple(g.shape(n))
+    inputs, mapping = [], {}
+    for i, (u, w, c) in enumerate(zip(g.operands(n), ins, operands)):
+        if X[i] not in linear.free_symbols:
+            continue
+        lack = len(shape) - len(g.shape(u))
+        if isinstance(w, tuple) and lack:   # 1s after its rows: it broadcasts as n's operand does
+            c = emit("reshape", [c], shape=(KB,) + (1,) * lack + tuple(g.shape(u)))
+        mapping[X[i]] = X[len(inputs)]
+        inputs.append(c)
+    return emit("fused", inputs, expr=linear.xreplace(mapping), shape=(KB,) + shape)
 
 
 def rows_first(x, at, rank, emit):

@@ -36,20 +36,31 @@ def row_operand(graph, n):
     return 1 if graph.op(n) in LOOKUPS else 0
 
 
-def chains(graph, nodes, param_of):
+def site_op(graph, n, general):
+    """Can n's output get the noise when it reads a param (is_factor)? A product or lookup; in the graph
+    (`general`: outside a scan's step) any elementwise op with a float result too (a gain h * g, a slope),
+    whose param part is its own VJP like a product's."""
+    if is_product(graph, n):
+        return True
+    return general and get_op(graph.op(n)).kind == "elementwise" and graph.dtype(n).startswith("float")
+
+
+def chains(graph, nodes, is_factor, general=False):
     """The noise sites among `nodes` (in topological order): each product (or table lookup) with a
-    trainable param as a factor (param_of(value) is not None), or a trainable bias added to a value no
-    such product makes, up through the adds of its sum while it is their only use and
+    factor made of trainable params (is_factor(value)), or a trainable bias added to a value no
+    such product makes (or, when `general`, any elementwise op reading such a factor), up through the
+    adds of its sum while it is their only use and
     they keep its shape (x @ U + h @ W + b: the products meet at one pre-activation). Returns each site
     as its nodes in topological order, the one that gets the noise last."""
     nodes = list(nodes)
     order = {n: i for i, n in enumerate(nodes)}
     trees, claimed = {}, set()
     for n in nodes:
-        factor = any(param_of(u) is not None for u in graph.operands(n))
+        if not any(is_factor(u) for u in graph.operands(n)) or n in claimed:
+            continue
         # a product with a trainable factor; or a bias added to a value no such product makes (logits + c after
         # a scan, (x @ W) * 0.5 + b), whose own output then gets the noise
-        if not factor or not (is_product(graph, n) or graph.op(n) == "add" and n not in claimed):
+        if not (site_op(graph, n, general) or graph.op(n) == "add"):
             continue
         path = [n]
         while True:
@@ -62,20 +73,22 @@ def chains(graph, nodes, param_of):
     return [sorted(tree, key=order.get) for tree in trees.values()]
 
 
-def misuses(graph, starts, nodes, sites, param_of):
-    """(start, user) for each use of a start value (through reshapes and transposes) among `nodes`
-    that is not as a factor of a site's product or a bias in its chain."""
-    allowed = {(x, u) for chain in sites for x in chain for u in graph.operands(x) if param_of(u) is not None}
+def misuses(graph, starts, nodes, sites, is_factor, through, exact=lambda u: False):
+    """(start, user) for each use of a start value (through the values `through` accepts: layout ops of
+    it, or any value made of params alone) among `nodes` that is not as a factor of a site's product or a
+    bias in its chain, nor by a value `exact` accepts (one whose VJP the estimate takes exactly)."""
+    allowed = {(x, u) for chain in sites for x in chain for u in graph.operands(x) if is_factor(u)}
     bad = []
     for p in starts:
-        stack = [p]
+        stack, seen = [p], set()
         while stack:
             x = stack.pop()
             for u in graph.users(x):
-                if u not in nodes:
+                if u not in nodes or u in seen:
                     continue
-                if graph.op(u) in LAYOUT:
+                if through(u):
+                    seen.add(u)
                     stack.append(u)
-                elif (u, x) not in allowed:
+                elif (u, x) not in allowed and not exact(u):
                     bad.append((p, u))
     return bad

@@ -191,23 +191,32 @@ def lr_case(seed):
 
 
 def check_lr(case, samples=256, seeds=16, sigma=1e-3):
-    """lr_grad builds for the case, gives every trainable param that reaches the loss a part, and the mean
-    of `seeds` estimates is loss_and_grad's gradient within its standard error: for each param, the mean
-    squared z-score over its coordinates is below 2 + 6 sqrt(2 / size) (about 1 when unbiased; a bias
-    confined to one small param shows on its own). A param above it is checked again with 4x, then 16x
-    the seeds: a bias grows with them, a chance excursion of heavy-tailed estimates does not. The gradient is first
+    """lr_grad builds for the case and its estimate is unbiased (assert_unbiased), the gradient first
     checked against torch autograd (check_interpreted). Returns the largest per-param mean."""
     check_interpreted(case)
     graph = build_training_graph(case.model, "float64", order=1)
     assert graph.lr["why"] is None, f"lr_grad refused lrfuzz seed {case.seeds}: {graph.lr['why']}\n{case.text()}"
-    reached = [p for p in case.trainable if graph.grads.get(p) is not None]
+    return assert_unbiased(graph, case.params, case.inputs, f"lrfuzz seed {case.seeds}", case.text(),
+                           [p for p in case.trainable], samples, seeds, sigma)
+
+
+def assert_unbiased(graph, params, inputs, what, text, trainable=None, samples=256, seeds=16, sigma=1e-3):
+    """Every trainable param (of `trainable`, default all the graph's) that reaches the loss has a part,
+    and the mean of `seeds` estimates is loss_and_grad's gradient within its standard error: for each
+    param, the mean squared z-score over its coordinates is below 2 + 6 sqrt(2 / size) (about 1 when
+    unbiased; a bias confined to one small param shows on its own). A param above it is checked again with
+    4x, then 16x the seeds: a bias grows with them, a chance excursion of heavy-tailed estimates does not.
+    Coordinates no noise reaches (weight decay, a penalty's part) must equal the gradient. Returns the
+    largest per-param mean; `what` and `text` name the model in a failure."""
+    trainable = list(graph.params) if trainable is None else trainable
+    reached = [p for p in trainable if graph.grads.get(p) is not None]
     missing = [p for p in reached if graph.lr_grads.get(p) is None]
-    assert not missing, f"lrfuzz seed {case.seeds}: no estimate for {missing}\n{case.text()}"
-    sizes = [case.params[p].size for p in reached]
+    assert not missing, f"{what}: no estimate for {missing}\n{text}"
+    sizes = [params[p].size for p in reached]
     limits = np.repeat([2 + 6 * np.sqrt(2 / n) for n in sizes], sizes)
     runs = []
     for count in (seeds, 4 * seeds, 16 * seeds):
-        runs += [interpret_lr(graph, case.params, case.inputs, samples, sigma, seed)
+        runs += [interpret_lr(graph, params, inputs, samples, sigma, seed)
                  for seed in range(len(runs), count)]
         true = runs[0][1]
         assert true.size == sum(sizes)   # interpret_lr's coordinates: the reached params', in that order
@@ -215,14 +224,14 @@ def check_lr(case, samples=256, seeds=16, sigma=1e-3):
         mean, se = estimates.mean(axis=0), estimates.std(axis=0, ddof=1) / np.sqrt(count)
         off, scale = np.abs(mean - true), 1e-9 * (1.0 + np.abs(true))
         exact = se < scale   # no noise reaches it (weight decay alone, a table row no one reads): rounding only
-        assert np.all(off[exact] < scale[exact]), f"lrfuzz seed {case.seeds}: an exact part that is not the gradient"
+        assert np.all(off[exact] < scale[exact]), f"{what}: an exact part that is not the gradient"
         z2 = np.where(exact, 0.0, off / np.where(exact, 1.0, se)) ** 2
         per_param = np.array([z.mean() for z in np.split(z2, np.cumsum(sizes)[:-1])])
         if np.all(per_param < limits[np.cumsum(sizes) - 1]):
             return float(per_param.max())
     worst = int(np.argmax(per_param / limits[np.cumsum(sizes) - 1]))
-    raise AssertionError(f"lrfuzz seed {case.seeds}: mean squared z-score {per_param[worst]:.3g} over the "
-                         f"{sizes[worst]} coordinates of {reached[worst]} with {count} seeds\n{case.text()}")
+    raise AssertionError(f"{what}: mean squared z-score {per_param[worst]:.3g} over the "
+                         f"{sizes[worst]} coordinates of {reached[worst]} with {count} seeds\n{text}")
 
 
 def check_lr_compiled(case, out):

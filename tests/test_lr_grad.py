@@ -285,18 +285,6 @@ def test_weight_decay_is_exact():
     np.testing.assert_allclose(b - a, decay, rtol=1e-12, atol=1e-12)
 
 
-def test_a_param_outside_every_product_is_named_not_zeroed():
-    m = gc.Model("scaled")
-    x = m.input("x", ("B", 3))
-    y = m.input("y", ("B",), dtype="int64")
-    W, gamma = m.param("W", (3, 2)), m.param("gamma", (2,), init="ones")
-    m.minimize(gc.softmax_cross_entropy((x @ W) * gamma, y))
-    graph = build_training_graph(m, "float64", order=1)
-    assert "'gamma'" in graph.lr["why"] and "not pretend" in graph.lr["why"]
-    with pytest.raises(ValueError, match="gamma"):
-        LikelihoodRatio("scaled", np.float64, lr_info(graph)).check(4, 0.1, 0, True, False, True)
-
-
 def test_bad_arguments_are_refused_by_name():
     graph = build_training_graph(mlp(), "float64", order=1)
     lr = LikelihoodRatio("lrmlp", np.float32, lr_info(graph))

@@ -1,0 +1,125 @@
+"""lr_grad with params read other than as a product's factor (passes/likelihood_ratio.py, DESIGN.md §1.9):
+gains and other elementwise ops on batch rows (a site of their own), factors made of params (weight
+normalisation, a low-rank product, a standardised conv kernel: their VJP taken exactly), and terms of
+params alone added to the loss (an L2 penalty written in the loss, a constant: differentiated exactly).
+Each estimate is checked for bias per param through the interpreter (fuzz_lr.assert_unbiased);
+one compiled module against the interpreter; the uses still refused."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import gradc as gc
+from gradc.codegen.lr_api import lr_info
+from gradc.passes.pipeline import build_training_graph
+from gradc.runtime.lr import LikelihoodRatio
+
+from fuzz_lr import assert_unbiased, check_lr_compiled
+
+
+def _mlp(name, hidden, loss=lambda xent, W0, W1: xent, first=None):
+    """x (B, 5) -> hidden(m, h) -> logits over 3 classes; `first` the first layer's factor (default W0)."""
+    m = gc.Model(name)
+    x, y = m.input("x", ("B", 5)), m.input("y", ("B",), dtype="int64")
+    W0, W1 = m.param("W0", (5, 6)), m.param("W1", (6, 3))
+    h = hidden(m, x @ (first(m, W0) if first else W0))
+    m.minimize(loss(gc.softmax_cross_entropy(gc.tanh(h) @ W1, y), W0, W1))
+    return m
+
+
+def _layer_norm(m, h):
+    g, b = m.param("g", (6,), init="ones"), m.param("b", (6,), init="zeros")
+    mu = h.mean(axis=1, keepdims=True)
+    sd = gc.sqrt(gc.square(h - mu).mean(axis=1, keepdims=True) + 1e-5)
+    return (h - mu) / sd * g + b
+
+
+def _standardised_conv():
+    """A conv net whose kernel is standardised (w - its mean) / its norm, then scaled by a learned gain per
+    channel after the pool: the kernel a factor made of a param, the gain a site of its own."""
+    m = gc.Model("lrstdconv")
+    x, y = m.input("x", ("B", 1, 6, 6)), m.input("y", ("B",), dtype="int64")
+    w = m.param("w", (3, 1, 3, 3), init="he_normal")
+    centred = w - w.mean()
+    h = gc.max_pool2d(gc.relu(gc.conv2d(x, centred / gc.sqrt(gc.square(centred).sum()))), 2)
+    h = (h * m.param("g", (1, 3, 1, 1), init="ones")).reshape(("B", -1))
+    m.minimize(gc.softmax_cross_entropy(h @ m.param("W", (12, 4)), y))
+    return m
+
+
+def _scan_of_a_scaled_weight():
+    """An RNN whose recurrent weight is W * s (made outside the step, closed over), its stacked results
+    (T, B, H) scaled by a learned gain (rows on axis 1) before the loss, with a penalty on s."""
+    m = gc.Model("lrscaledrnn")
+    x, h0, y = m.input("x", ("T", "B", 2)), m.input("h0", ("B", 3)), m.input("y", ("T", "B"), dtype="int64")
+    W, s, U = m.param("W", (3, 3)), m.param("s", (3, 1), init="ones"), m.param("U", (2, 3))
+    Ws = W * s
+    _, hs = gc.scan(lambda h, xt: (gc.tanh(h @ Ws + xt @ U),) * 2, h0, x)
+    logits = (hs * m.param("g", (3,), init="ones")) @ m.param("V", (3, 4))
+    m.minimize(gc.softmax_cross_entropy(logits, y) + 0.1 * gc.square(s - 1.0).sum())
+    return m
+
+
+MODELS = {
+    "gain": lambda: _mlp("lrgain", lambda m, h: h * m.param("g", (6,), init="ones") + m.param("b", (6,))),
+    "layer_norm": lambda: _mlp("lrln", _layer_norm),
+    "gate_of_a_param": lambda: _mlp("lrgate", lambda m, h: h * gc.sigmoid(m.param("s", (1, 6)))),
+    "weight_norm": lambda: _mlp("lrwn", lambda m, h: h, first=lambda m, V: V * (
+        m.param("gn", (6,), init="ones") / gc.sqrt(gc.square(V).sum(axis=0)))),
+    "low_rank": lambda: _mlp("lrlow", lambda m, h: h, first=lambda m, W: W + m.param("U", (5, 2)) @ m.param("V", (2, 6))),
+    "l2_in_the_loss": lambda: _mlp("lrl2", lambda m, h: h, loss=lambda xent, W0, W1: xent + 0.5 + 0.5 * (
+        gc.square(W0).sum() + (W1 * W1).mean())),
+    "affine_loss": lambda: _mlp("lraffine", lambda m, h: h, loss=lambda xent, W0, W1: 1.0 - 2.0 * (0.5 - xent)),
+    "standardised_conv": _standardised_conv,
+    "scan_of_a_scaled_weight": _scan_of_a_scaled_weight,
+}
+INPUTS = {
+    "standardised_conv": lambda rng, B: {"x": rng.normal(size=(B, 1, 6, 6)), "y": rng.integers(0, 4, B)},
+    "scan_of_a_scaled_weight": lambda rng, B: {"x": rng.normal(size=(4, B, 2)), "h0": rng.normal(size=(B, 3)),
+                                               "y": rng.integers(0, 4, (4, B))},
+}
+
+
+def _problem(name, rng, B=7):
+    graph = build_training_graph(MODELS[name](), "float64", order=1)
+    params = {p: 0.5 * rng.normal(size=graph.shape(n)) + (1.0 if p in ("g", "gn") else 0.0)
+              for p, n in graph.params.items()}
+    inputs = INPUTS[name](rng, B) if name in INPUTS else {"x": rng.normal(size=(B, 5)), "y": rng.integers(0, 3, B)}
+    return graph, params, inputs
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_params_read_other_than_as_a_factor_are_estimated_without_bias(name):
+    graph, params, inputs = _problem(name, np.random.default_rng(1))
+    assert graph.lr["why"] is None, graph.lr["why"]
+    assert_unbiased(graph, params, inputs, name, "")
+
+
+@pytest.mark.parametrize("name", ["layer_norm", "scan_of_a_scaled_weight"])
+def test_the_compiled_estimate_is_the_interpreters(name, tmp_path):
+    graph, params, inputs = _problem(name, np.random.default_rng(2))
+    check_lr_compiled(SimpleNamespace(model=MODELS[name](), params=params, inputs=inputs, seeds=name,
+                                      text=lambda: name), str(tmp_path))
+
+
+def test_a_param_that_scales_the_loss_is_refused_by_name():
+    """Its part would be the loss times the param's derivative: the loss's value over the batch, which
+    lr_grad does not compute (only the K perturbed copies')."""
+    m = _mlp("lrscaledloss", lambda m, h: h, loss=lambda xent, W0, W1: xent * gc.exp(W1.sum()) + 0.1 * W0.sum())
+    why = build_training_graph(m, "float64", order=1).lr["why"]
+    assert "combines the loss with a value made of params ('W1') other than by adding it" in why, why
+    assert "test_lr_params.py" in why, why
+
+
+def test_a_gain_in_a_scans_step_is_refused_by_name():
+    """In a step the estimate perturbs products, lookups and biases only (passes/lr_scan.py)."""
+    m = gc.Model("lrstepgain")
+    x, h0, y = m.input("x", ("T", "B", 2)), m.input("h0", ("B", 3)), m.input("y", ("B",), dtype="int64")
+    W, g = m.param("W", (2, 3)), m.param("g", (3,), init="ones")
+    hT, _ = gc.scan(lambda h, xt: (gc.tanh(xt @ W) * g + h, None), h0, x)
+    m.minimize(gc.softmax_cross_entropy(hT, y))
+    graph = build_training_graph(m, "float64", order=1)
+    why = graph.lr["why"]
+    assert "'g' (3,)" in why and "not pretend" in why and "outside a scan's step" in why, why
+    with pytest.raises(ValueError, match="'g'"):   # at call time, by the module's runtime
+        LikelihoodRatio("lrstepgain", np.float64, lr_info(graph)).check(4, 0.1, 0, True, False, True)
