@@ -2,8 +2,9 @@
 
 Each product of the forward that has a trainable param as a factor (matmul, batch_matmul, conv2d;
 with the bias added to it, when one is), each lookup of rows in a trainable table (take: an
-embedding, whose VJP adds each row's cotangent into the row it read), and each trainable bias added
-to a value no such product just made (logits + c) is a noise site: its output z gets Gaussian noise,
+embedding, whose VJP adds each row's cotangent into the row it read), and each other elementwise op
+on batch rows that reads a param (a bias added to a value no such product just made, logits + c; a
+gain h * g) is a noise site: its output z gets Gaussian noise,
 z~ = z + sigma * eps, on whichever axis z has the batch rows. For z = h W (+ b),
 d/dz E[l(z~)] = E[l(z~) eps] / sigma, so
 
@@ -12,6 +13,12 @@ d/dz E[l(z~)] = E[l(z~) eps] / sigma, so
 c being each row's loss minus a baseline. That is the matmul's (conv2d's) own VJP applied to the
 cotangent c * eps / sigma: this pass builds exactly that with the ops' VJP rules, local to each
 site (no value flows back from one layer to another), so the estimate is a forward graph.
+
+A "param" there is any value made of trainable params without batch rows (W itself, W * s, U @ V, a
+standardised kernel): the forward computes it once, and a site's part goes on through it by its exact
+VJP (param-sized work, no rows). A term of such values added to the loss after its reduction over rows
+(an L2 penalty written in the loss, loss + 0.5) pairs with no noise: the loss's shares keep its linear
+part only, and the params' parts through the term are the exact VJP from the loss (exact_parts).
 
 The K perturbed copies run as one batched forward: every value that the noise reaches is copied with its
 rows stacked K times (dim KB_lr = K * B, sample-major). A value with rows that no noise reaches (a float
@@ -43,10 +50,10 @@ where a noised product reads a value the noise has already reached (a second lay
 the first), the + and - copies read different values, and the loss times their difference stays.
 
 The batch dim is not declared: each dim that may be it is tried, the likeliest first (batch_choices);
-any choice the rows rules accept gives an unbiased estimate. Params the estimate cannot reach (used
-other than as a factor of a product, a table or a bias), nested scans, and ops that mix rows in ways
-not covered make lr_grad raise at call time with the reason (graph.lr["why"]); compile never fails
-because of this pass.
+any choice the rows rules accept gives an unbiased estimate. Params the estimate cannot reach (in a
+scan's step other than as a factor of a product, a table or a bias; a learned initial carry; a factor
+of the loss after its reduction), nested scans, and ops that mix rows in ways not covered make lr_grad
+raise at call time with the reason (graph.lr["why"]); compile never fails because of this pass.
 """
 from gradc.errors import GradcError
 from gradc.ops import get_op

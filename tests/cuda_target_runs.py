@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gradc as gc  # noqa: E402
 import test_codegen as zoo  # noqa: E402
 import test_lr_grad as lr_grads  # noqa: E402
+import test_lr_params as lr_params  # noqa: E402
 import test_lr_scan as lr_scans  # noqa: E402
 import test_scan as scans  # noqa: E402
 from gradc.interpret import evaluate  # noqa: E402
@@ -296,7 +297,7 @@ def streamed_backward(dev, params, inputs):
 def run_lr(build):
     """lr_grad and Trainer(gradient="lr") on CUDA against the CPU target: the same noise (drawn in the
     kernels from the seed), so the same estimate; an MLP, an RNN as a gc.scan (device inputs too),
-    language models with trained embeddings, an MLP with dropout."""
+    language models with trained embeddings, an MLP with dropout, params read other than as a factor."""
     from numba import cuda
     rng = np.random.default_rng(2)
     out = {}
@@ -341,6 +342,14 @@ def run_lr(build):
     l1, g1 = cpu.lr_grad(params, samples=4, seed=3, **inputs)
     l2, g2 = dev.lr_grad(params, samples=4, seed=3, **inputs)
     out["dropout"] = max(abs(l1 - l2), err(g1, g2))
+    # params read other than as a factor: a layer norm's gain (a site of its own), a weight made of params
+    # closed over by a step, a penalty added to the loss (exact parts)
+    for name in ("layer_norm", "scan_of_a_scaled_weight"):
+        model, cpu, dev = both(lr_params.MODELS[name], os.path.join(build, name))
+        _, params, inputs = lr_params._problem(name, rng)
+        l1, g1 = cpu.lr_grad(params, samples=4, seed=3, **inputs)
+        l2, g2 = dev.lr_grad(params, samples=4, seed=3, **inputs)
+        out[name] = max(abs(l1 - l2), err(g1, g2))
     return out
 
 

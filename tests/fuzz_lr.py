@@ -3,8 +3,10 @@
 tests/fuzz_graphs.py's programs read params elementwise and mix the batch's rows (x.T, reductions and
 softmaxes over any axis), which the likelihood-ratio estimate refuses. These programs are grown by the
 same generator with its moves kept to what the estimate takes: a row never meets another row before the
-loss, and a trainable param is only a product's factor (matmul, conv2d), a table of take, or a bias
-added to a product. Besides those: elementwise ops of row values and constants (user ops too), reshapes
+loss, and a trainable param is a product's factor (matmul, conv2d; or a weight made of params: a
+low-rank product plus a param, a param times a gate of another), a table of take, a bias added to a
+product, a gain read elementwise by a row value (mul, add, maximum; maybe through sigmoid, exp or tanh),
+or in an L2 penalty added to the loss (with a constant). Besides those: elementwise ops of row values and constants (user ops too), reshapes
 and transposes that keep the rows an axis, sums, means and maxes and softmaxes over other axes,
 indexing, concatenations and stacks, images, pools, embeddings of int inputs (tokens (T, B) too: noise
 on axis 1), scans of random recurrent cells (gates, two carries, ys made by a product in the step),
@@ -65,9 +67,54 @@ class _RowGenerator(_Generator):
                 b = shared[rng.integers(len(shared))]
             elif rng.random() < 0.1:
                 b = self.const((F, int(rng.integers(2, 6))))
+            elif rng.random() < 0.15:
+                b = self.made_of_params((F, int(rng.choice([self.N, self.M, self.C]))))
             else:
                 b = self.add_param((F, int(rng.choice([self.N, self.M, self.C]))) if rng.random() < 0.8 else (F,))
         return super().matmul(a, b)
+
+    def made_of_params(self, shape):
+        """A weight made of trainable params (a low-rank product plus a param, or a param times a gate of
+        another, per column): its parts through them exact."""
+        rng = self.rng
+        if rng.random() < 0.5:
+            u, v = self.add_param((shape[0], 2), scale=0.5), self.add_param((2, shape[1]), scale=0.5)
+            low = self.emit("matmul", [u, v], shape, tag="matmul[params]", form="op")
+            return self.emit("add", [low, self.add_param(shape)], shape, tag="add[params]")
+        gate = self.emit(str(rng.choice(["sigmoid", "exp", "tanh"])), [self.add_param((1, shape[1]), scale=0.5)],
+                         (1, shape[1]), tag="unary[param]")
+        return self.emit("mul", [self.add_param(shape), gate], shape, tag="mul[params]")
+
+    def gain(self):
+        """A row value scaled, shifted or clipped elementwise by a trainable param (or a function of one): an
+        elementwise site of its own."""
+        rng = self.rng
+        v = self.pick(self.floats(lambda s: len(s) >= 2 and isinstance(s[-1], int)))
+        s = self.shapes[v]
+        p = self.add_param((s[-1],), scale=0.5)
+        if rng.random() < 0.4:
+            p = self.emit(str(rng.choice(["sigmoid", "exp", "tanh"])), [p], (s[-1],), tag="unary[param]")
+        op = str(rng.choice(["mul", "add", "maximum"], p=[0.6, 0.2, 0.2]))
+        return self.emit(op, [v, p], s, tag=f"{op}[gain]")
+
+    def penalty(self, loss):
+        """loss plus a term of trainable params alone (an L2 penalty written in the loss, maybe a constant):
+        differentiated exactly."""
+        rng = self.rng
+        params = [p for p, (_, trainable, _) in self.prog.params.items() if trainable and self.uses[p]]
+        if not params:
+            raise _Reject("no param")
+        p = params[rng.integers(len(params))]
+        square = self.emit("mul", [p, p], self.shapes[p], tag="mul[param, param]", bounded=False)
+        total = self.emit(str(rng.choice(["sum", "mean"])), [square], (), tag="reduce[param]", axis=None,
+                          keepdims=False, form="fn", bounded=False)
+        term = self.emit("mul", [total, Const(float(np.round(rng.uniform(0.05, 0.5), 3)))], (), tag="mul[const]",
+                         bounded=False)
+        loss = self.emit("add", [loss, term], (), tag="add[penalty]", bounded=False)
+        if rng.random() < 0.5:
+            loss = self.emit("sub", [loss, Const(float(np.round(rng.uniform(-1, 1), 3)))], (), tag="sub[const]",
+                             bounded=False)
+        return loss
 
     def layout(self, v=None):
         """A transpose of the axes other than the rows', or a reshape that keeps the rows an axis."""
@@ -160,8 +207,9 @@ def _generate_rows(seed):
         g.add_input("img", (BATCH, int(rng.integers(1, 4)), int(rng.integers(3, 8)), int(rng.integers(3, 8))))
     g.attempt(lambda: g.matmul(x, g.add_param((g.N, g.M))))
     moves = [g.unary, g.binary, g.matmul, g.layout, g.reduce, g.softmax, g.rank3, g.conv, g.pool, g.index, g.join,
-             g.take, g.scan, g.random, g.bias, g.embed_sequence]
-    weights = np.array([0.2, 0.2, 0.2, 0.08, 0.08, 0.05, 0.04, 0.08, 0.05, 0.05, 0.05, 0.1, 0.12, 0.04, 0.05, 0.04])
+             g.take, g.scan, g.random, g.bias, g.embed_sequence, g.gain]
+    weights = np.array([0.2, 0.2, 0.2, 0.08, 0.08, 0.05, 0.04, 0.08, 0.05, 0.05, 0.05, 0.1, 0.12, 0.04, 0.05, 0.04,
+                        0.05])
     g.nest_rng, g.nest_chance = np.random.default_rng([seed, 11]), 0.0   # lr_grad does not follow nested scans
     for _ in range(int(rng.integers(5, 12))):
         g.attempt(moves[rng.choice(len(moves), p=weights / weights.sum())])
@@ -180,6 +228,8 @@ def _generate_rows(seed):
     for t in terms[1:]:
         w = g.emit("mul", [t, Const(float(np.round(rng.uniform(0.3, 1.5), 3)))], (), tag="mul[const]", bounded=False)
         loss = g.emit(str(rng.choice(["add", "sub"])), [loss, w], (), bounded=False)
+    if rng.random() < 0.2:
+        loss = g.attempt(g.penalty, loss) or loss
     g.prog.loss = loss
     g.prog.weight_decay = float(rng.choice([0.0, 0.01, 0.1]))
     return g.prog, g.data
