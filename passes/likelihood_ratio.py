@@ -50,9 +50,8 @@ where a noised product reads a value the noise has already reached (a second lay
 the first), the + and - copies read different values, and the loss times their difference stays.
 
 The batch dim is not declared: each dim that may be it is tried, the likeliest first (batch_choices);
-any choice the rows rules accept gives an unbiased estimate. Params the estimate cannot reach (in a
-scan's step other than as a factor of a product, a table or a bias; a learned initial carry; a factor
-of the loss after its reduction), nested scans, and ops that mix rows in ways not covered make lr_grad
+any choice the rows rules accept gives an unbiased estimate. Params the estimate cannot reach (a
+learned initial carry, a factor of the loss after its reduction), nested scans, and ops that mix rows in ways not covered make lr_grad
 raise at call time with the reason (graph.lr["why"]); compile never fails because of this pass.
 """
 from gradc.errors import GradcError
@@ -302,9 +301,8 @@ class _Builder:
         v, u, g = bad[0]
         raise Unsupported(f"param {names} reach(es) the loss through an op the estimate cannot perturb: "
                           f"{self.names(v)[0]!r} is read by {g.describe(u)} {fmt(g.shape(u))} at {g.node(u)['src']}. "
-                          f"The likelihood-ratio estimate perturbs the outputs of products, lookups and biases (and, "
-                          f"outside a scan's step, of elementwise ops on batch rows) and differentiates terms of "
-                          f"params alone added to the loss, so it has nothing to attribute to such a use (it would "
+                          f"The likelihood-ratio estimate perturbs the outputs of products, lookups and elementwise ops "
+                          f"on batch rows and differentiates terms of params alone added to the loss, so it has nothing to attribute to such a use (it would "
                           f"not be zero, and lr_grad will not pretend it is): declare it trainable=False, or train "
                           f"with loss_and_grad")
 

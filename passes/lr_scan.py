@@ -1,7 +1,8 @@
 """lr_grad through gc.scan (passes/likelihood_ratio.py, DESIGN.md §1.9): noise on the pre-activation
 at every step.
 
-A product in a scan's step with a trainable param as a factor (h @ W + b, the param closed over) is a
+A product in a scan's step with a trainable param as a factor (h @ W + b, the param closed over), and
+an elementwise op on rows that reads one (a gain h * g, a bias), is a
 noise site like one outside: at step t its output z_t gets sigma * eps_t. For the estimate
 
     dL/dW ~ sum_t h_t^T (c * eps_t) / sigma,        dL/db ~ the same summed over the rows,
@@ -12,7 +13,7 @@ more sequence, the noise of every step (T, KB_lr, ...), drawn outside the loop b
 the site's mask; its step adds eps_t * mask to z_t and returns the product's row operand h_t as one
 more y. After the loop the site's part of the estimate is the product's own VJP over the stacked
 steps: the same product with h's stack (T, KB_lr, ...) as its row operand (a batch_matmul, whose VJP
-sums over the steps), with cotangent c * eps * mask / sigma^2. Nothing flows back through the loop,
+sums over the steps; an elementwise op of its operands' stacks), with cotangent c * eps * mask / sigma^2. Nothing flows back through the loop,
 so the estimate stays a forward graph; it keeps each site's h_t and noise for every step, as the
 estimate outside a scan keeps each site's h and noise.
 
@@ -28,7 +29,7 @@ from gradc.ops.scan import ScanRows, body_rows, result
 from gradc.ops.scan_layout import YS, parts
 
 from .lr_shares import share_rows, shares
-from .lr_sites import KB, LAYOUT, LOOKUPS, Unsupported, chains, misuses, row_operand
+from .lr_sites import KB, LAYOUT, LOOKUPS, Unsupported, chains, is_product, misuses, row_operand
 from .simplify import eliminate_dead
 
 
@@ -64,7 +65,7 @@ class ScanNoise:
         """The noise sites of scan n's step (lr_sites.chains)."""
         body = self.b.g.attrs(n)["body"]
         param = self.param_of(n)
-        return chains(body, body.topo_order(), lambda m: param(m) is not None)
+        return chains(body, body.topo_order(), lambda m: param(m) is not None, general=True)
 
     def misuses(self, n):
         """[(the outer value made of params, the node reading it, its graph)] for each use of such a value
@@ -151,70 +152,102 @@ class ScanNoise:
                 eps = placeholder(f"lr_eps{len(sites)}", shape, b.float, src)
                 scale = placeholder(f"lr_mask{len(sites)}", g.shape(mask), b.float, src)
                 copies[m] = apply("add", [copies[m], apply("mul", [eps, scale], {}, src)], {}, src)
-                rows = {}   # each product of the site -> its row operand in the step, returned as a y
-                for product in tops[m]:
-                    if body.op(product) == "add":
-                        continue
-                    factors, r = body.operands(product), row_operand(body, product)
-                    if where[factors[r]] is None or any(where[u] is not None for u in factors[:r] + factors[r + 1:]):
-                        raise Unsupported(f"{body.node(product)['src']}: {body.describe(product)} has its rows in "
-                                          f"its right factor; lr_grad perturbs products whose left factor has them")
-                    rows[product] = copies[factors[r]]
-                if not rows:
-                    raise Unsupported(f"{src}: {body.describe(m)} adds a trainable bias in a scan's step to a value "
-                                      f"that is not a product with a trainable factor read only by that sum; lr_grad "
-                                      f"perturbs such sums in a step (add the bias to the product alone, or after "
-                                      f"the scan)")
-                sites.append(StepSite(tops[m], eps, scale, rows, noise, mask))
+                sites.append(StepSite(tops[m], eps, scale, self.row_operands(n, body, tops[m], where, copies), noise, mask))
         for top in tops.keys() - {s.tree[-1] for s in sites}:
-            raise Unsupported(f"{body.node(top)['src']}: {body.describe(top)} reads a trainable param but has no "
-                              f"batch rows: the estimate perturbs products of rows")
+            raise Unsupported(f"{body.node(top)['src']}: {body.describe(top)} computes a value without batch rows "
+                              f"from a trainable param in a scan's step, where lr_grad perturbs ops on batch rows "
+                              f"(compute it before the scan: the step may close over a value made of params)")
         inputs = list(zip(names, [copies.get(leaf, leaf) for leaf in leaves]))
         new.inputs = dict(inputs[:K + X] + [(new.node(s.eps)["name"], s.eps) for s in sites] + inputs[K + X:]
                           + [(new.node(s.mask_leaf)["name"], s.mask_leaf) for s in sites]
                           + [(new.node(leaf)["name"], leaf) for leaf, _ in counts.values()])
         new.outputs = {name: copies.get(o, o) for name, o in body.outputs.items()}
-        ys = [(product, row) for site in sites for product, row in site.rows.items()]
+        ys = [(key, row) for site in sites for key, row in site.rows.items()]
         new.outputs |= {f"lr_rows{i}": row for i, (_, row) in enumerate(ys)}
         eliminate_dead(new)
         ops = operands[:K + X] + [s.noise for s in sites] + operands[K + X:] + [s.mask for s in sites] \
             + [outer for _, outer in counts.values()]
         scan = b.apply("scan", ops, g.node(n)["src"], **dict(attrs, body=new, xs=X + len(sites)))
         emit = lambda op, inputs, **a: b.apply(op, inputs, g.node(n)["src"], **a)
-        stacked = {product: result(g, scan, YS, M + i, emit) for i, (product, _) in enumerate(ys)}
+        stacked = {key: result(g, scan, YS, M + i, emit) for i, (key, _) in enumerate(ys)}
+        steps = g.shape(operands[K])[0]
         for site, step_site in zip(b.sites[len(b.sites) - len(sites):], sites):
             site.pert = emit("mul", [step_site.noise, step_site.mask])
-            site.copies = self.over_steps(n, body, step_site.tree, stacked, emit)
+            site.copies = self.over_steps(n, body, step_site.tree, stacked, emit, where, steps)
         return scan, ScanRows(tuple(where[o] for o in outputs), K)
 
-    def over_steps(self, n, body, tree, stacked, emit):
-        """A site's products and adds again in the outer graph, over the stacked steps: each product's
-        row operand's stack (T, KB_lr, ...) from `stacked` and the closed-over params (through the step's
-        reshapes and transposes) as its factors (a batch_matmul: its VJP sums over the steps; a lookup
-        of every step's indices at once: its VJP adds them all into the table), the adds
-        of params as they are; a term that is neither is left out (the estimate never reads it)."""
+    def row_operands(self, n, body, tree, where, copies):
+        """{(op of the site, operand index): that operand's copy in the step}, returned as ys: what the
+        site's VJP over the stacked steps reads. A product's (a lookup's) row operand; every operand with
+        rows of an elementwise op other than an add (a gain's h) that is not the site's own; an add's VJP
+        reads none."""
+        param, closed = self.param_of(n), self.closed(n)
+        rows = {}
+        for x in tree:
+            operands = body.operands(x)
+            if is_product(body, x):
+                r = row_operand(body, x)
+                if where[operands[r]] is None or any(where[u] is not None for u in operands[:r] + operands[r + 1:]):
+                    raise Unsupported(f"{body.node(x)['src']}: {body.describe(x)} has its rows in its right factor; "
+                                      f"lr_grad perturbs products whose left factor has them")
+                rows[x, r] = copies[operands[r]]
+                continue
+            if "shape" in body.attrs(x):
+                raise Unsupported(f"{body.node(x)['src']}: lr_grad does not perturb {body.describe(x)} in a scan's "
+                                  f"step (it broadcasts to a shape of its own)")
+            for i, u in enumerate(operands):
+                if u in tree or param(u) is not None:
+                    continue
+                if where[u] is None and u not in closed and body.op(u) != "const":
+                    raise Unsupported(f"{body.node(x)['src']}: {body.describe(x)} reads a trainable param and "
+                                      f"{body.describe(u)}, a value the step makes without batch rows; lr_grad "
+                                      f"perturbs such an op in a step when its other operands have rows or are "
+                                      f"closed over")
+                if where[u] is not None and body.op(x) != "add":
+                    rows[x, i] = copies[u]
+        return rows
+
+    def over_steps(self, n, body, tree, stacked, emit, where, steps):
+        """A site's ops again in the outer graph, over the stacked steps (T, KB_lr, ...): each product's
+        row operand's stack from `stacked` and the closed-over params (through the step's reshapes and
+        transposes) as its factors (a batch_matmul: its VJP sums over the steps; a lookup of every step's
+        indices at once: its VJP adds them all into the table); an elementwise op of its operands' stacks,
+        params and closed-over values; an add of the params and the site's own terms, broadcast to the
+        stacked shape (its VJP reads no operand, so a term with rows is left out)."""
         outer, param = self.closed(n), self.param_of(n)
 
-        def lift(m):   # a param's value in the step, in the outer graph
+        def lift(m):   # a value without rows in the step (a param, through layout ops; a constant), outside
             if m in outer:
                 return outer[m]
+            if body.op(m) == "const":
+                return emit("const", [], **body.attrs(m))
             return emit(body.op(m), [lift(body.operands(m)[0])], **body.attrs(m))
 
         copies = {}
         for x in tree:
-            if x in stacked:
+            operands = body.operands(x)
+            if is_product(body, x):
+                r = row_operand(body, x)
                 if body.op(x) in LOOKUPS:   # the rows read at every step: (T, KB_lr, D)
-                    copies[x] = emit(body.op(x), [lift(body.operands(x)[0]), stacked[x]], **body.attrs(x))
+                    copies[x] = emit(body.op(x), [lift(operands[0]), stacked[x, r]], **body.attrs(x))
                     continue
                 if body.op(x) not in ("matmul", "batch_matmul"):
                     raise Unsupported(f"{body.node(x)['src']}: lr_grad perturbs matmuls and lookups in a scan's "
                                       f"step, not {body.describe(x)}")
                 a = body.attrs(x)
-                copies[x] = emit("batch_matmul", [stacked[x], lift(body.operands(x)[1])],
+                copies[x] = emit("batch_matmul", [stacked[x, r], lift(operands[1])],
                                  transpose_a=bool(a.get("transpose_a")), transpose_b=bool(a.get("transpose_b")),
                                  reduce_batch=False)
                 continue
-            terms = [copies[u] if u in copies else lift(u) for u in body.operands(x)
+            if body.op(x) != "add":
+                copies[x] = emit(body.op(x), [copies[u] if u in copies else stacked[x, i] if (x, i) in stacked
+                                              else lift(u) for i, u in enumerate(operands)], **body.attrs(x))
+                continue
+            terms = [copies[u] if u in copies else lift(u) for u in operands
                      if u in copies or param(u) is not None]
-            copies[x] = terms[0] if len(terms) == 1 else emit("add", terms)
+            shape = list(body.shape(x))
+            shape[where[x]] = KB
+            total = terms[0] if len(terms) == 1 else emit("add", terms)
+            copies[x] = total if tuple(self.b.g.shape(total)) == (steps, *shape) else \
+                emit("broadcast_to", [total], shape=(steps, *shape))
         return [copies[x] for x in tree]

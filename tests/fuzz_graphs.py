@@ -948,6 +948,7 @@ class _Generator:
         return self.emit("matmul", [a, b], shape, tag=tag, form=str(rng.choice(["op", "fn"])))
 
     SEED_INPUT = SEED   # the int input random ops draw from
+    STEP_GAINS = 0.0    # the chance of a gain (a param read elementwise) in a scan's step (the lr fuzzer's)
 
     def random(self):
         rng = self.rng
@@ -1030,6 +1031,8 @@ class _Generator:
             pre = op("add", [pre, t])
         f = str(rng.choice(["tanh", "sigmoid", "sin", "fuzz_rational"]))
         cand = op(f, [pre])
+        if self.STEP_GAINS and rng.random() < self.STEP_GAINS:   # a gain, maybe clipped, on the step's candidate
+            cand = op(str(rng.choice(["mul", "maximum"])), [cand, self.add_param((H,), scale=0.5)])
         gated = rng.random() < 0.4
         if gated:   # GRU-like: z * h + (1 - z) * cand
             z = op("sigmoid", [op("add", [op("matmul", [hs[0], weight(H, H)], form="op"),

@@ -5,7 +5,8 @@ softmaxes over any axis), which the likelihood-ratio estimate refuses. These pro
 same generator with its moves kept to what the estimate takes: a row never meets another row before the
 loss, and a trainable param is a product's factor (matmul, conv2d; or a weight made of params: a
 low-rank product plus a param, a param times a gate of another), a table of take, a bias added to a
-product, a gain read elementwise by a row value (mul, add, maximum; maybe through sigmoid, exp or tanh),
+product, a gain read elementwise by a row value (mul, add, maximum; maybe through sigmoid, exp or tanh;
+in a scan's step too),
 or in an L2 penalty added to the loss (with a constant). Besides those: elementwise ops of row values and constants (user ops too), reshapes
 and transposes that keep the rows an axis, sums, means and maxes and softmaxes over other axes,
 indexing, concatenations and stacks, images, pools, embeddings of int inputs (tokens (T, B) too: noise
@@ -38,6 +39,7 @@ class _RowGenerator(_Generator):
     """The generator with every move kept to row-wise values (see the module's docstring)."""
 
     SEED_INPUT = "draw"   # an input named seed could not be given to lr_grad beside its option seed
+    STEP_GAINS = 0.3
 
     def floats(self, pred=lambda s: True, leaves=True):
         """Values with the batch's rows only: params (and what only params make) are never an operand of

@@ -116,17 +116,6 @@ def test_trainer_with_lr_gradients_trains_a_recurrence(build_dir):
     assert last < 0.8 * first
 
 
-def test_a_param_used_in_a_step_other_than_as_a_factor_is_named():
-    m = gc.Model("gated")
-    x = m.input("x", ("T", "B", 3))
-    h0 = m.input("h0", ("B", 2))
-    W, gamma = m.param("W", (3, 2)), m.param("gamma", (2,), init="ones")
-    hT, _ = gc.scan(lambda h, xt: (gc.tanh(xt @ W) * gamma + h, None), h0, x)
-    m.minimize((hT * hT).mean())
-    why = build_training_graph(m, "float64", order=1).lr["why"]
-    assert "'gamma'" in why and "test_lr_scan.py" in why and "not pretend" in why
-
-
 def test_a_learned_initial_state_is_named():
     m = gc.Model("learned_h0")
     x = m.input("x", ("T", 2, 3))
@@ -282,14 +271,6 @@ def test_refusals_name_the_reason_and_what_to_do():
     m.minimize(total)
     why = build_training_graph(m, "float64", order=1).lr["why"]
     assert "return it as the step's y" in why and "train this model with loss_and_grad" in why, why
-
-    m = gc.Model("lrstepbias")
-    x, y = m.input("x", ("T", "B", 3)), m.input("y", ("B",), dtype="int64")
-    b, V = m.param("b", (3,)), m.param("V", (3, 4))
-    hT, _ = gc.scan(lambda h, xt: (gc.tanh(xt * 2.0 + h + b), None), m.input("h0", ("B", 3)), x)
-    m.minimize(gc.softmax_cross_entropy(hT @ V, y))
-    why = build_training_graph(m, "float64", order=1).lr["why"]
-    assert "adds a trainable bias in a scan's step" in why, why
 
 
 def _embedded(where, named=True):
