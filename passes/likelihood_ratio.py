@@ -170,7 +170,7 @@ class _Builder:
         g = self.g
         self.free = self.param_values()
         order = g.topo_order(self.fwd)
-        sites = chains(g, [n for n in order if n not in self.free], self.free.__contains__, general=True)
+        sites = chains(g, [n for n in order if n not in self.free], self.free.__contains__)
         tops = {chain[-1]: chain for chain in sites}
         self.check_scans()
         self.inner = {x for chain in sites for x in chain[:-1]}   # a chain's products and adds below its top

@@ -65,7 +65,7 @@ class ScanNoise:
         """The noise sites of scan n's step (lr_sites.chains)."""
         body = self.b.g.attrs(n)["body"]
         param = self.param_of(n)
-        return chains(body, body.topo_order(), lambda m: param(m) is not None, general=True)
+        return chains(body, body.topo_order(), lambda m: param(m) is not None)
 
     def misuses(self, n):
         """[(the outer value made of params, the node reading it, its graph)] for each use of such a value

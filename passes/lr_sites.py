@@ -36,31 +36,23 @@ def row_operand(graph, n):
     return 1 if graph.op(n) in LOOKUPS else 0
 
 
-def site_op(graph, n, general):
-    """Can n's output get the noise when it reads a param (is_factor)? A product or lookup; in the graph
-    (`general`: outside a scan's step) any elementwise op with a float result too (a gain h * g, a slope),
-    whose param part is its own VJP like a product's."""
-    if is_product(graph, n):
-        return True
-    return general and get_op(graph.op(n)).kind == "elementwise" and graph.dtype(n).startswith("float")
+def site_op(graph, n):
+    """Can n's output get the noise when it reads a param (a factor)? A product or lookup, or any
+    elementwise op with a float result (a bias added to a value no product just made, a gain h * g, a
+    slope), whose param part is its own VJP like a product's."""
+    return is_product(graph, n) or get_op(graph.op(n)).kind == "elementwise" and graph.dtype(n).startswith("float")
 
 
-def chains(graph, nodes, is_factor, general=False):
-    """The noise sites among `nodes` (in topological order): each product (or table lookup) with a
-    factor made of trainable params (is_factor(value)), or a trainable bias added to a value no
-    such product makes (or, when `general`, any elementwise op reading such a factor), up through the
-    adds of its sum while it is their only use and
-    they keep its shape (x @ U + h @ W + b: the products meet at one pre-activation). Returns each site
-    as its nodes in topological order, the one that gets the noise last."""
+def chains(graph, nodes, is_factor):
+    """The noise sites among `nodes` (in topological order): each op site_op accepts that reads a
+    factor made of trainable params (is_factor(value)), up through the adds of its sum while it is their
+    only use and they keep its shape (x @ U + h @ W + b: the products meet at one pre-activation).
+    Returns each site as its nodes in topological order, the one that gets the noise last."""
     nodes = list(nodes)
     order = {n: i for i, n in enumerate(nodes)}
     trees, claimed = {}, set()
     for n in nodes:
-        if not any(is_factor(u) for u in graph.operands(n)) or n in claimed:
-            continue
-        # a product with a trainable factor; or a bias added to a value no such product makes (logits + c after
-        # a scan, (x @ W) * 0.5 + b), whose own output then gets the noise
-        if not (site_op(graph, n, general) or graph.op(n) == "add"):
+        if n in claimed or not site_op(graph, n) or not any(is_factor(u) for u in graph.operands(n)):
             continue
         path = [n]
         while True:
