@@ -9,7 +9,7 @@ def lr_info(g):
         return {"why": lr["why"], "tiled": {}, "masks": [], "per_row": False, "sites": []}
     return {"why": None, "tiled": dict(lr["tiled"]),
             "masks": [(s["mask"], s["rank"]) for s in lr["sites"]], "per_row": lr["per_row"],
-            "sites": [f"{s['op']} at {s['src']}" for s in lr["sites"]]}
+            "sites": [f"{s['op']} at {s['src']}, pairs with: {s['pairs']}" for s in lr["sites"]]}
 
 
 def lr_api_source(g, built, run_src, views_src, cuda=False, pipeline=False):

@@ -41,8 +41,10 @@ Which loss pairs with which noise: when no op mixes rows, row b's loss depends o
 noise, and each row's loss term (its share of the objective: l_b / B for a mean; passes/lr_shares.py
 keeps the loss's reduction over rows per row) pairs with its own noise (per row). When an op mixes
 rows (A @ H in a graph convolution: a row-mixing product runs per sample, as a batch_matmul over
-(K, N, F)), every row of sample k pairs with the sample's whole loss L_k (per sample). Both are
-unbiased for the noised objective; per row has far less variance. The baseline subtracted from each
+(K, N, F)), a site's row j pairs with the rows its noise can reach (`pairing`): its own after the last
+mixing, its neighbours (A[i, j] != 0) behind one, else the sample's whole loss L_k (per sample). All
+are unbiased for the noised objective (a row's loss its noise cannot reach adds variance, not bias);
+the fewer rows, the less variance. The baseline subtracted from each
 row's (or sample's) loss is the copies' losses weighted by a leaf (K_lr, 1) set at call time: without
 antithetic pairs the mean over the samples, made leave-one-out by the factor K/(K-1) the module folds
 into the scale; with pairs the loss of two copies without noise. Pairs alone do not remove the loss:
@@ -54,8 +56,11 @@ any choice the rows rules accept gives an unbiased estimate. Params the estimate
 learned initial carry, a factor of the loss after its reduction), nested scans, and ops that mix rows in ways not covered make lr_grad
 raise at call time with the reason (graph.lr["why"]); compile never fails because of this pass.
 """
+import sympy as sp
+
 from gradc.errors import GradcError
 from gradc.ops import get_op
+from gradc.ops.elementwise import X
 from gradc.ops.scan_layout import index_of, kind_of, parts
 from gradc.shapes import fmt
 
@@ -198,15 +203,21 @@ class _Builder:
                 site = self.sites[-1]
                 # a clean site's chain is one for every copy: the estimate's own, on B rows
                 site.copies = [self.own(x) for x in tops[n]] if clean else [self.copy[x] for x in tops[n][:-1]] + [z]
-                site.pert, site.clean = pert, clean
+                site.pert, site.clean, site.top = pert, clean, n
                 built.append(tops[n])
         self.check_params(built)
         if not isinstance(self.where[g.loss], tuple):
             raise Unsupported(f"{self.src}: the loss does not reduce over the batch rows ({self.batch!r}), so there "
                               f"is no loss per row or per sample to pair with the noise")
-        coef = self.coefficients(self.stacked(g.loss), baseline, self.rows)
+        deviations = self.deviations(self.stacked(g.loss), baseline)
+        coefficients = {}
         contributions = {p: [] for p in self.trainable}
         for site in self.sites:
+            pairs = self.pairing(site)
+            site.doc["pairs"] = pairs if isinstance(pairs, str) else "neighbours"
+            if pairs not in coefficients:
+                coefficients[pairs] = self.coefficient(deviations, pairs)
+            coef = coefficients[pairs]
             c = self.view(coef, (KB,) + (1,) * (site.rank - 1)) if site.rank > 1 else coef
             cot = self.apply("mul", [self.apply("mul", [c, site.pert]), scale])
             if site.clean:   # one chain for every copy: sum the copies' cotangents first (K times less work)
@@ -483,17 +494,61 @@ class _Builder:
         spread = self.apply("broadcast_to", [self.view(n, before + (1,) + after)], shape=before + (K,) + after)
         return self.view(spread, before + (KB,) + after[1:])
 
-    def coefficients(self, r, baseline, rows):
-        """Each stacked row's weight c: its share of the loss (per row) or its sample's loss (per sample),
-        less the baseline (the copies' losses weighted by `baseline`, (K_lr, 1)), times the row's weight;
-        shape (KB_lr,)."""
+    def deviations(self, r, baseline):
+        """Each stacked row's share of the loss less the baseline (the copies' shares weighted by `baseline`,
+        (K_lr, 1)); shape (K_lr, B)."""
         r2 = self.view(r, (K, self.batch))
-        if self.mixing:
-            total = self.apply("sum", [r2], axes=(1,), keepdims=True)
-            r2 = self.apply("broadcast_to", [total], shape=(K, self.batch))
         base = self.apply("sum", [self.apply("mul", [r2, baseline])], axes=(0,), keepdims=True)
-        c2 = self.apply("mul", [self.apply("sub", [r2, base]), rows])
-        return self.view(c2, (KB,))
+        return self.apply("sub", [r2, base])
+
+    def coefficient(self, deviations, pairs):
+        """Each stacked row's weight c (KB_lr,), times the row's weight (the leaf rows): its own deviation
+        ("row"), its sample's total ("sample"), or the total over the rows whose loss its noise can reach
+        through one row-mixing product A @ H: row j's c is the sum over rows i with A[i, j] != 0
+        (("neighbours", A))."""
+        c2 = deviations
+        if pairs == "sample":
+            total = self.apply("sum", [c2], axes=(1,), keepdims=True)
+            c2 = self.apply("broadcast_to", [total], shape=(K, self.batch))
+        elif pairs != "row":
+            linked = self.apply("fused", [pairs[1]], expr=sp.sign(X[0]) ** 2)   # 1 where A[i, j] != 0
+            c2 = self.apply("matmul", [c2, linked])
+        return self.view(self.apply("mul", [c2, self.rows]), (KB,))
+
+    def pairing(self, site):
+        """Which rows' losses a site's noise pairs with (see coefficient). When no row-mixing product
+        (A @ H) lies between the site and the loss, row j's noise reaches row j's loss alone: "row". When
+        one A mixes them once, and every path from the site to the loss goes through it, row j's noise
+        reaches the rows i with A[i, j] != 0: ("neighbours", A). Otherwise (two mixings in a row, a path
+        around one, a site in a scan's step) the whole sample's: "sample". Leaving out rows the noise
+        cannot reach removes their variance and keeps the estimate unbiased (their loss is independent of
+        that noise)."""
+        if not self.mixing:
+            return "row"
+        if site.top is None:
+            return "sample"
+        after = self.reach([site.top])
+        hops = [m for m in self.mixing if m in after]
+        if not hops:
+            return "row"
+        adjacency = {self.g.operands(m)[0] for m in hops}
+        tail = {n for n, w in self.where.items() if isinstance(w, tuple)}
+        if len(adjacency) > 1 or any(self.reach([m]) & set(hops) for m in hops) \
+                or self.reach([site.top], stop=set(hops)) & tail:
+            return "sample"
+        return ("neighbours", adjacency.pop())
+
+    def reach(self, starts, stop=frozenset()):
+        """The forward's values that depend on `starts` (not the starts themselves), not going on through
+        the values in `stop`."""
+        seen, stack = set(), list(starts)
+        while stack:
+            for u in self.g.users(stack.pop()):
+                if u in self.fwd and u not in seen:
+                    seen.add(u)
+                    if u not in stop:
+                        stack.append(u)
+        return seen
 
     def local_vjp(self, copies, cot):
         """The params' parts of the estimate at one site: the VJPs of its copies (products, adds)

@@ -24,6 +24,7 @@ class Site:
     def __init__(self, copies, pert, rank, doc):
         self.copies, self.pert, self.rank, self.doc = copies, pert, rank, doc
         self.clean = False   # outside a scan: no noise reaches the chain, so `copies` are the estimate's B-row nodes
+        self.top = None      # outside a scan: the forward's value that gets the noise
 
 
 def is_product(graph, n):

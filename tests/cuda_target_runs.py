@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gradc as gc  # noqa: E402
 import test_codegen as zoo  # noqa: E402
 import test_lr_grad as lr_grads  # noqa: E402
+import test_lr_graphs as lr_graphs  # noqa: E402
 import test_lr_params as lr_params  # noqa: E402
 import test_lr_scan as lr_scans  # noqa: E402
 import test_scan as scans  # noqa: E402
@@ -297,7 +298,7 @@ def streamed_backward(dev, params, inputs):
 def run_lr(build):
     """lr_grad and Trainer(gradient="lr") on CUDA against the CPU target: the same noise (drawn in the
     kernels from the seed), so the same estimate; an MLP, an RNN as a gc.scan (device inputs too),
-    language models with trained embeddings, an MLP with dropout, params read other than as a factor."""
+    language models with trained embeddings, an MLP with dropout, params read other than as a factor, a graph convolution."""
     from numba import cuda
     rng = np.random.default_rng(2)
     out = {}
@@ -350,6 +351,12 @@ def run_lr(build):
         l1, g1 = cpu.lr_grad(params, samples=4, seed=3, **inputs)
         l2, g2 = dev.lr_grad(params, samples=4, seed=3, **inputs)
         out[name] = max(abs(l1 - l2), err(g1, g2))
+    # a graph convolution: the first layer's noise pairs with its neighbours' losses (A an input)
+    model, cpu, dev = both(lambda: lr_graphs.gcn("input", None), os.path.join(build, "gcn"))
+    _, params, inputs = lr_graphs._problem("input")
+    l1, g1 = cpu.lr_grad(params, samples=4, seed=3, **inputs)
+    l2, g2 = dev.lr_grad(params, samples=4, seed=3, **inputs)
+    out["gcn_neighbours"] = max(abs(l1 - l2), err(g1, g2))
     return out
 
 

@@ -87,7 +87,8 @@ def test_lr_grad_and_its_trainer_match_the_cpu_target(results):
     """The same noise from the same seed in the kernels: the same estimate, MLP, scan and embeddings alike."""
     lr = results["trainer"]["lr"]
     assert set(lr) == {"mlp_antithetic", "mlp_layerwise", "trainer", "trainer_resumed", "scan_device_inputs",
-                       "scan_step_loss", "embeddings", "dropout", "layer_norm", "scan_of_a_scaled_weight"}
+                       "scan_step_loss", "embeddings", "dropout", "layer_norm", "scan_of_a_scaled_weight",
+                       "gcn_neighbours"}
     assert all(isinstance(v, float) and v <= TOLERANCE for v in lr.values()), lr
 
 
