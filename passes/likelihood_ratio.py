@@ -80,8 +80,8 @@ def build_lr(graph, trainable, decayed=(), weight_decay=0.0):
     named dims' after it. Any choice that builds is a valid estimate: the rows
     rules refuse whatever mixes its rows."""
     why = {}
-    for batch, axes in batch_choices(graph, graph.ancestors([graph.loss])):
-        builder = _Builder(graph, trainable, decayed, weight_decay, batch, axes)
+    for batch, axes, declared in batch_choices(graph, graph.ancestors([graph.loss])):
+        builder = _Builder(graph, trainable, decayed, weight_decay, batch, axes, declared)
         try:
             graph.lr = builder.build()
             return
@@ -97,7 +97,7 @@ def build_lr(graph, trainable, decayed=(), weight_decay=0.0):
 
 
 def batch_choices(g, fwd):
-    """(the batch dim, {input: the axis it has the rows on, None: shared}) for each dim that may be the
+    """(the batch dim, {input: the axis it has the rows on, None: shared}, the dim as declared) for each dim that may be the
     batch's, the likeliest first. An input scanned as it is has time on axis 0, so its rows on axis 1;
     the likeliest batch dim is axis 0 of the first input that is not, unless that is the time of one that
     is (labels (T, B) read outside the scan); then axis 1 of a scanned input; then the named dims, then
@@ -122,7 +122,7 @@ def batch_choices(g, fwd):
         axes = {n: next((a for a in order + anywhere(n) if len(shapes[n]) > a and shapes[n][a] == batch), None)
                 for n, order in shaped}
         n, axis = next((n, a) for n, a in axes.items() if a is not None)
-        yield g.shape(n)[axis], axes   # the dim as the graph has it (bound, where --bind bound it)
+        yield g.shape(n)[axis], axes, batch   # the dim as the graph has it (bound, where --bind bound it), as declared
 
 
 def estimate_nodes(graph):
@@ -135,9 +135,9 @@ def estimate_nodes(graph):
 
 
 class _Builder:
-    def __init__(self, g, trainable, decayed, weight_decay, batch, axes):
+    def __init__(self, g, trainable, decayed, weight_decay, batch, axes, declared):
         self.g = g
-        self.batch, self.axes = batch, axes
+        self.batch, self.axes, self.declared = batch, axes, declared
         self.trainable = {g.params[p]: p for p in trainable}
         self.decayed, self.wd = set(decayed), weight_decay
         self.fwd = g.ancestors([g.loss])
@@ -271,12 +271,19 @@ class _Builder:
         rowful, free = set(), set()
         for n in g.topo_order(self.fwd):
             op = g.op(n)
-            if op == "input" and self.input_axis(n) is not None or op == "random" and self.batch in g.shape(n) \
+            if op == "input" and self.input_axis(n) is not None or op == "random" and self.draw_axes(n) \
                     or any(u in rowful for u in g.operands(n)):
                 rowful.add(n)
             elif n in self.trainable or op != "scan" and any(u in free for u in g.operands(n)):
                 free.add(n)
         return free
+
+    def draw_axes(self, n):
+        """The axes of the model's random op n that have the batch dim, by its shape as declared (a draw the
+        shape of a weight (5, 6), DropConnect, has none, also with B bound to 6)."""
+        shape = self.g.declared_shapes.get(n, self.g.shape(n))
+        batch = self.declared if isinstance(self.declared, str) else self.batch
+        return [a for a, d in enumerate(shape) if d == batch]
 
     def names(self, v):
         """The names of the trainable params value v is made of."""
@@ -442,7 +449,7 @@ class _Builder:
         """Where the rows lie in the model's random op n (a dropout mask or noise the shape of a value):
         on the axis its shape has the batch dim; it is clean, drawn once and broadcast to the copies."""
         g = self.g
-        axes = [a for a, d in enumerate(g.shape(n)) if d == self.batch]
+        axes = self.draw_axes(n)
         if len(axes) > 1:
             raise Unsupported(f"{g.node(n)['src']}: {g.describe(n)} {fmt(g.shape(n))} has the batch size "
                               f"{self.batch} on more than one axis, so lr_grad cannot tell which holds the rows")
@@ -572,7 +579,7 @@ class _Builder:
         loss's ops after its reduction (whose VJPs towards them must not read a value with rows)."""
         g = self.g
         tail = {n for n, w in self.where.items() if isinstance(w, tuple)}
-        reads = [n for n in tail if any(u in self.free for u in g.operands(n))]
+        reads = g.topo_order([n for n in tail if any(u in self.free for u in g.operands(n))])
         if not reads:
             return {}
         between, stack = set(), list(reads)   # the loss's ops from those terms on
@@ -584,9 +591,10 @@ class _Builder:
         active = self.free | between
         one = self.apply("const", [], value=1.0, shape=tuple(g.shape(g.loss)), dtype=self.float)
         parts = self.vjp(active, g.loss, one)
-        rows = {n for n, w in self.where.items() if w is not None}
-        if parts and g.ancestors(parts.values()) & rows:
-            n = reads[0]
+        # what its VJP may read: values without rows, and those no noise reaches (a mask's count)
+        noised = {n for n, w in self.where.items() if w is not None} - self.clean - self.constants
+        if parts and g.ancestors(parts.values()) & noised:
+            n = next(n for n in g.topo_order(reads) if g.op(n) not in ("add", "sub") or n == reads[-1])
             raise Unsupported(f"{g.node(n)['src']}: {g.describe(n)} combines the loss with a value made of params "
                               f"({', '.join(map(repr, self.names(next(u for u in g.operands(n) if u in self.free))))}) "
                               f"other than by adding it: its gradient would read the loss's batch rows, which "

@@ -154,6 +154,10 @@ class ScanNoise:
                 copies[m] = apply("add", [copies[m], apply("mul", [eps, scale], {}, src)], {}, src)
                 sites.append(StepSite(tops[m], eps, scale, self.row_operands(n, body, tops[m], where, copies), noise, mask))
         for top in tops.keys() - {s.tree[-1] for s in sites}:
+            if isinstance(where[top], tuple):   # the step's loss after its reduction over rows
+                raise Unsupported(f"{body.node(top)['src']}: {body.describe(top)} combines the step's loss with a "
+                                  f"value made of params in a scan's step, which lr_grad does not differentiate "
+                                  f"there (scale or add to the loss after the scan)")
             raise Unsupported(f"{body.node(top)['src']}: {body.describe(top)} computes a value without batch rows "
                               f"from a trainable param in a scan's step, where lr_grad perturbs ops on batch rows "
                               f"(compute it before the scan: the step may close over a value made of params)")

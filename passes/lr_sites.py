@@ -47,16 +47,18 @@ def site_op(graph, n):
 def chains(graph, nodes, is_factor):
     """The noise sites among `nodes` (in topological order): each op site_op accepts that reads a
     factor made of trainable params (is_factor(value)), up through the adds of its sum while it is their
-    only use and they keep its shape (x @ U + h @ W + b: the products meet at one pre-activation).
+    only use and they keep its shape (x @ U + h @ W + b: the products meet at one pre-activation), and
+    not past a value the graph returns (a step's carry or y: it must carry the noise itself).
     Returns each site as its nodes in topological order, the one that gets the noise last."""
     nodes = list(nodes)
     order = {n: i for i, n in enumerate(nodes)}
+    returned = set(graph.outputs.values())
     trees, claimed = {}, set()
     for n in nodes:
         if n in claimed or not site_op(graph, n) or not any(is_factor(u) for u in graph.operands(n)):
             continue
         path = [n]
-        while True:
+        while path[-1] not in returned:
             users = [u for u in graph.users(path[-1]) if u in order]
             if len(users) != 1 or graph.op(users[0]) != "add" or graph.shape(users[0]) != graph.shape(path[-1]):
                 break

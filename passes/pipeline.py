@@ -54,7 +54,8 @@ def bind(graph, dtype, dims, src):
                              f"(declare it with dtype=None, or compile with --dtype {d})", graph.node(n)["src"])
     rows = batch_rows(graph)   # (before the dims become ints: the runs still know the batch)
     graph.batch_rows = None if rows is None else (dims.get(rows[0], rows[0]), rows[1])
-    graph.declared_shapes = {n: graph.shape(n) for n in graph.inputs.values()}
+    graph.declared_shapes = {n: graph.shape(n) for n in graph.inputs.values()} | {
+        n: graph.shape(n) for n in graph.nx.nodes if graph.op(n) == "random"}
     for g in [graph] + graph.bodies():
         _bind_nodes(g, dtype, dims)
 

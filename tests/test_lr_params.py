@@ -81,6 +81,42 @@ def _cell_with_a_gain(kind):
     return m
 
 
+def _noised_carry(kind):
+    """A step whose noised value is also returned (found by review): "carry", a gained carry s * d + x_t U
+    that the next pre-activation also adds; "y", a product returned as a y and added into the carry.
+    The noise must stay on the returned value (a site's chain stops there)."""
+    m = gc.Model(f"lrnoised{kind}")
+    x, h0, y = m.input("x", ("T", "B", 3)), m.input("h0", ("B", 3)), m.input("y", ("B",), dtype="int64")
+    W, U, V = m.param("W", (3, 3)), m.param("U", (3, 3)), m.param("V", (6, 4))
+    if kind == "carry":
+        d = m.param("d", (3,), init="ones")
+
+        def step(c, xt):
+            h, s = c
+            s2 = s * d + xt @ U
+            return (gc.tanh(h @ W + s2), s2), None
+        (hT, sT), _ = gc.scan(step, (h0, h0), x)
+        m.minimize(gc.softmax_cross_entropy(gc.concat([hT, sT], axis=1) @ V, y))
+    else:
+        def step(h, xt):
+            z = xt @ U
+            return gc.tanh(h @ W + z), z
+        hT, zs = gc.scan(step, h0, x)
+        m.minimize(gc.softmax_cross_entropy(gc.concat([hT, hT], axis=1) @ V, y) + gc.square(zs).mean())
+    return m
+
+
+def _penalty_over_a_count():
+    """((nll * mask).sum() + 0.1 * |W0|^2) / mask.sum(): a penalty divided by the token count with the
+    loss (found by review: refused as reading the loss's rows; mask.sum() is a constant of the estimate)."""
+    m = gc.Model("lrpencount")
+    x, t, mask = m.input("x", ("B", 5)), m.input("t", ("B", 3)), m.input("mask", ("B",))
+    W0, W1 = m.param("W0", (5, 6)), m.param("W1", (6, 3))
+    err = gc.square(gc.tanh(x @ W0) @ W1 - t).sum(axis=1)
+    m.minimize(((err * mask).sum() + 0.1 * gc.square(W0).sum()) / mask.sum())
+    return m
+
+
 MODELS = {
     "gain": lambda: _mlp("lrgain", lambda m, h: h * m.param("g", (6,), init="ones") + m.param("b", (6,))),
     "layer_norm": lambda: _mlp("lrln", _layer_norm),
@@ -96,6 +132,9 @@ MODELS = {
     "gain_in_a_step": lambda: _cell_with_a_gain("gain"),
     "bias_in_a_step": lambda: _cell_with_a_gain("bias"),
     "gate_in_a_step": lambda: _cell_with_a_gain("gate"),
+    "noised_carry": lambda: _noised_carry("carry"),
+    "noised_y": lambda: _noised_carry("y"),
+    "penalty_over_a_count": _penalty_over_a_count,
 }
 INPUTS = {
     "standardised_conv": lambda rng, B: {"x": rng.normal(size=(B, 1, 6, 6)), "y": rng.integers(0, 4, B)},
@@ -105,6 +144,9 @@ INPUTS = {
                                       "y": rng.integers(0, 4, B)},
 }
 INPUTS["bias_in_a_step"] = INPUTS["gate_in_a_step"] = INPUTS["gain_in_a_step"]
+INPUTS["noised_carry"] = INPUTS["noised_y"] = INPUTS["gain_in_a_step"]
+INPUTS["penalty_over_a_count"] = lambda rng, B: {"x": rng.normal(size=(B, 5)), "t": rng.normal(size=(B, 3)),
+                                                 "mask": (rng.random(B) < 0.7).astype(float)}
 
 
 def _problem(name, rng, B=7):
@@ -139,3 +181,38 @@ def test_a_param_that_scales_the_loss_is_refused_by_name():
     assert "test_lr_params.py" in why, why
     with pytest.raises(ValueError, match=r"'W1'"):   # at call time, by the module's runtime
         LikelihoodRatio("lrscaledloss", np.float64, lr_info(graph)).check(4, 0.1, 0, True, False, True)
+
+
+def test_dropconnect_is_the_same_for_every_row_with_the_batch_bound_to_a_weights_size():
+    """Dropout of a weight (5, 6) with B bound to 6: the draw meets no rows, so it is a weight's noise, the
+    same in every copy (found by review: its 6 was taken for the batch's)."""
+    m = gc.Model("lrdropconnect")
+    x, y, draw = m.input("x", ("B", 5)), m.input("y", ("B",), dtype="int64"), m.input("draw", (), dtype="int64")
+    W0, W1 = m.param("W0", (5, 6)), m.param("W1", (6, 3))
+    m.minimize(gc.softmax_cross_entropy(gc.tanh(x @ gc.dropout(W0, 0.3, draw)) @ W1, y))
+    graph = build_training_graph(m, "float64", dims={"B": 6}, order=1)
+    assert graph.lr["why"] is None, graph.lr["why"]
+    rng = np.random.default_rng(3)
+    params = {p: rng.normal(size=graph.shape(n)) for p, n in graph.params.items()}
+    assert_unbiased(graph, params, {"x": rng.normal(size=(6, 5)), "y": rng.integers(0, 3, 6), "draw": np.array(5)},
+                    "dropconnect", "")
+
+
+def test_the_refusal_names_the_op_that_scales_the_loss():
+    """xent / s + s: the div reads the loss to differentiate s, not the add (found by review); and in a
+    scan's step, a loss scaled by a param is named as such."""
+    m = _mlp("lrdivloss", lambda m, h: h, loss=lambda xent, W0, W1: xent / gc.exp(W1.sum()) + W1.sum())
+    why = build_training_graph(m, "float64", order=1).lr["why"]
+    assert "(div) combines the loss with a value made of params ('W1')" in why, why
+
+    m = gc.Model("lrstepscaled")
+    x, y, h0 = m.input("x", ("T", "B", 3)), m.input("y", ("T", "B"), dtype="int64"), m.input("h0", ("B", 3))
+    W, s = m.param("W", (3, 3)), m.param("s", (1,), init="ones")
+
+    def step(h, xs):
+        h = gc.tanh(xs[0] @ W + h)
+        return h, gc.softmax_cross_entropy(h, xs[1]) * s
+    _, losses = gc.scan(step, h0, (x, y))
+    m.minimize(losses.mean())
+    why = build_training_graph(m, "float64", order=1).lr["why"]
+    assert "combines the step's loss with a value made of params" in why, why
