@@ -53,8 +53,9 @@ the first), the + and - copies read different values, and the loss times their d
 
 The batch dim is not declared: each dim that may be it is tried, the likeliest first (batch_choices);
 any choice the rows rules accept gives an unbiased estimate. Params the estimate cannot reach (a
-learned initial carry, a factor of the loss after its reduction), nested scans, and ops that mix rows in ways not covered make lr_grad
-raise at call time with the reason (graph.lr["why"]); compile never fails because of this pass.
+learned initial carry, a factor of the loss after its reduction), nested scans, and ops that mix rows
+in ways not covered make lr_grad raise at call time with the reason (graph.lr["why"]); compile never
+fails because of this pass.
 """
 import sympy as sp
 
@@ -97,13 +98,13 @@ def build_lr(graph, trainable, decayed=(), weight_decay=0.0):
 
 
 def batch_choices(g, fwd):
-    """(the batch dim, {input: the axis it has the rows on, None: shared}, the dim as declared) for each dim that may be the
-    batch's, the likeliest first. An input scanned as it is has time on axis 0, so its rows on axis 1;
-    the likeliest batch dim is axis 0 of the first input that is not, unless that is the time of one that
-    is (labels (T, B) read outside the scan); then axis 1 of a scanned input; then the named dims, then
-    any other dim some input has where rows go (axis 0, or 1 of an input that reaches a scan: tokens
-    (T, B) looked up before the scan). Dims are compared as declared (T and B bound to one size are still
-    two dims); a named batch dim is the batch on any axis, a literal size only where rows go."""
+    """(the batch dim, {input: the axis it has the rows on, None: shared}, the dim as declared) for each dim
+    that may be the batch's, the likeliest first. An input scanned as it is has time on axis 0, so its rows on
+    axis 1; the likeliest batch dim is axis 0 of the first input that is not, unless that is the time of one
+    that is (labels (T, B) read outside the scan); then axis 1 of a scanned input; then the named dims, then
+    any other dim some input has where rows go (axis 0, or 1 of an input that reaches a scan: tokens (T, B)
+    looked up before the scan). Dims are compared as declared (T and B bound to one size are still two dims);
+    a named batch dim is the batch on any axis, a literal size only where rows go."""
     sequences, scanned = set(), set()   # inputs that reach a scan's sequences; those that are one
     for n in fwd:
         if g.op(n) == "scan":
@@ -319,10 +320,10 @@ class _Builder:
         v, u, g = bad[0]
         raise Unsupported(f"param {names} reach(es) the loss through an op the estimate cannot perturb: "
                           f"{self.names(v)[0]!r} is read by {g.describe(u)} {fmt(g.shape(u))} at {g.node(u)['src']}. "
-                          f"The likelihood-ratio estimate perturbs the outputs of products, lookups and elementwise ops "
-                          f"on batch rows and differentiates terms of params alone added to the loss, so it has nothing to attribute to such a use (it would "
-                          f"not be zero, and lr_grad will not pretend it is): declare it trainable=False, or train "
-                          f"with loss_and_grad")
+                          f"The likelihood-ratio estimate perturbs the outputs of products, lookups and elementwise "
+                          f"ops on batch rows and differentiates terms of params alone added to the loss, so it has "
+                          f"nothing to attribute to such a use (it would not be zero, and lr_grad will not pretend "
+                          f"it is): declare it trainable=False, or train with loss_and_grad")
 
     def input_axis(self, n):
         """The axis input n has the batch rows on, or None: none, or an adjacency (N, N) read only as the

@@ -13,9 +13,9 @@ more sequence, the noise of every step (T, KB_lr, ...), drawn outside the loop b
 the site's mask; its step adds eps_t * mask to z_t and returns the product's row operand h_t as one
 more y. After the loop the site's part of the estimate is the product's own VJP over the stacked
 steps: the same product with h's stack (T, KB_lr, ...) as its row operand (a batch_matmul, whose VJP
-sums over the steps; an elementwise op of its operands' stacks), with cotangent c * eps * mask / sigma^2. Nothing flows back through the loop,
-so the estimate stays a forward graph; it keeps each site's h_t and noise for every step, as the
-estimate outside a scan keeps each site's h and noise.
+sums over the steps; an elementwise op of its operands' stacks), with cotangent c * eps * mask / sigma^2.
+Nothing flows back through the loop, so the estimate stays a forward graph; it keeps each site's h_t and noise
+for every step, as the estimate outside a scan keeps each site's h and noise.
 
 A loss made in the step (a batch mean of the step's rows) is kept per row there, as outside
 (passes/lr_shares.py): the copy's y is each row's share, and a mean's count of rows, which the step
@@ -152,7 +152,8 @@ class ScanNoise:
                 eps = placeholder(f"lr_eps{len(sites)}", shape, b.float, src)
                 scale = placeholder(f"lr_mask{len(sites)}", g.shape(mask), b.float, src)
                 copies[m] = apply("add", [copies[m], apply("mul", [eps, scale], {}, src)], {}, src)
-                sites.append(StepSite(tops[m], eps, scale, self.row_operands(n, body, tops[m], where, copies), noise, mask))
+                rows = self.row_operands(n, body, tops[m], where, copies)
+                sites.append(StepSite(tops[m], eps, scale, rows, noise, mask))
         for top in tops.keys() - {s.tree[-1] for s in sites}:
             if isinstance(where[top], tuple):   # the step's loss after its reduction over rows
                 raise Unsupported(f"{body.node(top)['src']}: {body.describe(top)} combines the step's loss with a "

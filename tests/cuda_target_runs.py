@@ -298,7 +298,8 @@ def streamed_backward(dev, params, inputs):
 def run_lr(build):
     """lr_grad and Trainer(gradient="lr") on CUDA against the CPU target: the same noise (drawn in the
     kernels from the seed), so the same estimate; an MLP, an RNN as a gc.scan (device inputs too),
-    language models with trained embeddings, an MLP with dropout, params read other than as a factor, a graph convolution."""
+    language models with trained embeddings, an MLP with dropout, params read other than as a factor, a graph
+    convolution."""
     from numba import cuda
     rng = np.random.default_rng(2)
     out = {}

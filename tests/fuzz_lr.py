@@ -6,15 +6,14 @@ same generator with its moves kept to what the estimate takes: a row never meets
 loss, and a trainable param is a product's factor (matmul, conv2d; or a weight made of params: a
 low-rank product plus a param, a param times a gate of another), a table of take, a bias added to a
 product, a gain read elementwise by a row value (mul, add, maximum; maybe through sigmoid, exp or tanh;
-in a scan's step too),
-or in an L2 penalty added to the loss (with a constant). Besides those: elementwise ops of row values and constants (user ops too), reshapes
-and transposes that keep the rows an axis, sums, means and maxes and softmaxes over other axes,
-indexing, concatenations and stacks, images, pools, embeddings of int inputs (tokens (T, B) too: noise
-on axis 1), scans of random recurrent cells (gates, two carries, ys made by a product in the step),
-dropout and Gaussian noise drawn from an int input (the same draws in every perturbed copy), biases
-added to any row value, frozen params read elementwise, and a loss of per-row terms: cross-entropy over
-(B, C) or (B, k, C) logits plus sums, means and squared errors over whole values, means weighted by an
-input mask over its count, weighted, added and subtracted, with weight decay.
+in a scan's step too), or in an L2 penalty added to the loss (with a constant). Besides those: elementwise ops
+of row values and constants (user ops too), reshapes and transposes that keep the rows an axis, sums, means
+and maxes and softmaxes over other axes, indexing, concatenations and stacks, images, pools, embeddings of int
+inputs (tokens (T, B) too: noise on axis 1), scans of random recurrent cells (gates, two carries, ys made by a
+product in the step), dropout and Gaussian noise drawn from an int input (the same draws in every perturbed
+copy), biases added to any row value, frozen params read elementwise, and a loss of per-row terms:
+cross-entropy over (B, C) or (B, k, C) logits plus sums, means and squared errors over whole values, means
+weighted by an input mask over its count, weighted, added and subtracted, with weight decay.
 
 `lr_case(seed)` gives a fuzz_graphs.Case; `check_lr_compiled(case, out)` that the generated module's
 lr_grad is the interpreter's; `check_lr(case)` asserts that lr_grad builds for it (a refusal is a

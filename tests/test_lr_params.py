@@ -123,7 +123,8 @@ MODELS = {
     "gate_of_a_param": lambda: _mlp("lrgate", lambda m, h: h * gc.sigmoid(m.param("s", (1, 6)))),
     "weight_norm": lambda: _mlp("lrwn", lambda m, h: h, first=lambda m, V: V * (
         m.param("gn", (6,), init="ones") / gc.sqrt(gc.square(V).sum(axis=0)))),
-    "low_rank": lambda: _mlp("lrlow", lambda m, h: h, first=lambda m, W: W + m.param("U", (5, 2)) @ m.param("V", (2, 6))),
+    "low_rank": lambda: _mlp("lrlow", lambda m, h: h,
+                             first=lambda m, W: W + m.param("U", (5, 2)) @ m.param("V", (2, 6))),
     "l2_in_the_loss": lambda: _mlp("lrl2", lambda m, h: h, loss=lambda xent, W0, W1: xent + 0.5 + 0.5 * (
         gc.square(W0).sum() + (W1 * W1).mean())),
     "affine_loss": lambda: _mlp("lraffine", lambda m, h: h, loss=lambda xent, W0, W1: 1.0 - 2.0 * (0.5 - xent)),
