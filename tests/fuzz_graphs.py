@@ -948,7 +948,8 @@ class _Generator:
         return self.emit("matmul", [a, b], shape, tag=tag, form=str(rng.choice(["op", "fn"])))
 
     SEED_INPUT = SEED   # the int input random ops draw from
-    STEP_GAINS = 0.0    # the chance of a gain (a param read elementwise) in a scan's step (the lr fuzzer's)
+    STEP_GAINS = 0.0    # the chance of a gain (a param read elementwise) in a scan's step, and of a product
+                        # returned as a y besides its sum (the lr fuzzer's)
 
     def random(self):
         rng = self.rng
@@ -1007,6 +1008,10 @@ class _Generator:
         terms += [op("matmul", [x, weight(self.shapes[s][2], H)], form="op") for x, s in zip(xn, xs)]
         if rng.random() < 0.6:
             terms.append(self.add_param((H,), scale=0.5))
+        returned = None   # a product added into the pre-activation and returned as a y too (the lr fuzzer's)
+        if self.STEP_GAINS and rng.random() < self.STEP_GAINS:
+            returned = op("matmul", [xn[0], weight(self.shapes[xs[0]][2], H)], form="op")
+            terms.append(returned)
         nested = self.nest_rng.random() < self.nest_chance
         if nested:   # a scan in the step: over the whole first sequence, from the carry it also closes over
             seq = xs[0]
@@ -1045,7 +1050,7 @@ class _Generator:
         kinds = rng.permutation(4)[:int(rng.choice([0, 1, 1, 2]))]
         ys = [[lambda: cand, lambda: op("tanh", [op("mul", [cand, hs[0]])]),
                lambda: op("matmul", [cand, weight(H, self.C)], form="op"),
-               lambda: op("softmax", [cand], axis=-1)][k]() for k in kinds]
+               lambda: op("softmax", [cand], axis=-1)][k]() for k in kinds] + ([returned] if returned else [])
         cell = Cell(f"cell{len(self.prog.steps)}", tuple(hs), tuple(xn), tuple(closed), steps, tuple(new), tuple(ys))
         reverse = bool(rng.random() < 0.3)
         args = init + xs + closed
