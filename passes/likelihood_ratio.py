@@ -92,7 +92,8 @@ def build_lr(graph, trainable, decayed=(), weight_decay=0.0):
         graph.lr = {"why": "the model has no input with rows to perturb"}
         return
     (batch, first), *others = [(d, w) for d, (_, w) in sorted(why.items(), key=lambda kv: -kv[1][0])]
-    named = [f"with {d!r}: {w.split('; ')[0]}" for d, w in others if isinstance(d, str)]   # their reasons, not advice
+    named = [f"with {d!r}: {w.split('; ')[0]}" for d, w in others   # their reasons, not advice (none twice)
+             if isinstance(d, str) and w.split('; ')[0] not in first]
     rest = f" (that is with {batch!r} as the batch dim; " + "; ".join(named) + ")" if named else ""
     graph.lr = {"why": first + rest}
 
@@ -318,8 +319,10 @@ class _Builder:
         names = ", ".join(dict.fromkeys(f"{n!r} {fmt(self.g.shape(self.g.params[n]))}"
                                         for v, _, _ in bad for n in self.names(v)))
         v, u, g = bad[0]
+        shape = f" {fmt(g.shape(u))}" if g.shape(u) else ""   # (a scan's results have no one shape)
         raise Unsupported(f"param {names} reach(es) the loss through an op the estimate cannot perturb: "
-                          f"{self.names(v)[0]!r} is read by {g.describe(u)} {fmt(g.shape(u))} at {g.node(u)['src']}. "
+                          f"{self.names(v)[0]!r} is read by {g.describe(u)}{shape} "
+                          f"at {g.node(u)['src']}. "
                           f"The likelihood-ratio estimate perturbs the outputs of products, lookups and elementwise "
                           f"ops on batch rows and differentiates terms of params alone added to the loss, so it has "
                           f"nothing to attribute to such a use (it would not be zero, and lr_grad will not pretend "

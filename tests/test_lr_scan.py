@@ -118,12 +118,13 @@ def test_trainer_with_lr_gradients_trains_a_recurrence(build_dir):
 
 def test_a_learned_initial_state_is_named():
     m = gc.Model("learned_h0")
-    x = m.input("x", ("T", 2, 3))
-    W, h0 = m.param("W", (3, 2)), m.param("h0", (2, 2))
+    x = m.input("x", ("T", 8, 3))
+    W, h0 = m.param("W", (3, 6)), m.param("h0", (8, 6))
     hT, _ = gc.scan(lambda h, xt: (gc.tanh(xt @ W + h), None), h0, x)
     m.minimize((hT * hT).mean())
     why = build_training_graph(m, "float64", order=1).lr["why"]
     assert "'h0'" in why and "scan" in why
+    assert why.count("reach(es) the loss") == 1, why   # another batch candidate's same reason is not repeated
 
 
 def _language_model(per_row):
