@@ -207,6 +207,7 @@ class _Builder:
                 site.copies = [self.own(x) for x in tops[n]] if clean else [self.copy[x] for x in tops[n][:-1]] + [z]
                 site.pert, site.clean, site.top = pert, clean, n
                 built.append(tops[n])
+        self.tail = {n for n, w in self.where.items() if isinstance(w, tuple)}   # the loss after its reduction
         self.check_params(built)
         if not isinstance(self.where[g.loss], tuple):
             raise Unsupported(f"{self.src}: the loss does not reduce over the batch rows ({self.batch!r}), so there "
@@ -298,7 +299,7 @@ class _Builder:
         g = self.g
         bad = []
         for p, u in misuses(g, [p for p in self.trainable if p in self.fwd], self.fwd, sites, self.free.__contains__,
-                            self.free.__contains__, lambda u: isinstance(self.where.get(u), tuple)):
+                            self.free.__contains__, self.tail.__contains__):
             if g.op(u) != "scan":   # (check_scans did those)
                 bad.append((p, u, g))
         if bad:
@@ -543,9 +544,8 @@ class _Builder:
         if not hops:
             return "row"
         adjacency = {self.g.operands(m)[0] for m in hops}
-        tail = {n for n, w in self.where.items() if isinstance(w, tuple)}
         if len(adjacency) > 1 or any(self.reach([m]) & set(hops) for m in hops) \
-                or self.reach([site.top], stop=set(hops)) & tail:
+                or self.reach([site.top], stop=set(hops)) & self.tail:
             return "sample"
         return ("neighbours", adjacency.pop())
 
@@ -582,23 +582,17 @@ class _Builder:
         (an L2 penalty written in the loss): the exact VJP from the loss down to those terms, through the
         loss's ops after its reduction (whose VJPs towards them must not read a value with rows)."""
         g = self.g
-        tail = {n for n, w in self.where.items() if isinstance(w, tuple)}
-        reads = g.topo_order([n for n in tail if any(u in self.free for u in g.operands(n))])
+        reads = g.topo_order([n for n in self.tail if any(u in self.free for u in g.operands(n))])
         if not reads:
             return {}
-        between, stack = set(), list(reads)   # the loss's ops from those terms on
-        while stack:
-            n = stack.pop()
-            if n in tail and n not in between:
-                between.add(n)
-                stack += g.users(n)
+        between = (set(reads) | self.reach(reads, stop=self.fwd - self.tail)) & self.tail   # the loss's ops after them
         active = self.free | between
         one = self.apply("const", [], value=1.0, shape=tuple(g.shape(g.loss)), dtype=self.float)
         parts = self.vjp(active, g.loss, one)
         # what its VJP may read: values without rows, and those no noise reaches (a mask's count)
         noised = {n for n, w in self.where.items() if w is not None} - self.clean - self.constants
         if parts and g.ancestors(parts.values()) & noised:
-            n = next(n for n in g.topo_order(reads) if g.op(n) not in ("add", "sub") or n == reads[-1])
+            n = next(n for n in reads if g.op(n) not in ("add", "sub") or n == reads[-1])
             raise Unsupported(f"{g.node(n)['src']}: {g.describe(n)} combines the loss with a value made of params "
                               f"({', '.join(map(repr, self.names(next(u for u in g.operands(n) if u in self.free))))}) "
                               f"other than by adding it: its gradient would read the loss's batch rows, which "
