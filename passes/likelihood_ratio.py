@@ -18,7 +18,9 @@ A "param" there is any value made of trainable params without batch rows (W itse
 standardised kernel): the forward computes it once, and a site's part goes on through it by its exact
 VJP (param-sized work, no rows). A term of such values added to the loss after its reduction over rows
 (an L2 penalty written in the loss, loss + 0.5) pairs with no noise: the loss's shares keep its linear
-part only, and the params' parts through the term are the exact VJP from the loss (exact_parts).
+part only, and the params' parts through the term are the exact VJP from the loss (exact_parts). A
+factor of such values scaling the loss there (l1 * exp(-s1) + s1) scales each row's share, and its own
+part is exact too: the VJP reads the reduced loss of the unperturbed forward.
 
 The K perturbed copies run as one batched forward: every value that the noise reaches is copied with its
 rows stacked K times (dim KB_lr = K * B, sample-major). A value with rows that no noise reaches (a float
@@ -53,9 +55,9 @@ the first), the + and - copies read different values, and the loss times their d
 
 The batch dim is not declared: each dim that may be it is tried, the likeliest first (batch_choices);
 any choice the rows rules accept gives an unbiased estimate. Params the estimate cannot reach (a
-learned initial carry, a factor of the loss after its reduction), nested scans, and ops that mix rows
-in ways not covered make lr_grad raise at call time with the reason (graph.lr["why"]); compile never
-fails because of this pass.
+learned initial carry, a factor of a step's loss in the step), a loss not affine in its reduction over
+rows, nested scans, and ops that mix rows in ways not covered make lr_grad raise at call time with the
+reason (graph.lr["why"]); compile never fails because of this pass.
 """
 import sympy as sp
 
@@ -562,12 +564,15 @@ class _Builder:
         return seen
 
     def local_vjp(self, copies, cot):
-        """The params' parts of the estimate at one site: the VJPs of its copies (products, adds)
-        and of the values made of params they read (through the layout ops a scan's site lifts them
+        """The params' parts of the estimate at one site: the VJPs of its copies (products, adds; a
+        scan of one conv per step, lr_scan.conv_over_steps) and of the values made of params they read (through the layout ops a scan's site lifts them
         with), with cotangent `cot` at the last copy z."""
         g = self.g
         active = set(copies)
         for x in copies:
+            if g.op(x) == "scan_out":   # a conv over a step's stacked rows: its VJP is that scan's
+                x = g.operands(x)[0]
+                active.add(x)
             for u in g.operands(x):
                 lifted = []
                 while u not in self.free and g.op(u) in LAYOUT:
@@ -578,9 +583,12 @@ class _Builder:
         return self.vjp(active, copies[-1], cot)
 
     def exact_parts(self):
-        """The params' parts through terms of params alone added to the loss after its reduction over rows
-        (an L2 penalty written in the loss): the exact VJP from the loss down to those terms, through the
-        loss's ops after its reduction (whose VJPs towards them must not read a value with rows)."""
+        """The params' parts through values made of params that the loss reads after its reduction over
+        rows, differentiated exactly: a term added to it (an L2 penalty written in the loss) and a factor
+        that scales it (loss * exp(-s) + s, a learned temperature), whose VJP reads the loss there, the
+        unperturbed forward's (lr_grad computes it for the objective). The exact VJP goes from the loss
+        down to those values through the loss's ops after its reduction, which read no value with rows
+        (the rows rules refuse such an op; offset_shares one not affine in the reduced loss)."""
         g = self.g
         reads = g.topo_order([n for n in self.tail if any(u in self.free for u in g.operands(n))])
         if not reads:
@@ -588,32 +596,32 @@ class _Builder:
         between = (set(reads) | self.reach(reads, stop=self.fwd - self.tail)) & self.tail   # the loss's ops after them
         active = self.free | between
         one = self.apply("const", [], value=1.0, shape=tuple(g.shape(g.loss)), dtype=self.float)
-        parts = self.vjp(active, g.loss, one)
-        # what its VJP may read: values without rows, and those no noise reaches (a mask's count)
-        noised = {n for n, w in self.where.items() if w is not None} - self.clean - self.constants
-        if parts and g.ancestors(parts.values()) & noised:
-            n = next(n for n in reads if g.op(n) not in ("add", "sub") or n == reads[-1])
-            raise Unsupported(f"{g.node(n)['src']}: {g.describe(n)} combines the loss with a value made of params "
-                              f"({', '.join(map(repr, self.names(next(u for u in g.operands(n) if u in self.free))))}) "
-                              f"other than by adding it: its gradient would read the loss's batch rows, which "
-                              f"lr_grad does not compute (add such a term to the loss, or train this model with "
-                              f"loss_and_grad)")
-        return parts
+        return self.vjp(active, g.loss, one)
 
     def vjp(self, active, z, cot):
         """{trainable param: its part}: the VJPs of the `active` nodes, from cotangent `cot` at z."""
         g = self.g
         adjoints = {z: [cot]}
+        projected = {}   # a scan (a conv over a step's stacked rows) -> {result index: adjoint}
         result = {}
         for n in reversed(g.topo_order(active)):
-            parts = adjoints.pop(n, None)
-            if not parts:
-                continue
-            gn = accumulate(g, parts, PHASE, self.src)
+            record = get_op(g.op(n))
+            if record.kind == "region":
+                gn = projected.pop(n, None)
+                if not gn:
+                    continue
+            else:
+                parts = adjoints.pop(n, None)
+                if not parts:
+                    continue
+                gn = accumulate(g, parts, PHASE, self.src)
             if n in self.trainable:
                 result[n] = gn
                 continue
-            grads = get_op(g.op(n)).vjp(VJPContext(g, n, active, PHASE), n, gn)
+            if record.kind == "project":
+                projected.setdefault(g.operands(n)[0], {})[g.attrs(n)["index"]] = gn
+                continue
+            grads = record.vjp(VJPContext(g, n, active, PHASE), n, gn)
             for u, gu in zip(g.operands(n), grads):
                 if gu is not None and u in active:
                     adjoints.setdefault(u, []).append(gu)

@@ -13,7 +13,8 @@ more sequence, the noise of every step (T, KB_lr, ...), drawn outside the loop b
 the site's mask; its step adds eps_t * mask to z_t and returns the product's row operand h_t as one
 more y. After the loop the site's part of the estimate is the product's own VJP over the stacked
 steps: the same product with h's stack (T, KB_lr, ...) as its row operand (a batch_matmul, whose VJP
-sums over the steps; an elementwise op of its operands' stacks), with cotangent c * eps * mask / sigma^2.
+sums over the steps; a conv of each step, a scan of its own whose VJP sums the steps' kernel gradients;
+an elementwise op of its operands' stacks), with cotangent c * eps * mask / sigma^2.
 Nothing flows back through the loop, so the estimate stays a forward graph; it keeps each site's h_t and noise
 for every step, as the estimate outside a scan keeps each site's h and noise.
 
@@ -25,6 +26,7 @@ import copy
 from collections import namedtuple
 
 from gradc.errors import GradcError
+from gradc.ir import Graph
 from gradc.ops.scan import ScanRows, body_rows, result
 from gradc.ops.scan_layout import YS, parts
 
@@ -236,9 +238,12 @@ class ScanNoise:
                 if body.op(x) in LOOKUPS:   # the rows read at every step: (T, KB_lr, D)
                     copies[x] = emit(body.op(x), [lift(operands[0]), stacked[x, r]], **body.attrs(x))
                     continue
+                if body.op(x) == "conv2d":   # one conv per step: a scan of its own, over (T, KB_lr, C, H, W)
+                    copies[x] = self.conv_over_steps(body, x, stacked[x, r], lift(operands[1]), emit)
+                    continue
                 if body.op(x) not in ("matmul", "batch_matmul"):
-                    raise Unsupported(f"{body.node(x)['src']}: lr_grad perturbs matmuls and lookups in a scan's "
-                                      f"step, not {body.describe(x)}")
+                    raise Unsupported(f"{body.node(x)['src']}: lr_grad perturbs matmuls, convs and lookups in a "
+                                      f"scan's step, not {body.describe(x)}")
                 a = body.attrs(x)
                 copies[x] = emit("batch_matmul", [stacked[x, r], lift(operands[1])],
                                  transpose_a=bool(a.get("transpose_a")), transpose_b=bool(a.get("transpose_b")),
@@ -256,3 +261,19 @@ class ScanNoise:
             copies[x] = total if tuple(self.b.g.shape(total)) == (steps, *shape) else \
                 emit("broadcast_to", [total], shape=(steps, *shape))
         return [copies[x] for x in tree]
+
+    def conv_over_steps(self, body, x, rows, kernel, emit):
+        """Conv x of a step over the stacked steps: its row operand's stack `rows` (T, KB_lr, C, H, W) and
+        the kernel from outside, one conv per step (a conv takes one batch axis, and T * KB_lr is no dim
+        the shapes can name), so a scan of its own whose step is that conv alone. Its VJP, a scan too,
+        sums the steps' kernel gradients: each step's conv VJP, no value flowing from step to step."""
+        src = body.node(x)["src"]
+        step = Graph(f"{body.name}_lr_{body.op(x)}{x}")
+        h = step.apply("input", attrs={"shape": tuple(self.b.g.shape(rows))[1:], "dtype": self.b.float}, src=src,
+                       name="h_t")
+        w = step.apply("input", attrs={"shape": tuple(self.b.g.shape(kernel)), "dtype": self.b.float}, src=src,
+                       name="kernel")
+        step.inputs = {"h_t": h, "kernel": w}
+        step.outputs = {"z_t": step.apply(body.op(x), [h, w], body.attrs(x), src=src)}
+        scan = emit("scan", [rows, kernel], body=step, carries=0, xs=1, reverse=False)
+        return result(self.b.g, scan, YS, 0, emit)

@@ -33,7 +33,8 @@ def pairs(graph, within=None):
     for b in sorted(graph.nx.nodes if within is None else within):
         battrs = graph.attrs(b)
         info = vjp_of(battrs) if graph.op(b) == "scan" else None
-        if info is None or info["second_order"] or battrs.get("backward") == "bppsa" or battrs.get("recompute_every"):
+        if info is None or info["second_order"] or battrs.get("backward") == "bppsa" or battrs.get("recompute_every") \
+                or (STACK + "_in", 0) not in info["layout"]:   # (a forward without carries keeps no stacks)
             continue
         j = info["layout"].index((STACK + "_in", 0))
         stack = graph.operands(b)[j]

@@ -299,7 +299,7 @@ def run_lr(build):
     """lr_grad and Trainer(gradient="lr") on CUDA against the CPU target: the same noise (drawn in the
     kernels from the seed), so the same estimate; an MLP, an RNN as a gc.scan (device inputs too),
     language models with trained embeddings, an MLP with dropout, params read other than as a factor, a graph
-    convolution."""
+    convolution, a convolutional RNN."""
     from numba import cuda
     rng = np.random.default_rng(2)
     out = {}
@@ -345,8 +345,8 @@ def run_lr(build):
     l2, g2 = dev.lr_grad(params, samples=4, seed=3, **inputs)
     out["dropout"] = max(abs(l1 - l2), err(g1, g2))
     # params read other than as a factor: a layer norm's gain (a site of its own), a weight made of params
-    # closed over by a step, a penalty added to the loss (exact parts)
-    for name in ("layer_norm", "scan_of_a_scaled_weight"):
+    # closed over by a step, a penalty added to the loss and factors scaling it (exact parts)
+    for name in ("layer_norm", "scan_of_a_scaled_weight", "uncertainty_weighted"):
         model, cpu, dev = both(lr_params.MODELS[name], os.path.join(build, name))
         _, params, inputs = lr_params._problem(name, rng)
         l1, g1 = cpu.lr_grad(params, samples=4, seed=3, **inputs)
@@ -358,6 +358,12 @@ def run_lr(build):
     l1, g1 = cpu.lr_grad(params, samples=4, seed=3, **inputs)
     l2, g2 = dev.lr_grad(params, samples=4, seed=3, **inputs)
     out["gcn_neighbours"] = max(abs(l1 - l2), err(g1, g2))
+    # convs in a scan's step: each site's part a scan of one conv VJP per step
+    model, cpu, dev = both(lr_scans._conv_rnn, os.path.join(build, "convrnn"))
+    _, params, inputs = lr_scans._conv_rnn_problem(rng, T=2, B=2)
+    l1, g1 = cpu.lr_grad(params, samples=2, seed=3, **inputs)
+    l2, g2 = dev.lr_grad(params, samples=2, seed=3, **inputs)
+    out["conv_rnn"] = max(abs(l1 - l2), err(g1, g2))
     return out
 
 

@@ -6,11 +6,12 @@ same generator with its moves kept to what the estimate takes: a row never meets
 loss, and a trainable param is a product's factor (matmul, conv2d; or a weight made of params: a
 low-rank product plus a param, a param times a gate of another), a table of take, a bias added to a
 product, a gain read elementwise by a row value (mul, add, maximum; maybe through sigmoid, exp or tanh;
-in a scan's step too), or in an L2 penalty added to the loss (with a constant). Besides those: elementwise ops
+in a scan's step too), in an L2 penalty added to the loss (with a constant), or a learned weight of a
+loss term (t * exp(-s) + s). Besides those: elementwise ops
 of row values and constants (user ops too), reshapes and transposes that keep the rows an axis, sums, means
 and maxes and softmaxes over other axes, indexing, concatenations and stacks, images, pools, embeddings of int
 inputs (tokens (T, B) too: noise on axis 1), scans of random recurrent cells (gates, two carries, ys made by a
-product in the step), dropout and Gaussian noise drawn from an int input (the same draws in every perturbed
+product in the step) and of convolutional cells (an image carry, convs in the step), dropout and Gaussian noise drawn from an int input (the same draws in every perturbed
 copy), biases added to any row value, frozen params read elementwise, and a loss of per-row terms:
 cross-entropy over (B, C) or (B, k, C) logits plus sums, means and squared errors over whole values, means
 weighted by an input mask over its count, weighted, added and subtracted, with weight decay.
@@ -26,7 +27,10 @@ import numpy as np
 
 import gradc as gc
 
-from fuzz_graphs import BATCH, BINARY, USER_OPS, Case, Const, _Generator, _Reject, check_interpreted
+import torch
+
+from fuzz_graphs import (BATCH, BINARY, LIMIT, MAX_PARAMS, USER_OPS, _RUN, Case, Cell, Const, Step, _Generator,
+                         _Reject, check_interpreted)
 from gradc.passes.pipeline import build_training_graph
 from test_lr_grad import interpret_lr
 
@@ -116,6 +120,60 @@ class _RowGenerator(_Generator):
             loss = self.emit("sub", [loss, Const(float(np.round(rng.uniform(-1, 1), 3)))], (), tag="sub[const]",
                              bounded=False)
         return loss
+
+    def weighted(self, term):
+        """A loss term scaled by a factor of a new trainable scalar (exp(-s), sigmoid(s), or s itself), with s
+        added too (a learned task weight): the factor's part reads the term after its reduction, exactly."""
+        rng = self.rng
+        s = self.add_param((), scale=0.5)
+        f = s if rng.random() < 0.3 else self.emit(str(rng.choice(["exp", "sigmoid"])), [s], (), tag="unary[param]",
+                                                   bounded=False)
+        scaled = self.emit(str(rng.choice(["mul", "div"])) if f != s else "mul", [term, f], (), tag="mul[weight]",
+                           bounded=False)
+        return self.emit("add", [scaled, s], (), tag="add[penalty]", bounded=False)
+
+    def conv_scan(self):
+        """A convolutional RNN: gc.scan over images (T, B, C', H, W) whose carry is an image (B, C, H, W),
+        h' = f(conv(h, Wh) + conv(x_t, Wx) (+ b)), both convs "same" (odd kernels, stride 1), maybe
+        returning h' or conv(h', Wy) as a y (T, B, ., H, W): convs in a step, each step's noise on their sum."""
+        rng = self.rng
+        if len(self.prog.params) + 4 > MAX_PARAMS:
+            raise _Reject("params")
+        h0 = self.pick(self.images())
+        _, C, H, W = self.shapes[h0]
+        T, Cx = int(rng.integers(2, 5)), int(rng.integers(1, 3))
+        xs = self.add_input(f"s{len(self.prog.inputs)}", (T, BATCH, Cx, H, W))
+        steps, closed = [], []
+
+        def op(name, args, **kw):
+            closed.extend(u for u in args if isinstance(u, str) and u in self.shapes and u not in closed)
+            steps.append(Step(f"u{len(steps)}", name, tuple(args), kw, name))
+            return steps[-1].out
+
+        def conv(v, c_in, c_out):
+            k = int(rng.choice([1, 3]))
+            w = self.add_param((c_out, c_in, k, k), scale=0.8 / np.sqrt(c_in * k * k))
+            return op("conv2d", [v, w], **({"padding": k // 2} if k > 1 else {}))
+
+        pre = op("add", [conv("ch", C, C), conv("cx", Cx, C)])   # (names no outer value has)
+        if rng.random() < 0.5:
+            pre = op("add", [pre, self.add_param((C, 1, 1), scale=0.5)])
+        new = op(str(rng.choice(["tanh", "sigmoid"])), [pre])
+        ys = [[lambda: new, lambda: conv(new, C, 2)][int(rng.integers(2))]()] if rng.random() < 0.6 else []
+        cell = Cell(f"cell{len(self.prog.steps)}", ("ch",), ("cx",), tuple(closed), steps, (new,), tuple(ys))
+        args = [h0, xs] + closed
+        kw = {"cell": cell, "reverse": bool(rng.random() < 0.3)}
+        out = _RUN["torch"]["scan"]([self.values[u] for u in args], kw, self.prog.dims)
+        if not all(torch.isfinite(o).all() and o.abs().max() <= LIMIT for o in out):
+            raise _Reject("large")
+        name = f"v{len(self.prog.steps)}"
+        self.prog.steps.append(Step(name, "scan", tuple(args), kw, f"scan[convs, {len(ys)} ys]"))
+        self.uses.update(args)
+        self.values[name] = out
+        self.emit("item", [name], (BATCH, C, H, W), tag="scan result", i=0, path=(0,))
+        if ys:
+            self.emit("item", [name], (T, BATCH) + tuple(out[1].shape[2:]), tag="scan result", i=1, path=(1,))
+        return name
 
     def layout(self, v=None):
         """A transpose of the axes other than the rows', or a reshape that keeps the rows an axis."""
@@ -208,9 +266,9 @@ def _generate_rows(seed):
         g.add_input("img", (BATCH, int(rng.integers(1, 4)), int(rng.integers(3, 8)), int(rng.integers(3, 8))))
     g.attempt(lambda: g.matmul(x, g.add_param((g.N, g.M))))
     moves = [g.unary, g.binary, g.matmul, g.layout, g.reduce, g.softmax, g.rank3, g.conv, g.pool, g.index, g.join,
-             g.take, g.scan, g.random, g.bias, g.embed_sequence, g.gain]
+             g.take, g.scan, g.random, g.bias, g.embed_sequence, g.gain, g.conv_scan]
     weights = np.array([0.2, 0.2, 0.2, 0.08, 0.08, 0.05, 0.04, 0.08, 0.05, 0.05, 0.05, 0.1, 0.12, 0.04, 0.05, 0.04,
-                        0.05])
+                        0.05, 0.04])
     g.nest_rng, g.nest_chance = np.random.default_rng([seed, 11]), 0.0   # lr_grad does not follow nested scans
     for _ in range(int(rng.integers(5, 12))):
         g.attempt(moves[rng.choice(len(moves), p=weights / weights.sum())])
@@ -225,6 +283,7 @@ def _generate_rows(seed):
         t = g.attempt(g.masked_term if rng.random() < 0.15 else g.term, v)
         if t:
             terms.append(t)
+    terms = [g.attempt(g.weighted, t) or t if rng.random() < 0.08 else t for t in terms]
     loss = terms[0]
     for t in terms[1:]:
         w = g.emit("mul", [t, Const(float(np.round(rng.uniform(0.3, 1.5), 3)))], (), tag="mul[const]", bounded=False)

@@ -117,6 +117,20 @@ def _penalty_over_a_count():
     return m
 
 
+def _uncertainty_weighted():
+    """Two tasks weighted by learned log-variances (Kendall et al.): l1 * exp(-s1) + l2 * exp(-s2) + s1 + s2,
+    a classifier and a regressor on one hidden layer. The factors' parts read the losses after their
+    reduction over rows (the unperturbed forward's), the shares are the losses scaled."""
+    m = gc.Model("lruncertain")
+    x, y, t = m.input("x", ("B", 5)), m.input("y", ("B",), dtype="int64"), m.input("t", ("B", 2))
+    W0, W1, W2 = m.param("W0", (5, 6)), m.param("W1", (6, 3)), m.param("W2", (6, 2))
+    s1, s2 = m.param("s1", (1,)), m.param("s2", ())
+    h = gc.tanh(x @ W0)
+    l1, l2 = gc.softmax_cross_entropy(h @ W1, y), gc.square(h @ W2 - t).mean()
+    m.minimize((l1 * gc.exp(-s1) + s1).sum() + l2 / gc.exp(s2) + s2)
+    return m
+
+
 MODELS = {
     "gain": lambda: _mlp("lrgain", lambda m, h: h * m.param("g", (6,), init="ones") + m.param("b", (6,))),
     "layer_norm": lambda: _mlp("lrln", _layer_norm),
@@ -136,6 +150,9 @@ MODELS = {
     "noised_carry": lambda: _noised_carry("carry"),
     "noised_y": lambda: _noised_carry("y"),
     "penalty_over_a_count": _penalty_over_a_count,
+    "loss_scaled_by_params": lambda: _mlp("lrscaledloss", lambda m, h: h, loss=lambda xent, W0, W1: xent * gc.exp(
+        W1.sum()) + 0.1 * W0.sum()),
+    "uncertainty_weighted": _uncertainty_weighted,
 }
 INPUTS = {
     "standardised_conv": lambda rng, B: {"x": rng.normal(size=(B, 1, 6, 6)), "y": rng.integers(0, 4, B)},
@@ -146,6 +163,8 @@ INPUTS = {
 }
 INPUTS["bias_in_a_step"] = INPUTS["gate_in_a_step"] = INPUTS["gain_in_a_step"]
 INPUTS["noised_carry"] = INPUTS["noised_y"] = INPUTS["gain_in_a_step"]
+INPUTS["uncertainty_weighted"] = lambda rng, B: {"x": rng.normal(size=(B, 5)), "y": rng.integers(0, 3, B),
+                                                 "t": rng.normal(size=(B, 2))}
 INPUTS["penalty_over_a_count"] = lambda rng, B: {"x": rng.normal(size=(B, 5)), "t": rng.normal(size=(B, 3)),
                                                  "mask": (rng.random(B) < 0.7).astype(float)}
 
@@ -165,23 +184,23 @@ def test_params_read_other_than_as_a_factor_are_estimated_without_bias(name):
     assert_unbiased(graph, params, inputs, name, "")
 
 
-@pytest.mark.parametrize("name", ["layer_norm", "scan_of_a_scaled_weight", "gain_in_a_step"])
+@pytest.mark.parametrize("name", ["layer_norm", "scan_of_a_scaled_weight", "gain_in_a_step", "uncertainty_weighted"])
 def test_the_compiled_estimate_is_the_interpreters(name, tmp_path):
     graph, params, inputs = _problem(name, np.random.default_rng(2))
     check_lr_compiled(SimpleNamespace(model=MODELS[name](), params=params, inputs=inputs, seeds=name,
                                       text=lambda: name), str(tmp_path))
 
 
-def test_a_param_that_scales_the_loss_is_refused_by_name():
-    """Its part would be the loss times the param's derivative: the loss's value over the batch, which
-    lr_grad does not compute (only the K perturbed copies')."""
-    m = _mlp("lrscaledloss", lambda m, h: h, loss=lambda xent, W0, W1: xent * gc.exp(W1.sum()) + 0.1 * W0.sum())
+def test_a_loss_not_affine_in_its_reduction_is_refused_by_name():
+    """sqrt(loss + |W1|^2): a row's share of it is not defined (the estimate pairs each row's share of the
+    loss with its noise); refused naming the op, at call time by the module's runtime."""
+    m = _mlp("lrsqrtloss", lambda m, h: h, loss=lambda xent, W0, W1: gc.sqrt(xent + gc.square(W1).sum()))
     graph = build_training_graph(m, "float64", order=1)
     why = graph.lr["why"]
-    assert "combines the loss with a value made of params ('W1') other than by adding it" in why, why
+    assert "(sqrt) is not linear in the loss reduced over rows" in why, why
     assert "test_lr_params.py" in why, why
-    with pytest.raises(ValueError, match=r"'W1'"):   # at call time, by the module's runtime
-        LikelihoodRatio("lrscaledloss", np.float64, lr_info(graph)).check(4, 0.1, 0, True, False, True)
+    with pytest.raises(ValueError, match=r"sqrt"):
+        LikelihoodRatio("lrsqrtloss", np.float64, lr_info(graph)).check(4, 0.1, 0, True, False, True)
 
 
 def test_dropconnect_is_the_same_for_every_row_with_the_batch_bound_to_a_weights_size():
@@ -199,13 +218,9 @@ def test_dropconnect_is_the_same_for_every_row_with_the_batch_bound_to_a_weights
                     "dropconnect", "")
 
 
-def test_the_refusal_names_the_op_that_scales_the_loss():
-    """xent / s + s: the div reads the loss to differentiate s, not the add (found by review); and in a
-    scan's step, a loss scaled by a param is named as such."""
-    m = _mlp("lrdivloss", lambda m, h: h, loss=lambda xent, W0, W1: xent / gc.exp(W1.sum()) + W1.sum())
-    why = build_training_graph(m, "float64", order=1).lr["why"]
-    assert "(div) combines the loss with a value made of params ('W1')" in why, why
-
+def test_a_loss_scaled_by_a_param_in_a_scans_step_is_refused():
+    """Outside a scan such a factor is differentiated exactly (loss_scaled_by_params above); in a step its
+    part would need each step's loss, which the copy does not return."""
     m = gc.Model("lrstepscaled")
     x, y, h0 = m.input("x", ("T", "B", 3)), m.input("y", ("T", "B"), dtype="int64"), m.input("h0", ("B", 3))
     W, s = m.param("W", (3, 3)), m.param("s", (1,), init="ones")

@@ -7,6 +7,7 @@ import pytest
 import gradc as gc
 from gradc.passes.pipeline import build_training_graph
 
+from fuzz_lr import assert_unbiased
 from test_lr_grad import assert_mean_converges, interpret_lr
 from test_scan import _rnn, _seq_loss
 
@@ -43,6 +44,46 @@ def _stacked_reverse(H=3, D=2):
     h2, _ = gc.scan(lambda h, ht: (gc.tanh(h @ W2 + ht), None), h0, hs, reverse=True)
     m.minimize(gc.softmax_cross_entropy(h2, y))
     return m
+
+
+def _conv_rnn(name="lrconvrnn"):
+    """A convolutional RNN: an image carry (B, 2, 5, 5), h' = tanh(conv(x_t, Wx) + conv(h, Wh) + b) with
+    "same" 3x3 convs, and a 1x1 conv of each step's h' returned as a y whose mean over the steps is read
+    too. Convs in a step are sites (one per step, the sum's noise on it); each site's part is its conv's
+    VJP over the stacked steps, a scan of its own (lr_scan.conv_over_steps)."""
+    m = gc.Model(name)
+    x, h0, y = m.input("x", ("T", "B", 1, 5, 5)), m.input("h0", ("B", 2, 5, 5)), m.input("y", ("B",), dtype="int64")
+    Wx, Wh, b = m.param("Wx", (2, 1, 3, 3)), m.param("Wh", (2, 2, 3, 3)), m.param("b", (1, 2, 1, 1))
+    Wy, V = m.param("Wy", (1, 2, 1, 1)), m.param("V", (75, 3))
+
+    def step(h, xt):
+        h = gc.tanh(gc.conv2d(xt, Wx, padding=1) + gc.conv2d(h, Wh, padding=1) + b)
+        return h, gc.conv2d(h, Wy)
+    hT, ys = gc.scan(step, h0, x)
+    features = gc.concat([hT, gc.tanh(ys.mean(axis=0))], axis=1).reshape(("B", -1))
+    m.minimize(gc.softmax_cross_entropy(features @ V, y))
+    return m
+
+
+def _conv_rnn_problem(rng, T=3, B=4):
+    graph = build_training_graph(_conv_rnn(), "float64", order=1)
+    params = {p: 0.5 * rng.normal(size=graph.shape(n)) for p, n in graph.params.items()}
+    inputs = {"x": rng.normal(size=(T, B, 1, 5, 5)), "h0": rng.normal(size=(B, 2, 5, 5)), "y": rng.integers(0, 3, B)}
+    return graph, params, inputs
+
+
+def test_convs_in_a_step_are_estimated_without_bias():
+    graph, params, inputs = _conv_rnn_problem(np.random.default_rng(0))
+    assert graph.lr["why"] is None, graph.lr["why"]
+    assert [s["op"] for s in graph.lr["sites"]].count("conv2d") == 2   # the step's sum, the y's conv
+    assert_unbiased(graph, params, inputs, "conv rnn", "")
+
+
+@pytest.mark.slow   # (about 50 s: Numba compiles the conv kernels of two step bodies and their VJPs)
+def test_compiled_lr_grad_of_convs_in_a_step_matches_the_interpreter(build_dir):
+    graph, params, inputs = _conv_rnn_problem(np.random.default_rng(1))
+    mod = gc.compile(_conv_rnn("lrconvrnn_c"), out=build_dir, dtype="float64", order=1, warm_cache=False)
+    _assert_compiled_is_interpreted(mod, graph, params, inputs)
 
 
 def _problem(name, rng, T=5, B=6):
