@@ -3,7 +3,7 @@
 tests/fuzz_graphs.py's programs read params elementwise and mix the batch's rows (x.T, reductions and
 softmaxes over any axis), which the likelihood-ratio estimate refuses. These programs are grown by the
 same generator with its moves kept to what the estimate takes: a row never meets another row before the
-loss, and a trainable param is a product's factor (matmul, conv2d; or a weight made of params: a
+loss except through a graph convolution's A @ H (A a sparse normalised adjacency input (B, B)), and a trainable param is a product's factor (matmul, conv2d; or a weight made of params: a
 low-rank product plus a param, a param times a gate of another), a table of take, a bias added to a
 product, a gain read elementwise by a row value (mul, add, maximum; maybe through sigmoid, exp or tanh;
 in a scan's step too), in an L2 penalty added to the loss (with a constant), or a learned weight of a
@@ -36,6 +36,7 @@ from test_lr_grad import interpret_lr
 
 
 BROADCASTING = set(BINARY) | {"maximum"} | set(USER_OPS)
+ADJACENCY = "adj"   # a graph's normalised adjacency (B, B): read only as the left factor of A @ H
 
 
 class _RowGenerator(_Generator):
@@ -47,7 +48,7 @@ class _RowGenerator(_Generator):
     def floats(self, pred=lambda s: True, leaves=True):
         """Values with the batch's rows only: params (and what only params make) are never an operand of
         an elementwise op, a reduction or a join; the product moves add their own weights."""
-        return [n for n in super().floats(pred, leaves) if BATCH in self.shapes[n]]
+        return [n for n in super().floats(pred, leaves) if BATCH in self.shapes[n] and n != ADJACENCY]
 
     def emit(self, op, args, result, tag=None, bounded=True, **kw):
         """A broadcast must keep the rows on one axis: (B, 1) against (B,) would pair every row with every other."""
@@ -131,6 +132,19 @@ class _RowGenerator(_Generator):
         scaled = self.emit(str(rng.choice(["mul", "div"])) if f != s else "mul", [term, f], (), tag="mul[weight]",
                            bounded=False)
         return self.emit("add", [scaled, s], (), tag="add[penalty]", bounded=False)
+
+    def propagate(self):
+        """A graph convolution's A @ H: the adjacency input (B, B) of a random sparse directed graph with
+        self-loops, normalised D^-1 A (each row the mean over its in-neighbours), mixing the rows of a row value (B, F). Its copies run per sample, and
+        each site's noise pairs with the rows it reaches (its own, its neighbours', or the sample's)."""
+        v = self.pick(self.floats(lambda s: len(s) == 2 and s[0] == BATCH))
+        if ADJACENCY not in self.prog.inputs:
+            self.add_input(ADJACENCY, (BATCH, BATCH))
+            n = self.data[ADJACENCY].shape[0]   # directed edges: A is not symmetric, so A and A^T differ
+            linked = (self.rng.random((n, n)) < 0.4) | np.eye(n, dtype=bool)
+            self.data[ADJACENCY] = linked / linked.sum(axis=1, keepdims=True)   # the mean over in-neighbours
+            self.values[ADJACENCY] = torch.as_tensor(self.data[ADJACENCY])
+        return self.emit("matmul", [ADJACENCY, v], self.shapes[v], tag="matmul[adjacency]", form="op")
 
     def conv_scan(self):
         """A convolutional RNN: gc.scan over images (T, B, C', H, W) whose carry is an image (B, C, H, W),
@@ -266,9 +280,9 @@ def _generate_rows(seed):
         g.add_input("img", (BATCH, int(rng.integers(1, 4)), int(rng.integers(3, 8)), int(rng.integers(3, 8))))
     g.attempt(lambda: g.matmul(x, g.add_param((g.N, g.M))))
     moves = [g.unary, g.binary, g.matmul, g.layout, g.reduce, g.softmax, g.rank3, g.conv, g.pool, g.index, g.join,
-             g.take, g.scan, g.random, g.bias, g.embed_sequence, g.gain, g.conv_scan]
+             g.take, g.scan, g.random, g.bias, g.embed_sequence, g.gain, g.conv_scan, g.propagate]
     weights = np.array([0.2, 0.2, 0.2, 0.08, 0.08, 0.05, 0.04, 0.08, 0.05, 0.05, 0.05, 0.1, 0.12, 0.04, 0.05, 0.04,
-                        0.05, 0.04])
+                        0.05, 0.04, 0.06])
     g.nest_rng, g.nest_chance = np.random.default_rng([seed, 11]), 0.0   # lr_grad does not follow nested scans
     for _ in range(int(rng.integers(5, 12))):
         g.attempt(moves[rng.choice(len(moves), p=weights / weights.sum())])
