@@ -71,6 +71,7 @@ from .autodiff import VJPContext, accumulate
 from .lr_scan import ScanNoise
 from .lr_shares import SHARES, offset_shares, rows_first, share_rows, shares
 from .lr_sites import DIMS, K, KB, LAYOUT, Site, Unsupported, chains, misuses  # noqa: F401 (DIMS: for importers)
+from .lr_statistics import STAT, BatchStatistics, Statistic
 
 STREAM = 1 << 20                 # noise streams, apart from the model's own random ops
 PHASE = "forward"                # an estimate is forward work: nothing here is kept for a backward
@@ -84,12 +85,18 @@ def build_lr(graph, trainable, decayed=(), weight_decay=0.0):
     rules refuse whatever mixes its rows."""
     why = {}
     for batch, axes, declared in batch_choices(graph, graph.ancestors([graph.loss])):
-        builder = _Builder(graph, trainable, decayed, weight_decay, batch, axes, declared)
-        try:
-            graph.lr = builder.build()
-            return
-        except Unsupported as e:   # the nodes made so far are dead code: simplify removes them
-            why[batch] = (len(builder.where), str(e))   # how far it got: the furthest names the likeliest cause
+        statistics = set()   # reductions over the rows that the rows read back (batch norm's): found as it goes
+        while True:
+            builder = _Builder(graph, trainable, decayed, weight_decay, batch, axes, declared, statistics)
+            try:
+                graph.lr = builder.build()
+                return
+            except Statistic as e:   # built again, with those taken per copy
+                statistics |= e.nodes
+                continue
+            except Unsupported as e:   # the nodes made so far are dead code: simplify removes them
+                why[batch] = (len(builder.where), str(e))   # how far it got: the furthest names the likeliest cause
+            break
     if not why:
         graph.lr = {"why": "the model has no input with rows to perturb"}
         return
@@ -139,7 +146,7 @@ def estimate_nodes(graph):
 
 
 class _Builder:
-    def __init__(self, g, trainable, decayed, weight_decay, batch, axes, declared):
+    def __init__(self, g, trainable, decayed, weight_decay, batch, axes, declared, statistics=()):
         self.g = g
         self.batch, self.axes, self.declared = batch, axes, declared
         self.trainable = {g.params[p]: p for p in trainable}
@@ -155,6 +162,7 @@ class _Builder:
         self.mixing = []
         self.sites = []            # Site, in the order of their masks and noise streams
         self.scans = ScanNoise(self)
+        self.statistics = BatchStatistics(self, statistics)
 
     # ---- small builders ----------------------------------------------------------------
     def leaf(self, key, shape, dtype):
@@ -193,7 +201,8 @@ class _Builder:
         built = []
         for n in order:
             self.where[n] = self.track(n)
-            if n in tops and not isinstance(self.where[n], tuple):   # (a term added to the loss: exact, below)
+            if n in tops and not isinstance(self.where[n], tuple) and self.where[n] != STAT:   # (a term added to
+                # the loss, a factor of it, a statistic: exact below, when only the loss reads it)
                 if self.where[n] is None:
                     raise Unsupported(f"{g.node(n)['src']}: {g.describe(n)} reads a trainable param but has no batch "
                                       f"rows: the estimate perturbs products of rows (declare its params "
@@ -209,12 +218,19 @@ class _Builder:
                 site.copies = [self.own(x) for x in tops[n]] if clean else [self.copy[x] for x in tops[n][:-1]] + [z]
                 site.pert, site.clean, site.top = pert, clean, n
                 built.append(tops[n])
-        self.tail = {n for n, w in self.where.items() if isinstance(w, tuple)}   # the loss after its reduction
+        # the loss after its reduction over rows: its shares, and statistics no rows read back (sqrt(mse))
+        rowful = {n for n, w in self.where.items() if isinstance(w, int)}
+        self.tail = {n for n, w in self.where.items() if isinstance(w, tuple)
+                     or w == STAT and not self.reach([n]) & rowful}
         self.check_params(built)
-        if not isinstance(self.where[g.loss], tuple):
+        if self.where[g.loss] == STAT:   # not affine in its reduction over rows: one loss per copy
+            shares = self.statistics.loss_shares(g.loss)
+        elif isinstance(self.where[g.loss], tuple):
+            shares = self.stacked(g.loss)
+        else:
             raise Unsupported(f"{self.src}: the loss does not reduce over the batch rows ({self.batch!r}), so there "
                               f"is no loss per row or per sample to pair with the noise")
-        deviations = self.deviations(self.stacked(g.loss), baseline)
+        deviations = self.deviations(shares, baseline)
         coefficients = {}
         contributions = {p: [] for p in self.trainable}
         for site in self.sites:
@@ -244,7 +260,7 @@ class _Builder:
             grads[name] = total
         return {"why": None, "grads": grads, "leaves": self.leaves, "tiled": self.tiled,
                 "sites": [site.doc for site in self.sites],
-                "per_row": not self.mixing, "batch": self.batch,
+                "per_row": not self.mixing and not self.statistics.used, "batch": self.batch,
                 "mixing": [g.node(n)["src"] for n in self.mixing]}
 
     def noise(self, shape, src, what, steps=None, axis=0):
@@ -378,6 +394,10 @@ class _Builder:
 
         if op == "random":   # the model's own draws (dropout, noise): the same in every copy, as loss_and_grad
             return self.model_draws(n)   # draws them from the seed given, so the estimate is of that call's gradient
+        if n in self.statistics.nodes:   # batch norm's mean: one per copy
+            return self.statistics.reduce(n)
+        if STAT in ins:
+            return self.statistics.apply(n, ins)
         if all(w is None for w in ins):
             if op == "scan" and self.scans.sites(n):
                 fail("reads trainable params in its step but has no batch rows (the estimate perturbs products "
@@ -409,17 +429,22 @@ class _Builder:
         emit = lambda kind, inputs, **a: self.apply(kind, inputs, src, **a)
         try:
             where = share_rows(g, n, ins, fail)
-        except Unsupported:   # it mixes rows, unless through a sum over rows no noise reaches (a mask's count,
-            held = [u in self.constants for u in g.operands(n)]   # x.mean(0)): the same in every copy, a constant
+        except Unsupported as e:   # it mixes rows, unless through a sum over rows no noise reaches (a mask's
+            held = [u in self.constants for u in g.operands(n)]   # count, x.mean(0)): the same in every copy
             if not any(held):
                 # or it adds a value without rows to the loss (loss + 0.5, an L2 penalty): its linear part
                 offset = offset_shares(g, n, ins, [self.stacked(u) for u in g.operands(n)], emit)
                 if offset is None:
+                    self.statistics.origins(n, ins, str(e))   # or it reads a batch statistic back (batch norm)
                     raise
                 self.copy[n] = offset
                 return SHARES
             ins = [None if h else w for h, w in zip(held, ins)]
-            where = share_rows(g, n, ins, fail)
+            try:
+                where = share_rows(g, n, ins, fail)
+            except Unsupported as e:
+                self.statistics.origins(n, ins, str(e))
+                raise
             if where is None:   # a function of such sums alone: a constant too, its shares an even split
                 self.constants.add(n)
                 self.copy[n] = self.split(n)
@@ -537,11 +562,13 @@ class _Builder:
         around one, a site in a scan's step) the whole sample's: "sample". Leaving out rows the noise
         cannot reach removes their variance and keeps the estimate unbiased (their loss is independent of
         that noise)."""
-        if not self.mixing:
+        if not self.mixing and not self.statistics.used:
             return "row"
         if site.top is None:
             return "sample"
         after = self.reach([site.top])
+        if after & set(self.statistics.used):   # its noise reaches every row of its copy
+            return "sample"
         hops = [m for m in self.mixing if m in after]
         if not hops:
             return "row"

@@ -10,9 +10,7 @@ import numpy as np
 import pytest
 
 import gradc as gc
-from gradc.codegen.lr_api import lr_info
 from gradc.passes.pipeline import build_training_graph
-from gradc.runtime.lr import LikelihoodRatio
 
 from fuzz_lr import assert_unbiased, check_lr_compiled
 
@@ -189,18 +187,6 @@ def test_the_compiled_estimate_is_the_interpreters(name, tmp_path):
     graph, params, inputs = _problem(name, np.random.default_rng(2))
     check_lr_compiled(SimpleNamespace(model=MODELS[name](), params=params, inputs=inputs, seeds=name,
                                       text=lambda: name), str(tmp_path))
-
-
-def test_a_loss_not_affine_in_its_reduction_is_refused_by_name():
-    """sqrt(loss + |W1|^2): a row's share of it is not defined (the estimate pairs each row's share of the
-    loss with its noise); refused naming the op, at call time by the module's runtime."""
-    m = _mlp("lrsqrtloss", lambda m, h: h, loss=lambda xent, W0, W1: gc.sqrt(xent + gc.square(W1).sum()))
-    graph = build_training_graph(m, "float64", order=1)
-    why = graph.lr["why"]
-    assert "(sqrt) is not linear in the loss reduced over rows" in why, why
-    assert "test_lr_params.py" in why, why
-    with pytest.raises(ValueError, match=r"sqrt"):
-        LikelihoodRatio("lrsqrtloss", np.float64, lr_info(graph)).check(4, 0.1, 0, True, False, True)
 
 
 def test_dropconnect_is_the_same_for_every_row_with_the_batch_bound_to_a_weights_size():

@@ -1,0 +1,128 @@
+"""Batch statistics in lr_grad's perturbed copies (passes/likelihood_ratio.py): batch norm's mean and
+variance over the rows, read back by the rows (h - mu) / sqrt(var + eps).
+
+Each of the K copies is a batch of its own, so a statistic is taken over each copy's B rows: the
+stacked value (..., KB_lr, ...) is seen as (..., K_lr, B, ...) and reduced over B, giving one statistic
+per copy, (K_lr,) + its shape in the model. An elementwise op of statistics (and values without rows)
+is one too; an elementwise op that reads a statistic and a value with rows sees that value as
+(..., K_lr, B, ...) and the statistic with a 1 for B, so each row reads its own copy's statistic. The
+statistic carries each row's noise to every row of its copy, so a site whose value reaches one pairs
+its noise with the whole copy's loss (likelihood_ratio.pairing: "sample"). A loss that is not affine in
+its reduction over rows (sqrt of a mean squared error, the log of a mean) is such a statistic too: one
+loss per copy, which every site's noise pairs with.
+
+Which reductions over the rows are statistics, and which the loss's (kept per row, lr_shares.py), is
+seen where an op reads one together with batch rows: the builder is run again with those reductions
+taken as statistics (`Statistic`)."""
+from gradc.ops import get_op
+from gradc.shapes import fmt
+
+from .lr_shares import share_rows
+from .lr_sites import K, KB, Unsupported
+
+STAT = "statistic"   # where a batch statistic has its rows: none of its own, one value per copy
+REDUCTIONS = ("sum", "mean", "max")
+
+
+class Statistic(Unsupported):
+    """The reductions over the rows an op reads with batch rows: to be built again as statistics."""
+
+    def __init__(self, nodes, why):
+        super().__init__(why)
+        self.nodes = nodes
+
+
+class BatchStatistics:
+    def __init__(self, builder, nodes):
+        self.b = builder
+        self.nodes = set(nodes)   # the reductions over the rows that are statistics
+        self.used = []            # those built
+
+    def origins(self, n, ins, why):
+        """Raise Statistic when op n, which cannot read a reduction over the rows as the loss's (kept per
+        row), reads one not yet taken as a statistic: batch norm's rows read it back, or the loss is not
+        affine in it (sqrt(mse)). `why` is the reason n gives."""
+        b, g = self.b, self.b.g
+        found, stack, seen = set(), [u for u, w in zip(g.operands(n), ins) if isinstance(w, tuple)], set()
+        while stack:
+            u = stack.pop()
+            if u in seen or not isinstance(b.where.get(u), tuple):
+                continue
+            seen.add(u)
+            operands = g.operands(u)
+            if g.op(u) in REDUCTIONS and isinstance(b.where.get(operands[0]), int):
+                found.add(u)
+            else:
+                stack.extend(operands)
+        if found - self.nodes:
+            raise Statistic(found, why)
+
+    def reduce(self, n):
+        """n, a reduction over axes that hold the rows, as one statistic per copy: (K_lr,) + n's shape."""
+        b, g = self.b, self.b.g
+        (u,) = g.operands(n)
+        a, shape = b.where[u], tuple(g.shape(u))
+        if any(d != 1 for d in shape[:a]):
+            raise Unsupported(f"{g.node(n)['src']}: {g.describe(n)} is a statistic over the batch rows on axis {a} "
+                              f"of {fmt(shape)}; lr_grad takes one over rows on the first axis that is not 1")
+        view = b.view(b.stacked(u), shape[:a] + (K, b.batch) + shape[a + 1:])
+        axes = tuple(x + (x >= a) for x in g.attrs(n)["axes"])
+        r = b.apply(g.op(n), [view], g.node(n)["src"], axes=axes, keepdims=bool(g.attrs(n).get("keepdims")))
+        b.copy[n] = b.view(r, (K,) + tuple(g.shape(n)))
+        self.used.append(n)
+        return STAT
+
+    def apply(self, n, ins):
+        """Elementwise op n reading a statistic: a statistic itself when no operand has rows, else rows
+        (on the axis n has them) that read their own copy's statistic."""
+        b, g = self.b, self.b.g
+        src, shape = g.node(n)["src"], tuple(g.shape(n))
+        if get_op(g.op(n)).kind != "elementwise" or "shape" in g.attrs(n) \
+                or any(isinstance(w, tuple) for w in ins):
+            raise Unsupported(f"{src}: {g.describe(n)} reads a batch statistic (a sum, mean or max over the rows "
+                              f"read back by the rows, as batch norm's); lr_grad follows one through elementwise "
+                              f"ops only; or train this model with loss_and_grad")
+        if not any(isinstance(w, int) for w in ins):
+            ops = [self.ranked(u, len(shape)) if w == STAT else u for u, w in zip(g.operands(n), ins)]
+            b.copy[n] = b.apply(g.op(n), ops, src, **g.attrs(n))
+            return STAT
+
+        def fail(why):
+            raise Unsupported(f"{src}: {g.describe(n)} {why}; or train this model with loss_and_grad")
+        r = share_rows(g, n, [None if w == STAT else w for w in ins], fail)
+        ops = [self.split(u, w, len(shape), r) for u, w in zip(g.operands(n), ins)]
+        out = b.apply(g.op(n), ops, src, **g.attrs(n))
+        b.copy[n] = b.view(out, shape[:r] + (KB,) + shape[r + 1:])
+        return r
+
+    def loss_shares(self, loss):
+        """A loss that is itself a statistic (not affine in its reduction over rows: sqrt of an mse) as
+        shares (KB_lr,): each copy's loss split evenly over its rows (its noise pairs with the copy's
+        whole loss anyway)."""
+        b, g = self.b, self.b.g
+        count = b.apply("count", [], g.node(loss)["src"], dims=(b.batch,), dtype=g.dtype(loss))
+        per_copy = b.apply("div", [b.view(b.stacked(loss), (K, 1)), count])
+        return b.view(b.apply("broadcast_to", [per_copy], shape=(K, b.batch)), (KB,))
+
+    def ranked(self, u, rank):
+        """Statistic u's copies, (K_lr,) + its shape padded with 1s to `rank` (right-aligned, as its op reads it)."""
+        s = tuple(self.b.g.shape(u))
+        c = self.b.stacked(u)
+        return self.b.view(c, (K,) + (1,) * (rank - len(s)) + s) if len(s) < rank else c
+
+    def split(self, u, w, rank, r):
+        """Operand u of an op of `rank` whose rows are on axis r, seen with the copies' rows split
+        (..., K_lr, B, ...): a value with rows (on its axis w) viewed so; a statistic with K_lr there and a
+        1 for B; a value without rows with a 1 there too (when its shape reaches that axis)."""
+        b, g = self.b, self.b.g
+        s = tuple(g.shape(u))
+        i = r - (rank - len(s))   # the rows' axis in u's own shape (< 0: u's shape does not reach it)
+        if isinstance(w, int):
+            return b.view(b.stacked(u), s[:w] + (K, b.batch) + s[w + 1:])
+        if w is None:
+            return u if i < 0 else b.view(u, s[:i] + (1,) + s[i:])
+        if i >= 0 and (any(d != 1 for d in s[:i + 1])):   # (its copies are (K_lr,) + s: K_lr goes first)
+            raise Unsupported(f"{g.node(u)['src']}: {g.describe(u)} {fmt(s)} is a batch statistic read by rows on "
+                              f"axis {r}; lr_grad takes one read by rows on the first axis that is not 1")
+        target = (K, 1) + (1,) * (-i - 1) + s if i < 0 else s[:i] + (K,) + s[i:]
+        return b.view(b.stacked(u), target)

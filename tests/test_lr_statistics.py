@@ -1,0 +1,123 @@
+"""lr_grad with batch statistics (passes/lr_statistics.py, DESIGN.md §1.9): batch norm's mean and variance
+over the rows, read back by the rows, taken per perturbed copy; and losses not affine in their reduction
+over rows (the root of a mean squared error), one per copy. Each estimate is checked for bias per param
+through the interpreter (fuzz_lr.assert_unbiased); one compiled module against the interpreter; refusals."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import gradc as gc
+from gradc.passes.pipeline import build_training_graph
+
+from fuzz_lr import assert_unbiased, check_lr_compiled
+
+
+def _batch_norm(h, axes, m, name):
+    """Batch norm in training mode: the batch's mean and (biased) variance over `axes`, a learned gain and
+    shift per feature."""
+    keep = len(axes) > 1
+    mu = h.mean(axis=axes, keepdims=keep)
+    var = gc.square(h - mu).mean(axis=axes, keepdims=keep)
+    shape = (1, h.shape[1], 1, 1) if keep else (h.shape[1],)
+    g, b = m.param(f"{name}_g", shape, init="ones"), m.param(f"{name}_b", shape, init="zeros")
+    return (h - mu) / gc.sqrt(var + 1e-5) * g + b
+
+
+def _bn_mlp():
+    m = gc.Model("lrbnmlp")
+    x, y = m.input("x", ("B", 5)), m.input("y", ("B",), dtype="int64")
+    h = gc.tanh(_batch_norm(x @ m.param("W0", (5, 6)), (0,), m, "bn0"))
+    h = gc.relu(_batch_norm(h @ m.param("W1", (6, 6)), (0,), m, "bn1"))
+    m.minimize(gc.softmax_cross_entropy(h @ m.param("W2", (6, 3)), y))
+    return m
+
+
+def _bn_conv():
+    m = gc.Model("lrbnconv")
+    x, y = m.input("x", ("B", 1, 6, 6)), m.input("y", ("B",), dtype="int64")
+    h = gc.conv2d(x, m.param("w", (3, 1, 3, 3), init="he_normal"), padding=1)
+    h = gc.max_pool2d(gc.relu(_batch_norm(h, (0, 2, 3), m, "bn")), 2).reshape(("B", -1))
+    m.minimize(gc.softmax_cross_entropy(h @ m.param("W", (27, 4)), y))
+    return m
+
+
+def _centred():
+    """Rows centred by their batch's mean alone, h - h.mean(0), between two layers (no variance)."""
+    m = gc.Model("lrcentred")
+    x, y = m.input("x", ("B", 5)), m.input("y", ("B",), dtype="int64")
+    h = gc.tanh(x @ m.param("W0", (5, 6)))
+    m.minimize(gc.softmax_cross_entropy((h - h.mean(axis=0)) @ m.param("W1", (6, 3)), y))
+    return m
+
+
+def _root_loss(kind):
+    """A loss not affine in its mean over rows: "rmse", the root of a mean squared error; "log", the log of
+    a cross-entropy's mean; "penalised", the root of a cross-entropy plus an L2 penalty (the penalty's part
+    exact, from the unperturbed loss)."""
+    m = gc.Model(f"lr{kind}")
+    x = m.input("x", ("B", 5))
+    W1 = m.param("W1", (6, 3))
+    out = gc.tanh(x @ m.param("W0", (5, 6))) @ W1
+    if kind == "rmse":
+        m.minimize(gc.sqrt(gc.mse(out, m.input("t", ("B", 3)))))
+    elif kind == "penalised":
+        xent = gc.softmax_cross_entropy(out, m.input("y", ("B",), dtype="int64"))
+        m.minimize(gc.sqrt(xent + 0.3 * gc.square(W1).sum()))
+    else:
+        m.minimize(gc.log(gc.softmax_cross_entropy(out, m.input("y", ("B",), dtype="int64"))))
+    return m
+
+
+MODELS = {"bn_mlp": _bn_mlp, "bn_conv": _bn_conv, "centred": _centred,
+          "rmse": lambda: _root_loss("rmse"), "log_loss": lambda: _root_loss("log"),
+          "penalised_root": lambda: _root_loss("penalised")}
+
+
+def _problem(name, rng, B=8):
+    graph = build_training_graph(MODELS[name](), "float64", order=1)
+    params = {p: 0.5 * rng.normal(size=graph.shape(n)) + (1.0 if p.endswith("_g") else 0.0)
+              for p, n in graph.params.items()}
+    inputs = {"x": rng.normal(size=(B, 1, 6, 6) if name == "bn_conv" else (B, 5))}
+    if name == "rmse":
+        inputs["t"] = rng.normal(size=(B, 3))
+    else:
+        inputs["y"] = rng.integers(0, 4 if name == "bn_conv" else 3, B)
+    return graph, params, inputs
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_batch_statistics_are_taken_per_copy_without_bias(name):
+    graph, params, inputs = _problem(name, np.random.default_rng(0))
+    assert graph.lr["why"] is None, graph.lr["why"]
+    assert not graph.lr["per_row"]
+    assert_unbiased(graph, params, inputs, name, "")
+
+
+def test_a_site_before_a_statistic_pairs_with_its_copys_whole_loss():
+    """The first layer's noise reaches every row through the batch's mean: "sample"; the gain after the
+    statistic and the last layer reach their own row only: "row"."""
+    graph, _, _ = _problem("bn_mlp", np.random.default_rng(1))
+    pairs = [(s["op"], s["pairs"]) for s in graph.lr["sites"]]
+    assert pairs == [("matmul", "sample"), ("mul", "sample"), ("matmul", "sample"), ("mul", "row"),
+                     ("matmul", "row")], pairs
+
+
+@pytest.mark.parametrize("name", ["bn_conv", "rmse"])
+def test_the_compiled_estimate_is_the_interpreters(name, tmp_path):
+    _, params, inputs = _problem(name, np.random.default_rng(2))
+    check_lr_compiled(SimpleNamespace(model=MODELS[name](), params=params, inputs=inputs, seeds=name,
+                                      text=lambda: name), str(tmp_path))
+
+
+def test_a_param_applied_to_a_statistic_is_refused_by_name():
+    """mu * s, a param scaling the batch's mean before the rows read it: the estimate perturbs values with
+    rows, and the statistic has none."""
+    m = gc.Model("lrstatparam")
+    x, y = m.input("x", ("B", 5)), m.input("y", ("B",), dtype="int64")
+    h = x @ m.param("W0", (5, 6))
+    s = m.param("s", (6,), init="ones")
+    m.minimize(gc.softmax_cross_entropy((h - h.mean(axis=0) * s) @ m.param("W1", (6, 3)), y))
+    why = build_training_graph(m, "float64", order=1).lr["why"]
+    assert "'s' (6,) reach(es) the loss through an op the estimate cannot perturb" in why, why
+    assert "(mul)" in why and "test_lr_statistics.py" in why, why
