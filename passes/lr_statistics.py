@@ -61,13 +61,13 @@ class BatchStatistics:
         """n, a reduction over axes that hold the rows, as one statistic per copy: (K_lr,) + n's shape."""
         b, g = self.b, self.b.g
         (u,) = g.operands(n)
-        a, shape = b.where[u], tuple(g.shape(u))
-        if any(d != 1 for d in shape[:a]):
-            raise Unsupported(f"{g.node(n)['src']}: {g.describe(n)} is a statistic over the batch rows on axis {a} "
-                              f"of {fmt(shape)}; lr_grad takes one over rows on the first axis that is not 1")
+        a, shape, src = b.where[u], tuple(g.shape(u)), g.node(n)["src"]
         view = b.view(b.stacked(u), shape[:a] + (K, b.batch) + shape[a + 1:])
-        axes = tuple(x + (x >= a) for x in g.attrs(n)["axes"])
-        r = b.apply(g.op(n), [view], g.node(n)["src"], axes=axes, keepdims=bool(g.attrs(n).get("keepdims")))
+        axes, keepdims = tuple(g.attrs(n)["axes"]), bool(g.attrs(n).get("keepdims"))
+        r = b.apply(g.op(n), [view], src, axes=tuple(x + (x >= a) for x in axes), keepdims=keepdims)
+        at = a if keepdims else a - sum(x < a for x in axes)   # where the copies' axis is now: to the front
+        if at:
+            r = b.apply("transpose", [r], src, axes=(at,) + tuple(x for x in range(len(g.shape(r))) if x != at))
         b.copy[n] = b.view(r, (K,) + tuple(g.shape(n)))
         self.used.append(n)
         return STAT
@@ -121,8 +121,11 @@ class BatchStatistics:
             return b.view(b.stacked(u), s[:w] + (K, b.batch) + s[w + 1:])
         if w is None:
             return u if i < 0 else b.view(u, s[:i] + (1,) + s[i:])
-        if i >= 0 and (any(d != 1 for d in s[:i + 1])):   # (its copies are (K_lr,) + s: K_lr goes first)
-            raise Unsupported(f"{g.node(u)['src']}: {g.describe(u)} {fmt(s)} is a batch statistic read by rows on "
-                              f"axis {r}; lr_grad takes one read by rows on the first axis that is not 1")
-        target = (K, 1) + (1,) * (-i - 1) + s if i < 0 else s[:i] + (K,) + s[i:]
-        return b.view(b.stacked(u), target)
+        if i <= 0:
+            return b.view(b.stacked(u), (K, 1) + (1,) * (-i - 1) + s) if i else b.stacked(u)
+        if s[i] != 1:
+            raise Unsupported(f"{g.node(u)['src']}: {g.describe(u)} {fmt(s)}, a batch statistic, is read by rows on "
+                              f"its axis {i}, which is not 1")
+        # its copies (K_lr,) + s with K_lr moved to axis i, before the 1 the rows read it on
+        return b.apply("transpose", [b.stacked(u)], g.node(u)["src"],
+                       axes=tuple(range(1, i + 1)) + (0,) + tuple(range(i + 1, len(s) + 1)))

@@ -2,19 +2,21 @@
 
 tests/fuzz_graphs.py's programs read params elementwise and mix the batch's rows (x.T, reductions and
 softmaxes over any axis), which the likelihood-ratio estimate refuses. These programs are grown by the
-same generator with its moves kept to what the estimate takes: a row never meets another row before the
-loss except through a graph convolution's A @ H (A a sparse normalised adjacency input (B, B)), and a trainable param is a product's factor (matmul, conv2d; or a weight made of params: a
-low-rank product plus a param, a param times a gate of another), a table of take, a bias added to a
-product, a gain read elementwise by a row value (mul, add, maximum; maybe through sigmoid, exp or tanh;
-in a scan's step too), in an L2 penalty added to the loss (with a constant), or a learned weight of a
-loss term (t * exp(-s) + s). Besides those: elementwise ops
-of row values and constants (user ops too), reshapes and transposes that keep the rows an axis, sums, means
-and maxes and softmaxes over other axes, indexing, concatenations and stacks, images, pools, embeddings of int
-inputs (tokens (T, B) too: noise on axis 1), scans of random recurrent cells (gates, two carries, ys made by a
-product in the step) and of convolutional cells (an image carry, convs in the step), dropout and Gaussian noise drawn from an int input (the same draws in every perturbed
-copy), biases added to any row value, frozen params read elementwise, and a loss of per-row terms:
-cross-entropy over (B, C) or (B, k, C) logits plus sums, means and squared errors over whole values, means
-weighted by an input mask over its count, weighted, added and subtracted, with weight decay.
+same generator with its moves kept to what the estimate takes: a row meets another row before the loss
+only through a graph convolution's A @ H (A a sparse normalised adjacency input (B, B)) and batch norm's
+statistics over the rows (one per perturbed copy), and a trainable param is a product's factor (matmul,
+conv2d; or a weight made of params: a low-rank product plus a param, a param times a gate of another), a
+table of take, a bias added to a product, a gain read elementwise by a row value (mul, add, maximum;
+maybe through sigmoid, exp or tanh; in a scan's step too), in an L2 penalty added to the loss (with a
+constant), or a learned weight of a loss term (t * exp(-s) + s). Besides those: elementwise ops of row
+values and constants (user ops too), reshapes and transposes that keep the rows an axis, sums, means and
+maxes and softmaxes over other axes, indexing, concatenations and stacks, images, pools, embeddings of
+int inputs (tokens (T, B) too: noise on axis 1), scans of random recurrent cells (gates, two carries, ys
+made by a product in the step) and of convolutional cells (an image carry, convs in the step), dropout
+and Gaussian noise drawn from an int input (the same draws in every perturbed copy), biases added to any
+row value, frozen params read elementwise, and a loss of per-row terms: cross-entropy over (B, C) or
+(B, k, C) logits plus sums, means and squared errors over whole values, means weighted by an input mask
+over its count, weighted, added and subtracted, maybe through softplus or sqrt(l^2 + 1), with weight decay.
 
 `lr_case(seed)` gives a fuzz_graphs.Case; `check_lr_compiled(case, out)` that the generated module's
 lr_grad is the interpreter's; `check_lr(case)` asserts that lr_grad builds for it (a refusal is a
@@ -132,6 +134,25 @@ class _RowGenerator(_Generator):
         scaled = self.emit(str(rng.choice(["mul", "div"])) if f != s else "mul", [term, f], (), tag="mul[weight]",
                            bounded=False)
         return self.emit("add", [scaled, s], (), tag="add[penalty]", bounded=False)
+
+    def batch_norm(self):
+        """A row value (B, F) or image (B, C, H, W) normalised by its batch's mean and variance over the rows
+        (and the image's positions), maybe centred only: batch statistics, one per perturbed copy."""
+        rng = self.rng
+        v = self.pick(self.floats(lambda s: len(s) in (2, 4) and s[0] == BATCH and all(
+            isinstance(d, int) for d in s[1:])))
+        s = self.shapes[v]
+        axes = (0,) if len(s) == 2 else (0, 2, 3)
+        stat = tuple(1 if a in axes else d for a, d in enumerate(s)) if len(s) == 4 else s[1:]
+        kw = dict(axis=axes, keepdims=len(s) == 4, form="method", bounded=False)
+        mu = self.emit("mean", [v], stat, tag="mean[batch statistic]", **kw)
+        centred = self.emit("sub", [v, mu], s, tag="sub[batch statistic]")
+        if rng.random() < 0.3:
+            return centred
+        var = self.emit("mean", [self.emit("mul", [centred, centred], s, bounded=False)], stat,
+                        tag="mean[batch statistic]", **kw)
+        sd = self.emit("sqrt", [self.emit("add", [var, Const(0.1)], stat, bounded=False)], stat, bounded=False)
+        return self.emit("div", [centred, sd], s, tag="div[batch statistic]")
 
     def propagate(self):
         """A graph convolution's A @ H: the adjacency input (B, B) of a random sparse directed graph with
@@ -280,9 +301,9 @@ def _generate_rows(seed):
         g.add_input("img", (BATCH, int(rng.integers(1, 4)), int(rng.integers(3, 8)), int(rng.integers(3, 8))))
     g.attempt(lambda: g.matmul(x, g.add_param((g.N, g.M))))
     moves = [g.unary, g.binary, g.matmul, g.layout, g.reduce, g.softmax, g.rank3, g.conv, g.pool, g.index, g.join,
-             g.take, g.scan, g.random, g.bias, g.embed_sequence, g.gain, g.conv_scan, g.propagate]
+             g.take, g.scan, g.random, g.bias, g.embed_sequence, g.gain, g.conv_scan, g.propagate, g.batch_norm]
     weights = np.array([0.2, 0.2, 0.2, 0.08, 0.08, 0.05, 0.04, 0.08, 0.05, 0.05, 0.05, 0.1, 0.12, 0.04, 0.05, 0.04,
-                        0.05, 0.04, 0.06])
+                        0.05, 0.04, 0.06, 0.05])
     g.nest_rng, g.nest_chance = np.random.default_rng([seed, 11]), 0.0   # lr_grad does not follow nested scans
     for _ in range(int(rng.integers(5, 12))):
         g.attempt(moves[rng.choice(len(moves), p=weights / weights.sum())])
@@ -304,6 +325,10 @@ def _generate_rows(seed):
         loss = g.emit(str(rng.choice(["add", "sub"])), [loss, w], (), bounded=False)
     if rng.random() < 0.2:
         loss = g.attempt(g.penalty, loss) or loss
+    if rng.random() < 0.1:   # not affine in its reduction over rows: one loss per perturbed copy
+        loss = g.attempt(lambda: g.emit("softplus", [loss], (), tag="unary[loss]", bounded=False)) or g.emit(
+            "sqrt", [g.emit("add", [g.emit("mul", [loss, loss], (), bounded=False), Const(1.0)], (), bounded=False)],
+            (), tag="unary[loss]", bounded=False)   # (softplus of a loss over 3 is refused as large)
     g.prog.loss = loss
     g.prog.weight_decay = float(rng.choice([0.0, 0.01, 0.1]))
     return g.prog, g.data

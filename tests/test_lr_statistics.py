@@ -51,6 +51,19 @@ def _centred():
     return m
 
 
+def _time_major():
+    """A scan's stacked results (T, B, H), rows on axis 1, normalised over the batch at each step
+    (hs - hs.mean(1)) / sqrt(var + eps); the loss the root of the mean cross-entropy over (T, B)."""
+    m = gc.Model("lrtimemajor")
+    x, h0, y = m.input("x", ("T", "B", 2)), m.input("h0", ("B", 3)), m.input("y", ("T", "B"), dtype="int64")
+    W, U = m.param("W", (3, 3)), m.param("U", (2, 3))
+    _, hs = gc.scan(lambda h, xt: (gc.tanh(h @ W + xt @ U),) * 2, h0, x)
+    centred = hs - hs.mean(axis=1, keepdims=True)
+    normed = centred / gc.sqrt(gc.square(centred).mean(axis=1, keepdims=True) + 1e-3)
+    m.minimize(gc.sqrt(gc.softmax_cross_entropy(normed @ m.param("V", (3, 4)), y)))
+    return m
+
+
 def _root_loss(kind):
     """A loss not affine in its mean over rows: "rmse", the root of a mean squared error; "log", the log of
     a cross-entropy's mean; "penalised", the root of a cross-entropy plus an L2 penalty (the penalty's part
@@ -71,13 +84,16 @@ def _root_loss(kind):
 
 MODELS = {"bn_mlp": _bn_mlp, "bn_conv": _bn_conv, "centred": _centred,
           "rmse": lambda: _root_loss("rmse"), "log_loss": lambda: _root_loss("log"),
-          "penalised_root": lambda: _root_loss("penalised")}
+          "penalised_root": lambda: _root_loss("penalised"), "time_major": _time_major}
 
 
 def _problem(name, rng, B=8):
     graph = build_training_graph(MODELS[name](), "float64", order=1)
     params = {p: 0.5 * rng.normal(size=graph.shape(n)) + (1.0 if p.endswith("_g") else 0.0)
               for p, n in graph.params.items()}
+    if name == "time_major":
+        return graph, params, {"x": rng.normal(size=(3, B, 2)), "h0": rng.normal(size=(B, 3)),
+                               "y": rng.integers(0, 4, (3, B))}
     inputs = {"x": rng.normal(size=(B, 1, 6, 6) if name == "bn_conv" else (B, 5))}
     if name == "rmse":
         inputs["t"] = rng.normal(size=(B, 3))
@@ -103,7 +119,7 @@ def test_a_site_before_a_statistic_pairs_with_its_copys_whole_loss():
                      ("matmul", "row")], pairs
 
 
-@pytest.mark.parametrize("name", ["bn_conv", "rmse"])
+@pytest.mark.parametrize("name", ["bn_conv", "rmse", "time_major"])
 def test_the_compiled_estimate_is_the_interpreters(name, tmp_path):
     _, params, inputs = _problem(name, np.random.default_rng(2))
     check_lr_compiled(SimpleNamespace(model=MODELS[name](), params=params, inputs=inputs, seeds=name,
