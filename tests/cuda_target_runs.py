@@ -26,6 +26,7 @@ import test_lr_grad as lr_grads  # noqa: E402
 import test_lr_graphs as lr_graphs  # noqa: E402
 import test_lr_params as lr_params  # noqa: E402
 import test_lr_scan as lr_scans  # noqa: E402
+import test_lr_statistics as lr_statistics  # noqa: E402
 import test_scan as scans  # noqa: E402
 from gradc.interpret import evaluate  # noqa: E402
 from gradc.passes.pipeline import build_training_graph  # noqa: E402
@@ -299,7 +300,7 @@ def run_lr(build):
     """lr_grad and Trainer(gradient="lr") on CUDA against the CPU target: the same noise (drawn in the
     kernels from the seed), so the same estimate; an MLP, an RNN as a gc.scan (device inputs too),
     language models with trained embeddings, an MLP with dropout, params read other than as a factor, a graph
-    convolution, a convolutional RNN."""
+    convolution, a convolutional RNN, batch statistics."""
     from numba import cuda
     rng = np.random.default_rng(2)
     out = {}
@@ -364,6 +365,13 @@ def run_lr(build):
     l1, g1 = cpu.lr_grad(params, samples=2, seed=3, **inputs)
     l2, g2 = dev.lr_grad(params, samples=2, seed=3, **inputs)
     out["conv_rnn"] = max(abs(l1 - l2), err(g1, g2))
+    # batch statistics, one per copy: batch norm in a conv net; a scan's results normalised per step
+    for name in ("bn_conv", "time_major"):
+        model, cpu, dev = both(lr_statistics.MODELS[name], os.path.join(build, name))
+        _, params, inputs = lr_statistics._problem(name, rng, B=4)
+        l1, g1 = cpu.lr_grad(params, samples=2, seed=3, **inputs)
+        l2, g2 = dev.lr_grad(params, samples=2, seed=3, **inputs)
+        out[name] = max(abs(l1 - l2), err(g1, g2))
     return out
 
 
