@@ -3,10 +3,9 @@ loss_and_grad's gradient against the samples K (antithetic pairs or not, layer-w
 time of one estimate against one loss_and_grad (medians, after a warm-up call). float64 builds, one batch, the mean over seeds of
 each single estimate's error (not the error of a mean).
 
-    python bench/lr.py [--quick]
+    python bench/lr.py [--quick] [--models "mlp B=64,bn conv B=32"]
 """
 import argparse
-import os
 import sys
 import tempfile
 import time
@@ -39,6 +38,23 @@ def convnet(B):
     h = gc.max_pool2d(h, 2).reshape(("B", -1))
     h = h @ m.param("W", (128, 10)) + m.param("b", (10,), init="zeros")
     m.minimize(gc.softmax_cross_entropy(h, y))
+    rng = np.random.default_rng(0)
+    return m, {"x": rng.normal(size=(B, 1, 8, 8)), "y": rng.integers(0, 10, B)}
+
+
+def bn_convnet(B):
+    """convnet with batch norm (training mode) after the conv: a batch statistic per perturbed copy, so the
+    conv's noise pairs with its copy's whole loss."""
+    m = gc.Model("lr_bench_bnconv")
+    x = m.input("x", ("B", 1, 8, 8))
+    y = m.input("y", ("B",), dtype="int64")
+    h = gc.conv2d(x, m.param("c1", (8, 1, 3, 3), init="he_normal"), padding=1)
+    mu = h.mean(axis=(0, 2, 3), keepdims=True)
+    var = gc.square(h - mu).mean(axis=(0, 2, 3), keepdims=True)
+    h = (h - mu) / gc.sqrt(var + 1e-5) * m.param("g", (1, 8, 1, 1), init="ones") + m.param("cb1", (1, 8, 1, 1),
+                                                                                          init="zeros")
+    h = gc.max_pool2d(gc.relu(h), 2).reshape(("B", -1))
+    m.minimize(gc.softmax_cross_entropy(h @ m.param("W", (128, 10)) + m.param("b", (10,), init="zeros"), y))
     rng = np.random.default_rng(0)
     return m, {"x": rng.normal(size=(B, 1, 8, 8)), "y": rng.integers(0, 10, B)}
 
@@ -88,21 +104,26 @@ def language_model(B, T=8, V=16):
     return m, {"tok": tokens[:-1], "tgt": tokens[1:], "h0": np.zeros((B, 16))}
 
 
-MODELS = {"mlp B=64": (mlp, 64), "conv B=32": (convnet, 32), "gcn karate": (gcn, 34), "rnn scan T=16 B=32": (rnn, 32),
-          "lm embedding T=8 B=32": (language_model, 32)}
+MODELS = {"mlp B=64": (mlp, 64), "conv B=32": (convnet, 32), "bn conv B=32": (bn_convnet, 32),
+          "gcn karate": (gcn, 34), "rnn scan T=16 B=32": (rnn, 32), "lm embedding T=8 B=32": (language_model, 32)}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated names of MODELS")
     args = ap.parse_args()
+    unknown = [name for name in args.models.split(",") if name not in MODELS]
+    if unknown:
+        ap.error(f"--models: no model {unknown[0]!r} (the models: {', '.join(MODELS)})")
     Ks = (8, 32, 128) if args.quick else (8, 32, 128, 512)
     seeds = 4 if args.quick else 8
     modes = {"antithetic": dict(antithetic=True), "plain+baseline": dict(antithetic=False),
              "antithetic layer-wise": dict(antithetic=True, layerwise=True)}
     out = tempfile.mkdtemp(prefix="gradc-lr-bench-")
     print(f"{'model':<22} {'mode':<22} {'K':>5} {'rel.err':>8} {'cosine':>7} {'ms/est':>8} {'ms/l&g':>7} {'ratio':>6}")
-    for label, (make, B) in MODELS.items():
+    for label in args.models.split(","):
+        make, B = MODELS[label]
         m, inputs = make(B)
         mod = gc.compile(m, out=out, dtype="float64", order=1, warm_cache=False)
         params = mod.init_params(0)
