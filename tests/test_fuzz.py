@@ -53,7 +53,9 @@ def test_lr_grad_of_more_row_wise_programs_is_unbiased():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [0, 3, 4, 9])   # convs and pools, scans, embeddings, (B, k, C) logits
+# conv scans and learned loss weights; convs, pools, scans, embeddings, a graph convolution and batch norm;
+# (B, k, C) logits; batch norm and a loss through softplus; all of those together
+@pytest.mark.parametrize("seed", [1, 2, 4, 11, 28])
 def test_compiled_lr_grad_of_row_wise_programs_matches_the_interpreter(seed, tmp_path):
     check_lr_compiled(lr_case(seed), str(tmp_path))
 
