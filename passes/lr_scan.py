@@ -92,7 +92,7 @@ class ScanNoise:
         b, g = self.b, self.b.g
         attrs = g.attrs(n)
         body, leaves, outputs, K, X, C, M = parts(attrs)
-        where = body_rows(g, n, ins, fail, share_rows)
+        where = body_rows(g, n, ins, lambda why: self.step_fail(n, why, fail), share_rows)
         tops = {chain[-1]: chain for chain in self.sites(n)}
         new = copy.deepcopy(body)
         new.name = body.name + "_lr"
@@ -182,6 +182,23 @@ class ScanNoise:
             site.pert = emit("mul", [step_site.noise, step_site.mask])
             site.copies = self.over_steps(n, body, step_site.tree, stacked, emit, where, steps)
         return scan, ScanRows(tuple(where[o] for o in outputs), K)
+
+    def step_fail(self, n, why, fail):
+        """fail(why) for scan n's step, naming what lr_grad takes outside scans only rather than the loss's
+        rule: a batch statistic read back by the step's rows (batch norm in the step), a penalty added to a
+        step's loss."""
+        g = self.b.g
+        if "combines the loss reduced over rows with a value without batch rows" in why:
+            raise Unsupported(f"{g.node(n)['src']}: {g.describe(n)} {why}; lr_grad does not split a term without "
+                              f"rows added to a step's loss (a penalty) over the rows' shares in a step: add it "
+                              f"to the loss after the scan, where lr_grad differentiates it exactly; or train this "
+                              f"model with loss_and_grad")
+        if "mixes a value reduced over rows with other batch values" not in why:
+            fail(why)
+        raise Unsupported(f"{g.node(n)['src']}: {g.describe(n)} {why}: a batch statistic (a sum or mean over the "
+                          f"rows that the rows read back, as batch norm in a step) is taken per perturbed copy "
+                          f"outside a scan, not in its step (normalise before or after the scan, or train this "
+                          f"model with loss_and_grad)")
 
     def row_operands(self, n, body, tree, where, copies):
         """{(op of the site, operand index): that operand's copy in the step}, returned as ys: what the

@@ -314,6 +314,23 @@ def test_refusals_name_the_reason_and_what_to_do():
     why = build_training_graph(m, "float64", order=1).lr["why"]
     assert "return it as the step's y" in why and "train this model with loss_and_grad" in why, why
 
+    # batch norm in a step; a penalty added to a step's loss in the step: each names what to do instead
+    for kind in ("norm", "penalty"):
+        m = gc.Model(f"lrstep{kind}")
+        x, y, h0 = m.input("x", ("T", "B", 3)), m.input("y", ("T", "B"), dtype="int64"), m.input("h0", ("B", 3))
+        W = m.param("W", (3, 3))
+
+        def step(h, xs):
+            z = xs[0] @ W + h
+            h = gc.tanh(z - z.mean(axis=0) if kind == "norm" else z)
+            return h, gc.softmax_cross_entropy(h, xs[1]) + (0.1 * gc.square(W).sum() if kind == "penalty" else 0.0)
+        _, losses = gc.scan(step, h0, (x, y))
+        m.minimize(losses.mean())
+        why = build_training_graph(m, "float64", order=1).lr["why"]
+        assert "test_lr_scan.py" in why, why
+        assert ("as batch norm in a step" in why and "normalise before or after the scan" in why if kind == "norm"
+                else "add it to the loss after the scan" in why), why
+
 
 def _embedded(where, named=True):
     """A language model with a trained embedding table E: looked up in the step, before the scan on
