@@ -372,7 +372,9 @@ def assert_unbiased(graph, params, inputs, what, text, trainable=None, samples=2
         estimates = np.array([est for est, _ in runs])
         mean, se = estimates.mean(axis=0), estimates.std(axis=0, ddof=1) / np.sqrt(count)
         off, scale = np.abs(mean - true), 1e-9 * (1.0 + np.abs(true))
-        exact = se < scale   # no noise reaches it (weight decay alone, a table row no one reads): rounding only
+        # no noise reaches it (weight decay alone, a table row no one reads): the same bits in every estimate
+        # (an estimated part of 1e-9 is still noise: seed 516's carry of small batch-normed values)
+        exact = se < 1e-3 * scale
         assert np.all(off[exact] < scale[exact]), f"{what}: an exact part that is not the gradient"
         # the estimate is of the noised objective's gradient, O(sigma^2) away: seen where the gradient is ~0
         off = np.maximum(off - 10 * sigma ** 2 * (1.0 + np.abs(true).max()), 0.0)
