@@ -1,7 +1,7 @@
 """lr_grad's variance and cost (DESIGN.md §1.9): per model, the estimate's relative error and cosine to
 loss_and_grad's gradient against the samples K (antithetic pairs or not, layer-wise or not), and the
-time of one estimate against one loss_and_grad (medians, after a warm-up call). float64 builds, one batch, the mean over seeds of
-each single estimate's error (not the error of a mean).
+time of one estimate against one loss_and_grad (medians, after a warm-up call). float64 builds, one
+batch, the mean over seeds of each single estimate's error (not the error of a mean).
 
     python bench/lr.py [--quick] [--models "mlp B=64,bn conv B=32"]
 """

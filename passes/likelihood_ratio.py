@@ -47,18 +47,19 @@ rows (A @ H in a graph convolution: a row-mixing product runs per sample, as a b
 mixing, its neighbours (A[i, j] != 0) behind one, else the sample's whole loss L_k (per sample). All
 are unbiased for the noised objective (a row's loss its noise cannot reach adds variance, not bias);
 the fewer rows, the less variance. A batch statistic (batch norm's mean over the rows, read back by
-them; passes/lr_statistics.py) is taken per copy, and a site whose noise reaches one pairs per sample. The baseline subtracted from each
-row's (or sample's) loss is the copies' losses weighted by a leaf (K_lr, 1) set at call time: without
-antithetic pairs the mean over the samples, made leave-one-out by the factor K/(K-1) the module folds
-into the scale; with pairs the loss of two copies without noise. Pairs alone do not remove the loss:
-where a noised product reads a value the noise has already reached (a second layer, the step after
-the first), the + and - copies read different values, and the loss times their difference stays.
+them; passes/lr_statistics.py) is taken per copy, and a site whose noise reaches one pairs per sample.
+The baseline subtracted from each row's (or sample's) loss is the copies' losses weighted by a leaf
+(K_lr, 1) set at call time: without antithetic pairs the mean over the samples, made leave-one-out by
+the factor K/(K-1) the module folds into the scale; with pairs the loss of two copies without noise.
+Pairs alone do not remove the loss: where a noised product reads a value the noise has already reached
+(a second layer, the step after the first), the + and - copies read different values, and the loss
+times their difference stays.
 
 The batch dim is not declared: each dim that may be it is tried, the likeliest first (batch_choices);
 any choice the rows rules accept gives an unbiased estimate. Params the estimate cannot reach (a
 learned initial carry, a factor of a step's loss in the step, a param applied to a batch statistic),
-nested scans, and ops that mix rows in ways not covered make lr_grad raise at call time with the reason
-(graph.lr["why"]); compile never fails because of this pass.
+batch statistics in a scan's step, and ops that mix rows in ways not covered make lr_grad raise at call
+time with the reason (graph.lr["why"]); compile never fails because of this pass.
 """
 import sympy as sp
 
@@ -265,11 +266,12 @@ class _Builder:
                 "mixing": [g.node(n)["src"] for n in self.mixing]}
 
     def noise(self, shape, src, what, steps=None, axis=0):
-        """A new site's noise (`shape`, its rows on `axis`; or one such per step stacked on a new axis 0
-        when `steps` is given) and its mask leaf (KB_lr, 1, ...), which broadcasts from the rows' axis on;
-        the Site is appended to self.sites, to be completed."""
+        """A new site's noise (`shape`, its rows on `axis`; or one such per step of each enclosing scan,
+        stacked on new axes in front, when `steps` (outermost first) is given) and its mask leaf
+        (KB_lr, 1, ...), which broadcasts from the rows' axis on; the Site is appended to self.sites, to be
+        completed."""
         i = len(self.sites)
-        full, at = (tuple(shape), axis) if steps is None else ((steps,) + tuple(shape), axis + 1)
+        full, at = (tuple(steps) + tuple(shape), axis + len(steps)) if steps else (tuple(shape), axis)
         drawn = (full[at],) + full[:at] + full[at + 1:]
         noise = self.apply("random", [self.seed, self.half], src, dist="normal", p=0.0, stream=STREAM + i,
                            shape=drawn, dtype=self.float)
@@ -431,7 +433,8 @@ class _Builder:
         try:
             where = share_rows(g, n, ins, fail)
         except Unsupported as e:   # it mixes rows, unless through a sum over rows no noise reaches (a mask's
-            held = [u in self.constants for u in g.operands(n)]   # count, x.mean(0)): the same in every copy
+            self.statistics.refused(n, ins, str(e))   # count, x.mean(0)): the same in every copy; a max over
+            held = [u in self.constants for u in g.operands(n)]   # the rows is a batch statistic
             if not any(held):
                 # or it adds a value without rows to the loss (loss + 0.5, an L2 penalty): its linear part
                 offset = offset_shares(g, n, ins, [self.stacked(u) for u in g.operands(n)], emit)
@@ -441,8 +444,8 @@ class _Builder:
                 self.copy[n] = offset
                 return SHARES
             ins = [None if h else w for h, w in zip(held, ins)]
-            try:
-                where = share_rows(g, n, ins, fail)
+            try:   # (a function of such sums alone has no rows: a constant too, below)
+                where = share_rows(g, n, ins, fail) if any(w is not None for w in ins) else None
             except Unsupported as e:
                 self.statistics.origins(n, ins, str(e))
                 raise
@@ -593,8 +596,8 @@ class _Builder:
 
     def local_vjp(self, copies, cot):
         """The params' parts of the estimate at one site: the VJPs of its copies (products, adds; a
-        scan of one conv per step, lr_scan.conv_over_steps) and of the values made of params they read (through the layout ops a scan's site lifts them
-        with), with cotangent `cot` at the last copy z."""
+        scan of one conv per step, lr_scan.conv_over_steps) and of the values made of params they read
+        (through the layout ops a scan's site lifts them with), with cotangent `cot` at the last copy z."""
         g = self.g
         active = set(copies)
         for x in copies:

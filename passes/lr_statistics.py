@@ -57,6 +57,14 @@ class BatchStatistics:
         if found - self.nodes:
             raise Statistic(found, why)
 
+    def refused(self, n, ins, why):
+        """Raise Statistic when n is a reduction over the rows that the loss's rule refuses (a max over the
+        rows: max-scaling, h - h.max(0)), not yet taken as a statistic."""
+        g = self.b.g
+        if g.op(n) in REDUCTIONS and isinstance(ins[0], int) and ins[0] in g.attrs(n)["axes"] \
+                and n not in self.nodes:
+            raise Statistic({n}, why)
+
     def reduce(self, n):
         """n, a reduction over axes that hold the rows, as one statistic per copy: (K_lr,) + n's shape."""
         b, g = self.b, self.b.g
@@ -76,15 +84,22 @@ class BatchStatistics:
         """Elementwise op n reading a statistic: a statistic itself when no operand has rows, else rows
         (on the axis n has them) that read their own copy's statistic."""
         b, g = self.b, self.b.g
-        src, shape = g.node(n)["src"], tuple(g.shape(n))
-        if get_op(g.op(n)).kind != "elementwise" or "shape" in g.attrs(n) \
-                or any(isinstance(w, tuple) for w in ins):
-            raise Unsupported(f"{src}: {g.describe(n)} reads a batch statistic (a sum, mean or max over the rows "
-                              f"read back by the rows, as batch norm's); lr_grad follows one through elementwise "
-                              f"ops only; or train this model with loss_and_grad")
+        src, shape, op, attrs = g.node(n)["src"], tuple(g.shape(n)), g.op(n), dict(g.attrs(n))
+        why = (f"{src}: {g.describe(n)} reads a batch statistic (a sum, mean or max over the rows that the rows "
+               f"read back, as batch norm's, or a loss not affine in its reduction over rows)")
+        if any(isinstance(w, tuple) for w in ins):   # another reduction over the rows: a statistic too
+            self.origins(n, ins, why)
+            raise Unsupported(f"{why} and the loss's per-row shares; or train this model with loss_and_grad")
+        if get_op(op).kind != "elementwise" or "shape" in attrs:
+            if any(w != STAT for w in ins):
+                raise Unsupported(f"{why} and other values with {op}; lr_grad follows a statistic through "
+                                  f"elementwise ops, reshapes, transposes, broadcasts and reductions of its own "
+                                  f"axes; or train this model with loss_and_grad")
+            b.copy[n] = self.own_axes(n)
+            return STAT
         if not any(isinstance(w, int) for w in ins):
             ops = [self.ranked(u, len(shape)) if w == STAT else u for u, w in zip(g.operands(n), ins)]
-            b.copy[n] = b.apply(g.op(n), ops, src, **g.attrs(n))
+            b.copy[n] = b.apply(op, ops, src, **attrs)
             return STAT
 
         def fail(why):
@@ -94,6 +109,26 @@ class BatchStatistics:
         out = b.apply(g.op(n), ops, src, **g.attrs(n))
         b.copy[n] = b.view(out, shape[:r] + (KB,) + shape[r + 1:])
         return r
+
+    def own_axes(self, n):
+        """n, a reshape, transpose, broadcast or reduction of a statistic's own axes, as a statistic:
+        (K_lr,) + n's shape."""
+        b, g = self.b, self.b.g
+        op, attrs, src, shape = g.op(n), dict(g.attrs(n)), g.node(n)["src"], tuple(g.shape(n))
+        (u,) = g.operands(n)
+        if op == "reshape":
+            return b.view(b.stacked(u), (K,) + shape)
+        if op == "transpose":
+            return b.apply(op, [b.stacked(u)], src, axes=(0,) + tuple(a + 1 for a in attrs["axes"]))
+        if op == "broadcast_to":
+            return b.apply(op, [self.ranked(u, len(shape))], src, shape=(K,) + shape)
+        if op in REDUCTIONS:
+            return b.apply(op, [b.stacked(u)], src, axes=tuple(a + 1 for a in attrs["axes"]),
+                           keepdims=bool(attrs.get("keepdims")))
+        raise Unsupported(f"{src}: {g.describe(n)} reads a batch statistic (a sum, mean or max over the rows "
+                          f"that the rows read back, or a loss not affine in its reduction over rows) with {op}; "
+                          f"lr_grad follows a statistic through elementwise ops, reshapes, transposes, broadcasts "
+                          f"and reductions of its own axes; or train this model with loss_and_grad")
 
     def loss_shares(self, loss):
         """A loss that is itself a statistic (not affine in its reduction over rows: sqrt of an mse) as

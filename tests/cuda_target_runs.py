@@ -300,7 +300,7 @@ def run_lr(build):
     """lr_grad and Trainer(gradient="lr") on CUDA against the CPU target: the same noise (drawn in the
     kernels from the seed), so the same estimate; an MLP, an RNN as a gc.scan (device inputs too),
     language models with trained embeddings, an MLP with dropout, params read other than as a factor, a graph
-    convolution, a convolutional RNN, batch statistics."""
+    convolution, a convolutional RNN, a nested scan, batch statistics."""
     from numba import cuda
     rng = np.random.default_rng(2)
     out = {}
@@ -365,6 +365,12 @@ def run_lr(build):
     l1, g1 = cpu.lr_grad(params, samples=2, seed=3, **inputs)
     l2, g2 = dev.lr_grad(params, samples=2, seed=3, **inputs)
     out["conv_rnn"] = max(abs(l1 - l2), err(g1, g2))
+    # a scan nested in a step: the inner site's noise one slice per (outer, inner) step
+    model, cpu, dev = both(lambda: scans._nested("lr_nested"), os.path.join(build, "nested"))
+    _, params, inputs = lr_scans._nested_problem(rng, T=2, B=2)
+    l1, g1 = cpu.lr_grad(params, samples=2, seed=3, **inputs)
+    l2, g2 = dev.lr_grad(params, samples=2, seed=3, **inputs)
+    out["nested_scan"] = max(abs(l1 - l2), err(g1, g2))
     # batch statistics, one per copy: batch norm in a conv net; a scan's results normalised per step
     for name in ("bn_conv", "time_major"):
         model, cpu, dev = both(lr_statistics.MODELS[name], os.path.join(build, name))

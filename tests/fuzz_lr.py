@@ -12,11 +12,12 @@ constant), or a learned weight of a loss term (t * exp(-s) + s). Besides those: 
 values and constants (user ops too), reshapes and transposes that keep the rows an axis, sums, means and
 maxes and softmaxes over other axes, indexing, concatenations and stacks, images, pools, embeddings of
 int inputs (tokens (T, B) too: noise on axis 1), scans of random recurrent cells (gates, two carries, ys
-made by a product in the step) and of convolutional cells (an image carry, convs in the step), dropout
-and Gaussian noise drawn from an int input (the same draws in every perturbed copy), biases added to any
-row value, frozen params read elementwise, and a loss of per-row terms: cross-entropy over (B, C) or
-(B, k, C) logits plus sums, means and squared errors over whole values, means weighted by an input mask
-over its count, weighted, added and subtracted, maybe through softplus or sqrt(l^2 + 1), with weight decay.
+made by a product in the step; a scan nested in the step) and of convolutional cells (an image carry,
+convs in the step), dropout and Gaussian noise drawn from an int input (the same draws in every
+perturbed copy), biases added to any row value, frozen params read elementwise, and a loss of per-row
+terms: cross-entropy over (B, C) or (B, k, C) logits plus sums, means and squared errors over whole
+values, means weighted by an input mask over its count, weighted, added and subtracted, maybe through
+softplus or sqrt(l^2 + 1), with weight decay.
 
 `lr_case(seed)` gives a fuzz_graphs.Case; `check_lr_compiled(case, out)` that the generated module's
 lr_grad is the interpreter's; `check_lr(case)` asserts that lr_grad builds for it (a refusal is a
@@ -156,8 +157,9 @@ class _RowGenerator(_Generator):
 
     def propagate(self):
         """A graph convolution's A @ H: the adjacency input (B, B) of a random sparse directed graph with
-        self-loops, normalised D^-1 A (each row the mean over its in-neighbours), mixing the rows of a row value (B, F). Its copies run per sample, and
-        each site's noise pairs with the rows it reaches (its own, its neighbours', or the sample's)."""
+        self-loops, normalised D^-1 A (each row the mean over its in-neighbours), mixing the rows of a row
+        value (B, F). Its copies run per sample, and each site's noise pairs with the rows it reaches (its
+        own, its neighbours', or the sample's)."""
         v = self.pick(self.floats(lambda s: len(s) == 2 and s[0] == BATCH))
         if ADJACENCY not in self.prog.inputs:
             self.add_input(ADJACENCY, (BATCH, BATCH))
@@ -304,7 +306,7 @@ def _generate_rows(seed):
              g.take, g.scan, g.random, g.bias, g.embed_sequence, g.gain, g.conv_scan, g.propagate, g.batch_norm]
     weights = np.array([0.2, 0.2, 0.2, 0.08, 0.08, 0.05, 0.04, 0.08, 0.05, 0.05, 0.05, 0.1, 0.12, 0.04, 0.05, 0.04,
                         0.05, 0.04, 0.06, 0.05])
-    g.nest_rng, g.nest_chance = np.random.default_rng([seed, 11]), 0.0   # lr_grad does not follow nested scans
+    g.nest_rng, g.nest_chance = np.random.default_rng([seed, 11]), 0.2   # a scan in a step (its own draws)
     for _ in range(int(rng.integers(5, 12))):
         g.attempt(moves[rng.choice(len(moves), p=weights / weights.sum())])
     terms = []

@@ -80,13 +80,13 @@ def test_the_lr_check_finds_a_biased_estimate(monkeypatch):
 
 def test_the_lr_check_finds_noise_paired_with_too_few_rows(monkeypatch):
     """The check can fail on a graph convolution: with a site behind A @ H paired with its own row's loss
-    alone (its neighbours' left out), seed 47's first layer is biased."""
-    check_lr(lr_case(47))   # unchanged, it passes
+    alone (its neighbours' left out), seed 48's first layer is biased."""
+    check_lr(lr_case(48))   # unchanged, it passes
     pairing = likelihood_ratio._Builder.pairing
     monkeypatch.setattr(likelihood_ratio._Builder, "pairing",
                         lambda self, site: "row" if isinstance(pairing(self, site), tuple) else pairing(self, site))
     with pytest.raises(AssertionError, match="mean squared z-score"):
-        check_lr(lr_case(47))
+        check_lr(lr_case(48))
 
 
 @pytest.mark.parametrize("seeds", [s if s == (38,) else pytest.param(s, marks=pytest.mark.slow) for s in COMPILED_SEEDS])

@@ -82,9 +82,41 @@ def _root_loss(kind):
     return m
 
 
+def _trial(kind):
+    """Statistics found by new-user trial K: "max_scaled", a layer scaled by its batch's max |h| (and the
+    input by its own, which no noise reaches); "moments", batch norm's variance as E[h^2] - mu^2;
+    "reshaped", a conv's per-channel mean taken as (C,) and reshaped to (1, C, 1, 1); "column_rmse", the
+    sum of per-column RMSEs; "log_mse_plus_xent", the log of one task's mse plus another's cross-entropy."""
+    m = gc.Model(f"lrtrial{kind}")
+    x, y, t = m.input("x", ("B", 5)), m.input("y", ("B",), dtype="int64"), m.input("t", ("B", 3))
+    W0, W1 = m.param("W0", (5, 6)), m.param("W1", (6, 3))
+    h = x @ W0
+    if kind == "max_scaled":
+        h = (x / gc.abs(x).max(axis=0)) @ W0
+        h = h / gc.abs(h).max(axis=0)
+    elif kind == "moments":
+        mu = h.mean(axis=0)
+        h = (h - mu) / gc.sqrt(gc.square(h).mean(axis=0) - mu * mu + 1e-3)
+    elif kind == "reshaped":
+        c = gc.conv2d(h.reshape(("B", 1, 2, 3)), m.param("k", (2, 1, 2, 2)), padding=1)   # (B, 2, 3, 4)
+        c = c - c.mean(axis=(0, 2, 3)).reshape((1, 2, 1, 1))
+        h = c.reshape(("B", 24)) @ m.param("P", (24, 6))
+    out = gc.tanh(h) @ W1
+    if kind == "column_rmse":
+        m.minimize(gc.sqrt(gc.square(out - t).mean(axis=0)).sum())
+    elif kind == "log_mse_plus_xent":
+        m.minimize(gc.log(gc.mse(out, t)) + gc.softmax_cross_entropy(gc.tanh(h) @ m.param("W2", (6, 3)), y))
+    else:
+        m.minimize(gc.softmax_cross_entropy(out, y))
+    return m
+
+
 MODELS = {"bn_mlp": _bn_mlp, "bn_conv": _bn_conv, "centred": _centred,
           "rmse": lambda: _root_loss("rmse"), "log_loss": lambda: _root_loss("log"),
-          "penalised_root": lambda: _root_loss("penalised"), "time_major": _time_major}
+          "penalised_root": lambda: _root_loss("penalised"), "time_major": _time_major,
+          **{kind: (lambda kind=kind: _trial(kind)) for kind in ("max_scaled", "moments", "reshaped", "column_rmse",
+                                                                 "log_mse_plus_xent")}}
+TRIAL = ("max_scaled", "moments", "reshaped", "column_rmse", "log_mse_plus_xent")
 
 
 def _problem(name, rng, B=8):
@@ -95,6 +127,8 @@ def _problem(name, rng, B=8):
         return graph, params, {"x": rng.normal(size=(3, B, 2)), "h0": rng.normal(size=(B, 3)),
                                "y": rng.integers(0, 4, (3, B))}
     inputs = {"x": rng.normal(size=(B, 1, 6, 6) if name == "bn_conv" else (B, 5))}
+    if name in TRIAL:
+        return graph, params, dict(inputs, y=rng.integers(0, 3, B), t=rng.normal(size=(B, 3)))
     if name == "rmse":
         inputs["t"] = rng.normal(size=(B, 3))
     else:
@@ -137,3 +171,17 @@ def test_a_param_applied_to_a_statistic_is_refused_by_name():
     why = build_training_graph(m, "float64", order=1).lr["why"]
     assert "'s' (6,) reach(es) the loss through an op the estimate cannot perturb" in why, why
     assert "(mul)" in why and "test_lr_statistics.py" in why, why
+
+
+def test_a_max_of_a_sum_over_rows_that_no_noise_reaches_compiles():
+    """x.sum(axis=0).max() scaling a layer (found by trial K: compile crashed in the estimate's pass): a
+    constant of the estimate, whose loss_and_grad and lr_grad both work."""
+    m = gc.Model("lrmaxofsum")
+    x, t = m.input("x", ("B", 5)), m.input("t", ("B", 2))
+    m.minimize(gc.mse((x @ m.param("W", (5, 2))) / x.sum(axis=0).max(), t))
+    graph = build_training_graph(m, "float64", order=1)
+    assert graph.lr["why"] is None, graph.lr["why"]
+    rng = np.random.default_rng(3)
+    params = {"W": rng.normal(size=(5, 2))}
+    assert_unbiased(graph, params, {"x": np.abs(rng.normal(size=(6, 5))), "t": rng.normal(size=(6, 2))}, "max of sum",
+                    "")

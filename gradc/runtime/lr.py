@@ -181,7 +181,7 @@ class LRTrainer:
 
     # chosen when the trainer is made (a changed sigma would not be the run its checkpoint resumes): read-only
     gradient = property(lambda self: self._gradient, doc="'backprop' (loss_and_grad) or 'lr' (lr_grad's estimate)")
-    lr_options = property(lambda self: self._lr_options, doc="gradient='lr''s options (None for backprop)")
+    lr_options = property(lambda self: self._lr_options, doc="the options of gradient='lr' (None for backprop)")
     lr_seed = property(lambda self: self._lr_seed, doc="the seed step 0 draws its noise from (step t: seed + t)")
 
     def _step_options(self):

@@ -128,7 +128,8 @@ class TrainerBase:
         if self.__dict__.get("_made") and not name.startswith("_") and name not in self.__dict__ \
                 and not hasattr(type(self), name):
             raise AttributeError(f"{self.model_name}.Trainer has no setting {name!r}: set lr, momentum, betas, eps or "
-                                 f"clip_norm; the others (gradient='lr''s samples, sigma, ...) are chosen when it is made")
+                                 f"clip_norm; the others (the samples, sigma, ... of gradient='lr') are chosen when "
+                                 f"it is made")
         super().__setattr__(name, value)
 
     def __delattr__(self, name):
