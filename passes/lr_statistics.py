@@ -156,11 +156,13 @@ class BatchStatistics:
             return b.view(b.stacked(u), s[:w] + (K, b.batch) + s[w + 1:])
         if w is None:
             return u if i < 0 else b.view(u, s[:i] + (1,) + s[i:])
-        if i <= 0:
-            return b.view(b.stacked(u), (K, 1) + (1,) * (-i - 1) + s) if i else b.stacked(u)
+        if i < 0:
+            return b.view(b.stacked(u), (K, 1) + (1,) * (-i - 1) + s)
         if s[i] != 1:
             raise Unsupported(f"{g.node(u)['src']}: {g.describe(u)} {fmt(s)}, a batch statistic, is read by rows on "
                               f"its axis {i}, which is not 1")
+        if i == 0:
+            return b.stacked(u)
         # its copies (K_lr,) + s with K_lr moved to axis i, before the 1 the rows read it on
         return b.apply("transpose", [b.stacked(u)], g.node(u)["src"],
                        axes=tuple(range(1, i + 1)) + (0,) + tuple(range(i + 1, len(s) + 1)))
