@@ -62,6 +62,7 @@ class ScanNoise:
         return Level(self.b, self.b.g, n).sites()
 
     def misuses(self, n):
+        """Level.misuses of scan n of the estimate's graph."""
         return Level(self.b, self.b.g, n).misuses()
 
     def copy(self, n, ins, operands, fail):
