@@ -4,8 +4,8 @@ variance over the rows, read back by the rows (h - mu) / sqrt(var + eps).
 Each of the K copies is a batch of its own, so a statistic is taken over each copy's B rows: the
 stacked value (..., KB_lr, ...) is seen as (..., K_lr, B, ...) and reduced over B, giving one statistic
 per copy, (K_lr,) + its shape in the model. An elementwise op of statistics (and values without rows)
-is one too; an elementwise op that reads a statistic and a value with rows sees that value as
-(..., K_lr, B, ...) and the statistic with a 1 for B, so each row reads its own copy's statistic. The
+is one too; an elementwise op that reads a statistic and a value with rows reads the statistic
+broadcast to the stacked rows (K_lr, B) seen as KB_lr, so each row reads its own copy's statistic. The
 statistic carries each row's noise to every row of its copy, so a site whose value reaches one pairs
 its noise with the whole copy's loss (likelihood_ratio.pairing: "sample"). A loss that is not affine in
 its reduction over rows (sqrt of a mean squared error, the log of a mean) is such a statistic too: one
@@ -105,10 +105,9 @@ class BatchStatistics:
         def fail(why):
             raise Unsupported(f"{src}: {g.describe(n)} {why}; or train this model with loss_and_grad")
         r = share_rows(g, n, [None if w == STAT else w for w in ins], fail)
-        ops = [self.split(u, w, len(shape), r) for u, w in zip(g.operands(n), ins)]
-        out = b.apply(g.op(n), ops, src, **g.attrs(n))
-        b.copy[n] = b.view(out, shape[:r] + (KB,) + shape[r + 1:])
-        return r
+        ops = [self.spread(u, len(shape), r) if w == STAT else b.stacked(u) for u, w in zip(g.operands(n), ins)]
+        b.copy[n] = b.apply(op, ops, src, **attrs)   # an op like any other on the stacked rows (a site's sum
+        return r                                      # may go on through it: its VJP is the op's own)
 
     def own_axes(self, n):
         """n, a reshape, transpose, broadcast or reduction of a statistic's own axes, as a statistic:
@@ -145,24 +144,25 @@ class BatchStatistics:
         c = self.b.stacked(u)
         return self.b.view(c, (K,) + (1,) * (rank - len(s)) + s) if len(s) < rank else c
 
-    def split(self, u, w, rank, r):
-        """Operand u of an op of `rank` whose rows are on axis r, seen with the copies' rows split
-        (..., K_lr, B, ...): a value with rows (on its axis w) viewed so; a statistic with K_lr there and a
-        1 for B; a value without rows with a 1 there too (when its shape reaches that axis)."""
+    def spread(self, u, rank, r):
+        """Statistic u read by an op of `rank` whose rows are on axis r: broadcast to the stacked rows, each
+        row its own copy's value, laid out as u is read there (its shape right-aligned; KB_lr on the rows'
+        axis where u's shape reaches it, in front where it does not)."""
         b, g = self.b, self.b.g
-        s = tuple(g.shape(u))
+        s, src = tuple(g.shape(u)), g.node(u)["src"]
         i = r - (rank - len(s))   # the rows' axis in u's own shape (< 0: u's shape does not reach it)
-        if isinstance(w, int):
-            return b.view(b.stacked(u), s[:w] + (K, b.batch) + s[w + 1:])
-        if w is None:
-            return u if i < 0 else b.view(u, s[:i] + (1,) + s[i:])
         if i < 0:
-            return b.view(b.stacked(u), (K, 1) + (1,) * (-i - 1) + s)
-        if s[i] != 1:
-            raise Unsupported(f"{g.node(u)['src']}: {g.describe(u)} {fmt(s)}, a batch statistic, is read by rows on "
-                              f"its axis {i}, which is not 1")
-        if i == 0:
-            return b.stacked(u)
-        # its copies (K_lr,) + s with K_lr moved to axis i, before the 1 the rows read it on
-        return b.apply("transpose", [b.stacked(u)], g.node(u)["src"],
-                       axes=tuple(range(1, i + 1)) + (0,) + tuple(range(i + 1, len(s) + 1)))
+            split = b.view(b.stacked(u), (K, 1) + (1,) * (-i - 1) + s)   # (K_lr, B=1, 1..., s)
+            i = 0
+        elif s[i] != 1:
+            raise Unsupported(f"{src}: {g.describe(u)} {fmt(s)}, a batch statistic, is read by rows on its axis {i}, "
+                              f"which is not 1")
+        elif i == 0:
+            split = b.stacked(u)   # (K_lr,) + s: s[0], the 1 the rows read it on, after the copies' axis
+        else:   # K_lr moved to axis i, before the 1 the rows read it on
+            split = b.apply("transpose", [b.stacked(u)], src,
+                            axes=tuple(range(1, i + 1)) + (0,) + tuple(range(i + 1, len(s) + 1)))
+        shape = list(g.shape(split))
+        shape[i + 1] = b.batch
+        full = b.apply("broadcast_to", [split], src, shape=tuple(shape))
+        return b.view(full, tuple(shape[:i]) + (KB,) + tuple(shape[i + 2:]))
