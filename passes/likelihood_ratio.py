@@ -98,7 +98,9 @@ def build_lr(graph, trainable, decayed=(), weight_decay=0.0):
                 continue
             except Unsupported as e:   # the nodes made so far are dead code: simplify removes them
                 why[batch] = (len(builder.where), str(e))   # how far it got: the furthest names the likeliest cause
-            break
+            except GradcError as e:   # a rule this pass leans on refused what it built: lr_grad says so, and
+                why[batch] = (len(builder.where), f"lr_grad cannot build its estimate of this model: {e}")
+            break                     # the rest of the module (loss_and_grad, ...) is built as ever
     if not why:
         graph.lr = {"why": "the model has no input with rows to perturb"}
         return

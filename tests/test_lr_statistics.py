@@ -215,3 +215,17 @@ def test_a_max_of_a_sum_over_rows_that_no_noise_reaches_compiles():
     params = {"W": rng.normal(size=(5, 2))}
     assert_unbiased(graph, params, {"x": np.abs(rng.normal(size=(6, 5))), "t": rng.normal(size=(6, 2))}, "max of sum",
                     "")
+
+
+def test_a_rule_refusing_what_the_estimate_builds_refuses_lr_grad_only(monkeypatch):
+    """Compile never fails because of the estimate's pass (review L found a reshape rule refusing a
+    statistic's view): such an error becomes lr_grad's reason, and loss_and_grad is built as ever."""
+    from gradc.errors import GradcError
+    from gradc.passes import likelihood_ratio
+
+    def refuse(self):
+        raise GradcError("reshape: a rule refused")
+    monkeypatch.setattr(likelihood_ratio._Builder, "exact_parts", refuse)
+    graph = build_training_graph(_bn_mlp(), "float64", order=1)
+    assert "lr_grad cannot build its estimate of this model: reshape: a rule refused" in graph.lr["why"]
+    assert all(graph.grads[p] is not None for p in graph.params)
