@@ -170,7 +170,8 @@ def test_a_site_before_a_statistic_pairs_with_its_copys_whole_loss():
                      ("matmul", "row")], pairs
 
 
-@pytest.mark.parametrize("name", ["bn_conv", "rmse", "time_major", "in_a_mix"])
+@pytest.mark.parametrize("name", ["bn_conv", "rmse"] + [pytest.param(name, marks=pytest.mark.slow)
+                                                           for name in ("time_major", "in_a_mix")])
 def test_the_compiled_estimate_is_the_interpreters(name, tmp_path):
     _, params, inputs = _problem(name, np.random.default_rng(2))
     check_lr_compiled(SimpleNamespace(model=MODELS[name](), params=params, inputs=inputs, seeds=name,
