@@ -22,6 +22,7 @@ from .lr_sites import K, KB, Unsupported
 
 STAT = "statistic"   # where a batch statistic has its rows: none of its own, one value per copy
 REDUCTIONS = ("sum", "mean", "max")
+OWN_AXES = ("reshape", "transpose", "broadcast_to") + REDUCTIONS   # ops of a statistic's own axes (own_axes)
 
 
 class Statistic(Unsupported):
@@ -91,10 +92,10 @@ class BatchStatistics:
             self.origins(n, ins, why)
             raise Unsupported(f"{why} and the loss's per-row shares; or train this model with loss_and_grad")
         if get_op(op).kind != "elementwise" or "shape" in attrs:
-            if any(w != STAT for w in ins):
-                raise Unsupported(f"{why} and other values with {op}; lr_grad follows a statistic through "
-                                  f"elementwise ops, reshapes, transposes, broadcasts and reductions of its own "
-                                  f"axes; or train this model with loss_and_grad")
+            if op not in OWN_AXES or any(w != STAT for w in ins):
+                raise Unsupported(f"{why} with {op}; lr_grad follows a statistic through elementwise ops, "
+                                  f"reshapes, transposes, broadcasts and reductions of its own axes; or train this "
+                                  f"model with loss_and_grad")
             b.copy[n] = self.own_axes(n)
             return STAT
         if not any(isinstance(w, int) for w in ins):
@@ -110,8 +111,8 @@ class BatchStatistics:
         return r                                      # may go on through it: its VJP is the op's own)
 
     def own_axes(self, n):
-        """n, a reshape, transpose, broadcast or reduction of a statistic's own axes, as a statistic:
-        (K_lr,) + n's shape."""
+        """n, a reshape, transpose, broadcast or reduction of a statistic's own axes (OWN_AXES), as a
+        statistic: (K_lr,) + n's shape."""
         b, g = self.b, self.b.g
         op, attrs, src, shape = g.op(n), dict(g.attrs(n)), g.node(n)["src"], tuple(g.shape(n))
         (u,) = g.operands(n)
@@ -121,13 +122,8 @@ class BatchStatistics:
             return b.apply(op, [b.stacked(u)], src, axes=(0,) + tuple(a + 1 for a in attrs["axes"]))
         if op == "broadcast_to":
             return b.apply(op, [self.ranked(u, len(shape))], src, shape=(K,) + shape)
-        if op in REDUCTIONS:
-            return b.apply(op, [b.stacked(u)], src, axes=tuple(a + 1 for a in attrs["axes"]),
-                           keepdims=bool(attrs.get("keepdims")))
-        raise Unsupported(f"{src}: {g.describe(n)} reads a batch statistic (a sum, mean or max over the rows "
-                          f"that the rows read back, or a loss not affine in its reduction over rows) with {op}; "
-                          f"lr_grad follows a statistic through elementwise ops, reshapes, transposes, broadcasts "
-                          f"and reductions of its own axes; or train this model with loss_and_grad")
+        return b.apply(op, [b.stacked(u)], src, axes=tuple(a + 1 for a in attrs["axes"]),   # a reduction
+                       keepdims=bool(attrs.get("keepdims")))
 
     def loss_shares(self, loss):
         """A loss that is itself a statistic (not affine in its reduction over rows: sqrt of an mse) as
