@@ -1,7 +1,7 @@
 """Where one training step's time goes, backprop against likelihood-ratio (Trainer(gradient="lr")), on
 lr_table's MLP and scan RNN at batch 64: the median time of a Trainer step, of loss_and_grad and lr_grad
 alone, and of the host's part of lr_grad (the leaves it adds: seed, sigma, the labels' copies; its masks
-are kept); then cProfile's top host functions over LR steps. On a CUDA build it also says how the calls
+are kept); then cProfile's top host functions over backprop and LR steps. On a CUDA build it also says how the calls
 ran (captured, replayed from a CUDA graph, or launched directly), the device time of one replay of each
 captured graph alone (no copies, no host work), and with --kernels (torch installed) each kernel's and
 copy's device time per step, from torch's profiler (CUPTI sees every kernel in the process).
@@ -152,15 +152,16 @@ def main():
                     print(f"{label}: device time per Trainer.step, {name}: {total:.1f} us; by kernel or copy:")
                     for kname, calls, us in by_kernel:
                         print(f"    {kname:<48} {calls:>5.1f} calls {us:>8.1f} us")
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(n):
-            lr.step(x=x, y=y)
-        prof.disable()
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
-        print(f"{label}: cProfile of {n} LR steps, by own time")
-        print("\n".join(line for line in text.getvalue().splitlines()[6:] if line.strip()), flush=True)
+        for name, trainer in (("backprop", bp), ("LR", lr)):   # the host's share, each beside the other
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(n):
+                trainer.step(x=x, y=y)
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
+            print(f"{label}: cProfile of {n} {name} steps, by own time")
+            print("\n".join(line for line in text.getvalue().splitlines()[6:] if line.strip()), flush=True)
 
 
 if __name__ == "__main__":
