@@ -8,7 +8,7 @@ def lr_info(g):
     if lr.get("why"):
         return {"why": lr["why"], "tiled": {}, "masks": [], "per_row": False, "sites": []}
     return {"why": None, "tiled": dict(lr["tiled"]),
-            "masks": [(s["mask"], s["rank"]) for s in lr["sites"]], "per_row": lr["per_row"],
+            "masks": [(s["mask"], s["rank"], s["per_copy"]) for s in lr["sites"]], "per_row": lr["per_row"],
             "sites": [f"{s['op']} at {s['src']}, pairs with: {s['pairs']}" for s in lr["sites"]]}
 
 

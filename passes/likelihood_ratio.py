@@ -88,13 +88,15 @@ def build_lr(graph, trainable, decayed=(), weight_decay=0.0):
     why = {}
     for batch, axes, declared in batch_choices(graph, graph.ancestors([graph.loss])):
         statistics = set()   # reductions over the rows that the rows read back (batch norm's): found as it goes
+        sited = set()        # statistics with params that the rows read (gamma / sqrt(var + eps)): sites
         while True:
-            builder = _Builder(graph, trainable, decayed, weight_decay, batch, axes, declared, statistics)
+            builder = _Builder(graph, trainable, decayed, weight_decay, batch, axes, declared, statistics, sited)
             try:
                 graph.lr = builder.build()
                 return
             except Statistic as e:   # built again, with those taken per copy
                 statistics |= e.nodes
+                sited |= e.sites
                 continue
             except Unsupported as e:   # the nodes made so far are dead code: simplify removes them
                 why[batch] = (len(builder.where), str(e))   # how far it got: the furthest names the likeliest cause
@@ -150,7 +152,7 @@ def estimate_nodes(graph):
 
 
 class _Builder:
-    def __init__(self, g, trainable, decayed, weight_decay, batch, axes, declared, statistics=()):
+    def __init__(self, g, trainable, decayed, weight_decay, batch, axes, declared, statistics=(), sited=()):
         self.g = g
         self.batch, self.axes, self.declared = batch, axes, declared
         self.trainable = {g.params[p]: p for p in trainable}
@@ -167,6 +169,7 @@ class _Builder:
         self.sites = []            # Site, in the order of their masks and noise streams
         self.scans = ScanNoise(self)
         self.statistics = BatchStatistics(self, statistics)
+        self.sited = set(sited)    # sites whose value is a statistic: noise per copy
 
     # ---- small builders ----------------------------------------------------------------
     def leaf(self, key, shape, dtype):
@@ -205,15 +208,17 @@ class _Builder:
         built = []
         for n in order:
             self.where[n] = self.track(n)
-            if n in tops and not isinstance(self.where[n], tuple) and self.where[n] != STAT:   # (a term added to
-                # the loss, a factor of it, a statistic: exact below, when only the loss reads it)
+            per_copy = self.where[n] == STAT and n in self.sited   # a param applied to a statistic the rows read
+            if n in tops and (per_copy or not isinstance(self.where[n], tuple) and self.where[n] != STAT):
+                # (a term added to the loss, a factor of it, a statistic no rows read: exact below)
                 if self.where[n] is None:
                     raise Unsupported(f"{g.node(n)['src']}: {g.describe(n)} reads a trainable param but has no batch "
                                       f"rows: the estimate perturbs products of rows (declare its params "
                                       f"trainable=False, or train this model with loss_and_grad)")
                 clean = n in self.clean
                 z = self.stacked(n)
-                noise, mask = self.noise(g.shape(z), g.node(n)["src"], g.op(tops[n][0]), axis=self.where[n])
+                noise, mask = self.noise(g.shape(z), g.node(n)["src"], g.op(tops[n][0]),
+                                         axis=0 if per_copy else self.where[n], per_copy=per_copy)
                 pert = self.apply("mul", [noise, mask], g.node(n)["src"])
                 self.copy[n] = self.apply("add", [z, pert], g.node(n)["src"])
                 self.clean.discard(n)
@@ -224,6 +229,9 @@ class _Builder:
                 built.append(tops[n])
         # the loss after its reduction over rows: its shares, and statistics no rows read back (sqrt(mse))
         rowful = {n for n, w in self.where.items() if isinstance(w, int)}
+        read = {n for n in tops if self.where[n] == STAT and n not in self.sited and self.reach([n]) & rowful}
+        if read:   # params applied to statistics the rows read: built again with noise on each copy's value
+            raise Statistic((), "a param applied to a batch statistic", sites=read)
         self.tail = {n for n, w in self.where.items() if isinstance(w, tuple)
                      or w == STAT and not self.reach([n]) & rowful}
         self.check_params(built)
@@ -243,7 +251,8 @@ class _Builder:
             if pairs not in coefficients:
                 coefficients[pairs] = self.coefficient(deviations, pairs)
             coef = coefficients[pairs]
-            c = self.view(coef, (KB,) + (1,) * (site.rank - 1)) if site.rank > 1 else coef
+            rows = K if site.doc["per_copy"] else KB
+            c = self.view(coef, (rows,) + (1,) * (site.rank - 1)) if site.rank > 1 else coef
             cot = self.apply("mul", [self.apply("mul", [c, site.pert]), scale])
             if site.clean:   # one chain for every copy: sum the copies' cotangents first (K times less work)
                 shape = tuple(g.shape(site.copies[-1]))
@@ -267,10 +276,11 @@ class _Builder:
                 "per_row": not self.mixing and not self.statistics.used, "batch": self.batch,
                 "mixing": [g.node(n)["src"] for n in self.mixing]}
 
-    def noise(self, shape, src, what, steps=None, axis=0):
+    def noise(self, shape, src, what, steps=None, axis=0, per_copy=False):
         """A new site's noise (`shape`, its rows on `axis`; or one such per step of each enclosing scan,
         stacked on new axes in front, when `steps` (outermost first) is given) and its mask leaf
-        (KB_lr, 1, ...), which broadcasts from the rows' axis on; the Site is appended to self.sites, to be
+        (KB_lr, 1, ...), which broadcasts from the rows' axis on; per_copy: a statistic's noise, one
+        value per copy on axis 0, and a mask (K_lr, 1, ...). The Site is appended to self.sites, to be
         completed."""
         i = len(self.sites)
         full, at = (tuple(steps) + tuple(shape), axis + len(steps)) if steps else (tuple(shape), axis)
@@ -282,10 +292,10 @@ class _Builder:
                                + tuple(range(at + 1, len(drawn))))
         # the mask: +-sigma or 0 per row, from a leaf of signs (+-1, 0) that stays the same from call to call
         rank = len(shape) - axis
-        signs = self.leaf(f"mask{i}", (KB,) + (1,) * (rank - 1), self.float)
+        signs = self.leaf(f"mask{i}", (K if per_copy else KB,) + (1,) * (rank - 1), self.float)
         mask = self.apply("mul", [signs, self.sigma], src)
         self.sites.append(Site(None, None, rank, {"op": what, "shape": [str(d) for d in shape], "src": src,
-                                                   "mask": f"mask{i}", "rank": rank}))
+                                                   "mask": f"mask{i}", "rank": rank, "per_copy": per_copy}))
         return noise, mask
 
     def param_values(self):
@@ -550,8 +560,10 @@ class _Builder:
         """Each stacked row's weight c (KB_lr,), times the row's weight (the leaf rows): its own deviation
         ("row"), its sample's total ("sample"), or the total over the rows whose loss its noise can reach
         through one row-mixing product A @ H: row j's c is the sum over rows i with A[i, j] != 0
-        (("neighbours", A))."""
+        (("neighbours", A)); for a site on a statistic, each copy's total, (K_lr,) ("copy")."""
         c2 = deviations
+        if pairs == "copy":   # a statistic's site: one value per copy, (K_lr,)
+            return self.view(self.apply("sum", [c2], axes=(1,), keepdims=True), (K,))
         if pairs == "sample":
             total = self.apply("sum", [c2], axes=(1,), keepdims=True)
             c2 = self.apply("broadcast_to", [total], shape=(K, self.batch))
@@ -568,6 +580,8 @@ class _Builder:
         around one, a site in a scan's step) the whole sample's: "sample". Leaving out rows the noise
         cannot reach removes their variance and keeps the estimate unbiased (their loss is independent of
         that noise)."""
+        if site.doc["per_copy"]:   # noise on a statistic: every row of its copy reads it
+            return "copy"
         if not self.mixing and not self.statistics.used:
             return "row"
         if site.top is None:

@@ -13,7 +13,12 @@ loss per copy, which every site's noise pairs with.
 
 Which reductions over the rows are statistics, and which the loss's (kept per row, lr_shares.py), is
 seen where an op reads one together with batch rows: the builder is run again with those reductions
-taken as statistics (`Statistic`)."""
+taken as statistics (`Statistic`).
+
+A param applied to a statistic (gamma / sqrt(var + eps), h - s * mu) is a site whose value is a statistic:
+its noise is drawn per copy, (K_lr,) + its shape, and pairs with the copy's whole loss ("copy"). Which
+such values the rows read is known only once the forward is built, so they too are found by building
+again (`Statistic.sites`); one the loss alone reads is differentiated exactly (exact_parts)."""
 from gradc.ops import get_op
 from gradc.shapes import fmt
 
@@ -26,11 +31,13 @@ OWN_AXES = ("reshape", "transpose", "broadcast_to") + REDUCTIONS   # ops of a st
 
 
 class Statistic(Unsupported):
-    """The reductions over the rows an op reads with batch rows: to be built again as statistics."""
+    """The reductions over the rows an op reads with batch rows, to be built again as statistics; or
+    `sites`: values of statistics and params that the rows read (batch norm's folded scale
+    gamma / sqrt(var + eps)), to be built again as sites with noise on each copy's value."""
 
-    def __init__(self, nodes, why):
+    def __init__(self, nodes, why, sites=()):
         super().__init__(why)
-        self.nodes = nodes
+        self.nodes, self.sites = set(nodes), set(sites)
 
 
 class BatchStatistics:

@@ -88,7 +88,8 @@ def test_lr_grad_and_its_trainer_match_the_cpu_target(results):
     lr = results["trainer"]["lr"]
     assert set(lr) == {"mlp_antithetic", "mlp_layerwise", "trainer", "trainer_resumed", "scan_device_inputs",
                        "scan_step_loss", "embeddings", "dropout", "layer_norm", "scan_of_a_scaled_weight",
-                       "gcn_neighbours", "uncertainty_weighted", "conv_rnn", "nested_scan", "bn_conv", "time_major"}
+                       "gcn_neighbours", "uncertainty_weighted", "conv_rnn", "nested_scan", "bn_conv", "time_major",
+                       "folded_conv"}
     assert all(isinstance(v, float) and v <= TOLERANCE for v in lr.values()), lr
 
 

@@ -128,12 +128,41 @@ def _in_a_sum(kind):
     return m
 
 
+def _param_on_statistic(kind):
+    """A param applied to a batch statistic the rows read (noise on each copy's value): "folded", batch norm
+    with its scale folded, (h - mu) * (g / sqrt(var + eps)) + b, in an MLP; "folded_conv", the same per channel
+    after a conv; "scaled_mean", h - s * h.mean(0)."""
+    m = gc.Model(f"lrstatparam{kind}")
+    y = m.input("y", ("B",), dtype="int64")
+    if kind == "folded_conv":
+        x = m.input("x", ("B", 1, 6, 6))
+        h = gc.conv2d(x, m.param("w", (3, 1, 3, 3), init="he_normal"), padding=1)
+        axes, shape = (0, 2, 3), (1, 3, 1, 1)
+    else:
+        x = m.input("x", ("B", 5))
+        h = gc.tanh(x @ m.param("W0", (5, 6))) @ m.param("W1", (6, 6))
+        axes, shape = (0,), (6,)
+    mu = h.mean(axis=axes, keepdims=len(axes) > 1)
+    if kind == "scaled_mean":
+        h = h - mu * m.param("s", shape, init="ones")
+    else:
+        var = gc.square(h - mu).mean(axis=axes, keepdims=len(axes) > 1)
+        scale = m.param("bn_g", shape, init="ones") / gc.sqrt(var + 1e-5)
+        h = (h - mu) * scale + m.param("bn_b", shape, init="zeros")
+    h = gc.relu(h)
+    if kind == "folded_conv":
+        h = gc.max_pool2d(h, 2).reshape(("B", -1))
+    m.minimize(gc.softmax_cross_entropy(h @ m.param("W", (27 if kind == "folded_conv" else 6, 3)), y))
+    return m
+
+
 MODELS = {"bn_mlp": _bn_mlp, "bn_conv": _bn_conv, "centred": _centred,
           "rmse": lambda: _root_loss("rmse"), "log_loss": lambda: _root_loss("log"),
           "penalised_root": lambda: _root_loss("penalised"), "time_major": _time_major,
           **{kind: (lambda kind=kind: _trial(kind)) for kind in ("max_scaled", "moments", "reshaped", "column_rmse",
                                                                  "log_mse_plus_xent")},
-          **{f"in_a_{kind}": (lambda kind=kind: _in_a_sum(kind)) for kind in ("sum", "gain", "mix")}}
+          **{f"in_a_{kind}": (lambda kind=kind: _in_a_sum(kind)) for kind in ("sum", "gain", "mix")},
+          **{kind: (lambda kind=kind: _param_on_statistic(kind)) for kind in ("folded", "folded_conv", "scaled_mean")}}
 TRIAL = ("max_scaled", "moments", "reshaped", "column_rmse", "log_mse_plus_xent")
 
 
@@ -144,7 +173,7 @@ def _problem(name, rng, B=8):
     if name == "time_major":
         return graph, params, {"x": rng.normal(size=(3, B, 2)), "h0": rng.normal(size=(B, 3)),
                                "y": rng.integers(0, 4, (3, B))}
-    inputs = {"x": rng.normal(size=(B, 1, 6, 6) if name == "bn_conv" else (B, 5))}
+    inputs = {"x": rng.normal(size=(B, 1, 6, 6) if name in ("bn_conv", "folded_conv") else (B, 5))}
     if name in TRIAL:
         return graph, params, dict(inputs, y=rng.integers(0, 3, B), t=rng.normal(size=(B, 3)))
     if name == "rmse":
@@ -170,8 +199,9 @@ def test_a_site_before_a_statistic_pairs_with_its_copys_whole_loss():
                      ("matmul", "row")], pairs
 
 
-@pytest.mark.parametrize("name", ["bn_conv", "rmse"] + [pytest.param(name, marks=pytest.mark.slow)
-                                                           for name in ("time_major", "in_a_mix")])
+@pytest.mark.parametrize("name", ["bn_conv", "rmse", "folded"] + [pytest.param(name, marks=pytest.mark.slow)
+                                                                     for name in ("time_major", "in_a_mix",
+                                                                                  "folded_conv")])
 def test_the_compiled_estimate_is_the_interpreters(name, tmp_path):
     _, params, inputs = _problem(name, np.random.default_rng(2))
     check_lr_compiled(SimpleNamespace(model=MODELS[name](), params=params, inputs=inputs, seeds=name,
@@ -191,17 +221,14 @@ def test_the_bias_check_finds_a_site_before_a_statistic_paired_per_row(monkeypat
         assert_unbiased(graph, params, inputs, "bn_mlp paired per row", "")
 
 
-def test_a_param_applied_to_a_statistic_is_refused_by_name():
-    """mu * s, a param scaling the batch's mean before the rows read it: the estimate perturbs values with
-    rows, and the statistic has none."""
-    m = gc.Model("lrstatparam")
-    x, y = m.input("x", ("B", 5)), m.input("y", ("B",), dtype="int64")
-    h = x @ m.param("W0", (5, 6))
-    s = m.param("s", (6,), init="ones")
-    m.minimize(gc.softmax_cross_entropy((h - h.mean(axis=0) * s) @ m.param("W1", (6, 3)), y))
-    why = build_training_graph(m, "float64", order=1).lr["why"]
-    assert "'s' (6,) reach(es) the loss through an op the estimate cannot perturb" in why, why
-    assert "(mul)" in why and "test_lr_statistics.py" in why, why
+def test_a_param_applied_to_a_statistic_gets_noise_per_copy():
+    """Batch norm's folded scale g / sqrt(var + eps): a site whose value is a statistic, noised once per copy
+    (a mask of one sign per copy), paired with the copy's whole loss; the bias after it is a site on rows."""
+    graph, _, _ = _problem("folded", np.random.default_rng(1))
+    sites = [(s["op"], s["pairs"], s["per_copy"]) for s in graph.lr["sites"]]
+    assert sites == [("matmul", "sample", False), ("matmul", "sample", False), ("div", "copy", True),
+                     ("add", "row", False), ("matmul", "row", False)], sites
+    assert [tuple(graph.shape(graph.lr["leaves"][f"mask{i}"])) for i in (2, 3)] == [("K_lr", 1), ("KB_lr", 1)]
 
 
 def test_a_max_of_a_sum_over_rows_that_no_noise_reaches_compiles():

@@ -23,7 +23,7 @@ KEYWORDS = ("samples", "sigma", "seed", "antithetic", "layerwise", "baseline")  
 class LikelihoodRatio:
     """info: {"why": None or the reason lr_grad is not built, "tiled": {input: (its leaf key or None when the
     graph makes its copies, its rows' axis)},
-    "masks": [(key, rank)],
+    "masks": [(key, rank, one per copy: a statistic's site)],
     "per_row": bool, "sites": [...]} (written into the module)."""
 
     def __init__(self, model_name, float_type, info, inputs=()):
@@ -132,10 +132,11 @@ class LikelihoodRatio:
         clean = within >= noisy   # the noise-free copies of the pairs' baseline (none otherwise)
         sign = np.where(clean, 0.0, np.where(k < half, 1.0, -1.0))
         per_site = samples // 2 if antithetic else samples
-        for s, (key, rank) in enumerate(self.info["masks"]):
+        for s, (key, rank, per_copy) in enumerate(self.info["masks"]):
             active = (within // per_site == s) if layerwise else np.ones(total, dtype=bool)
             m = np.where(active, sign, 0.0).astype(F)
-            out[f"lr:{key}"] = np.repeat(m, rows).reshape((total * rows,) + (1,) * (rank - 1))
+            m = m if per_copy else np.repeat(m, rows)   # a statistic's site: one sign per copy, else per row
+            out[f"lr:{key}"] = m.reshape((len(m),) + (1,) * (rank - 1))
         # each copy's weight in the baseline every row's loss is taken from: with pairs the noise-free copies'
         # loss (a pair's + and - copies read different perturbed values, so their difference alone leaves the
         # loss times that difference in the estimate); without, the leave-one-out mean. Both are unbiased.
