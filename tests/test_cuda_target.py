@@ -90,7 +90,8 @@ def test_lr_grad_and_its_trainer_match_the_cpu_target(results):
                        "scan_step_loss", "embeddings", "dropout", "layer_norm", "scan_of_a_scaled_weight",
                        "gcn_neighbours", "uncertainty_weighted", "conv_rnn", "nested_scan", "bn_conv", "time_major",
                        "folded_conv"}
-    assert all(isinstance(v, float) and v <= TOLERANCE for v in lr.values()), lr
+    off = {k: v for k, v in lr.items() if not (isinstance(v, float) and v <= TOLERANCE)}
+    assert not off, off   # (only those: pytest cuts a long dict short)
 
 
 def test_device_arrays_in_and_out(results):
