@@ -351,14 +351,15 @@ def check_lr(case, samples=256, seeds=16, sigma=1e-3):
                            [p for p in case.trainable], samples, seeds, sigma)
 
 
-def assert_unbiased(graph, params, inputs, what, text, trainable=None, samples=256, seeds=16, sigma=1e-3):
+def assert_unbiased(graph, params, inputs, what, text, trainable=None, samples=256, seeds=16, sigma=1e-3, mode=None):
     """Every trainable param (of `trainable`, default all the graph's) that reaches the loss has a part,
     and the mean of `seeds` estimates is loss_and_grad's gradient within its standard error: for each
     param, the mean squared z-score over its coordinates is below 2 + 6 sqrt(2 / size) (about 1 when
     unbiased; a bias confined to one small param shows on its own). A param above it is checked again with
     4x, then 16x the seeds: a bias grows with them, a chance excursion of heavy-tailed estimates does not.
     Coordinates no noise reaches (weight decay, a penalty's part) must equal the gradient. Returns the
-    largest per-param mean; `what` and `text` name the model in a failure."""
+    largest per-param mean; `what` and `text` name the model in a failure. `mode`: lr_grad's antithetic,
+    layerwise and baseline options (default: its own)."""
     trainable = list(graph.params) if trainable is None else trainable
     reached = [p for p in trainable if graph.grads.get(p) is not None]
     missing = [p for p in reached if graph.lr_grads.get(p) is None]
@@ -367,7 +368,7 @@ def assert_unbiased(graph, params, inputs, what, text, trainable=None, samples=2
     limits = np.repeat([2 + 6 * np.sqrt(2 / n) for n in sizes], sizes)
     runs = []
     for count in (seeds, 4 * seeds, 16 * seeds):
-        runs += [interpret_lr(graph, params, inputs, samples, sigma, seed)
+        runs += [interpret_lr(graph, params, inputs, samples, sigma, seed, **(mode or {}))
                  for seed in range(len(runs), count)]
         true = runs[0][1]
         assert true.size == sum(sizes)   # interpret_lr's coordinates: the reached params', in that order

@@ -221,6 +221,15 @@ def test_the_bias_check_finds_a_site_before_a_statistic_paired_per_row(monkeypat
         assert_unbiased(graph, params, inputs, "bn_mlp paired per row", "")
 
 
+@pytest.mark.parametrize("mode", [dict(antithetic=False), dict(layerwise=True), dict(baseline=False)],
+                         ids=["plain", "layerwise", "no_baseline"])
+def test_a_param_applied_to_a_statistic_is_unbiased_in_every_mode(mode):
+    """The per-copy masks of a statistic's site under each option: one sign per copy, set at call time."""
+    graph, params, inputs = _problem("scaled_mean", np.random.default_rng(0))
+    assert_unbiased(graph, params, inputs, f"scaled_mean {mode}", "", samples=64 if mode.get("layerwise") else 256,
+                    mode=mode)
+
+
 def test_a_param_applied_to_a_statistic_gets_noise_per_copy():
     """Batch norm's folded scale g / sqrt(var + eps): a site whose value is a statistic, noised once per copy
     (a mask of one sign per copy), paired with the copy's whole loss; the bias after it is a site on rows."""
