@@ -233,6 +233,10 @@ class _Builder:
         read = {n for n in tops if self.where[n] == STAT and n not in self.sited and self.reach([n]) & rowful}
         if read:   # params applied to statistics the rows read: built again with noise on each copy's value
             raise Statistic((), "a param applied to a batch statistic", sites=read)
+        for n in tops:   # a param applied to a sum over rows no noise reaches (a batch norm of an input, its
+            if n in self.constants and self.reach([n]) & rowful:   # scale folded): that sum a statistic too
+                self.statistics.origins(n, [self.where[u] for u in g.operands(n)],
+                                        "a param applied to a batch statistic", sites={n})
         self.tail = {n for n, w in self.where.items() if isinstance(w, tuple)
                      or w == STAT and not self.reach([n]) & rowful}
         self.check_params(built)
@@ -266,6 +270,9 @@ class _Builder:
         grads = {}
         for p, name in self.trainable.items():
             parts = contributions[p]
+            if not parts and p in self.fwd:   # (a safety net: check_params refuses each use it knows it cannot take)
+                raise Unsupported(f"param {name!r} {fmt(g.shape(p))} reaches the loss, but the estimate has no part "
+                                  f"for it: train this model with loss_and_grad")
             total = accumulate(g, parts, PHASE, self.src) if parts else None
             if name in self.decayed and self.wd:   # the objective's decay, exactly (a param the loss never reads too)
                 wd = self.apply("const", [], value=float(self.wd), shape=(), dtype=self.float)

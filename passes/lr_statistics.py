@@ -46,10 +46,10 @@ class BatchStatistics:
         self.nodes = set(nodes)   # the reductions over the rows that are statistics
         self.used = []            # those built
 
-    def origins(self, n, ins, why):
+    def origins(self, n, ins, why, sites=()):
         """Raise Statistic when op n, which cannot read a reduction over the rows as the loss's (kept per
         row), reads one not yet taken as a statistic: batch norm's rows read it back, or the loss is not
-        affine in it (sqrt(mse)). `why` is the reason n gives."""
+        affine in it (sqrt(mse)). `why` is the reason n gives; `sites`, values to build as sites on them."""
         b, g = self.b, self.b.g
         found, stack, seen = set(), [u for u, w in zip(g.operands(n), ins) if isinstance(w, tuple)], set()
         while stack:
@@ -63,7 +63,7 @@ class BatchStatistics:
             else:
                 stack.extend(operands)
         if found - self.nodes:
-            raise Statistic(found, why)
+            raise Statistic(found, why, sites)
 
     def refused(self, n, ins, why):
         """Raise Statistic when n is a reduction over the rows that the loss's rule refuses (a max over the

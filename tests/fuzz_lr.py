@@ -147,12 +147,21 @@ class _RowGenerator(_Generator):
         stat = tuple(1 if a in axes else d for a, d in enumerate(s)) if len(s) == 4 else s[1:]
         kw = dict(axis=axes, keepdims=len(s) == 4, form="method", bounded=False)
         mu = self.emit("mean", [v], stat, tag="mean[batch statistic]", **kw)
+        on_stat = rng.random() < 0.3   # a param applied to the statistic: a site with noise per copy
+        if on_stat and rng.random() < 0.5:   # h - mu * s
+            mu = self.emit("mul", [mu, self.add_param(stat, scale=0.5)], stat, tag="mul[param, statistic]",
+                           bounded=False)
+            return self.emit("sub", [v, mu], s, tag="sub[batch statistic]")
         centred = self.emit("sub", [v, mu], s, tag="sub[batch statistic]")
         if rng.random() < 0.3:
             return centred
         var = self.emit("mean", [self.emit("mul", [centred, centred], s, bounded=False)], stat,
                         tag="mean[batch statistic]", **kw)
         sd = self.emit("sqrt", [self.emit("add", [var, Const(0.1)], stat, bounded=False)], stat, bounded=False)
+        if on_stat:   # batch norm's scale folded: (h - mu) * (g / sd)
+            scale = self.emit("div", [self.add_param(stat, scale=0.5), sd], stat, tag="div[param, statistic]",
+                              bounded=False)
+            return self.emit("mul", [centred, scale], s, tag="mul[batch statistic]")
         return self.emit("div", [centred, sd], s, tag="div[batch statistic]")
 
     def propagate(self):

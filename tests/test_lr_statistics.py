@@ -131,10 +131,14 @@ def _in_a_sum(kind):
 def _param_on_statistic(kind):
     """A param applied to a batch statistic the rows read (noise on each copy's value): "folded", batch norm
     with its scale folded, (h - mu) * (g / sqrt(var + eps)) + b, in an MLP; "folded_conv", the same per channel
-    after a conv; "scaled_mean", h - s * h.mean(0)."""
+    after a conv; "scaled_mean", h - s * h.mean(0); "input_folded", the folded batch norm of the input itself
+    (statistics no noise reaches: an estimate with no part for g before, found by the lr fuzzer)."""
     m = gc.Model(f"lrstatparam{kind}")
     y = m.input("y", ("B",), dtype="int64")
-    if kind == "folded_conv":
+    if kind == "input_folded":
+        h = m.input("x", ("B", 5))
+        axes, shape = (0,), (5,)
+    elif kind == "folded_conv":
         x = m.input("x", ("B", 1, 6, 6))
         h = gc.conv2d(x, m.param("w", (3, 1, 3, 3), init="he_normal"), padding=1)
         axes, shape = (0, 2, 3), (1, 3, 1, 1)
@@ -152,7 +156,8 @@ def _param_on_statistic(kind):
     h = gc.relu(h)
     if kind == "folded_conv":
         h = gc.max_pool2d(h, 2).reshape(("B", -1))
-    m.minimize(gc.softmax_cross_entropy(h @ m.param("W", (27 if kind == "folded_conv" else 6, 3)), y))
+    width = {"folded_conv": 27, "input_folded": 5}.get(kind, 6)
+    m.minimize(gc.softmax_cross_entropy(h @ m.param("W", (width, 3)), y))
     return m
 
 
@@ -162,7 +167,8 @@ MODELS = {"bn_mlp": _bn_mlp, "bn_conv": _bn_conv, "centred": _centred,
           **{kind: (lambda kind=kind: _trial(kind)) for kind in ("max_scaled", "moments", "reshaped", "column_rmse",
                                                                  "log_mse_plus_xent")},
           **{f"in_a_{kind}": (lambda kind=kind: _in_a_sum(kind)) for kind in ("sum", "gain", "mix")},
-          **{kind: (lambda kind=kind: _param_on_statistic(kind)) for kind in ("folded", "folded_conv", "scaled_mean")}}
+          **{kind: (lambda kind=kind: _param_on_statistic(kind)) for kind in ("folded", "folded_conv", "scaled_mean",
+                                                                              "input_folded")}}
 TRIAL = ("max_scaled", "moments", "reshaped", "column_rmse", "log_mse_plus_xent")
 
 
