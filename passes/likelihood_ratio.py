@@ -89,15 +89,15 @@ def build_lr(graph, trainable, decayed=(), weight_decay=0.0):
     why = {}
     for batch, axes, declared in batch_choices(graph, graph.ancestors([graph.loss])):
         statistics = set()   # reductions over the rows that the rows read back (batch norm's): found as it goes
-        sited = set()        # statistics with params that the rows read (gamma / sqrt(var + eps)): sites
+        stat_sites = set()   # statistics with params that the rows read (gamma / sqrt(var + eps)): sites
         while True:
-            builder = _Builder(graph, trainable, decayed, weight_decay, batch, axes, declared, statistics, sited)
+            builder = _Builder(graph, trainable, decayed, weight_decay, batch, axes, declared, statistics, stat_sites)
             try:
                 graph.lr = builder.build()
                 return
             except Statistic as e:   # built again, with those taken per copy
                 statistics |= e.nodes
-                sited |= e.sites
+                stat_sites |= e.sites
                 continue
             except Unsupported as e:   # the nodes made so far are dead code: simplify removes them
                 why[batch] = (len(builder.where), str(e))   # how far it got: the furthest names the likeliest cause
@@ -153,7 +153,7 @@ def estimate_nodes(graph):
 
 
 class _Builder:
-    def __init__(self, g, trainable, decayed, weight_decay, batch, axes, declared, statistics=(), sited=()):
+    def __init__(self, g, trainable, decayed, weight_decay, batch, axes, declared, statistics=(), stat_sites=()):
         self.g = g
         self.batch, self.axes, self.declared = batch, axes, declared
         self.trainable = {g.params[p]: p for p in trainable}
@@ -170,7 +170,8 @@ class _Builder:
         self.sites = []            # Site, in the order of their masks and noise streams
         self.scans = ScanNoise(self)
         self.statistics = BatchStatistics(self, statistics)
-        self.sited = set(sited)    # sites whose value is a statistic: noise per copy
+        self.stat_sites = set(stat_sites)   # sites whose value is a statistic: noise per copy
+        self.covered = set()       # values a site's or the loss's exact VJP goes through (uncovered)
 
     # ---- small builders ----------------------------------------------------------------
     def leaf(self, key, shape, dtype):
@@ -209,7 +210,7 @@ class _Builder:
         built = []
         for n in order:
             self.where[n] = self.track(n)
-            per_copy = self.where[n] == STAT and n in self.sited   # a param applied to a statistic the rows read
+            per_copy = self.where[n] == STAT and n in self.stat_sites   # a param applied to a statistic the rows read
             if n in tops and (per_copy or not isinstance(self.where[n], tuple) and self.where[n] != STAT):
                 # (a term added to the loss, a factor of it, a statistic no rows read: exact below)
                 if self.where[n] is None:
@@ -230,13 +231,7 @@ class _Builder:
                 built.append(tops[n])
         # the loss after its reduction over rows: its shares, and statistics no rows read back (sqrt(mse))
         rowful = {n for n, w in self.where.items() if isinstance(w, int)}
-        read = {n for n in tops if self.where[n] == STAT and n not in self.sited and self.reach([n]) & rowful}
-        if read:   # params applied to statistics the rows read: built again with noise on each copy's value
-            raise Statistic((), "a param applied to a batch statistic", sites=read)
-        for n in tops:   # a param applied to a sum over rows no noise reaches (a batch norm of an input, its
-            if n in self.constants and self.reach([n]) & rowful:   # scale folded): that sum a statistic too
-                self.statistics.origins(n, [self.where[u] for u in g.operands(n)],
-                                        "a param applied to a batch statistic", sites={n})
+        self.sites_on_statistics(tops, rowful)
         self.tail = {n for n, w in self.where.items() if isinstance(w, tuple)
                      or w == STAT and not self.reach([n]) & rowful}
         self.check_params(built)
@@ -267,12 +262,10 @@ class _Builder:
                 contributions[p].append(gp)
         for p, gp in self.exact_parts().items():
             contributions[p].append(gp)
+        self.uncovered()
         grads = {}
         for p, name in self.trainable.items():
             parts = contributions[p]
-            if not parts and p in self.fwd:   # (a safety net: check_params refuses each use it knows it cannot take)
-                raise Unsupported(f"param {name!r} {fmt(g.shape(p))} reaches the loss, but the estimate has no part "
-                                  f"for it: train this model with loss_and_grad")
             total = accumulate(g, parts, PHASE, self.src) if parts else None
             if name in self.decayed and self.wd:   # the objective's decay, exactly (a param the loss never reads too)
                 wd = self.apply("const", [], value=float(self.wd), shape=(), dtype=self.float)
@@ -283,6 +276,30 @@ class _Builder:
                 "sites": [site.doc for site in self.sites],
                 "per_row": not self.mixing and not self.statistics.used, "batch": self.batch,
                 "mixing": [g.node(n)["src"] for n in self.mixing]}
+
+    def sites_on_statistics(self, tops, rowful):
+        """Raise Statistic to build again with the chain tops whose value is a param applied to a statistic
+        the rows read as sites on it (noise on each copy's value); a param applied to a sum over rows no
+        noise reaches (the folded batch norm of an input) with that sum a statistic too."""
+        g = self.g
+        read = {n for n in tops if self.where[n] == STAT and n not in self.stat_sites and self.reach([n]) & rowful}
+        if read:
+            raise Statistic((), "a param applied to a batch statistic", sites=read)
+        for n in tops:
+            if n in self.constants and self.reach([n]) & rowful:
+                why = (f"{g.node(n)['src']}: {g.describe(n)} applies a param to a sum over the rows that lr_grad "
+                       f"cannot take per copy; or train this model with loss_and_grad")
+                self.statistics.origins(n, [self.where[u] for u in g.operands(n)], why, sites={n})
+                raise Unsupported(why)   # (origins found no reduction to take per copy)
+
+    def uncovered(self):
+        """A safety net: refuse a trainable param the loss reads that neither a site's VJP nor the loss's exact
+        VJP goes through (check_params refuses each use it knows the estimate cannot take). A param they go
+        through may still get no part: its VJP there is zero (a sign of it), as loss_and_grad's is."""
+        for p, name in self.trainable.items():
+            if p in self.fwd and p not in self.covered:
+                raise Unsupported(f"param {name!r} {fmt(self.g.shape(p))} reaches the loss, but the estimate has no "
+                                  f"part for it: train this model with loss_and_grad")
 
     def noise(self, shape, src, what, steps=None, axis=0, per_copy=False):
         """A new site's noise (`shape`, its rows on `axis`; or one such per step of each enclosing scan,
@@ -635,6 +652,7 @@ class _Builder:
                     u = g.operands(u)[0]
                 if u in self.free:
                     active |= set(lifted) | (g.ancestors([u]) & self.free)
+        self.covered |= active
         return self.vjp(active, copies[-1], cot)
 
     def exact_parts(self):
@@ -650,6 +668,8 @@ class _Builder:
             return {}
         between = (set(reads) | self.reach(reads, stop=self.fwd - self.tail)) & self.tail   # the loss's ops after them
         active = self.free | between
+        linked = [n for n in reads if n == g.loss or g.loss in self.reach([n], stop=self.fwd - self.tail)]
+        self.covered |= g.ancestors(linked) & self.free   # (the loss's VJP reaches these through the tail alone)
         one = self.apply("const", [], value=1.0, shape=tuple(g.shape(g.loss)), dtype=self.float)
         return self.vjp(active, g.loss, one)
 

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import sympy as sp
 
 import gradc as gc
 from gradc.passes.pipeline import build_training_graph
@@ -244,6 +245,29 @@ def test_a_param_applied_to_a_statistic_gets_noise_per_copy():
     assert sites == [("matmul", "sample", False), ("matmul", "sample", False), ("div", "copy", True),
                      ("add", "row", False), ("matmul", "row", False)], sites
     assert [tuple(graph.shape(graph.lr["leaves"][f"mask{i}"])) for i in (2, 3)] == [("K_lr", 1), ("KB_lr", 1)]
+
+
+def test_a_param_the_estimate_does_not_reach_is_refused_not_given_zero(monkeypatch):
+    """The safety net (`uncovered`): with the folded batch norm of an input built the old way (its sums
+    constants, so no site or exact VJP goes through g), lr_grad is refused naming g; before, g's estimate
+    was silently 0."""
+    from gradc.passes import likelihood_ratio
+    monkeypatch.setattr(likelihood_ratio._Builder, "sites_on_statistics", lambda self, tops, rowful: None)
+    why = build_training_graph(MODELS["input_folded"](), "float64", order=1).lr["why"]
+    assert "param 'bn_g' (5,) reaches the loss, but the estimate has no part for it" in why, why
+
+
+def test_a_param_whose_gradient_is_zero_is_estimated_as_zero():
+    """A param under sign(): loss_and_grad's gradient is 0, and so is the estimate (found by review: the
+    safety net's first version refused it, as a param without a part)."""
+    m = gc.Model("lrsignparam")
+    x, y = m.input("x", ("B", 5)), m.input("y", ("B",), dtype="int64")
+    sign = gc.elementwise("lrsign", lambda a: sp.sign(a))
+    h = gc.tanh(x @ m.param("W0", (5, 6))) * sign(m.param("p", (6,)))
+    m.minimize(gc.softmax_cross_entropy(h @ m.param("W", (6, 3)), y))
+    graph = build_training_graph(m, "float64", order=1)
+    assert graph.lr["why"] is None, graph.lr["why"]
+    assert graph.grads["p"] is None and graph.lr_grads["p"] is None
 
 
 def test_a_max_of_a_sum_over_rows_that_no_noise_reaches_compiles():
