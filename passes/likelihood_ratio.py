@@ -171,7 +171,7 @@ class _Builder:
         self.scans = ScanNoise(self)
         self.statistics = BatchStatistics(self, statistics)
         self.stat_sites = set(stat_sites)   # sites whose value is a statistic: noise per copy
-        self.covered = set()       # values a site's or the loss's exact VJP goes through (uncovered)
+        self.covered = set()       # values a site's or the loss's exact VJP goes through (see uncovered)
 
     # ---- small builders ----------------------------------------------------------------
     def leaf(self, key, shape, dtype):
@@ -587,7 +587,7 @@ class _Builder:
         through one row-mixing product A @ H: row j's c is the sum over rows i with A[i, j] != 0
         (("neighbours", A)); for a site on a statistic, each copy's total, (K_lr,) ("copy")."""
         c2 = deviations
-        if pairs == "copy":   # a statistic's site: one value per copy, (K_lr,)
+        if pairs == "copy":   # a statistic's site: one value per copy, (K_lr,) (the rows' weights are ones)
             return self.view(self.apply("sum", [c2], axes=(1,), keepdims=True), (K,))
         if pairs == "sample":
             total = self.apply("sum", [c2], axes=(1,), keepdims=True)

@@ -135,7 +135,7 @@ class LikelihoodRatio:
         for s, (key, rank, *per_copy) in enumerate(self.info["masks"]):   # (a module from before: 2 values)
             active = (within // per_site == s) if layerwise else np.ones(total, dtype=bool)
             m = np.where(active, sign, 0.0).astype(F)
-            m = m if per_copy and per_copy[0] else np.repeat(m, rows)   # a statistic's site: one sign per copy, else per row
+            m = m if per_copy and per_copy[0] else np.repeat(m, rows)   # a statistic's site: one per copy
             out[f"lr:{key}"] = m.reshape((len(m),) + (1,) * (rank - 1))
         # each copy's weight in the baseline every row's loss is taken from: with pairs the noise-free copies'
         # loss (a pair's + and - copies read different perturbed values, so their difference alone leaves the
