@@ -14,14 +14,16 @@ from gradc.passes.pipeline import build_training_graph
 from fuzz_lr import assert_unbiased, check_lr_compiled
 
 
-def _batch_norm(h, axes, m, name):
+def _batch_norm(h, axes, m, name, folded=False):
     """Batch norm in training mode: the batch's mean and (biased) variance over `axes`, a learned gain and
-    shift per feature."""
+    shift per feature; `folded`: the gain applied to the statistic, (h - mu) * (g / sqrt(var + eps)) + b."""
     keep = len(axes) > 1
     mu = h.mean(axis=axes, keepdims=keep)
     var = gc.square(h - mu).mean(axis=axes, keepdims=keep)
     shape = (1, h.shape[1], 1, 1) if keep else (h.shape[1],)
     g, b = m.param(f"{name}_g", shape, init="ones"), m.param(f"{name}_b", shape, init="zeros")
+    if folded:
+        return (h - mu) * (g / gc.sqrt(var + 1e-5)) + b
     return (h - mu) / gc.sqrt(var + 1e-5) * g + b
 
 
@@ -147,13 +149,10 @@ def _param_on_statistic(kind):
         x = m.input("x", ("B", 5))
         h = gc.tanh(x @ m.param("W0", (5, 6))) @ m.param("W1", (6, 6))
         axes, shape = (0,), (6,)
-    mu = h.mean(axis=axes, keepdims=len(axes) > 1)
     if kind == "scaled_mean":
-        h = h - mu * m.param("s", shape, init="ones")
+        h = h - h.mean(axis=axes, keepdims=len(axes) > 1) * m.param("s", shape, init="ones")
     else:
-        var = gc.square(h - mu).mean(axis=axes, keepdims=len(axes) > 1)
-        scale = m.param("bn_g", shape, init="ones") / gc.sqrt(var + 1e-5)
-        h = (h - mu) * scale + m.param("bn_b", shape, init="zeros")
+        h = _batch_norm(h, axes, m, "bn", folded=True)
     h = gc.relu(h)
     if kind == "folded_conv":
         h = gc.max_pool2d(h, 2).reshape(("B", -1))
