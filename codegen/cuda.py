@@ -15,11 +15,17 @@ codegen/cuda_entry.py writes the host code that launches them in the memory plan
 """
 import sympy as sp
 
-from gradc.ops.elementwise import X
+from gradc.ops.elementwise import FLAT, SIZE, X
 from gradc.ops.kernel_text import block_sum, index, unravel
 from gradc.runtime.cuda import BIG, BK, PER, THREADS, TILE
 
 from .sympy_print import print_block
+
+
+def _element_index(flat):
+    """The names of a kernel's element index and their count (FLAT, SIZE: what a draw computed in line
+    reads, passes/fusion.py), `flat` the source of the flat index of out's element."""
+    return {FLAT: sp.Symbol(flat), SIZE: sp.Symbol("out.size")}
 
 
 def _arity(expr):
@@ -85,6 +91,7 @@ class CudaKernels:
             else:
                 loads.append(f"    a{j} = x{j}[{index(['0' if d < 0 else f'i{d}' for d in pat])}]")
             names[X[j]] = sp.Symbol(f"a{j}", real=True)
+        names.update(_element_index("i"))
         target = f"out[{index([f'i{d}' for d in range(out_rank)])}]" if out_rank else "out[0]"
         block, helpers = print_block(expr, names, target)
         self.helpers |= helpers
@@ -180,7 +187,7 @@ class CudaKernels:
 
     def _epilogue_store(self, epilogue, patterns):
         """Lines (unindented) that store out[row, col] = epilogue(acc, e1[...], ...)."""
-        names, loads = {X[0]: sp.Symbol("acc", real=True)}, []
+        names, loads = {X[0]: sp.Symbol("acc", real=True), **_element_index("row * out.shape[1] + col")}, []
         for j, pat in enumerate(patterns, start=1):
             idx = index(["0" if d < 0 else ("row", "col")[d] for d in pat]) if pat else "0"
             loads.append(f"l{j} = e{j}[{idx}]")

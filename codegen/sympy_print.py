@@ -5,6 +5,8 @@ import tokenize
 import sympy as sp
 from sympy.printing.pycode import PythonCodePrinter
 
+from gradc.ops.random import normal_draw_source
+
 # Stable scalar helpers the generated module defines when an expression uses them.
 HELPERS = {
     "_sigmoid": '''def _sigmoid(x):
@@ -26,6 +28,7 @@ HELPERS = {
     return a if (a > b or a != a) else b   # NaN propagates, as np.maximum''',
     "_min2": '''def _min2(a, b):
     return a if (a < b or a != a) else b''',
+    "_normal_draw": normal_draw_source(),
 }
 
 
@@ -136,6 +139,11 @@ class KernelPrinter(PythonCodePrinter):
     def _print_Tie(self, e): return self._helper("_tie", e)
     def _print_Max2(self, e): return self._helper("_max2", e)
     def _print_Min2(self, e): return self._helper("_min2", e)
+
+    def _print_NormalDraw(self, e):
+        seed, half, key, flat, count = e.args   # the stream's key: a uint64 literal (an int, not a float)
+        self.used_helpers.add("_normal_draw")
+        return f"_normal_draw({self._print(seed)}, {self._print(half)}, np.uint64({int(key)}), {flat}, {count})"
 
     def _print_AbsF(self, e):
         return f"math.fabs({self._print(e.args[0])})"

@@ -4,15 +4,26 @@ A producer is inlined into its consumer when the consumer is its only user and n
 point returns it; scalar constants become literals. The fused expression is the sympy
 composition of the pieces, so `tanh(x @ W + b)` is one loop and so is its backward
 `g * (1 - y**2)`.
+
+With `draws` (the CUDA target), normal random draws are computed where they are read: a `random`
+node becomes the expression of its values (NormalDraw of the element's flat index, gradc/ops/random.py),
+and a short expression of a draw (lr_grad's noise times its mask and sigma) is inlined into every
+elementwise reader of its shape, however many there are. On a GPU the hash and Box-Muller of an
+element cost less than a kernel launch, a store and a reload per reader; lr_grad's noise then lives in
+no buffer at all. The CPU keeps one loop per draw: it makes two normals per pair of uniforms, which in
+line each reader would compute for every element. An expression with a draw goes only into readers of
+its own shape, where the flat index of an element is the same.
 """
 import numpy as np
 import sympy as sp
 
 from gradc.ops import get_op
-from gradc.ops.elementwise import X, expr_of
+from gradc.ops.elementwise import FLAT, X, expr_of
+from gradc.ops.random import drawn_expression
 
 
 MAX_OPERANDS = 24   # a kernel with more arguments reads badly and gains nothing
+MAX_RECOMPUTED_OPS = 8   # a draw inlined into several readers: the draw times a few factors, no more
 
 
 def _elementwise(graph, n):
@@ -24,7 +35,14 @@ def _literal(value):
     return sp.Integer(int(value)) if value.is_integer() and abs(value) < 2**53 else sp.Float(value)
 
 
-def _inline(graph, n, roots):
+def _recomputed(graph, u, draws):
+    """Whether u is a short expression of a draw that every reader (elementwise, of u's shape) recomputes."""
+    expr = expr_of(graph, u)
+    return (draws and expr.has(FLAT) and sp.count_ops(expr) <= MAX_RECOMPUTED_OPS
+            and all(_elementwise(graph, r) and graph.shape(r) == graph.shape(u) for r in graph.users(u)))
+
+
+def _inline(graph, n, roots, draws=False):
     """Compose n's expression with its fusable operands; True when anything changed."""
     expr, operands = expr_of(graph, n), list(graph.operands(n))
     changed = False
@@ -35,8 +53,11 @@ def _inline(graph, n, roots):
             op = graph.op(u)
             if op == "const" and all(d == 1 for d in graph.shape(u)) and len(graph.shape(u)) <= len(graph.shape(n)):
                 piece, pieces = _literal(np.asarray(graph.attrs(u)["value"]).reshape(())), []
-            elif _elementwise(graph, u) and u not in roots and u != n and (graph.users(u) == [n] or not graph.operands(u)):
-                # a sole user takes the producer over; a constant fill (no operands) is copied into every user
+            elif _elementwise(graph, u) and u not in roots and u != n and (
+                    graph.users(u) == [n] or not graph.operands(u) or _recomputed(graph, u, draws)) and (
+                    graph.shape(u) == graph.shape(n) or not expr_of(graph, u).has(FLAT)):
+                # a sole user takes the producer over; a constant fill (no operands) is copied into every user,
+                # and so is a draw's short expression; a draw's element is its reader's only in the same shape
                 piece, pieces = expr_of(graph, u), list(graph.operands(u))
             else:
                 continue
@@ -77,17 +98,31 @@ def split_second_order_uses(graph):
             graph.set_operands(u, [copy if v == n else v for v in graph.operands(u)])
 
 
-def fuse_elementwise(graph):
-    """Also inside scan bodies: a step's chain of elementwise ops is one loop too."""
+def fuse_elementwise(graph, draws=False):
+    """Also inside scan bodies: a step's chain of elementwise ops is one loop too. `draws`: normal random
+    draws are computed in their readers (see the module's docstring)."""
     for body in graph.bodies():
-        _fuse(body)
-    return _fuse(graph)
+        _fuse(body, draws)
+    return _fuse(graph, draws)
 
 
-def _fuse(graph):
+def _as_expression(graph, n):
+    """Random node n (normal draws) as the fused node of its values' expression; True when it is one now."""
+    expr = drawn_expression(graph, n)
+    if expr is None:
+        return False
+    node = graph.node(n)
+    node["op"] = "fused"
+    node["attrs"] = {"expr": expr, "shape": node["shape"]}
+    return True
+
+
+def _fuse(graph, draws=False):
     roots = set(graph.roots())
     changed = False
     for n in graph.topo_order():
+        if n in graph and draws and graph.op(n) == "random":
+            changed |= _as_expression(graph, n)
         if n in graph and _elementwise(graph, n):
-            changed |= _inline(graph, n, roots)
+            changed |= _inline(graph, n, roots, draws)
     return changed

@@ -11,7 +11,7 @@ all have the operand's own shape (the kernel reads them at the tile's index); an
 node has the product's shape, and its other operands broadcast against it.
 """
 from gradc.ops import get_op
-from gradc.ops.elementwise import X, expr_of
+from gradc.ops.elementwise import FLAT, X, expr_of
 
 MAX_OPERANDS = 8   # per side: more kernel arguments than this reads badly and gains little
 
@@ -21,8 +21,8 @@ def _elementwise(graph, n):
 
 
 def _absorbable_prologue(graph, u, reader, roots):
-    if not _elementwise(graph, u) or u in roots or graph.users(u) != [reader]:
-        return False
+    if not _elementwise(graph, u) or u in roots or graph.users(u) != [reader] or expr_of(graph, u).has(FLAT):
+        return False   # (a draw's element is the one at its flat index, which a tile's load does not follow)
     operands = graph.operands(u)
     return 0 < len(operands) <= MAX_OPERANDS and all(graph.shape(v) == graph.shape(u) for v in operands)
 

@@ -115,7 +115,8 @@ PASSES = (
     # a value read by first- and second-order code is computed once for each, so --order 2
     # leaves loss_and_grad as lean as --order 1 builds it
     ("fusion", lambda g, b: split_second_order_uses(g), lambda b: b.order == 2),
-    ("fusion", lambda g, b: fuse_elementwise(g), None),
+    # CUDA: normal draws computed in the kernels that read them (passes/fusion.py says why)
+    ("fusion", lambda g, b: fuse_elementwise(g, draws=b.target == "cuda"), None),
     ("simplify", lambda g, b: simplify(g), None),
     ("constants", lambda g, b: constants_in_dtype(g, b.dtype), None),
     ("validate", lambda g, b: g.validate(), None),

@@ -1,10 +1,11 @@
 """Kernels of codegen/cuda.py and the numpy each must match (tests/test_cuda_kernels.py)."""
 import sympy as sp
 
-from gradc.ops.elementwise import X
+from gradc.ops.elementwise import FLAT, SIZE, X
 from gradc.ops import get_op
 from gradc.ops.labels import CUDA_XENT_GRAD, CUDA_XENT_ROWS, cuda_pick_grad_source, cuda_pick_source
 from gradc.ops.layout import cuda_transpose_source
+from gradc.ops.random import NormalDraw, stream_key
 from gradc.ops.reduce import cuda_argmax_source, cuda_reduction_source
 from gradc.ops.softmax import cuda_softmax_source
 from gradc.codegen.cuda import CudaKernels
@@ -111,6 +112,21 @@ _case("sum_all", _record_kernel(("reduce", "sum", 2, (0, 1), False), cuda_reduct
 _case("mean_all_keep", _record_kernel(("reduce", "mean", 2, (0, 1), True), cuda_reduction_source, "mean", 2, (0, 1), True), ["x"], {"x": [[23, 29], "f"]}, [1, 1], "x.mean()")
 _case("max_all", _record_kernel(("reduce", "max", 1, (0,), False), cuda_reduction_source, "max", 1, (0,), False), ["x"], {"x": [[301], "f"]}, [1], "x.max()")
 _case("sum_squares", _K.sum_squares(), ["x"], {"x": [[517], "f"]}, [1], "(x * x).sum()")
+# normal draws computed in the kernels that read them (passes/fusion.py): paired halves of an odd count, in an
+# elementwise kernel and in each GEMM's epilogue (its element: row * n + col)
+_SEEDS = {"seed": [[1], "int", -3], "half": [[1], "int", 1]}
+_DRAW = "draw('normal', 0.0, -3, 5, {shape}, 1)"
+drawn = NormalDraw(X[0], X[1], stream_key(5), FLAT, SIZE)
+_case("normal_draw", _K.elementwise(X[2] * drawn, [None, None, (0, 1)], 2, "normaldraw"), ["seed", "half", "z"],
+      {**_SEEDS, "z": [[7, 9], "f"]}, [7, 9], "z * " + _DRAW.format(shape=(7, 9)))
+epilogue = X[0] + NormalDraw(X[1], X[2], stream_key(5), FLAT, SIZE)
+_case("gemm_draw", _K.matmul(False, False, epilogue=epilogue, epilogue_patterns=[(), ()]), ["x", "w", "seed", "half"],
+      {"x": [[19, 18], "f"], "w": [[18, 21], "f"], **_SEEDS}, [19, 21], "x @ w + " + _DRAW.format(shape=(19, 21)))
+_case("gemm_tiled_draw", _K.matmul_tiled(False, False, epilogue=epilogue, epilogue_patterns=[(), ()]),
+      ["x", "w", "seed", "half"], {"x": [[130, 19], "f"], "w": [[19, 21], "f"], **_SEEDS}, [130, 21],
+      "x @ w + " + _DRAW.format(shape=(130, 21)))
+_case("gemm_slices_sum_draw", _K.split_sum(epilogue, [(), ()]), ["parts", "seed", "half"],
+      {"parts": [[3, 19, 21], "f"], **_SEEDS}, [19, 21], "parts.sum(0) + " + _DRAW.format(shape=(19, 21)))
 _case("transpose", _record_kernel(("transpose", (1, 0, 2)), cuda_transpose_source, (1, 0, 2)), ["x"], {"x": [[2, 3, 4], "f"]}, [3, 2, 4], "x.transpose(1, 0, 2)")
 
 
@@ -120,7 +136,7 @@ UPDATES = {opt + part: make(opt) for opt in ("sgd", "adam")
 
 def build_module():
     """The kernels as a module, as the CUDA target will write them (float64 shared tiles)."""
-    lines = ["import math", "from numba import float64 as FLOAT_T, float64", "from gradc.runtime.cuda import load_cuda",
+    lines = ["import math", "import numpy as np", "from numba import float64 as FLOAT_T, float64", "from gradc.runtime.cuda import load_cuda",
              "cuda = load_cuda()", ""]
     for h in sorted(_K.helpers):
         lines += ["@cuda.jit(device=True)", HELPERS[h], ""]

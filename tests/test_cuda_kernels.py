@@ -21,18 +21,21 @@ RUNNER = textwrap.dedent('''
     import numpy as np
     sys.path.insert(0, sys.argv[1])
     import cuda_kernels as k
+    from gradc.ops.random import draw
     from gradc.runtime.cuda import launch_config
     cases = json.loads(open(sys.argv[2]).read())
     rng = np.random.default_rng(0)
     errors = {}
     for case in cases:
         arrays = {}
-        for name, (shape, kind) in case["inputs"].items():
+        for name, (shape, kind, *value) in case["inputs"].items():
             if kind == "labels":
                 arrays[name] = rng.integers(0, case["classes"], size=shape)
+            elif kind == "int":   # a given int (a draw's seed or flag)
+                arrays[name] = np.full(shape, value[0], dtype=np.int64)
             else:
                 arrays[name] = rng.standard_normal(shape)
-        expected = eval(case["numpy"], {"np": np, **arrays})
+        expected = eval(case["numpy"], {"np": np, "draw": draw, **arrays})
         arrays["out"] = np.full(case["out"], np.nan)
         fn = getattr(k, case["kernel"])
         args = [arrays[a] for a in case["args"]] + [arrays["out"]]

@@ -21,6 +21,10 @@ from ..shapes import broadcast, size
 X = sp.symbols("x0:64", real=True)
 Y = sp.Symbol("y", real=True)          # the op's own output, inside derivative expressions
 G = sp.Symbol("g", real=True)          # the incoming adjoint, inside VJP expressions
+# inside a fused kernel's expression: the flat (C-order) index of the element it computes and the count
+# of them (what a random draw recomputed there needs: gradc/ops/random.py's NormalDraw)
+FLAT = sp.Symbol("flat", integer=True, nonnegative=True)
+SIZE = sp.Symbol("size", integer=True, positive=True)
 
 
 def expr_of(graph, n):
@@ -45,7 +49,8 @@ class ExactFloatPrinter(NumPyPrinter):
 
 @lru_cache(maxsize=None)
 def numpy_function(expr, nargs):
-    f = sp.lambdify(X[:nargs], expr, modules=[NUMPY_FUNCTIONS, "numpy"],
+    """expr as a numpy function of its nargs operands (then FLAT and SIZE, where expr reads them)."""
+    f = sp.lambdify(X[:nargs] + ((FLAT, SIZE) if expr.has(FLAT, SIZE) else ()), expr, modules=[NUMPY_FUNCTIONS, "numpy"],
                     printer=ExactFloatPrinter({"fully_qualified_modules": False, "inline": True,
                                                "allow_unknown_functions": True}))   # lambdify's own settings
     if not expr.has(sp.Piecewise):
@@ -58,8 +63,9 @@ def numpy_function(expr, nargs):
 
 
 def _infer(attrs, shapes, dtypes):
+    drawn = "expr" in attrs and attrs["expr"].has(FLAT)   # a fused random draw reads an int seed (and flag)
     for d in dtypes:
-        if not d.startswith("float"):
+        if not d.startswith("float") and not drawn:
             raise ShapeError(f"operand of dtype {d}: elementwise ops take float operands")
     shape = broadcast(*shapes)
     target = attrs.get("shape")
@@ -68,14 +74,24 @@ def _infer(attrs, shapes, dtypes):
         if broadcast(shape, target) != target:
             raise ShapeError(f"cannot broadcast {shape} to {target}")
         shape = target
-    return shape, (dtypes[0] if dtypes else "float")
+    return shape, next((d for d in dtypes if d.startswith("float")), "float")
+
+
+def evaluate_expression(expr, values, out_shape):
+    """expr over `values` (X[0], X[1], ...) by numpy, with each element's flat index in `out_shape` and
+    their count where expr reads them (FLAT, SIZE: a draw computed in line)."""
+    index = ()
+    if expr.has(FLAT, SIZE):
+        count = size(out_shape)
+        index = (np.arange(count, dtype=np.int64).reshape(out_shape), count)
+    return numpy_function(expr, len(values))(*values, *index)
 
 
 def _evaluate_with(expr_getter):
     def evaluate(attrs, values, out_shape, dims):
-        expr = expr_getter(attrs)
-        result = numpy_function(expr, len(values))(*values)
-        dtype = np.result_type(*[v.dtype for v in values if hasattr(v, "dtype")] or [np.float64])
+        result = evaluate_expression(expr_getter(attrs), values, out_shape)
+        floats = [v.dtype for v in values if hasattr(v, "dtype") and v.dtype.kind == "f"]   # (not a draw's seed)
+        dtype = np.result_type(*floats or [np.float64])
         return np.broadcast_to(np.asarray(result, dtype=dtype), out_shape).copy()
     return evaluate
 

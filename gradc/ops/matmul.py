@@ -3,7 +3,7 @@ gemm, a matmul with its elementwise neighbours fused in (made for the CUDA targe
 import numpy as np
 
 from . import Op, register
-from .elementwise import X, numpy_function
+from .elementwise import FLAT, X, evaluate_expression, numpy_function
 from ..errors import ShapeError
 from ..shapes import fmt, size
 
@@ -114,7 +114,9 @@ def _gemm_split(attrs, items):
 
 
 def _gemm_infer(attrs, shapes, dtypes):
-    _float_only("gemm", dtypes)
+    a_types, b_types, rest = _gemm_split(attrs, dtypes)
+    # (an epilogue that computes a draw in line reads its int seed: passes/fusion.py)
+    _float_only("gemm", a_types + b_types + ([] if attrs["epilogue"].has(FLAT) else rest))
     a, b, _ = _gemm_split(attrs, shapes)
     return _matmul_infer(attrs, [a[0], b[0]], dtypes)
 
@@ -124,7 +126,7 @@ def _gemm_evaluate(attrs, values, out_shape, dims):
     a = numpy_function(attrs["a_expr"], len(a))(*a)
     b = numpy_function(attrs["b_expr"], len(b))(*b)
     product = _matmul_evaluate(attrs, [a, b], out_shape, dims)
-    return np.broadcast_to(numpy_function(attrs["epilogue"], 1 + len(rest))(product, *rest), out_shape)
+    return np.broadcast_to(evaluate_expression(attrs["epilogue"], [product, *rest], out_shape), out_shape)
 
 
 def _gemm_flops(attrs, in_shapes, out_shape):

@@ -27,11 +27,14 @@ attrs["dist"]:
 import math
 
 import numpy as np
+import sympy as sp
 
 from . import Op, register
 from ..errors import ShapeError
 from ..shapes import size
+from .elementwise import FLAT, SIZE, X
 from .kernel_text import index, unravel
+from .scalar import NUMPY_FUNCTIONS
 
 GAMMA = 0x9E3779B97F4A7C15
 M1 = 0xBF58476D1CE4E5B9
@@ -66,16 +69,63 @@ def draw(dist, p, seed, stream, shape, half=0):
     """The values of a `random` node (float64), the reference every target reproduces."""
     key = key_of(seed, stream)
     count = int(np.prod(shape, dtype=np.int64))
-    i = np.arange(count, dtype=np.uint64)
-    if half:
-        i = np.where(i >= count // 2, i - np.uint64(count // 2), i)
+    i = _counters(np.arange(count, dtype=np.uint64), count, half)
     if dist == "dropout":
         return np.where(uniform(key, i) >= p, 1.0 / (1.0 - p), 0.0).reshape(shape)
+    return _normal(key, i).reshape(shape)
+
+
+def _counters(j, count, half):
+    """The element whose draw element j takes: with `half`, the second half repeats the first."""
+    return np.where(j >= count // 2, j - np.uint64(count // 2), j) if half else j
+
+
+def _normal(key, i):
+    """N(0, 1) values of elements i by Box-Muller (see the module's docstring)."""
     q = i // np.uint64(2)
     u1 = 1.0 - uniform(key, 2 * q)
     u2 = uniform(key, 2 * q + np.uint64(1))
     trig = np.where(i % np.uint64(2) == 0, np.cos(2.0 * math.pi * u2), np.sin(2.0 * math.pi * u2))
-    return (np.sqrt(-2.0 * np.log(u1)) * trig).reshape(shape)
+    return np.sqrt(-2.0 * np.log(u1)) * trig
+
+
+def stream_key(stream):
+    """mix((stream + 1) * GAMMA): the part of an element's key that the stream gives (a literal of the kernels)."""
+    return int(mix(np.uint64((stream + 1) * GAMMA % 2 ** 64)))
+
+
+# ---- a normal draw inside another kernel (passes/fusion.py, CUDA) ------------------------------------
+class NormalDraw(sp.Function):
+    """NormalDraw(seed, half, stream key, j, size): element j of a `random` node's normal draws, `size`
+    of them, as the node's own kernel writes it. passes/fusion.py puts it in the expression of each
+    elementwise kernel that reads the draws (j: FLAT, the element that kernel computes; size: SIZE),
+    where recomputing it costs less than the draw's own kernel, its store and the reloads."""
+    nargs = 5
+    is_real = True
+
+    def fdiff(self, argindex=1):   # (a value of the seed: no derivative reaches through it)
+        return sp.S.Zero
+
+
+def drawn_expression(graph, n):
+    """The expression over X[0] (the seed) and X[1] (the half flag, when given) that `random` node n
+    computes, when it draws normal values (else None: dropout keeps its own kernel)."""
+    attrs = graph.attrs(n)
+    if attrs["dist"] != "normal":
+        return None
+    half = X[1] if len(graph.operands(n)) > 1 else sp.S.Zero
+    return NormalDraw(X[0], half, sp.Integer(stream_key(attrs["stream"])), FLAT, SIZE)
+
+
+def _normal_draws(seed, half, key, j, count):
+    """NormalDraw's values (the interpreter's, through numpy)."""
+    with np.errstate(over="ignore"):
+        full = mix(np.asarray(seed).astype(np.int64).astype(np.uint64) ^ np.uint64(int(key)))
+    j = np.asarray(j).astype(np.uint64)
+    return _normal(full, _counters(j, int(count), int(np.asarray(half)))).reshape(np.shape(j))
+
+
+NUMPY_FUNCTIONS["NormalDraw"] = _normal_draws
 
 
 def _infer(attrs, shapes, dtypes):
@@ -170,11 +220,19 @@ def _cuda_source(name, dist, rank, paired=False):
     return "\n".join(lines), f"out = {dist} draws of (seed, stream, element index){what}", ("flat", -1)
 
 
+def normal_draw_source():
+    """The device function that computes NormalDraw's value (codegen/sympy_print.py's helper)."""
+    lines = ["def _normal_draw(seed, half, stream_key, j, size):",
+             "    # element j of a random node's normal draws (gradc/ops/random.py), computed where it is read",
+             "    mid = size // 2 if half != 0 else size",
+             "    i = j - mid if j >= mid else j"]
+    return "\n".join(lines + _key_lines("seed", "    ") + _value_lines("normal", "    ") + ["    return v"])
+
+
 def _arguments(s):
     """The stream's key, p and the kept values' scale as literals of the call."""
     p = float(s.attrs.get("p", 0.0))
-    stream_key = int(mix(np.uint64((s.attrs["stream"] + 1) * GAMMA % 2 ** 64)))
-    return [f"np.uint64({stream_key})", repr(p), repr(1.0 / (1.0 - p))]
+    return [f"np.uint64({stream_key(s.attrs['stream'])})", repr(p), repr(1.0 / (1.0 - p))]
 
 
 def _lower(make):
