@@ -436,6 +436,10 @@ class _Builder:
             return self.model_draws(n)   # draws them from the seed given, so the estimate is of that call's gradient
         if n in self.statistics.nodes:   # batch norm's mean: one per copy
             return self.statistics.reduce(n)
+        held = [False] * len(ins)
+        if op == "scan":   # it may close over a sum over rows no noise reaches (x0.mean(0)): the same in every copy
+            held = self.closed_over_sums(n, ins)
+            ins = [None if h else w for h, w in zip(held, ins)]
         if STAT in ins:
             return self.statistics.apply(n, ins)
         if all(w is None for w in ins):
@@ -445,7 +449,7 @@ class _Builder:
             return None
         clean = all(u in self.clean for u, w in zip(g.operands(n), ins) if w is not None)
         if op == "scan":
-            operands = [self.stacked(u) for u in g.operands(n)]
+            operands = [u if h else self.stacked(u) for u, h in zip(g.operands(n), held)]
             self.copy[n], where = self.scans.copy(n, ins, operands, fail)
             return where
         operands = [self.stacked(u) for u in g.operands(n)] if not clean else list(g.operands(n))
@@ -508,6 +512,20 @@ class _Builder:
             return where
         self.copy[n] = self.restacked(n, operands, where, attrs)
         return where
+
+    def closed_over_sums(self, n, ins):
+        """Which operands of scan n are sums (means, maxes) over the batch rows of values no noise reaches,
+        read as values without rows; one that the noise reaches (a batch statistic) is refused by name."""
+        g = self.g
+        held = []
+        for u, w in zip(g.operands(n), ins):
+            held.append(isinstance(w, tuple) and u in self.constants)
+            if (isinstance(w, tuple) or w == STAT) and not held[-1]:
+                raise Unsupported(f"{g.node(n)['src']}: {g.describe(n)} reads {g.describe(u)}, a sum, mean or max "
+                                  f"over the batch rows that the noise reaches (a batch statistic, or the loss); "
+                                  f"lr_grad takes batch statistics per perturbed copy outside a scan only; compute "
+                                  f"it from the inputs alone, or train this model with loss_and_grad")
+        return held
 
     def split(self, n):
         """Shares of n, a constant of the estimate (the same in every copy): n / B for each row, (KB_lr,) + its

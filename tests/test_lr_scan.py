@@ -354,6 +354,35 @@ def test_refusals_name_the_reason_and_what_to_do():
                 else "add it to the loss after the scan" in why), why
 
 
+def _closing_over_a_mean(of):
+    """A scan whose step reads a mean over the batch rows: of an input (the same in every perturbed copy),
+    or of a product the noise reaches (a batch statistic)."""
+    m = gc.Model(f"lr_scan_mean_{of}")
+    x, x0, y = m.input("x", ("T", "B", 4)), m.input("x0", ("B", 4)), m.input("y", ("B",), dtype="int64")
+    W, U, V = m.param("W", (4, 5)), m.param("U", (5, 5)), m.param("V", (5, 3))
+    mu = x0.mean(axis=0) if of == "input" else (x0 @ W).mean(axis=0)
+    centred = (lambda xt: (xt - mu) @ W) if of == "input" else (lambda xt: xt @ W - mu)
+    h, _ = gc.scan(lambda h, xt: (gc.tanh(centred(xt) + h @ U), None), x0 @ W, x)
+    m.minimize(gc.softmax_cross_entropy(h @ V, y))
+    return m
+
+
+def test_a_scan_closing_over_a_mean_over_rows():
+    """Review M: a step reading an input's batch mean was refused as if it read the loss. That mean is the
+    same in every perturbed copy: the step reads it as a value without rows, and the estimate is unbiased. A
+    mean the noise reaches (a batch statistic) is refused as one."""
+    graph = build_training_graph(_closing_over_a_mean("input"), "float64", order=1)
+    assert graph.lr["why"] is None, graph.lr["why"]
+    rng = np.random.default_rng(4)
+    params = {"W": rng.normal(size=(4, 5)), "U": 0.5 * rng.normal(size=(5, 5)), "V": rng.normal(size=(5, 3))}
+    inputs = {"x": rng.normal(size=(3, 6, 4)), "x0": rng.normal(size=(6, 4)) + 1.0, "y": rng.integers(0, 3, 6)}
+    for mode in (None, dict(antithetic=False, layerwise=True)):
+        assert_unbiased(graph, params, inputs, f"scan over an input's mean {mode}", "", mode=mode)
+    why = build_training_graph(_closing_over_a_mean("product"), "float64", order=1).lr["why"]
+    assert "a batch statistic" in why and "test_lr_scan.py" in why and "outside a scan" in why, why
+    assert "per-row terms" not in why, why   # (not the loss's rule)
+
+
 def _embedded(where, named=True):
     """A language model with a trained embedding table E: looked up in the step, before the scan on
     tokens (T, B) (or both, with a second table), or on tokens (B, T) moved to (T, B, D) (every input then

@@ -246,6 +246,21 @@ def test_a_param_applied_to_a_statistic_gets_noise_per_copy():
     assert [tuple(graph.shape(graph.lr["leaves"][f"mask{i}"])) for i in (2, 3)] == [("K_lr", 1), ("KB_lr", 1)]
 
 
+def test_the_memory_check_counts_one_sign_per_copy_for_a_statistics_site(monkeypatch):
+    """Review M: the check before the leaves are made counted a statistic's mask (one sign per copy) as one
+    sign per copy and row. 8 bytes for each of a call's 1000 copies times 1000 rows (their flags) and 5:
+    enough memory for that, not for a second sign per row."""
+    from gradc.codegen.lr_api import lr_info
+    from gradc.runtime import lr
+    graph, _, _ = _problem("folded", np.random.default_rng(1))
+    info = dict(lr_info(graph), masks=[("mask0", 2, True)], tiled={})
+    monkeypatch.setattr(lr, "available_bytes", lambda: 8 * 1000 * (1000 + 5))
+    lr.LikelihoodRatio("m", np.float64, info)._refuse_beyond_memory(1000, False, 1000, 1000)
+    info["masks"] = [("mask0", 2, False)]
+    with pytest.raises(MemoryError, match="noise signs alone need"):
+        lr.LikelihoodRatio("m", np.float64, info)._refuse_beyond_memory(1000, False, 1000, 1000)
+
+
 def test_a_param_the_estimate_does_not_reach_is_refused_not_given_zero(monkeypatch):
     """The safety net (`uncovered`): with the folded batch norm of an input built the old way (its sums
     constants, so no site or exact VJP goes through g), lr_grad is refused naming g; before, g's estimate

@@ -107,10 +107,13 @@ class LikelihoodRatio:
 
     def _refuse_beyond_memory(self, samples, layerwise, total, rows):
         """MemoryError naming `samples` before the leaves of `total` copies are made, when their rows alone (a
-        sign per copy and row for each site, the copies' row flags, the int inputs' copies: 8 bytes a value at
-        most) would not fit in the memory available; the arena's own check comes after (gradc/runtime/arena.py)."""
+        sign per copy and row for each site, one per copy for a statistic's site, the copies' row flags, the int
+        inputs' copies: 8 bytes a value at most) would not fit in the memory available; the arena's own check
+        comes after (gradc/runtime/arena.py)."""
         copies = self.copies(samples, layerwise)
-        need = 8 * total * (rows * (len(self.info["masks"]) + 1 + len(self.info["tiled"])) + 4)
+        per_copy = sum(1 for _, _, *flag in self.info["masks"] if flag and flag[0])
+        per_row = len(self.info["masks"]) - per_copy
+        need = 8 * total * (rows * (per_row + 1 + len(self.info["tiled"])) + per_copy + 4)
         free = available_bytes()
         if free is not None and need > free:
             raise MemoryError(f"{self.model_name}.lr_grad: samples={samples} runs {copies} perturbed copies of the "
