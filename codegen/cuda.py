@@ -214,7 +214,9 @@ class CudaKernels:
             if (a_prologue in (None, X[0])) and (b_prologue in (None, X[0])):
                 after = None
                 if epilogue not in (None, X[0]):
-                    after = self.elementwise(epilogue, [(0, 1)] + list(epilogue_patterns), 2, "epilogue")
+                    # (an epilogue's scalar, pattern (), is a one-element array here too: read as such)
+                    scalars = [None if pattern == () else pattern for pattern in epilogue_patterns]
+                    after = self.elementwise(epilogue, [(0, 1)] + scalars, 2, "epilogue")
                 cublas = f", cublas=({transpose_a}, {transpose_b}, {after})"
             name = f"gemm{len(self.sites)}"
             self.sites.append((name, f"{name} = Gemm({small}, {large}, transpose_a={transpose_a}{split}{cublas})"))

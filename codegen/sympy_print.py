@@ -141,7 +141,9 @@ class KernelPrinter(PythonCodePrinter):
     def _print_Min2(self, e): return self._helper("_min2", e)
 
     def _print_NormalDraw(self, e):
-        seed, half, key, flat, count = e.args   # the stream's key: a uint64 literal (an int, not a float)
+        # the stream's key: a uint64 literal (an int, not a float); flat and count: the kernel's names for its
+        # element's flat index and their count, which each kernel that may hold a draw maps FLAT and SIZE to
+        seed, half, key, flat, count = e.args
         self.used_helpers.add("_normal_draw")
         return f"_normal_draw({self._print(seed)}, {self._print(half)}, np.uint64({int(key)}), {flat}, {count})"
 

@@ -515,17 +515,23 @@ class _Builder:
 
     def closed_over_sums(self, n, ins):
         """Which operands of scan n are sums (means, maxes) over the batch rows of values no noise reaches,
-        read as values without rows; one that the noise reaches (a batch statistic) is refused by name."""
+        read as values without rows (the same in every copy); one that the noise reaches (a batch statistic)
+        is refused by name."""
         g = self.g
         held = []
         for u, w in zip(g.operands(n), ins):
-            held.append(isinstance(w, tuple) and u in self.constants)
+            # (a max over rows is taken as a statistic first: then it is held when no noised value leads to it)
+            held.append(isinstance(w, tuple) and u in self.constants or w == STAT and not self.noised(u))
             if (isinstance(w, tuple) or w == STAT) and not held[-1]:
                 raise Unsupported(f"{g.node(n)['src']}: {g.describe(n)} reads {g.describe(u)}, a sum, mean or max "
                                   f"over the batch rows that the noise reaches (a batch statistic, or the loss); "
                                   f"lr_grad takes batch statistics per perturbed copy outside a scan only; compute "
                                   f"it from the inputs alone, or train this model with loss_and_grad")
         return held
+
+    def noised(self, u):
+        """Whether the noise reaches value u: it depends on a value with rows that is not clean."""
+        return any(isinstance(self.where.get(a), int) and a not in self.clean for a in self.g.ancestors([u]))
 
     def split(self, n):
         """Shares of n, a constant of the estimate (the same in every copy): n / B for each row, (KB_lr,) + its

@@ -61,3 +61,19 @@ def test_returned_values_are_never_absorbed():
     assert graph.op(z_node) in ("matmul", "gemm")
     if graph.op(z_node) == "gemm":
         assert str(graph.attrs(z_node)["epilogue"]) == "x0"
+
+
+def test_a_prologue_that_simplified_to_a_constant_is_interpreted():
+    """Review: random program 295's hvp graph has a GEMM whose prologue is the constant 0 (a second
+    derivative that vanished); the interpreter's matmul got a number for that operand and raised."""
+    from fuzz_graphs import random_case
+    case = random_case(295)
+    values = []
+    for target in ("cpu", "cuda"):
+        g = build_training_graph(case.model, "float64", order=2, target=target)
+        roots = [g.objective] + [n for n in g.hvps.values() if n is not None]
+        out = evaluate(g, case.params, case.inputs, roots, tangents=case.tangents)
+        values.append([out[n] for n in roots])
+    assert any(np.abs(v).max() > 0 for v in values[0][1:])
+    for a, b in zip(*values):
+        np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-15)

@@ -12,7 +12,7 @@ from gradc.interpret import evaluate
 from gradc.ops.random import draw
 from gradc.passes.pipeline import build_training_graph
 
-from conftest import assert_grads_match_fd
+from conftest import assert_grads_match_fd, split_every_conv
 from test_second_order import assert_hvp_matches_fd
 
 torch = pytest.importorskip("torch")
@@ -408,23 +408,31 @@ def test_draws_are_a_pure_function_of_seed_stream_and_index():
 
 
 @pytest.mark.parametrize("dist", ["normal", "dropout"])
-def test_the_cpu_kernel_draws_what_draw_does_for_odd_and_even_sizes(dist):
+def test_the_cpu_kernel_draws_what_draw_does_for_odd_and_even_sizes(dist, monkeypatch):
     """The kernel writes each pair of normals from one pair of uniforms and copies the antithetic half:
-    element for element the reference `draw`, for every size (odd ones leave one element unpaired)."""
+    element for element the reference `draw`, for every size (odd ones leave one element unpaired). A
+    plain entry runs it over parts of the values at once (draws_on_cores, here up to 3, cut between pairs),
+    then copies the antithetic half (an odd size's middle element too): the same values."""
     import math
     import numba
     from gradc.ops.random import GAMMA, _cpu_source, mix
+    from gradc.runtime.conv_cores import draws_on_cores
+    ran, _ = split_every_conv(monkeypatch)
     for paired in (False, True):
         source, _ = _cpu_source("kernel", dist, 1, paired)
         scope = {"np": np, "math": math}
         exec(source, scope)
         kernel = numba.njit(scope["kernel"])
         key = np.uint64(int(mix(np.uint64((4 + 1) * GAMMA % 2 ** 64))))
-        for size in range(1, 10):
+        for size in range(1, 14):
             for half in ((0, 1) if paired else (0,)):
-                out = np.full(size, np.nan)
-                kernel(*((np.int64(11), half) if paired else (np.int64(11),)), key, 0.25, 1 / 0.75, out)
-                np.testing.assert_allclose(out, draw(dist, 0.25, np.array(11), 4, (size,), half), rtol=1e-13, atol=0)
+                args = (*((np.int64(11), half) if paired else (np.int64(11),)), key, 0.25, 1 / 0.75)
+                whole, parts = np.full(size, np.nan), np.full(size, np.nan)
+                kernel(*args, whole, 0, size)
+                np.testing.assert_allclose(whole, draw(dist, 0.25, np.array(11), 4, (size,), half), rtol=1e-13, atol=0)
+                draws_on_cores(kernel, *args, parts, dist=dist, most=3)
+                np.testing.assert_array_equal(parts, whole)
+    assert 3 in ran and 2 in ran   # (fewer pairs than parts: as many parts as pairs)
 
 
 def test_random_ops_gradient_and_hvp_reuse_the_mask(rng):

@@ -360,24 +360,25 @@ def _closing_over_a_mean(of):
     m = gc.Model(f"lr_scan_mean_{of}")
     x, x0, y = m.input("x", ("T", "B", 4)), m.input("x0", ("B", 4)), m.input("y", ("B",), dtype="int64")
     W, U, V = m.param("W", (4, 5)), m.param("U", (5, 5)), m.param("V", (5, 3))
-    mu = x0.mean(axis=0) if of == "input" else (x0 @ W).mean(axis=0)
-    centred = (lambda xt: (xt - mu) @ W) if of == "input" else (lambda xt: xt @ W - mu)
+    mu = {"input": x0.mean(axis=0), "input_max": x0.max(axis=0), "product": (x0 @ W).mean(axis=0)}[of]
+    centred = (lambda xt: xt @ W - mu) if of == "product" else (lambda xt: (xt - mu) @ W)
     h, _ = gc.scan(lambda h, xt: (gc.tanh(centred(xt) + h @ U), None), x0 @ W, x)
     m.minimize(gc.softmax_cross_entropy(h @ V, y))
     return m
 
 
 def test_a_scan_closing_over_a_mean_over_rows():
-    """Review M: a step reading an input's batch mean was refused as if it read the loss. That mean is the
-    same in every perturbed copy: the step reads it as a value without rows, and the estimate is unbiased. A
-    mean the noise reaches (a batch statistic) is refused as one."""
-    graph = build_training_graph(_closing_over_a_mean("input"), "float64", order=1)
-    assert graph.lr["why"] is None, graph.lr["why"]
+    """Review M: a step reading an input's batch mean was refused as if it read the loss. That mean (or max)
+    is the same in every perturbed copy: the step reads it as a value without rows, and the estimate is
+    unbiased. A mean the noise reaches (a batch statistic) is refused as one."""
     rng = np.random.default_rng(4)
     params = {"W": rng.normal(size=(4, 5)), "U": 0.5 * rng.normal(size=(5, 5)), "V": rng.normal(size=(5, 3))}
     inputs = {"x": rng.normal(size=(3, 6, 4)), "x0": rng.normal(size=(6, 4)) + 1.0, "y": rng.integers(0, 3, 6)}
-    for mode in (None, dict(antithetic=False, layerwise=True)):
-        assert_unbiased(graph, params, inputs, f"scan over an input's mean {mode}", "", mode=mode)
+    for of in ("input", "input_max"):
+        graph = build_training_graph(_closing_over_a_mean(of), "float64", order=1)
+        assert graph.lr["why"] is None, graph.lr["why"]
+        for mode in (None, dict(antithetic=False, layerwise=True)):
+            assert_unbiased(graph, params, inputs, f"scan over an input's {of} {mode}", "", mode=mode)
     why = build_training_graph(_closing_over_a_mean("product"), "float64", order=1).lr["why"]
     assert "a batch statistic" in why and "test_lr_scan.py" in why and "outside a scan" in why, why
     assert "per-row terms" not in why, why   # (not the loss's rule)

@@ -123,8 +123,9 @@ def _gemm_infer(attrs, shapes, dtypes):
 
 def _gemm_evaluate(attrs, values, out_shape, dims):
     a, b, rest = _gemm_split(attrs, values)
-    a = numpy_function(attrs["a_expr"], len(a))(*a)
-    b = numpy_function(attrs["b_expr"], len(b))(*b)
+    # (a prologue that simplified to a constant gives a number: the operand's shape back)
+    a = np.broadcast_to(numpy_function(attrs["a_expr"], len(a))(*a), np.shape(a[0]))
+    b = np.broadcast_to(numpy_function(attrs["b_expr"], len(b))(*b), np.shape(b[0]))
     product = _matmul_evaluate(attrs, [a, b], out_shape, dims)
     return np.broadcast_to(evaluate_expression(attrs["epilogue"], [product, *rest], out_shape), out_shape)
 

@@ -31,6 +31,7 @@ import sympy as sp
 
 from . import Op, register
 from ..errors import ShapeError
+from ..runtime import conv_cores
 from ..shapes import size
 from .elementwise import FLAT, SIZE, X
 from .kernel_text import index, unravel
@@ -102,6 +103,7 @@ class NormalDraw(sp.Function):
     where recomputing it costs less than the draw's own kernel, its store and the reloads."""
     nargs = 5
     is_real = True
+    flops = 10   # an element's cost in a fused kernel's count (as the random op's own)
 
     def fdiff(self, argindex=1):   # (a value of the seed: no derivative reaches through it)
         return sp.S.Zero
@@ -122,7 +124,7 @@ def _normal_draws(seed, half, key, j, count):
     with np.errstate(over="ignore"):
         full = mix(np.asarray(seed).astype(np.int64).astype(np.uint64) ^ np.uint64(int(key)))
     j = np.asarray(j).astype(np.uint64)
-    return _normal(full, _counters(j, int(count), int(np.asarray(half)))).reshape(np.shape(j))
+    return _normal(full, _counters(j, int(count), int(np.asarray(half).reshape(-1)[0]))).reshape(np.shape(j))
 
 
 NUMPY_FUNCTIONS["NormalDraw"] = _normal_draws
@@ -187,24 +189,27 @@ def _key_lines(seed, pad):
 
 
 def _cpu_source(name, dist, rank, paired=False):
-    """The distinct draws first (elements 0 .. size - mid - 1), then with half != 0 the second half
-    copied from them: element j >= mid has what element j - mid draws (copied last to first, so an
-    element is read before it is overwritten)."""
-    head = "seed, half, stream_key, p, scale, out" if paired else "seed, stream_key, p, scale, out"
+    """The distinct draws first (elements 0 .. size - mid - 1), those in [first, last) only (a part of them:
+    gradc/runtime/conv_cores.py's draws_on_cores runs several at once; `first` even); then, in a call
+    that made them all, with half != 0 the second half copied from them: element j >= mid has what
+    element j - mid draws (copied last to first, so an element is read before it is overwritten)."""
+    head = "seed, half, stream_key, p, scale, out, first, last" if paired else "seed, stream_key, p, scale, out, first, last"
     lines = [f"def {name}({head}):"] + _key_lines("seed", "    ")
     lines += ["    flat = out.reshape(out.size)"]
     lines += (["    mid = out.size // 2 if half != 0 else out.size", "    n = out.size - mid if half != 0 else out.size"]
               if paired else ["    n = out.size"])
+    lines += ["    last = min(last, n)"]
     if dist == "dropout":
-        lines += ["    for i in range(n):"] + _value_lines(dist, "        ") + ["        flat[i] = v"]
+        lines += ["    for i in range(first, last):"] + _value_lines(dist, "        ") + ["        flat[i] = v"]
     else:   # a pair of normals per pair of uniforms
-        lines += ["    for q in range((n + 1) // 2):"] + _pair_lines("q", "        ")
-        lines += ["        flat[2 * q] = r * math.cos(a)", "        if 2 * q + 1 < n:",
+        lines += ["    for q in range(first // 2, (last + 1) // 2):"] + _pair_lines("q", "        ")
+        lines += ["        flat[2 * q] = r * math.cos(a)", "        if 2 * q + 1 < last:",
                   "            flat[2 * q + 1] = r * math.sin(a)"]
     if paired:
-        lines += ["    if half != 0:", "        for j in range(out.size - 1, mid - 1, -1):", "            flat[j] = flat[j - mid]"]
+        lines += ["    if half != 0 and first == 0 and last == n:",
+                  "        for j in range(out.size - 1, mid - 1, -1):", "            flat[j] = flat[j - mid]"]
     what = " (the second half repeats the first's when half != 0)" if paired else ""
-    return "\n".join(lines), f"out = {dist} draws of (seed, stream, element index){what}"
+    return "\n".join(lines), f"out = {dist} draws of (seed, stream, element index) [first, last){what}"
 
 
 def _cuda_source(name, dist, rank, paired=False):
@@ -235,17 +240,25 @@ def _arguments(s):
     return [f"np.uint64({stream_key(s.attrs['stream'])})", repr(p), repr(1.0 / (1.0 - p))]
 
 
-def _lower(make):
+def _lower(make, cpu=False):
+    """CPU: a plain entry draws over parts of the values at once (draws_on_cores, gradc/runtime/conv_cores.py);
+    a compiled function calls the kernel for all of them."""
     def lower(s):
         dist, rank, paired = s.attrs["dist"], len(s.shape), len(s.operands) > 1
         kernel = s.kernel(("random", dist, rank, paired), f"random_{dist}" + ("_paired" if paired else ""),
                           lambda kname: make(kname, dist, rank, paired))
-        return s.into_out(kernel, s.args[:2] + _arguments(s))
+        args = s.args[:2] + _arguments(s)
+        if not cpu:
+            return s.into_out(kernel, args)
+        if not s.split_batch:   # (every value: the range's end is clipped to their count)
+            return [s.alloc(), s.call(kernel, args + [s.out, "0", f"{s.out}.size"]) + s.note]
+        return [s.alloc(), f"draws_on_cores({kernel}, {', '.join(args + [s.out])}, dist={dist!r}, "
+                           f"most={conv_cores.cores()}){s.note}"]
     return lower
 
 
 register(Op("random", "nn", _infer, _evaluate,
             lambda attrs, in_shapes, out_shape: 10 * size(out_shape), vjp=lambda ctx, n, g: [None] * len(ctx.graph.operands(n)),
-            arity=None, rows=random_rows, cpu=_lower(_cpu_source), cuda=_lower(_cuda_source),
+            arity=None, rows=random_rows, cpu=_lower(_cpu_source, cpu=True), cuda=_lower(_cuda_source),
             doc="counter-based random values of attrs shape from an int seed: dist dropout (a scaled keep mask, "
                 "keep probability 1 - p) or normal (N(0, 1)); attrs stream tells a model's random ops apart"))

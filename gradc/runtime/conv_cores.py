@@ -1,6 +1,7 @@
 """Per-image kernels run over parts of the batch on several cores at once: a part run's function (a
 chain of them, passes/part_runs.py: parts_on_cores), or one convolution kernel or pool gradient that
-is in no run (conv_on_cores, conv_weight_grad_on_cores, images_on_cores).
+is in no run (conv_on_cores, conv_weight_grad_on_cores, images_on_cores); and a random op's draws over
+parts of its values (draws_on_cores: lr_grad's noise is most of its CPU time).
 
 The CPU conv kernels (gradc/ops/conv.py) copy bands of input rows between BLAS calls. On one core
 those copies run serially while BLAS waits, and BLAS runs the skinny products of small-channel
@@ -39,6 +40,7 @@ from gradc.runtime import blas
 
 PART_FLOPS = 1 << 22
 POOL_ELEMENT_FLOPS = 100   # see images_on_cores
+PAIR_FLOPS = {"normal": 1000, "dropout": 300}   # see draws_on_cores
 
 
 def cores():
@@ -171,3 +173,23 @@ def conv_weight_grad_on_cores(kernel, x, g, *args, most):
         return kernel(x, g, *args)
     for part in sums[1:]:
         out += part
+
+
+def draws_on_cores(kernel, *args, dist, most):
+    """kernel(seed, [half,] stream_key, p, scale, out, first, last), a `random` op's draws of elements
+    [first, last) (gradc/ops/random.py), over parts of them at once, cut between pairs; then, with half
+    != 0, the second half copied from the first. A pair of draws costs about what PAIR_FLOPS of a conv
+    do (two normals by Box-Muller about 17 ns on one core; two dropout flags about 5)."""
+    *head, out = args
+    half = len(head) == 5 and head[1] != 0
+    mid = out.size // 2
+    n = out.size - mid if half else out.size   # the distinct draws
+    pairs = (n + 1) // 2
+
+    def calls(cuts):
+        return [(kernel, (*head, out, 2 * s.start, min(2 * s.stop, n))) for s in cuts]
+    if not _in_parts(pairs, PAIR_FLOPS[dist] * pairs, most, calls):
+        return kernel(*head, out, 0, out.size)
+    if half:   # (numpy copies overlapping slices as from a copy: element 2 mid of an odd count gets element mid's)
+        flat = out.reshape(out.size)
+        flat[mid:] = flat[:out.size - mid]

@@ -1,11 +1,13 @@
-"""Normal draws computed in the kernels that read them (passes/fusion.py, the CUDA target).
+"""Where random draws are computed: on CUDA, normal draws in the kernels that read them (passes/fusion.py);
+on the CPU, a plain entry's draws over parts of them on the cores (gradc/runtime/conv_cores.py).
 
 A CUDA build's graph is checked through the numpy interpreter against the CPU build's (where each
 draw is a `random` node of its own): the same values, so the generated kernels have the same thing to
 compute; tests/test_cuda_kernels.py and tests/test_cuda_target.py run those kernels under the
-simulator (slow tier).
+simulator (slow tier). The CPU's parts are checked against the reference draws.
 """
 import copy
+import re
 
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ from gradc.ops.random import NormalDraw, draw, stream_key
 from gradc.passes.fusion import fuse_elementwise
 from gradc.passes.pipeline import build_training_graph
 from gradc.passes.simplify import eliminate_dead
+from conftest import split_every_conv
 from test_lr_grad import interpret_lr, problem
 
 
@@ -109,3 +112,35 @@ def test_normal_draw_by_numpy_is_the_random_nodes_values(half):
     assert abs(got.mean()) < 0.5 and 0.5 < got.std() < 1.5
     if half:
         np.testing.assert_array_equal(got.ravel()[31:62], got.ravel()[:31])
+
+
+def test_a_plain_entry_draws_over_parts(monkeypatch, build_dir):
+    """The generated module: forward (a plain entry) calls draws_on_cores for its dropout and noise; the
+    values are the interpreter's. (The kernel's ranges and the parts: tests/test_indexing.py.)"""
+    ran, _ = split_every_conv(monkeypatch)
+    m = gc.Model("cpu_draws")
+    x, seed = m.input("x", ("B", 5)), m.input("seed", (), dtype="int64")
+    W = m.param("W", (5, 5))
+    h = gc.dropout(gc.tanh(gc.gaussian_noise(x, 0.5, seed) @ W), 0.3, seed)
+    m.output("h", h)
+    m.minimize(gc.square(h).mean())
+    mod = gc.compile(m, out=build_dir, dtype="float64", order=1, warm=False)
+    entry = open(mod.__file__).read().split("\ndef _forward(")[1].split("\ndef ")[0]
+    assert len(re.findall(r"draws_on_cores\(k\d+_random_(normal|dropout), .*most=3\)", entry)) == 2, entry
+    rng = np.random.default_rng(3)
+    params, inputs = {"W": rng.normal(size=(5, 5))}, {"x": rng.normal(size=(7, 5)), "seed": np.array(9)}
+    got = mod.forward(params, **inputs)["h"]
+    assert ran == [3, 3]
+    want = evaluate(m.graph, params, inputs, [m.graph.outputs["h"]])[m.graph.outputs["h"]]
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_a_cuda_module_reads_an_epilogues_scalars_as_one_element_arrays(build_dir):
+    """Review: a draw in a GEMM's epilogue reads the seed (and lr_grad's flag and sigma); the epilogue
+    kernel that follows a cuBLAS product read those scalars as x[()], which Numba does not type on a
+    one-element device array (the simulator's numpy did not mind)."""
+    m, _, _ = problem("mlp", np.random.default_rng(0))
+    source = open(gc.compile(m, out=build_dir, target="cuda", order=1, warm_cache=False).__file__).read()
+    epilogues = re.findall(r"\ndef (g\d+_epilogue)\(", source)
+    assert epilogues and "NormalDraw" in source
+    assert "[()]" not in source
