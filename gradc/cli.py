@@ -1,6 +1,7 @@
 """The `gradc` command: compile a model file; inspect what a compile wrote."""
 import argparse
 import os
+import re
 import runpy
 import signal
 import sys
@@ -119,6 +120,11 @@ def cmd_compile(args):
         if timings.get("kernels_not_cached"):   # they compile again in the next build
             secs += (f"; {timings['kernels_not_cached']} kernels not cached (every build compiles them again): "
                      + "; ".join(timings.get("kernels_not_cached_why") or ["why was not recorded"]))
+    model_folder, model_file = os.path.split(os.path.abspath(args.model_file))
+    if os.path.splitext(model_file)[0] == model.name and os.path.abspath(args.out) != model_folder:
+        notes.append(f"{args.model_file} has the module's name: a script in its folder that runs `import "
+                     f"{model.name}` imports the model file unless {args.out} comes first on sys.path "
+                     f"(sys.path.insert(0, {args.out!r})); or rename one of them")
     for note in notes:
         print(f"gradc: note: {note}")
     print(f"gradc: wrote {os.path.join(args.out, model.name + '.py')} ({secs})")
@@ -147,6 +153,10 @@ def cmd_inspect(args):
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         """A bad command line: one line and exit 2, like every other user error."""
+        flag = re.fullmatch(r"argument (\S+?)(?:/(\S+))?: expected one argument", message)
+        if flag:   # argparse reads a value that starts with '-' (-5MiB) as another flag
+            name = flag.group(2) or flag.group(1)
+            message += f" (a value that starts with '-' is written {name}=VALUE)"
         self.exit(2, f"gradc: error: {message} ({self.prog} --help for usage)\n")
 
 

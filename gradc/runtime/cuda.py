@@ -5,6 +5,7 @@ numba-cuda's simulator (NUMBA_ENABLE_CUDASIM=1), which numba_cuda_mlir does not 
 imported until `load_cuda()`: the CPU target never needs a CUDA package.
 """
 import os
+import warnings
 
 import numpy as np
 
@@ -19,6 +20,10 @@ def load_cuda():
     """The `cuda` module kernels are compiled with."""
     if simulated():
         from numba import cuda
+        # the simulator runs kernels on numpy scalars, which warn where the random hash's uint64 arithmetic
+        # wraps, as it is meant to (and does silently on a GPU)
+        warnings.filterwarnings("ignore", r"overflow encountered in scalar (multiply|add)", RuntimeWarning,
+                                module=r"gradc_kernel_cache\.k_")
         return cuda
     try:
         from numba_cuda_mlir import cuda

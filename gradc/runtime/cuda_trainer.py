@@ -240,7 +240,7 @@ class CudaTrainerBase(TrainerBase):
         self._count_step(loss, sq, bad)
         return float(loss)
 
-    def step(self, **inputs):
+    def step(self, /, **inputs):
         if self._parallel is not None:
             return self._parallel.step(inputs)
         run = self.runner

@@ -1,4 +1,5 @@
 """Parameter initialisers and the module's stored arrays."""
+import numbers
 import os
 
 import numpy as np
@@ -38,7 +39,9 @@ def draw(init, shape, rng):
 
 
 def init_from(inits, shapes, float_dtype, seed, data):
-    rng = np.random.default_rng(seed)
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise ValueError(f"init_params: seed must be an int >= 0, got {seed!r}")
+    rng = np.random.default_rng(int(seed))
     params = {}
     for name, init in inits.items():
         if init.startswith("data:"):

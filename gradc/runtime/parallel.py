@@ -44,18 +44,22 @@ def no_one(names):
     """What a generated module's streamed _loss_and_grad tells when nobody is reducing gradients."""
 
 
-def world(comm):
-    """The communicator to run over: `comm`, or COMM_WORLD (also when it has one rank), else None."""
-    if comm is not None:
-        return comm
-    comm = mpi_world()
-    if comm is not None:
-        return comm
+def _mpi4py(tr, parallel):
+    """mpi4py's MPI module, or an error that says how to install it."""
     try:
         from mpi4py import MPI
     except ImportError:
-        return None
-    return MPI.COMM_WORLD
+        raise RuntimeError(f"{tr.model_name}.Trainer(parallel={parallel!r}) needs mpi4py: "
+                           f"pip install 'gradc[mpi]' (and an MPI library, e.g. Open MPI or MPICH)") from None
+    return MPI
+
+
+def world(comm, MPI):
+    """The communicator to run over: `comm`, or COMM_WORLD (also when it has one rank)."""
+    if comm is not None:
+        return comm
+    comm = mpi_world()
+    return MPI.COMM_WORLD if comm is None else comm
 
 
 def _rows(tr, a):
@@ -109,13 +113,10 @@ def _weighting(tr, what):
 
 class DataParallel:
     def __init__(self, tr, comm=None, overlap=True, bucket_bytes=BUCKET_BYTES, stage_ranks=None):
-        from mpi4py import MPI
-        self.MPI = MPI
+        self.MPI = _mpi4py(tr, "data")
         self.tr = tr
         self.reduction = _weighting(tr, "data")
-        comm = world(comm)
-        if comm is None:
-            raise RuntimeError(f"{tr.model_name}.Trainer(parallel='data') needs mpi4py: pip install 'gradc[mpi]'")
+        comm = world(comm, self.MPI)
         self.world = comm
         if not isinstance(overlap, bool):
             raise ValueError(f"{tr.model_name}.Trainer: overlap must be True or False, got {overlap!r}")
@@ -427,12 +428,9 @@ class ParameterServer:
     """
 
     def __init__(self, tr, comm=None, servers=1, staleness=0, timeout=60.0):
-        from mpi4py import MPI
-        self.MPI, self.tr = MPI, tr
+        self.MPI, self.tr = _mpi4py(tr, "ps"), tr
         self.reduction = _weighting(tr, "ps")
-        comm = world(comm)
-        if comm is None:
-            raise RuntimeError(f"{tr.model_name}.Trainer(parallel='ps') needs mpi4py: pip install 'gradc[mpi]'")
+        comm = world(comm, self.MPI)
         if tr._device:
             raise ValueError(f"{tr.model_name}.Trainer(parallel='ps') runs on CPU builds (servers hold numpy "
                              f"shards); use parallel='data' for a --target cuda module")

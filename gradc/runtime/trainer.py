@@ -279,7 +279,7 @@ class TrainerBase:
                 + ([f"params {unknown} are not the model's (removed; its params are {list(self.signature.param_shapes)})"]
                    if unknown else [])))
 
-    def step(self, **inputs):
+    def step(self, /, **inputs):
         if self._parallel is not None:
             return self._parallel.step(inputs)
         a = self.signature.inputs(inputs, self.loss_inputs, "Trainer.step")

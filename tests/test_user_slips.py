@@ -1,0 +1,208 @@
+"""Slips a new user made in a trial from the README alone (session 29): each gets a clear answer.
+
+An input named `self`, a parallel trainer without mpi4py, a bad seed, a constant float32 cannot hold,
+a param or input nothing reads, a negative flag value, a model file named like its module, an edited dump,
+and the simulator's warnings from the random hash."""
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+
+import gradc as gc
+from conftest import cuda_env
+from test_robustness import gradc, one_error_line
+
+
+@pytest.fixture(scope="module")
+def self_named(tmp_path_factory):
+    """A model whose inputs are named `self` and `params`: every entry takes them as keywords."""
+    m = gc.Model("slip_self")
+    x = m.input("self", ("B", 3))
+    y = m.input("params", ("B", 2))
+    w = m.param("W", (3, 2))
+    m.minimize(gc.square(gc.tanh(x @ w) - y).mean())
+    return gc.compile(m, out=str(tmp_path_factory.mktemp("self")), dtype="float64", warm=False)
+
+
+def test_inputs_named_self_and_params_reach_every_entry(self_named):
+    mod = self_named
+    rng = np.random.default_rng(3)
+    data = {"self": rng.normal(size=(5, 3)), "params": rng.normal(size=(5, 2))}
+    p = mod.init_params(1)
+    loss, grads = mod.loss_and_grad(p, **data)
+    W = p["W"]
+    expected = np.mean((np.tanh(data["self"] @ W) - data["params"]) ** 2)
+    assert loss == pytest.approx(expected, rel=1e-12)
+    assert mod.forward(p, **data)["loss"] == pytest.approx(expected, rel=1e-12)
+    tr = mod.Trainer(p, optimizer="sgd", lr=0.1)
+    assert tr.step(**data) == pytest.approx(expected, rel=1e-12)
+    assert np.allclose(tr.params["W"], W - 0.1 * grads["W"], rtol=1e-12, atol=0)
+    lr = mod.Trainer(mod.init_params(1), gradient="lr", samples=4, lr=0.1)
+    assert lr.step(**data) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("parallel", ["data", "ps"])
+def test_a_parallel_trainer_without_mpi4py_says_what_to_install(self_named, monkeypatch, parallel):
+    monkeypatch.setitem(sys.modules, "mpi4py", None)   # (import mpi4py raises ImportError)
+    with pytest.raises(RuntimeError, match=rf"slip_self.Trainer\(parallel='{parallel}'\) needs mpi4py: pip install "
+                                           r"'gradc\[mpi\]'"):
+        self_named.Trainer(self_named.init_params(0), parallel=parallel)
+
+
+@pytest.mark.parametrize("seed", ["a", -1, True, 1.5, None])
+def test_init_params_refuses_a_seed_that_is_not_an_int(self_named, seed):
+    with pytest.raises(ValueError, match=rf"init_params: seed must be an int >= 0, got {seed!r}"):
+        self_named.init_params(seed)
+
+
+def test_init_params_takes_a_numpy_int(self_named):
+    assert np.array_equal(self_named.init_params(np.int64(7))["W"], self_named.init_params(7)["W"])
+    assert not np.array_equal(self_named.init_params(7)["W"], self_named.init_params(8)["W"])
+
+
+def _constant_model(value, where):
+    m = gc.Model("slip_const")
+    x = m.input("x", ("B", 2))
+    w = m.param("w", (2,), init=value if where == "init" else None)
+    h = x * w
+    if where == "scalar":
+        h = h * value
+    elif where == "array":
+        h = h + np.array([1.0, value])
+    elif where == "scan":
+        h = gc.scan(lambda c, xt: (c * value + xt, c), (h * 0).sum(1), gc.transpose(h))[0]
+    m.minimize(h.sum())
+    return m
+
+
+@pytest.mark.parametrize("where", ["scalar", "array", "init", "scan"])
+@pytest.mark.parametrize("value,held", [(1e40, "inf"), (-4e38, "-inf"), (1e-50, "0")])
+def test_a_constant_float32_cannot_hold_is_refused_at_its_line(tmp_path, where, value, held):
+    if where == "init":
+        value = np.array([1.0, value])
+    m = _constant_model(value, where)
+    shown = value if np.ndim(value) == 0 else value[1]
+    with pytest.raises(gc.GradcError, match=rf"test_user_slips.py:\d+: .*{re.escape(repr(float(shown)))}, which float32 holds as "
+                                            rf"{held}: compile with --dtype float64, or rescale"):
+        gc.compile(m, out=str(tmp_path / "o"), warm=False)
+    assert not (tmp_path / "o").exists()
+    assert gc.compile(m, out=str(tmp_path / "o"), dtype="float64", warm=False).loss_and_grad
+
+
+def test_float32_constants_within_range_compile(tmp_path):
+    for value in (3e38, -3e38, 1e-44, 0.0, float("inf")):   # (1e-44 is a float32 subnormal; inf is meant)
+        assert gc.compile(_constant_model(value, "scalar"), out=str(tmp_path / "o"), warm=False)
+
+
+def test_a_param_or_input_nothing_reads_gets_a_note(tmp_path):
+    (tmp_path / "unread.py").write_text(textwrap.dedent("""\
+        import gradc as gc
+        m = gc.Model("slip_unread")
+        x = m.input("x", ("B", 3))
+        z = m.input("z", ("B", 3))
+        b = m.param("b", (2,))
+        frozen = m.param("f", (2,), trainable=False)
+        m.output("shown", z.sum())
+        extra = m.input("extra", ("B",))
+        m.minimize((x @ m.param("W", (3, 2))).sum())
+        """))
+    r = gradc("compile", "unread.py", "-o", "out", "--warm", "none", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    path = str(tmp_path / "unread.py")
+    assert r.stdout.splitlines()[:2] == [
+        "gradc: note: unread.py:5: param 'b' does not reach the loss: its gradient is always 0",
+        "gradc: note: unread.py:8: input 'extra' is read by neither the loss nor an output"]
+    assert len(r.stdout.splitlines()) == 3   # (z is read by an output; f is frozen)
+    namespace = {}
+    exec(compile((tmp_path / "unread.py").read_text(), path, "exec"), namespace)
+    notes = r"gradc: \S*unread.py:(5: param 'b' does not reach the loss|8: input 'extra' is read by)"
+    with pytest.warns(UserWarning, match=notes) as caught:
+        gc.compile(namespace["m"], out=str(tmp_path / "py"), warm=False)
+    assert len(caught) == 2 and all(w.filename == __file__ for w in caught)
+
+
+def test_every_param_and_input_read_warns_nothing(tmp_path):
+    m = gc.Model("slip_read")
+    x = m.input("x", ("B", 3))
+    m.minimize((x @ m.param("W", (3, 2))).sum(), weight_decay=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gc.compile(m, out=str(tmp_path), warm=False)
+
+
+def test_a_flag_value_that_starts_with_a_dash(tmp_path):
+    (tmp_path / "model.py").write_text("import gradc as gc\nm = gc.Model('slip_flag')\n"
+                                       "m.minimize(m.input('x', ('B',)).sum())\n")
+    r = gradc("compile", "model.py", "--bind", "B=4", "--memory-budget", "-5MiB", cwd=tmp_path)
+    assert one_error_line(r) == ("gradc: error: argument --memory-budget: expected one argument (a value that "
+                                 "starts with '-' is written --memory-budget=VALUE) (gradc compile --help for usage)")
+    r = gradc("compile", "model.py", "--bind", "B=4", "--memory-budget=-5MiB", cwd=tmp_path)
+    assert "'-5MiB' is not a size: it is negative" in one_error_line(r)
+    r = gradc("compile", "model.py", "-o", "-x", cwd=tmp_path)
+    assert "is written --out=VALUE" in one_error_line(r)
+    assert sorted(os.listdir(tmp_path)) == ["model.py"]
+
+
+def test_a_model_file_named_like_its_module_gets_a_note(tmp_path):
+    (tmp_path / "slip_same.py").write_text("import gradc as gc\nm = gc.Model('slip_same')\n"
+                                           "m.minimize(m.input('x', ('B',)).sum())\n")
+    r = gradc("compile", "slip_same.py", "-o", "build", "--warm", "none", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == (
+        "gradc: note: slip_same.py has the module's name: a script in its folder that runs `import slip_same` "
+        "imports the model file unless build comes first on sys.path (sys.path.insert(0, 'build')); or rename "
+        "one of them")
+    (tmp_path / "other.py").write_text("import gradc as gc\nm = gc.Model('slip_other_name')\n"
+                                       "m.minimize(m.input('x', ('B',)).sum())\n")
+    r = gradc("compile", "other.py", "-o", "build", "--warm", "none", cwd=tmp_path)
+    assert r.stdout.splitlines() == ["gradc: wrote build/slip_other_name.py (passes "
+                                     + r.stdout.split("(passes ")[1].strip()]
+
+
+@pytest.mark.parametrize("shape", ["oops", ["B", "3"], [-1], ["B x"], [2.5], None])
+def test_inspect_refuses_a_dump_whose_shape_was_edited(tmp_path, shape):
+    import json
+    (tmp_path / "model.py").write_text("import gradc as gc\nm = gc.Model('slip_dump')\n"
+                                       "m.minimize(m.input('x', ('B', 3)).sum())\n")
+    assert gradc("compile", "model.py", "-o", "build", "--warm", "none", cwd=tmp_path).returncode == 0
+    assert gradc("inspect", "build/slip_dump", cwd=tmp_path).returncode == 0
+    path = tmp_path / "build" / "slip_dump.graph.json"
+    doc = json.loads(path.read_text())
+    doc["nodes"][0]["shape"] = shape
+    path.write_text(json.dumps(doc))
+    line = one_error_line(gradc("inspect", "build/slip_dump", cwd=tmp_path))
+    assert line.startswith(f"gradc: error: build/slip_dump: a dump of this build lacks what gradc") and \
+        f"a shape is {shape!r}, not a list of ints and dim names" in line
+
+
+def test_the_simulator_runs_the_random_hash_without_warnings(tmp_path):
+    """numpy scalars warn where the hash's uint64 arithmetic wraps; gradc's kernels mean it to."""
+    pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
+    script = tmp_path / "draws.py"
+    script.write_text(textwrap.dedent(f"""\
+        import numpy as np
+        import gradc as gc
+        m = gc.Model("slip_sim")
+        x = m.input("x", ("B", 4))
+        y = m.input("y", ("B",), dtype="int64")
+        seed = m.input("noise_seed", (), dtype="int64")
+        h = gc.dropout(gc.tanh(x @ m.param("W", (4, 3))), 0.25, seed)
+        m.minimize(gc.softmax_cross_entropy(h, y))
+        mod = gc.compile(m, out={str(tmp_path / "b")!r}, target="cuda", warm=False)
+        p = mod.init_params(0)
+        X = np.random.default_rng(0).normal(size=(5, 4)).astype("f4")
+        Y = np.array([0, 1, 2, 0, 1])
+        loss, g = mod.lr_grad(p, samples=4, x=X, y=Y, noise_seed=np.int64(3))
+        assert np.isfinite(loss) and np.isfinite(g["W"]).all() and np.abs(g["W"]).max() > 0
+        assert np.isfinite(mod.loss_and_grad(p, x=X, y=Y, noise_seed=np.int64(3))[0])
+        print("ok")
+        """))
+    r = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", str(script)], env=cuda_env(),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+    assert "RuntimeWarning" not in r.stderr
