@@ -20,9 +20,8 @@ def _load(build):
 
 
 def _shape(s):
-    if not isinstance(s, list) or not all((type(d) is int and d >= 0) or (isinstance(d, str) and d.isidentifier())
-                                          for d in s):   # (an edited dump: cli.py names the build)
-        raise ValueError(f"a shape is {s!r}, not a list of ints and dim names")
+    if not isinstance(s, list) or not all((type(d) is int and d >= 0) or (isinstance(d, str) and d) for d in s):
+        raise ValueError(f"a shape is {s!r}, not a list of sizes")   # (an edited dump: cli.py names the build)
     inner = ", ".join(str(d) for d in s)
     return f"({inner},)" if len(s) == 1 else f"({inner})"
 

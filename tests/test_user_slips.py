@@ -164,7 +164,7 @@ def test_a_model_file_named_like_its_module_gets_a_note(tmp_path):
                                      + r.stdout.split("(passes ")[1].strip()]
 
 
-@pytest.mark.parametrize("shape", ["oops", ["B", "3"], [-1], ["B x"], [2.5], None])
+@pytest.mark.parametrize("shape", ["oops", [-1], [""], [2.5], [[2]], None])
 def test_inspect_refuses_a_dump_whose_shape_was_edited(tmp_path, shape):
     import json
     (tmp_path / "model.py").write_text("import gradc as gc\nm = gc.Model('slip_dump')\n"
@@ -176,8 +176,8 @@ def test_inspect_refuses_a_dump_whose_shape_was_edited(tmp_path, shape):
     doc["nodes"][0]["shape"] = shape
     path.write_text(json.dumps(doc))
     line = one_error_line(gradc("inspect", "build/slip_dump", cwd=tmp_path))
-    assert line.startswith(f"gradc: error: build/slip_dump: a dump of this build lacks what gradc") and \
-        f"a shape is {shape!r}, not a list of ints and dim names" in line
+    assert line.startswith("gradc: error: build/slip_dump: a dump of this build lacks what gradc") and \
+        f"a shape is {shape!r}, not a list of sizes" in line
 
 
 def test_the_simulator_runs_the_random_hash_without_warnings(tmp_path):
