@@ -17,7 +17,7 @@ import sympy as sp
 
 from gradc.ops.elementwise import FLAT, SIZE, X
 from gradc.ops.kernel_text import block_sum, index, unravel
-from gradc.runtime.cuda import BIG, BK, PER, THREADS, TILE
+from gradc.runtime.cuda import BIG, BK, PER, TILE
 
 from .sympy_print import print_block
 

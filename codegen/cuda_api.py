@@ -172,7 +172,7 @@ def cuda_api(g, trainable, outputs, input_grads, order, grad_slices, shapes, cal
         "    kernels = _TRAINER_KERNELS",
         f"    pipeline = {'_PIPELINE' if pipeline_src else 'None'}",
         "    _lr = _LR",
-        *([f"    lr_entry = staticmethod(_lr_grad)"] if lr_built else []),
+        *(["    lr_entry = staticmethod(_lr_grad)"] if lr_built else []),
         "",
         "    def loss_args(self, p, a):",
         f"        return [{', '.join(call('_loss_and_grad', '_CUDA.data'))}]",

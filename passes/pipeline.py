@@ -76,22 +76,48 @@ def _bind_nodes(graph, dtype, dims):
             attrs["dtype"] = dtype
 
 
+def unheld(value, dtype):
+    """Why the float type `dtype` cannot hold an element of `value` (it would become inf, or 0), or None."""
+    v = np.asarray(value, dtype=np.float64).ravel()
+    a = np.abs(v)
+    info = np.finfo(dtype)
+    bad = np.flatnonzero(np.isfinite(a) & ((a > info.max) | ((a > 0) & (a <= float(info.smallest_subnormal) / 2))))
+    if not bad.size:
+        return None
+    x = float(v[bad[0]])
+    held = ("-inf" if x < 0 else "inf") if abs(x) > 1 else "0"
+    return f"{x!r}, which {dtype} holds as {held}: compile with --dtype float64, or rescale"
+
+
+def check_constants(model, dtype):
+    """Refuse, at its line, a constant of the model or a param's init array that the build's float type cannot
+    hold: a float32 build would make 1e40 inf, or 1e-50 0, without a word. (Before fusion: scalars are still
+    nodes of their own.)"""
+    g = model.graph
+    for body in [g] + g.bodies():
+        for n in body.topo_order():
+            why = unheld(body.attrs(n)["value"], dtype) if body.op(n) == "const" else None
+            if why:
+                raise GradcError(f"a constant of this line is {why}", body.node(n)["src"])
+    for name, info in model.param_info.items():
+        why = unheld(info["init"], dtype) if isinstance(info["init"], np.ndarray) else None
+        if why:
+            raise GradcError(f"param {name!r}: its init array holds {why}", g.node(g.params[name])["src"])
+
+
 def constants_in_dtype(graph, dtype):
     """Array constants take the build's float dtype, converted once here (folding works in float64):
-    a float64 array in a float32 kernel would not type. One that does not fit the dtype is refused."""
+    a float64 array in a float32 kernel would not type. One that folding made beyond the dtype is refused."""
     for g in graph.bodies():
         constants_in_dtype(g, dtype)
     for n in graph.nx.nodes:
         if graph.op(n) != "const" or np.ndim(graph.attrs(n)["value"]) == 0:
             continue
-        value = np.asarray(graph.attrs(n)["value"])
-        with np.errstate(over="ignore"):
-            cast = value.astype(dtype)
-        if (np.isfinite(value) & ~np.isfinite(cast)).any():
-            raise GradcError(f"constant array {graph.shape(n)} has values beyond {dtype}'s range "
-                             f"(largest magnitude {np.abs(value[np.isfinite(value)]).max():.3g}); scale it or compile "
-                             f"with --dtype float64", graph.node(n)["src"])
-        graph.attrs(n)["value"] = cast
+        why = unheld(graph.attrs(n)["value"], dtype)
+        if why:
+            raise GradcError(f"a constant array {graph.shape(n)} computed from this line holds {why}",
+                             graph.node(n)["src"])
+        graph.attrs(n)["value"] = np.asarray(graph.attrs(n)["value"]).astype(dtype)
 
 
 def on_device(graph, device):
@@ -103,6 +129,7 @@ def on_device(graph, device):
 # The pass order, the one place it is written: (timing name, pass, when it runs). A pass takes the
 # graph and the build (model, dtype, dims, order, target) and rewrites the graph in place.
 PASSES = (
+    ("constants", lambda g, b: check_constants(b.model, b.dtype), None),
     ("bind", lambda g, b: bind(g, b.dtype, b.dims, b.model.src), None),
     ("objective", lambda g, b: add_objective(g, b.decayed, b.model.weight_decay), None),
     # lr_grad's forward-only graph: K noised copies of the forward stacked on the rows (DESIGN.md §1.9)

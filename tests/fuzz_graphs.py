@@ -30,7 +30,6 @@ import operator
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import sympy as sp

@@ -3,7 +3,6 @@
 The simulator must be switched on before numba is imported, so the kernels run in a subprocess.
 Shapes are tiny (the simulator runs every thread in Python) but not multiples of the GEMM tile."""
 import json
-import os
 import subprocess
 import sys
 import textwrap

@@ -247,8 +247,8 @@ def test_data_parallel_of_a_time_major_rnn(tmp_path):
     ranks end with the params of one process on the whole batch."""
     model = _seq_rnn("dp_rnn")
     one = compile_model(model, out=str(tmp_path / "one"), order=1, dtype="float64")
-    pipe = compile_model(model, out=str(tmp_path / "pipe"), order=1, dtype="float64", devices=2, microbatches=2,
-                         bind={"T": 5, "B": BATCH})
+    compile_model(model, out=str(tmp_path / "pipe"), order=1, dtype="float64", devices=2, microbatches=2,
+                  bind={"T": 5, "B": BATCH})
     assert one._ROWS["batch_inputs"] == {"x": 1, "y": 0}
     rng = np.random.default_rng(10)
     inputs = {"x": rng.standard_normal((5, BATCH, 3)), "y": rng.integers(0, 4, BATCH)}

@@ -477,7 +477,7 @@ class ParameterServer:
 
     # ---- workers ---------------------------------------------------------------------------------
     def step(self, inputs):
-        tr, MPI = self.tr, self.MPI
+        tr = self.tr
         if not self.is_worker:
             raise RuntimeError(f"{tr.model_name}.Trainer.step: rank {self.rank} is a parameter server; only workers "
                                f"step (if tr.is_worker: ...)")
@@ -670,7 +670,7 @@ class ParameterServer:
     def finish(self, failed=False):
         """Workers: tell the servers this worker is done. Servers: serve until every worker is done.
         Then every rank gets the final params and optimizer state (rank 0 writes checkpoints)."""
-        tr, MPI = self.tr, self.MPI
+        tr = self.tr
         if self.finished:
             return
         self.finished = True
