@@ -76,12 +76,14 @@ def _bind_nodes(graph, dtype, dims):
             attrs["dtype"] = dtype
 
 
-def unheld(value, dtype):
-    """Why the float type `dtype` cannot hold an element of `value` (it would become inf, or 0), or None."""
+def unheld(value, dtype, zero=True):
+    """Why the float type `dtype` cannot hold an element of `value` (it would become inf, or with `zero` 0), or
+    None."""
     v = np.asarray(value, dtype=np.float64).ravel()
     a = np.abs(v)
     info = np.finfo(dtype)
-    bad = np.flatnonzero(np.isfinite(a) & ((a > info.max) | ((a > 0) & (a <= float(info.smallest_subnormal) / 2))))
+    lost = (a > 0) & (a <= float(info.smallest_subnormal) / 2) if zero else False
+    bad = np.flatnonzero(np.isfinite(a) & ((a > info.max) | lost))
     if not bad.size:
         return None
     x = float(v[bad[0]])
@@ -113,7 +115,7 @@ def constants_in_dtype(graph, dtype):
     for n in graph.nx.nodes:
         if graph.op(n) != "const" or np.ndim(graph.attrs(n)["value"]) == 0:
             continue
-        why = unheld(graph.attrs(n)["value"], dtype)
+        why = unheld(graph.attrs(n)["value"], dtype, zero=False)   # (a folded value may underflow to 0)
         if why:
             raise GradcError(f"a constant array {graph.shape(n)} computed from this line holds {why}",
                              graph.node(n)["src"])
@@ -129,7 +131,7 @@ def on_device(graph, device):
 # The pass order, the one place it is written: (timing name, pass, when it runs). A pass takes the
 # graph and the build (model, dtype, dims, order, target) and rewrites the graph in place.
 PASSES = (
-    ("constants", lambda g, b: check_constants(b.model, b.dtype), None),
+    ("check_constants", lambda g, b: check_constants(b.model, b.dtype), None),
     ("bind", lambda g, b: bind(g, b.dtype, b.dims, b.model.src), None),
     ("objective", lambda g, b: add_objective(g, b.decayed, b.model.weight_decay), None),
     # lr_grad's forward-only graph: K noised copies of the forward stacked on the rows (DESIGN.md §1.9)

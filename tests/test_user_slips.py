@@ -3,6 +3,8 @@
 An input named `self`, a parallel trainer without mpi4py, a bad seed, a constant float32 cannot hold,
 a param or input nothing reads, a negative flag value, a model file named like its module, an edited dump,
 and the simulator's warnings from the random hash."""
+import copy
+import json
 import os
 import re
 import subprocess
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 
 import gradc as gc
+from gradc.passes.pipeline import constants_in_dtype
 from conftest import cuda_env
 from test_robustness import gradc, one_error_line
 
@@ -166,7 +169,6 @@ def test_a_model_file_named_like_its_module_gets_a_note(tmp_path):
 
 @pytest.mark.parametrize("shape", ["oops", [-1], [""], [2.5], [[2]], None])
 def test_inspect_refuses_a_dump_whose_shape_was_edited(tmp_path, shape):
-    import json
     (tmp_path / "model.py").write_text("import gradc as gc\nm = gc.Model('slip_dump')\n"
                                        "m.minimize(m.input('x', ('B', 3)).sum())\n")
     assert gradc("compile", "model.py", "-o", "build", "--warm", "none", cwd=tmp_path).returncode == 0
@@ -206,3 +208,19 @@ def test_the_simulator_runs_the_random_hash_without_warnings(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
     assert "RuntimeWarning" not in r.stderr
+
+
+def test_the_late_cast_refuses_a_folded_array_beyond_the_dtype_and_lets_one_underflow():
+    """constants_in_dtype runs after folding, on arrays the model did not write as such: inf is refused at the
+    line the array came from, a value that underflows to 0 is kept (a folded exp(-200) is 0 in float32)."""
+    m = gc.Model("slip_late")
+    x = m.input("x", ("B", 2))
+    m.minimize((x * np.array([1e40, 1e-50])).sum())
+    g = copy.deepcopy(m.graph)
+    with pytest.raises(gc.GradcError, match=r"test_user_slips.py:\d+: a constant array \(2,\) computed from this "
+                                            r"line holds 1e\+40, which float32 holds as inf"):
+        constants_in_dtype(g, "float32")
+    (n,) = [n for n in m.graph.nx.nodes if m.graph.op(n) == "const"]
+    m.graph.attrs(n)["value"] = np.array([3.0, 1e-50])
+    constants_in_dtype(m.graph, "float32")
+    assert m.graph.attrs(n)["value"].dtype == np.float32 and list(m.graph.attrs(n)["value"]) == [3.0, 0.0]
