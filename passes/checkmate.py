@@ -102,7 +102,15 @@ def coarsen(graph, order, sizes, flops_of, returned, peak_of):
         rest = [n for n in members if n not in need]
         nodes += [part for part in (needed, rest) if part]
     forward = len(nodes)
-    backward = [n for n in order if graph.op(n) not in LEAVES and graph.node(n)["phase"] != "forward"]
+    where = {n: i for i, members in enumerate(nodes) for n in members}
+    backward = []
+    for n in order:
+        if graph.op(n) in LEAVES or graph.node(n)["phase"] == "forward":
+            continue
+        if written_with_operand(graph, n) and graph.operands(n)[0] in where:
+            nodes[where[graph.operands(n)[0]]].append(n)   # (autodiff's result of a forward scan: the scan writes it)
+        else:
+            backward.append(n)
     nodes += _even_pieces(graph, backward, flops_of, MILP_LAYERS)
     where = {n: i for i, members in enumerate(nodes) for n in members}
     readers = {}   # buffer -> coarse nodes other than its own that read it
