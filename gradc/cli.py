@@ -42,7 +42,8 @@ def parse_bind(items):
             raise UsageError(f"--bind {item!r}: {name} is bound twice")
         digits = value[1:] if value.startswith("-") else value
         if not (digits.isascii() and digits.isdigit()):   # int() would take "+4", " 4", "4_000" and other scripts' digits
-            raise UsageError(f"--bind {item!r}: {value!r} is not an int written in decimal digits")
+            several = "; give one --bind per dim: --bind T=16 --bind B=3" if "," in value else ""
+            raise UsageError(f"--bind {item!r}: {value!r} is not an int written in decimal digits{several}")
         dims[name] = int(value)
         if dims[name] < 1:
             raise UsageError(f"--bind {item!r}: a dim must be >= 1")
@@ -174,7 +175,8 @@ def build_parser():
                    help="the float type of params, inputs and kernels (default float32)")
     c.add_argument("--order", type=int, choices=[1, 2], default=2,
                    help="1: gradients only; 2 (default): also hvp and hessian")
-    c.add_argument("--bind", action="append", metavar="DIM=INT", help="bind a symbolic dim at compile time")
+    c.add_argument("--bind", action="append", metavar="DIM=INT", help="bind a symbolic dim at compile time (one "
+                   "--bind per dim)")
     c.add_argument("--memory-budget", type=parse_size, metavar="SIZE|auto",
                    help="activation bytes loss_and_grad may hold (e.g. 64MiB, 1.5GB; auto: a share of free "
                         "memory); values are recomputed to fit; needs every dim bound with --bind")
@@ -189,7 +191,7 @@ def build_parser():
                         "leading symbolic dims the loss is a mean or sum over)")
     c.add_argument("--scan-backward", choices=["reverse", "bppsa"], default="reverse",
                    help="the backward of each gc.scan: a reverse scan (default), or bppsa: a Blelloch scan "
-                        "of the transposed Jacobians (one float carry; DESIGN.md §1.8)")
+                        "of the transposed Jacobians (DESIGN.md §1.8)")
     c.add_argument("--warm", choices=("first", "all", "none"), default="first",
                    help="compile now: the first-order entry points (default), also hvp, hessian and lr_grad (all), or "
                         "nothing (none); what is not compiled now compiles on its first call")

@@ -9,8 +9,9 @@ import numbers
 
 import numpy as np
 
-from .errors import GradcError, ShapeError, user_src
+from .errors import GradcError, ShapeError, user_src, user_warning
 from .ir import FLOAT_DTYPES, INT_DTYPES, Graph
+from .ops import get_op
 from .ops.elementwise import ElementwiseDefinitionError, define_user_op
 from .shapes import broadcast, check_shape, fmt, normalize_axes
 
@@ -138,7 +139,24 @@ class Model:
 
     def _apply(self, op, operands, src, **attrs):
         nodes = [self._node(v, op, src) for v in operands]
-        return Tensor(self, self.graph.apply(op, nodes, attrs, src=src))
+        n = self.graph.apply(op, nodes, attrs, src=src)
+        _warn_of_a_table(self.graph, op, nodes, n)
+        return Tensor(self, n)
+
+
+def _warn_of_a_table(graph, op, nodes, n):
+    """Warn where numpy's rule lines up operands of different ranks so that a symbolic dim meets a 1 and the
+    result holds that dim more often than any operand: (B, 1) - (B,) is (B, B), most often meant as (B,)."""
+    shapes = [graph.shape(u) for u in nodes]
+    if get_op(op).kind != "elementwise" or len({len(s) for s in shapes}) < 2:
+        return
+    out = graph.shape(n)
+    grown = sorted({d for d in out if isinstance(d, str) and all(out.count(d) > s.count(d) for s in shapes)})
+    if grown:
+        user_warning(f"{op}: {' and '.join(fmt(s) for s in shapes)} broadcast to {fmt(out)} (numpy's rule lines "
+                     f"them up from the right), which holds {', '.join(grown)} on more axes than an operand: if one "
+                     f"value per row was meant, reshape an operand to the other's rank (y[:, None]); if the table "
+                     f"is meant, give both operands the same rank (y[None, :]) and this warning goes")
 
 
 def _shape_or_fail(what, shape, src):

@@ -1,6 +1,7 @@
 """User-facing errors: one line that names the user's file:line, the op and the values involved."""
 import os
 import sys
+import warnings
 
 _PACKAGE_DIRS = None
 
@@ -26,6 +27,20 @@ def user_src():
             return f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
         frame = frame.f_back
     return "<gradc>"
+
+
+def user_warning(message):
+    """A UserWarning shown at the line of the user's model source (as user_src finds it)."""
+    dirs = _package_dirs()
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(dirs):
+        frame = frame.f_back
+    if frame is None:
+        warnings.warn(message, stacklevel=2)
+        return
+    warnings.warn_explicit(message, UserWarning, frame.f_code.co_filename, frame.f_lineno,
+                           module=frame.f_globals.get("__name__"),
+                           registry=frame.f_globals.setdefault("__warningregistry__", {}))
 
 
 def _short(path):

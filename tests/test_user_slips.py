@@ -4,6 +4,7 @@ An input named `self`, a parallel trainer without mpi4py, a bad seed, a constant
 a param or input nothing reads, a negative flag value, a model file named like its module, an edited dump,
 and the simulator's warnings from the random hash."""
 import copy
+import inspect
 import json
 import os
 import re
@@ -224,3 +225,37 @@ def test_the_late_cast_refuses_a_folded_array_beyond_the_dtype_and_lets_one_unde
     m.graph.attrs(n)["value"] = np.array([3.0, 1e-50])
     constants_in_dtype(m.graph, "float32")
     assert m.graph.attrs(n)["value"].dtype == np.float32 and list(m.graph.attrs(n)["value"]) == [3.0, 0.0]
+
+
+def test_a_broadcast_that_makes_a_table_of_one_dim_warns_at_the_users_line():
+    """(B, 1) - (B,) is (B, B) by numpy's rule: a squared error over it is silently a table (a new user's
+    slip). A bias (B, 3) + (3,), a row-wise (B, 1) - (B, 1) and a table asked for with equal ranks do not warn."""
+    m = gc.Model("slip_table")
+    x, t = m.input("x", ("B", 3)), m.input("t", ("B",))
+    p = x @ m.param("W", (3, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet = [x + m.param("b", (3,)), p - t[:, None], p - t[None, :], gc.maximum(p, 0.0) * x]
+    assert [q.shape for q in quiet] == [("B", 3), ("B", 1), ("B", "B"), ("B", 3)]
+    line = inspect.currentframe().f_lineno + 2
+    with pytest.warns(UserWarning, match=r"sub: \(B, 1\) and \(B,\) broadcast to \(B, B\) .* holds B on more axes") as w:
+        d = (p - t) ** 2
+    assert d.shape == ("B", "B")
+    assert [(os.path.basename(r.filename), r.lineno) for r in w] == [("test_user_slips.py", line)]
+
+
+def test_call_time_dtype_messages_name_what_is_never_cast(self_named):
+    p = self_named.init_params(0)
+    data = {"self": np.ones((2, 3)), "params": np.ones((2, 2))}
+    with pytest.raises(ValueError, match=r"param 'W' has dtype float32, expected float64 \(gradc never casts params\)"):
+        self_named.loss_and_grad({"W": p["W"].astype(np.float32)}, **data)
+    with pytest.raises(ValueError, match=r"v\['W'\] has dtype float32, expected float64 \(gradc never casts tangents\)"):
+        self_named.hvp(p, {"W": p["W"].astype(np.float32)}, **data)
+
+
+def test_bind_with_a_comma_says_one_flag_per_dim(tmp_path):
+    (tmp_path / "model.py").write_text("import gradc as gc\nm = gc.Model('slip_bind')\n"
+                                       "m.minimize(m.input('x', ('T', 'B')).sum())\n")
+    line = one_error_line(gradc("compile", "model.py", "--bind", "T=16,B=3", cwd=tmp_path))
+    assert line == ("gradc: error: --bind 'T=16,B=3': '16,B=3' is not an int written in decimal digits; give one "
+                    "--bind per dim: --bind T=16 --bind B=3")

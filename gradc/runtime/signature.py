@@ -48,10 +48,10 @@ def _with_article(word):
     return f"{'an' if str(word)[0] in 'aeio' else 'a'} {word}"   # (a uint64)
 
 
-def dtype_hint(given_as, dtype, expected, value=None):
+def dtype_hint(given_as, dtype, expected, value=None, what="inputs"):
     """Why a value of `dtype` is refused where `expected` is (`value`: the array numpy made of it)."""
     if not given_as:
-        return "gradc never casts inputs"
+        return f"gradc never casts {what}"
     expected = np.dtype(expected)
     if given_as == "int" and expected.kind == "i" and value is not None and value.size == 1 and not (
             np.iinfo(expected).min <= int(value.flat[0]) <= np.iinfo(expected).max):
@@ -119,7 +119,7 @@ class Signature:
                 f" (v has one array per trainable param: {list(trainable)})")
         out = {}
         for name in trainable:
-            t = self._float_array(f"{self.model}.hvp: v[{name!r}]", v[name], self.param_shapes[name])
+            t = self._float_array(f"{self.model}.hvp: v[{name!r}]", v[name], self.param_shapes[name], "tangents")
             t = np.ascontiguousarray(to_numpy(t) if self._on_device(t) else t)
             out[name] = t.reshape(1) if t.ndim == 0 else t
         return out
@@ -133,7 +133,7 @@ class Signature:
                              f"for shape {_fmt(tuple(v.shape))})")
         return True
 
-    def _float_array(self, what, v, shape):
+    def _float_array(self, what, v, shape, kind="params"):
         if self._on_device(v):
             # a scalar on the device is a one-element array (a CUDA Trainer's tr.params holds those)
             if tuple(v.shape) != tuple(shape) and not (shape == () and tuple(v.shape) == (1,)):
@@ -150,7 +150,8 @@ class Signature:
         if v.shape != shape:
             raise ValueError(f"{what} has shape {_fmt(v.shape)}, expected {_fmt(shape)}")
         if v.dtype != self.float:
-            raise ValueError(f"{what} has dtype {v.dtype}, expected {self.float} ({dtype_hint(given_as, v.dtype, self.float)})")
+            hint = dtype_hint(given_as, v.dtype, self.float, what=kind)
+            raise ValueError(f"{what} has dtype {v.dtype}, expected {self.float} ({hint})")
         return v
 
     def wants_loss(self, given, loss_inputs, output_reads):
