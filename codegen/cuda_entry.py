@@ -13,7 +13,7 @@ import sympy as sp
 from gradc.ops import get_op
 from gradc.ops.elementwise import X
 
-from .entry import BodyWriter, EntryWriter, array_source
+from .entry import BODY_CONST_LIMIT, BodyWriter, EntryWriter, array_source
 from .statement import CudaStatement, dtype_src, shape_src as _shape_src
 
 
@@ -141,7 +141,7 @@ class CudaBodyWriter(BodyWriter, CudaEntryWriter):
         return False      # arrays are made by const_array; scalars folded into kernels, or made by `statement`
 
     def const_array(self, n):
-        return f"c{n} = cuda.to_device({array_source(self.graph.attrs(n)['value'])}, stream=stream)"
+        return f"c{n} = cuda.to_device({array_source(self.graph.attrs(n)['value'], BODY_CONST_LIMIT)}, stream=stream)"
 
     def new_array(self, n, dims, step):
         shape = self.graph.shape(n)

@@ -401,7 +401,7 @@ class BodyWriter(EntryWriter):
         """The line making constant array n in the body (a body has no constant arguments: a user's
         constants are closed over, but the VJP of a scan nested in this step starts its accumulators
         from zeros): np.full when its values are all one value, else the values written in."""
-        return f"c{n} = {array_source(self.graph.attrs(n)['value'])}"
+        return f"c{n} = {array_source(self.graph.attrs(n)['value'], BODY_CONST_LIMIT)}"
 
     def copy_into(self, out, n):
         """Lines that copy value n into the output argument `out`."""
@@ -411,8 +411,9 @@ class BodyWriter(EntryWriter):
 BODY_CONST_LIMIT = 256   # the most values a non-uniform constant array in a scan body may have (written in)
 
 
-def array_source(value):
-    """Source of a float array equal to `value`, on the module's FLOAT."""
+def array_source(value, most=None):
+    """Source of a float array equal to `value`, on the module's FLOAT (inf and nan written as math's);
+    NotImplementedError beyond `most` distinct values."""
     def number(v):
         return repr(float(v)) if np.isfinite(v) else "math.nan" if np.isnan(v) else ("-math.inf" if v < 0 else "math.inf")
 
@@ -420,6 +421,6 @@ def array_source(value):
     flat = value.ravel()
     if flat.size and (flat == flat[0]).all():
         return f"np.full({value.shape!r}, {number(flat[0])}, FLOAT)"
-    if flat.size > BODY_CONST_LIMIT:
+    if most is not None and flat.size > most:
         raise NotImplementedError(f"codegen: a constant array of {flat.size} distinct values made inside a scan body")
     return f"np.array([{', '.join(number(v) for v in flat)}], FLOAT).reshape({value.shape!r})"

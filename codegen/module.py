@@ -20,7 +20,7 @@ from .cpu import Kernels
 from .cuda import CudaKernels
 from .cuda_api import CUDA_HEADER, cuda_api
 from .cuda_entry import CudaEntryWriter
-from .entry import EntryWriter
+from .entry import EntryWriter, array_source
 from .lr_api import lr_api_source
 from .sympy_print import helper_source
 
@@ -69,10 +69,6 @@ def _with_doc(source, doc):
     head, _, rest = source.partition("):\n")
     doc = doc.replace("\\", "\\\\").replace('"', "'")
     return f'{head}):\n    """{doc}"""\n{rest}'
-
-
-def _literal_array(value):
-    return f"np.array({np.asarray(value).tolist()!r}, dtype=FLOAT)"
 
 
 def generate(graph, plans, info):
@@ -233,7 +229,7 @@ def generate(graph, plans, info):
     out.append("")
     out.append(f"DATA = load_data(__file__, {sorted(stored)!r})")
     for k, v in inline.items():
-        out.append(f'DATA["{k}"] = {_literal_array(v)}.reshape({v.shape!r})')
+        out.append(f'DATA["{k}"] = {array_source(v)}')
     out.append(f"_INITS = {inits!r}")
     out.append("# int inputs whose values index classes or table rows -> how many: one bound, or per bound the")
     out.append("# ranges of flat positions over the input's fixed axes that it limits")

@@ -152,12 +152,15 @@ def cmd_inspect(args):
 
 
 class _Parser(argparse.ArgumentParser):
+    argv = ()   # the command line being parsed (main sets it): what error() reads a flag's value from
+
     def error(self, message):
         """A bad command line: one line and exit 2, like every other user error."""
         flag = re.fullmatch(r"argument (\S+?)(?:/(\S+))?: expected one argument", message)
-        if flag:   # argparse reads a value that starts with '-' (-5MiB) as another flag
-            name = flag.group(2) or flag.group(1)
-            message += f" (a value that starts with '-' is written {name}=VALUE)"
+        argv = list(_Parser.argv)
+        if flag and any(a in flag.groups() and b.startswith("-") for a, b in zip(argv, argv[1:])):
+            # argparse read the value, -5MiB, as another flag
+            message += f" (a value that starts with '-' is written {flag.group(2) or flag.group(1)}=VALUE)"
         self.exit(2, f"gradc: error: {message} ({self.prog} --help for usage)\n")
 
 
@@ -216,6 +219,7 @@ def build_parser():
 
 def main(argv=None):
     ap = build_parser()
+    _Parser.argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     try:
         previous = signal.signal(signal.SIGTERM, _raise_terminated)

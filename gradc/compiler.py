@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 from collections.abc import Mapping
 
 import networkx as nx
@@ -16,8 +15,9 @@ import numpy as np
 
 from gradc.passes.analysis import index_inputs
 from gradc.passes.entries import ENTRIES
+from gradc.passes.pipeline import unheld
 
-from .errors import GradcError
+from .errors import GradcError, user_warning
 from .files import import_path, json_text, link_replacing, remove_stale, temp_name
 from .ir import FLOAT_DTYPES
 from .runtime.signature import index_limits
@@ -112,6 +112,22 @@ def check_scans(model, scan_backward, target, memory_budget):
     if target == "cuda" and memory_budget is not None:
         raise GradcError("gc.scan with --target cuda and --memory-budget is not built yet (carry checkpoints are "
                          "built for the CPU target)", src)
+
+
+def check_constants(model, dtype):
+    """Refuse, at its line, a constant of the model or a param's init array that the build's float type cannot
+    hold: a float32 build would make 1e40 inf, or 1e-50 0, without a word. (Before the passes: fusion folds
+    scalars into expressions.)"""
+    g = model.graph
+    for body in [g] + g.bodies():
+        for n in body.topo_order():
+            why = unheld(body.attrs(n)["value"], dtype) if body.op(n) == "const" else None
+            if why:
+                raise GradcError(f"a constant of this line is {why}", body.node(n)["src"])
+    for name, info in model.param_info.items():
+        why = unheld(info["init"], dtype) if isinstance(info["init"], np.ndarray) else None
+        if why:
+            raise GradcError(f"param {name!r}: its init array holds {why}", g.node(g.params[name])["src"])
 
 
 def unreached_notes(model):
@@ -448,9 +464,10 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     if model.graph.loss is None:
         raise GradcError(f"model {model.name!r} has no minimize(loss): nothing to differentiate", model.src)
     check_module_name(model.name, model.src)   # before anything is written, at the line that named it
-    if isinstance(order, bool) or order not in (1, 2) or not isinstance(order, numbers.Integral):
-        given = f"{order!r}: use" if type(order) is int else f"{order!r} (a {type(order).__name__}): use the int"
-        raise GradcError(f"--order {given} 1 (gradients) or 2 (also hvp and hessian)", options_src)
+    is_int = isinstance(order, numbers.Integral) and not isinstance(order, bool)
+    if not is_int or order not in (1, 2):
+        kind = "" if is_int else f" ({type(order).__name__}, not an int)"
+        raise GradcError(f"--order {order!r}{kind}: use 1 (gradients) or 2 (also hvp and hessian)", options_src)
     if bind is not None and not isinstance(bind, Mapping):
         raise GradcError(f"compile: bind must be a dict of dim names to ints (bind={{'B': 64}}), got {bind!r}",
                          options_src)
@@ -465,6 +482,7 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     timings = {} if timings is None else timings
     t0 = time.perf_counter()
     check_scans(model, scan_backward, target, memory_budget)
+    check_constants(model, dtype)
     pipe = device_options(devices, model, dims, memory_budget, model.src, options_src)
     pins = [model.graph.node(n)["src"] for n in model.graph.nx.nodes if model.graph.node(n).get("stage") is not None]
     model_notes = unreached_notes(model)
@@ -473,7 +491,7 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
                            f"device; the pins apply with --devices K")
     if notes is None:   # gc.compile: Python's warnings say them
         for note in model_notes:
-            warnings.warn(f"gradc: {note}", stacklevel=3)
+            user_warning(f"gradc: {note}")
     else:
         notes.extend(model_notes)
     # microbatches run the code at other batch sizes: the batch dim stays symbolic in it (the plans bind it)

@@ -17,30 +17,30 @@ def _package_dirs():
     return _PACKAGE_DIRS
 
 
+def _user_frame():
+    """The innermost frame outside gradc (of the user's model source, or the script that calls gradc), or None."""
+    dirs = _package_dirs()
+    frame = sys._getframe(2)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(dirs):
+        frame = frame.f_back
+    return frame
+
+
 def user_src():
     """'file:line' of the innermost frame outside gradc: the line of the user's model source."""
-    dirs = _package_dirs()
-    frame = sys._getframe(1)
-    while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        if not path.startswith(dirs):
-            return f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "<gradc>"
+    frame = _user_frame()
+    return "<gradc>" if frame is None else f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
 def user_warning(message):
-    """A UserWarning shown at the line of the user's model source (as user_src finds it)."""
-    dirs = _package_dirs()
-    frame = sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(dirs):
-        frame = frame.f_back
+    """A UserWarning shown at the user's line (user_src's)."""
+    frame = _user_frame()
     if frame is None:
         warnings.warn(message, stacklevel=2)
-        return
-    warnings.warn_explicit(message, UserWarning, frame.f_code.co_filename, frame.f_lineno,
-                           module=frame.f_globals.get("__name__"),
-                           registry=frame.f_globals.setdefault("__warningregistry__", {}))
+    else:
+        warnings.warn_explicit(message, UserWarning, frame.f_code.co_filename, frame.f_lineno,
+                               module=frame.f_globals.get("__name__"),
+                               registry=frame.f_globals.setdefault("__warningregistry__", {}))
 
 
 def _short(path):

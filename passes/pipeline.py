@@ -77,34 +77,20 @@ def _bind_nodes(graph, dtype, dims):
 
 
 def unheld(value, dtype, zero=True):
-    """Why the float type `dtype` cannot hold an element of `value` (it would become inf, or with `zero` 0), or
-    None."""
+    """Why the float type `dtype` cannot hold `value`, or None: an element it would make inf, or with `zero` a
+    value whose nonzero elements would all be 0 (1e-50 in float32; a window whose tail underflows is held)."""
     v = np.asarray(value, dtype=np.float64).ravel()
-    a = np.abs(v)
-    info = np.finfo(dtype)
-    lost = (a > 0) & (a <= float(info.smallest_subnormal) / 2) if zero else False
-    bad = np.flatnonzero(np.isfinite(a) & ((a > info.max) | lost))
-    if not bad.size:
+    with np.errstate(over="ignore", under="ignore"):
+        cast = v.astype(dtype)
+    inf = np.flatnonzero(np.isfinite(v) & ~np.isfinite(cast))
+    lost = (v != 0) & (cast == 0)
+    if inf.size:
+        x, held = float(v[inf[0]]), "-inf" if v[inf[0]] < 0 else "inf"
+    elif zero and lost.any() and lost.sum() == np.count_nonzero(v):
+        x, held = float(v[np.flatnonzero(lost)[0]]), "0"
+    else:
         return None
-    x = float(v[bad[0]])
-    held = ("-inf" if x < 0 else "inf") if abs(x) > 1 else "0"
     return f"{x!r}, which {dtype} holds as {held}: compile with --dtype float64, or rescale"
-
-
-def check_constants(model, dtype):
-    """Refuse, at its line, a constant of the model or a param's init array that the build's float type cannot
-    hold: a float32 build would make 1e40 inf, or 1e-50 0, without a word. (Before fusion: scalars are still
-    nodes of their own.)"""
-    g = model.graph
-    for body in [g] + g.bodies():
-        for n in body.topo_order():
-            why = unheld(body.attrs(n)["value"], dtype) if body.op(n) == "const" else None
-            if why:
-                raise GradcError(f"a constant of this line is {why}", body.node(n)["src"])
-    for name, info in model.param_info.items():
-        why = unheld(info["init"], dtype) if isinstance(info["init"], np.ndarray) else None
-        if why:
-            raise GradcError(f"param {name!r}: its init array holds {why}", g.node(g.params[name])["src"])
 
 
 def constants_in_dtype(graph, dtype):
@@ -131,7 +117,6 @@ def on_device(graph, device):
 # The pass order, the one place it is written: (timing name, pass, when it runs). A pass takes the
 # graph and the build (model, dtype, dims, order, target) and rewrites the graph in place.
 PASSES = (
-    ("check_constants", lambda g, b: check_constants(b.model, b.dtype), None),
     ("bind", lambda g, b: bind(g, b.dtype, b.dims, b.model.src), None),
     ("objective", lambda g, b: add_objective(g, b.decayed, b.model.weight_decay), None),
     # lr_grad's forward-only graph: K noised copies of the forward stacked on the rows (DESIGN.md §1.9)

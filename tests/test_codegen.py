@@ -324,6 +324,23 @@ def test_a_constant_beyond_the_dtype_is_refused(tmp_path):
         gc.compile(m, out=str(tmp_path), warm_cache=False)
 
 
+def test_a_constant_array_holding_inf_masks_a_softmax(tmp_path):
+    """A -inf mask written as a constant array (attention's): the module wrote it as `inf`, a NameError at import."""
+    m = gc.Model("cg_inf_mask")
+    x, y = m.input("x", ("B", 4)), m.input("y", ("B", 4))
+    mask = np.array([0.0, -np.inf, 0.0, -np.inf])
+    m.minimize((gc.softmax(x * m.param("s", (), init="ones") + mask, axis=1) * y).sum())
+    mod = gc.compile(m, out=str(tmp_path), dtype="float64", warm=False)
+    rng = np.random.default_rng(2)
+    X, Y = rng.normal(size=(3, 4)), rng.normal(size=(3, 4))
+    e = np.exp(X + mask - X[:, [0, 2]].max(1, keepdims=True))
+    p = e / e.sum(1, keepdims=True)
+    loss, grads = mod.loss_and_grad({"s": np.float64(1.0)}, x=X, y=Y)
+    assert loss == pytest.approx(float((p * Y).sum()), rel=1e-12)
+    expected = (p * (Y - (p * Y).sum(1, keepdims=True)) * X)[:, [0, 2]].sum()   # d/ds of sum(softmax(s x + mask) y)
+    assert float(grads["s"]) == pytest.approx(float(expected), rel=1e-10)
+
+
 def test_extreme_inputs_stay_finite_in_float32(build_dir):
     """|x| = 100 in float32: stable forms of sigmoid, softplus, log_softmax, cross-entropy, gelu, tanh."""
     m = gc.Model("cg_extreme")
@@ -520,4 +537,4 @@ def test_a_constant_array_made_in_a_scan_body_has_its_values():
         assert made.dtype == np.float32 and made.shape == value.shape
         np.testing.assert_array_equal(made, value.astype(np.float32))
     with pytest.raises(NotImplementedError, match="distinct values"):
-        array_source(np.arange(BODY_CONST_LIMIT + 1.0))
+        array_source(np.arange(BODY_CONST_LIMIT + 1.0), BODY_CONST_LIMIT)

@@ -578,8 +578,8 @@ def test_bad_compile_options_name_the_compile_call(tmp_path):
         gc.compile(m, out=str(tmp_path), dtype="float16")
     with pytest.raises(gc.GradcError, match=r"warm='later': use True or 'first'"):
         gc.compile(m, out=str(tmp_path), warm="later")
-    for bad, message in ((dict(order=3), "--order 3"), (dict(order="2"), r"--order '2' \(a str\): use the int 1"),
-                         (dict(order=True), r"--order True \(a bool\): use the int 1"), (dict(target="tpu"), "--target 'tpu'"),
+    for bad, message in ((dict(order=3), "--order 3"), (dict(order="2"), r"--order '2' \(str, not an int\): use 1"),
+                         (dict(order=True), r"--order True \(bool, not an int\): use 1"), (dict(target="tpu"), "--target 'tpu'"),
                          (dict(bind={"B": 0}), "--bind B=0"), (dict(bind={"N": 4}), "--bind names dim N"),
                          (dict(bind={"B": 8.0}), "--bind B=8.0: a dim must be bound to an int"),
                          (dict(bind="B=8"), "compile: bind must be a dict of dim names to ints .*got 'B=8'"),

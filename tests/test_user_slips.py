@@ -70,14 +70,16 @@ def test_init_params_takes_a_numpy_int(self_named):
 
 
 def _constant_model(value, where):
+    """A model with `value` as a scalar constant, an array constant's element, a param's init array's element (the
+    arrays' other element is 0), or a constant in a scan's step."""
     m = gc.Model("slip_const")
     x = m.input("x", ("B", 2))
-    w = m.param("w", (2,), init=value if where == "init" else None)
+    w = m.param("w", (2,), init=np.array([0.0, value]) if where == "init" else None)
     h = x * w
     if where == "scalar":
         h = h * value
     elif where == "array":
-        h = h + np.array([1.0, value])
+        h = h + np.array([0.0, value])
     elif where == "scan":
         h = gc.scan(lambda c, xt: (c * value + xt, c), (h * 0).sum(1), gc.transpose(h))[0]
     m.minimize(h.sum())
@@ -85,22 +87,34 @@ def _constant_model(value, where):
 
 
 @pytest.mark.parametrize("where", ["scalar", "array", "init", "scan"])
-@pytest.mark.parametrize("value,held", [(1e40, "inf"), (-4e38, "-inf"), (1e-50, "0")])
+@pytest.mark.parametrize("value,held", [(1e40, "inf"), (-4e38, "-inf"), (3.402824e38, "inf"), (1e-50, "0")])
 def test_a_constant_float32_cannot_hold_is_refused_at_its_line(tmp_path, where, value, held):
-    if where == "init":
-        value = np.array([1.0, value])
     m = _constant_model(value, where)
-    shown = value if np.ndim(value) == 0 else value[1]
-    with pytest.raises(gc.GradcError, match=rf"test_user_slips.py:\d+: .*{re.escape(repr(float(shown)))}, which float32 holds as "
-                                            rf"{held}: compile with --dtype float64, or rescale"):
+    with pytest.raises(gc.GradcError, match=rf"test_user_slips.py:\d+: .*{re.escape(repr(value))}, which float32 "
+                                            rf"holds as {held}: compile with --dtype float64, or rescale"):
         gc.compile(m, out=str(tmp_path / "o"), warm=False)
     assert not (tmp_path / "o").exists()
     assert gc.compile(m, out=str(tmp_path / "o"), dtype="float64", warm=False).loss_and_grad
 
 
-def test_float32_constants_within_range_compile(tmp_path):
-    for value in (3e38, -3e38, 1e-44, 0.0, float("inf")):   # (1e-44 is a float32 subnormal; inf is meant)
-        assert gc.compile(_constant_model(value, "scalar"), out=str(tmp_path / "o"), warm=False)
+@pytest.mark.parametrize("value", [3.4028235e38, -3.4028235e38, 1e-44, 0.0, float("inf")])
+def test_float32_constants_it_holds_compile(tmp_path, value):
+    """float32's max as numpy prints it (it rounds to the max), a subnormal, and an inf written on purpose."""
+    for where in ("scalar", "array"):
+        assert gc.compile(_constant_model(value, where), out=str(tmp_path / "o"), warm=False)
+
+
+def test_an_array_whose_tail_underflows_compiles(tmp_path):
+    """A Gaussian window's tail is 0 in float32, as in every float32 framework: only a value that would be 0
+    everywhere it is not 0 is refused."""
+    m = gc.Model("slip_window")
+    x = m.input("x", ("B", 64))
+    window = np.exp(-np.arange(64.0) ** 2 / 8)
+    assert window[-1] < float(np.finfo(np.float32).smallest_subnormal)
+    m.minimize((x * window).sum() + (x * 0.5 ** np.arange(64.0) * 1e-30).sum())
+    mod = gc.compile(m, out=str(tmp_path), warm=False)
+    X = np.random.default_rng(0).normal(size=(3, 64)).astype(np.float32)
+    assert mod.loss_and_grad({}, x=X)[0] == pytest.approx(float((X * window).sum()), rel=1e-5)
 
 
 def test_a_param_or_input_nothing_reads_gets_a_note(tmp_path):
@@ -149,6 +163,9 @@ def test_a_flag_value_that_starts_with_a_dash(tmp_path):
     assert "'-5MiB' is not a size: it is negative" in one_error_line(r)
     r = gradc("compile", "model.py", "-o", "-x", cwd=tmp_path)
     assert "is written --out=VALUE" in one_error_line(r)
+    r = gradc("compile", "model.py", "--bind", cwd=tmp_path)   # no value at all: no hint about '-'
+    assert one_error_line(r) == ("gradc: error: argument --bind: expected one argument (gradc compile --help for "
+                                 "usage)")
     assert sorted(os.listdir(tmp_path)) == ["model.py"]
 
 
@@ -211,9 +228,10 @@ def test_the_simulator_runs_the_random_hash_without_warnings(tmp_path):
     assert "RuntimeWarning" not in r.stderr
 
 
-def test_the_late_cast_refuses_a_folded_array_beyond_the_dtype_and_lets_one_underflow():
-    """constants_in_dtype runs after folding, on arrays the model did not write as such: inf is refused at the
-    line the array came from, a value that underflows to 0 is kept (a folded exp(-200) is 0 in float32)."""
+def test_the_late_cast_refuses_an_array_beyond_the_dtype_and_lets_one_underflow():
+    """constants_in_dtype casts the arrays left after folding (which may make new ones, beyond what the user
+    wrote and compile_model checked): inf is refused at the array's line, a value that underflows to 0 is kept.
+    Called directly on a graph, with the arrays such a fold would leave."""
     m = gc.Model("slip_late")
     x = m.input("x", ("B", 2))
     m.minimize((x * np.array([1e40, 1e-50])).sum())
@@ -235,13 +253,16 @@ def test_a_broadcast_that_makes_a_table_of_one_dim_warns_at_the_users_line():
     p = x @ m.param("W", (3, 1))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        quiet = [x + m.param("b", (3,)), p - t[:, None], p - t[None, :], gc.maximum(p, 0.0) * x]
-    assert [q.shape for q in quiet] == [("B", 3), ("B", 1), ("B", "B"), ("B", 3)]
+        quiet = [x + m.param("b", (3,)), p - t[:, None], p - t[None, :], gc.maximum(p, 0.0) * x,
+                 x[:, None] - x, x[:, None, :] - x]   # (pairs: the user's new axis says a table is meant)
+    assert [q.shape for q in quiet] == [("B", 3), ("B", 1), ("B", "B"), ("B", 3), ("B", "B", 3), ("B", "B", 3)]
     line = inspect.currentframe().f_lineno + 2
     with pytest.warns(UserWarning, match=r"sub: \(B, 1\) and \(B,\) broadcast to \(B, B\) .* holds B on more axes") as w:
         d = (p - t) ** 2
     assert d.shape == ("B", "B")
     assert [(os.path.basename(r.filename), r.lineno) for r in w] == [("test_user_slips.py", line)]
+    with pytest.warns(UserWarning, match=r"sub: \(B, 1\) and \(B,\) broadcast to \(B, B\)"):
+        x.sum(1, keepdims=True) - t
 
 
 def test_call_time_dtype_messages_name_what_is_never_cast(self_named):

@@ -4,6 +4,7 @@ numba_cuda_mlir first (numba-cuda's successor), numba.cuda otherwise; numba.cuda
 numba-cuda's simulator (NUMBA_ENABLE_CUDASIM=1), which numba_cuda_mlir does not have. Nothing is
 imported until `load_cuda()`: the CPU target never needs a CUDA package.
 """
+import functools
 import os
 import warnings
 
@@ -20,10 +21,7 @@ def load_cuda():
     """The `cuda` module kernels are compiled with."""
     if simulated():
         from numba import cuda
-        # the simulator runs kernels on numpy scalars, which warn where the random hash's uint64 arithmetic
-        # wraps, as it is meant to (and does silently on a GPU)
-        warnings.filterwarnings("ignore", r"overflow encountered in scalar (multiply|add)", RuntimeWarning,
-                                module=r"gradc_kernel_cache\.k_")
+        _quiet_wrapping_in_the_simulator()
         return cuda
     try:
         from numba_cuda_mlir import cuda
@@ -33,6 +31,16 @@ def load_cuda():
         except ImportError as e:
             raise ImportError("the CUDA target needs numba-cuda (pip install numba-cuda)") from e
     return cuda
+
+
+@functools.cache
+def _quiet_wrapping_in_the_simulator():
+    """The simulator runs kernels on numpy scalars, which warn where the random hash's uint64 arithmetic wraps,
+    as it is meant to (silently on a GPU). Python's filters cannot tell that from a float overflow in the same
+    kernel: both go quiet in gradc's cached kernels under the simulator (README, CUDA). Installed once (each
+    new filter resets the warnings already shown)."""
+    warnings.filterwarnings("ignore", r"overflow encountered in scalar (multiply|add)", RuntimeWarning,
+                            module=r"gradc_kernel_cache\.k_")
 
 
 def simulated():

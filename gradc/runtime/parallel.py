@@ -44,7 +44,7 @@ def no_one(names):
     """What a generated module's streamed _loss_and_grad tells when nobody is reducing gradients."""
 
 
-def _mpi4py(tr, parallel):
+def _import_mpi(tr, parallel):
     """mpi4py's MPI module, or an error that says how to install it."""
     try:
         from mpi4py import MPI
@@ -113,7 +113,7 @@ def _weighting(tr, what):
 
 class DataParallel:
     def __init__(self, tr, comm=None, overlap=True, bucket_bytes=BUCKET_BYTES, stage_ranks=None):
-        self.MPI = _mpi4py(tr, "data")
+        self.MPI = _import_mpi(tr, "data")
         self.tr = tr
         self.reduction = _weighting(tr, "data")
         comm = world(comm, self.MPI)
@@ -428,7 +428,7 @@ class ParameterServer:
     """
 
     def __init__(self, tr, comm=None, servers=1, staleness=0, timeout=60.0):
-        self.MPI, self.tr = _mpi4py(tr, "ps"), tr
+        self.MPI, self.tr = _import_mpi(tr, "ps"), tr
         self.reduction = _weighting(tr, "ps")
         comm = world(comm, self.MPI)
         if tr._device:
