@@ -91,7 +91,8 @@ def _stdout_silenced():
 
 def coarsen(graph, order, sizes, flops_of, returned, peak_of):
     """The forward of `order` as chain layers split in two (what later layers read, the rest),
-    then the backward in runs of about equal work."""
+    then the backward in runs of about equal work. A backward node written by a forward node's statement
+    (autodiff's added results of a forward scan; a view) joins that node's piece."""
     chain = build_chain(graph, order, sizes, flops_of, max_layers=MILP_LAYERS, even_work=True)
     nodes = [chain.prelude] if chain.prelude else []
     for j, members in enumerate(chain.layers):
@@ -108,7 +109,7 @@ def coarsen(graph, order, sizes, flops_of, returned, peak_of):
         if graph.op(n) in LEAVES or graph.node(n)["phase"] == "forward":
             continue
         if written_with_operand(graph, n) and graph.operands(n)[0] in where:
-            nodes[where[graph.operands(n)[0]]].append(n)   # (autodiff's result of a forward scan: the scan writes it)
+            nodes[where[graph.operands(n)[0]]].append(n)   # (recomputing it means running its operand's statement)
         else:
             backward.append(n)
     nodes += _even_pieces(graph, backward, flops_of, MILP_LAYERS)
