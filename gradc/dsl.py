@@ -201,10 +201,27 @@ def _axes(op, x, axis, src):
         raise GradcError(f"{op}: {e} (operand shape {fmt(x.shape)})", src) from None
 
 
+# numpy's ufuncs for a Tensor's operators, and gradc's names for numpy's functions
+_NUMPY_OPERATORS = {np.add: "add", np.subtract: "sub", np.multiply: "mul", np.true_divide: "div", np.power: "pow",
+                    np.maximum: "maximum", np.matmul: "matmul"}
+_NUMPY_NAMES = {"absolute": "abs"}
+
+
 class Tensor:
     """A value in a model's graph. Arithmetic records ops; numpy arrays and numbers are constants."""
     __slots__ = ("model", "node")
-    __array_ufunc__ = None    # numpy defers to our reflected operators: ndarray + Tensor -> Tensor
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        """numpy's operators between an array (or numpy number) and a Tensor record the op, as the Tensor's
+        own operators do; any other ufunc (np.exp(t)) is refused naming gradc's op."""
+        src = user_src()
+        if method == "__call__" and not kwargs and len(inputs) == 2 and ufunc in _NUMPY_OPERATORS:
+            if ufunc is np.matmul:
+                return matmul(*inputs, src=src)
+            return _op(_NUMPY_OPERATORS[ufunc], *inputs, src=src)
+        name = _NUMPY_NAMES.get(ufunc.__name__, ufunc.__name__)
+        use = f"gc.{name}(...)" if callable(globals().get(name)) else "gradc's ops (README, the DSL)"
+        raise GradcError(f"numpy's {ufunc.__name__} cannot take a gradc Tensor: use {use}", src)
 
     def __init__(self, model, node):
         self.model = model

@@ -280,3 +280,24 @@ def test_bind_with_a_comma_says_one_flag_per_dim(tmp_path):
     line = one_error_line(gradc("compile", "model.py", "--bind", "T=16,B=3", cwd=tmp_path))
     assert line == ("gradc: error: --bind 'T=16,B=3': '16,B=3' is not an int written in decimal digits; give one "
                     "--bind per dim: --bind T=16 --bind B=3")
+
+
+def test_numpy_operators_record_ops_and_other_ufuncs_name_gradcs():
+    """ndarray (or numpy number) op Tensor records the op as Tensor op ndarray does; np.exp(t) says gc.exp."""
+    m = gc.Model("slip_numpy")
+    x = m.input("x", ("B", 3))
+    a = np.array([1.0, -2.0, 0.5])
+    made = [a + x, a - x, a * x, a / x, np.float64(2.0) ** x, np.maximum(a, x), np.ones((4, 3)) @ gc.transpose(x)]
+    assert [m.graph.op(t.node) for t in made] == ["add", "sub", "mul", "div", "pow", "maximum", "matmul"]
+    assert [t.shape for t in made] == [("B", 3)] * 6 + [(4, "B")]
+    sub = made[1]
+    (c,) = [u for u in m.graph.operands(sub.node) if m.graph.op(u) == "const"]
+    assert m.graph.operands(sub.node)[0] == c and np.array_equal(m.graph.attrs(c)["value"], a)   # a - x, not x - a
+    line = inspect.currentframe().f_lineno + 3
+    with pytest.raises(gc.GradcError, match=rf"test_user_slips.py:{line}: numpy's exp cannot take a gradc Tensor: "
+                                            r"use gc.exp\(\.\.\.\)"):
+        np.exp(x)
+    with pytest.raises(gc.GradcError, match=r"numpy's absolute cannot take a gradc Tensor: use gc.abs"):
+        np.abs(x)
+    with pytest.raises(gc.GradcError, match=r"numpy's floor cannot take a gradc Tensor: use gradc's ops"):
+        np.floor(x)
