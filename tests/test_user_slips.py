@@ -301,3 +301,15 @@ def test_numpy_operators_record_ops_and_other_ufuncs_name_gradcs():
         np.abs(x)
     with pytest.raises(gc.GradcError, match=r"numpy's floor cannot take a gradc Tensor: use gradc's ops"):
         np.floor(x)
+
+
+def test_numbers_fusion_folds_beyond_float32_are_refused(tmp_path):
+    """x * 1e20 * 1e20: each constant fits, the fused expression's 1e40 does not (it would be written into the
+    kernel as inf)."""
+    m = gc.Model("slip_folded")
+    x = m.input("x", ("B", 3))
+    m.minimize((x * 1e20 * 1e20).sum())
+    with pytest.raises(gc.GradcError, match=r"test_user_slips.py:\d+: the expression of this line folds to the "
+                                            r"number 1e\+40, which float32 holds as inf"):
+        gc.compile(m, out=str(tmp_path / "f32"), warm=False)
+    assert gc.compile(m, out=str(tmp_path / "f64"), dtype="float64", warm=False)
