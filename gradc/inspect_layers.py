@@ -10,13 +10,18 @@ import os
 
 import numpy as np
 
-from gradc.ops import get_op
+from gradc.ops import REGISTRY
 
 from .files import read_json
 from .sizes import format_size
 
 LAYER_KINDS = ("conv", "matmul", "pool")
 
+
+def _kind(op):
+    """An op's kind; a `gc.elementwise` op of the model (registered when its model file runs, which inspect does
+    not do) is elementwise."""
+    return REGISTRY[op].kind if op in REGISTRY else "elementwise"
 
 def _bytes(shape, itemsize):
     if any(isinstance(d, str) for d in shape):
@@ -52,10 +57,10 @@ def layer_rows(data):
         if n in model and node["op"] == "scan":
             rows.append(_scan_row(n, nodes, operands, users, model, param_of, itemsize))
             continue
-        if n not in model or get_op(node["op"]).kind not in LAYER_KINDS:
+        if n not in model or _kind(node["op"]) not in LAYER_KINDS:
             continue
         sent = [n] + [u for u in users[n] if nodes[u]["op"] == "transfer"]   # its bias may be added on the next stage
-        readers = [u for v in sent for u in users[v] if u in model and get_op(nodes[u]["op"]).kind == "elementwise"]
+        readers = [u for v in sent for u in users[v] if u in model and _kind(nodes[u]["op"]) == "elementwise"]
         weights = list(dict.fromkeys(w for m in [n] + readers for u in operands[m]
                                      if (w := _param_under(u, nodes, operands, param_of)) is not None))
         if weights:
@@ -71,7 +76,7 @@ def layer_rows(data):
 def _param_under(u, nodes, operands, param_of):
     """The param a value is, through layout ops (a bias reshaped to broadcast, or sent from the stage that
     owns it: a transfer is a layout op), or None."""
-    while get_op(nodes[u]["op"]).kind == "layout" and operands[u]:
+    while _kind(nodes[u]["op"]) == "layout" and operands[u]:
         u = operands[u][0]
     return u if u in param_of else None
 

@@ -9,6 +9,7 @@ import sympy as sp
 import gradc as gc
 from gradc.codegen.entry import BODY_CONST_LIMIT, array_source
 from gradc.interpret import evaluate
+from gradc.ops import get_op
 from gradc.passes.pipeline import build_training_graph
 from gradc.runtime import blas
 from gradc.runtime.blas import matmul_into
@@ -339,6 +340,29 @@ def test_a_constant_array_holding_inf_masks_a_softmax(tmp_path):
     assert loss == pytest.approx(float((p * Y).sum()), rel=1e-12)
     expected = (p * (Y - (p * Y).sum(1, keepdims=True)) * X)[:, [0, 2]].sum()   # d/ds of sum(softmax(s x + mask) y)
     assert float(grads["s"]) == pytest.approx(float(expected), rel=1e-10)
+
+
+def test_cross_entropy_and_log_softmax_keep_their_digits_at_large_logits(tmp_path):
+    """Both are invariant to adding an offset to every logit of a row; they computed x - (m + log sum), whose
+    sum rounds log sum away: at an offset of 1e7 the float64 loss was 2.7e-10 off, and tied logits of -1e30
+    had a log_softmax of 0 (a new user's trial, against torch). (x - m) - log sum keeps them."""
+    m = gc.Model("cg_big_logits")
+    z, y = m.input("z", ("B", 3)), m.input("y", ("B",), dtype="int64")
+    m.output("ls", gc.log_softmax(z, axis=1))
+    m.minimize(gc.softmax_cross_entropy(z * m.param("s", (), init="ones"), y))
+    mod = gc.compile(m, out=str(tmp_path), dtype="float64", warm=False)
+    base = np.array([[0.25, 0.25, 0.25], [0.0, 1.0, 2.0]])
+    Y = np.array([0, 2])
+    loss0 = mod.loss_and_grad({"s": np.float64(1.0)}, z=base, y=Y)[0]
+    ls0 = mod.forward({"s": np.float64(1.0)}, z=base)["ls"]
+    assert loss0 == pytest.approx(np.mean([np.log(3.0), np.log(1 + np.exp(-1) + np.exp(-2))]), rel=1e-15)
+    for offset in (1e5, 1e7, 1e10, -1e30):
+        loss = mod.loss_and_grad({"s": np.float64(1.0)}, z=base + offset, y=Y)[0]
+        ls = mod.forward({"s": np.float64(1.0)}, z=base + offset)["ls"]
+        assert loss == pytest.approx(loss0, rel=1e-15, abs=0) or offset == -1e30, offset   # (-1e30: spacing 1e14)
+        assert np.allclose(ls[0], ls0[0], rtol=1e-15, atol=0), (offset, ls)   # tied logits: -log 3 each
+    xent = get_op("softmax_xent").evaluate   # the interpreter's
+    assert xent({}, [base + 1e7, Y], (2,), {}) == pytest.approx(xent({}, [base, Y], (2,), {}), rel=1e-15, abs=0)
 
 
 def test_extreme_inputs_stay_finite_in_float32(build_dir):

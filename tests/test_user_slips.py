@@ -313,3 +313,19 @@ def test_numbers_fusion_folds_beyond_float32_are_refused(tmp_path):
                                             r"number 1e\+40, which float32 holds as inf"):
         gc.compile(m, out=str(tmp_path / "f32"), warm=False)
     assert gc.compile(m, out=str(tmp_path / "f64"), dtype="float64", warm=False)
+
+
+def test_inspect_layers_of_a_model_with_a_user_op(tmp_path):
+    """inspect reads the dumps in a process where the model's gc.elementwise op was never registered: it
+    failed with `unknown op 'mish'` (a new user's trial of the README's mish)."""
+    (tmp_path / "model.py").write_text(textwrap.dedent("""\
+        import gradc as gc, sympy as sp
+        m = gc.Model("slip_mish")
+        x = m.input("x", ("B", 4))
+        mish = gc.elementwise("mish", lambda u: u * sp.tanh(sp.log(1 + sp.exp(u))))
+        m.minimize(mish(x @ m.param("W", (4, 3))).mean())
+        """))
+    assert gradc("compile", "model.py", "-o", "build", "--bind", "B=4", "--warm", "none", cwd=tmp_path).returncode == 0
+    r = gradc("inspect", "build/slip_mish", "--layers", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^  W +matmul +\(4, 3\) +48 bytes +48 bytes$", r.stdout, re.M), r.stdout

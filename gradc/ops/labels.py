@@ -92,13 +92,13 @@ def cuda_pick_grad_source(name, rank):
 CPU_XENT_ROWS = lambda name: ("\n".join([
     f"def {name}(x0, labels, out):", "    for i in range(x0.shape[0]):", *row_max_and_sum_exp("        "),
     "        label = labels[i]",
-    "        out[i] = m + math.log(total) - x0[i, label] if 0 <= label < x0.shape[1] else math.nan"]),
+    "        out[i] = (m - x0[i, label]) + math.log(total) if 0 <= label < x0.shape[1] else math.nan"]),
     "out[i] = logsumexp(x[i]) - x[i, labels[i]]")
 CUDA_XENT_ROWS = lambda name: ("\n".join([
     f"def {name}(x0, labels, out):", *ROW_HEADER, *row_max_and_sum_exp("    "),
     "    label = labels[i]",
     "    # a label out of range (only device labels reach here unchecked) gives NaN, never a wild read",
-    "    out[i] = m + math.log(total) - x0[i, label] if 0 <= label < x0.shape[1] else math.nan"]),
+    "    out[i] = (m - x0[i, label]) + math.log(total) if 0 <= label < x0.shape[1] else math.nan"]),
     "out[i] = logsumexp(x[i]) - x[i, labels[i]]", ("flat", -1))
 CPU_XENT_GRAD = lambda name: ("\n".join([
     f"def {name}(x0, labels, g, out):", "    for i in range(x0.shape[0]):", *row_max_and_exp_into_out("        "),
@@ -170,9 +170,8 @@ def _xent_infer(attrs, shapes, dtypes):
 
 def _xent_evaluate(attrs, values, out_shape, dims):
     x, labels = values
-    shifted = x - np.max(x, axis=1, keepdims=True)
-    logsumexp = np.log(np.sum(np.exp(shifted), axis=1)) + np.max(x, axis=1)
-    return logsumexp - np.take_along_axis(x, labels[:, None], 1)[:, 0]
+    m = np.max(x, axis=1, keepdims=True)   # (m - x[label]) + log(sum): m + log(sum) would round off
+    return (m - np.take_along_axis(x, labels[:, None], 1))[:, 0] + np.log(np.sum(np.exp(x - m), axis=1))
 
 
 def _xent_vjp(ctx, n, g):

@@ -56,8 +56,8 @@ def cpu_softmax_source(name, op, rank, axis):
     lines.append(f"{pad}total = 0.0")
     if op == "log_softmax":
         lines += loops([axis], [f"total += math.exp(x0[{idx}] - m)"], indent=1 + len(kept))
-        lines.append(f"{pad}shift = m + math.log(total)")
-        lines += loops([axis], [f"out[{idx}] = x0[{idx}] - shift"], indent=1 + len(kept))
+        lines.append(f"{pad}log_total = math.log(total)")   # (x - m) - log_total: m + log_total would round off
+        lines += loops([axis], [f"out[{idx}] = (x0[{idx}] - m) - log_total"], indent=1 + len(kept))
     else:   # one exp per element, kept in out until the total is known
         lines += loops([axis], [f"e = math.exp(x0[{idx}] - m)", f"out[{idx}] = e", "total += e"], indent=1 + len(kept))
         lines.append(f"{pad}scale = 1.0 / total")
@@ -74,8 +74,8 @@ def cuda_softmax_source(name, op, rank, axis):
               "        if v > m or v != v:", "            m = v", "    total = 0.0",
               f"    for i{axis} in range(x0.shape[{axis}]):", f"        total += math.exp(x0[{idx}] - m)"]
     if op == "log_softmax":
-        lines += ["    shift = m + math.log(total)", f"    for i{axis} in range(x0.shape[{axis}]):",
-                  f"        out[{idx}] = x0[{idx}] - shift"]
+        lines += ["    log_total = math.log(total)", f"    for i{axis} in range(x0.shape[{axis}]):",
+                  f"        out[{idx}] = (x0[{idx}] - m) - log_total"]
     else:
         lines += ["    scale = 1.0 / total", f"    for i{axis} in range(x0.shape[{axis}]):",
                   f"        out[{idx}] = math.exp(x0[{idx}] - m) * scale"]
