@@ -144,10 +144,12 @@ def unreached_notes(model):
     return notes
 
 
-def fingerprint(model, dtype, dims):
-    """Identifies the model's computation (not its source text) together with the gradc version."""
+def fingerprint(model, dtype):
+    """Identifies the model's computation (not its source text) together with the gradc version: what a checkpoint
+    must match. Its dims are left unbound: --bind and --devices change how a build runs, not its params, so a
+    checkpoint of a pipeline build (which binds the batch) loads into a plain one."""
     h = hashlib.sha256()
-    h.update(f"{__version__}|{dtype}|{sorted(dims.items())}|{model.weight_decay}".encode())
+    h.update(f"{__version__}|{dtype}|{model.weight_decay}".encode())
     g = model.graph
     for n in g.topo_order():
         d = g.node(n)
@@ -501,7 +503,7 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
         from gradc.ops.scan import use_bppsa
         use_bppsa(graph)
     name = model.name
-    info = {"name": name, "version": __version__, "dtype": dtype, "fingerprint": fingerprint(model, dtype, dims),
+    info = {"name": name, "version": __version__, "dtype": dtype, "fingerprint": fingerprint(model, dtype),
             "param_info": model.param_info, "index_bounds": index_inputs(graph), "order": order, "target": target,
             "source": source or model.src.rsplit(":", 1)[0]}
     budget = resolve_budget(graph, memory_budget, options_src or model.src, dims)

@@ -377,6 +377,8 @@ def _axis_op(name):
         src = user_src()
         if not isinstance(x, Tensor):
             raise GradcError(f"{name}: needs a gradc Tensor", src)
+        if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+            raise GradcError(f"{name}: axis must be one int (the axis it normalises over), got {axis!r}", src)
         (a,) = _axes(name, x, axis, src)
         return _op(name, x, src=src, axis=a)
     f.__name__ = name

@@ -23,13 +23,13 @@ def partition_report(base, graph):
     lines = [f"partition: {K} stages on {plan['target']}, schedule {plan['schedule']}, {M} microbatch"
              + ("es" if M != 1 else "") + f"; cost model {cost['flop_rate']:.3g} FLOP/s per device, "
              f"{format_size(int(cost['link_bytes_per_s'])).split(' (')[0]}/s between devices",
-             f"  {'stage':<6}{'device':<9}{'nodes':>6}{'fwd FLOPs':>14}{'bwd FLOPs':>14}{'memory':>12}"
-             f"{'sent':>11}{'received':>11}  params"]
+             f"  {'stage':<6}{'device':<9}{'nodes':>6}{'fwd FLOPs':>14}{'bwd FLOPs':>14}{'memory':>14}"
+             f"{'sent':>14}{'received':>14}  params"]
     for s in plan["stage"]:
         short = lambda b: format_size(b).split(" (")[0]
         lines.append(f"  {s['stage']:<6}{s['device']:<9}{len(s['nodes']):>6}{s['forward_flops']:>14,}"
-                     f"{s['backward_flops']:>14,}{short(s['memory_bytes']):>12}{short(s['sent_bytes']):>11}"
-                     f"{short(s['received_bytes']):>11}  {', '.join(s['params']) or '-'}")
+                     f"{s['backward_flops']:>14,}{short(s['memory_bytes']):>14}{short(s['sent_bytes']):>14}"
+                     f"{short(s['received_bytes']):>14}  {', '.join(s['params']) or '-'}")
     moved = plan["transfers"]
     lines.append(f"  transfers: {len(moved)} nodes, {format_size(sum(t['bytes'] for t in moved))} per step"
                  + (f" (e.g. %{moved[0]['value']} {moved[0]['from']} -> {moved[0]['to']})" if moved else ""))

@@ -329,3 +329,39 @@ def test_inspect_layers_of_a_model_with_a_user_op(tmp_path):
     r = gradc("inspect", "build/slip_mish", "--layers", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert re.search(r"^  W +matmul +\(4, 3\) +48 bytes +48 bytes$", r.stdout, re.M), r.stdout
+
+
+@pytest.mark.parametrize("axis", [(0, 1), None, 1.0, True])
+def test_softmax_takes_one_int_axis(axis):
+    m = gc.Model("slip_softmax")
+    x = m.input("x", ("B", 3))
+    for op in (gc.softmax, gc.log_softmax):
+        with pytest.raises(gc.GradcError, match=rf"test_user_slips.py:\d+: {op.__name__}: axis must be one int \(the "
+                                                rf"axis it normalises over\), got {re.escape(repr(axis))}"):
+            op(x, axis=axis)
+    assert gc.softmax(x, axis=np.int64(0)).shape == ("B", 3)
+
+
+def test_a_checkpoint_loads_into_a_build_with_other_binds(tmp_path):
+    """--bind (which --devices needs) changed the fingerprint a checkpoint must match, so training on a
+    pipeline build and resuming on a plain one was refused as "another model" (a new user's trial). The
+    binds are left out of it now; another model is still refused."""
+    def make(width=3):
+        m = gc.Model("slip_ckpt")
+        x, y = m.input("x", ("B", 3)), m.input("y", ("B", 2))
+        m.minimize(gc.mse(gc.tanh(x @ m.param("W", (3, width))) @ m.param("V", (width, 2)), y))
+        return m
+    bound = gc.compile(make(), out=str(tmp_path / "bound"), dtype="float64", warm=False, bind={"B": 4})
+    plain = gc.compile(make(), out=str(tmp_path / "plain"), dtype="float64", warm=False)
+    rng = np.random.default_rng(5)
+    data = {"x": rng.normal(size=(4, 3)), "y": rng.normal(size=(4, 2))}
+    tr = bound.Trainer(bound.init_params(1), optimizer="adam", lr=0.01)
+    tr.step(**data)
+    tr.save(str(tmp_path / "ck.npz"))
+    resumed = plain.Trainer.load(str(tmp_path / "ck.npz"))
+    assert all(np.array_equal(resumed.params[k], tr.params[k]) for k in tr.params)
+    assert resumed.step(**data) == tr.step(**data)
+    assert all(np.array_equal(resumed.params[k], tr.params[k]) for k in tr.params)
+    other = gc.compile(make(width=4), out=str(tmp_path / "other"), dtype="float64", warm=False)
+    with pytest.raises(ValueError, match="it was written by another model or gradc version"):
+        other.Trainer.load(str(tmp_path / "ck.npz"))
