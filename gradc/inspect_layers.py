@@ -23,6 +23,7 @@ def _kind(op):
     not do) is elementwise."""
     return REGISTRY[op].kind if op in REGISTRY else "elementwise"
 
+
 def _bytes(shape, itemsize):
     if any(isinstance(d, str) for d in shape):
         return None

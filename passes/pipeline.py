@@ -96,7 +96,8 @@ def unheld(value, dtype, zero=True):
 
 def constants_in_dtype(graph, dtype):
     """Array constants take the build's float dtype, converted once here (folding works in float64):
-    a float64 array in a float32 kernel would not type. One that folding made beyond the dtype is refused."""
+    a float64 array in a float32 kernel would not type. One that folding made beyond the dtype is refused, and so
+    is a number a fused expression folded to (x * 1e20 * 1e20: each constant fits, their product does not)."""
     for g in graph.bodies():
         constants_in_dtype(g, dtype)
     for n in graph.nx.nodes:
