@@ -149,7 +149,8 @@ def fingerprint(model, dtype):
     must match. Its dims are left unbound: --bind and --devices change how a build runs, not its params, so a
     checkpoint of a pipeline build (which binds the batch) loads into a plain one."""
     h = hashlib.sha256()
-    h.update(f"{__version__}|{dtype}|{model.weight_decay}".encode())
+    # ("[]" stands where the binds were hashed: an unbound build's checkpoints written before still load)
+    h.update(f"{__version__}|{dtype}|[]|{model.weight_decay}".encode())
     g = model.graph
     for n in g.topo_order():
         d = g.node(n)
