@@ -109,7 +109,8 @@ def coarsen(graph, order, sizes, flops_of, returned, peak_of):
         if graph.op(n) in LEAVES or graph.node(n)["phase"] == "forward":
             continue
         if written_with_operand(graph, n) and graph.operands(n)[0] in where:
-            nodes[where[graph.operands(n)[0]]].append(n)   # (recomputing it means running its operand's statement)
+            where[n] = where[graph.operands(n)[0]]   # (recomputing it means running its operand's statement)
+            nodes[where[n]].append(n)
         else:
             backward.append(n)
     nodes += _even_pieces(graph, backward, flops_of, MILP_LAYERS)

@@ -102,10 +102,10 @@ def constants_in_dtype(graph, dtype):
         constants_in_dtype(g, dtype)
     for n in graph.nx.nodes:
         expr = graph.attrs(n).get("expr")   # a fused expression: its numbers are written into the kernel
-        numbers = [float(a) for a in expr.atoms(sp.Number) if a.is_finite] if isinstance(expr, sp.Basic) else []
-        why = unheld(numbers, dtype, zero=False)
-        if why:
-            raise GradcError(f"the expression of this line folds to the number {why}", graph.node(n)["src"])
+        if isinstance(expr, sp.Basic):
+            why = unheld([float(a) for a in expr.atoms(sp.Number) if a.is_finite], dtype, zero=False)
+            if why:
+                raise GradcError(f"the expression of this line folds to the number {why}", graph.node(n)["src"])
         if graph.op(n) != "const" or np.ndim(graph.attrs(n)["value"]) == 0:
             continue
         why = unheld(graph.attrs(n)["value"], dtype, zero=False)   # (a folded value may underflow to 0)
