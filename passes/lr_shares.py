@@ -12,7 +12,7 @@ loss stacked by a scan, (T, KB_lr) + S, is moved to (KB_lr, T) + S by `rows_firs
 import sympy as sp
 
 from gradc.ops import get_op, rows_of
-from gradc.ops.elementwise import X, expr_of
+from gradc.ops.elementwise import X, expr_of, simplified
 
 from .lr_sites import KB, Unsupported
 
@@ -65,9 +65,9 @@ def offset_shares(g, n, ins, operands, emit):
     if get_op(g.op(n)).kind != "elementwise" or not reduced or any(isinstance(w, int) for w in ins):
         return None
     expr = expr_of(g, n)
-    linear = sp.simplify(expr - expr.xreplace({X[i]: 0 for i in reduced}))
+    linear = simplified(expr - expr.xreplace({X[i]: 0 for i in reduced}))
     t = sp.Symbol("t", positive=True)
-    if sp.simplify(linear.xreplace({X[i]: t * X[i] for i in reduced}) - t * linear) != 0:
+    if simplified(linear.xreplace({X[i]: t * X[i] for i in reduced}) - t * linear) != 0:
         return None
     shape = tuple(g.shape(n))
     inputs, mapping = [], {}

@@ -34,6 +34,15 @@ def expr_of(graph, n):
 
 
 @lru_cache(maxsize=None)
+def simplified(expr):
+    """sympy's simplify of expr, or expr as it is where simplify fails (it raises on some Piecewise conditions
+    over AbsF: "not comparable"): a test `simplified(e) != 0` then answers "not shown to be 0"."""
+    try:
+        return sp.simplify(expr)
+    except (ValueError, TypeError):
+        return expr
+
+
 def derivative(expr, i):
     """d expr / d X[i], with expr itself replaced by Y where it occurs."""
     d = sp.diff(expr, X[i])
@@ -158,7 +167,7 @@ def rows(graph, n, ins, fail):
             fail("mixes a value reduced over rows with other batch values")
         t = sp.Symbol("t", positive=True)
         expr = expr_of(graph, n)
-        if sp.simplify(expr.xreplace({X[i]: t * X[i] for i in reduced}) - t * expr) != 0:
+        if simplified(expr.xreplace({X[i]: t * X[i] for i in reduced}) - t * expr) != 0:
             if any(w is None for w in ins):
                 fail(f"combines the loss reduced over rows with a value without batch rows ({expr}): a batch's loss "
                      f"would not be the weighted sum of its parts' (an L2 penalty goes in minimize(..., "
