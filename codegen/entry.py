@@ -419,7 +419,8 @@ def array_source(value, most=None):
 
     value = np.asarray(value, dtype=float)
     flat = value.ravel()
-    if flat.size and (flat == flat[0]).all():
+    bits = flat.view(np.uint64)   # equal bits: -0.0 is not 0.0 (1 / x tells them apart), and a nan is itself
+    if flat.size and (bits == bits[0]).all():
         return f"np.full({value.shape!r}, {number(flat[0])}, FLOAT)"
     if most is not None and flat.size > most:
         raise NotImplementedError(f"codegen: a constant array of {flat.size} distinct values made inside a scan body")

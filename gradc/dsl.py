@@ -155,12 +155,21 @@ def _warn_of_a_table(graph, op, nodes, n):
     out = graph.shape(n)
     grown = {d for d in out if isinstance(d, str) and all(out.count(d) > s.count(d) for s in shapes)}
     met = sorted({out[axis] for axis in range(len(out)) if out[axis] in grown for u, s in zip(nodes, shapes)
-                  if axis >= len(out) - len(s) and s[axis - len(out) + len(s)] == 1 and graph.op(u) != "reshape"})
+                  if axis >= len(out) - len(s) and s[axis - len(out) + len(s)] == 1 and not _new_axes(graph, u)})
     if met:
         user_warning(f"{op}: {' and '.join(fmt(s) for s in shapes)} broadcast to {fmt(out)} (numpy's rule lines "
                      f"them up from the right), which holds {', '.join(met)} on more axes than an operand: if one "
                      f"value per row was meant, reshape an operand to the other's rank (y[:, None]); if the table "
                      f"is meant, say so with a new axis (y[None, :]) and this warning goes")
+
+
+def _new_axes(graph, u):
+    """Whether u's 1s are the user's: u a reshape (x[:, None]), or an elementwise op whose operands of its
+    shape all have them (gc.exp(x[:, None]) * 2.0)."""
+    if graph.op(u) == "reshape":
+        return True
+    same = [v for v in graph.operands(u) if graph.shape(v) == graph.shape(u)]
+    return get_op(graph.op(u)).kind == "elementwise" and bool(same) and all(_new_axes(graph, v) for v in same)
 
 
 def _shape_or_fail(what, shape, src):
@@ -219,6 +228,9 @@ class Tensor:
             if ufunc is np.matmul:
                 return matmul(*inputs, src=src)
             return _op(_NUMPY_OPERATORS[ufunc], *inputs, src=src)
+        if "out" in kwargs and ufunc in _NUMPY_OPERATORS:   # a += t: the Tensor cannot go into a's memory
+            raise GradcError(f"numpy's {ufunc.__name__} into an array (a += t, out=) cannot hold a gradc Tensor: write "
+                             f"a = a + t", src)
         name = _NUMPY_NAMES.get(ufunc.__name__, ufunc.__name__)
         use = f"gc.{name}(...)" if callable(globals().get(name)) else "gradc's ops (README, the DSL)"
         raise GradcError(f"numpy's {ufunc.__name__} cannot take a gradc Tensor: use {use}", src)

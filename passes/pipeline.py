@@ -94,6 +94,16 @@ def unheld(value, dtype, zero=True):
     return f"{x!r}, which {dtype} holds as {held}: compile with --dtype float64, or rescale"
 
 
+def folded_unheld(number, dtype):
+    """unheld for a sympy number a fused expression holds (each is written into the kernel on its own, so one
+    that would be 0 is refused as a lone constant is; sympy's own range is wider than float64's)."""
+    value = float(number)
+    if value == 0 and number != 0 or not np.isfinite(value):
+        return (f"{str(sp.Float(number, 3)).lower()}, beyond float64 (which holds magnitudes from 5e-324 to 1.8e308): "
+                f"rescale")
+    return unheld(value, dtype)
+
+
 def constants_in_dtype(graph, dtype):
     """Array constants take the build's float dtype, converted once here (folding works in float64):
     a float64 array in a float32 kernel would not type. One that folding made beyond the dtype is refused, and so
@@ -103,7 +113,7 @@ def constants_in_dtype(graph, dtype):
     for n in graph.nx.nodes:
         expr = graph.attrs(n).get("expr")   # a fused expression: its numbers are written into the kernel
         if isinstance(expr, sp.Basic):
-            why = unheld([float(a) for a in expr.atoms(sp.Number) if a.is_finite], dtype, zero=False)
+            why = next(filter(None, (folded_unheld(a, dtype) for a in expr.atoms(sp.Number) if a.is_finite)), None)
             if why:
                 raise GradcError(f"the expression of this line folds to the number {why}", graph.node(n)["src"])
         if graph.op(n) != "const" or np.ndim(graph.attrs(n)["value"]) == 0:

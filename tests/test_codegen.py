@@ -342,6 +342,19 @@ def test_a_constant_array_holding_inf_masks_a_softmax(tmp_path):
     assert float(grads["s"]) == pytest.approx(float(expected), rel=1e-10)
 
 
+def test_a_constant_array_of_signed_zeros_keeps_each_sign(tmp_path):
+    """[-0.0, 0.0, ...] was written as np.full(..., -0.0): -0.0 == 0.0, so it looked like one value, and x / c
+    gave -inf where numpy gives inf (review finding)."""
+    m = gc.Model("cg_signed_zeros")
+    x = m.input("x", (4,))
+    c = np.array([-0.0, 0.0, -0.0, 0.0])
+    m.output("ratio", x / c)
+    m.minimize((x * m.param("b", (4,), init="ones")).sum())
+    mod = gc.compile(m, out=str(tmp_path), dtype="float64", warm=False)
+    with np.errstate(divide="ignore"):
+        assert np.array_equal(mod.forward({"b": np.ones(4)}, x=np.ones(4))["ratio"], np.ones(4) / c)
+
+
 def test_cross_entropy_and_log_softmax_keep_their_digits_at_large_logits(tmp_path):
     """Both are invariant to adding an offset to every logit of a row; they computed x - (m + log sum), whose
     sum rounds log sum away: at an offset of 1e7 the float64 loss was 2.7e-10 off, and tied logits of -1e30

@@ -264,6 +264,11 @@ def test_a_broadcast_that_makes_a_table_of_one_dim_warns_at_the_users_line():
     assert [(os.path.basename(r.filename), r.lineno) for r in w] == [("test_user_slips.py", line)]
     with pytest.warns(UserWarning, match=r"sub: \(B, 1\) and \(B,\) broadcast to \(B, B\)"):
         x.sum(1, keepdims=True) - t
+    with warnings.catch_warnings():   # the user's new axis through elementwise ops is still theirs (review finding)
+        warnings.simplefilter("error")
+        assert (t[:, None] * 2.0 - t).shape == (gc.exp(t[:, None]) - t).shape == ("B", "B")
+    with pytest.warns(UserWarning, match=r"mul: \(B, 1\) and \(B,\) broadcast"):   # not when a product's 1 meets it
+        p * t[:, None] * t
 
 
 def test_call_time_dtype_messages_name_what_is_never_cast(self_named):
@@ -302,6 +307,10 @@ def test_numpy_operators_record_ops_and_other_ufuncs_name_gradcs():
         np.abs(x)
     with pytest.raises(gc.GradcError, match=r"numpy's floor cannot take a gradc Tensor: use gradc's ops"):
         np.floor(x)
+    b = np.zeros(3)
+    with pytest.raises(gc.GradcError, match=r"numpy's add into an array \(a \+= t, out=\) cannot hold a gradc "
+                                            r"Tensor: write a = a \+ t"):
+        b += x
 
 
 def test_numbers_fusion_folds_beyond_float32_are_refused(tmp_path):
@@ -314,6 +323,21 @@ def test_numbers_fusion_folds_beyond_float32_are_refused(tmp_path):
                                             r"number 1e\+40, which float32 holds as inf"):
         gc.compile(m, out=str(tmp_path / "f32"), warm=False)
     assert gc.compile(m, out=str(tmp_path / "f64"), dtype="float64", warm=False)
+
+
+@pytest.mark.parametrize("dtype, scale, message", [
+    ("float64", lambda x: x * 1e300 * 1e300, r"1\.00e\+600, beyond float64"),
+    ("float64", lambda x: x / 1e200 / 1e200, r"1\.00e-400, beyond float64"),
+    ("float32", lambda x: x * 1e-30 * 1e-30, r"1\.0000000000000001e-60, which float32 holds as 0")])
+def test_numbers_fusion_folds_beyond_any_float_or_to_zero_are_refused(tmp_path, dtype, scale, message):
+    """1e600 folded from two numbers float64 holds was written into the kernel as `inf` (a NameError in
+    Numba's compile); 1e-60 in float32 became 0 silently, where a lone 1e-60 is refused (review finding)."""
+    m = gc.Model("slip_folded_far")
+    x = m.input("x", ("B", 3))
+    m.minimize(scale(x * m.param("w", (3,))).sum())
+    with pytest.raises(gc.GradcError, match=r"test_user_slips.py:\d+: the expression of this line folds to the "
+                                            r"number " + message):
+        gc.compile(m, out=str(tmp_path), dtype=dtype, warm=False)
 
 
 def test_inspect_layers_of_a_model_with_a_user_op(tmp_path):

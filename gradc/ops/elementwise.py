@@ -43,6 +43,7 @@ def simplified(expr):
         return expr
 
 
+@lru_cache(maxsize=None)
 def derivative(expr, i):
     """d expr / d X[i], with expr itself replaced by Y where it occurs."""
     d = sp.diff(expr, X[i])
