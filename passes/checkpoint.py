@@ -329,20 +329,25 @@ def plan_retention(graph, chain, order, budget, peak_of, store_all_peak):
     m_min = solution.smallest_memory()
     if m_min is None:   # the chain's byte model overcounts this graph badly: store-all is the least it knows
         raise BudgetError(store_all_peak, store_all_peak)
-    tried = {}
+    tried, measured = {}, {}   # m -> (true peak, steps); a schedule -> the same (many m share one)
 
     def peak(m):
         if m not in tried:
-            steps = steps_of(chain, solution.ops(m), leaves)
-            tried[m] = (peak_of(steps), steps)
+            schedule = tuple(solution.ops(m))
+            if schedule not in measured:
+                steps = steps_of(chain, list(schedule), leaves)
+                measured[schedule] = (peak_of(steps), steps)
+            tried[m] = measured[schedule]
         return tried[m][0]
 
     lo, hi = m_min, Q   # the largest m whose true peak fits (true peaks grow with m, up to noise)
     near = range(m_min, min(Q, m_min + 8) + 1)   # (the least memories the DP knows: the noise is there too)
     if peak(lo) > budget:
         lo = next((m for m in near if peak(m) <= budget), None)
+        if lo is None:   # the noise can be larger (a plan of more units peaking lower): every schedule, once each
+            lo = next((m for m in range(m_min, Q + 1) if peak(m) <= budget), None)
         if lo is None:
-            raise BudgetError(min(min(map(peak, near)), store_all_peak), store_all_peak)
+            raise BudgetError(min(min(p for p, _ in tried.values()), store_all_peak), store_all_peak)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if peak(mid) <= budget:

@@ -364,6 +364,38 @@ def test_the_budget_bounds_the_arena_the_module_allocates(tmp_path):
                   memory_budget=least)
 
 
+def test_a_budget_the_plan_at_the_named_minimum_needs_compiles(tmp_path):
+    """A conv net (a new user's): the refusal named 52,576 bytes, and the plan built there needed 50,016, yet
+    every budget below 52,576 was refused. The chain DP's byte model had put that plan at more units than
+    the few next to its least that a tight budget tried; now every schedule is measured before a refusal,
+    so what the plan at the minimum needs is itself a budget that compiles, and the minimum."""
+    m = gc.Model("conv_least")
+    x, y = m.input("x", ("N", 2, 7, 7)), m.input("y", ("N",), dtype="int64")
+    w1, b1, w2, w3 = (m.param(name, shape) for name, shape in
+                      (("w1", (4, 2, 3, 3)), ("b1", (4,)), ("w2", (4, 2, 2, 2)), ("w3", (3, 4, 1, 1))))
+    h = gc.softplus(gc.conv2d(x, w1, b1, stride=2, padding=1))   # (the plans depend on the graph's order)
+    h2 = gc.sigmoid(gc.conv2d(h, w2, None, stride=1, padding=(1, 0), dilation=(1, 2), groups=2))
+    p = gc.max_pool2d(h2, 2, stride=1)
+    z = gc.conv2d(gc.avg_pool2d(h, 3, stride=2, padding=1), w3)
+    feat = gc.concat([p.reshape(("N", -1)), z.reshape(("N", -1))], 1)
+    logits = feat @ m.param("V", (28, 3))
+    m.minimize(gc.softmax_cross_entropy(logits, y) + (gc.softmax(logits) * logits).mean())
+    build = dict(order=1, dtype="float64", bind={"N": 8}, warm_cache=False)
+
+    def least(budget):
+        with pytest.raises(gc.GradcError, match=r"is below the minimum") as e:
+            compile_model(m, out=str(tmp_path / "no"), memory_budget=budget, **build)
+        return int(re.search(r"the minimum [^(]*\(([\d,]+) bytes\)", str(e.value)).group(1).replace(",", ""))
+    named = least(1)
+    compile_model(m, out=str(tmp_path / "named"), memory_budget=named, **build)
+    with open(tmp_path / "named" / "conv_least.memplan.json") as f:
+        doc = json.load(f)
+    needs = sum(doc["arena_bytes"].values()) + (doc["workspace_bytes"] or 0)
+    assert needs <= named
+    assert compile_model(m, out=str(tmp_path / "needs"), memory_budget=needs, **build).MEMORY_PLAN["peak_bytes"] <= needs
+    assert least(needs - 1) == needs == named
+
+
 def test_a_plan_fits_the_budget_by_its_arena_not_its_live_peak(tmp_path, monkeypatch):
     """Where buffers lay out with gaps, the arena is larger than the live peak, and the module allocates the
     arena: a plan whose peak fits but whose arena does not is passed over. Gaps made by hand here (every
