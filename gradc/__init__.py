@@ -4,6 +4,8 @@
     m = gc.Model("mlp"); x = m.input("x", ("B", 64)); ...
     mod = gc.compile(m)          # or: gradc compile model.py
 """
+import difflib
+
 from .version import __version__
 from .errors import GradcError
 from .dsl import (Model, Tensor, exp, log, tanh, sigmoid, relu, softplus, gelu, sin, cos, sqrt, square,
@@ -38,3 +40,9 @@ __all__ = ["Model", "Tensor", "GradcError", "compile", "exp", "log", "tanh", "si
            "gelu", "sin", "cos", "sqrt", "square", "abs", "maximum", "matmul", "sum", "mean", "max", "reshape",
            "transpose", "softmax", "log_softmax", "softmax_cross_entropy", "mse", "elementwise", "conv2d", "max_pool2d", "avg_pool2d",
            "concat", "stack", "take", "dropout", "gaussian_noise", "scan", "__version__"]
+
+
+def __getattr__(name):
+    """gc.tanhh: the error names the op meant (a model file's AttributeError is one line on the command line)."""
+    close = [] if name.startswith("__") else difflib.get_close_matches(name, __all__, n=1, cutoff=0.75)
+    raise AttributeError(f"module 'gradc' has no attribute {name!r}" + (f": did you mean gc.{close[0]}?" if close else ""))

@@ -489,6 +489,8 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     pipe = device_options(devices, model, dims, memory_budget, model.src, options_src)
     pins = [model.graph.node(n)["src"] for n in model.graph.nx.nodes if model.graph.node(n).get("stage") is not None]
     model_notes = unreached_notes(model)
+    if scan_backward == "bppsa" and not any(model.graph.op(n) == "scan" for n in model.graph.nx.nodes):
+        model_notes.append(f"{model.src}: --scan-backward bppsa changes nothing: the model has no gc.scan")
     if pins and pipe["K"] == 1:
         model_notes.append(f"{pins[0]}: `with m.stage(i)` pins ops to pipeline stages, but this build has one "
                            f"device; the pins apply with --devices K")

@@ -651,9 +651,10 @@ def take(table, idx):
     if not isinstance(idx, Tensor) or not idx.dtype.startswith("int"):
         got = (f"{idx.model.graph.describe(idx.node)} of dtype {idx.dtype}" if isinstance(idx, Tensor)
                else type(idx).__name__)
+        hint = ("; a numpy array of positions is no index: add a param of the rows instead"
+                if isinstance(idx, np.ndarray) else "")
         raise GradcError(f"take: the indices must be an int gradc Tensor (an input with dtype='int64' or an int "
-                         f"value made from one; a numpy array of positions is no index: add a param of the rows "
-                         f"instead), got {got}", src)
+                         f"value made from one{hint}), got {got}", src)
     if not isinstance(table, (Tensor, np.ndarray)):
         raise GradcError(f"take: the table must be a gradc Tensor or a numpy array (V, D), got "
                          f"{type(table).__name__}", src)

@@ -504,7 +504,7 @@ def _check_lr_checkpoints(mod, tr, X, Y, build_dir):
     assert back.gradient == "lr" and back.lr_options == tr.lr_options and back.lr_seed == tr.lr_seed
     assert back.steps == tr.steps
     # the options are chosen when the trainer is made: set later, they were ignored without a word
-    with pytest.raises(AttributeError, match=r"Trainer has no setting 'sigma': set lr, momentum, betas, eps or clip_norm"):
+    with pytest.raises(AttributeError, match=r"Trainer has no setting 'sigma': adam sets lr, betas, eps or clip_norm"):
         back.sigma = 1.0
     with pytest.raises(TypeError):
         back.lr_options["samples"] = 3

@@ -390,3 +390,26 @@ def test_a_checkpoint_loads_into_a_build_with_other_binds(tmp_path):
     other = gc.compile(make(width=4), out=str(tmp_path / "other"), dtype="float64", warm=False)
     with pytest.raises(ValueError, match="it was written by another model or gradc version"):
         other.Trainer.load(str(tmp_path / "ck.npz"))
+
+
+def test_second_trial_messages(self_named, tmp_path):
+    """A new user's trial: a misspelt Trainer setting listed momentum to an Adam trainer; gc.take of a float
+    Tensor spoke of numpy arrays; gc.tanhh named no op; --scan-backward bppsa on a model without a scan said
+    nothing."""
+    tr = self_named.Trainer(self_named.init_params(0), optimizer="adam")
+    with pytest.raises(AttributeError, match=r"has no setting 'l_r': adam sets lr, betas, eps or clip_norm;"):
+        tr.l_r = 3
+    tr = self_named.Trainer(self_named.init_params(0), optimizer="sgd")
+    with pytest.raises(AttributeError, match=r"has no setting 'l_r': sgd sets lr, momentum or clip_norm;"):
+        tr.l_r = 3
+    m = gc.Model("slip_take")
+    x = m.input("x", ("B", 3))
+    with pytest.raises(gc.GradcError, match=r"made from one\), got 'x' of dtype float"):
+        gc.take(m.param("E", (5, 2)), x)
+    with pytest.raises(gc.GradcError, match=r"made from one; a numpy array of positions is no index"):
+        gc.take(m.param("F", (5, 2)), np.arange(3))
+    with pytest.raises(AttributeError, match=r"no attribute 'tanhh': did you mean gc.tanh\?"):
+        gc.tanhh(x)
+    m.minimize(gc.tanh(x @ m.param("W", (3, 2))).sum())
+    with pytest.warns(UserWarning, match=r"--scan-backward bppsa changes nothing: the model has no gc.scan"):
+        gc.compile(m, out=str(tmp_path), scan_backward="bppsa", warm=False)

@@ -127,9 +127,10 @@ class TrainerBase:
                                  f"values in place (tr.state['m'][...] = ...), not tr.state itself")
         if self.__dict__.get("_made") and not name.startswith("_") and name not in self.__dict__ \
                 and not hasattr(type(self), name):
-            raise AttributeError(f"{self.model_name}.Trainer has no setting {name!r}: set lr, momentum, betas, eps or "
-                                 f"clip_norm; the others (the samples, sigma, ... of gradient='lr') are chosen when "
-                                 f"it is made")
+            settable = (*OWN[self._optimizer], "clip_norm")
+            raise AttributeError(f"{self.model_name}.Trainer has no setting {name!r}: {self._optimizer} sets "
+                                 f"{', '.join(settable[:-1])} or {settable[-1]}; the others (the samples, sigma, ... of "
+                                 f"gradient='lr') are chosen when it is made")
         super().__setattr__(name, value)
 
     def __delattr__(self, name):
