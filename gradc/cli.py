@@ -114,7 +114,8 @@ def cmd_compile(args):
                   microbatches=args.microbatches, device_memory=args.device_memory, batch_dim=args.batch_dim,
                   scan_backward=args.scan_backward, progress=True)   # progress: a line on stderr, when a terminal
     secs = f"passes {timings.get('passes_total', 0):.2f}s" + (
-        f", Numba warm-up {timings['numba_warm']:.1f}s" if "numba_warm" in timings else "")
+        f", warm-up {timings['numba_warm']:.1f}s (kernels and each entry's first call)"
+        if "numba_warm" in timings else "")
     if timings.get("kernels_kernels"):   # kernel signatures compiled by Numba vs loaded from the kernel cache
         secs += (f"; kernel signatures: {timings['kernels_compiled']} compiled, {timings['kernels_from_cache']} from "
                  f"the cache ({timings['kernels_cache']})")
