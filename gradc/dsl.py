@@ -165,11 +165,18 @@ def _warn_of_a_table(graph, op, nodes, n):
 
 def _new_axes(graph, u):
     """Whether u's 1s are the user's: u a reshape (x[:, None]), or an elementwise op whose operands of its
-    shape all have them (gc.exp(x[:, None]) * 2.0)."""
-    if graph.op(u) == "reshape":
-        return True
-    same = [v for v in graph.operands(u) if graph.shape(v) == graph.shape(u)]
-    return get_op(graph.op(u)).kind == "elementwise" and bool(same) and all(_new_axes(graph, v) for v in same)
+    shape all have them (gc.exp(x[:, None]) * 2.0). (A loop, not recursion: a chain may be long.)"""
+    stack, seen = [u], set()
+    while stack:
+        v = stack.pop()
+        if v in seen or graph.op(v) == "reshape":
+            continue
+        seen.add(v)
+        same = [w for w in graph.operands(v) if graph.shape(w) == graph.shape(v)]
+        if get_op(graph.op(v)).kind != "elementwise" or not same:
+            return False
+        stack.extend(same)
+    return True
 
 
 def _shape_or_fail(what, shape, src):
