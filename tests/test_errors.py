@@ -460,6 +460,33 @@ def test_save_errors_name_the_users_path(small, tmp_path):
         tr.save("/proc/ckpt.npz")
 
 
+def test_a_strided_input_too_large_to_copy_names_itself(small, monkeypatch):
+    """A strided view (here a broadcast) is copied to C order before the call; numpy's MemoryError for that copy
+    named no input (a new user's (10**8, 64) broadcast)."""
+    x, p = np.broadcast_to(np.float32([1.5, 2.0, 0.5]), (8, 3)), small.init_params(0)
+
+    def refuse(a, *args, **kwargs):
+        raise MemoryError("Unable to allocate")
+    monkeypatch.setattr(np, "ascontiguousarray", refuse)
+    with pytest.raises(MemoryError, match=r"e_small.loss_and_grad: input 'x' \(8, 3\) is a strided view \(a transpose, "
+                                          r"a step, a broadcast\), copied to C order first, which needs 0\.00 GiB"):
+        small.loss_and_grad(p, x=x, y=np.arange(8) % 4)
+
+
+def test_checkpoint_paths_a_user_may_give(small, tmp_path):
+    """bytes paths work like str ones; an empty path and a file object get gradc's message (they gave a regex
+    TypeError, an IsADirectoryError for '', and os.fspath's TypeError)."""
+    import io
+    tr = small.Trainer(small.init_params(0))
+    tr.save(os.fsencode(tmp_path / "b.npz"))
+    assert small.Trainer.load(os.fsencode(tmp_path / "b.npz")).steps == 0
+    with pytest.raises(ValueError, match=r"e_small.Trainer.save: the path is empty"):
+        tr.save("")
+    with pytest.raises(TypeError, match=r"e_small.Trainer.load: a checkpoint's path is a str or os.PathLike .* got "
+                                        r"BytesIO"):
+        small.Trainer.load(io.BytesIO())
+
+
 def test_intermediates_larger_than_the_free_memory_raise_memory_error_before_allocating(small, monkeypatch):
     """Linux hands out more than it has and the OOM killer ends the process when the pages are touched: the
     arena compares what an entry needs with what the system has first."""
@@ -474,6 +501,8 @@ def test_intermediates_larger_than_the_free_memory_raise_memory_error_before_all
                                           r"once, which do not fit in memory \(lr_grad's intermediates at B=20000, "
                                           r".*\): give fewer samples"):
         small.lr_grad(p, samples=64, x=x, y=y)
+    with pytest.raises(MemoryError, match=r"^forward \(with the loss\)'s intermediates at B=20000"):
+        small.forward(p, x=x, y=y)   # (its compiled function is _forward_loss: the message named that)
     monkeypatch.setattr(arena, "available_bytes", lambda: None)      # a system that does not say: no check
     loss, _ = small.loss_and_grad(p, x=x, y=y)
     assert np.isfinite(loss)

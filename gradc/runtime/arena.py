@@ -13,6 +13,9 @@ import numpy as np
 from .host_memory import available_bytes
 
 ALIGN_BYTES = 64   # a cache line: every buffer starts on one
+# what a user calls for the compiled functions whose names differ (passes/entries.py: forward runs
+# _forward_loss when given the loss's inputs; hvp and hessian run _hvp_block)
+CALLED_AS = {"_forward_loss": "forward (with the loss)", "_hvp_block": "hvp/hessian"}
 
 
 def best_fit(sizes, intervals, align=1):
@@ -160,7 +163,7 @@ class Arena:
         need, free = count * self.dtype.itemsize, available_bytes()
         if free is not None and need > free:
             at = ", ".join(f"{d}={n}" for d, n in sorted(dims.items()))
-            raise MemoryError(f"{entry.lstrip('_')}'s intermediates{' at ' + at if at else ''} need "
+            raise MemoryError(f"{CALLED_AS.get(entry, entry.lstrip('_'))}'s intermediates{' at ' + at if at else ''} need "
                               f"{need / 2**30:.2f} GiB, but only {free / 2**30:.2f} GiB of memory is available")
         return np.empty(count, self.dtype)
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from .cuda import array_dtype, block, flat, is_device_array
 from .signature import number_as_array
-from .trainer import OptimizerState, TrainerBase
+from .trainer import OptimizerState, TrainerBase, one_at_a_time
 
 
 class CudaTrainerBase(TrainerBase):
@@ -240,6 +240,7 @@ class CudaTrainerBase(TrainerBase):
         self._count_step(loss, sq, bad)
         return float(loss)
 
+    @one_at_a_time
     def step(self, /, **inputs):
         if self._parallel is not None:
             return self._parallel.step(inputs)

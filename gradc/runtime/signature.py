@@ -208,7 +208,12 @@ class Signature:
                     raise ValueError(f"{self.model}.{entry}: input {name!r} has shape {_fmt(v.shape)}, expected "
                                      f"{_fmt(shape)}{self._bound_hint(name, shape, v.shape)}")
             if not device and not v.flags.c_contiguous:
-                v = np.ascontiguousarray(v)
+                try:
+                    v = np.ascontiguousarray(v)
+                except MemoryError:   # (numpy's own message names no input)
+                    raise MemoryError(f"{self.model}.{entry}: input {name!r} {_fmt(v.shape)} is a strided view (a "
+                                      f"transpose, a step, a broadcast), copied to C order first, which needs "
+                                      f"{v.size * v.itemsize / 2**30:.2f} GiB: pass a contiguous array, or fewer rows") from None
             out[name] = v.reshape(1) if len(shape) == 0 else v
         self.check_indices(out, entry, skip_device=device_labels_later)
         return out

@@ -1,9 +1,11 @@
 """The Trainer every generated module subclasses: optimizer state, steps, atomic checkpoints."""
+import functools
 import json
 import math
 import numbers
 import os
 import stat
+import threading
 from collections.abc import Mapping
 
 import numpy as np
@@ -14,6 +16,16 @@ from .parallel import gather_stages, write_on_rank_0
 from .signature import number_as_array
 
 OPTIMIZERS = ("sgd", "adam")
+
+
+def one_at_a_time(method):
+    """A Trainer's steps and saves run one after another when threads share it: they read and write its
+    params, state and gradient buffers (two steps at once lost updates)."""
+    @functools.wraps(method)
+    def serial(self, /, *args, **kwargs):
+        with self._serial:
+            return method(self, *args, **kwargs)
+    return serial
 SETTINGS = ("optimizer", "lr", "momentum", "betas", "eps", "clip_norm")   # what a checkpoint records and restores
 
 
@@ -107,6 +119,7 @@ class TrainerBase:
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"{self.model_name}.Trainer: unknown optimizer {optimizer!r} (use 'sgd' or 'adam')")
         self._optimizer = optimizer   # first: the hyperparameters it ignores are refused (Hyperparameter)
+        self._serial = threading.RLock()
         self.lr, self.momentum, self.betas, self.eps, self.clip_norm = lr, momentum, betas, eps, clip_norm
         checked = self.signature.params(params)
         self.steps = 0
@@ -280,6 +293,7 @@ class TrainerBase:
                 + ([f"params {unknown} are not the model's (removed; its params are {list(self.signature.param_shapes)})"]
                    if unknown else [])))
 
+    @one_at_a_time
     def step(self, /, **inputs):
         if self._parallel is not None:
             return self._parallel.step(inputs)
@@ -397,6 +411,7 @@ class TrainerBase:
             why = f"{os.fspath(path)}: cannot write the checkpoint: {e.strerror or e}"
             raise (type(e)(e.errno, why) if e.errno is not None else type(e)(why)) from e
 
+    @one_at_a_time
     def save(self, path):
         """Write params and optimizer state to `path` (.npz) atomically: a crash leaves the old file, and
         the next save into that folder removes the temp file of a killed one (gradc/files.py: one from
@@ -407,6 +422,7 @@ class TrainerBase:
         once, and every rank returns when it is written. Params assigned into tr.params are adopted
         first and their names, shapes and dtypes checked: a wrong one raises ValueError and the file is
         left as it was (with parallel=..., on the rank that holds it)."""
+        path = self._checkpoint_path(path, "save")
         self._adopt()   # on every rank, before a pipeline's stages send rank 0 their params
         self.signature.params(self.params)
         if self._parallel is not None:
@@ -419,11 +435,24 @@ class TrainerBase:
         return write_on_rank_0(comm, path, self._write, self.model_name)
 
     @classmethod
+    def _checkpoint_path(cls, path, what):
+        """A checkpoint's path as a str (a str, bytes or os.PathLike; not a file object: the write is atomic
+        by renaming a file beside it)."""
+        try:
+            path = os.fsdecode(path)
+        except TypeError:
+            raise TypeError(f"{cls.model_name}.Trainer.{what}: a checkpoint's path is a str or os.PathLike (e.g. "
+                            f"ckpt.npz), got {type(path).__name__}") from None
+        if not path:
+            raise ValueError(f"{cls.model_name}.Trainer.{what}: the path is empty: give a file's path (e.g. ckpt.npz)")
+        return path
+
+    @classmethod
     def load(cls, path, /, **parallel_options):
         """A Trainer restored from `save`. Refuses a checkpoint of another model or gradc build, and raises
         ValueError naming the file for one that is damaged, incomplete or not a checkpoint. Every rank of
         a parallel run loads the same file: `Trainer.load(path, parallel="data")`."""
-        path = os.fspath(path)
+        path = cls._checkpoint_path(path, "load")
         settings = [k for k in parallel_options if k in SETTINGS or k in cls._gradient_option_names]
         if settings:
             raise TypeError(f"{cls.model_name}.Trainer.load: {', '.join(settings)} come from the checkpoint (load takes "
