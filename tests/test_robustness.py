@@ -159,7 +159,7 @@ def test_out_where_even_root_cannot_write(tmp_path):
 @pytest.mark.parametrize("source,expected", [
     ("import gradc as gc\nm = gc.Model('s')\nx = (1,\n", r"model\.py:3: SyntaxError: .+"),
     ("import gradc as gc\nm = gc.Model('s')\ny = gc.conv9d(m.input('x', (3,)))\n",
-     r"model\.py:3: AttributeError: module 'gradc' has no attribute 'conv9d'"),
+     r"model\.py:3: AttributeError: module 'gradc' has no attribute 'conv9d': did you mean gc\.conv2d\?"),
     ("import gradc\n\ndef build():\n    raise KeyError('oops')\n\nbuild()\n", r"model\.py:4: KeyError: 'oops'"),
     ("import json\n\njson.loads('{')\n", r"model\.py:3: JSONDecodeError: Expecting property name.*"),
 ])

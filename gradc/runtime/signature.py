@@ -28,7 +28,13 @@ def as_array(v):
     becomes the array numpy makes of it (a Python float is float64), which is then checked, never cast."""
     if isinstance(v, np.ndarray):
         return v, None
-    return np.asarray(v), type(v).__name__
+    return np.asarray(v), given_type(v)
+
+
+def given_type(v):
+    """What a value not an array was given as, for messages: a numpy scalar says so (a numpy bool and
+    Python's True both have the type name bool)."""
+    return f"numpy {v.dtype.name}" if isinstance(v, np.generic) else type(v).__name__
 
 
 def number_as_array(v):
@@ -50,14 +56,17 @@ def _with_article(word):
 
 def dtype_hint(given_as, dtype, expected, value=None, what="inputs"):
     """Why a value of `dtype` is refused where `expected` is (`value`: the array numpy made of it)."""
+    expected = np.dtype(expected)
+    if np.dtype(dtype).newbyteorder("=") == expected:   # >f8 is float64 with big-endian bytes
+        return f"the same type with its bytes in the other order: pass np.asarray(..., dtype={expected})"
     if not given_as:
         return f"gradc never casts {what}"
-    expected = np.dtype(expected)
+
     if given_as == "int" and expected.kind == "i" and value is not None and value.size == 1 and not (
             np.iinfo(expected).min <= int(value.flat[0]) <= np.iinfo(expected).max):
         return f"{int(value.flat[0])} is outside {expected}'s range"
-    if given_as == np.dtype(dtype).name:   # a numpy scalar
-        return f"a numpy {dtype} scalar: pass np.asarray(..., dtype={expected})"
+    if given_as.startswith("numpy "):
+        return f"a {given_as} scalar: pass np.asarray(..., dtype={expected})"
     return f"{_with_article(given_as)} becomes {_with_article(dtype)} array: pass np.asarray(..., dtype={expected})"
 
 
@@ -143,7 +152,7 @@ class Signature:
             return v
         given_as = None
         if not isinstance(v, np.ndarray):
-            given_as, v = type(v).__name__, number_as_array(v)
+            given_as, v = given_type(v), number_as_array(v)
             if not isinstance(v, np.ndarray):
                 raise ValueError(f"{what} must be a numpy array{' or a CUDA array' if self.devices else ''}, "
                                  f"got {given_as}")
