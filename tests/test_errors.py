@@ -409,7 +409,11 @@ def test_an_int_seed_of_the_wrong_kind_is_explained(tmp_path):
     p, x = mod.init_params(0), np.ones((2, 3), np.float32)
     for seed, why in ((2**63, r"has dtype uint64, expected int64 \(9223372036854775808 is outside int64's range\)"),
                       (np.int32(3), r"has dtype int32, expected int64 \(a numpy int32 scalar: pass np.asarray\("),
-                      (np.uint64(3), r"has dtype uint64, expected int64 \(a numpy uint64 scalar")):
+                      (np.uint64(3), r"has dtype uint64, expected int64 \(a numpy uint64 scalar"),
+                      (True, r"has dtype bool, expected int64 \(a bool becomes a bool array"),   # (was "a numpy bool")
+                      (np.bool_(True), r"has dtype bool, expected int64 \(a numpy bool scalar"),
+                      (np.array(3, ">i8"), r"has dtype >i8, expected int64 \(the same type with its bytes in the other "
+                                           r"order: pass np.asarray\(\.\.\., dtype=int64\)\)")):
         with pytest.raises(ValueError, match=rf"input 'seed' {why}"):
             mod.loss_and_grad(p, x=x, seed=seed)
     assert np.isfinite(mod.loss_and_grad(p, x=x, seed=2**63 - 1)[0])
