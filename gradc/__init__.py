@@ -6,6 +6,8 @@
 """
 import difflib
 
+import numpy as np
+
 from .version import __version__
 from .errors import GradcError
 from .dsl import (Model, Tensor, exp, log, tanh, sigmoid, relu, softplus, gelu, sin, cos, sqrt, square,
@@ -43,6 +45,14 @@ __all__ = ["Model", "Tensor", "GradcError", "compile", "exp", "log", "tanh", "si
 
 
 def __getattr__(name):
-    """gc.tanhh: the error names the op meant (a model file's AttributeError is one line on the command line)."""
-    close = [] if name.startswith("__") else difflib.get_close_matches(name, __all__, n=1, cutoff=0.75)
-    raise AttributeError(f"module 'gradc' has no attribute {name!r}" + (f": did you mean gc.{close[0]}?" if close else ""))
+    """gc.tanhh: the error names the op meant (a model file's AttributeError is one line on the command line).
+    A function of numpy's that gradc lacks (gc.tan, gc.log1p) is not matched to a near name of other maths."""
+    hint = ""
+    if name == "Trainer":
+        hint = ": the Trainer is the compiled module's (mod = gc.compile(m); mod.Trainer(params, ...))"
+    elif isinstance(getattr(np, name, None), np.ufunc):   # an elementwise function gradc lacks
+        hint = f": write {name} as a sympy expression with gc.elementwise (README, the DSL)"
+    elif not name.startswith("__"):
+        close = difflib.get_close_matches(name, __all__, n=1, cutoff=0.75)
+        hint = f": did you mean gc.{close[0]}?" if close else ""
+    raise AttributeError(f"module 'gradc' has no attribute {name!r}{hint}")

@@ -114,7 +114,7 @@ def cmd_compile(args):
                   microbatches=args.microbatches, device_memory=args.device_memory, batch_dim=args.batch_dim,
                   scan_backward=args.scan_backward, progress=True)   # progress: a line on stderr, when a terminal
     secs = f"passes {timings.get('passes_total', 0):.2f}s" + (
-        f", warm-up {timings['numba_warm']:.1f}s (kernels and each entry's first call)"
+        f", warm-up {timings['numba_warm']:.1f}s (kernels, and a first call of each entry warmed)"
         if "numba_warm" in timings else "")
     if timings.get("kernels_kernels"):   # kernel signatures compiled by Numba vs loaded from the kernel cache
         secs += (f"; kernel signatures: {timings['kernels_compiled']} compiled, {timings['kernels_from_cache']} from "

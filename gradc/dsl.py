@@ -6,6 +6,7 @@ user's own line, and every node keeps that `file:line`.
 import contextlib
 import keyword
 import numbers
+import weakref
 
 import numpy as np
 
@@ -166,17 +167,23 @@ def _warn_of_a_table(graph, op, nodes, n):
 def _new_axes(graph, u):
     """Whether u's 1s are the user's: u a reshape (x[:, None]), or an elementwise op whose operands of its
     shape all have them (gc.exp(x[:, None]) * 2.0). (A loop, not recursion: a chain may be long.)"""
+    known = _NEW_AXES.setdefault(graph, {})   # (a node's operands never change: each answer holds)
     stack, seen = [u], set()
     while stack:
         v = stack.pop()
-        if v in seen or graph.op(v) == "reshape":
+        if v in seen or graph.op(v) == "reshape" or known.get(v):
             continue
         seen.add(v)
         same = [w for w in graph.operands(v) if graph.shape(w) == graph.shape(v)]
-        if get_op(graph.op(v)).kind != "elementwise" or not same:
+        if get_op(graph.op(v)).kind != "elementwise" or not same or known.get(v) is False:
+            known[u] = False
             return False
         stack.extend(same)
+    known.update(dict.fromkeys(seen, True))
     return True
+
+
+_NEW_AXES = weakref.WeakKeyDictionary()   # graph -> {node: whether its 1s are the user's}
 
 
 def _shape_or_fail(what, shape, src):
@@ -221,6 +228,7 @@ def _axes(op, x, axis, src):
 _NUMPY_OPERATORS = {np.add: "add", np.subtract: "sub", np.multiply: "mul", np.true_divide: "div", np.power: "pow",
                     np.maximum: "maximum", np.matmul: "matmul"}
 _NUMPY_NAMES = {"absolute": "abs"}
+_IN_PLACE = {np.add: "+", np.subtract: "-", np.multiply: "*", np.true_divide: "/", np.power: "**", np.matmul: "@"}
 
 
 class Tensor:
@@ -236,8 +244,10 @@ class Tensor:
                 return matmul(*inputs, src=src)
             return _op(_NUMPY_OPERATORS[ufunc], *inputs, src=src)
         if "out" in kwargs and ufunc in _NUMPY_OPERATORS:   # a += t: the Tensor cannot go into a's memory
-            raise GradcError(f"numpy's {ufunc.__name__} into an array (a += t, out=) cannot hold a gradc Tensor: write "
-                             f"a = a + t", src)
+            symbol = _IN_PLACE.get(ufunc)
+            instead = f"a = a {symbol} t" if symbol else f"a = np.{ufunc.__name__}(a, t)"
+            raise GradcError(f"numpy's {ufunc.__name__} into an array ({f'a {symbol}= t' if symbol else 'out='}) "
+                             f"cannot hold a gradc Tensor: write {instead}", src)
         name = _NUMPY_NAMES.get(ufunc.__name__, ufunc.__name__)
         use = f"gc.{name}(...)" if callable(globals().get(name)) else "gradc's ops (README, the DSL)"
         raise GradcError(f"numpy's {ufunc.__name__} cannot take a gradc Tensor: use {use}", src)

@@ -393,8 +393,7 @@ def _within_budget(graph, order, roots, dims, sizes, budget, store_all, total):
         # the least a budget can be and compile: the arena of the chain DP's plan of least live peak (the DP
         # tries the memories next to its least at every budget), of the MILP's plan of least memory (a U-Net's
         # long skips leave the chain few layers to cut), or keeping every activation, whichever is least
-        least = [arena_total(store_all), arena_bytes(graph, min(peaks, key=peaks.get), roots, dims) if peaks
-                 else refusal.minimum]
+        least = [arena_total(store_all), _least_arena(graph, peaks, roots, dims) if peaks else refusal.minimum]
         if milp_least is not None:
             least.append(arena_bytes(graph, milp_least, roots, dims))
         raise BudgetError(min(least), arena_total(store_all), store_all_peak=store_all["peak_bytes"])
@@ -412,6 +411,19 @@ def _within_budget(graph, order, roots, dims, sizes, budget, store_all, total):
                 lower_bound_bytes=min(store_all["lower_bound_bytes"], plan["lower_bound_bytes"]),
                 store_all_live_bytes=store_all["live_bytes"])
     return plan
+
+
+def _least_arena(graph, peaks, roots, dims):
+    """The least arena among the chain DP's plans measured ({steps: live peak}): a plan of a lower live peak
+    can lay out to a larger arena (gaps), so each is laid out in the order of its peak until the peaks alone
+    reach the least arena found."""
+    best = None
+    for steps, live in sorted(peaks.items(), key=lambda kv: kv[1]):
+        if best is not None and live >= best:
+            break
+        arena = arena_bytes(graph, list(steps), roots, dims)
+        best = arena if best is None else min(best, arena)
+    return best
 
 
 def _entry_document(graph, plan, name=None):

@@ -95,13 +95,13 @@ def unheld(value, dtype, zero=True):
 
 
 def folded_unheld(number, dtype):
-    """unheld for a sympy number a fused expression holds (each is written into the kernel on its own, so one
-    that would be 0 is refused as a lone constant is; sympy's own range is wider than float64's)."""
+    """unheld for a sympy number a fused expression holds: one float64 cannot hold (sympy's range is wider) is
+    written as `inf`, a NameError in the kernel. Only overflow: a folded number that underflows to 0 is most
+    often a product that underflows anyway (an hvp squares a user's 1e-23 inside tanh)."""
     value = float(number)
-    if value == 0 and number != 0 or not np.isfinite(value):
-        return (f"{str(sp.Float(number, 3)).lower()}, beyond float64 (which holds magnitudes from 5e-324 to 1.8e308): "
-                f"rescale")
-    return unheld(value, dtype)
+    if not np.isfinite(value):
+        return f"{str(sp.Float(number, 3)).lower()}, beyond float64 (whose largest is 1.8e308): rescale"
+    return unheld(value, dtype, zero=False)
 
 
 def constants_in_dtype(graph, dtype):
