@@ -364,6 +364,13 @@ def test_the_budget_bounds_the_arena_the_module_allocates(tmp_path):
                   memory_budget=least)
 
 
+def _named_minimum(m, tmp_path, budget, build):
+    """The minimum a refusal of `budget` names, in bytes."""
+    with pytest.raises(gc.GradcError, match=r"is below the minimum") as e:
+        compile_model(m, out=str(tmp_path / "no"), memory_budget=budget, **build)
+    return int(re.search(r"the minimum [^(]*\(([\d,]+) bytes\)", str(e.value)).group(1).replace(",", ""))
+
+
 def test_a_budget_the_plan_at_the_named_minimum_needs_compiles(tmp_path):
     """A conv net (a new user's): the refusal named 52,576 bytes, and the plan built there needed 50,016, yet
     every budget below 52,576 was refused. The chain DP's byte model had put that plan at more units than
@@ -382,10 +389,7 @@ def test_a_budget_the_plan_at_the_named_minimum_needs_compiles(tmp_path):
     m.minimize(gc.softmax_cross_entropy(logits, y) + (gc.softmax(logits) * logits).mean())
     build = dict(order=1, dtype="float64", bind={"N": 8}, warm_cache=False)
 
-    def least(budget):
-        with pytest.raises(gc.GradcError, match=r"is below the minimum") as e:
-            compile_model(m, out=str(tmp_path / "no"), memory_budget=budget, **build)
-        return int(re.search(r"the minimum [^(]*\(([\d,]+) bytes\)", str(e.value)).group(1).replace(",", ""))
+    least = lambda budget: _named_minimum(m, tmp_path, budget, build)
     named = least(1)
     compile_model(m, out=str(tmp_path / "named"), memory_budget=named, **build)
     with open(tmp_path / "named" / "conv_least.memplan.json") as f:
@@ -409,10 +413,7 @@ def test_the_named_minimum_is_the_least_arena_not_the_arena_of_the_least_peak(tm
     m.minimize(gc.softmax_cross_entropy(h @ m.param("V", (8, 5)), y))
     build = dict(dtype="float32", order=1, bind={"B": 5}, warm_cache=False)
 
-    def least(budget):
-        with pytest.raises(gc.GradcError, match=r"is below the minimum") as e:
-            compile_model(m, out=str(tmp_path / "no"), memory_budget=budget, **build)
-        return int(re.search(r"the minimum [^(]*\(([\d,]+) bytes\)", str(e.value)).group(1).replace(",", ""))
+    least = lambda budget: _named_minimum(m, tmp_path, budget, build)
     named = least(1)
     compile_model(m, out=str(tmp_path / "at"), memory_budget=named, **build)
     assert least(named - 1) == named
