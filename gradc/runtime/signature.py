@@ -61,7 +61,6 @@ def dtype_hint(given_as, dtype, expected, value=None, what="inputs"):
         return f"the same type with its bytes in the other order: pass np.asarray(..., dtype={expected})"
     if not given_as:
         return f"gradc never casts {what}"
-
     if given_as == "int" and expected.kind == "i" and value is not None and value.size == 1 and not (
             np.iinfo(expected).min <= int(value.flat[0]) <= np.iinfo(expected).max):
         return f"{int(value.flat[0])} is outside {expected}'s range"

@@ -26,6 +26,8 @@ def one_at_a_time(method):
         with self._serial:
             return method(self, *args, **kwargs)
     return serial
+
+
 SETTINGS = ("optimizer", "lr", "momentum", "betas", "eps", "clip_norm")   # what a checkpoint records and restores
 
 
