@@ -175,7 +175,7 @@ def _new_axes(graph, u):
             continue
         seen.add(v)
         same = [w for w in graph.operands(v) if graph.shape(w) == graph.shape(v)]
-        if get_op(graph.op(v)).kind != "elementwise" or not same or known.get(v) is False:
+        if known.get(v) is False or get_op(graph.op(v)).kind != "elementwise" or not same:
             known[u] = False
             return False
         stack.extend(same)

@@ -390,9 +390,9 @@ def _within_budget(graph, order, roots, dims, sizes, budget, store_all, total):
                                    f"({milp_info['status']}, gap {100 * gap:.1f}%)")
             candidates.append((extra_work(steps), peak_of(steps), steps, milp_info))
     if not candidates:
-        # the least a budget can be and compile: the arena of the chain DP's plan of least live peak (the DP
-        # tries the memories next to its least at every budget), of the MILP's plan of least memory (a U-Net's
-        # long skips leave the chain few layers to cut), or keeping every activation, whichever is least
+        # the least a budget can be and compile: the least arena of the chain DP's plans (before refusing it
+        # measures each of its schedules), of the MILP's plan of least memory (a U-Net's long skips leave the
+        # chain few layers to cut), or keeping every activation, whichever is least
         least = [arena_total(store_all), _least_arena(graph, peaks, roots, dims) if peaks else refusal.minimum]
         if milp_least is not None:
             least.append(arena_bytes(graph, milp_least, roots, dims))
