@@ -84,6 +84,8 @@ def _rows_model(kind):
         loss = gc.mean(h) * gc.mean(h)
     elif kind == "penalty":   # an L2 term added by hand: it has no rows
         loss = gc.mean(h) + gc.sum(m.param("W2", (4, 4)) ** 2)
+    elif kind == "mean_and_sum":
+        loss = gc.mean(h) + 0.1 * gc.sum(h * h)
     else:
         loss = gc.mean(h - gc.mean(h, axis=0, keepdims=True))
     m.minimize(loss)
@@ -94,7 +96,9 @@ def _rows_model(kind):
                                       ("square", "not linear in the loss reduced over rows"),
                                       ("penalty", "combines the loss reduced over rows with a value without batch "
                                                   r"rows .* \(an L2 penalty goes in minimize\(..., weight_decay=\)"),
-                                      ("center", "mixes a value reduced over rows with other batch values")])
+                                      ("center", "mixes a value reduced over rows with other batch values"),
+                                      ("mean_and_sum", "adds a mean over the batch rows to a sum over them: .*\\(write "
+                                                       "both terms as means or both as sums")])
 def test_a_loss_that_mixes_rows_is_refused_for_microbatches(tmp_path, kind, why):
     model = _rows_model(kind)
     with pytest.raises(gc.GradcError, match=rf"--microbatches 2: .*({why}).*microbatches \(or data-parallel shards\) would not give") as e:

@@ -164,8 +164,12 @@ def rows(graph, n, ins, fail):
     reduced = [i for i, w in enumerate(ins) if isinstance(w, tuple)]
     if reduced:
         kinds = {ins[i] for i in reduced}
-        if len(kinds) > 1 or any(w is not None and not isinstance(w, tuple) for w in ins):
+        if any(w is not None and not isinstance(w, tuple) for w in ins):
             fail("mixes a value reduced over rows with other batch values")
+        if len(kinds) > 1:   # a batch's loss is its parts' weighted by their rows for a mean, by 1 for a sum
+            fail("adds a mean over the batch rows to a sum over them: a batch's mean is its parts' means weighted "
+                 "by their rows, its sum their sums, and no one weight gives both (write both terms as means or both "
+                 "as sums: a sum over the rows is their mean times the batch size, a number once it is bound)")
         t = sp.Symbol("t", positive=True)
         expr = expr_of(graph, n)
         if simplified(expr.xreplace({X[i]: t * X[i] for i in reduced}) - t * expr) != 0:
