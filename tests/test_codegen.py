@@ -381,26 +381,30 @@ def test_cross_entropy_and_log_softmax_keep_their_digits_at_large_logits(tmp_pat
 def test_float32_sums_over_many_values_keep_float32_precision(tmp_path):
     """A float32 build's reductions summed in float32: a mean of 2e6 values lost 1e-4 of itself and its
     gradient 3e-5 (a new user's trial; torch's cascaded sums keep ~1e-7). Each kind of CPU reduction
-    kernel, over 1e6 values: the full one (mse), over the leading axis (the param's gradient, out), the
-    last axis (s), and one between kept axes (c)."""
+    kernel, over ~1.5e6 values: the full one (mse), over the leading axis (the param's gradient, out), the
+    last axis in four running sums (s: 6 a row, so 2 left over) and a vector's (total), and one between
+    kept axes (c)."""
     m = gc.Model("cg_long_sums")
-    x, t = m.input("x", ("B", 2)), m.input("t", ("B", 2))
-    a = m.param("a", (2,), init="ones")
+    x, t = m.input("x", ("B", 6)), m.input("t", ("B", 6))
+    a = m.param("a", (6,), init="ones")
     m.output("s", x.sum(axis=1))
-    m.output("c", x.reshape(("B", 2, 1)).mean(axis=0, keepdims=True))
+    m.output("total", x.sum(axis=1).sum())
+    m.output("c", x.reshape(("B", 6, 1)).mean(axis=0, keepdims=True))
     m.minimize(gc.mse(x * a, t))
     mod = gc.compile(m, out=str(tmp_path), dtype="float32", warm=False)
     rng = np.random.default_rng(3)
-    X = rng.normal(3.0, 1.0, (500_000, 2)).astype(np.float32)
-    T = rng.normal(0.0, 1.0, (500_000, 2)).astype(np.float32)
-    A = np.array([1.1, 0.9], np.float32)
+    X = rng.normal(3.0, 1.0, (250_003, 6)).astype(np.float32)
+    T = rng.normal(0.0, 1.0, (250_003, 6)).astype(np.float32)
+    A = rng.uniform(0.5, 1.5, 6).astype(np.float32)
     loss, grads = mod.loss_and_grad({"a": A}, x=X, t=T)
     out = mod.forward({"a": A}, x=X)
-    d = X.astype(np.float64) * A - T
+    X64 = X.astype(np.float64)
+    d = X64 * A - T
     assert loss == pytest.approx(np.mean(d * d), rel=1e-6)
-    assert np.allclose(grads["a"], (d * X).mean(axis=0), rtol=1e-6, atol=0)
-    assert np.allclose(out["c"].ravel(), X.astype(np.float64).mean(axis=0), rtol=1e-6, atol=0)
-    assert np.allclose(out["s"], X.astype(np.float64).sum(axis=1), rtol=1e-6, atol=0)
+    assert np.allclose(grads["a"], (d * X).mean(axis=0) / 3, rtol=1e-6, atol=0)
+    assert np.allclose(out["c"].ravel(), X64.mean(axis=0), rtol=1e-6, atol=0)
+    assert np.allclose(out["s"], X64.sum(axis=1), rtol=1e-6, atol=0)
+    assert float(out["total"]) == pytest.approx(X64.sum(), rel=1e-6)
 
 
 def test_extreme_inputs_stay_finite_in_float32(build_dir):

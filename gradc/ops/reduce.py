@@ -90,14 +90,11 @@ def cpu_reduction_source(name, op, rank, axes, keepdims):
             result = f"acc{' / (' + count + ')' if op == 'mean' else ''}"
             lines += loops(kept, body + [f"return {result}" if scalar else f"out[{out_idx}] = {result}"])
             return "\n".join(lines), f"{op} over axes {tuple(axes)}"
-        if scalar:
-            lines.append("    acc = 0.0")
-            lines += loops(range(rank), [f"acc += {read}"])
+        if scalar:   # a vector, or a () value
+            lines += ["    " + line for line in (_lane_sum(0) if rank else ["acc = 0.0", f"acc += {read}"])]
             lines.append(f"    return acc{' / (' + count + ')' if op == 'mean' else ''}")
-        elif min(axes) > max(kept):   # the reduced axes innermost: one running sum per result
-            lines += loops(kept, ["acc = 0.0"])
-            lines += loops(axes, [f"acc += {read}"], indent=1 + len(kept))
-            lines.append("    " * (1 + len(kept)) + f"out[{out_idx}] = acc{' / (' + count + ')' if op == 'mean' else ''}")
+        elif tuple(axes) == (last,):   # one running sum per result
+            lines += loops(kept, _lane_sum(last) + [f"out[{out_idx}] = acc{' / (' + count + ')' if op == 'mean' else ''}"])
         else:
             # memory order: the innermost loop runs along contiguous data, into float64 sums the size of out
             lines.append("    acc = np.zeros(out.shape, dtype=np.float64)")
@@ -115,6 +112,15 @@ def cpu_reduction_source(name, op, rank, axes, keepdims):
         lines += loops(axes, update, indent=1 + len(kept))
         lines.append("    " * (1 + len(kept)) + f"out[{out_idx}] = m")
     return "\n".join(lines), f"max over axes {tuple(axes)}"
+
+
+def _lane_sum(last):
+    """Lines summing x0[i0, ..., :] along its last axis into acc, in four running sums: one would wait
+    for each add before the next (a chain of float64 adds, ~3x slower on long rows)."""
+    at = lambda k: f"x0[{index([f'i{d}' for d in range(last)] + [f'i{last} + {k}' if k else f'i{last}'])}]"
+    return ["a0 = a1 = a2 = a3 = 0.0", f"stop = n{last} - n{last} % 4", f"for i{last} in range(0, stop, 4):",
+            *[f"    a{k} += {at(k)}" for k in range(4)], f"for i{last} in range(stop, n{last}):", f"    a0 += {at(0)}",
+            "acc = (a0 + a1) + (a2 + a3)"]
 
 
 def _reduction_key(s):
