@@ -88,9 +88,16 @@ class Graph:
         for index, u in enumerate(inputs):
             self.nx.add_edge(u, n, key=index, index=index)
 
+    def merge_into(self, old, new):
+        """Record that `new` took `old`'s value over. `new` is in the graph, so a record of its own from
+        before (a fused producer that stayed for other users, then took over a node merged into it) is
+        stale and goes: with it, the records could loop and `survivor` would never return."""
+        self.merged[old] = new
+        self.merged.pop(new, None)
+
     def replace_uses(self, old, new):
         """Every consumer of `old` (and every root) reads `new` instead."""
-        self.merged[old] = new
+        self.merge_into(old, new)
         for user in list(self.users(old)):
             self.set_operands(user, [new if u == old else u for u in self.operands(user)])
         for table in (self.outputs, self.forward_outputs, self.grads, self.input_grads, self.hvps, self.lr_grads):

@@ -65,7 +65,7 @@ def _inline(graph, n, roots, draws=False):
             new = list(dict.fromkeys(rest + pieces))
             if len(new) > MAX_OPERANDS:
                 continue
-            graph.merged[u] = n   # u's value now lives inside n (its derivatives run where n does)
+            graph.merge_into(u, n)   # u's value now lives inside n (its derivatives run where n does)
             outer = {X[j]: X[new.index(v)] for j, v in enumerate(operands) if j != i}
             outer[X[i]] = piece.xreplace({X[m]: X[new.index(v)] for m, v in enumerate(pieces)})
             expr, operands = expr.xreplace(outer), new

@@ -77,7 +77,7 @@ def fuse_gemms(graph):
                     renumber[X[j]] = X[len(others)]
             attrs["epilogue"] = expr.xreplace(renumber)
             inputs += others
-            graph.merged[n] = e      # the product now lives inside e's kernel
+            graph.merge_into(n, e)   # the product now lives inside e's kernel
             target = e
         node = graph.node(target)
         node["op"] = "gemm"
@@ -85,7 +85,7 @@ def fuse_gemms(graph):
         graph.set_operands(target, inputs)
         absorbed = [u for _, _, u in sides if u is not None]
         for u in absorbed:
-            graph.merged[u] = target
+            graph.merge_into(u, target)
         graph.remove(absorbed + ([n] if e is not None else []))
         count += 1
     return count

@@ -73,6 +73,24 @@ def test_cse_dce_and_folding():
                and g.node(n)["phase"] == "forward") <= 1
 
 
+def test_merge_records_never_loop():
+    """`h * 1 * 0.5` at order 2 (a new user's `h * (i + 1) * 0.01` at i = 0): fusion recorded a producer it
+    copied into a user as merged into it while it stayed for others, CSE then merged that user into it,
+    and once both were gone `survivor` (the dumps' `of`) followed 51 -> 52 -> 51 forever: the compile hung."""
+    m = gc.Model("p_merge_loop")
+    x = m.input("x", ("B", 4))
+    h = x * m.param("W", (4,))
+    m.minimize((gc.tanh(h * 1 * 0.5) * h).sum())
+    g = build_training_graph(m, "float64", order=2)
+    for n in g.merged:
+        seen = set()
+        while n not in g.nx and n in g.merged:
+            assert n not in seen, f"merge records loop through {n}"
+            seen.add(n)
+            n = g.merged[n]
+    assert json.loads(g.to_json())["graph"]["loss"] is not None
+
+
 def test_topological_order_is_iterative_on_a_long_chain():
     g = Graph("chain")
     n = g.apply("input", attrs={"shape": (2,), "dtype": "float"}, name="x")
