@@ -48,7 +48,7 @@ def node_flops(graph, n, dims):
 BINDINGS = (2, 3, 5)
 
 
-def index_inputs(graph):
+def index_inputs(graph, dims=None):
     """int inputs whose values index something (labels into classes, rows of a table: ops whose
     record has `indexes`), with how many values they may take, so that the module can check
     them at call time. The ints may reach the op through layout ops (reshape, slice, concat, ...)
@@ -58,8 +58,13 @@ def index_inputs(graph):
     {name: bound} where every element indexes below one bound (an int, or a dim's name);
     {name: {bound: [(start, stop), ...]}} where elements differ (`pr[:, 0]` rows of a table,
     `pr[:, 1]` labels): each bound with the ranges of the flat positions over the input's fixed
-    axes whose elements it limits (an element limited twice is checked against both)."""
+    axes whose elements it limits (an element limited twice is checked against both).
+
+    `graph` is the model's, before --bind: every symbolic dim takes each of the small BINDINGS here,
+    where a bound one would number all of its elements (--bind B=10**10: 75 GiB); a bound that is a dim
+    `dims` binds is its size."""
     maps = [_element_bounds(graph, b) for b in BINDINGS]
+    dims = dims or {}
     out = {}
     for name, u in graph.inputs.items():
         if not graph.dtype(u).startswith("int"):
@@ -74,7 +79,10 @@ def index_inputs(graph):
         if any(s.keys() != positions.keys() or any((s[k] != positions[k]).any() for k in s) for s in seen[1:]):
             count = size(_fixed(declared))   # not the same in every binding: every bound on every element
             positions = {bound: np.ones(count, bool) for s in seen for bound in s}
-        out[name] = _compact(positions)
+        named = {}   # (a dim bound to 10 and a literal 10 are one bound)
+        for bound, mask in positions.items():
+            named[dims.get(bound, bound)] = named.get(dims.get(bound, bound), False) | mask
+        out[name] = _compact(named)
     return out
 
 

@@ -205,6 +205,22 @@ def test_a_bound_batch_dim_is_not_a_position_of_the_checks(tmp_path):
         bound.forward(bound.init_params(0), pr=pr, seq=np.zeros((T, 4096, 2), np.int64))
 
 
+def test_a_batch_bound_to_ten_billion_rows_compiles(tmp_path):
+    """The checks' analysis numbered every element of each int input at its bound size: --bind B=10**10
+    asked numpy for 75 GiB and the CLI said "internal error". It reads the model before --bind now;
+    a bound it names by a dim (labels into the classes C of an input's logits) is that dim's size."""
+    free = compile_model(packed(), out=str(tmp_path / "free"), dtype="float64", order=1, warm_cache=False)
+    huge = compile_model(packed(), out=str(tmp_path / "huge"), dtype="float64", order=1, warm_cache=False,
+                         bind={"B": 10 ** 10, "T": T})
+    assert huge._INDEX_BOUNDS == free._INDEX_BOUNDS
+    m = gc.Model("int_named_classes")
+    z, y = m.input("z", ("B", "C")), m.input("y", ("B",), dtype="int64")
+    m.minimize(gc.softmax_cross_entropy(z * m.param("s", (), init="ones"), y))
+    assert compile_model(m, out=str(tmp_path / "c"), order=1, warm_cache=False)._INDEX_BOUNDS == {"y": "C"}
+    assert compile_model(m, out=str(tmp_path / "c5"), order=1, warm_cache=False,
+                         bind={"C": 5})._INDEX_BOUNDS == {"y": 5}
+
+
 def test_a_numpy_table_is_a_constant_of_take(tmp_path):
     """gc.take refused a numpy array (numpy arrays are constants everywhere else): a one-hot table makes a
     per-row cross-entropy."""
