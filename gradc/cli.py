@@ -234,11 +234,13 @@ def main(argv=None):
         print(f"gradc: error: {e}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, Terminated) as e:
-        # the compile has removed what it had written; 128 + the signal's number, as a shell reports it
+        # the compile has removed what it had written, unless the new build was already in place (then the
+        # message names it); 128 + the signal's number, as a shell reports it
         if args.debug:
             traceback.print_exc()
         interrupted = isinstance(e, KeyboardInterrupt)
-        print("gradc: interrupted" if interrupted else "gradc: terminated", file=sys.stderr)
+        written = f" after the new build was in place ({e.written} is it)" if getattr(e, "written", None) else ""
+        print(f"gradc: {'interrupted' if interrupted else 'terminated'}{written}", file=sys.stderr)
         return 128 + (signal.SIGINT if interrupted else signal.SIGTERM)
     except BrokenPipeError:   # `gradc inspect ... | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

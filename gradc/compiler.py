@@ -705,17 +705,21 @@ def write_outputs(out, name, files, stored, warm_dims, timings, notes, graph_nod
             shutil.rmtree(build, ignore_errors=True)
             remove_empty([store] + made)
         raise
-    if previous and previous != os.path.basename(build):
-        shutil.rmtree(os.path.join(store, previous), ignore_errors=True)
-    for f in os.listdir(out):
-        path = os.path.join(out, f)
-        if f in made_files:   # a file of a gradc before this layout, or a link planted there
-            link_replacing(path, os.path.join(STORE, name, f), store, f"{name}.")
-        elif os.path.islink(path) and os.readlink(path) == os.path.join(STORE, name, f):
-            os.unlink(path)   # a file the old build had and this one has not
-        elif f in (f"{name}.data.npz", f"{name}.graph.svg", f"{name}.partition.json") and os.path.isfile(path):
-            os.unlink(path)   # the same, from a gradc before this layout
-    return import_file(os.path.join(out, f"{name}.py"), name)
+    try:   # the new build is OUT's now: what stops the rest (Ctrl-C in the import) says so (e.written)
+        if previous and previous != os.path.basename(build):
+            shutil.rmtree(os.path.join(store, previous), ignore_errors=True)
+        for f in os.listdir(out):
+            path = os.path.join(out, f)
+            if f in made_files:   # a file of a gradc before this layout, or a link planted there
+                link_replacing(path, os.path.join(STORE, name, f), store, f"{name}.")
+            elif os.path.islink(path) and os.readlink(path) == os.path.join(STORE, name, f):
+                os.unlink(path)   # a file the old build had and this one has not
+            elif f in (f"{name}.data.npz", f"{name}.graph.svg", f"{name}.partition.json") and os.path.isfile(path):
+                os.unlink(path)   # the same, from a gradc before this layout
+        return import_file(os.path.join(out, f"{name}.py"), name)
+    except BaseException as e:
+        e.written = os.path.join(out, f"{name}.py")
+        raise
 
 
 def _move_cache(src, dst, name):

@@ -202,6 +202,23 @@ def test_signal_while_writing_leaves_nothing(tmp_path, sig, code, line):
     assert leftovers(str(tmp_path / "out")) == []
 
 
+def test_ctrl_c_after_the_switch_names_the_new_build(tmp_path, monkeypatch, capsys):
+    """Ctrl-C in the last moments of a compile (the new build's import, after it replaced the old one)
+    said "interrupted", as if the old build were still there (a new user's trial, 1 run in 4)."""
+    from gradc import cli
+    (tmp_path / "model.py").write_text(MODEL)
+    monkeypatch.chdir(tmp_path)
+
+    def interrupted(path, name):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(compiler, "import_file", interrupted)
+    assert cli.main(["compile", "model.py", "-o", "out", "--no-warm", "--order", "1"]) == 130
+    out = os.path.join("out", "tiny.py")
+    assert capsys.readouterr().err == f"gradc: interrupted after the new build was in place ({out} is it)\n"
+    assert "def loss_and_grad(" in (tmp_path / "out" / "tiny.py").read_text()
+
+
 KILL_AT_REPLACE = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, os.getcwd())
