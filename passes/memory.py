@@ -96,18 +96,32 @@ def keeps_the_peak(graph, steps, tensors, dims):
                 live[t["start"]:t["end"] + 1] += size_of[t["node"]]
             profiles.append((size_of, live, live.max()))
 
+    run = {"first": None, "nodes": []}   # what the last call's run touched: part_runs grows a run a node a call
+
     def fits(first, last, nodes):
         if not profiles:
             count()
-        touched = {base(graph, v) for n in nodes for v in list(graph.operands(n)) + [n]}
-        for size_of, live, peak in profiles:
-            extra = np.zeros(last - first + 1, dtype=np.int64)
-            for u in touched:
+        if run["first"] != first or nodes[:len(run["nodes"])] != run["nodes"]:
+            run.update(first=first, nodes=[], touched=set(), start=[], end=[], sizes=[[] for _ in profiles])
+        for n in nodes[len(run["nodes"]):]:
+            for u in {base(graph, v) for v in list(graph.operands(n)) + [n]} - run["touched"]:
+                run["touched"].add(u)
                 for t in held.get(u, ()):
-                    if t["start"] <= last and t["end"] >= first:   # kept over first..last, not only its own steps
-                        extra[:max(0, t["start"] - first)] += size_of[u]
-                        extra[max(0, t["end"] + 1 - first):] += size_of[u]
-            if (live[first:last + 1] + extra).max() > peak:
+                    run["start"].append(t["start"])
+                    run["end"].append(t["end"])
+                    for sizes, (size_of, _, _) in zip(run["sizes"], profiles):
+                        sizes.append(size_of[u])
+        run["nodes"] = list(nodes)
+        start, end = np.array(run["start"], dtype=np.int64), np.array(run["end"], dtype=np.int64)
+        kept = (start <= last) & (end >= first)   # each kept over first..last, not only over its own steps
+        before, after = start[kept] - first, end[kept] + 1 - first   # (before > 0: steps 0..before-1 gain it)
+        for sizes, (_, live, peak) in zip(run["sizes"], profiles):
+            size = np.array(sizes, dtype=np.int64)[kept]
+            change = np.zeros(last - first + 2, dtype=np.int64)   # the extra bytes' steps, as a difference
+            change[0] += size[before > 0].sum()
+            np.add.at(change, before[before > 0], -size[before > 0])
+            np.add.at(change, np.minimum(after, last - first + 1), size)
+            if (live[first:last + 1] + np.cumsum(change)[:-1]).max() > peak:
                 return False
         return True
     return fits

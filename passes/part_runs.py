@@ -122,6 +122,8 @@ def part_runs(graph, steps, dims, fits=None):
     rows = batch_rows(graph)
     if rows is None or conv_cores.cores() < 2:   # (on one core a run is a whole batch's call)
         return []
+    if not any(get_op(graph.op(n)).part_work for n in steps):   # no run would be worth a hand-off
+        return []
     dim, leaves = rows
     where = batch_axes(graph, steps, dim, leaves)
     runs, run = [], None

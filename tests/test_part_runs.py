@@ -77,6 +77,52 @@ def test_a_conv_nets_chains_run_in_parts(two_cores):
     assert [r["nodes"] for r in again] == [r["nodes"] for r in runs]
 
 
+def _peak_kept(graph, tensors, first, last, nodes, size_of, live, peak):
+    """keeps_the_peak's rule, counted afresh: every value the run's nodes touch held over first..last."""
+    extra = np.zeros(last - first + 1, dtype=np.int64)
+    for u in {base(graph, v) for n in nodes for v in list(graph.operands(n)) + [n]}:
+        for t in tensors:
+            if t["node"] == u and t["start"] <= last and t["end"] >= first:
+                extra[:max(0, t["start"] - first)] += size_of[u]
+                extra[t["end"] + 1 - first:] += size_of[u]
+    return (live[first:last + 1] + extra).max() <= peak
+
+
+def test_the_peak_check_grows_with_its_run_and_skips_models_without_convs(two_cores, monkeypatch):
+    """keeps_the_peak's fits counted every value of the run again at each node part_runs added: quadratic in
+    a run's length (a new user's model of 1000 params compiled in 42 s). It keeps what the run touched and
+    answers as a fresh count does, on LeNet's runs; a model without a conv never asks it."""
+    graph = build_training_graph(_lenet(), "float32", {"B": 8}, order=1)
+    plan = plan_memory(graph, {"B": 8}, 1, None)["_loss_and_grad"]
+    tensors = liveness(graph, plan["steps"], set(plan["roots"]))
+    fits = keeps_the_peak(graph, plan["steps"], tensors, {"B": 8})
+    size_of = {t["node"]: buffer_bytes(graph, t["node"], {"B": 8}) for t in tensors}
+    live = np.zeros(len(plan["steps"]), dtype=np.int64)
+    for t in tensors:
+        live[t["start"]:t["end"] + 1] += size_of[t["node"]]
+    answers = []
+
+    def checked(first, last, nodes):
+        answers.append(fits(first, last, nodes))
+        assert answers[-1] == _peak_kept(graph, tensors, first, last, nodes, size_of, live, live.max())
+        return answers[-1]
+    part_runs(graph, plan["steps"], {"B": 8}, checked)
+    assert True in answers and False in answers
+    dense = build_training_graph(_mlp_for_runs(), "float32", {}, order=1)
+    steps = plan_memory(dense, {}, 1, None)["_loss_and_grad"]["steps"]
+    assert part_runs(dense, steps, {}, lambda *a: pytest.fail("asked")) == []
+
+
+def _mlp_for_runs():
+    m = gc.Model("runs_dense")
+    x, y = m.input("x", ("B", 8)), m.input("y", ("B",), dtype="int64")
+    h = x
+    for i in range(4):
+        h = gc.tanh(h @ m.param(f"W{i}", (8, 8)) + m.param(f"b{i}", (8,)))
+    m.minimize(gc.softmax_cross_entropy(h, y))
+    return m
+
+
 @pytest.mark.parametrize("make", [_lenet, _vgg_block])
 def test_runs_never_raise_a_plans_peak(make, monkeypatch):
     """Keeping what a run touches live over it would hold a whole chain's values where inference holds

@@ -67,9 +67,10 @@ def _reduce_rows(graph, n, ins, fail):
     return a if graph.attrs(n).get("keepdims") else a - sum(1 for x in axes if x < a)
 
 
-# ---- CPU: loops in memory order; a reduction of every axis returns a number. Sums run in float64
-# whatever the dtype: float32 running sums lose digits in proportion to their length (1e-4 of a mean of
-# 2e6 values), where torch's cascaded sums keep about 1e-7 ------------------------------------------
+# ---- CPU: loops in memory order; a reduction of every axis returns a number. A sum into a number or
+# over the last axis runs in float64 whatever the dtype: a float32 running sum loses digits in proportion
+# to its length (1e-4 of a mean of 2e6 values), where torch's cascaded sums keep about 1e-7. A sum over
+# leading axes (a bias gradient) adds into out, in its dtype -----------------------------------------
 def cpu_reduction_source(name, op, rank, axes, keepdims):
     scalar = len(axes) == rank and not keepdims
     kept = [d for d in range(rank) if d not in axes]
@@ -96,10 +97,12 @@ def cpu_reduction_source(name, op, rank, axes, keepdims):
         elif tuple(axes) == (last,):   # one running sum per result
             lines += loops(kept, _lane_sum(last) + [f"out[{out_idx}] = acc{' / (' + count + ')' if op == 'mean' else ''}"])
         else:
-            # memory order: the innermost loop runs along contiguous data, into float64 sums the size of out
-            lines.append("    acc = np.zeros(out.shape, dtype=np.float64)")
-            lines += loops(range(rank), [f"acc[{out_idx}] += {read}"])
-            lines.append(f"    out[...] = acc{' * (1.0 / (' + count + '))' if op == 'mean' else ''}")
+            # memory order: the innermost loop runs along contiguous data, into out (float64 sums would
+            # need an array of their own at each call: a step allocates nothing)
+            lines.append("    out[:] = 0.0")
+            lines += loops(range(rank), [f"out[{out_idx}] += {read}"])
+            if op == "mean":
+                lines.append(f"    out *= 1.0 / ({count})")
         return "\n".join(lines), f"{op} over axes {tuple(axes)}"
     # max: kept dims outside, reduced dims inside; NaN wins, as in numpy and PyTorch
     update = [f"v = {read}", "if v > m or v != v:", "    m = v"]
