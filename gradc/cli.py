@@ -107,8 +107,10 @@ def cmd_compile(args):
         raise UsageError(f"{args.model_file}: defines models {', '.join(sorted(models))}; pick one with --model")
     else:
         (model,) = models.values()
+    if args.no_warm and args.warm not in (None, "none"):
+        raise UsageError(f"--no-warm and --warm {args.warm} ask for opposite things: give one")
     timings, notes = {}, []
-    warm = "none" if args.no_warm else args.warm   # compile_model takes --warm's names
+    warm = "none" if args.no_warm else args.warm or "first"   # compile_model takes --warm's names
     compile_model(model, out=args.out, target=args.target, dtype=args.dtype, order=args.order,
                   bind=parse_bind(args.bind), warm=warm, timings=timings, notes=notes, source=args.model_file, memory_budget=args.memory_budget, devices=args.devices, schedule=args.schedule,
                   microbatches=args.microbatches, device_memory=args.device_memory, batch_dim=args.batch_dim,
@@ -127,8 +129,8 @@ def cmd_compile(args):
         notes.append(f"{args.model_file} has the module's name: a script in its folder that runs `import "
                      f"{model.name}` imports the model file unless {args.out} comes first on sys.path "
                      f"(sys.path.insert(0, {args.out!r})); or rename one of them")
-    for note in notes:
-        print(f"gradc: note: {note}")
+    for note in notes:   # (diagnostics, as errors are: stdout has only what was written)
+        print(f"gradc: note: {note}", file=sys.stderr)
     print(f"gradc: wrote {os.path.join(args.out, model.name + '.py')} ({secs})")
     return 0
 
@@ -196,7 +198,7 @@ def build_parser():
     c.add_argument("--scan-backward", choices=["reverse", "bppsa"], default="reverse",
                    help="the backward of each gc.scan: a reverse scan (default), or bppsa: a Blelloch scan "
                         "of the transposed Jacobians (DESIGN.md §1.8)")
-    c.add_argument("--warm", choices=("first", "all", "none"), default="first",
+    c.add_argument("--warm", choices=("first", "all", "none"), default=None,   # (None: not given, so first)
                    help="compile now: the first-order entry points (default), also hvp, hessian and lr_grad (all), or "
                         "nothing (none); what is not compiled now compiles on its first call")
     c.add_argument("--no-warm", action="store_true", help="the same as --warm none")

@@ -208,9 +208,9 @@ def test_stage_pins_in_a_one_device_build_are_noted(tmp_path):
         """))
     r = gradc("compile", "model.py", "-o", "out", "--no-warm", cwd=tmp_path)
     assert r.returncode == 0 and "gradc: note: model.py:6: `with m.stage(i)` pins ops to pipeline stages, but this " \
-        "build has one device; the pins apply with --devices K" in r.stdout, r.stdout + r.stderr
+        "build has one device; the pins apply with --devices K" in r.stderr, r.stdout + r.stderr
     r = gradc("compile", "model.py", "-o", "out2", "--no-warm", "--devices", "2", "--bind", "B=4", cwd=tmp_path)
-    assert r.returncode == 0 and "pins" not in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "pins" not in r.stderr, r.stdout + r.stderr
 
 
 @pytest.mark.slow

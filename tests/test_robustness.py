@@ -309,7 +309,7 @@ def test_slow_dot_does_not_fail_or_stall_the_compile(tmp_path):
     assert r.returncode == 0, r.stderr
     assert time.time() - t < 30
     assert not (tmp_path / "out" / "tiny.graph.svg").exists()
-    assert "tiny.graph.svg" in r.stdout and "timed out" in r.stdout
+    assert "tiny.graph.svg" in r.stderr and "timed out" in r.stderr
 
 
 def test_failing_dot_leaves_no_svg(tmp_path):
@@ -319,7 +319,7 @@ def test_failing_dot_leaves_no_svg(tmp_path):
     r = gradc("compile", "model.py", "-o", "out", "--no-warm", "--order", "1", cwd=tmp_path, path_prefix=path)
     assert r.returncode == 0, r.stderr
     assert not (tmp_path / "out" / "tiny.graph.svg").exists()
-    assert "dot failed" in r.stdout
+    assert "dot failed" in r.stderr
 
 
 def test_large_graph_skips_the_svg(tmp_path, monkeypatch):
@@ -608,6 +608,13 @@ def test_command_line_slips(tmp_path):
     line = one_error_line(gradc("--bogus", cwd=tmp_path))
     assert line.endswith("(gradc --help for usage)"), line
     assert one_error_line(gradc("compile", cwd=tmp_path)).endswith("(gradc compile --help for usage)")
+    for flags in (["--warm", "all", "--no-warm"], ["--no-warm", "--warm", "first"]):   # (both were taken: none warmed)
+        line = one_error_line(gradc("compile", "tiny.py", "-o", "out", *flags, cwd=tmp_path))
+        assert line == f"gradc: error: --no-warm and --warm {flags[flags.index('--warm') + 1]} ask for opposite " \
+                       "things: give one", line
+    line = one_error_line(gradc("compile", "tiny.py", "-o", "", "--no-warm", cwd=tmp_path))   # (was this folder)
+    assert line.startswith("gradc: error: -o '': an empty path"), line
+    assert sorted(os.listdir(tmp_path)) == ["tiny.py"]
 
 
 def test_inspect_into_a_closed_pipe_is_quiet(tmp_path):
