@@ -154,11 +154,11 @@ def main(argv=None):
     base = None
     rows = [("serial (plain Trainer)", "wide", 1, None, {})]
     for R in (1, 2) + ((3,) if not args.quick else ()):
-        rows.append((f"data, overlap", "wide", R, "data", {"overlap": True}))
+        rows.append(("data, overlap", "wide", R, "data", {"overlap": True}))
         if R == 2:
-            rows.append((f"data, no overlap", "wide", R, "data", {"overlap": False}))
-            rows.append((f"data, 4 stages, overlap", "wide4", R, "data", {"overlap": True, "stage_ranks": 1}))
-            rows.append((f"data, 4 stages, no overlap", "wide4", R, "data", {"overlap": False, "stage_ranks": 1}))
+            rows.append(("data, no overlap", "wide", R, "data", {"overlap": False}))
+            rows.append(("data, 4 stages, overlap", "wide4", R, "data", {"overlap": True, "stage_ranks": 1}))
+            rows.append(("data, 4 stages, no overlap", "wide4", R, "data", {"overlap": False, "stage_ranks": 1}))
     for label, module, R, parallel, options in rows:
         res = mpirun(R, script, work, {"module": module, "rows": ROWS, "steps": steps, "parallel": parallel,
                                        "options": options})

@@ -601,7 +601,7 @@ def render_svg(dot_file, nodes):
 def make_out(out):
     """Create the folder OUT and its missing parents; the folders created, innermost first."""
     if not out:
-        raise GradcError("-o '': an empty path; give the output folder (such as -o build, or -o . for this one)")
+        raise GradcError("-o '' (out=''): an empty path; give the output folder (such as build, or . for this one)")
     if os.path.lexists(out) and not os.path.isdir(out):
         raise GradcError(f"-o {out}: is a file, not a folder" if os.path.isfile(out) else f"-o {out}: is not a folder")
     missing, parent = [], os.path.normpath(out)

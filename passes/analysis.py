@@ -60,10 +60,13 @@ def index_inputs(graph, dims=None):
     `pr[:, 1]` labels): each bound with the ranges of the flat positions over the input's fixed
     axes whose elements it limits (an element limited twice is checked against both).
 
-    `graph` is the model's, before --bind: every symbolic dim takes each of the small BINDINGS here,
+    `graph` is the model's, before --bind (its ops that neither the loss nor an output reads left out, as
+    the passes leave them out of the module): every symbolic dim takes each of the small BINDINGS here,
     where a bound one would number all of its elements (--bind B=10**10: 75 GiB); a bound that is a dim
     `dims` binds is its size."""
-    maps = [_element_bounds(graph, b) for b in BINDINGS]
+    roots = [r for r in [graph.loss, *graph.outputs.values()] if r is not None]
+    read = graph.ancestors(roots)   # (an op whose value nothing reads is no module's: no check)
+    maps = [_element_bounds(graph, b, read) for b in BINDINGS]
     dims = dims or {}
     out = {}
     for name, u in graph.inputs.items():
@@ -113,7 +116,7 @@ def _compact(positions):
     return out
 
 
-def _element_bounds(graph, b):
+def _element_bounds(graph, b, read=None):
     """{int input leaf of `graph` (a scan body's placeholder too): {bound: mask of its flat elements
     that index below it}}, every symbolic dim taken as b. Each leaf's elements are numbered and
     carried through the layout ops by the ops' own numpy evaluation, so that each indexing op
@@ -136,7 +139,7 @@ def _element_bounds(graph, b):
         elements = elements[elements >= 0]
         limits.setdefault(bound, np.zeros(total, bool))[elements] = True
 
-    for n in graph.nx.nodes:
+    for n in graph.nx.nodes if read is None else read:
         rule = get_op(graph.op(n)).indexes
         if rule is not None:
             j, bound = rule(graph, n)

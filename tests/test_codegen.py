@@ -381,8 +381,8 @@ def test_cross_entropy_and_log_softmax_keep_their_digits_at_large_logits(tmp_pat
 def test_float32_sums_over_many_values_keep_float32_precision(tmp_path):
     """A float32 build's reductions summed in float32: a mean of 2e6 values lost 1e-4 of itself (a new
     user's trial; torch's cascaded sums keep ~1e-7). The full one (mse) and those over the last axis, in
-    four running sums (s: 6 a row, so 2 left over; total: a vector's), run in float64 now. A sum over
-    leading axes (the param's gradient, c: one between kept axes) adds into its float32 output: here
+    four running sums (s: 6 a row, so 2 left over; total: a vector's), run in float64 now. A sum that
+    keeps the last axis (the param's gradient, c: one between kept axes) adds into its float32 output: here
     250,003 rows leave ~1e-6."""
     m = gc.Model("cg_long_sums")
     x, t = m.input("x", ("B", 6)), m.input("t", ("B", 6))

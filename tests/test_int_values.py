@@ -219,6 +219,15 @@ def test_a_batch_bound_to_ten_billion_rows_compiles(tmp_path):
     assert compile_model(m, out=str(tmp_path / "c"), order=1, warm_cache=False)._INDEX_BOUNDS == {"y": "C"}
     assert compile_model(m, out=str(tmp_path / "c5"), order=1, warm_cache=False,
                          bind={"C": 5})._INDEX_BOUNDS == {"y": 5}
+    # a lookup nothing reads is no op of the module: its table's 3 rows do not limit y (review: y = 3 was refused)
+    m = gc.Model("int_dead_take")
+    x, y = m.input("x", ("B", 4)), m.input("y", ("B",), dtype="int64")
+    gc.take(m.param("E", (3, 4), init="normal"), y)
+    m.minimize(gc.softmax_cross_entropy(x @ m.param("W", (4, 4)), y))
+    with pytest.warns(UserWarning, match="param 'E' does not reach the loss"):
+        mod = compile_model(m, out=str(tmp_path / "dead"), dtype="float64", order=1, warm_cache=False)
+    assert mod._INDEX_BOUNDS == {"y": 4}
+    assert np.isfinite(mod.loss_and_grad(mod.init_params(0), x=np.ones((2, 4)), y=np.array([3, 0]))[0])
 
 
 def test_a_numpy_table_is_a_constant_of_take(tmp_path):

@@ -613,7 +613,7 @@ def test_command_line_slips(tmp_path):
         assert line == f"gradc: error: --no-warm and --warm {flags[flags.index('--warm') + 1]} ask for opposite " \
                        "things: give one", line
     line = one_error_line(gradc("compile", "tiny.py", "-o", "", "--no-warm", cwd=tmp_path))   # (was this folder)
-    assert line.startswith("gradc: error: -o '': an empty path"), line
+    assert line.startswith("gradc: error: -o '' (out=''): an empty path"), line
     assert sorted(os.listdir(tmp_path)) == ["tiny.py"]
 
 

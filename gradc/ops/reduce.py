@@ -69,8 +69,8 @@ def _reduce_rows(graph, n, ins, fail):
 
 # ---- CPU: loops in memory order; a reduction of every axis returns a number. A sum into a number or
 # over the last axis runs in float64 whatever the dtype: a float32 running sum loses digits in proportion
-# to its length (1e-4 of a mean of 2e6 values), where torch's cascaded sums keep about 1e-7. A sum over
-# leading axes (a bias gradient) adds into out, in its dtype -----------------------------------------
+# to its length (1e-4 of a mean of 2e6 values), where torch's cascaded sums keep about 1e-7. A sum that
+# keeps the last axis (a bias gradient) adds into out, in its dtype ----------------------------------
 def cpu_reduction_source(name, op, rank, axes, keepdims):
     scalar = len(axes) == rank and not keepdims
     kept = [d for d in range(rank) if d not in axes]
