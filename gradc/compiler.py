@@ -507,8 +507,8 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
         use_bppsa(graph)
     name = model.name
     info = {"name": name, "version": __version__, "dtype": dtype, "fingerprint": fingerprint(model, dtype),
-            "param_info": model.param_info, "index_bounds": index_inputs(model.graph, code_dims), "order": order, "target": target,
-            "source": source or model.src.rsplit(":", 1)[0]}
+            "param_info": model.param_info, "index_bounds": index_inputs(model.graph, code_dims), "order": order,
+            "target": target, "source": source or model.src.rsplit(":", 1)[0]}
     budget = resolve_budget(graph, memory_budget, options_src or model.src, dims)
     pipelined = pipe["K"] > 1 or pipe["M"] > 1   # the budget is then each stage's (plan_pipeline)
     t = time.perf_counter()
