@@ -226,7 +226,10 @@ class _Builder:
                 self.clean.discard(n)
                 site = self.sites[-1]
                 # a clean site's chain is one for every copy: the estimate's own, on B rows
-                site.copies = [self.own(x) for x in tops[n]] if clean else [self.copy[x] for x in tops[n][:-1]] + [z]
+                # (an op of it run per copy: the nodes of its copy too, so the VJP goes through them)
+                made = self.statistics.made
+                site.copies = [self.own(x) for x in tops[n]] if clean else [
+                    c for x in tops[n][:-1] for c in made.get(x, []) + [self.copy[x]]] + made.get(n, []) + [z]
                 site.pert, site.clean, site.top = pert, clean, n
                 built.append(tops[n])
         # the loss after its reduction over rows: its shares, and statistics no rows read back (sqrt(mse))
@@ -481,7 +484,9 @@ class _Builder:
                 offset = offset_shares(g, n, ins, [self.stacked(u) for u in g.operands(n)], emit)
                 if offset is None:
                     self.statistics.origins(n, ins, str(e))   # or it reads a batch statistic back (batch norm)
-                    raise
+                    if any(isinstance(w, tuple) for w in ins):
+                        raise
+                    return self.statistics.lift(n, ins, str(e))   # or it mixes rows: run once per copy
                 self.copy[n] = offset
                 return SHARES
             ins = [None if h else w for h, w in zip(held, ins)]

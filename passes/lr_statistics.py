@@ -27,7 +27,6 @@ from .lr_sites import K, KB, Unsupported
 
 STAT = "statistic"   # where a batch statistic has its rows: none of its own, one value per copy
 REDUCTIONS = ("sum", "mean", "max")
-OWN_AXES = ("reshape", "transpose", "broadcast_to") + REDUCTIONS   # ops of a statistic's own axes (own_axes)
 
 
 class Statistic(Unsupported):
@@ -44,7 +43,8 @@ class BatchStatistics:
     def __init__(self, builder, nodes):
         self.b = builder
         self.nodes = set(nodes)   # the reductions over the rows that are statistics
-        self.used = []            # those built
+        self.used = []            # those built, and the ops run per copy (lift)
+        self.made = {}            # an op run per copy -> the nodes of its copy, in order
 
     def origins(self, n, ins, why, sites=()):
         """Raise Statistic when op n, which cannot read a reduction over the rows as the loss's (kept per
@@ -98,39 +98,58 @@ class BatchStatistics:
         if any(isinstance(w, tuple) for w in ins):   # another reduction over the rows: a statistic too
             self.origins(n, ins, why)
             raise Unsupported(f"{why} and the loss's per-row shares; or train this model with loss_and_grad")
-        if get_op(op).kind != "elementwise" or "shape" in attrs:
-            if op not in OWN_AXES or any(w != STAT for w in ins):
-                raise Unsupported(f"{why} with {op}; lr_grad follows a statistic through elementwise ops, "
-                                  f"reshapes, transposes, broadcasts and reductions of its own axes; or train this "
-                                  f"model with loss_and_grad")
-            b.copy[n] = self.own_axes(n)
-            return STAT
-        if not any(isinstance(w, int) for w in ins):
-            ops = [self.ranked(u, len(shape)) if w == STAT else u for u, w in zip(g.operands(n), ins)]
-            b.copy[n] = b.apply(op, ops, src, **attrs)
-            return STAT
+        if get_op(op).kind != "elementwise" or "shape" in attrs or not any(isinstance(w, int) for w in ins):
+            return self.lift(n, ins, why)   # of statistics (and shared values) alone, or not elementwise
 
         def fail(why):
-            raise Unsupported(f"{src}: {g.describe(n)} {why}; or train this model with loss_and_grad")
-        r = share_rows(g, n, [None if w == STAT else w for w in ins], fail)
-        ops = [self.spread(u, len(shape), r) if w == STAT else b.stacked(u) for u, w in zip(g.operands(n), ins)]
+            raise Unsupported(f"{src}: {g.describe(n)} {why}")
+        try:
+            r = share_rows(g, n, [None if w == STAT else w for w in ins], fail)
+            ops = [self.spread(u, len(shape), r) if w == STAT else b.stacked(u) for u, w in zip(g.operands(n), ins)]
+        except Unsupported as e:   # the rows meet each other, or a statistic on an axis of theirs that is not 1
+            return self.lift(n, ins, str(e))
         b.copy[n] = b.apply(op, ops, src, **attrs)   # an op like any other on the stacked rows (a site's sum
         return r                                      # may go on through it: its VJP is the op's own)
 
-    def own_axes(self, n):
-        """n, a reshape, transpose, broadcast or reduction of a statistic's own axes (OWN_AXES), as a
-        statistic: (K_lr,) + n's shape."""
+    def lift(self, n, ins, why):
+        """n run once per copy (each copy is a batch of its own), by its record's `batched` rule: an operand
+        with rows seen as (K_lr,) + its shape, a statistic as it is, the others shared. The result is a
+        statistic, unless an axis of it has the batch's size: then it is rows again, on the first such
+        axis (each copy's values stacked there, as any value with rows; an op after it that mixes them is
+        run per copy in turn). Every site whose noise reaches n pairs with its copy's whole loss (`used`).
+        `why`: what n does to the rows, for the refusal of an op without the rule."""
         b, g = self.b, self.b.g
-        op, attrs, src, shape = g.op(n), dict(g.attrs(n)), g.node(n)["src"], tuple(g.shape(n))
-        (u,) = g.operands(n)
-        if op == "reshape":
-            return b.view(b.stacked(u), (K,) + shape)
-        if op == "transpose":
-            return b.apply(op, [b.stacked(u)], src, axes=(0,) + tuple(a + 1 for a in attrs["axes"]))
-        if op == "broadcast_to":
-            return b.apply(op, [self.ranked(u, len(shape))], src, shape=(K,) + shape)
-        return b.apply(op, [b.stacked(u)], src, axes=tuple(a + 1 for a in attrs["axes"]),   # a reduction
-                       keepdims=bool(attrs.get("keepdims")))
+        src, shape = g.node(n)["src"], tuple(g.shape(n))
+        operands = [b.stacked(u) if w == STAT else self.per_copy(u) if isinstance(w, int) else u
+                    for u, w in zip(g.operands(n), ins)]
+        batched, made = get_op(g.op(n)).batched, []   # made: the nodes of n's copy, for a site's VJP through them
+        emit = lambda kind, inputs, **attrs: made.append(b.apply(kind, inputs, src, **attrs)) or made[-1]
+        out = batched(g, n, operands, [w is not None for w in ins], emit) if batched else None
+        if out is None:
+            raise Unsupported(f"{why.rstrip('.')}; lr_grad runs an op that mixes the batch's rows once per perturbed "
+                              f"copy, which it cannot do for {g.describe(n)} with these operands; or train this "
+                              f"model with loss_and_grad")
+        self.used.append(n)
+        self.made[n] = made
+        axis = next((a for a, d in enumerate(shape) if d == b.batch), None)
+        if axis is None:
+            b.copy[n] = out
+            return STAT
+        if axis:   # the copies' axis moved to just before it
+            out = emit("transpose", [out], axes=tuple(range(1, axis + 1)) + (0,) + tuple(range(axis + 1, len(shape) + 1)))
+        b.copy[n] = b.view(out, shape[:axis] + (KB,) + shape[axis + 1:])
+        made.append(b.copy[n])
+        return axis
+
+    def per_copy(self, u):
+        """Value u, which has rows, as (K_lr,) + its shape: each copy's rows on their axis."""
+        b, g = self.b, self.b.g
+        a, shape = b.where[u], tuple(g.shape(u))
+        x = b.view(b.stacked(u), shape[:a] + (K, b.batch) + shape[a + 1:])
+        if a:
+            x = b.apply("transpose", [x], g.node(u)["src"],
+                        axes=(a,) + tuple(range(a)) + tuple(range(a + 1, len(shape) + 1)))
+        return x
 
     def loss_shares(self, loss):
         """A loss that is itself a statistic (not affine in its reduction over rows: sqrt of an mse) as
@@ -140,12 +159,6 @@ class BatchStatistics:
         count = b.apply("count", [], g.node(loss)["src"], dims=(b.batch,), dtype=g.dtype(loss))
         per_copy = b.apply("div", [b.view(b.stacked(loss), (K, 1)), count])
         return b.view(b.apply("broadcast_to", [per_copy], shape=(K, b.batch)), (KB,))
-
-    def ranked(self, u, rank):
-        """Statistic u's copies, (K_lr,) + its shape padded with 1s to `rank` (right-aligned, as its op reads it)."""
-        s = tuple(self.b.g.shape(u))
-        c = self.b.stacked(u)
-        return self.b.view(c, (K,) + (1,) * (rank - len(s)) + s) if len(s) < rank else c
 
     def spread(self, u, rank, r):
         """Statistic u read by an op of `rank` whose rows are on axis r: broadcast to the stacked rows, each

@@ -33,6 +33,11 @@ that reduces them away writes their sum); `parts="sums"`: it writes the sum over
 given (a weight gradient). `part_work(graph, n, dims)`: what one image costs it, in conv flops; a
 run needs an op with one (a run of elementwise kernels alone is not worth a hand-off).
 
+Batched: `batched(graph, n, operands, lifted, emit)` builds n's op over a leading axis of independent
+copies, with emit(op, inputs, **attrs): the operands `lifted` have that axis in front, the others are the
+same for every copy, and the result has it in front (gradc/ops/batched.py). lr_grad runs an op that mixes
+the batch's rows so, once per perturbed copy (passes/lr_statistics.py); an op without it is refused there.
+
 Simplify: `simplify(graph, n)` gives the node n equals by one of the op's identities (x + 0 -> x,
 reshape to the same shape -> x), or n itself after rewriting it in place into a simpler form
 (transpose(transpose(x)) -> one transpose), or None; passes/simplify.py applies it to every node.
@@ -66,6 +71,7 @@ class Op:
     view: bool = False                     # its value is a view of its operand's buffer, never a buffer of its own
     parts: Optional[str] = None            # "rows" | "sums": its CPU kernel runs on any part of the batch (see Parts)
     part_work: Optional[Callable] = None   # (graph, n, dims) -> its kernel's work for one image, in conv flops
+    batched: Optional[Callable] = None     # (graph, n, operands, lifted, emit) -> n over copies (see Batched)
     doc: str = field(default="", compare=False)
 
 

@@ -13,6 +13,7 @@ The VJPs are products again, `matmul` where both factors are 2-D, so second orde
 import numpy as np
 
 from . import Op, register
+from .batched import right_aligned
 from ..errors import ShapeError
 from ..shapes import broadcast, fmt, size
 from .elementwise import X
@@ -214,7 +215,16 @@ def _cuda_lower(s):
     return [s.alloc(), f"{site}(stream, {', '.join(rows + [s.out])}){s.note}"]
 
 
+def _batched(graph, n, operands, lifted, emit):
+    """The copies' axis is one more batch dim, in front of the broadcast batch dims (a shared operand
+    broadcasts over it); a product summed over its batch is not taken per copy."""
+    if graph.attrs(n).get("reduce_batch"):
+        return None
+    return emit("batch_matmul", right_aligned(graph, operands, lifted, len(graph.shape(n)), emit), **graph.attrs(n))
+
+
 register(Op("batch_matmul", "matmul", _infer, _evaluate, _flops, vjp=_vjp, arity=2, rows=batch_matmul_rows,
+            batched=_batched,
             cpu=_lower(_cpu_source), cuda=_cuda_lower,
             doc="op(A) @ op(B) over broadcast batch dims (numpy's matmul); attrs transpose_a / transpose_b, "
                 "reduce_batch (sum over the batch too)"))

@@ -6,6 +6,7 @@ their sum. Its VJP slices the adjoint back into one piece per operand (`slice`, 
 import numpy as np
 
 from . import Op, register
+from .batched import every_copy
 from ..errors import ShapeError
 from ..shapes import fmt
 from .kernel_text import index, unravel
@@ -91,8 +92,12 @@ def _concat_cuda(s):
     return [s.alloc()] + [s.call(kernel, [arg, str(offset), s.out]) + s.note for arg, _, offset in _parts(s)]
 
 
+def _concat_batched(graph, n, operands, lifted, emit):
+    return emit("concat", every_copy(graph, operands, lifted, emit), axis=graph.attrs(n)["axis"] + 1)
+
+
 register(Op("concat", "layout", _concat_infer,
             lambda attrs, values, out_shape, dims: np.concatenate(values, axis=attrs["axis"]),
             lambda attrs, in_shapes, out_shape: 0, vjp=_concat_vjp, arity=None, rows=concat_rows,
-            cpu=_concat_cpu, cuda=_concat_cuda,
+            cpu=_concat_cpu, cuda=_concat_cuda, batched=_concat_batched,
             doc="operands joined along attrs axis"))

@@ -20,6 +20,7 @@ the next elementwise kernel.
 import numpy as np
 
 from . import Op, register
+from .batched import per_image
 from .conv_direct import (cpu_conv2d_direct_source, cpu_input_grad_direct_source, cpu_weight_grad_direct_source,
                           direct, kernel_block)
 from .conv_direct import workspace_bytes as direct_workspace_bytes
@@ -720,6 +721,7 @@ def _rows_summed(graph, n, ins, fail):
 
 register(Op("conv2d", "conv", _conv_infer, _conv_evaluate, _conv_flops, vjp=_conv_vjp, arity=2,
             rows=_rows_of_first, workspace=_workspace(0, 1, 2, taps=True), parts="rows", part_work=_image_work(0, 1, 2),
+            batched=per_image,
             cpu=_lower("conv2d", cpu_conv2d_source, cpu_conv2d_by_taps_source, 0, 1, 2, "conv_on_cores",
                        cpu_conv2d_winograd_source, make_direct=cpu_conv2d_direct_source),
             cuda=_lower("conv2d", cuda_conv2d_source),

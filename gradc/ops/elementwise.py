@@ -13,6 +13,7 @@ import sympy as sp
 from sympy.printing.numpy import NumPyPrinter
 
 from . import Op, REGISTRY, register
+from .batched import copies_dim, right_aligned
 from .scalar import (AbsF, Max2, NUMPY_FUNCTIONS, Relu, Sigmoid, Softplus, to_differentiable,
                      unsupported_parts)
 from ..errors import ShapeError
@@ -190,10 +191,19 @@ def rows(graph, n, ins, fail):
     return out
 
 
+def batched(graph, n, operands, lifted, emit):
+    """Per copy: the lifted operands right-aligned as their shapes broadcast (a stretch's shape, too, gets
+    the copies' dim in front)."""
+    attrs = dict(graph.attrs(n))
+    if "shape" in attrs:
+        attrs["shape"] = (copies_dim(graph, operands, lifted),) + tuple(attrs["shape"])
+    return emit(graph.op(n), right_aligned(graph, operands, lifted, len(graph.shape(n)), emit), **attrs)
+
+
 def make(name, expr, arity, doc="", simplify=None):
     return Op(name=name, kind="elementwise", infer=_infer, parts="rows", evaluate=_evaluate_with(lambda a: expr),
               flops=_flops_with(lambda a: expr), vjp=elementwise_vjp, arity=arity, expr=expr, doc=doc,
-              rows=rows, cpu=lower, cuda=lower, simplify=simplify)
+              rows=rows, cpu=lower, cuda=lower, simplify=simplify, batched=batched)
 
 
 def _is_scalar_const(graph, n, value):
@@ -251,7 +261,7 @@ register(make("broadcast_to", x0, 1, doc="stretch to attrs['shape']", simplify=_
 # A fused chain of elementwise ops: attrs["expr"] over its operands (attrs["shape"] optional).
 register(Op(name="fused", kind="elementwise", infer=_infer, parts="rows", evaluate=_evaluate_with(lambda a: a["expr"]),
             flops=_flops_with(lambda a: a["expr"]), vjp=elementwise_vjp, arity=None, expr=None,
-            rows=rows, cpu=lower, cuda=lower, simplify=_fused_identity))
+            rows=rows, cpu=lower, cuda=lower, simplify=_fused_identity, batched=batched))
 
 
 class ElementwiseDefinitionError(Exception):

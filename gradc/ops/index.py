@@ -9,6 +9,7 @@ reshape that drops the axis (gradc/dsl.py); a symbolic dim is only ever taken wh
 import numpy as np
 
 from . import Op, register
+from .batched import unary
 from ..errors import ShapeError
 from ..shapes import fmt, size
 from .kernel_text import index as kindex, unravel
@@ -70,6 +71,7 @@ def _slice_rows(graph, n, ins, fail):
 
 register(Op("slice", "layout", _slice_infer, _slice_evaluate,
             lambda attrs, in_shapes, out_shape: 0, vjp=_slice_vjp, arity=1, rows=_slice_rows,
+            batched=unary(index=lambda index, k: (None,) + tuple(index)),
             cpu=lambda s: _slice_cpu(s), cuda=lambda s: _slice_cuda(s),
             doc="x[start:stop:step, ...] with static ranges per axis (attrs index); a copy"))
 

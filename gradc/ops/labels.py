@@ -4,6 +4,7 @@ On CUDA a label out of range gives NaN, never a read outside the row."""
 import numpy as np
 
 from . import Op, register
+from .batched import every_copy
 from .kernel_text import (ROW_HEADER, dims_line, index, kept_index, loops, row_max_and_exp_into_out,
                           row_max_and_sum_exp, unravel, xent_grad_row, xent_grad_row_from_out)
 from .softmax import _np_log_softmax
@@ -124,9 +125,21 @@ def _pick_vjp(ctx, n, g):
     return [ctx.emit("pick_grad", [g, labels], num_classes=ctx.graph.shape(x)[-1]), None]
 
 
+def _pick_batched(graph, n, operands, lifted, emit):
+    """Each copy's values pick with its own labels (a shared operand is given to each copy)."""
+    return emit("pick", every_copy(graph, operands, lifted, emit), **graph.attrs(n))
+
+
+def _xent_batched(graph, n, operands, lifted, emit):
+    """Its kernels take (N, C): per copy, the log_softmax and the pick it stands for."""
+    x, labels = every_copy(graph, operands, lifted, emit)
+    return emit("neg", [emit("pick", [emit("log_softmax", [x], axis=2), labels])])
+
+
 register(Op("pick", "nn", _pick_infer,
             lambda attrs, values, out_shape, dims: np.take_along_axis(values[0], values[1][..., None], -1)[..., 0],
             lambda attrs, in_shapes, out_shape: size(out_shape), vjp=_pick_vjp, arity=2, rows=_row_wise,
+            batched=_pick_batched,
             cpu=_rank_lowering("pick", cpu_pick_source, _operand_shape),
             cuda=_rank_lowering("pick", cuda_pick_source, _operand_shape),
             indexes=_label_bound,
@@ -181,6 +194,7 @@ def _xent_vjp(ctx, n, g):
 
 register(Op("softmax_xent", "nn", _xent_infer, _xent_evaluate,
             lambda attrs, in_shapes, out_shape: 5 * size(in_shapes[0]), vjp=_xent_vjp, arity=2, rows=_row_wise,
+            batched=_xent_batched,
             cpu=_lowering("xent_rows", CPU_XENT_ROWS), cuda=_lowering("xent_rows", CUDA_XENT_ROWS), indexes=_label_bound,
             doc="out[i] = logsumexp(x[i]) - x[i, labels[i]]: the rows' cross-entropy losses"))
 

@@ -2,6 +2,7 @@
 import numpy as np
 
 from . import Op, register
+from .batched import shifted, unary
 from .elementwise import X
 from .kernel_text import index, unravel
 from ..errors import ShapeError
@@ -53,6 +54,7 @@ register(Op("transpose", "layout", _transpose_infer,
             lambda attrs, values, out_shape, dims: np.transpose(values[0], attrs["axes"]),
             lambda attrs, in_shapes, out_shape: 0, vjp=_transpose_vjp, arity=1,
             rows=lambda graph, n, ins, fail: list(graph.attrs(n)["axes"]).index(ins[0]),
+            batched=unary(axes=lambda axes, k: (0,) + shifted(axes)),
             cpu=lambda s: [s.alloc(), f"{s.out}[:] = np.transpose({s.args[0]}, {tuple(s.attrs['axes'])}){s.note}"],
             cuda=_transpose_cuda, simplify=_transpose_simplify))
 
@@ -113,6 +115,7 @@ def _reshape_simplify(graph, n):
 register(Op("reshape", "layout", _reshape_infer,
             lambda attrs, values, out_shape, dims: np.reshape(values[0], out_shape),
             lambda attrs, in_shapes, out_shape: 0, vjp=_reshape_vjp, arity=1, rows=_reshape_rows,
+            batched=unary(shape=lambda shape, k: (k,) + tuple(shape)),
             cpu=_reshape_cpu, cuda=_reshape_cuda, simplify=_reshape_simplify, view=True))
 
 

@@ -102,8 +102,15 @@ def _gemm_cuda(s):
     return [s.alloc(), f"{site}(stream, {', '.join(args + [s.out])}){s.note}"]
 
 
+def _matmul_batched(graph, n, operands, lifted, emit):
+    """A product per copy: a batch_matmul over the copies' axis (a shared factor is broadcast by it)."""
+    attrs = graph.attrs(n)
+    return emit("batch_matmul", operands, transpose_a=bool(attrs.get("transpose_a")),
+                transpose_b=bool(attrs.get("transpose_b")), reduce_batch=False)
+
+
 register(Op("matmul", "matmul", _matmul_infer, _matmul_evaluate, _matmul_flops, vjp=_matmul_vjp, arity=2,
-            rows=_matmul_rows, cpu=_matmul_cpu, cuda=_gemm_cuda,
+            rows=_matmul_rows, batched=_matmul_batched, cpu=_matmul_cpu, cuda=_gemm_cuda,
             doc="2-D matrix product; attrs transpose_a / transpose_b"))
 
 

@@ -18,6 +18,7 @@ window's row-major order, as PyTorch scans it.
 import numpy as np
 
 from . import Op, register
+from .batched import per_image
 from ..errors import ShapeError
 from ..shapes import bind_dims, fmt, size
 from .conv import check_float, check_nchw, out_len
@@ -508,7 +509,7 @@ def _rows_per_image(graph, n, ins, fail):
 
 register(Op("max_pool2d", "pool", _pool_infer("max_pool2d"),
             lambda attrs, values, out_shape, dims: max_pool2d_np(values[0], *_attrs(attrs)),
-            _window_flops, vjp=_max_vjp, arity=1, rows=_rows_per_image, parts="rows",
+            _window_flops, vjp=_max_vjp, arity=1, rows=_rows_per_image, parts="rows", batched=per_image,
             cpu=_lower_cpu("max_pool2d", cpu_max_pool_source), cuda=_lower("max_pool2d", cuda_max_pool_source),
             doc="max over each kernel window (padding is -inf); attrs kernel, stride, padding (pairs)"))
 register(Op("max_pool2d_grad", "pool", _grad_infer("max_pool2d_grad", first=0),
@@ -524,7 +525,7 @@ register(Op("max_pool2d_pick", "pool", _pick_infer,
             doc="u at each window's first maximum of x: max_pool2d_grad's adjoint in g"))
 register(Op("avg_pool2d", "pool", _pool_infer("avg_pool2d"),
             lambda attrs, values, out_shape, dims: avg_pool2d_np(values[0], *_attrs(attrs)),
-            _window_flops, vjp=_avg_vjp, arity=1, rows=_rows_per_image, parts="rows",
+            _window_flops, vjp=_avg_vjp, arity=1, rows=_rows_per_image, parts="rows", batched=per_image,
             cpu=_lower_cpu("avg_pool2d", cpu_avg_pool_source), cuda=_lower("avg_pool2d", cuda_avg_pool_source),
             doc="mean over each kernel window, padding counted as zeros (divisor kh kw); attrs kernel, stride, padding"))
 register(Op("avg_pool2d_grad", "pool", _grad_infer("avg_pool2d_grad", first=None),

@@ -4,6 +4,7 @@ import math
 import numpy as np
 
 from . import Op, register
+from .batched import shifted, unary
 from .kernel_text import block_sum, dims_line, index, kept_index, loops, unravel, unravel_dims
 from ..runtime.cuda import THREADS
 from ..errors import ShapeError
@@ -205,7 +206,7 @@ def _over_no_axes(graph, n):
 
 def _reduction(name, fn, vjp):
     return Op(name, "reduce", _reduce_infer, _np_reduce(fn), _reduce_flops, vjp=vjp, arity=1, rows=_reduce_rows, parts="rows",
-              simplify=_over_no_axes,
+              simplify=_over_no_axes, batched=unary(axes=lambda axes, k: shifted(axes)),
               cpu=_reduction_cpu, cuda=_reduction_cuda)
 
 
@@ -271,6 +272,7 @@ def _argmax_lowering(source):
 register(Op("argmax_mask", "reduce", _mask_infer,
             lambda attrs, values, out_shape, dims: first_max_mask(values[0], tuple(attrs["axes"])),
             _reduce_flops, vjp=lambda ctx, n, g: [None], arity=1, rows=_mask_rows,
+            batched=unary(axes=lambda axes, k: shifted(axes)),
             cpu=_argmax_lowering(cpu_argmax_source), cuda=_argmax_lowering(cuda_argmax_source),
             doc="piecewise constant: its derivative is zero"))
 

@@ -2,6 +2,7 @@
 import numpy as np
 
 from . import Op, register
+from .batched import shifted, unary
 from .kernel_text import index, kept_index, loops, dims_line
 from ..errors import ShapeError
 from ..shapes import size
@@ -92,6 +93,7 @@ def _lowering(source):
 
 def _softmax_op(name, evaluate, vjp):
     return Op(name, "nn", _axis_infer, evaluate, _softmax_flops, vjp=vjp, arity=1, rows=_softmax_rows,
+              batched=unary(axis=lambda axis, k: axis + 1),
               cpu=_lowering(cpu_softmax_source), cuda=_lowering(cuda_softmax_source))
 
 

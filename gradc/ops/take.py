@@ -114,8 +114,14 @@ def _lower_cuda(grad):
     return lower
 
 
+def _take_batched(graph, n, operands, lifted, emit):
+    """Each copy's indices read the one table (a table per copy is not taken)."""
+    return None if lifted[0] else emit("take", operands, **graph.attrs(n))
+
+
 register(Op("take", "nn", _take_infer, _take_evaluate,
             lambda attrs, in_shapes, out_shape: size(out_shape), vjp=_take_vjp, arity=2, rows=take_rows,
+            batched=_take_batched,
             cpu=_lower_cpu(False), cuda=_lower_cuda(False),
             indexes=lambda graph, n: (1, graph.shape(graph.operands(n)[0])[0]),
             doc="out[i..., :] = table[idx[i...], :]: an embedding lookup"))

@@ -1,0 +1,148 @@
+"""lr_grad on models whose ops mix the batch's rows (passes/lr_statistics.py's `lift`, the records' `batched`
+rules, DESIGN.md §1.9): contrastive losses over the batch (CLIP's za @ zb.T, pairwise distances), attention
+across the batch, a cross-correlation of two views (Barlow Twins), a softmax over the batch axis, a conv of
+the batch's mean image. Each copy is a batch of its own, so such an op runs once per perturbed copy, and a
+site whose noise reaches it pairs with its copy's whole loss. Each estimate is checked for bias per param
+through the interpreter (fuzz_lr.assert_unbiased); compiled modules against the interpreter; what is refused."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import gradc as gc
+from gradc.passes.pipeline import build_training_graph
+
+from fuzz_lr import assert_unbiased, check_lr_compiled
+
+
+def _towers(m):
+    """Two inputs (B, 5) and (B, 4), each through a layer of its own to (B, 6)."""
+    xa, xb = m.input("xa", ("B", 5)), m.input("xb", ("B", 4))
+    return gc.tanh(xa @ m.param("Wa", (5, 6))), gc.tanh(xb @ m.param("Wb", (4, 6)))
+
+
+def _clip():
+    """CLIP's symmetric contrastive loss with a learned temperature: row i of za @ zb.T matches column i."""
+    m = gc.Model("lrclip")
+    za, zb = _towers(m)
+    y = m.input("y", ("B",), dtype="int64")
+    logits = za @ zb.T * gc.exp(m.param("t", (), init="zeros"))
+    m.minimize(0.5 * (gc.softmax_cross_entropy(logits, y) + gc.softmax_cross_entropy(logits.T, y)))
+    return m
+
+
+def _pairwise_distances():
+    """Each row's squared distances to every row of the other view, (B, B, 6) summed: a softmax over them."""
+    m = gc.Model("lrpairwise")
+    za, zb = _towers(m)
+    y = m.input("y", ("B",), dtype="int64")
+    d = gc.square(za.reshape(("B", 1, 6)) - zb.reshape((1, "B", 6))).sum(axis=2)
+    m.minimize(gc.softmax_cross_entropy(-d, y))
+    return m
+
+
+def _batch_attention():
+    """Each row attends to every row of its batch (a set transformer's self-attention over the batch),
+    then a classifier: the classifier's noise reaches its own row's loss only."""
+    m = gc.Model("lrbatchattention")
+    x, y = m.input("x", ("B", 5)), m.input("y", ("B",), dtype="int64")
+    q, k, v = (x @ m.param(f"W{c}", (5, 4)) for c in "qkv")
+    a = gc.softmax(q @ k.T * 0.5, axis=1)
+    m.minimize(gc.softmax_cross_entropy(gc.tanh(a @ v + x @ m.param("Ws", (5, 4))) @ m.param("Wo", (4, 3)), y))
+    return m
+
+
+def _barlow_twins():
+    """Two views through one encoder, standardised over the batch, their cross-correlation (6, 6) over the
+    batch pushed to the identity: a loss of the whole batch, one per copy."""
+    m = gc.Model("lrbarlow")
+    xa, xb = m.input("xa", ("B", 5)), m.input("xb", ("B", 5))
+    W, V = m.param("W", (5, 6)), m.param("V", (6, 6))
+    za, zb = (gc.tanh(x @ W) @ V for x in (xa, xb))
+    za, zb = ((z - z.mean(axis=0)) / gc.sqrt(gc.square(z - z.mean(axis=0)).mean(axis=0) + 1e-5) for z in (za, zb))
+    c = za.T @ zb * (1.0 / 7)
+    eye = np.eye(6)
+    m.minimize((gc.square(c - eye) * (eye + 0.05 * (1 - eye))).sum())
+    return m
+
+
+def _softmax_over_the_batch():
+    m = gc.Model("lrbatchsoftmax")
+    x, t = m.input("x", ("B", 5)), m.input("t", ("B", 3))
+    h = gc.softmax(x @ m.param("W0", (5, 6)), axis=0)
+    m.minimize(gc.mse(h @ m.param("W1", (6, 3)), t))
+    return m
+
+
+def _mean_image_conv():
+    """A prototype: the batch's mean feature map after a conv, convolved again and compared with each row's."""
+    m = gc.Model("lrmeanimage")
+    x = m.input("x", ("B", 1, 6, 6))
+    h = gc.relu(gc.conv2d(x, m.param("K0", (2, 1, 3, 3))))
+    proto = gc.conv2d(h.mean(axis=0, keepdims=True), m.param("K1", (2, 2, 1, 1)))
+    m.minimize(gc.square(h - proto).mean())
+    return m
+
+
+MODELS = {"clip": _clip, "pairwise_distances": _pairwise_distances, "batch_attention": _batch_attention,
+          "barlow_twins": _barlow_twins, "softmax_over_the_batch": _softmax_over_the_batch,
+          "mean_image_conv": _mean_image_conv}
+
+
+def _problem(name, rng, B=7):
+    graph = build_training_graph(MODELS[name](), "float64", order=1)
+    params = {p: 0.7 * rng.normal(size=graph.shape(n)) for p, n in graph.params.items()}
+    draws = {"xa": (B, 5), "xb": (B, 5 if name == "barlow_twins" else 4), "x": (B, 5), "t": (B, 3)}
+    if name == "mean_image_conv":
+        draws["x"] = (B, 1, 6, 6)
+    inputs = {k: rng.normal(size=s) for k, s in draws.items() if k in graph.inputs}
+    if "y" in graph.inputs:
+        inputs["y"] = rng.permutation(B) % 3 if name == "batch_attention" else rng.permutation(B)
+    return graph, params, inputs
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_ops_that_mix_the_batchs_rows_are_estimated_without_bias(name):
+    graph, params, inputs = _problem(name, np.random.default_rng(1))
+    assert graph.lr["why"] is None, graph.lr["why"]
+    assert_unbiased(graph, params, inputs, name, "")
+
+
+def test_noise_before_the_mixing_pairs_with_the_copys_loss_and_after_it_with_its_row():
+    """Attention across the batch: q, k and v's noise reaches every row of its copy ("sample"); the skip's
+    and the classifier's reach their own row ("row": the skip joins the attention after its mixing)."""
+    graph, _, _ = _problem("batch_attention", np.random.default_rng(1))
+    assert [s["pairs"] for s in graph.lr["sites"]] == ["sample", "sample", "sample", "row", "row"], graph.lr["sites"]
+    assert not graph.lr["per_row"]
+
+
+@pytest.mark.parametrize("name", ["clip", "barlow_twins", "mean_image_conv"])
+def test_the_compiled_estimate_is_the_interpreters(name, tmp_path):
+    _, params, inputs = _problem(name, np.random.default_rng(2))
+    check_lr_compiled(SimpleNamespace(model=MODELS[name](), params=params, inputs=inputs, seeds=name,
+                                      text=lambda: name), str(tmp_path))
+
+
+def test_the_bias_check_finds_mixed_rows_paired_per_row(monkeypatch):
+    """The check can fail: with every site paired with its own row's loss (the coupling through za @ zb.T
+    left out), CLIP's estimate is biased."""
+    from gradc.passes import likelihood_ratio
+    graph, params, inputs = _problem("clip", np.random.default_rng(0))
+    monkeypatch.setattr(likelihood_ratio._Builder, "pairing", lambda self, site: "row")
+    graph = build_training_graph(_clip(), "float64", order=1)
+    with pytest.raises(AssertionError, match="mean squared z-score"):
+        assert_unbiased(graph, params, inputs, "clip paired per row", "")
+
+
+def test_an_op_that_mixes_rows_and_cannot_run_per_copy_is_refused_by_name():
+    """A scan along the batch dim (each row's carry the previous row's) has no per-copy form here."""
+    m = gc.Model("lrscanbatch")
+    x, t = m.input("x", ("B", 3)), m.input("t", ("B", 2))
+    W = m.param("W", (3, 2))
+    def step(h, x_t):
+        h = gc.tanh(h + (x_t.reshape((1, 3)) @ W).reshape((2,)))
+        return h, h
+    _, hs = gc.scan(step, m.input("h0", (2,)), x)
+    m.minimize(gc.mse(hs, t))
+    why = build_training_graph(m, "float64", order=1).lr["why"]
+    assert why is not None and "scans along the batch dim" in why and "test_lr_mixing.py" in why, why
