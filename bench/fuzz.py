@@ -1,6 +1,7 @@
 """Fuzz gradc against PyTorch autograd on random graphs (the generator is tests/fuzz_graphs.py).
 
     python bench/fuzz.py --n 1000 [--seed0 S] [--compiled K] [--per-model 3] [--pipelined P [--budget]] [--lr L]
+                         [--lr-general G]
 
 Every seed S0 .. S0+N-1 goes through gradc's numpy interpreter: loss, gradients and H v against
 torch in float64 (dense ops, conv2d and pools, indexing, concat/stack, take, batched matmul and
@@ -9,7 +10,9 @@ seeded dropout / Gaussian noise). The first K seeds also go through the compiled
 and --microbatches 2 (a scan placed whole on a stage, its rows split; --devices 2 alone where the rows
 check refuses microbatches). With --lr, L row-wise programs (tests/fuzz_lr.py) check that lr_grad
 takes them and that the mean of its estimates is loss_and_grad's gradient within their standard error
-(the interpreter). Failures print with their
+(the interpreter); with --lr-general, G of the general programs, which mix rows (lr_grad runs such ops
+once per perturbed copy): those it estimates must be unbiased, and its refusals are counted by reason.
+Failures print with their
 programs; the last lines are the summary `N graphs: X passed, Y failed` and how often each op
 variant and graph feature was generated.
 """
@@ -52,6 +55,8 @@ def main():
     ap.add_argument("--budget", action="store_true",
                     help="compile the --pipelined seeds under the least --memory-budget their stages fit")
     ap.add_argument("--lr", type=int, default=0, help="row-wise programs (from seed0) through lr_grad's bias check")
+    ap.add_argument("--lr-general", type=int, default=0,
+                    help="the general programs (from seed0), which mix rows, through lr_grad's bias check")
     args = ap.parse_args()
 
     coverage = Counter()
@@ -101,6 +106,23 @@ def main():
             print(msg, flush=True)
     if args.lr:
         print(f"lr_grad: {args.lr} row-wise graphs in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    t0, refused = time.perf_counter(), Counter()
+    for seed in range(args.seed0, args.seed0 + args.lr_general):
+        why = []
+        ok, msg = run(f"seed {seed} (lr_grad, general program)",
+                      lambda: why.append(fuzz_lr.check_lr_general(fuzz_graphs.random_case(seed))))
+        ran += 1
+        if not ok:
+            failed += 1
+            print(msg, flush=True)
+        elif why[0]:
+            refused[why[0].split(": ", 2)[-1][:100]] += 1
+    if args.lr_general:
+        print(f"lr_grad: {args.lr_general} general graphs in {time.perf_counter() - t0:.1f} s, "
+              f"{sum(refused.values())} refused:", flush=True)
+        for why, count in refused.most_common():
+            print(f"  {count:5d}  {why}")
 
     print("\ncoverage (interpreter seeds; op variants count steps, features count programs):")
     for name, count in sorted(coverage.items()):

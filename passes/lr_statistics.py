@@ -117,9 +117,19 @@ class BatchStatistics:
         statistic, unless an axis of it has the batch's size: then it is rows again, on the first such
         axis (each copy's values stacked there, as any value with rows; an op after it that mixes them is
         run per copy in turn). Every site whose noise reaches n pairs with its copy's whole loss (`used`).
-        `why`: what n does to the rows, for the refusal of an op without the rule."""
+        An op of values no noise reaches is the same in every copy: made once, on the batch's B rows, as the
+        model makes it. `why`: what n does to the rows, for the refusal of an op without the rule."""
         b, g = self.b, self.b.g
         src, shape = g.node(n)["src"], tuple(g.shape(n))
+        axis = next((a for a, d in enumerate(shape) if d == b.batch), None)
+        if STAT not in ins and all(u in b.clean for u, w in zip(g.operands(n), ins) if w is not None) \
+                and n not in b.inner:   # no noise reaches it (inputs alone): the same in every copy, made once
+            if axis is not None:
+                b.clean.add(n)
+                return axis
+            once = b.view(b.own(n), (1,) + shape)
+            b.copy[n] = b.apply("broadcast_to", [once], src, shape=(K,) + shape)
+            return STAT
         operands = [b.stacked(u) if w == STAT else self.per_copy(u) if isinstance(w, int) else u
                     for u, w in zip(g.operands(n), ins)]
         batched, made = get_op(g.op(n)).batched, []   # made: the nodes of n's copy, for a site's VJP through them
@@ -131,7 +141,6 @@ class BatchStatistics:
                               f"model with loss_and_grad")
         self.used.append(n)
         self.made[n] = made
-        axis = next((a for a, d in enumerate(shape) if d == b.batch), None)
         if axis is None:
             b.copy[n] = out
             return STAT

@@ -24,6 +24,7 @@ import gradc as gc  # noqa: E402
 import test_codegen as zoo  # noqa: E402
 import test_lr_grad as lr_grads  # noqa: E402
 import test_lr_graphs as lr_graphs  # noqa: E402
+import test_lr_mixing as lr_mixing  # noqa: E402
 import test_lr_params as lr_params  # noqa: E402
 import test_lr_scan as lr_scans  # noqa: E402
 import test_lr_statistics as lr_statistics  # noqa: E402
@@ -300,7 +301,7 @@ def run_lr(build):
     """lr_grad and Trainer(gradient="lr") on CUDA against the CPU target: the same noise (drawn in the
     kernels from the seed), so the same estimate; an MLP, an RNN as a gc.scan (device inputs too),
     language models with trained embeddings, an MLP with dropout, params read other than as a factor, a graph
-    convolution, a convolutional RNN, a nested scan, batch statistics."""
+    convolution, a convolutional RNN, a nested scan, batch statistics, ops that mix the batch's rows."""
     from numba import cuda
     rng = np.random.default_rng(2)
     out = {}
@@ -377,6 +378,14 @@ def run_lr(build):
     for name in ("bn_conv", "time_major", "folded_conv"):   # folded_conv: noise on each copy's g / sqrt(var + eps)
         model, cpu, dev = both(lr_statistics.MODELS[name], os.path.join(build, name))
         _, params, inputs = lr_statistics._problem(name, rng, B=4)
+        l1, g1 = cpu.lr_grad(params, samples=2, seed=3, sigma=0.1, **inputs)
+        l2, g2 = dev.lr_grad(params, samples=2, seed=3, sigma=0.1, **inputs)
+        out[name] = max(abs(l1 - l2), err(g1, g2))
+    # ops that mix the batch's rows, run once per copy: CLIP's za @ zb.T (batch_matmul over the copies, a
+    # softmax and picks per copy), and a conv of each copy's mean image
+    for name in ("clip", "mean_image_conv"):
+        model, cpu, dev = both(lr_mixing.MODELS[name], os.path.join(build, name))
+        _, params, inputs = lr_mixing._problem(name, rng, B=4)
         l1, g1 = cpu.lr_grad(params, samples=2, seed=3, sigma=0.1, **inputs)
         l2, g2 = dev.lr_grad(params, samples=2, seed=3, sigma=0.1, **inputs)
         out[name] = max(abs(l1 - l2), err(g1, g2))

@@ -19,6 +19,9 @@ terms: cross-entropy over (B, C) or (B, k, C) logits plus sums, means and square
 values, means weighted by an input mask over its count, weighted, added and subtracted, maybe through
 softplus or sqrt(l^2 + 1), with weight decay.
 
+`check_lr_general(case)` runs the same bias check on the general fuzzer's programs, which lr_grad runs
+per perturbed copy where their ops mix rows.
+
 `lr_case(seed)` gives a fuzz_graphs.Case; `check_lr_compiled(case, out)` that the generated module's
 lr_grad is the interpreter's; `check_lr(case)` asserts that lr_grad builds for it (a refusal is a
 finding: the program is one the estimate should take) and that the estimate is unbiased: over `seeds`
@@ -358,6 +361,19 @@ def check_lr(case, samples=256, seeds=16, sigma=1e-3):
     assert graph.lr["why"] is None, f"lr_grad refused lrfuzz seed {case.seeds}: {graph.lr['why']}\n{case.text()}"
     return assert_unbiased(graph, case.params, case.inputs, f"lrfuzz seed {case.seeds}", case.text(),
                            [p for p in case.trainable], samples, seeds, sigma)
+
+
+def check_lr_general(case, samples=256, seeds=16, sigma=1e-3):
+    """lr_grad on a program of the general fuzzer (tests/fuzz_graphs.py), which mixes rows freely (x.T,
+    softmaxes and products over the batch): where it builds, its estimate is unbiased (assert_unbiased);
+    where it refuses, the reason is returned (some such programs have no estimate: a scan along the batch
+    dim). Returns None when it built."""
+    graph = build_training_graph(case.model, "float64", order=1)
+    if graph.lr["why"] is not None:
+        return graph.lr["why"]
+    assert_unbiased(graph, case.params, case.inputs, f"general fuzz seed {case.seeds}", case.text(),
+                    [p for p in case.trainable], samples, seeds, sigma)
+    return None
 
 
 def assert_unbiased(graph, params, inputs, what, text, trainable=None, samples=256, seeds=16, sigma=1e-3, mode=None):

@@ -89,7 +89,7 @@ def test_lr_grad_and_its_trainer_match_the_cpu_target(results):
     assert set(lr) == {"mlp_antithetic", "mlp_layerwise", "trainer", "trainer_resumed", "scan_device_inputs",
                        "scan_step_loss", "embeddings", "dropout", "layer_norm", "scan_of_a_scaled_weight",
                        "gcn_neighbours", "uncertainty_weighted", "conv_rnn", "nested_scan", "bn_conv", "time_major",
-                       "folded_conv"}
+                       "folded_conv", "clip", "mean_image_conv"}
     off = {k: v for k, v in lr.items() if not (isinstance(v, float) and v <= TOLERANCE)}
     assert not off, off   # (only those: pytest cuts a long dict short)
 

@@ -22,7 +22,7 @@ from gradc.ops import conv, conv_direct, conv_winograd
 from conftest import split_every_conv
 import gradc.passes.likelihood_ratio as likelihood_ratio
 from fuzz_graphs import check_compiled, check_interpreted, check_pipelined, combined_case, random_case
-from fuzz_lr import check_lr, check_lr_compiled, lr_case
+from fuzz_lr import check_lr, check_lr_compiled, check_lr_general, lr_case
 
 # 70 seeds: about 25 s of CPU on one core; the slow tier runs 70..200, bench/fuzz.py any number
 INTERPRETED_SEEDS = [s if s < 70 else pytest.param(s, marks=pytest.mark.slow) for s in range(200)]
@@ -53,6 +53,22 @@ def test_lr_grad_of_row_wise_programs_is_unbiased(seed):
 def test_lr_grad_of_more_row_wise_programs_is_unbiased():
     for seed in range(24, 224):
         check_lr(lr_case(seed))
+
+
+# the general fuzzer's programs mix rows (products, softmaxes and reshapes over the batch): run per copy
+GENERAL_LR_SEEDS = range(12)   # about 10 s; the slow tier runs 200 more, bench/fuzz.py --lr-general any number
+
+
+@pytest.mark.parametrize("seed", GENERAL_LR_SEEDS)
+def test_lr_grad_of_programs_that_mix_rows_is_unbiased(seed):
+    why = check_lr_general(random_case(seed))
+    assert why is None, why
+
+
+@pytest.mark.slow
+def test_lr_grad_of_more_programs_that_mix_rows_is_unbiased():
+    refused = {seed: why for seed in range(12, 212) if (why := check_lr_general(random_case(seed)))}
+    assert len(refused) <= 4, refused   # (3 of these 200 at the time of writing: a scan along the batch dim)
 
 
 @pytest.mark.slow

@@ -146,3 +146,20 @@ def test_an_op_that_mixes_rows_and_cannot_run_per_copy_is_refused_by_name():
     m.minimize(gc.mse(hs, t))
     why = build_training_graph(m, "float64", order=1).lr["why"]
     assert why is not None and "scans along the batch dim" in why and "test_lr_mixing.py" in why, why
+
+
+def test_rows_mixed_before_any_noise_are_mixed_once_for_every_copy():
+    """A similarity of the inputs (a graph built from features, softmax(x @ x.T)) is the same in every copy:
+    made once on B rows, not K times; the estimate through it is unbiased."""
+    m = gc.Model("lrsimilarity")
+    x, y = m.input("x", ("B", 5)), m.input("y", ("B",), dtype="int64")
+    a = gc.softmax(x @ x.T, axis=1)
+    m.minimize(gc.softmax_cross_entropy(a @ gc.tanh(x @ m.param("W0", (5, 6))) @ m.param("W1", (6, 3)), y))
+    graph = build_training_graph(m, "float64", order=1)
+    assert graph.lr["why"] is None, graph.lr["why"]
+    estimate = graph.ancestors(graph.lr_grads.values()) - graph.ancestors([graph.loss] + list(graph.grads.values()))
+    softmaxes = [n for n in estimate if graph.op(n) == "softmax"]
+    assert softmaxes and all("K_lr" not in graph.shape(n) and "KB_lr" not in graph.shape(n) for n in softmaxes)
+    rng = np.random.default_rng(4)
+    params = {p: 0.7 * rng.normal(size=graph.shape(n)) for p, n in graph.params.items()}
+    assert_unbiased(graph, params, {"x": rng.normal(size=(7, 5)), "y": rng.integers(0, 3, 7)}, "similarity", "")
