@@ -104,8 +104,23 @@ def language_model(B, T=8, V=16):
     return m, {"tok": tokens[:-1], "tgt": tokens[1:], "h0": np.zeros((B, 16))}
 
 
+def contrastive(B):
+    """CLIP's symmetric loss over the batch (za @ zb.T, a learned temperature): the product mixes the rows, so
+    it runs once per perturbed copy and the towers' noise pairs with its copy's whole loss."""
+    m = gc.Model("lr_bench_clip")
+    xa, xb = m.input("xa", ("B", 32)), m.input("xb", ("B", 16))
+    y = m.input("y", ("B",), dtype="int64")
+    za = gc.tanh(xa @ m.param("Wa", (32, 24)))
+    zb = gc.tanh(xb @ m.param("Wb", (16, 24)))
+    logits = za @ zb.T * gc.exp(m.param("t", (), init="zeros"))
+    m.minimize(0.5 * (gc.softmax_cross_entropy(logits, y) + gc.softmax_cross_entropy(logits.T, y)))
+    rng = np.random.default_rng(0)
+    return m, {"xa": rng.normal(size=(B, 32)), "xb": rng.normal(size=(B, 16)), "y": np.arange(B)}
+
+
 MODELS = {"mlp B=64": (mlp, 64), "conv B=32": (convnet, 32), "bn conv B=32": (bn_convnet, 32),
-          "gcn karate": (gcn, 34), "rnn scan T=16 B=32": (rnn, 32), "lm embedding T=8 B=32": (language_model, 32)}
+          "gcn karate": (gcn, 34), "rnn scan T=16 B=32": (rnn, 32), "lm embedding T=8 B=32": (language_model, 32),
+          "clip B=32": (contrastive, 32)}
 
 
 def main():

@@ -48,7 +48,11 @@ mixing, its neighbours (A[i, j] != 0) behind one, else the sample's whole loss L
 are unbiased for the noised objective (a row's loss its noise cannot reach adds variance, not bias);
 the fewer rows, the less variance. A batch statistic (batch norm's mean over the rows, read back by
 them; passes/lr_statistics.py) is taken per copy, and a site whose noise reaches one pairs per sample;
-a param applied to a statistic is a site on the statistic, its noise one draw per copy ("copy").
+a param applied to a statistic is a site on the statistic, its noise one draw per copy ("copy"). Any
+other op that mixes rows (a contrastive za @ zb.T, a softmax over the batch, h.T @ h, attention across
+the batch) runs once per copy, by its record's `batched` rule (lr_statistics.lift): its result is rows
+again where it has an axis of the batch's size, a statistic otherwise, and a site whose noise reaches it
+pairs per sample.
 The baseline subtracted from each row's (or sample's) loss is the copies' losses weighted by a leaf
 (K_lr, 1) set at call time: without antithetic pairs the mean over the samples, made leave-one-out by
 the factor K/(K-1) the module folds into the scale; with pairs the loss of two copies without noise.
@@ -59,8 +63,8 @@ times their difference stays.
 The batch dim is not declared: each dim that may be it is tried, the likeliest first (batch_choices);
 any choice the rows rules accept gives an unbiased estimate. Params the estimate cannot reach (a
 learned initial carry, a factor of a step's loss in the step),
-batch statistics in a scan's step, and ops that mix rows in ways not covered make lr_grad raise at call
-time with the reason (graph.lr["why"]); compile never fails because of this pass.
+batch statistics in a scan's step, and ops that mix rows without a per-copy form (a scan along the batch)
+make lr_grad raise at call time with the reason (graph.lr["why"]); compile never fails because of this pass.
 """
 import sympy as sp
 

@@ -1,5 +1,6 @@
-"""Batch statistics in lr_grad's perturbed copies (passes/likelihood_ratio.py): batch norm's mean and
-variance over the rows, read back by the rows (h - mu) / sqrt(var + eps).
+"""Batch statistics and other ops that mix rows in lr_grad's perturbed copies (passes/likelihood_ratio.py):
+batch norm's mean and variance over the rows, read back by the rows (h - mu) / sqrt(var + eps); a
+contrastive loss's za @ zb.T.
 
 Each of the K copies is a batch of its own, so a statistic is taken over each copy's B rows: the
 stacked value (..., KB_lr, ...) is seen as (..., K_lr, B, ...) and reduced over B, giving one statistic
@@ -10,6 +11,12 @@ statistic carries each row's noise to every row of its copy, so a site whose val
 its noise with the whole copy's loss (likelihood_ratio.pairing: "sample"). A loss that is not affine in
 its reduction over rows (sqrt of a mean squared error, the log of a mean) is such a statistic too: one
 loss per copy, which every site's noise pairs with.
+
+An op that mixes rows in any other way (za @ zb.T, a softmax over the batch axis, h.T @ h) or reads a
+statistic other than elementwise runs once per copy (`lift`): by its record's `batched` rule, over the
+copies' axis in front of each operand. Its result is a statistic, (K_lr,) + its shape, unless it has an
+axis of the batch's size: then that axis holds rows again (each copy's values stacked on it), so the ops
+after it are stacked as any other; every site whose noise reaches it pairs with its copy's whole loss.
 
 Which reductions over the rows are statistics, and which the loss's (kept per row, lr_shares.py), is
 seen where an op reads one together with batch rows: the builder is run again with those reductions

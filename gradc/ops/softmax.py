@@ -2,7 +2,7 @@
 import numpy as np
 
 from . import Op, register
-from .batched import shifted, unary
+from .batched import unary
 from .kernel_text import index, kept_index, loops, dims_line
 from ..errors import ShapeError
 from ..shapes import size
