@@ -68,7 +68,7 @@ def test_lr_grad_of_programs_that_mix_rows_is_unbiased(seed):
 @pytest.mark.slow
 def test_lr_grad_of_more_programs_that_mix_rows_is_unbiased():
     refused = {seed: why for seed in range(12, 212) if (why := check_lr_general(random_case(seed)))}
-    assert len(refused) <= 4, refused   # (3 of these 200 at the time of writing: a scan along the batch dim)
+    assert not refused, refused
 
 
 @pytest.mark.slow
