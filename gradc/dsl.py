@@ -87,6 +87,9 @@ class Model:
         _check_name("output", name, src)
         if name in self.graph.outputs or name in RESERVED_OUTPUTS:
             raise GradcError(f"duplicate output name {name!r}" + (" (reserved for the objective)" if name in RESERVED_OUTPUTS else ""), src)
+        if not isinstance(tensor, Tensor):   # (a number or array here is a slip: the output would never change)
+            raise GradcError(f"output {name!r}: got a {type(tensor).__name__}, not a Tensor of the model (an output "
+                             f"is a value the model computes from its inputs and params)", src)
         self.graph.outputs[name] = self._node(tensor, "output", src)
 
     def minimize(self, loss, weight_decay=0.0):

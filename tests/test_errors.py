@@ -96,6 +96,10 @@ def test_declaration_errors():
         m.output("o", t)
     with pytest.raises(GradcError, match="reserved"):
         m.output("loss", t)
+    for constant in (3.0, np.ones(3)):   # an output that could never change is a slip
+        with pytest.raises(GradcError, match=r"output 'c': got a (float|ndarray), not a Tensor of the model"):
+            m.output("c", constant)
+    assert "c" not in m.graph.outputs
 
 
 def test_loss_errors():
