@@ -12,7 +12,7 @@ from gradc.ir import FLOAT_DTYPES
 from gradc.shapes import bind_dims
 
 from .autodiff import build_backward
-from .forward_outputs import lean_forward_outputs
+from .forward_outputs import lean_forward_outputs, lean_scans
 from .fusion import fuse_elementwise, split_second_order_uses
 from .gemm_fusion import fuse_gemms
 from .likelihood_ratio import build_lr
@@ -135,6 +135,8 @@ def on_device(graph, device):
 # graph and the build (model, dtype, dims, order, target) and rewrites the graph in place.
 PASSES = (
     ("bind", lambda g, b: bind(g, b.dtype, b.dims, b.model.src), None),
+    # a scan computes only the per-step outputs something reads
+    ("forward_outputs", lambda g, b: lean_scans(g), None),
     ("objective", lambda g, b: add_objective(g, b.decayed, b.model.weight_decay), None),
     # lr_grad's forward-only graph: K noised copies of the forward stacked on the rows (DESIGN.md §1.9)
     ("likelihood_ratio", lambda g, b: build_lr(g, b.trainable, b.decayed, b.model.weight_decay), None),

@@ -826,3 +826,36 @@ def test_forward_does_not_ask_for_a_sequence_no_step_reads(tmp_path):
         expected.append(h)
         h = np.tanh(h + p["E"][tok[t]])
     np.testing.assert_allclose(mod.forward(p, tok=tok, h0=h0)["states"], np.stack(expected), rtol=1e-12)
+
+
+def _unused_y(returns_y):
+    m = gc.Model("unused_y" if returns_y else "no_y")
+    x, h0 = m.input("x", ("T", "B", 4)), m.input("h0", ("B", 6))
+    W, U, V = m.param("W", (6, 6)), m.param("U", (4, 6)), m.param("V", (6, 3))
+
+    def step(h, x_t):
+        h = gc.tanh(h @ W + x_t @ U)
+        return h, (h @ V if returns_y else None)
+    hT, _ = gc.scan(step, h0, x)
+    m.minimize((hT * hT).mean())
+    return m
+
+
+def test_a_per_step_output_nothing_reads_is_not_computed_and_its_param_gets_the_note(tmp_path):
+    """A step returns h @ V and the model never reads those ys: the scan computed them at every step (and its
+    VJP V's zero gradient), and V got no note. The training graph's scan now leaves them out."""
+    graph = build_training_graph(_unused_y(True), "float64", order=2)
+    V = graph.params["V"]
+    assert V not in graph.ancestors([graph.loss] + [g for g in graph.grads.values() if g is not None]
+                                    + [h for h in graph.hvps.values() if h is not None])
+    with pytest.warns(UserWarning, match=r"param 'V' does not reach the loss"):
+        mod = gc.compile(_unused_y(True), out=str(tmp_path / "y"), dtype="float64", order=2, warm=False)
+    plain = gc.compile(_unused_y(False), out=str(tmp_path / "plain"), dtype="float64", order=2, warm=False)
+    rng = np.random.default_rng(3)
+    params = {k: 0.5 * rng.standard_normal(s) for k, s in mod.PARAM_SHAPES.items()}
+    inputs = {"x": rng.standard_normal((5, 2, 4)), "h0": rng.standard_normal((2, 6))}
+    loss, grads = mod.loss_and_grad(params, **inputs)
+    want_loss, want = plain.loss_and_grad(params, **inputs)
+    assert loss == want_loss and np.all(grads["V"] == 0.0)
+    for k in ("W", "U"):
+        np.testing.assert_array_equal(grads[k], want[k])
