@@ -135,8 +135,10 @@ def unreached_notes(model):
     """Params the loss does not read (their gradient is always 0, weight decay aside) and inputs nothing reads:
     most often a layer left out of the model by mistake. Read as the training graph reads them: a value only
     a scan's unused per-step output reads is not read (lean_scans)."""
-    g = copy.deepcopy(model.graph)
-    lean_scans(g)
+    g = model.graph
+    if any(g.op(n) == "scan" for n in g.nx.nodes):
+        g = copy.deepcopy(g)
+        lean_scans(g)
     loss_reads = nx.ancestors(g.nx, g.loss)
     read = loss_reads.union(*(nx.ancestors(g.nx, n) | {n} for n in g.outputs.values()))
     notes = [f"{g.node(n)['src']}: param {name!r} does not reach the loss: its gradient is always 0"
