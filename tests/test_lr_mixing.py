@@ -116,7 +116,8 @@ def test_noise_before_the_mixing_pairs_with_the_copys_loss_and_after_it_with_its
     assert not graph.lr["per_row"]
 
 
-@pytest.mark.parametrize("name", ["clip", "barlow_twins", "mean_image_conv"])
+@pytest.mark.parametrize("name", ["clip"] + [pytest.param(name, marks=pytest.mark.slow)
+                                              for name in ("barlow_twins", "mean_image_conv")])
 def test_the_compiled_estimate_is_the_interpreters(name, tmp_path):
     _, params, inputs = _problem(name, np.random.default_rng(2))
     check_lr_compiled(SimpleNamespace(model=MODELS[name](), params=params, inputs=inputs, seeds=name,
