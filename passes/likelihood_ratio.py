@@ -156,6 +156,19 @@ def estimate_nodes(graph):
     return set(graph.nx.nodes) - graph.ancestors(r for r in graph.roots() if r not in lr_grads)
 
 
+class _ViewsVJP(VJPContext):
+    """A site's VJP may go back through the views between the stacked rows (KB_lr, ...) and the copies
+    (K_lr, B, ...) (an op run per copy, A @ H): its reshapes are views too, whose dims the shape rule
+    cannot compare."""
+
+    def emit(self, op, inputs, **attrs):
+        if op != "reshape":
+            return super().emit(op, inputs, **attrs)
+        shape = tuple(attrs["shape"])
+        return self.graph.add_node("reshape", inputs, {"shape": shape}, shape, self.graph.dtype(inputs[0]),
+                                   phase=self.phase, src=self.src, of=self.node)
+
+
 class _Builder:
     def __init__(self, g, trainable, decayed, weight_decay, batch, axes, declared, statistics=(), stat_sites=()):
         self.g = g
@@ -475,6 +488,7 @@ class _Builder:
             h3 = self.view(h, (K, self.batch) + tuple(g.shape(h)[1:]))
             prod = self.apply("batch_matmul", [a, h3], src, transpose_a=False, transpose_b=False, reduce_batch=False)
             self.copy[n] = self.view(prod, (KB,) + tuple(shape[1:]))
+            self.statistics.made[n] = [prod, self.copy[n]]   # (A a trainable param: a site's VJP goes through them)
             self.mixing.append(n)
             return 0
         emit = lambda kind, inputs, **a: self.apply(kind, inputs, src, **a)
@@ -729,7 +743,7 @@ class _Builder:
             if record.kind == "project":
                 projected.setdefault(g.operands(n)[0], {})[g.attrs(n)["index"]] = gn
                 continue
-            grads = record.vjp(VJPContext(g, n, active, PHASE), n, gn)
+            grads = record.vjp(_ViewsVJP(g, n, active, PHASE), n, gn)
             for u, gu in zip(g.operands(n), grads):
                 if gu is not None and u in active:
                     adjoints.setdefault(u, []).append(gu)

@@ -84,9 +84,33 @@ def _mean_image_conv():
     return m
 
 
+_SHIFTED = gc.elementwise("lr_shifted_by", lambda a, b, g: a * g - b)
+
+
+def _site_on_a_mixing_op():
+    """A param read by the op that mixes the rows (a user op of (B, 1, 6), (1, B, 6) and a gain): its
+    noise goes on that op's copy, rows again, so the site's VJP goes back through the view to the copies."""
+    m = gc.Model("lrmixingsite")
+    za, zb = _towers(m)
+    y = m.input("y", ("B",), dtype="int64")
+    d = gc.square(_SHIFTED(za.reshape(("B", 1, 6)), zb.reshape((1, "B", 6)), m.param("g", (6,), init="ones")))
+    m.minimize(gc.softmax_cross_entropy(-d.sum(axis=2), y))
+    return m
+
+
+def _learned_mixing_of_seven_rows():
+    """A learned (B, B) mixing of a batch of 7 rows, A @ (X @ W) with A a param: a product per copy whose
+    own factor is trained (the trial's model gave an internal reshape error)."""
+    m = gc.Model("lrlearnedmix")
+    x, y = m.input("x", (7, 5)), m.input("y", (7,), dtype="int64")
+    m.minimize(gc.softmax_cross_entropy(m.param("A", (7, 7)) @ gc.tanh(x @ m.param("W", (5, 3))), y))
+    return m
+
+
 MODELS = {"clip": _clip, "pairwise_distances": _pairwise_distances, "batch_attention": _batch_attention,
           "barlow_twins": _barlow_twins, "softmax_over_the_batch": _softmax_over_the_batch,
-          "mean_image_conv": _mean_image_conv}
+          "mean_image_conv": _mean_image_conv, "site_on_a_mixing_op": _site_on_a_mixing_op,
+          "learned_mixing_of_seven_rows": _learned_mixing_of_seven_rows}
 
 
 def _problem(name, rng, B=7):
@@ -97,7 +121,8 @@ def _problem(name, rng, B=7):
         draws["x"] = (B, 1, 6, 6)
     inputs = {k: rng.normal(size=s) for k, s in draws.items() if k in graph.inputs}
     if "y" in graph.inputs:
-        inputs["y"] = rng.permutation(B) % 3 if name == "batch_attention" else rng.permutation(B)
+        inputs["y"] = rng.permutation(B) % 3 if name in ("batch_attention", "learned_mixing_of_seven_rows") \
+            else rng.permutation(B)
     return graph, params, inputs
 
 
