@@ -407,7 +407,9 @@ def test_compiled_lr_grad_and_trainer(build_dir):
     with pytest.raises(AttributeError):   # a backprop trainer turned "lr" had no options to step with
         mod.Trainer(params).gradient = "lr"
     assert tr.gradient == "lr"
-    for option in (dict(samples=8), dict(sigma=0.5), dict(layerwise=True), dict(antithetic=False), dict(seed=3)):
+    # (at their defaults too: a trial's Trainer(..., samples=64) forgot gradient="lr" and got backprop)
+    for option in (dict(samples=8), dict(sigma=0.5), dict(layerwise=True), dict(antithetic=False), dict(seed=3),
+                   dict(samples=64), dict(seed=0), dict(antithetic=True)):
         with pytest.raises(ValueError, match=r"option\(s\) of gradient='lr'"):   # backprop would ignore it
             mod.Trainer(params, **option)
     with pytest.raises(ValueError, match="odd"):

@@ -156,6 +156,10 @@ class LikelihoodRatio:
         return out if adopt is None else {k: adopt(v) for k, v in out.items()}
 
 
+_UNSET = object()   # an lr option the caller did not name
+DEFAULTS = {"samples": SAMPLES, "sigma": SIGMA, "seed": 0, "antithetic": True, "layerwise": False, "baseline": True}
+
+
 class LRTrainer:
     """Trainer(..., gradient="lr", samples=64, sigma=1e-2, seed=0, antithetic=True, layerwise=False, baseline=True):
     the same optimizers and checks, driven by lr_grad's estimate; step t draws its noise from seed + t.
@@ -163,18 +167,20 @@ class LRTrainer:
     _lr = None   # the module's LikelihoodRatio
     _gradient_option_names = ("gradient", "samples", "sigma", "seed", "antithetic", "layerwise", "baseline")
 
-    def __init__(self, params, /, *args, gradient="backprop", samples=SAMPLES, sigma=SIGMA, seed=0, antithetic=True,
-                 layerwise=False, baseline=True, **kwargs):
+    def __init__(self, params, /, *args, gradient="backprop", samples=_UNSET, sigma=_UNSET, seed=_UNSET,
+                 antithetic=_UNSET, layerwise=_UNSET, baseline=_UNSET, **kwargs):
         if gradient not in ("backprop", "lr"):
             raise ValueError(f"{self.model_name}.Trainer: gradient must be 'backprop' or 'lr', got {gradient!r}")
         self._gradient = gradient
         self._lr_options = self._lr_seed = None
-        given = {"samples": (samples, SAMPLES), "sigma": (sigma, SIGMA), "seed": (seed, 0),
-                 "antithetic": (antithetic, True), "layerwise": (layerwise, False), "baseline": (baseline, True)}
-        ignored = [f"{k}={v!r}" for k, (v, default) in given.items() if v is not default and v != default]
-        if gradient == "backprop" and ignored:   # they would be ignored
-            raise ValueError(f"{self.model_name}.Trainer: {', '.join(ignored)}: option(s) of gradient='lr' (the "
+        given = {"samples": samples, "sigma": sigma, "seed": seed, "antithetic": antithetic, "layerwise": layerwise,
+                 "baseline": baseline}
+        named = [f"{k}={v!r}" for k, v in given.items() if v is not _UNSET]
+        if gradient == "backprop" and named:   # they would be ignored, even at their defaults (gradient="lr" forgotten)
+            raise ValueError(f"{self.model_name}.Trainer: {', '.join(named)}: option(s) of gradient='lr' (the "
                              f"likelihood-ratio estimate), which a backprop trainer would ignore")
+        samples, sigma, seed, antithetic, layerwise, baseline = (
+            DEFAULTS[k] if v is _UNSET else v for k, v in given.items())
         if gradient == "lr":
             samples, sigma, seed, antithetic, layerwise, baseline = self._lr.check(
                 samples, sigma, seed, antithetic, layerwise, baseline, what="Trainer")
