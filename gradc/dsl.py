@@ -330,7 +330,7 @@ class Tensor:
 def _unary(name):
     def f(x):
         return _op(name, x)
-    f.__name__ = name
+    f.__name__ = f.__qualname__ = name   # (Python names a bad call by its qualname)
     f.__doc__ = f"Elementwise {name}; derivatives by sympy."
     return f
 
@@ -397,7 +397,7 @@ def _reduction(name):
         if not isinstance(x, Tensor):
             raise GradcError(f"{name}: needs a gradc Tensor", src)
         return _op(name, x, src=src, axes=_axes(name, x, axis, src), keepdims=bool(keepdims))
-    f.__name__ = name
+    f.__name__ = f.__qualname__ = name   # (Python names a bad call by its qualname)
     return f
 
 
@@ -413,7 +413,7 @@ def _axis_op(name):
             raise GradcError(f"{name}: axis must be one int (the axis it normalises over), got {axis!r}", src)
         (a,) = _axes(name, x, axis, src)
         return _op(name, x, src=src, axis=a)
-    f.__name__ = name
+    f.__name__ = f.__qualname__ = name   # (Python names a bad call by its qualname)
     return f
 
 
@@ -501,7 +501,7 @@ def _pool(name):
         attrs = {"kernel": kernel, "stride": kernel if stride is None else _pair(name, "stride", stride, src, 1),
                  "padding": _pair(name, "padding", padding, src, 0)}
         return model._apply(name, (x,), src, **attrs)
-    f.__name__ = name
+    f.__name__ = f.__qualname__ = name   # (Python names a bad call by its qualname)
     return f
 
 
@@ -529,7 +529,7 @@ def elementwise(name, fn):
             raise GradcError(f"{name}: takes {record.arity} operand{'s' * (record.arity != 1)}, got {len(operands)}",
                              call_src)
         return _op(name, *operands, src=call_src)
-    apply.__name__ = name
+    apply.__name__ = apply.__qualname__ = name
     apply.expr = record.expr
     return apply
 

@@ -441,3 +441,13 @@ def test_a_trainer_stepped_from_two_threads_takes_every_step(self_named):
     for t in threads:
         t.join()
     assert shared.steps == 60 and np.array_equal(shared.params["W"], serial.params["W"])
+
+
+def test_a_dsl_function_called_with_a_keyword_it_lacks_is_named_as_the_user_wrote_it():
+    """gc.max_pool2d(x, 2, dilation=2) said `_pool.<locals>.f() got an unexpected keyword argument` (trial H)."""
+    m = gc.Model("kwslip")
+    x = m.input("x", ("B", 1, 6, 6))
+    with pytest.raises(TypeError, match=r"^max_pool2d\(\) got an unexpected keyword argument 'dilation'"):
+        gc.max_pool2d(x, 2, dilation=2)
+    with pytest.raises(TypeError, match=r"^avg_pool2d\(\) got an unexpected keyword argument 'groups'"):
+        gc.avg_pool2d(x, 2, groups=1)
