@@ -6,8 +6,9 @@ MAX_BYTES = 2**63 - 1   # what an int64 byte count holds; the planners and numpy
 
 
 def parse_size(text):
-    """'auto', an int, or text like '512', '1.5GiB', '200MB' -> 'auto' or whole bytes (rounded down); ValueError
-    otherwise (also for negative, non-finite, over-int64 sizes and those between 0 and 1 byte)."""
+    """'auto', an int, or text like '512', '1.5GiB', '200MB' -> 'auto' or whole bytes (a unit's fraction rounded
+    down); ValueError otherwise (also for negative, non-finite, over-int64 sizes, those between 0 and 1 byte and
+    a fraction of a byte written without a unit, '1000.7')."""
     usage = f"{text!r} is not a size (bytes, or with KiB/MiB/GiB or KB/MB/GB)"
     if isinstance(text, bool):
         raise ValueError(usage)
@@ -25,6 +26,8 @@ def parse_size(text):
             raise ValueError(usage) from None
         if not math.isfinite(value):
             raise ValueError(f"{text!r} is not a size: it is not finite")
+        if UNITS[unit] == 1 and value != int(value):   # (1.3KiB is 1331.2: a unit's fraction is rounded down)
+            raise ValueError(f"{text!r} is not a size: a count of bytes is a whole number")
     if value < 0:
         raise ValueError(f"{text!r} is not a size: it is negative")
     if 0 < value < 1:   # (a larger fraction is rounded down to whole bytes: a bound stays a bound)
