@@ -53,3 +53,13 @@ def input_grads_source(g, input_grads, call_src, result, zeros):
         lines.append(f"    {', '.join('gi_' + i for i in input_grads)}{',' if len(input_grads) == 1 else ''} = {call_src}")
     lines.append(f"    return {{{returned}}}")
     return "\n".join(lines) + "\n"
+
+
+def checked_call(checks, names, what, pipeline):
+    """The lines of an entry point that check its arguments (`checks`, expressions whose values are `names`).
+    In a pipeline build every rank learns whether any rank refused them (Pipeline.agree): one rank refusing a
+    call alone would leave the others waiting in the stages' exchanges."""
+    if not pipeline:
+        return [f"    {name} = {check}" for name, check in zip(names, checks)]
+    return [f"    {', '.join(names)} = _PIPELINE.agree({what!r}, lambda: (",
+            *[f"        {check}," for check in checks], "    ))"]

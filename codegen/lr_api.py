@@ -1,5 +1,6 @@
 """The Python text of lr_grad in a generated module (DESIGN.md §1.9); the graph is passes/likelihood_ratio.py's,
 the argument work gradc/runtime/lr.py's."""
+from .api_text import checked_call
 
 
 def lr_info(g):
@@ -29,9 +30,9 @@ def lr_api_source(g, built, run_src, views_src, cuda=False, pipeline=False):
              "    baseline: subtract a baseline from each row's loss (with pairs the loss of two noise-free copies,",
              "    without them the leave-one-out mean). Weight decay is exact.",
              '    Returns (objective of the unperturbed forward, dict of estimated gradients)."""',
-             "    options = _LR.check(samples, sigma, seed, antithetic, layerwise, baseline)",
-             "    p = _SIGNATURE.params(params)",
-             '    a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS, "lr_grad")']
+             *checked_call(["_LR.check(samples, sigma, seed, antithetic, layerwise, baseline)",
+                            "_SIGNATURE.params(params)", '_SIGNATURE.inputs(inputs, _LOSS_INPUTS, "lr_grad")'],
+                           ["options", "p", "a"], "lr_grad", pipeline)]
     estimate = ["    try:",
                 "        loss = _lr_into(p, a, grads, *options)",
                 "    except MemoryError as e:   # the copies' rows are what grows",

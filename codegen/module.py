@@ -15,7 +15,7 @@ from gradc.passes.entries import by_fname, entries as entry_table
 from gradc.passes.stage_split import stage_index
 from gradc.runtime.cuda import BIG, THREADS, TILE
 
-from .api_text import HESSIAN, INIT_PARAMS, ORDER_1_STUBS, input_grads_source, trainer_head
+from .api_text import HESSIAN, INIT_PARAMS, ORDER_1_STUBS, checked_call, input_grads_source, trainer_head
 from .cpu import Kernels
 from .cuda import CudaKernels
 from .cuda_api import CUDA_HEADER, cuda_api
@@ -338,8 +338,8 @@ def generate(graph, plans, info):
     api.append("\n".join([
         "def loss_and_grad(params, /, **inputs):",
         '    """The objective (float) and its gradients for the trainable params (dict of views of one buffer)."""',
-        "    p = _SIGNATURE.params(params)",
-        '    a = _SIGNATURE.inputs(inputs, _LOSS_INPUTS, "loss_and_grad")',
+        *checked_call(["_SIGNATURE.params(params)", '_SIGNATURE.inputs(inputs, _LOSS_INPUTS, "loss_and_grad")'],
+                      ["p", "a"], "loss_and_grad", pipeline),
         "    grads = np.empty(GRAD_SIZE, FLOAT)",
         f"    {run_loss_and_grad}",
         (f"    return float(loss), _PIPELINE.owned({{\n        {gdict},\n    }})" if pipeline else

@@ -127,7 +127,31 @@ SAVE_SCRIPT = textwrap.dedent('''
         refused = ""
     except ValueError as e:
         refused = str(e)
-    np.savez(f"{{sys.argv[3]}}/rank{{rank}}.npz", refused=refused, **{{"p_" + k: v for k, v in held.items()}})
+    # a refusal on one rank alone is raised on both, and the next call runs on both (a trial's rank that
+    # refused a float32 batch paired its next call with the other's last, and the pipeline hung)
+    told = []
+
+    def attempt(call):
+        try:
+            return call()
+        except ValueError as e:
+            told.append(str(e))
+    slip = dict(inputs, x=inputs["x"].astype(np.float32)) if rank == 1 else inputs
+    attempt(lambda: m.loss_and_grad(m.init_params(3), **slip))
+    after = m.loss_and_grad(m.init_params(3), **inputs)[0]
+    attempt(lambda: tr.step(**slip))
+    if rank == 1:
+        tr.lr = 0.5   # trainers set apart: refused on both, nothing runs
+    attempt(lambda: tr.step(**inputs))
+    tr.lr = 1e-2
+    theirs = next(k for k, s in m._PIPELINE.grad_stages.items() if s == 1)
+    if rank == 0:   # assigned on a rank that does not update it: it would be lost
+        tr.params[theirs] = np.zeros_like(tr.params[theirs])
+    attempt(lambda: tr.step(**inputs))
+    steps = tr.steps
+    last = tr.step(**inputs)
+    np.savez(f"{{sys.argv[3]}}/rank{{rank}}.npz", refused=refused, told=np.array(told), after=after, steps=steps,
+             last=last, **{{"p_" + k: v for k, v in held.items()}})
 ''')
 
 
@@ -155,6 +179,16 @@ def test_a_pipeline_under_mpi_saves_every_stage_and_refuses_different_batches(tm
     for got in ranks:
         assert "were given different batches (x: its values): every rank passes the same whole batch" in \
             str(got["refused"]), got["refused"]
+    for rank, got in enumerate(ranks):
+        told = [str(t) for t in got["told"]]
+        assert len(told) == 4, told
+        assert ("input 'x' has dtype float32" in told[0]) and ("input 'x' has dtype float32" in told[1]), told
+        if rank == 0:
+            assert "nothing ran on any rank: rank(s) 1 refused the call" in told[0], told
+        assert "the ranks' trainers differ (lr: 0.01 on rank 0, 0.5 on rank 1)" in told[2], told
+        assert "was assigned on rank 0, but rank 1 runs its stage and updates it" in told[3], told
+        assert float(got["after"]) == float(ranks[0]["after"]) and int(got["steps"]) == 3   # in step; no refused step ran
+        assert float(got["last"]) == float(ranks[0]["last"])
 
 
 @pytest.mark.slow

@@ -80,6 +80,7 @@ class CudaTrainerBase(TrainerBase):
         is the trainer's own array again (as on the CPU)."""
         self._put_back()
         adopted = {}
+        self._adopted = ()   # the names adopted by this call (Pipeline.agree)
         for k, view in self._views.items():
             given = self.params[k]   # (_put_back: every name is there)
             if given is view:
@@ -100,6 +101,7 @@ class CudaTrainerBase(TrainerBase):
             view.copy_to_device(self.runner.device(source).reshape(view.shape) if not isinstance(new, np.ndarray)
                                 else source.reshape(view.shape), stream=self.runner.stream)
             self.params[k] = view
+        self._adopted = tuple(adopted)
 
     def _launch_step(self, *args):
         """The whole step's launches: gradients, their squared norm, the update."""
@@ -245,8 +247,12 @@ class CudaTrainerBase(TrainerBase):
         if self._parallel is not None:
             return self._parallel.step(inputs)
         run = self.runner
-        a = self.signature.inputs(inputs, self.loss_inputs, "Trainer.step", device_labels_later=True)
-        self._adopt()
+
+        def check():
+            checked = self.signature.inputs(inputs, self.loss_inputs, "Trainer.step", device_labels_later=True)
+            self._adopt()
+            return checked
+        a = self._agreed(f"Trainer.step {self.steps + 1}", check)
         state = self._hyper_state()
         p = dict(self.params)
         if self.pipeline is None:

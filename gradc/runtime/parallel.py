@@ -35,7 +35,7 @@ import zlib
 import numpy as np
 
 from .optim import CHECK, CHECKED_WRITE, WRITE, adam_update, clip_scale, sgd_update, sum_squares
-from .pipeline import mpi_world, recorded_axes
+from .pipeline import differing_settings, mpi_world, recorded_axes
 
 BUCKET_BYTES = 1 << 20   # PyTorch DDP takes 25 MiB; a smaller bucket starts sooner on small models
 
@@ -93,10 +93,7 @@ def _differing_shapes(tr, every):
 
 def _differing_settings(tr, every, where=None, outcome="this step changed nothing"):
     """The error when the ranks' trainers are set differently (tr.lr set on one rank only, say)."""
-    names = [k for k in every[0] if any(repr(e.get(k)) != repr(every[0][k]) for e in every)]
-    seen = "; ".join(f"{k}: " + ", ".join(f"{e.get(k)!r} on rank {r}" for r, e in enumerate(every)) for k in names)
-    return ValueError(f"{tr.model_name}.{where or f'Trainer.step {tr.steps + 1}'}: the ranks' trainers differ ({seen}); "
-                      f"every rank must make its Trainer with the same settings and set them alike; {outcome}")
+    return differing_settings(f"{tr.model_name}.{where or f'Trainer.step {tr.steps + 1}'}", every, outcome)
 
 
 def _weighting(tr, what):

@@ -136,6 +136,15 @@ def same_batch(comm, inputs):
                          f"every rank passes the same whole batch, and each stage reads its part; nothing ran")
 
 
+def differing_settings(where, every, outcome):
+    """The error when the ranks' trainers are set differently (tr.lr set on one rank only, say): `every`, each
+    rank's Trainer._settings()."""
+    names = [k for k in every[0] if any(repr(e.get(k)) != repr(every[0][k]) for e in every)]
+    seen = "; ".join(f"{k}: " + ", ".join(f"{e.get(k)!r} on rank {r}" for r, e in enumerate(every)) for k in names)
+    return ValueError(f"{where}: the ranks' trainers differ ({seen}); every rank must make its Trainer with the same "
+                      f"settings and set them alike; {outcome}")
+
+
 def _rows(v, axis, a, b):
     """Rows a:b of v on its batch axis (copied when that is not axis 0: the kernels read C order)."""
     return np.ascontiguousarray(v[(slice(None),) * axis + (slice(a, b),)])
@@ -214,6 +223,45 @@ class Pipeline:
     def allreduce(self, x):
         comm = self.comm
         return x if comm is None else comm.allreduce(x)
+
+    def agree(self, what, check, settings=None, assigned=lambda: ()):
+        """check() (this rank's checks of a call's arguments), and under MPI whether every rank passed them.
+        The ranks run the stages together: a call one rank refused alone left the others waiting in the
+        stages' exchanges, and paired its next call with their last (a trial's pipeline hung two calls
+        later). So a refusal on any rank is raised on every rank before anything runs; so are trainers set
+        apart (`settings`, each rank's Trainer._settings(): an lr set on one rank only, a checkpoint loaded
+        on one) and params assigned into tr.params on ranks that do not own them only (`assigned()`, the names
+        this rank adopted: the owner's stage updates a param, so the value would be lost).
+        Returns check()'s result."""
+        comm = self.comm
+        if comm is None:
+            return check()
+        try:
+            result, error = check(), None
+        except Exception as e:   # raised on every rank below; this one says why
+            result, error = None, e
+        told = None if error is None else str(error)
+        if told is not None and not told.startswith(f"{self.model}."):   # (gradc's own say whose call it was)
+            told = f"{type(error).__name__}: {told}"
+        mine = (told, settings, sorted(assigned()))
+        every = comm.allgather(mine)
+        if error is not None:
+            raise error
+        where = f"{self.model}.{what}"
+        refused = [r for r, (e, _, _) in enumerate(every) if e is not None]
+        if refused:
+            raise ValueError(f"{where}: nothing ran on any rank: rank(s) {', '.join(map(str, refused))} refused the "
+                             f"call ({every[refused[0]][0]})")
+        if settings is not None and any(repr(s) != repr(settings) for _, s, _ in every):
+            raise differing_settings(where, [s for _, s, _ in every], "nothing ran on any rank")
+        for rank, (_, _, names) in enumerate(every):
+            for name in names:
+                owner = self.grad_stages.get(name, 0)
+                if name not in every[owner][2]:
+                    raise ValueError(f"{where}: params[{name!r}] was assigned on rank {rank}, but rank {owner} runs its "
+                                     f"stage and updates it, and did not assign it: assign it on every rank (the "
+                                     f"value rank {owner} gets is the one trained); nothing ran on any rank")
+        return result
 
     def params_from_owners(self, params):
         """`params` with each trained param as the rank that owns (and updates) it holds it: an entry

@@ -106,6 +106,7 @@ class TrainerBase:
     rows = None            # the batch dim, the loss's reduction over it, the weight decay (parallel=...)
     _device = False        # params live on a GPU (CudaTrainerBase)
     _parallel = None       # DataParallel or ParameterServer (gradc/runtime/parallel.py)
+    _adopted = ()          # the params the last _adopt took from tr.params (Pipeline.agree)
 
     # checked whenever they are set (tr.lr = ... between steps too), in the params' dtype
     lr = Hyperparameter(lambda tr, v: tr._positive("lr", v, zero=True))   # 0: a warmup's first steps, a frozen model
@@ -262,6 +263,7 @@ class TrainerBase:
         having to undo it."""
         self._put_back()
         adopted = {}
+        self._adopted = ()   # the names adopted by this call (Pipeline.agree)
         for k, view in self._views.items():
             given = self.params[k]
             if given is view:
@@ -277,6 +279,7 @@ class TrainerBase:
         for k, new in adopted.items():
             self._views[k][...] = new
             self.params[k] = self._views[k]
+        self._adopted = tuple(adopted)
 
     def _put_back(self):
         """Trained params deleted from tr.params come back (the trainer's own arrays), names it does not have are
@@ -299,8 +302,8 @@ class TrainerBase:
     def step(self, /, **inputs):
         if self._parallel is not None:
             return self._parallel.step(inputs)
-        a = self.signature.inputs(inputs, self.loss_inputs, "Trainer.step")
-        p = self._checked_params()
+        a, p = self._agreed(f"Trainer.step {self.steps + 1}", lambda: (
+            self.signature.inputs(inputs, self.loss_inputs, "Trainer.step"), self._checked_params()))
         loss = self._gradients(p, a, self._grads)
         # under MPI each rank holds its own params' gradients: the norm and the overflow check are global
         sq = self._allreduce(sum_squares(self._grads))
@@ -356,6 +359,14 @@ class TrainerBase:
 
     def _allreduce(self, x):
         return x if self.pipeline is None else self.pipeline.allreduce(x)
+
+    def _agreed(self, what, check):
+        """check() (the call's checks, with the params assigned into tr.params adopted); with a pipeline's
+        stages on MPI ranks, raised on every rank when it fails on any, or when the ranks' trainers are set
+        apart (Pipeline.agree)."""
+        if self.pipeline is None:
+            return check()
+        return self.pipeline.agree(what, check, self._settings(), lambda: self._adopted)
 
     def _update(self, scale, mode):
         """The optimizer's update of every trained value with gradients times `scale`, as `mode` says
@@ -423,12 +434,17 @@ class TrainerBase:
         calls it: the stages' params and state are gathered onto every rank, rank 0 writes the file,
         once, and every rank returns when it is written. Params assigned into tr.params are adopted
         first and their names, shapes and dtypes checked: a wrong one raises ValueError and the file is
-        left as it was (with parallel=..., on the rank that holds it)."""
-        path = self._checkpoint_path(path, "save")
-        self._adopt()   # on every rank, before a pipeline's stages send rank 0 their params
-        self.signature.params(self.params)
+        left as it was (with parallel=..., on the rank that holds it; with a pipeline's stages, on every
+        rank, as are trainers the ranks set apart)."""
+        def check():   # (on every rank, before a pipeline's stages send rank 0 their params)
+            checked = self._checkpoint_path(path, "save")
+            self._adopt()
+            self.signature.params(self.params)
+            return checked
+
         if self._parallel is not None:
-            return self._parallel.save(path, self._write)
+            return self._parallel.save(check(), self._write)
+        path = self._agreed("Trainer.save", check)
         comm = self.pipeline.comm if self.pipeline is not None else None
         if comm is None:
             return self._write(path)
