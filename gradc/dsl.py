@@ -109,15 +109,18 @@ class Model:
         self._minimize_src = src
         self.graph.loss = n
 
-    @contextlib.contextmanager
     def stage(self, index):
         """Pin the ops made inside the block to pipeline stage `index` (--devices K); a param lives with
         the first op that reads it."""
-        src = user_src()
+        src = user_src()   # (checked here, not in the block's generator: there the caller is contextlib)
         if isinstance(index, bool) or not isinstance(index, numbers.Integral) or index < 0:
             raise GradcError(f"stage: the stage index must be an int >= 0, got {index!r}", src)
+        return self._pinned(int(index), src)
+
+    @contextlib.contextmanager
+    def _pinned(self, index, src):
         outer = self.graph.pin
-        self.graph.pin = (int(index), src)
+        self.graph.pin = (index, src)
         try:
             yield
         finally:

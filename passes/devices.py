@@ -57,6 +57,26 @@ def _positions(graph, forward):
     return groups, pin_of
 
 
+def _pins_apart(pins, K):
+    """Why the pins (a stage or None per position, in the forward's order) leave no cut of K contiguous
+    stages: a pin after a later stage's, or a stage with no position its pins leave it."""
+    last = {}
+    for i, k in enumerate(pins):
+        if k is None:
+            continue
+        later = [j for j, s in last.items() if s > k]
+        if later:
+            return f"an op pinned to stage {k} comes after one pinned to stage {pins[later[0]]}: stages run in order"
+        last[i] = k
+    placed = [(i, k) for i, k in enumerate(pins) if k is not None]
+    for k in range(K):
+        below = max((i for i, s in placed if s < k), default=-1)
+        above = min((i for i, s in placed if s > k), default=len(pins))
+        if k not in {s for _, s in placed} and above - below <= 1:
+            return f"stage {k} would hold no op: no op lies between the ops pinned before it and after it"
+    return "the pinned ops"
+
+
 def step_bytes(graph, n, dims):
     """The bytes step n needs at once: its output and the buffers it reads (no arena holding n
     can be smaller)."""
@@ -117,6 +137,8 @@ def plan_devices(graph, order, dims, K, target="cpu", device_memory=None, schedu
     except Infeasible:
         pinned = [f"{graph.describe(n)} [{graph.node(n)['src']}] -> stage {graph.node(n)['stage']}"
                   for n in forward if graph.node(n).get("stage") is not None]
+        if pinned:
+            pinned.insert(0, _pins_apart(pins, K))
         least = least_memory(problem, K, flight) if device_memory is not None else None
         why = ([f"fits --device-memory {format_size(device_memory)} per device under the {schedule} schedule"]
                if device_memory is not None else []) + (["keeps every pinned op on its stage (" +
