@@ -308,6 +308,10 @@ def test_parallel_options_are_checked(tmp_path):
                        ({"bucket_bytes": 1.5}, "bucket_bytes"), ({"stage_ranks": 2}, "this build has one stage")):
         with pytest.raises(ValueError, match=match):
             mod.Trainer(mod.init_params(0), parallel="data", **bad)
+    for parallel in ("data", "ps"):   # (was an AttributeError: 'int' object has no attribute 'Get_size')
+        with pytest.raises(TypeError, match=rf"Trainer\(parallel='{parallel}'\): comm must be an mpi4py communicator "
+                                            r"\(MPI.COMM_WORLD or one split from it\), got int"):
+            mod.Trainer(mod.init_params(0), parallel=parallel, comm=5)
 
 
 def _two_ranks(tmp_path, script, build):

@@ -54,9 +54,12 @@ def _import_mpi(tr, parallel):
     return MPI
 
 
-def world(comm, MPI):
-    """The communicator to run over: `comm`, or COMM_WORLD (also when it has one rank)."""
+def world(comm, MPI, tr, parallel):
+    """The communicator to run over: `comm` (an mpi4py Intracomm), or COMM_WORLD (also when it has one rank)."""
     if comm is not None:
+        if not isinstance(comm, MPI.Intracomm):
+            raise TypeError(f"{tr.model_name}.Trainer(parallel={parallel!r}): comm must be an mpi4py communicator "
+                            f"(MPI.COMM_WORLD or one split from it), got {type(comm).__name__}")
         return comm
     comm = mpi_world()
     return MPI.COMM_WORLD if comm is None else comm
@@ -113,7 +116,7 @@ class DataParallel:
         self.MPI = _import_mpi(tr, "data")
         self.tr = tr
         self.reduction = _weighting(tr, "data")
-        comm = world(comm, self.MPI)
+        comm = world(comm, self.MPI, tr, "data")
         self.world = comm
         if not isinstance(overlap, bool):
             raise ValueError(f"{tr.model_name}.Trainer: overlap must be True or False, got {overlap!r}")
@@ -427,7 +430,7 @@ class ParameterServer:
     def __init__(self, tr, comm=None, servers=1, staleness=0, timeout=60.0):
         self.MPI, self.tr = _import_mpi(tr, "ps"), tr
         self.reduction = _weighting(tr, "ps")
-        comm = world(comm, self.MPI)
+        comm = world(comm, self.MPI, tr, "ps")
         if tr._device:
             raise ValueError(f"{tr.model_name}.Trainer(parallel='ps') runs on CPU builds (servers hold numpy "
                              f"shards); use parallel='data' for a --target cuda module")
