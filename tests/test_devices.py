@@ -308,3 +308,16 @@ def test_weight_decay_is_summed_where_each_param_lives(tmp_path, order):
             squares += 1   # W0..W3, Wo, b0 and b2
     assert squares == 5 + 2 and len({s["stage"] for s in plan["stage"] if s["params"]}) == 3
     _same_as_one_device(one, many, np.random.default_rng(11), 4, order == 2, 1e-12)
+
+
+def test_a_batch_of_another_size_is_told_how_a_devices_build_takes_any(tmp_path):
+    """A --devices build needs its dims bound: "compile without --bind for any size" (a trial) was no way out."""
+    m = gc.Model("two_stage_rows")
+    h = m.input("x", ("B", 4))
+    for i in range(2):
+        h = gc.tanh(h @ m.param(f"W{i}", (4, 4)))
+    m.minimize(gc.mean(h * h))
+    mod = compile_model(m, out=str(tmp_path / "a"), order=1, bind={"B": 4}, warm_cache=False, devices=2)
+    with pytest.raises(ValueError, match=r"B=4 was bound when the module was compiled \(--bind\); compile with "
+                                         r"--microbatches M > 1 for any batch size"):
+        mod.loss_and_grad(mod.init_params(0), x=np.ones((5, 4), np.float32))

@@ -75,7 +75,8 @@ def _fmt(shape):
 
 
 class Signature:
-    def __init__(self, model_name, param_shapes, inputs, float_dtype, index_bounds, devices=False, declared=None):
+    def __init__(self, model_name, param_shapes, inputs, float_dtype, index_bounds, devices=False, declared=None,
+                 unbind="compile without it for any size"):
         self.model = model_name
         self.devices = devices    # a --target cuda module: CUDA arrays are accepted where they are
         self.param_shapes = param_shapes
@@ -83,14 +84,15 @@ class Signature:
         self.float = np.dtype(float_dtype)
         self.index_bounds = index_bounds   # int inputs -> what their values index (passes/analysis.py index_inputs)
         self.declared = declared or {}   # input -> its declared shape, where --bind made a dim an int
+        self.unbind = unbind             # how to build for any size (a --devices build needs its --bind)
 
     def _bound_hint(self, name, shape, given):
         """Why an int of the expected shape differs from the model's: the dims --bind fixed at compile time."""
         declared = self.declared.get(name, ())
         fixed = [f"{d}={e}" for d, e, a in zip(declared, shape, given) if isinstance(d, str) and not isinstance(e, str)
                  and e != a]
-        return (f" ({', '.join(fixed)} was bound when the module was compiled (--bind); compile without it for "
-                f"any size)") if fixed else ""
+        return (f" ({', '.join(fixed)} was bound when the module was compiled (--bind); {self.unbind})"
+                if fixed else "")
 
     def params(self, params, exact=False):
         """Checked params, in call form (0-d arrays as 1-element views)."""
