@@ -15,6 +15,7 @@ import pytest
 
 import gradc as gc
 from gradc.compiler import compile_model
+from gradc.runtime.parallel import ranks_per_replica
 
 from test_memory import _dag, _mlp
 from test_pipeline import _sum_loss_model
@@ -308,6 +309,11 @@ def test_parallel_options_are_checked(tmp_path):
                        ({"bucket_bytes": 1.5}, "bucket_bytes"), ({"stage_ranks": 2}, "this build has one stage")):
         with pytest.raises(ValueError, match=match):
             mod.Trainer(mod.init_params(0), parallel="data", **bad)
+    assert [ranks_per_replica("m", 2, size, None) for size in (1, 2, 4, 6)] == [1, 2, 2, 2]
+    assert ranks_per_replica("m", 2, 3, 1) == 1 and ranks_per_replica("m", 1, 3, None) == 1
+    with pytest.raises(ValueError, match=r"this build has 2 stages, one a rank, but mpiexec started 3 processes: run "
+                                         r"mpiexec -n R\*2 \(R replicas\), or pass stage_ranks=1"):
+        ranks_per_replica("m", 2, 3, None)   # (it became 3 replicas of both stages unasked: a trial)
     for parallel in ("data", "ps"):   # (was an AttributeError: 'int' object has no attribute 'Get_size')
         with pytest.raises(TypeError, match=rf"Trainer\(parallel='{parallel}'\): comm must be an mpi4py communicator "
                                             r"\(MPI.COMM_WORLD or one split from it\), got int"):

@@ -111,6 +111,23 @@ def _weighting(tr, what):
     return facts["reduction"]
 
 
+def ranks_per_replica(model_name, K, size, stage_ranks):
+    """How many of `size` ranks run one replica of a K-stage build: K (one stage a rank), or 1 (a replica's
+    stages in its rank) when asked for with stage_ranks=1 or in one process. A count of ranks that is not
+    a multiple of K is refused unless stage_ranks=1 says so (it became one replica a rank unasked)."""
+    if stage_ranks is None:
+        stage_ranks = K if size > 1 else 1
+    if stage_ranks not in (1, K):
+        raise ValueError(f"{model_name}.Trainer: stage_ranks={stage_ranks!r}: " + (
+            f"use 1 (each replica runs its {K} stages in one process) or {K} (one stage a rank)" if K > 1 else
+            "this build has one stage: leave it None (or 1)"))
+    if size % stage_ranks:
+        raise ValueError(f"{model_name}.Trainer(parallel='data'): this build has {K} stages, one a rank, but "
+                         f"mpiexec started {size} processes: run mpiexec -n R*{K} (R replicas), or pass "
+                         f"stage_ranks=1 to run every stage of a replica in one process")
+    return stage_ranks
+
+
 class DataParallel:
     def __init__(self, tr, comm=None, overlap=True, bucket_bytes=BUCKET_BYTES, stage_ranks=None):
         self.MPI = _import_mpi(tr, "data")
@@ -127,16 +144,7 @@ class DataParallel:
         pipe = tr.pipeline
         K = pipe.K if pipe is not None else 1
         size, rank = comm.Get_size(), comm.Get_rank()
-        if stage_ranks is None:
-            stage_ranks = K if K > 1 and size % K == 0 else 1
-        if stage_ranks not in (1, K):
-            raise ValueError(f"{tr.model_name}.Trainer: stage_ranks={stage_ranks!r}: " + (
-                f"use 1 (each replica runs its {K} stages in one process) or {K} (one stage a rank)" if K > 1 else
-                "this build has one stage: leave it None (or 1)"))
-        if size % stage_ranks:
-            raise ValueError(f"{tr.model_name}.Trainer(parallel='data'): this build has {K} stages, one a rank, but "
-                             f"mpiexec started {size} processes: run mpiexec -n R*{K} (R replicas), or pass "
-                             f"stage_ranks=1 to run every stage of a replica in one process")
+        stage_ranks = ranks_per_replica(tr.model_name, K, size, stage_ranks)
         self.stage = rank % stage_ranks if stage_ranks > 1 else None
         replica = rank // stage_ranks
         if stage_ranks > 1:   # a replica group per stage, and a pipeline group per replica
