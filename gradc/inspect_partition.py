@@ -3,6 +3,7 @@ schedule as a text Gantt chart (a PNG too with the viz extra)."""
 import os
 
 from .files import read_json, write_beside_dumps
+from .runtime.schedules import SCHEDULES
 from .sizes import format_size
 
 WIDTH = 72   # columns of the Gantt chart
@@ -19,6 +20,10 @@ def partition_report(base, graph):
         return ["partition: one device (compiled without --devices K)"]
     plan = read_json(path)
     K, M = plan["stages"], plan["microbatches"]
+    counts = all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in (K, M))
+    if not counts or plan["schedule"] not in SCHEDULES or len(plan["stage"]) != K:   # (cli.py names the build)
+        raise ValueError(f"{path} plans {K!r} stages, {M!r} microbatches, schedule {plan['schedule']!r} and "
+                         f"{len(plan['stage'])} stage entries, not a pipeline gradc makes")
     cost = plan["cost_model"]
     lines = [f"partition: {K} stages on {plan['target']}, schedule {plan['schedule']}, {M} microbatch"
              + ("es" if M != 1 else "") + f"; cost model {cost['flop_rate']:.3g} FLOP/s per device, "

@@ -201,6 +201,25 @@ def test_inspect_refuses_a_dump_whose_shape_was_edited(tmp_path):
             f"a shape is {shape!r}, not a list of sizes" in line, line
 
 
+def test_inspect_refuses_a_partition_dump_that_was_edited(tmp_path):
+    """A partition.json edited to schedule "zigzag" and -3 microbatches was printed as it was (a trial)."""
+    (tmp_path / "model.py").write_text("import gradc as gc\nm = gc.Model('slip_part')\nh = m.input('x', ('B', 3))\n"
+                                       "for i in range(2):\n    h = gc.tanh(h @ m.param(f'W{i}', (3, 3)))\n"
+                                       "m.minimize(h.sum())\n")
+    assert gradc("compile", "model.py", "-o", "build", "--warm", "none", "--devices", "2", "--bind", "B=4",
+                 cwd=tmp_path).returncode == 0
+    assert gradc("inspect", "build/slip_part", "--partition", cwd=tmp_path).returncode == 0
+    path = tmp_path / "build" / "slip_part.partition.json"
+    original = path.read_text()
+    for key, value in (("schedule", "zigzag"), ("microbatches", -3), ("stages", 3), ("stages", True)):
+        doc = json.loads(original)
+        doc[key] = value
+        path.write_text(json.dumps(doc))
+        line = one_error_line(gradc("inspect", "build/slip_part", "--partition", cwd=tmp_path))
+        assert line.startswith("gradc: error: build/slip_part: a dump of this build lacks what gradc") and \
+            "not a pipeline gradc makes" in line, line
+
+
 def test_the_simulator_runs_the_random_hash_without_warnings(tmp_path):
     """numpy scalars warn where the hash's uint64 arithmetic wraps; gradc's kernels mean it to."""
     pytest.importorskip("numba.cuda", reason="numba-cuda (the test extra) is not installed")
