@@ -44,8 +44,8 @@ class Graph:
         self.merged = {}        # node -> the node that took its value over (CSE, fusion): where its `of` lands
         self.batch_rows = None  # (the batch dim: its name, or the int --bind made it; the inputs with it on
                                 # axis 0), recorded before binding (passes/part_runs.py)
-        self.declared_shapes = {}   # input (and random) node -> its shape as the model declared it, before
-                                    # --bind made dims ints (two dims bound to one size are still told apart)
+        self.declared_shapes = {}   # the model's node -> its shape as the model declared it, before --bind
+                                    # made dims ints (two dims bound to one size are still told apart)
 
     # ---- building -------------------------------------------------------------------------
     def apply(self, op, inputs=(), attrs=None, *, phase="forward", src=None, name=None, of=None, distinct=False):

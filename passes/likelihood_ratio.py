@@ -183,6 +183,7 @@ class _Builder:
         self.constants = set()     # their sums and means over the rows: constants of the estimate where needed
         self.owned = {}            # a clean value -> the estimate's own node of it (B rows)
         self.inner = set()
+        self.tops = set()          # the values that get a site's noise (the last of each chain)
         self.mixing = []
         self.sites = []            # Site, in the order of their masks and noise streams
         self.scans = ScanNoise(self)
@@ -215,6 +216,7 @@ class _Builder:
         order = g.topo_order(self.fwd)
         sites = chains(g, [n for n in order if n not in self.free], self.free.__contains__)
         tops = {chain[-1]: chain for chain in sites}
+        self.tops = set(tops)
         self.check_scans()
         self.inner = {x for chain in sites for x in chain[:-1]}   # a chain's products and adds below its top
         self.seed = self.leaf("seed", (), "int64")

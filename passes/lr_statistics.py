@@ -26,7 +26,7 @@ A param applied to a statistic (gamma / sqrt(var + eps), h - s * mu) is a site w
 its noise is drawn per copy, (K_lr,) + its shape, and pairs with the copy's whole loss ("copy"). Which
 such values the rows read is known only once the forward is built, so they too are found by building
 again (`Statistic.sites`); one the loss alone reads is differentiated exactly (exact_parts)."""
-from gradc.ops import get_op
+from gradc.ops import get_op, rows_of
 from gradc.shapes import fmt
 
 from .lr_shares import share_rows
@@ -128,9 +128,11 @@ class BatchStatistics:
         model makes it. `why`: what n does to the rows, for the refusal of an op without the rule."""
         b, g = self.b, self.b.g
         src, shape = g.node(n)["src"], tuple(g.shape(n))
-        axis = next((a for a, d in enumerate(shape) if d == b.batch), None)
+        axis = self.rows_axis(n, ins)
         if STAT not in ins and all(u in b.clean for u, w in zip(g.operands(n), ins) if w is not None) \
-                and n not in b.inner:   # no noise reaches it (inputs alone): the same in every copy, made once
+                and n not in b.inner and (axis is not None or n not in b.tops):
+            # no noise reaches it (inputs alone): the same in every copy, made once (a site without rows is
+            # run per copy below, so that its VJP reaches its params)
             if axis is not None:
                 b.clean.add(n)
                 return axis
@@ -156,6 +158,34 @@ class BatchStatistics:
         b.copy[n] = b.view(out, shape[:axis] + (KB,) + shape[axis + 1:])
         made.append(b.copy[n])
         return axis
+
+    def rows_axis(self, n, ins):
+        """The axis of lifted op n's result that holds rows again, or None: where the rows of one operand go
+        through n by its record's rule, taken alone (za @ zb.T: za's on axis 0, zb's on 1; a reduction or
+        product over them: none), the first such axis of the batch's size. Else any axis that has the batch
+        dim as the model declared it (a softmax over the rows keeps them on their axis): told apart from
+        another dim that --bind gave the same size (Barlow Twins' (6, 6) with the batch bound to 6 stays a
+        statistic)."""
+        b, g = self.b, self.b.g
+        shape = tuple(g.shape(n))
+
+        def fail(why):
+            raise Unsupported(why)
+        found = []
+        for i, w in enumerate(ins):
+            if isinstance(w, int):
+                try:
+                    a = rows_of(g, n, [w if j == i else None for j in range(len(ins))], fail)
+                except Unsupported:
+                    continue
+                if isinstance(a, int) and shape[a] == b.batch:
+                    found.append(a)
+        if found:
+            return min(found)
+        declared = g.declared_shapes.get(n)   # (the model's nodes: as the model declared them, before --bind)
+        if isinstance(b.declared, str) and declared is not None:
+            return next((a for a, d in enumerate(declared) if d == b.declared), None)
+        return next((a for a, d in enumerate(shape) if d == b.batch), None) if isinstance(b.batch, str) else None
 
     def per_copy(self, u):
         """Value u, which has rows, as (K_lr,) + its shape: each copy's rows on their axis."""

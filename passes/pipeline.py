@@ -55,8 +55,7 @@ def bind(graph, dtype, dims, src):
                              f"(declare it with dtype=None, or compile with --dtype {d})", graph.node(n)["src"])
     rows = batch_rows(graph)   # (before the dims become ints: the runs still know the batch)
     graph.batch_rows = None if rows is None else (dims.get(rows[0], rows[0]), rows[1])
-    graph.declared_shapes = {n: graph.shape(n) for n in graph.inputs.values()} | {
-        n: graph.shape(n) for n in graph.nx.nodes if graph.op(n) == "random"}
+    graph.declared_shapes = {n: graph.shape(n) for n in graph.nx.nodes}   # (lr_grad tells the batch's axes by them)
     for g in [graph] + graph.bodies():
         _bind_nodes(g, dtype, dims)
 
@@ -134,9 +133,9 @@ def on_device(graph, device):
 # The pass order, the one place it is written: (timing name, pass, when it runs). A pass takes the
 # graph and the build (model, dtype, dims, order, target) and rewrites the graph in place.
 PASSES = (
-    ("bind", lambda g, b: bind(g, b.dtype, b.dims, b.model.src), None),
     # a scan computes only the per-step outputs something reads
     ("forward_outputs", lambda g, b: lean_scans(g), None),
+    ("bind", lambda g, b: bind(g, b.dtype, b.dims, b.model.src), None),
     ("objective", lambda g, b: add_objective(g, b.decayed, b.model.weight_decay), None),
     # lr_grad's forward-only graph: K noised copies of the forward stacked on the rows (DESIGN.md §1.9)
     ("likelihood_ratio", lambda g, b: build_lr(g, b.trainable, b.decayed, b.model.weight_decay), None),

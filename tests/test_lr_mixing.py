@@ -107,21 +107,48 @@ def _learned_mixing_of_seven_rows():
     return m
 
 
+def _softmax_over_the_batch_then_a_scan():
+    """A scan's initial carry normalised over the batch: rows again after the softmax (a statistic, which a
+    scan cannot read, when the batch was told by its size only and bound)."""
+    m = gc.Model("lrbatchsoftmaxscan")
+    x, xs, y = m.input("x", ("B", 5)), m.input("xs", (3, "B", 4)), m.input("y", ("B",), dtype="int64")
+    W, U = m.param("W", (4, 4)), m.param("U", (4, 4))
+    h0 = gc.softmax(x @ m.param("W0", (5, 4)), axis=0)
+    hT, _ = gc.scan(lambda h, x_t: (gc.tanh(h @ W + x_t @ U), None), h0, xs)
+    m.minimize(gc.softmax_cross_entropy(hT, y))
+    return m
+
+
+def _pooled_by_a_param():
+    """P (3, 6) pools the 6 rows of an input (made once: no noise reaches x) and of a hidden layer: P @ x is a
+    site without rows, noised per copy (review: its part was left out, a biased P)."""
+    m = gc.Model("lrpooled")
+    x, t = m.input("x", (6, 5)), m.input("t", (6, 3))
+    P, V = m.param("P", (3, 6)), m.param("V", (5, 5))
+    h = gc.tanh(x @ V)
+    m.minimize(gc.mse(h @ (P @ x).T + h @ gc.tanh(P @ h).T, t))
+    return m
+
+
 MODELS = {"clip": _clip, "pairwise_distances": _pairwise_distances, "batch_attention": _batch_attention,
           "barlow_twins": _barlow_twins, "softmax_over_the_batch": _softmax_over_the_batch,
           "mean_image_conv": _mean_image_conv, "site_on_a_mixing_op": _site_on_a_mixing_op,
-          "learned_mixing_of_seven_rows": _learned_mixing_of_seven_rows}
+          "learned_mixing_of_seven_rows": _learned_mixing_of_seven_rows, "pooled_by_a_param": _pooled_by_a_param,
+          "softmax_over_the_batch_then_a_scan": _softmax_over_the_batch_then_a_scan}
 
 
-def _problem(name, rng, B=7):
-    graph = build_training_graph(MODELS[name](), "float64", order=1)
+def _problem(name, rng, B=7, bind=False):
+    if name == "pooled_by_a_param":
+        B = 6
+    graph = build_training_graph(MODELS[name](), "float64", order=1, dims={"B": B} if bind else None)
     params = {p: 0.7 * rng.normal(size=graph.shape(n)) for p, n in graph.params.items()}
-    draws = {"xa": (B, 5), "xb": (B, 5 if name == "barlow_twins" else 4), "x": (B, 5), "t": (B, 3)}
+    draws = {"xa": (B, 5), "xb": (B, 5 if name == "barlow_twins" else 4), "x": (B, 5), "t": (B, 3), "xs": (3, B, 4)}
     if name == "mean_image_conv":
         draws["x"] = (B, 1, 6, 6)
     inputs = {k: rng.normal(size=s) for k, s in draws.items() if k in graph.inputs}
     if "y" in graph.inputs:
-        inputs["y"] = rng.permutation(B) % 3 if name in ("batch_attention", "learned_mixing_of_seven_rows") \
+        inputs["y"] = rng.permutation(B) % (4 if name.endswith("scan") else 3) \
+            if name in ("batch_attention", "learned_mixing_of_seven_rows", "softmax_over_the_batch_then_a_scan") \
             else rng.permutation(B)
     return graph, params, inputs
 
@@ -131,6 +158,16 @@ def test_ops_that_mix_the_batchs_rows_are_estimated_without_bias(name):
     graph, params, inputs = _problem(name, np.random.default_rng(1))
     assert graph.lr["why"] is None, graph.lr["why"]
     assert_unbiased(graph, params, inputs, name, "")
+
+
+@pytest.mark.parametrize("name, B", [("barlow_twins", 6), ("mean_image_conv", 4), ("clip", 6),
+                                     ("softmax_over_the_batch_then_a_scan", 4)])
+def test_a_batch_bound_to_another_dims_size_is_estimated_as_when_symbolic(name, B):
+    """With B bound to 6, Barlow Twins' (6, 6) cross-correlation was taken for rows (by its size) and refused;
+    with B bound to 4, the prototype's 4x4 map was. The batch's axes are told by the shapes as declared."""
+    graph, params, inputs = _problem(name, np.random.default_rng(3), B=B, bind=True)
+    assert graph.lr["why"] is None, graph.lr["why"]
+    assert_unbiased(graph, params, inputs, f"{name} B={B}", "")
 
 
 def test_noise_before_the_mixing_pairs_with_the_copys_loss_and_after_it_with_its_row():
