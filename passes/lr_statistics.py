@@ -144,10 +144,12 @@ class BatchStatistics:
         batched, made = get_op(g.op(n)).batched, []   # made: the nodes of n's copy, for a site's VJP through them
         emit = lambda kind, inputs, **attrs: made.append(b.apply(kind, inputs, src, **attrs)) or made[-1]
         out = batched(g, n, operands, [w is not None for w in ins], emit) if batched else None
-        if out is None:
-            raise Unsupported(f"{why.rstrip('.')}; lr_grad runs an op that mixes the batch's rows once per perturbed "
-                              f"copy, which it cannot do for {g.describe(n)} with these operands; or train this "
-                              f"model with loss_and_grad")
+        if out is None:   # (why without its advice: this says what lr_grad tried)
+            reason = why.split("; lr_grad stacks")[0].split("; or train this model")[0].rstrip(".")
+            copied = ", ".join(g.describe(u) for u, w in zip(g.operands(n), ins) if w is not None)
+            raise Unsupported(f"{reason}; lr_grad runs an op that mixes the batch's rows once per perturbed copy, but "
+                              f"{g.op(n)} has no form for a copy of each of {copied}; or train this model with "
+                              f"loss_and_grad")
         self.used.append(n)
         self.made[n] = made
         if axis is None:
