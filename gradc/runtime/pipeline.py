@@ -244,6 +244,15 @@ class Pipeline:
         if told is not None and not told.startswith(f"{self.model}."):   # (gradc's own say whose call it was)
             told = f"{type(error).__name__}: {told}"
         mine = (told, settings, sorted(assigned()))
+        # one reduction of a checksum when the ranks agree (every step); what each holds only when they do not
+        from mpi4py import MPI
+        key = zlib.crc32(repr(mine).encode())
+        keys = np.array([key, -key], dtype=np.int64)
+        comm.Allreduce(MPI.IN_PLACE, keys, op=MPI.MAX)
+        if keys[0] == -keys[1]:   # the same on every rank: all passed (or all refused alike)
+            if error is not None:
+                raise error
+            return result
         every = comm.allgather(mine)
         if error is not None:
             raise error
