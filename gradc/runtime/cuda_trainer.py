@@ -52,6 +52,7 @@ class CudaTrainerBase(TrainerBase):
                 self._views[k] = self.params[k] = run.own(view)
             else:
                 self.params[k] = run.adopt(checked[k])
+        self._replaced()   # (what later calls compare with)
         self._grads = run.empty((max(size, 1),))
         zeros = np.zeros(max(size, 1), dtype=self.signature.float)
         self.state = OptimizerState(self.model_name, {slot: run.adopt(zeros) for slot in slots})

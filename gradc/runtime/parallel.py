@@ -219,6 +219,8 @@ class DataParallel:
             tr._adopt()
             a = tr.signature.inputs(inputs, tr.loss_inputs, "Trainer.step")
             rows = _rows(tr, a)
+            if tr.pipeline is not None and getattr(tr, "gradient", "backprop") == "backprop":
+                tr.pipeline.rows(a)   # (its microbatches: a shard too small for them is refused with the rest)
         except ValueError as e:   # raised on every rank below; this one says why
             error, rows = ValueError(f"{e} (rank {self.world.Get_rank()}; step {tr.steps + 1} changes nothing on any "
                                      f"rank)"), 0

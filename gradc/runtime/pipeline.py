@@ -190,6 +190,10 @@ class Pipeline:
                 if spec[0] == "v":
                     last[spec[1]] = key
         self.read = set(last)                 # values some function takes as an argument
+        # the stage whose rank holds each param as used: a trained one's owner, another's sender (or reader)
+        self.homes = {name: k for (k, _), (_, _, spec, _) in functions.items() for what, name in spec if what == "p"}
+        self.homes |= {param_names[u]: src for _, u, src, _, when in transfers if when == "param"}
+        self.homes |= dict(grad_stages)
         self.drop_after = {}
         for node, key in last.items():
             self.drop_after.setdefault(key, []).append(node)
@@ -243,7 +247,7 @@ class Pipeline:
         told = None if error is None else str(error)
         if told is not None and not told.startswith(f"{self.model}."):   # (gradc's own say whose call it was)
             told = f"{type(error).__name__}: {told}"
-        mine = (told, settings, sorted(assigned()))
+        mine = (what.split(" ")[0], told, settings, sorted(assigned()))
         # one reduction of a checksum when the ranks agree (every step); what each holds only when they do not
         from mpi4py import MPI
         key = zlib.crc32(repr(mine).encode())
@@ -254,22 +258,26 @@ class Pipeline:
                 raise error
             return result
         every = comm.allgather(mine)
+        where = f"{self.model}.{what}"
+        calls = [call for call, _, _, _ in every]
+        if len(set(calls)) > 1:   # (rank 0 steps while rank 1 saves: each would wait for the other)
+            raise ValueError(f"{where}: the ranks made different calls ({', '.join(f'{c} on rank {r}' for r, c in enumerate(calls))}): "
+                             f"every rank makes the same calls in the same order; nothing ran on any rank")
         if error is not None:
             raise error
-        where = f"{self.model}.{what}"
-        refused = [r for r, (e, _, _) in enumerate(every) if e is not None]
+        refused = [r for r, (_, e, _, _) in enumerate(every) if e is not None]
         if refused:
             raise ValueError(f"{where}: nothing ran on any rank: rank(s) {', '.join(map(str, refused))} refused the "
-                             f"call ({every[refused[0]][0]})")
-        if settings is not None and any(repr(s) != repr(settings) for _, s, _ in every):
-            raise differing_settings(where, [s for _, s, _ in every], "nothing ran on any rank")
-        for rank, (_, _, names) in enumerate(every):
+                             f"call ({every[refused[0]][1]})")
+        if settings is not None and any(repr(s) != repr(settings) for _, _, s, _ in every):
+            raise differing_settings(where, [s for _, _, s, _ in every], "nothing ran on any rank")
+        for rank, (_, _, _, names) in enumerate(every):
             for name in names:
-                owner = self.grad_stages.get(name, 0)
-                if name not in every[owner][2]:
-                    raise ValueError(f"{where}: params[{name!r}] was assigned on rank {rank}, but rank {owner} runs its "
-                                     f"stage and updates it, and did not assign it: assign it on every rank (the "
-                                     f"value rank {owner} gets is the one trained); nothing ran on any rank")
+                home = self.homes.get(name, 0)
+                if name not in every[home][3]:
+                    raise ValueError(f"{where}: params[{name!r}] was assigned on rank {rank}, but rank {home} runs the "
+                                     f"stage that holds it, and did not assign it: assign it on every rank (the value "
+                                     f"rank {home} gets is the one used); nothing ran on any rank")
         return result
 
     def params_from_owners(self, params):
@@ -311,10 +319,12 @@ class Pipeline:
         self.schedule, self.M = schedule, microbatches
         self.order = interleave(schedule, self.K, microbatches)
 
-    def split(self, inputs):
-        """M microbatches of the inputs, and their weights."""
+    def rows(self, inputs):
+        """The batch's rows, when the inputs make M microbatches (None with one); ValueError otherwise. A
+        data-parallel replica asks before its ranks agree on a step: one replica refusing alone would leave
+        the others waiting."""
         if self.M == 1:
-            return [inputs], [1.0]
+            return None
         axes = self.batch_inputs
         rows = {np.shape(inputs[name])[axis] for name, axis in axes.items() if name in inputs}
         if len(rows) != 1:
@@ -324,6 +334,14 @@ class Pipeline:
         if B < self.M:
             raise ValueError(f"{self.model}: a batch of {B} rows cannot make {self.M} microbatches (this build's "
                              f"--microbatches): give at least {self.M} rows")
+        return B
+
+    def split(self, inputs):
+        """M microbatches of the inputs, and their weights."""
+        B = self.rows(inputs)
+        if B is None:
+            return [inputs], [1.0]
+        axes = self.batch_inputs
         bounds = np.linspace(0, B, self.M + 1).round().astype(int)
         micro = [{k: (_rows(v, axes[k], a, b) if k in axes else v) for k, v in inputs.items()}
                  for a, b in zip(bounds[:-1], bounds[1:])]
@@ -335,16 +353,17 @@ class Pipeline:
         `decay_once` the weight decay term stays counted `self.weight_sum` times (a data-parallel
         Trainer corrects it once for all ranks); on_ready(stage) is called when the gradients of a
         stage's params are final (here, or under MPI on this rank's stage)."""
+        comm = self.comm
+        if comm is not None:   # first: the ranks' batches the same, a batch that cannot be split is so on every rank
+            same_batch(comm, inputs)
         micro, weights = self.split(inputs)
         self.weight_sum = float(sum(weights))
-        comm = self.comm
         self.memory.begin_step(self.K, spread=comm is None)
         self.memory.zero(grads)
         if comm is None:
             loss = self._run(self.order, params, micro, weights, grads, None, on_ready)
         else:
             rank = comm.Get_rank()
-            same_batch(comm, inputs)
             params, sent = self._exchange_params(comm, rank, params)
             order = [(rank, op, m) for op, m in stage_orders(self.schedule, self.K, self.M)[rank]]
             loss = self._run(order, params, micro, weights, grads, comm, on_ready)

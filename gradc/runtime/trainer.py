@@ -107,6 +107,7 @@ class TrainerBase:
     _device = False        # params live on a GPU (CudaTrainerBase)
     _parallel = None       # DataParallel or ParameterServer (gradc/runtime/parallel.py)
     _adopted = ()          # the params the last _adopt took from tr.params (Pipeline.agree)
+    _frozen_ids = None     # id() of each untrained param in tr.params at the last call (_replaced)
 
     # checked whenever they are set (tr.lr = ... between steps too), in the params' dtype
     lr = Hyperparameter(lambda tr, v: tr._positive("lr", v, zero=True))   # 0: a warmup's first steps, a frozen model
@@ -233,6 +234,7 @@ class TrainerBase:
             else:
                 self.params[k] = np.array(checked[k], copy=True).reshape(shape)
         self._own_call_form = {k: v.reshape(1) if v.ndim == 0 else v for k, v in self._views.items()}
+        self._replaced()   # (what later calls compare with)
         self._grads = np.empty(size, dtype=self.signature.float)   # reused by every step
         self.state = OptimizerState(self.model_name, {slot: np.zeros(size, dtype=self.signature.float)
                                                       for slot in slots})   # flat, like _flat
@@ -366,7 +368,13 @@ class TrainerBase:
         apart (Pipeline.agree)."""
         if self.pipeline is None:
             return check()
-        return self.pipeline.agree(what, check, self._settings(), lambda: self._adopted)
+        return self.pipeline.agree(what, check, self._settings(), lambda: self._adopted + self._replaced())
+
+    def _replaced(self):
+        """The params not trained (copies in tr.params, not views) that were replaced since the last call
+        (`tr.params["E"] = ...`): a pipeline's rank that does not hold one would use its value alone."""
+        seen, self._frozen_ids = self._frozen_ids, {k: id(v) for k, v in self.params.items() if k not in self._views}
+        return tuple(k for k, i in self._frozen_ids.items() if seen is not None and seen.get(k) != i)
 
     def _update(self, scale, mode):
         """The optimizer's update of every trained value with gradients times `scale`, as `mode` says
