@@ -239,11 +239,9 @@ def generate(graph, plans, info):
     if declared:
         out.append(f"_DECLARED = {declared!r}   # the inputs' shapes as declared, where --bind fixed a dim")
     pipeline = info.get("pipeline") or {}
-    unbind = ("compile with --microbatches M > 1 for any batch size: a --devices build needs its dims bound, and "
-              "microbatches keep the batch dim symbolic in its code") if pipeline.get("microbatches") == 1 else None
+    stages = ((info.get("rows") or {}).get("batch"), pipeline["microbatches"]) if pipeline.get("stages", 1) > 1 else None
     out.append("_SIGNATURE = Signature(MODEL_NAME, PARAM_SHAPES, INPUTS, FLOAT, _INDEX_BOUNDS" + (", devices=True" if cuda else "")
-               + (", declared=_DECLARED" if declared else "") + (f",\n                       unbind={unbind!r})"
-                                                                  if unbind and declared else ")"))
+               + (", declared=_DECLARED" if declared else "") + (f", stages={stages!r})" if stages and declared else ")"))
     several = len({t["device"] for plan in plans.values() for t in plan["tensors"]}) > 1
     out.append("# the arena buffers of each entry point, in the order it reads them: (shape, first step, last step"
                + (", device)" if several else ")"))

@@ -318,6 +318,6 @@ def test_a_batch_of_another_size_is_told_how_a_devices_build_takes_any(tmp_path)
         h = gc.tanh(h @ m.param(f"W{i}", (4, 4)))
     m.minimize(gc.mean(h * h))
     mod = compile_model(m, out=str(tmp_path / "a"), order=1, bind={"B": 4}, warm_cache=False, devices=2)
-    with pytest.raises(ValueError, match=r"B=4 was bound when the module was compiled \(--bind\); compile with "
-                                         r"--microbatches M > 1 for any batch size"):
+    with pytest.raises(ValueError, match=r"B=4 was bound when this --devices build was compiled: compile it again "
+                                         r"with --bind B=5, or for any batch size with --microbatches M > 1"):
         mod.loss_and_grad(mod.init_params(0), x=np.ones((5, 4), np.float32))

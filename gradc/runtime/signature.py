@@ -76,7 +76,7 @@ def _fmt(shape):
 
 class Signature:
     def __init__(self, model_name, param_shapes, inputs, float_dtype, index_bounds, devices=False, declared=None,
-                 unbind="compile without it for any size"):
+                 stages=None):
         self.model = model_name
         self.devices = devices    # a --target cuda module: CUDA arrays are accepted where they are
         self.param_shapes = param_shapes
@@ -84,15 +84,23 @@ class Signature:
         self.float = np.dtype(float_dtype)
         self.index_bounds = index_bounds   # int inputs -> what their values index (passes/analysis.py index_inputs)
         self.declared = declared or {}   # input -> its declared shape, where --bind made a dim an int
-        self.unbind = unbind             # how to build for any size (a --devices build needs its --bind)
+        self.stages = stages             # a --devices build's (its dims stay bound): (the batch dim, microbatches)
 
     def _bound_hint(self, name, shape, given):
         """Why an int of the expected shape differs from the model's: the dims --bind fixed at compile time."""
         declared = self.declared.get(name, ())
-        fixed = [f"{d}={e}" for d, e, a in zip(declared, shape, given) if isinstance(d, str) and not isinstance(e, str)
+        fixed = [(d, e, a) for d, e, a in zip(declared, shape, given) if isinstance(d, str) and not isinstance(e, str)
                  and e != a]
-        return (f" ({', '.join(fixed)} was bound when the module was compiled (--bind); {self.unbind})"
-                if fixed else "")
+        if not fixed:
+            return ""
+        bound = ", ".join(f"{d}={e}" for d, e, _ in fixed)
+        if self.stages is None:
+            return f" ({bound} was bound when the module was compiled (--bind); compile without it for any size)"
+        batch, microbatches = self.stages   # a --devices build needs its dims bound
+        again = " ".join(f"--bind {d}={a}" for d, _, a in fixed)
+        other = (f", or for any batch size with --microbatches M > 1 (its code keeps {batch} symbolic)"
+                 if microbatches == 1 and any(d == batch for d, _, _ in fixed) else "")
+        return f" ({bound} was bound when this --devices build was compiled: compile it again with {again}{other})"
 
     def params(self, params, exact=False):
         """Checked params, in call form (0-d arrays as 1-element views)."""
