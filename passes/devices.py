@@ -59,22 +59,30 @@ def _positions(graph, forward):
 
 def _pins_apart(pins, K):
     """Why the pins (a stage or None per position, in the forward's order) leave no cut of K contiguous
-    stages: a pin after a later stage's, or a stage with no position its pins leave it."""
+    stages: a pin after a later stage's, or stages with fewer positions between their neighbours' pins
+    than they are; None when it is neither (the cut fails on other grounds)."""
     last = {}
     for i, k in enumerate(pins):
         if k is None:
             continue
         later = [j for j, s in last.items() if s > k]
         if later:
-            return f"an op pinned to stage {k} comes after one pinned to stage {pins[later[0]]}: stages run in order"
+            return (f"an op pinned to stage {k} comes after one pinned to stage {pins[later[0]]} in the model's order (the "
+                    f"order it was written in): stages run in that order, so write stage {k}'s ops first")
         last[i] = k
     placed = [(i, k) for i, k in enumerate(pins) if k is not None]
-    for k in range(K):
+    for k in range(K):   # unpinned stages in a row share the positions between their neighbours' pins
+        if k in {s for _, s in placed}:
+            continue
         below = max((i for i, s in placed if s < k), default=-1)
         above = min((i for i, s in placed if s > k), default=len(pins))
-        if k not in {s for _, s in placed} and above - below <= 1:
-            return f"stage {k} would hold no op: no op lies between the ops pinned before it and after it"
-    return "the pinned ops"
+        empty = [j for j in range(K) if j not in {s for _, s in placed}
+                 and max((s for _, s in placed if s < j), default=-1) == max((s for _, s in placed if s < k), default=-1)]
+        if above - below - 1 < len(empty):
+            return (f"stage{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} would hold no op: "
+                    f"{above - below - 1} op(s) lie between the ops pinned before and after "
+                    f"{'them' if len(empty) > 1 else 'it'}")
+    return None
 
 
 def step_bytes(graph, n, dims):
@@ -137,8 +145,9 @@ def plan_devices(graph, order, dims, K, target="cpu", device_memory=None, schedu
     except Infeasible:
         pinned = [f"{graph.describe(n)} [{graph.node(n)['src']}] -> stage {graph.node(n)['stage']}"
                   for n in forward if graph.node(n).get("stage") is not None]
-        if pinned:
-            pinned.insert(0, _pins_apart(pins, K))
+        apart = _pins_apart(pins, K) if pinned else None
+        if apart:
+            pinned = [apart] + pinned[:4]
         least = least_memory(problem, K, flight) if device_memory is not None else None
         why = ([f"fits --device-memory {format_size(device_memory)} per device under the {schedule} schedule"]
                if device_memory is not None else []) + (["keeps every pinned op on its stage (" +

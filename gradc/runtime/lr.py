@@ -156,7 +156,14 @@ class LikelihoodRatio:
         return out if adopt is None else {k: adopt(v) for k, v in out.items()}
 
 
-_UNSET = object()   # an lr option the caller did not name
+class _Unset:
+    """An lr option the caller did not name (a backprop Trainer refuses one named, even at its default)."""
+
+    def __repr__(self):
+        return "<its default>"
+
+
+_UNSET = _Unset()
 DEFAULTS = {"samples": SAMPLES, "sigma": SIGMA, "seed": 0, "antithetic": True, "layerwise": False, "baseline": True}
 
 
