@@ -239,3 +239,27 @@ def test_hessian_blocks_fill_every_row_once_with_or_without_threads(monkeypatch,
         assert calls[0] == 5
     if not shared:
         assert calls == sorted(calls)
+
+
+def test_powers_at_a_zero_base_have_finite_gradients_and_hvps():
+    """d(x**n)/dx was n*Y/x with Y = x**n (sympy's form, the output reused): 0/0 = NaN wherever x = 0, so a
+    trial's ((x - t)**2).mean() had NaN gradients where x == t, and relu(h)**2 where a unit was off. The
+    gradients and H v at exact zeros, against torch (float64)."""
+    import torch
+    m = gc.Model("pow_at_zero")
+    x, t = m.input("x", ("B", 2)), m.input("t", ("B", 2))
+    W = m.param("W", (2, 2))
+    m.minimize(((x @ W - t) ** 2).mean() + (gc.relu(x @ W) ** 2).mean() + ((x @ W) ** 3).mean())
+    X, T = np.array([[1., 2.], [0., 0.], [3., -4.]]), np.array([[-1., 0.], [0., 4.5], [-5., 4.]])
+    Wv, v = np.array([[1., -1.], [2., -3.]]), np.array([[0.5, -1.], [2., 0.25]])   # x @ W - t is 0 at [0, 0], [1, :]
+    graph = build_training_graph(m, "float64", order=2)
+    out = evaluate(graph, {"W": Wv}, {"x": X, "t": T}, [graph.grads["W"], graph.hvps["W"]], tangents={"W": v})
+
+    def loss(w):
+        h = torch.tensor(X) @ w
+        return ((h - torch.tensor(T)) ** 2).mean() + (torch.relu(h) ** 2).mean() + (h ** 3).mean()
+    w = torch.tensor(Wv, requires_grad=True)
+    (g,) = torch.autograd.grad(loss(w), w, create_graph=True)
+    (hv,) = torch.autograd.grad(g, w, torch.tensor(v))
+    np.testing.assert_allclose(out[graph.grads["W"]], g.detach().numpy(), rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(out[graph.hvps["W"]], hv.numpy(), rtol=1e-13, atol=1e-13)

@@ -46,9 +46,12 @@ def simplified(expr):
 
 @lru_cache(maxsize=None)
 def derivative(expr, i):
-    """d expr / d X[i], with expr itself replaced by Y where it occurs."""
-    d = sp.diff(expr, X[i])
-    return d if expr.is_Symbol or d.is_Number else d.subs(expr, Y)
+    """d expr / d X[i], with expr itself replaced by Y where it occurs as it is. Powers of one base are
+    combined first, and Y only stands where expr occurs as it is: sympy writes d(x**n)/dx as n*x**n/x
+    (and subs finds x**n in x**(n - 1) as well), which with Y for x**n is n*Y/x, 0/0 = NaN at x = 0 (a
+    trial's (x - t)**2 had NaN gradients wherever x == t); n*x**(n - 1) is the derivative there too."""
+    d = sp.powsimp(sp.diff(expr, X[i]), combine="exp")
+    return d if expr.is_Symbol or d.is_Number else d.xreplace({expr: Y})
 
 
 class ExactFloatPrinter(NumPyPrinter):
