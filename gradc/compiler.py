@@ -126,7 +126,11 @@ def check_constants(model, dtype):
             if why:
                 raise GradcError(f"a constant of this line is {why}", body.node(n)["src"])
     for name, info in model.param_info.items():
-        why = unheld(info["init"], dtype) if isinstance(info["init"], np.ndarray) else None
+        init = info["init"]
+        why = unheld(init, dtype) if isinstance(init, np.ndarray) else None
+        if isinstance(init, np.ndarray) and not np.isfinite(init).all():   # (training would start from NaN)
+            at = tuple(int(i) for i in np.argwhere(~np.isfinite(init))[0])
+            why = f"{float(init[at])!r} at {at}, and a param starts finite"
         if why:
             raise GradcError(f"param {name!r}: its init array holds {why}", g.node(g.params[name])["src"])
 

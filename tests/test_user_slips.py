@@ -104,6 +104,16 @@ def test_float32_constants_it_holds_compile(tmp_path, value):
         assert gc.compile(_constant_model(value, where), out=str(tmp_path / "o"), warm=False)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_param_whose_init_array_is_not_finite_is_refused_at_its_line(tmp_path, value):
+    """A NaN in an init array compiled, and training started from NaN (trial I); an inf constant is still taken
+    (a mask written on purpose, above), an inf init is not."""
+    with pytest.raises(gc.GradcError, match=rf"test_user_slips.py:\d+: param 'w': its init array holds "
+                                            rf"{re.escape(repr(value))} at \(1,\), and a param starts finite"):
+        gc.compile(_constant_model(value, "init"), out=str(tmp_path / "o"), dtype="float64", warm=False)
+    assert not (tmp_path / "o").exists()
+
+
 def test_an_array_whose_tail_underflows_compiles(tmp_path):
     """A Gaussian window's tail is 0 in float32, as in every float32 framework: only a value that would be 0
     everywhere it is not 0 is refused."""
