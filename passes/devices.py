@@ -67,17 +67,18 @@ def _pins_apart(pins, K):
             continue
         later = [j for j, s in last.items() if s > k]
         if later:
-            return (f"an op pinned to stage {k} comes after one pinned to stage {pins[later[0]]} in the model's order (the "
-                    f"order it was written in): stages run in that order, so write stage {k}'s ops first")
+            return (f"an op pinned to stage {k} comes after one pinned to stage {pins[later[0]]} in the model's "
+                    f"order (the order it was written in): stages run in that order, so write stage {k}'s ops first")
         last[i] = k
     placed = [(i, k) for i, k in enumerate(pins) if k is not None]
+    pinned = {k for _, k in placed}
+    before = lambda k: max((s for s in pinned if s < k), default=-1)   # the pinned stage before stage k
     for k in range(K):   # unpinned stages in a row share the positions between their neighbours' pins
-        if k in {s for _, s in placed}:
+        if k in pinned:
             continue
         below = max((i for i, s in placed if s < k), default=-1)
         above = min((i for i, s in placed if s > k), default=len(pins))
-        empty = [j for j in range(K) if j not in {s for _, s in placed}
-                 and max((s for _, s in placed if s < j), default=-1) == max((s for _, s in placed if s < k), default=-1)]
+        empty = [j for j in range(K) if j not in pinned and before(j) == before(k)]
         if above - below - 1 < len(empty):
             return (f"stage{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} would hold no op: "
                     f"{above - below - 1} op(s) lie between the ops pinned before and after "

@@ -14,9 +14,10 @@ loss per copy, which every site's noise pairs with.
 
 An op that mixes rows in any other way (za @ zb.T, a softmax over the batch axis, h.T @ h) or reads a
 statistic other than elementwise runs once per copy (`lift`): by its record's `batched` rule, over the
-copies' axis in front of each operand. Its result is a statistic, (K_lr,) + its shape, unless it has an
-axis of the batch's size: then that axis holds rows again (each copy's values stacked on it), so the ops
-after it are stacked as any other; every site whose noise reaches it pairs with its copy's whole loss.
+copies' axis in front of each operand. Its result is a statistic, (K_lr,) + its shape, unless an axis of
+it holds the batch's rows (za @ zb.T's two, a softmax over the rows' one): then that axis holds rows again
+(each copy's values stacked on it), so the ops after it are stacked as any other; every site whose noise
+reaches it pairs with its copy's whole loss.
 
 Which reductions over the rows are statistics, and which the loss's (kept per row, lr_shares.py), is
 seen where an op reads one together with batch rows: the builder is run again with those reductions
@@ -121,9 +122,9 @@ class BatchStatistics:
     def lift(self, n, ins, why):
         """n run once per copy (each copy is a batch of its own), by its record's `batched` rule: an operand
         with rows seen as (K_lr,) + its shape, a statistic as it is, the others shared. The result is a
-        statistic, unless an axis of it has the batch's size: then it is rows again, on the first such
-        axis (each copy's values stacked there, as any value with rows; an op after it that mixes them is
-        run per copy in turn). Every site whose noise reaches n pairs with its copy's whole loss (`used`).
+        statistic, unless an axis of it holds rows again (rows_axis): then it is rows on that axis (each
+        copy's values stacked there, as any value with rows; an op after it that mixes them is run per
+        copy in turn). Every site whose noise reaches n pairs with its copy's whole loss (`used`).
         An op of values no noise reaches is the same in every copy: made once, on the batch's B rows, as the
         model makes it. `why`: what n does to the rows, for the refusal of an op without the rule."""
         b, g = self.b, self.b.g
@@ -156,7 +157,8 @@ class BatchStatistics:
             b.copy[n] = out
             return STAT
         if axis:   # the copies' axis moved to just before it
-            out = emit("transpose", [out], axes=tuple(range(1, axis + 1)) + (0,) + tuple(range(axis + 1, len(shape) + 1)))
+            out = emit("transpose", [out], axes=tuple(range(1, axis + 1)) + (0,)
+                       + tuple(range(axis + 1, len(shape) + 1)))
         b.copy[n] = b.view(out, shape[:axis] + (KB,) + shape[axis + 1:])
         made.append(b.copy[n])
         return axis

@@ -234,8 +234,9 @@ class Pipeline:
         stages' exchanges, and paired its next call with their last (a trial's pipeline hung two calls
         later). So a refusal on any rank is raised on every rank before anything runs; so are trainers set
         apart (`settings`, each rank's Trainer._settings(): an lr set on one rank only, a checkpoint loaded
-        on one) and params assigned into tr.params on ranks that do not own them only (`assigned()`, the names
-        this rank adopted: the owner's stage updates a param, so the value would be lost).
+        on one), ranks making different calls (`what`: one steps while another saves), and params assigned
+        into tr.params only on ranks that do not hold them (`assigned()`, the names this rank took: the
+        holder's stage uses a param, so the value would be lost).
         Returns check()'s result."""
         comm = self.comm
         if comm is None:
@@ -261,8 +262,9 @@ class Pipeline:
         where = f"{self.model}.{what}"
         calls = [call for call, _, _, _ in every]
         if len(set(calls)) > 1:   # (rank 0 steps while rank 1 saves: each would wait for the other)
-            raise ValueError(f"{where}: the ranks made different calls ({', '.join(f'{c} on rank {r}' for r, c in enumerate(calls))}): "
-                             f"every rank makes the same calls in the same order; nothing ran on any rank")
+            made = ", ".join(f"{c} on rank {r}" for r, c in enumerate(calls))
+            raise ValueError(f"{where}: the ranks made different calls ({made}): every rank makes the same calls in "
+                             f"the same order; nothing ran on any rank")
         if error is not None:
             raise error
         refused = [r for r, (_, e, _, _) in enumerate(every) if e is not None]
