@@ -560,7 +560,9 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
              "kernels": meta["kernels"],
              "saved_for_backward": [{"node": n, "op": graph.op(n), "name": graph.node(n).get("name"),
                                      "shape": [str(d) for d in graph.shape(n)], "bytes": expr_text(nbytes(graph, n)), "src": graph.node(n)["src"]} for n in saved],
-             "pass_seconds": {k: round(v, 4) for k, v in timings.items()}}
+             "pass_seconds": {k: round(v, 4) for k, v in timings.items()},
+             "lr_grad": {"why": (graph.lr or {"why": "not built"})["why"],
+                         "sites": [f"{s['op']} at {s['src']}, pairs with: {s['pairs']}" for s in (graph.lr or {}).get("sites", ())]}}
     files = {f"{name}.py": text, f"{name}.graph.json": graph.to_json(extra), f"{name}.graph.dot": graph.to_dot(),
              f"{name}.memplan.json": json_text(memplan)}
     if partition is not None:

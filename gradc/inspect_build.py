@@ -50,6 +50,10 @@ def report(build, graph=False, memory=False, partition=False, kernels=False, ptx
     lines.append(f"FLOPs per call: forward {meta['flops']['forward']}; loss_and_grad (one training step) "
                  f"{meta['flops']['loss_and_grad']}" + (f"; hvp {meta['flops']['hvp']}" if "hvp" in meta["flops"] else ""))
     lines.append(f"kernels: {len(meta['kernels'])} (gradc inspect --kernels lists them)")
+    lr = meta.get("lr_grad")   # (a dump of an older gradc has none)
+    if lr is not None:
+        lines.append(f"lr_grad: refuses this model: {lr['why']}" if lr["why"] else
+                     f"lr_grad: {len(lr['sites'])} noise site(s)" + "".join(f"\n  {s}" for s in lr["sites"]))
     saved = meta["saved_for_backward"]
     lines.append(f"forward values the backward reads: {len(saved)} (gradc inspect --memory: which are kept, which "
                  f"a --memory-budget recomputes, and their bytes)")

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import gradc as gc
+from gradc.inspect_build import report
 from gradc.passes.pipeline import build_training_graph
 
 from fuzz_lr import assert_unbiased, check_lr_compiled
@@ -182,8 +183,11 @@ def test_noise_before_the_mixing_pairs_with_the_copys_loss_and_after_it_with_its
                                               for name in ("barlow_twins", "mean_image_conv")])
 def test_the_compiled_estimate_is_the_interpreters(name, tmp_path):
     _, params, inputs = _problem(name, np.random.default_rng(2))
-    check_lr_compiled(SimpleNamespace(model=MODELS[name](), params=params, inputs=inputs, seeds=name,
+    model = MODELS[name]()
+    check_lr_compiled(SimpleNamespace(model=model, params=params, inputs=inputs, seeds=name,
                                       text=lambda: name), str(tmp_path))
+    summary = report(str(tmp_path / model.name))   # gradc inspect lists the sites and their pairing
+    assert "lr_grad: " in summary and "pairs with: sample" in summary, summary
 
 
 def test_the_bias_check_finds_mixed_rows_paired_per_row(monkeypatch):
@@ -197,7 +201,7 @@ def test_the_bias_check_finds_mixed_rows_paired_per_row(monkeypatch):
         assert_unbiased(graph, params, inputs, "clip paired per row", "")
 
 
-def test_an_op_that_mixes_rows_and_cannot_run_per_copy_is_refused_by_name():
+def test_an_op_that_mixes_rows_and_cannot_run_per_copy_is_refused_by_name(tmp_path):
     """A scan along the batch dim (each row's carry the previous row's) has no per-copy form here."""
     m = gc.Model("lrscanbatch")
     x, t = m.input("x", ("B", 3)), m.input("t", ("B", 2))
@@ -209,6 +213,8 @@ def test_an_op_that_mixes_rows_and_cannot_run_per_copy_is_refused_by_name():
     m.minimize(gc.mse(hs, t))
     why = build_training_graph(m, "float64", order=1).lr["why"]
     assert why is not None and "scans along the batch dim" in why and "test_lr_mixing.py" in why, why
+    gc.compile(m, out=str(tmp_path), warm=False)   # gradc inspect says so before any call (trial I)
+    assert "lr_grad: refuses this model: " in report(str(tmp_path / "lrscanbatch"))
 
 
 def test_rows_mixed_before_any_noise_are_mixed_once_for_every_copy():
