@@ -364,8 +364,9 @@ class TrainerBase:
 
     def _agreed(self, what, check):
         """check() (the call's checks, with the params assigned into tr.params adopted); with a pipeline's
-        stages on MPI ranks, raised on every rank when it fails on any, or when the ranks' trainers are set
-        apart (Pipeline.agree)."""
+        stages on MPI ranks, raised on every rank when it fails on any, when the ranks' trainers are set
+        apart or make different calls, or when a param was assigned only off the rank that holds it
+        (Pipeline.agree)."""
         if self.pipeline is None:
             return check()
         return self.pipeline.agree(what, check, self._settings(), lambda: self._adopted + self._replaced())
