@@ -451,8 +451,10 @@ class _Builder:
                 # (a loss summed in a scan's carry: the rows rule's reason already says to return it as the step's y)
                 loss = (" and pairs each row's share of the loss with its noise, so the loss must be a sum or mean "
                         "over rows of per-row terms, then only scaled, added, summed or moved")
-            raise Unsupported(f"{src}: {g.describe(n)} {why}; lr_grad stacks the K perturbed copies on the rows"
-                              f"{loss}; or train this model with loss_and_grad")
+            error = Unsupported(f"{src}: {g.describe(n)} {why}; lr_grad stacks the K perturbed copies on the rows"
+                                f"{loss}; or train this model with loss_and_grad")
+            error.reason = f"{src}: {g.describe(n)} {why}"   # (without the advice: lift says what it tried)
+            raise error
 
         if op == "random":   # the model's own draws (dropout, noise): the same in every copy, as loss_and_grad
             return self.model_draws(n)   # draws them from the seed given, so the estimate is of that call's gradient
@@ -506,7 +508,7 @@ class _Builder:
                     self.statistics.origins(n, ins, str(e))   # or it reads a batch statistic back (batch norm)
                     if any(isinstance(w, tuple) for w in ins):
                         raise
-                    return self.statistics.lift(n, ins, str(e))   # or it mixes rows: run once per copy
+                    return self.statistics.lift(n, ins, getattr(e, "reason", str(e)))   # or it mixes rows: per copy
                 self.copy[n] = offset
                 return SHARES
             ins = [None if h else w for h, w in zip(held, ins)]

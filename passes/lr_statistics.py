@@ -30,7 +30,7 @@ again (`Statistic.sites`); one the loss alone reads is differentiated exactly (e
 from gradc.ops import get_op, rows_of
 from gradc.shapes import fmt
 
-from .lr_shares import share_rows
+from .lr_shares import rows_first, share_rows
 from .lr_sites import K, KB, Unsupported
 
 STAT = "statistic"   # where a batch statistic has its rows: none of its own, one value per copy
@@ -145,10 +145,9 @@ class BatchStatistics:
         batched, made = get_op(g.op(n)).batched, []   # made: the nodes of n's copy, for a site's VJP through them
         emit = lambda kind, inputs, **attrs: made.append(b.apply(kind, inputs, src, **attrs)) or made[-1]
         out = batched(g, n, operands, [w is not None for w in ins], emit) if batched else None
-        if out is None:   # (why without its advice: this says what lr_grad tried)
-            reason = why.split("; lr_grad stacks")[0].split("; or train this model")[0].rstrip(".")
+        if out is None:
             copied = ", ".join(g.describe(u) for u, w in zip(g.operands(n), ins) if w is not None)
-            raise Unsupported(f"{reason}; lr_grad runs an op that mixes the batch's rows once per perturbed copy, but "
+            raise Unsupported(f"{why}; lr_grad runs an op that mixes the batch's rows once per perturbed copy, but "
                               f"{g.op(n)} has no form for a copy of each of {copied}; or train this model with "
                               f"loss_and_grad")
         self.used.append(n)
@@ -196,10 +195,8 @@ class BatchStatistics:
         b, g = self.b, self.b.g
         a, shape = b.where[u], tuple(g.shape(u))
         x = b.view(b.stacked(u), shape[:a] + (K, b.batch) + shape[a + 1:])
-        if a:
-            x = b.apply("transpose", [x], g.node(u)["src"],
-                        axes=(a,) + tuple(range(a)) + tuple(range(a + 1, len(shape) + 1)))
-        return x
+        emit = lambda kind, inputs, **attrs: b.apply(kind, inputs, g.node(u)["src"], **attrs)
+        return rows_first(x, a, len(shape) + 1, emit)   # (the copies' axis in front)
 
     def loss_shares(self, loss):
         """A loss that is itself a statistic (not affine in its reduction over rows: sqrt of an mse) as
