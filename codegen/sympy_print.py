@@ -147,6 +147,9 @@ class KernelPrinter(PythonCodePrinter):
         self.used_helpers.add("_normal_draw")
         return f"_normal_draw({self._print(seed)}, {self._print(half)}, np.uint64({int(key)}), {flat}, {count})"
 
+    def _print_Power(self, e):
+        return self._print_Pow(sp.Pow(*e.args, evaluate=False))
+
     def _print_AbsF(self, e):
         return f"math.fabs({self._print(e.args[0])})"
 

@@ -263,3 +263,38 @@ def test_powers_at_a_zero_base_have_finite_gradients_and_hvps():
     (hv,) = torch.autograd.grad(g, w, torch.tensor(v))
     np.testing.assert_allclose(out[graph.grads["W"]], g.detach().numpy(), rtol=1e-13, atol=1e-13)
     np.testing.assert_allclose(out[graph.hvps["W"]], hv.numpy(), rtol=1e-13, atol=1e-13)
+
+
+def test_a_varying_power_at_a_zero_base_follows_torch():
+    """base ** exponent with both varying: d/d exponent was b**e * log(b), 0 * -inf = NaN at b = 0, and
+    d/d base e * b**(e - 1), 0 * inf at b = e = 0 (a trial's learned exponent on relu's outputs, GeM
+    pooling, had a NaN gradient at every step). Now 0 there, as torch's; H v, where torch's own is NaN,
+    against central differences of the gradient (float64)."""
+    import torch
+    m = gc.Model("pow_varying_at_zero")
+    x = m.input("x", ("B", 3))
+    W, p = m.param("W", (3, 2)), m.param("p", ())
+    a, b = m.param("a", (3,)), m.param("b", (3,))
+    m.minimize((gc.relu(x @ W) ** (p * 3.0)).mean() + (a ** b).sum())
+    rng = np.random.default_rng(5)
+    X = rng.normal(size=(6, 3))
+    P = {"W": rng.normal(size=(3, 2)), "p": np.array(0.8), "a": np.array([0.0, 0.0, 1.5]),
+         "b": np.array([2.0, 0.0, -0.5])}
+    V = {k: rng.normal(size=np.shape(v)) for k, v in P.items()}
+    V["a"][:2] = V["b"][:2] = 0.0   # (a step along them leaves the zero base: no difference quotient there)
+    graph = build_training_graph(m, "float64", order=2)
+    wanted = [graph.grads[k] for k in P]
+    out = evaluate(graph, P, {"x": X}, wanted + [graph.hvps[k] for k in P], tangents=V)
+    T = {k: torch.tensor(v, requires_grad=True) for k, v in P.items()}
+    h = torch.tensor(X) @ T["W"]
+    grads = torch.autograd.grad((torch.relu(h) ** (T["p"] * 3.0)).mean() + (T["a"] ** T["b"]).sum(), list(T.values()))
+    assert (np.asarray(X) @ P["W"] <= 0).any()   # some units are off: relu's output is exactly 0 there
+    for k, g in zip(P, grads):
+        np.testing.assert_allclose(out[graph.grads[k]], g.numpy(), rtol=1e-13, atol=1e-13, err_msg=k)
+
+    def gradient(shift):
+        q = {k: v + shift * V[k] for k, v in P.items()}
+        return evaluate(graph, q, {"x": X}, wanted)
+    up, down = gradient(1e-6), gradient(-1e-6)
+    for k, n in zip(P, wanted):
+        np.testing.assert_allclose(out[graph.hvps[k]], (up[n] - down[n]) / 2e-6, rtol=1e-6, atol=1e-7, err_msg=k)

@@ -6,7 +6,7 @@ kernel reads the saved output instead of recomputing it. One generic VJP rule se
 elementwise op, built-in, fused or user-defined.
 """
 import inspect
-from functools import lru_cache
+from functools import lru_cache, reduce
 
 import numpy as np
 import sympy as sp
@@ -14,7 +14,7 @@ from sympy.printing.numpy import NumPyPrinter
 
 from . import Op, REGISTRY, register
 from .batched import copies_dim, right_aligned
-from .scalar import (AbsF, Max2, NUMPY_FUNCTIONS, Relu, Sigmoid, Softplus, to_differentiable,
+from .scalar import (AbsF, Max2, NUMPY_FUNCTIONS, Power, Relu, Sigmoid, Softplus, to_differentiable,
                      unsupported_parts)
 from ..errors import ShapeError
 from ..shapes import broadcast, size
@@ -59,6 +59,14 @@ class ExactFloatPrinter(NumPyPrinter):
 
     def _print_Float(self, expr):
         return repr(float(expr))
+
+    # sympy writes a & b as logical_and.reduce((a, b)), which makes one array of the two: operands of
+    # different shapes (an array's condition and a scalar param's) fail there; nested pairs broadcast
+    def _print_And(self, expr):
+        return reduce(lambda a, b: f"logical_and({a}, {b})", map(self._print, expr.args))
+
+    def _print_Or(self, expr):
+        return reduce(lambda a, b: f"logical_or({a}, {b})", map(self._print, expr.args))
 
 
 @lru_cache(maxsize=None)
@@ -248,7 +256,7 @@ def _fused_identity(graph, n):
 x0, x1 = X[0], X[1]
 BUILTINS = {
     "neg": (-x0, 1), "add": (x0 + x1, 2), "sub": (x0 - x1, 2), "mul": (x0 * x1, 2), "div": (x0 / x1, 2),
-    "pow": (x0 ** x1, 2), "exp": (sp.exp(x0), 1), "log": (sp.log(x0), 1), "tanh": (sp.tanh(x0), 1),
+    "pow": (Power(x0, x1), 2), "exp": (sp.exp(x0), 1), "log": (sp.log(x0), 1), "tanh": (sp.tanh(x0), 1),
     "sigmoid": (Sigmoid(x0), 1), "relu": (Relu(x0), 1), "softplus": (Softplus(x0), 1),
     "gelu": (x0 * (1 + sp.erf(x0 / sp.sqrt(2))) / 2, 1), "sin": (sp.sin(x0), 1), "cos": (sp.cos(x0), 1),
     "sqrt": (sp.sqrt(x0), 1), "square": (x0 ** 2, 1), "abs": (AbsF(x0), 1), "maximum": (Max2(x0, x1), 2),

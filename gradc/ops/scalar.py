@@ -47,6 +47,26 @@ class Relu(_RealFunction):
         return Step(Relu(self.args[0]))
 
 
+class Power(_RealFunction):
+    """base ** exponent where both vary. Its derivatives follow PyTorch at a zero base, where sympy's hold
+    0 * inf: d/d base is 0 where the exponent is 0 (sympy's e * b**(e - 1) is 0 * inf at b = 0), and
+    d/d exponent is 0 where the base is 0 and the exponent >= 0 (sympy's b**e * log(b) is 0 * -inf): a
+    learned exponent on relu's outputs (GeM pooling) had NaN gradients wherever a unit was off. With a
+    number for either, it is sympy's Pow (a constant exponent's derivative is finite at 0 as it is)."""
+    nargs = 2
+
+    @classmethod
+    def eval(cls, base, exponent):
+        if exponent.is_Number or (base.is_Number and base != 0):
+            return base ** exponent
+
+    def fdiff(self, argindex=1):
+        b, e = self.args
+        if argindex == 1:
+            return sp.Piecewise((sp.S.Zero, sp.Eq(e, 0)), (e * Power(b, e - 1), True))
+        return sp.Piecewise((sp.S.Zero, sp.Eq(b, 0) & (e >= 0)), (self * sp.log(b), True))
+
+
 class Sign(_RealFunction):
     nargs = 1
 
@@ -108,6 +128,7 @@ NUMPY_FUNCTIONS = {
     "Softplus": lambda x: np.maximum(x, 0) + np.log1p(np.exp(-np.abs(x))),
     "Step": lambda x: (np.asarray(x) > 0).astype(np.result_type(x, np.float32)),
     "Relu": lambda x: np.where(np.asarray(x) > 0, x, np.where(np.isnan(x), x, 0 * x)),
+    "Power": np.power,
     "Sign": np.sign,
     "AbsF": np.abs,
     "Tie": lambda a, b: np.where(a > b, 1.0, np.where(a == b, 0.5, 0.0)),
@@ -115,7 +136,7 @@ NUMPY_FUNCTIONS = {
     "Min2": np.minimum,
 }
 
-GRADC_FUNCTIONS = (Sigmoid, Softplus, Step, Relu, Sign, AbsF, Tie, Max2, Min2)
+GRADC_FUNCTIONS = (Sigmoid, Softplus, Step, Relu, Power, Sign, AbsF, Tie, Max2, Min2)
 # sympy functions with a stable value and a derivative in this same set (plus the above)
 SYMPY_FUNCTIONS = (sp.exp, sp.log, sp.tanh, sp.sin, sp.cos, sp.tan, sp.erf, sp.atan, sp.sinh, sp.cosh,
                    sp.asin, sp.acos, sp.asinh, sp.acosh, sp.atanh, sp.erfc)
@@ -129,8 +150,10 @@ def _heaviside(x, h0=sp.S.Half):
 
 def to_differentiable(expr):
     """Replace sympy functions whose derivatives hold DiracDelta by the ones above, with the values
-    sympy gives them (Heaviside(0) is 1/2, as sympy's)."""
+    sympy gives them (Heaviside(0) is 1/2, as sympy's); and a power of a varying base to a varying
+    exponent by Power, whose derivatives are finite at a zero base."""
     return expr.replace(sp.Heaviside, _heaviside) \
+               .replace(lambda e: e.is_Pow and not (e.exp.is_Number or e.base.is_Number), lambda e: Power(*e.args)) \
                .replace(sp.sign, Sign) \
                .replace(sp.Abs, AbsF) \
                .replace(sp.Max, lambda *a: _fold(Max2, a)) \
