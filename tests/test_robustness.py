@@ -603,6 +603,16 @@ def test_compile_never_replaces_a_file_it_did_not_write(tmp_path):
     assert ".gradc/tiny exists and was not written by gradc" in line, line
     assert (tmp_path / "out" / ".gradc" / "tiny").read_text() == "mine"
     assert sorted(os.listdir(tmp_path / "out")) == [".gradc"] and os.listdir(tmp_path / "out" / ".gradc") == ["tiny"]
+    # a link of the user's is theirs too (a trial's out/tiny.py -> ../tiny.py was replaced by gradc's own)
+    (tmp_path / "out" / ".gradc" / "tiny").unlink()
+    (tmp_path / "out" / "tiny.py").symlink_to("../tiny.py")
+    line = one_error_line(gradc("compile", "tiny.py", "-o", "out", "--warm", "none", cwd=tmp_path))
+    assert "tiny.py is a link to ../tiny.py that gradc did not make" in line, line
+    assert os.readlink(tmp_path / "out" / "tiny.py") == "../tiny.py" and (tmp_path / "tiny.py").read_text() == MODEL
+    (tmp_path / "out" / "tiny.py").unlink()   # gone, a compile goes through; the next one replaces its own links
+    for _ in range(2):
+        assert gradc("compile", "tiny.py", "-o", "out", "--warm", "none", cwd=tmp_path).returncode == 0
+    assert os.readlink(tmp_path / "out" / "tiny.py") == os.path.join(".gradc", "tiny", "tiny.py")
 
 
 def test_command_line_slips(tmp_path):
