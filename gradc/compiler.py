@@ -459,6 +459,10 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
 
     if not isinstance(model, Model):
         raise GradcError(f"compile: expected a gradc.Model, got {type(model).__name__}")
+    if not isinstance(out, (str, os.PathLike)) or isinstance(os.fspath(out), bytes):
+        raise GradcError(f"compile: out={out!r}: give the output folder as a str or path (such as 'build', or '.' "
+                         f"for this one)", options_src or model.src)
+    out = os.fspath(out)
     devices = {k: later_options.pop(k, None) for k in DEVICE_OPTIONS}
     scan_backward = later_options.pop("scan_backward", "reverse")
     if "warm" in later_options:

@@ -12,10 +12,14 @@ from .sizes import format_size
 
 
 def _load(build):
-    base = re.sub(r"(\.graph\.json|\.py)$", "", build)
+    # (build/mlp/, as a shell completes a folder's name, is build/mlp)
+    base = re.sub(r"(\.graph\.json|\.py)$", "", build.rstrip(os.sep) or build)
     path = base + ".graph.json"
     if not os.path.isfile(path):
-        raise GradcError(f"{path}: not found; give OUT/NAME of a `gradc compile` output (e.g. build/mlp)")
+        builds = sorted(os.path.join(build, f[:-len(".graph.json")]) for f in os.listdir(build)
+                        if f.endswith(".graph.json")) if os.path.isdir(build) else []
+        raise GradcError(f"{path}: not found; give OUT/NAME of a `gradc compile` output ("
+                         + (f"{build} is a folder of builds: {', '.join(builds)})" if builds else "e.g. build/mlp)"))
     return base, read_json(path)
 
 
@@ -83,7 +87,7 @@ def memory_report(base):
     a PNG of live bytes over the schedule (with matplotlib)."""
     path = base + ".memplan.json"
     if not os.path.isfile(path):
-        return [f"{path}: not found (compiled by an older gradc?)"]
+        raise GradcError(f"{path}: not found (compiled by an older gradc, or removed?): compile the model again")
     plan = read_json(path)
     if plan["peak_bytes"] is None:
         return [f"memory plan of {plan['entry']}: dims are symbolic, so bytes are formulas; "

@@ -84,10 +84,10 @@ def ptx(base, name, kernels, run_module=False):
     """The PTX of kernel `name` for every argument type it was compiled for (with run_module; without
     it, the kernel's code from the dumps, and the flag that gives its PTX)."""
     names = [k["name"] for k in kernels]
+    if kernels and "launch" not in kernels[0]:   # (said first: no name of a CPU build's has PTX)
+        raise GradcError(f"--ptx {name}: this build is for --target cpu; PTX exists for --target cuda builds")
     if name not in names:
         raise GradcError(f"--ptx {name}: no kernel of that name (kernels: {', '.join(names)})")
-    if "launch" not in kernels[0]:
-        raise GradcError(f"--ptx {name}: this build is for --target cpu; PTX exists for --target cuda builds")
     if not run_module:
         return "\n".join(_kernel_lines(kernels[names.index(name)], _source(base)) + [
             f"its PTX: compiled by the driver on a GPU; give {RUN_FLAG}"])

@@ -655,3 +655,22 @@ def test_save_names_the_path_the_user_gave_and_bad_lr_warns_nothing(small, tmp_p
     with pytest.raises(ValueError, match="lr must be a finite number >= 0 in float32"):
         small.Trainer(small.init_params(0), lr=1e39)
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in recwarn]
+
+
+def test_inspect_and_compile_path_slips(tmp_path):
+    """A trial's slips: `inspect build/tiny/` (a shell's completion) read build/tiny/.graph.json; a folder of
+    builds said only "not found"; a removed memory plan printed a line and exited 0; --ptx of a name a CPU
+    build lacks listed its kernels, which have no PTX either; gc.compile(out=None) spoke of out=''."""
+    from gradc.inspect_build import report
+    gc.compile(_tiny_model("r_paths"), out=str(tmp_path / "b"), warm=False, order=1)
+    assert report(str(tmp_path / "b" / "r_paths") + os.sep).startswith("model r_paths")
+    with pytest.raises(GradcError, match=r"b is a folder of builds: .*b/r_paths\)"):
+        report(str(tmp_path / "b"))
+    with pytest.raises(GradcError, match="this build is for --target cpu"):
+        report(str(tmp_path / "b" / "r_paths"), ptx_of="no_such_kernel")
+    os.unlink(tmp_path / "b" / "r_paths.memplan.json")
+    line = one_error_line(gradc("inspect", "b/r_paths", "--memory", cwd=tmp_path))
+    assert "r_paths.memplan.json: not found" in line, line
+    for out in (None, 5):
+        with pytest.raises(GradcError, match=f"out={out}: give the output folder as a str or path"):
+            gc.compile(_tiny_model("r_paths"), out=out, warm=False)
