@@ -426,9 +426,11 @@ def test_bppsa_scans_keep_their_stacks_and_their_maps_are_planned():
     assert plan["workspace_bytes"] >= 128 * 16 * (20 * 20 + 20) * 4
 
 
-def _check_budget_build(make, name, torch_loss, tmp_path, T, order, batch=3):
-    """A build under 75% of the store-all peak and workspace: the plan keeps checkpoints and fits with its
-    workspace; the loss, gradients (and HVPs) are torch's (the interpreter's on the plain graph)."""
+def _check_budget_build(make, name, torch_loss, tmp_path, T, order, batch=3, fraction=0.75):
+    """A build under `fraction` of the store-all peak and workspace: the plan keeps checkpoints and fits with
+    its workspace; the loss, gradients (and HVPs) are torch's (the interpreter's on the plain graph). (Since
+    the MILP's coarse graph keeps a scan's results with it, 75% fits two of the models without recomputing:
+    they take a lower fraction.)"""
     import json
     from gradc.inspect_build import memory_report
     from gradc.passes.memory import plan_memory
@@ -437,7 +439,7 @@ def _check_budget_build(make, name, torch_loss, tmp_path, T, order, batch=3):
     store_all = plan_memory(g, dims, order)["_loss_and_grad"]
     peak, whole = store_all["peak_bytes"], store_all["peak_bytes"] + store_all["workspace_bytes"]
     ck = gc.compile(make(name), out=str(tmp_path), dtype="float64", order=order, warm=False, bind=dims,
-                    memory_budget=str(int(0.75 * whole)))
+                    memory_budget=str(int(fraction * whole)))
     plan = json.loads((tmp_path / f"{name}.memplan.json").read_text())
     assert plan["scan_checkpoints"] and "carry checkpoints" in plan["method"]
     every = int(np.ceil(np.sqrt(T)))
@@ -472,7 +474,7 @@ def test_memory_budget_checkpoints_compiled_scans_with_hvp(case, tmp_path):
     """Two carries with ys of their own (gru), and a reverse scan over a scan's ys (stacked), order 2:
     hvp reads the full stacks, which loss_and_grad under the budget never writes."""
     make, torch_loss, _ = CASES[case]
-    _check_budget_build(make, f"ck_{case}", torch_loss, tmp_path, 23, 2)
+    _check_budget_build(make, f"ck_{case}", torch_loss, tmp_path, 23, 2, fraction=0.55 if case == "stacked" else 0.75)
 
 
 def _scalar_rnn(name="scalar_rnn", H=3):
@@ -528,7 +530,7 @@ def _torch_chained_scans(tp, inputs):
 
 @pytest.mark.slow
 def test_memory_budget_checkpoints_compiled_chained_scans(tmp_path):
-    _check_budget_build(_chained_scans, "ck_chained", _torch_chained_scans, tmp_path, 16, 2)
+    _check_budget_build(_chained_scans, "ck_chained", _torch_chained_scans, tmp_path, 16, 2, fraction=0.55)
 
 
 def test_memory_budgets_keep_a_scans_results_with_the_scan():
