@@ -248,6 +248,12 @@ def test_nan_loss_raises_with_step_number_and_keeps_params(small):
     for k in state:
         np.testing.assert_array_equal(tr.state[k], state[k])
     tr.step(x=x, y=y)   # and training goes on
+    bad = x.copy()   # a NaN in a batch is named (a trial's was named nowhere)
+    bad[1, 0] = np.nan
+    with pytest.raises(FloatingPointError, match=r"Trainer.step 4: the loss is nan \(input 'x' holds nan at \[1, 0\], "
+                                                 r"1 non-finite value\(s\) in all\)"):
+        tr.step(x=bad, y=y)
+    assert tr.steps == 3
     assert tr.steps == 3
 
 

@@ -276,5 +276,5 @@ class CudaTrainerBase(TrainerBase):
         loss, sq, bad = (float(x) for x in run.host(self._status))
         if loss != loss:   # a device label out of range gives NaN: name it (nothing was updated)
             self.signature.check_indices(a, "Trainer.step")
-        self._count_step(loss, sq, bad)
+        self._count_step(loss, sq, bad, a)
         return loss

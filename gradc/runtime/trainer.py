@@ -318,7 +318,7 @@ class TrainerBase:
                 bad = self._allreduce(self._update(scale, CHECK))
                 if not bad:
                     self._update(scale, WRITE)
-        self._count_step(loss, sq, bad)
+        self._count_step(loss, sq, bad, a)
         return float(loss)
 
     # ---- what parallel="data" runs (gradc/runtime/parallel.py); CudaTrainerBase copies through the host
@@ -389,9 +389,10 @@ class TrainerBase:
                            f(self.betas[1]), f(self.eps), f(1.0 - self.betas[0] ** t), f(1.0 - self.betas[1] ** t),
                            scale, mode)
 
-    def _count_step(self, loss, sq, bad):
+    def _count_step(self, loss, sq, bad, inputs=None):
         """Count a finished step, or refuse one whose loss or |g|^2 is not finite, or whose update would
-        make `bad` params or optimizer state values non-finite (such a step updated nothing)."""
+        make `bad` params or optimizer state values non-finite (such a step updated nothing); naming the
+        params, and the float `inputs` of the step, that hold non-finite values."""
         if not (math.isfinite(loss) and math.isfinite(sq)) or bad:
             what = (f"the loss is {loss}" if not math.isfinite(loss) else "the gradient is not finite"
                     if not math.isfinite(sq) else f"the update overflows {np.dtype(self.signature.float).name} in "
@@ -400,6 +401,12 @@ class TrainerBase:
             if held:   # no step can mend them: say so, rather than only that they were left as they were
                 what += (f" (params {', '.join(map(repr, held))} hold non-finite values already: assign finite "
                          f"ones into tr.params, or load a checkpoint)")
+            for name, value in (inputs or {}).items():   # (a trial's NaN in a batch was named nowhere)
+                value = self._host(value) if name in self.loss_inputs else None
+                if value is not None and value.dtype.kind == "f" and not np.isfinite(value).all():
+                    where = tuple(int(i) for i in np.argwhere(~np.isfinite(value))[0])
+                    what += (f" (input {name!r} holds {value[where]} at {list(where)}, "
+                             f"{int(np.count_nonzero(~np.isfinite(value)))} non-finite value(s) in all)")
             raise FloatingPointError(f"{self.model_name}.Trainer.step {self.steps + 1}: {what}; parameters and "
                                      f"optimizer state are left as they were before this step")
         self.steps += 1
