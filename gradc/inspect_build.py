@@ -102,8 +102,9 @@ def memory_report(base):
              f" x the peak of live bytes (the least any buffer assignment needs)"
              + ("" if len(plan["arena_bytes"]) == 1 else
                 "; per device " + ", ".join(f"{d} {format_size(b).split(' (')[0]}" for d, b in plan["arena_bytes"].items())),
-             f"  keeping every activation: {format_size(plan['store_all_peak_bytes'])}; one step alone needs "
-             f"{format_size(plan['lower_bound_bytes'])}"]
+             f"  keeping every activation: {format_size(plan['store_all_peak_bytes'])}; this plan's largest step "
+             f"needs {format_size(plan['lower_bound_bytes'])} at once (a budget's plan may split a scan's steps "
+             f"smaller)"]
     if plan.get("workspace_bytes"):
         lines.append(f"  kernel workspace (a convolution's im2col tile, a scan's recomputed segment or BPPSA's maps, "
                      f"outside the arena): at most {format_size(plan['workspace_bytes'])}")
