@@ -27,6 +27,7 @@ and its optimality gap are returned.
 """
 import os
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -174,12 +175,29 @@ class _Program:
         self.row_ub.append(ub)
 
     def solve(self, seconds):
+        """scipy's milp (HiGHS) in a thread of its own, which this one waits for: HiGHS lets the GIL go but
+        checks for no signal, so Ctrl-C in a solve on this thread waited for its time limit (up to 10 s,
+        a trial found); waiting in short joins, this thread raises KeyboardInterrupt at once (the solve,
+        a daemon thread, ends with the process)."""
         A = coo_array((self.vals, (self.rows, self.cols)), shape=(len(self.row_lb), len(self.lb))).tocsr()
+        outcome = {}
+
+        def run():
+            try:
+                outcome["result"] = milp(np.array(self.cost), integrality=np.array(self.integer),
+                                         bounds=(np.array(self.lb), np.array(self.ub)),
+                                         constraints=LinearConstraint(A, self.row_lb, self.row_ub),
+                                         options={"time_limit": max(seconds, 0.1), "disp": False})
+            except BaseException as e:   # raised again on the caller's thread
+                outcome["error"] = e
         with _stdout_silenced():
-            return milp(np.array(self.cost), integrality=np.array(self.integer),
-                        bounds=(np.array(self.lb), np.array(self.ub)),
-                        constraints=LinearConstraint(A, self.row_lb, self.row_ub),
-                        options={"time_limit": max(seconds, 0.1), "disp": False})
+            solver = threading.Thread(target=run, name="gradc-milp", daemon=True)
+            solver.start()
+            while solver.is_alive():
+                solver.join(0.05)
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["result"]
 
 
 def solve_stages(coarse, budget, seconds):

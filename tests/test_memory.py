@@ -691,3 +691,35 @@ def test_memory_stats_reports_every_stage_one_with_no_arena_as_zero():
     buffer, offsets = arena.get("_stage1", {})
     assert arena.held_by_device() == {"cpu:0": 0, "cpu:1": buffer.nbytes}
     assert buffer.nbytes >= (4 + 6) * 8
+
+
+def test_a_signal_during_a_milp_solve_is_taken_at_once():
+    """HiGHS checks for no signal: Ctrl-C during the MILP of --memory-budget waited for the solve's time
+    limit (4.6 and 8.8 s in a trial's compile; 0.5 s since). The solve runs in a thread of its own; an
+    alarm's handler, as Ctrl-C's, runs on this thread at once."""
+    import signal
+    import time
+    from gradc.passes.checkmate import _Program
+
+    class Alarm(Exception):
+        pass
+
+    def ring(signum, frame):
+        raise Alarm()
+    rng = np.random.default_rng(0)
+    program, n = _Program(), 300   # a random multi-knapsack: HiGHS works on it past its limit of 4 s
+    for i in range(n):
+        program.var(i, cost=-rng.random())
+    weights = rng.random((40, n))
+    for r in range(40):
+        program.row([(i, weights[r, i]) for i in range(n)], ub=weights[r].sum() * 0.3)
+    previous = signal.signal(signal.SIGALRM, ring)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    start = time.perf_counter()
+    try:
+        with pytest.raises(Alarm):
+            program.solve(4.0)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.perf_counter() - start < 1.5
