@@ -1,8 +1,8 @@
 """One elementwise layer's loss_and_grad, gradc against PyTorch eager, per activation: the model is
 mean(act(x * w + b)) with x (256, 4096), float32 and float64, each framework in its own worker process on
 one thread, rounds interleaved (bench/harness.py); medians and ratios (gradc / torch, < 1: gradc faster).
-A float32 build's tanh, sigmoid and softplus are polynomials that vectorise (codegen/sympy_print.py); the
-others call libm once an element.
+A float32 build's tanh, sigmoid, softplus and erf (gelu's) are polynomials that vectorise
+(codegen/sympy_print.py); the others, and every float64 one, call libm once an element.
 
     python bench/activations.py [--quick] [--acts relu,tanh,sigmoid,softplus,gelu,exp]
 """

@@ -86,9 +86,10 @@ EXP_SQUARINGS, EXP_DEGREE, LOG1P_TERMS = 8, 11, 10
 def _exp_nonpositive_source():
     """exp(t) for t <= 0 without a libm call, so that a loop of it vectorises (Numba has no vector math
     library here: math.exp is a call per element, and a float32 sigmoid ran 7 ns an element, 16x torch's).
-    exp(t) = exp(t / 256) ** 256: the Taylor polynomial of degree 11 at |t / 256| <= 0.41 (t clamped to
-    -104, where float32's exp is 0), squared 8 times, in float64: within 1e-11 of exp, under float32's
-    rounding."""
+    exp(t) = exp(t / 256) ** 256: the Taylor polynomial of degree 11 at |t / 256| <= 0.41, squared 8
+    times, in float64: within 1e-11 of exp, under float32's rounding. Below -104, where float32's exp is
+    0, it is 0 (not exp(-104): the kernel goes on in float64, and a review's x * softplus(x) at x = -3e38
+    multiplied that back up to 6e31)."""
     coeffs = [1.0 / math.factorial(k) for k in range(EXP_DEGREE, -1, -1)]
     text = repr(coeffs[0])
     for c in coeffs[1:]:
@@ -96,11 +97,11 @@ def _exp_nonpositive_source():
     squares = "\n".join(["    p = p * p"] * EXP_SQUARINGS)
     return f'''def _exp_nonpositive(t):
     # a polynomial, squared (see codegen/sympy_print.py): it vectorises, unlike math.exp
-    c = -104.0 if t < -104.0 else t   # NaN passes through
+    c = -104.0 if t < -104.0 else t   # (the polynomial's range; NaN passes through)
     y = c * {1.0 / 2 ** EXP_SQUARINGS!r}
     p = {text}
 {squares}
-    return p'''
+    return 0.0 if t < -104.0 else p'''
 
 
 def _log1p_unit_source():
@@ -116,13 +117,15 @@ def _log1p_unit_source():
     return 2.0 * s * ({text})'''
 
 
-ERFC_DEGREE, ERF_SATURATES = 14, 6.0
+ERFC_DEGREE, ERF_SATURATES, ERF_SERIES_BELOW, ERF_SERIES_TERMS = 14, 6.0, 0.5, 12
 
 
 def _erf_source():
     """erf(z) without a libm call: erfc(|z|) = t exp(P(t) - z^2), t = 2 / (2 + |z|), with P the polynomial of
     degree 14 interpolating log(erfc(z) / t) + z^2 at Chebyshev points of t over |z| <= 6 (beyond, erf is
-    +-1 in float64): within 5e-12 of erfc, relative."""
+    +-1 in float64): within 5e-12 of erfc, relative; erf = 1 - erfc is as close, absolutely. Below |z| = 0.5
+    erf's own series, z times a polynomial of z^2 (12 terms): relative to erf near 0, where 1 - erfc was
+    off by 4e-12 (a review: erf(0) = 3.7e-12, erf(1e-7) 3e-4 off)."""
     lo = 2.0 / (2.0 + ERF_SATURATES)   # t at the largest |z|
 
     def log_ratio(s):   # log(erfc(z) / t) + z^2 at s in [-1, 1], t = lo + (1 - lo) (s + 1) / 2
@@ -133,14 +136,21 @@ def _erf_source():
     text = repr(float(coeffs[0]))
     for c in coeffs[1:]:
         text = f"{float(c)!r} + s * ({text})"
+    # erf(z) = 2/sqrt(pi) sum_n (-1)^n z^(2n+1) / (n! (2n+1))
+    series = [2.0 / math.sqrt(math.pi) * (-1) ** n / (math.factorial(n) * (2 * n + 1)) for n in range(ERF_SERIES_TERMS)]
+    near = repr(series[-1])
+    for c in series[-2::-1]:
+        near = f"{c!r} + w * ({near})"
     return f'''def _erf_poly(z):
-    # erf by a polynomial and _exp_nonpositive (see codegen/sympy_print.py): it vectorises, unlike math.erf
+    # erf by polynomials and _exp_nonpositive (see codegen/sympy_print.py): it vectorises, unlike math.erf
     a = math.fabs(z)
     c = {ERF_SATURATES!r} if a > {ERF_SATURATES!r} else a   # NaN passes through
     t = 2.0 / (2.0 + c)
     s = (t - {lo!r}) * {2.0 / (1.0 - lo)!r} - 1.0
     r = 1.0 - t * _exp_nonpositive(({text}) - c * c)   # 1 - erfc(|z|)
-    return r if z >= 0.0 else -r'''
+    w = z * z
+    small = z * ({near})   # erf's series, near 0
+    return small if a < {ERF_SERIES_BELOW!r} else (r if z >= 0.0 else -r)'''
 
 
 # A float32 build's sigmoid and softplus, on the helpers above, in float64 (FLOAT64_HELPERS): within

@@ -254,7 +254,6 @@ def test_nan_loss_raises_with_step_number_and_keeps_params(small):
                                                  r"1 non-finite value\(s\) in all\)"):
         tr.step(x=bad, y=y)
     assert tr.steps == 3
-    assert tr.steps == 3
 
 
 def test_a_param_assigned_into_the_trainer_is_adopted_and_a_wrong_one_refused(small, rng, tmp_path):

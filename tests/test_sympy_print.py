@@ -158,7 +158,12 @@ def test_float32_builds_erf_is_within_float64_reach_of_erf():
             out[i] = erf(xs[i])
         return out
     xs = np.concatenate([np.linspace(-10, 10, 400_001), [0.0, -0.0, 1e-300, 5.9999, 6.0001, 1e300, -1e300]])
-    assert np.max(np.abs(over(xs) - np.array([math.erf(x) for x in xs]))) < 1e-11
+    got, exact = over(xs), np.array([math.erf(x) for x in xs])
+    assert np.max(np.abs(got - exact)) < 1e-11
+    near = (exact != 0) & (np.abs(xs) < 0.5)   # relative near 0, where 1 - erfc(|z|) was 4e-12 off (a review)
+    assert np.max(np.abs(got[near] / exact[near] - 1)) < 1e-14
+    tiny = np.array([0.0, -0.0, 1e-30, -1e-7])
+    assert np.array_equal(over(tiny), [math.erf(x) for x in tiny]) and np.signbit(over(tiny)[1])
     specials = over(np.array([np.inf, -np.inf, np.nan]))
     assert specials[0] == 1.0 and specials[1] == -1.0 and np.isnan(specials[2])
     names = {X[0]: sp.Symbol("a0")}
@@ -168,3 +173,22 @@ def test_float32_builds_erf_is_within_float64_reach_of_erf():
     assert lines == ["out = math.exp(a0)"] and not helpers
     lines, _ = print_block(sp.erf(x0), names, "out")   # a float64 build keeps libm
     assert lines == ["out = math.erf(a0)"]
+
+
+def test_float32_helpers_vanish_where_float32s_exp_does():
+    """Below -104 _exp_nonpositive is 0, as float32's exp: it was exp(-104), and the kernel goes on in float64,
+    so x * softplus(x)'s gradient at x = -3e38 came out 6e31 (a review; torch: -0)."""
+    from numba import njit
+    from gradc.codegen.sympy_print import helper_source, HELPER_CALLS
+    from gradc.ops.scalar import Softplus
+    names = {X[0]: sp.Symbol("a0")}
+    lines, helpers = print_block(sp.diff(x0 * Softplus(x0), x0), names, "out", single=True)
+    scope = {"math": math, "np": np, "FLOAT": np.float32}
+    for h in sorted(helpers | {c for h in helpers for c in HELPER_CALLS.get(h, ())}):
+        exec(helper_source(h, single=True), scope)
+        scope[h] = njit(error_model="numpy")(scope[h])
+    exec("def kernel(a0):\n" + "".join(f"    {line}\n" for line in lines) + "    return np.float32(out)\n", scope)
+    kernel = njit(error_model="numpy")(scope["kernel"])
+    for x in (-1e20, -1e30, -3e38, -105.0):
+        assert kernel(np.float32(x)) == 0.0, (x, kernel(np.float32(x)))
+    assert scope["_exp_nonpositive"](-np.inf) == 0.0 and np.isnan(scope["_exp_nonpositive"](np.nan))

@@ -220,7 +220,7 @@ class CudaTrainerBase(TrainerBase):
             final(names)
         return float(run.host(self._status)[0])
 
-    def _dp_update(self, loss, grads, dp):
+    def _dp_update(self, loss, grads, dp, inputs=None):
         import math
         from .optim import sum_squares
         run = self.runner
@@ -240,7 +240,7 @@ class CudaTrainerBase(TrainerBase):
             self._status.copy_to_device(np.array([loss, sq, 0.0], dtype=self.signature.float), stream=run.stream)
             self._launch_apply(self._grads, self._flat, *state, self._hyper, self._status, run.stream)
             run.sync()
-        self._count_step(loss, sq, bad)
+        self._count_step(loss, sq, bad, inputs)
         return float(loss)
 
     @one_at_a_time

@@ -300,7 +300,7 @@ class DataParallel:
             if self.pipe_comm is not None:
                 squares = self.pipe_comm.allreduce(squares)
             loss += extra * 0.5 * facts["weight_decay"] * squares
-        return tr._dp_update(loss, grads, self)
+        return tr._dp_update(loss, grads, self, a)
 
     def _settings(self):
         """What every rank must train with alike: a rank with another lr, optimizer or clip norm drifts

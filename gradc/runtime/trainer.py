@@ -343,7 +343,7 @@ class TrainerBase:
             [name for name in self.grad_slices if stage_of.get(name, 0) == k]))
         return loss, self.pipeline.weight_sum
 
-    def _dp_update(self, loss, grads, dp):
+    def _dp_update(self, loss, grads, dp, inputs=None):
         """The update with the reduced gradients; refused on every rank if on any."""
         sq = dp.pipe_sum(sum_squares(self._grads))
         ok = math.isfinite(loss) and math.isfinite(sq)
@@ -356,7 +356,7 @@ class TrainerBase:
             sq = math.nan
         if not refused and not bad:
             self._update(scale, WRITE)
-        self._count_step(loss, sq, bad)
+        self._count_step(loss, sq, bad, inputs)
         return float(loss)
 
     def _allreduce(self, x):
