@@ -117,16 +117,18 @@ def _log1p_unit_source():
     return 2.0 * s * ({text})'''
 
 
-ERFC_DEGREE, ERF_SATURATES, ERF_SERIES_BELOW, ERF_SERIES_TERMS = 14, 6.0, 0.5, 12
+ERFC_DEGREE, ERFC_FIT_UP_TO = 16, 10.5
 
 
-def _erf_source():
-    """erf(z) without a libm call: erfc(|z|) = t exp(P(t) - z^2), t = 2 / (2 + |z|), with P the polynomial of
-    degree 14 interpolating log(erfc(z) / t) + z^2 at Chebyshev points of t over |z| <= 6 (beyond, erf is
-    +-1 in float64): within 5e-12 of erfc, relative; erf = 1 - erfc is as close, absolutely. Below |z| = 0.5
-    erf's own series, z times a polynomial of z^2 (12 terms): relative to erf near 0, where 1 - erfc was
-    off by 4e-12 (a review: erf(0) = 3.7e-12, erf(1e-7) 3e-4 off)."""
-    lo = 2.0 / (2.0 + ERF_SATURATES)   # t at the largest |z|
+def _erfc_source():
+    """erfc(z) without a libm call: erfc(|z|) = t exp(P(t) - z^2), t = 2 / (2 + |z|), with P the polynomial of
+    degree 16 interpolating log(erfc(z) / t) + z^2 at Chebyshev points of t over |z| <= 10.5: within 2e-12
+    of erfc, relative, up to z = 10.14, and 0 past it (_exp_nonpositive's 0 below -104: erfc < 1e-46 there,
+    under float32's least subnormal); erfc(-|z|) = 2 - erfc(|z|).
+    gelu is x erfc(-x / sqrt(2)) / 2 (gradc/ops/elementwise.py; sympy writes it x (2 - erfc(x / sqrt(2))) / 2,
+    as close as torch's x (1 + erf) / 2). erf itself stays libm's: 1 - erfc is only absolutely close, and
+    erf near 0 is not (a review: erf(0) came out 3.7e-12)."""
+    lo = 2.0 / (2.0 + ERFC_FIT_UP_TO)   # t at the largest |z| fitted
 
     def log_ratio(s):   # log(erfc(z) / t) + z^2 at s in [-1, 1], t = lo + (1 - lo) (s + 1) / 2
         t = lo + (1.0 - lo) * (s + 1.0) / 2.0
@@ -136,21 +138,14 @@ def _erf_source():
     text = repr(float(coeffs[0]))
     for c in coeffs[1:]:
         text = f"{float(c)!r} + s * ({text})"
-    # erf(z) = 2/sqrt(pi) sum_n (-1)^n z^(2n+1) / (n! (2n+1))
-    series = [2.0 / math.sqrt(math.pi) * (-1) ** n / (math.factorial(n) * (2 * n + 1)) for n in range(ERF_SERIES_TERMS)]
-    near = repr(series[-1])
-    for c in series[-2::-1]:
-        near = f"{c!r} + w * ({near})"
-    return f'''def _erf_poly(z):
-    # erf by polynomials and _exp_nonpositive (see codegen/sympy_print.py): it vectorises, unlike math.erf
+    return f'''def _erfc_poly(z):
+    # erfc by a polynomial and _exp_nonpositive (see codegen/sympy_print.py): it vectorises, unlike math.erfc
     a = math.fabs(z)
-    c = {ERF_SATURATES!r} if a > {ERF_SATURATES!r} else a   # NaN passes through
+    c = {ERFC_FIT_UP_TO!r} if a > {ERFC_FIT_UP_TO!r} else a   # (the fit's range; NaN passes through)
     t = 2.0 / (2.0 + c)
     s = (t - {lo!r}) * {2.0 / (1.0 - lo)!r} - 1.0
-    r = 1.0 - t * _exp_nonpositive(({text}) - c * c)   # 1 - erfc(|z|)
-    w = z * z
-    small = z * ({near})   # erf's series, near 0
-    return small if a < {ERF_SERIES_BELOW!r} else (r if z >= 0.0 else -r)'''
+    e = t * _exp_nonpositive(({text}) - a * a)   # erfc(|z|)
+    return e if z >= 0.0 else 2.0 - e'''
 
 
 # A float32 build's sigmoid and softplus, on the helpers above, in float64 (FLOAT64_HELPERS): within
@@ -164,9 +159,9 @@ HELPERS["_softplus_poly"] = '''def _softplus_poly(x):
 # (made from their series when this module loads: no sympy, a few microseconds)
 HELPERS["_exp_nonpositive"] = _exp_nonpositive_source()
 HELPERS["_log1p_unit"] = _log1p_unit_source()
-HELPERS["_erf_poly"] = _erf_source()
+HELPERS["_erfc_poly"] = _erfc_source()
 HELPER_CALLS = {"_sigmoid_poly": ("_exp_nonpositive",), "_softplus_poly": ("_exp_nonpositive", "_log1p_unit"),
-                "_erf_poly": ("_exp_nonpositive",)}
+                "_erfc_poly": ("_exp_nonpositive",)}
 
 
 def single_precision(source):
@@ -188,7 +183,7 @@ def single_precision(source):
 # Helpers a float32 build still evaluates in float64. The rational tanh evaluated in float32 was 2.3x
 # faster but only within 4e-7 of tanh near +-1 (7 float32 steps), so 1 - y*y, tanh's derivative at
 # |x| = 6, came out 1% off where PyTorch's is 0.1% off; in float64 it is within 1e-7 before rounding.
-FLOAT64_HELPERS = {"_tanh", "_exp_nonpositive", "_log1p_unit", "_sigmoid_poly", "_softplus_poly", "_erf_poly"}
+FLOAT64_HELPERS = {"_tanh", "_exp_nonpositive", "_log1p_unit", "_sigmoid_poly", "_softplus_poly", "_erfc_poly"}
 
 
 def helper_source(name, single=False):
@@ -199,7 +194,7 @@ def helper_source(name, single=False):
 
 
 class ExpNonpositive(sp.Function):
-    """exp of an argument sympy shows is <= 0 (erf's derivative: exp(-x**2)): a float32 build's
+    """exp of an argument sympy shows is <= 0 (erfc's derivative: exp(-x**2)): a float32 build's
     _exp_nonpositive, which vectorises."""
     nargs = 1
 
@@ -229,9 +224,9 @@ class KernelPrinter(PythonCodePrinter):
         self.used_helpers |= {name, *HELPER_CALLS.get(name, ())}
         return f"{name}({', '.join(self._print(a) for a in expr.args)})"
 
-    # a float32 build's erf, and exp of what sympy shows is <= 0 (print_block), vectorise
-    def _print_erf(self, e):
-        return self._helper("_erf_poly", e) if self.single else f"math.erf({self._print(e.args[0])})"
+    # a float32 build's erfc (gelu's), and exp of what sympy shows is <= 0 (print_block), vectorise
+    def _print_erfc(self, e):
+        return self._helper("_erfc_poly", e) if self.single else f"math.erfc({self._print(e.args[0])})"
 
     def _print_ExpNonpositive(self, e):
         return self._helper("_exp_nonpositive", e)
