@@ -13,10 +13,9 @@ from gradc.ops.random import normal_draw_source
 # Stable scalar helpers the generated module defines when an expression uses them.
 HELPERS = {
     "_sigmoid": '''def _sigmoid(x):
-    if x >= 0.0:
-        return 1.0 / (1.0 + math.exp(-x))
-    e = math.exp(x)   # never exp of a large positive number
-    return e / (1.0 + e)''',
+    e = math.exp(-math.fabs(x))   # never exp of a large positive number
+    r = 1.0 / (1.0 + e)
+    return r if x >= 0.0 else e * r   # (a select, not a branch: random signs mispredicted half the time)''',
     "_softplus": '''def _softplus(x):
     return (x if x > 0.0 else 0.0) + math.log1p(math.exp(-math.fabs(x)))''',
     "_relu": '''def _relu(x):

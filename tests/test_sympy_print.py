@@ -191,3 +191,27 @@ def test_float32_helpers_vanish_where_float32s_exp_does():
     for x in (-1e20, -1e30, -3e38, -105.0):
         assert kernel(np.float32(x)) == 0.0, (x, kernel(np.float32(x)))
     assert scope["_exp_nonpositive"](-np.inf) == 0.0 and np.isnan(scope["_exp_nonpositive"](np.nan))
+
+
+def test_float64_sigmoid_is_within_3_ulps_and_branch_free():
+    """The float64 (and CUDA) sigmoid picks its two forms by a select, not a branch (random signs
+    mispredicted half the time: 1.12x torch's time, 0.62x since); within 3 ulps of the true value."""
+    from numba import njit
+    from scipy.special import expit
+    from gradc.codegen.sympy_print import helper_source
+    scope = {"math": math, "np": np}
+    exec(helper_source("_sigmoid"), scope)
+    f = njit(error_model="numpy")(scope["_sigmoid"])
+    assert "if x" not in helper_source("_sigmoid").split("return")[0]   # no branch before the select
+
+    @njit(error_model="numpy")
+    def over(xs):
+        out = np.empty(xs.size)
+        for i in range(xs.size):
+            out[i] = f(xs[i])
+        return out
+    xs = np.concatenate([np.linspace(-700, 40, 1_000_001), [0.0, -0.0, 1e-300, -1e-300]])   # (scipy's expit is 0
+    got, exact = over(xs), expit(xs)                                                          # below -708)
+    assert np.all(np.abs(got - exact) <= 3 * np.spacing(exact))
+    specials = over(np.array([np.inf, -np.inf, np.nan]))
+    assert specials[0] == 1.0 and specials[1] == 0.0 and np.isnan(specials[2])
