@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import interleaved  # noqa: E402
 
 SHAPE = (256, 4096)
-TORCH = {"relu": "relu", "tanh": "tanh", "sigmoid": "sigmoid", "softplus": "softplus", "gelu": "gelu", "exp": "exp"}
+ACTS = ("relu", "tanh", "sigmoid", "softplus", "gelu", "exp")   # gc.<act> against torch's of the same name
 
 
 def _data(dtype):
@@ -51,7 +51,7 @@ def torch_tasks(acts, dtype):
     b.requires_grad_(True)
     tasks = {}
     for act in acts:
-        f = getattr(torch.nn.functional, TORCH[act], None) or getattr(torch, TORCH[act])
+        f = getattr(torch.nn.functional, act, None) or getattr(torch, act)
 
         def step(f=f):
             loss = f(x * w + b).mean()
@@ -63,12 +63,12 @@ def torch_tasks(acts, dtype):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--acts", default="relu,tanh,sigmoid,softplus,gelu,exp")
+    ap.add_argument("--acts", default=",".join(ACTS))
     args = ap.parse_args()
     acts = args.acts.split(",")
-    unknown = [a for a in acts if a not in TORCH]
+    unknown = [a for a in acts if a not in ACTS]
     if unknown:
-        ap.error(f"unknown activation(s) {unknown}: choose from {sorted(TORCH)}")
+        ap.error(f"unknown activation(s) {unknown}: choose from {','.join(ACTS)}")
     out = tempfile.mkdtemp(prefix="gradc-acts-")
     print(f"loss_and_grad of mean(act(x * w + b)), x {SHAPE}, 1 thread, median ms (gradc / torch eager)")
     for dtype in ("float32", "float64"):

@@ -42,6 +42,30 @@ def test_float_constants_are_written_exactly():
     assert numpy_function(expr, 3)(*args)[0] == consts[0] + consts[3]
 
 
+def _compiled_helpers(names, single=False):
+    """The scalar helpers `names` and those they call (HELPER_CALLS), compiled as a module's kernels are."""
+    from numba import njit
+    from gradc.codegen.sympy_print import HELPER_CALLS, helper_source
+    scope = {"math": math, "np": np, "FLOAT": np.float32 if single else np.float64}
+    for h in sorted(set(names) | {c for h in names for c in HELPER_CALLS.get(h, ())}):
+        exec(helper_source(h, single=single), scope)
+        scope[h] = njit(error_model="numpy")(scope[h])
+    return scope
+
+
+def _over(f, dtype=np.float64):
+    """f of each element of an array, in a compiled loop (as a kernel calls a helper)."""
+    from numba import njit
+
+    @njit(error_model="numpy")
+    def over(xs):
+        out = np.empty(xs.size, dtype)
+        for i in range(xs.size):
+            out[i] = f(xs[i])
+        return out
+    return over
+
+
 def test_written_out_tanh_helper_is_what_sympy_derives():
     from gradc.codegen.sympy_print import HELPERS, _rational_tanh_source
     assert HELPERS["_tanh"] == _rational_tanh_source()
@@ -85,18 +109,7 @@ def test_float32_builds_tanh_is_float32_tanh_rounded_and_never_past_one():
     """A float32 build's tanh helper (evaluated in float64, FLOAT64_HELPERS) is within float32
     rounding of tanh, as a correctly rounded tanhf: evaluated in float32 it was 4e-7 off near +-1,
     which made 1 - y*y (its derivative) 10x less accurate than PyTorch's. Clamped to [-1, 1]."""
-    from numba import njit
-    from gradc.codegen.sympy_print import helper_source
-    scope = {"math": math, "np": np, "FLOAT": np.float32}
-    exec(helper_source("_tanh", single=True), scope)
-    tanh = njit(scope["_tanh"])
-
-    @njit
-    def over(xs):
-        out = np.empty(xs.size, np.float32)
-        for i in range(xs.size):
-            out[i] = tanh(xs[i])
-        return out
+    over = _over(_compiled_helpers(["_tanh"], single=True)["_tanh"], np.float32)
     xs = np.concatenate([np.linspace(-12, 12, 2_000_001, dtype=np.float32), np.float32([-8.82, np.inf, -np.inf])])
     ys = over(xs)
     assert np.all(np.abs(ys) <= 1.0)
@@ -110,21 +123,9 @@ def test_float32_builds_sigmoid_and_softplus_are_rounded_true_values(helper):
     vectorise: with math.exp they ran 4-7x slower than torch's) round to the float64 values: the float32
     nearest the true value almost everywhere, never a float32 step off, over the whole float32 range
     (down to the subnormals: sigmoid(-100) is 3.7e-44), with inf, -inf and NaN as the math module's."""
-    from numba import njit
     from scipy.special import expit
-    from gradc.codegen.sympy_print import HELPER_CALLS, helper_source
-    scope = {"math": math, "np": np, "FLOAT": np.float32}
-    for h in HELPER_CALLS[helper] + (helper,):
-        exec(helper_source(h, single=True), scope)
-        scope[h] = njit(error_model="numpy")(scope[h])
-    f = scope[helper]
-
-    @njit(error_model="numpy")
-    def over(xs):
-        out = np.empty(xs.size, np.float32)
-        for i in range(xs.size):
-            out[i] = f(xs[i])
-        return out
+    from gradc.codegen.sympy_print import helper_source
+    over = _over(_compiled_helpers([helper], single=True)[helper], np.float32)
     xs = np.concatenate([np.linspace(-120, 120, 2_000_001, dtype=np.float32),
                          np.float32([0.0, -0.0, 1e-30, -1e-30, 88.7, -88.7, 103.9, -103.9, 1e30, -1e30])])
     exact = expit(xs.astype(np.float64)) if helper == "_sigmoid_poly" else np.logaddexp(0.0, xs.astype(np.float64))
@@ -144,20 +145,7 @@ def test_float32_builds_erfc_is_relatively_close_to_erfc():
     10, where float32 reaches its least subnormal (and 0 where exp's argument is below -104); exp of what sympy shows is <= 0 (erfc's derivative) prints as
     _exp_nonpositive, never of a value that may be positive; erf stays libm's (1 - erfc would be only
     absolutely close: erf(0) came out 3.7e-12, a review)."""
-    from numba import njit
-    from gradc.codegen.sympy_print import HELPER_CALLS, helper_source
-    scope = {"math": math, "np": np}
-    for h in HELPER_CALLS["_erfc_poly"] + ("_erfc_poly",):
-        exec(helper_source(h, single=True), scope)
-        scope[h] = njit(error_model="numpy")(scope[h])
-    erfc = scope["_erfc_poly"]
-
-    @njit(error_model="numpy")
-    def over(xs):
-        out = np.empty(xs.size)
-        for i in range(xs.size):
-            out[i] = erfc(xs[i])
-        return out
+    over = _over(_compiled_helpers(["_erfc_poly"], single=True)["_erfc_poly"])
     xs = np.concatenate([np.linspace(-12, 10, 450_001), [0.0, -0.0, 1e-300, -1e300]])
     got, exact = over(xs), np.array([math.erfc(x) for x in xs])
     assert np.max(np.abs(got / exact - 1)) < 1e-11
@@ -178,14 +166,10 @@ def test_float32_helpers_vanish_where_float32s_exp_does():
     """Below -104 _exp_nonpositive is 0, as float32's exp: it was exp(-104), and the kernel goes on in float64,
     so x * softplus(x)'s gradient at x = -3e38 came out 6e31 (a review; torch: -0)."""
     from numba import njit
-    from gradc.codegen.sympy_print import helper_source, HELPER_CALLS
     from gradc.ops.scalar import Softplus
     names = {X[0]: sp.Symbol("a0")}
     lines, helpers = print_block(sp.diff(x0 * Softplus(x0), x0), names, "out", single=True)
-    scope = {"math": math, "np": np, "FLOAT": np.float32}
-    for h in sorted(helpers | {c for h in helpers for c in HELPER_CALLS.get(h, ())}):
-        exec(helper_source(h, single=True), scope)
-        scope[h] = njit(error_model="numpy")(scope[h])
+    scope = _compiled_helpers(helpers, single=True)
     exec("def kernel(a0):\n" + "".join(f"    {line}\n" for line in lines) + "    return np.float32(out)\n", scope)
     kernel = njit(error_model="numpy")(scope["kernel"])
     for x in (-1e20, -1e30, -3e38, -105.0):
@@ -196,20 +180,10 @@ def test_float32_helpers_vanish_where_float32s_exp_does():
 def test_float64_sigmoid_is_within_3_ulps_and_branch_free():
     """The float64 (and CUDA) sigmoid picks its two forms by a select, not a branch (random signs
     mispredicted half the time: 1.12x torch's time, 0.62x since); within 3 ulps of the true value."""
-    from numba import njit
     from scipy.special import expit
     from gradc.codegen.sympy_print import helper_source
-    scope = {"math": math, "np": np}
-    exec(helper_source("_sigmoid"), scope)
-    f = njit(error_model="numpy")(scope["_sigmoid"])
+    over = _over(_compiled_helpers(["_sigmoid"])["_sigmoid"])
     assert "if x" not in helper_source("_sigmoid").split("return")[0]   # no branch before the select
-
-    @njit(error_model="numpy")
-    def over(xs):
-        out = np.empty(xs.size)
-        for i in range(xs.size):
-            out[i] = f(xs[i])
-        return out
     xs = np.concatenate([np.linspace(-700, 40, 1_000_001), [0.0, -0.0, 1e-300, -1e-300]])   # (scipy's expit is 0
     got, exact = over(xs), expit(xs)                                                          # below -708)
     assert np.all(np.abs(got - exact) <= 3 * np.spacing(exact))

@@ -150,10 +150,10 @@ def _heaviside(x, h0=sp.S.Half):
 
 def to_differentiable(expr):
     """Replace sympy functions whose derivatives hold DiracDelta by the ones above, with the values
-    sympy gives them (Heaviside(0) is 1/2, as sympy's); and a power of a varying base to a varying
-    exponent by Power, whose derivatives are finite at a zero base."""
+    sympy gives them (Heaviside(0) is 1/2, as sympy's); and powers by Power, whose derivatives are
+    finite at a zero base (it stays sympy's Pow where base or exponent is a number)."""
     return expr.replace(sp.Heaviside, _heaviside) \
-               .replace(lambda e: e.is_Pow and not (e.exp.is_Number or e.base.is_Number), lambda e: Power(*e.args)) \
+               .replace(sp.Pow, Power) \
                .replace(sp.sign, Sign) \
                .replace(sp.Abs, AbsF) \
                .replace(sp.Max, lambda *a: _fold(Max2, a)) \
