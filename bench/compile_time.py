@@ -13,9 +13,12 @@ compile of a tiny model first); the kernel cache is pointed at a temp folder
   (c) 100-layer width-64 MLP, --order 2, empty kernel cache   goal: under 20 s
       and its first `hvp` call, in a fresh process that imports the build   goal: under 10 s
       (JAX: jit of the HVP, forward-over-reverse)
+  (d) an LSTM read over T steps (input 32, hidden 128, gc.scan; JAX: lax.scan), its last state
+      classified, empty kernel cache                            goal: at most 5x JAX
 
     python bench/compile_time.py            # medians of 3 fresh runs per cell
     python bench/compile_time.py --quick    # one run per cell
+    python bench/compile_time.py --cases d  # only the LSTM
 """
 import argparse
 import json
@@ -43,9 +46,33 @@ def mlp(name, layers, width):
     return m
 
 
+LSTM_D, LSTM_H, LSTM_C, LSTM_T = 32, 128, 10, 50
+
+
+def lstm(name):
+    import gradc as gc
+    m = gc.Model(name)
+    x = m.input("x", ("T", "B", LSTM_D))
+    y = m.input("y", ("B",), dtype="int64")
+    h0 = m.input("h0", ("B", LSTM_H))
+    Wx, Wh = m.param("Wx", (LSTM_D, 4 * LSTM_H)), m.param("Wh", (LSTM_H, 4 * LSTM_H))
+    b, V = m.param("b", (4 * LSTM_H,)), m.param("V", (LSTM_H, LSTM_C))
+
+    def step(carry, x_t):
+        h, c = carry
+        z = x_t @ Wx + h @ Wh + b
+        i, f, o = (gc.sigmoid(z[:, k * LSTM_H:(k + 1) * LSTM_H]) for k in range(3))
+        c = f * c + i * gc.tanh(z[:, 3 * LSTM_H:])
+        return (o * gc.tanh(c), c), None
+
+    (h, _), _ = gc.scan(step, (h0, h0), x)
+    m.minimize(gc.softmax_cross_entropy(h @ V, y))
+    return m
+
+
 def worker_gradc(name, layers, width, out):
     import gradc as gc
-    model = mlp(name, layers, width)
+    model = lstm(name) if layers == "lstm" else mlp(name, layers, width)
     timings = {}
     t = time.perf_counter()
     gc.compile(model, out=out, timings=timings)
@@ -88,13 +115,34 @@ def worker_jax(layers, width, what):
     def hvp(p, v, x, y):
         return jax.jvp(lambda q: jax.grad(loss_fn)(q, x, y), (p,), (v,))[1]
 
+    def lstm_loss(p, x, y):
+        def step(carry, x_t):
+            h, c = carry
+            z = x_t @ p["Wx"] + h @ p["Wh"] + p["b"]
+            i, f, o = (jax.nn.sigmoid(z[:, k * LSTM_H:(k + 1) * LSTM_H]) for k in range(3))
+            c = f * c + i * jnp.tanh(z[:, 3 * LSTM_H:])
+            return (o * jnp.tanh(c), c), None
+
+        h0 = jnp.zeros((x.shape[1], LSTM_H), x.dtype)
+        (h, _), _ = jax.lax.scan(step, (h0, h0), x)
+        logp = jax.nn.log_softmax(h @ p["V"])
+        return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
+
+    if layers == "lstm":
+        loss_fn = lstm_loss
     rng = np.random.default_rng(0)
     p = {}
-    for i in range(layers):
+    if layers == "lstm":
+        shapes = {"Wx": (LSTM_D, 4 * LSTM_H), "Wh": (LSTM_H, 4 * LSTM_H), "b": (4 * LSTM_H,), "V": (LSTM_H, LSTM_C)}
+        p = {k: (rng.standard_normal(s) / np.sqrt(s[0])).astype(np.float32) for k, s in shapes.items()}
+        x = rng.standard_normal((LSTM_T, BATCH, LSTM_D)).astype(np.float32)
+        y = rng.integers(0, LSTM_C, BATCH).astype(np.int32)
+    for i in range(layers if layers != "lstm" else 0):
         p[f"W{i}"] = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
         p[f"b{i}"] = np.zeros(width, np.float32)
-    x = rng.standard_normal((BATCH, width)).astype(np.float32)
-    y = rng.integers(0, width, BATCH).astype(np.int32)
+    if layers != "lstm":
+        x = rng.standard_normal((BATCH, width)).astype(np.float32)
+        y = rng.integers(0, width, BATCH).astype(np.int32)
     t = time.perf_counter()
     if what == "step":
         jax.jit(step).lower(p, x, y).compile()
@@ -126,7 +174,7 @@ def gradc_case(layers, width, warm_from=None, hvp=False):
         cache = os.path.join(tmp, "cache")
         if warm_from is not None:
             run_worker(["gradc", f"warm_{warm_from[0]}x{warm_from[1]}", *warm_from, os.path.join(tmp, "w")], cache)
-        name = f"mlp_{layers}x{width}"
+        name = "lstm" if layers == "lstm" else f"mlp_{layers}x{width}"
         out = os.path.join(tmp, "out")
         result = run_worker(["gradc", name, layers, width, out], cache)
         return result, (run_worker(["hvp", name, out], cache) if hvp else None)
@@ -139,6 +187,7 @@ def median(results, key="seconds"):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one run per cell instead of the median of 3")
+    ap.add_argument("--cases", default="abcd", help="the cases to run, e.g. 'ad' (default: all)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -159,19 +208,31 @@ def main():
         return median([run_worker(["jax", layers, width, what]) for _ in range(repeats)])
 
     gradc_case(2, 8)   # untimed: the .pyc files of gradc's and Numba's lazily imported modules
-    cold = [gradc_case(30, 256)[0] for _ in range(repeats)]
-    j30 = jax_seconds(30, 256)
-    rows.append(("(a) 30x256 MLP, empty kernel cache", median(cold), j30, "<= 5x JAX", median(cold) <= 5 * j30))
-    notes.append(("(a)", cold))
-    warm = [gradc_case(30, 256, warm_from=(20, 256))[0] for _ in range(repeats)]
-    rows.append(("(b) 30x256 MLP, cache warm from a 20x256 MLP", median(warm), j30, "<= 2x JAX", median(warm) <= 2 * j30))
-    notes.append(("(b)", warm))
-    deep = [gradc_case(100, 64, hvp=True) for _ in range(repeats)]
-    compiles, hvps = [d[0] for d in deep], [d[1] for d in deep]
-    j100, j100h = jax_seconds(100, 64), jax_seconds(100, 64, "hvp")
-    rows.append(("(c) 100x64 MLP --order 2, empty kernel cache", median(compiles), j100, "< 20 s", median(compiles) < 20))
-    rows.append(("(c) first hvp call (fresh process; JAX: jit of hvp)", median(hvps), j100h, "< 10 s", median(hvps) < 10))
-    notes.append(("(c)", compiles))
+    if "a" in args.cases or "b" in args.cases:
+        j30 = jax_seconds(30, 256)
+    if "a" in args.cases:
+        cold = [gradc_case(30, 256)[0] for _ in range(repeats)]
+        rows.append(("(a) 30x256 MLP, empty kernel cache", median(cold), j30, "<= 5x JAX", median(cold) <= 5 * j30))
+        notes.append(("(a)", cold))
+    if "b" in args.cases:
+        warm = [gradc_case(30, 256, warm_from=(20, 256))[0] for _ in range(repeats)]
+        rows.append(("(b) 30x256 MLP, cache warm from a 20x256 MLP", median(warm), j30, "<= 2x JAX",
+                     median(warm) <= 2 * j30))
+        notes.append(("(b)", warm))
+    if "c" in args.cases:
+        deep = [gradc_case(100, 64, hvp=True) for _ in range(repeats)]
+        compiles, hvps = [d[0] for d in deep], [d[1] for d in deep]
+        j100, j100h = jax_seconds(100, 64), jax_seconds(100, 64, "hvp")
+        rows.append(("(c) 100x64 MLP --order 2, empty kernel cache", median(compiles), j100, "< 20 s",
+                     median(compiles) < 20))
+        rows.append(("(c) first hvp call (fresh process; JAX: jit of hvp)", median(hvps), j100h, "< 10 s", median(hvps) < 10))
+        notes.append(("(c)", compiles))
+    if "d" in args.cases:
+        lstms = [gradc_case("lstm", 0)[0] for _ in range(repeats)]
+        jl = jax_seconds("lstm", 0)
+        rows.append((f"(d) LSTM {LSTM_D}->{LSTM_H}, T={LSTM_T} (JAX), empty kernel cache", median(lstms), jl, "<= 5x JAX",
+                     median(lstms) <= 5 * jl))
+        notes.append(("(d)", lstms))
 
     print("\n| case | gradc s | JAX s | ratio | goal | met |")
     print("|---|---|---|---|---|---|")

@@ -404,8 +404,8 @@ class BodyWriter(EntryWriter):
         return f"c{n} = {array_source(self.graph.attrs(n)['value'], BODY_CONST_LIMIT)}"
 
     def copy_into(self, out, n):
-        """Lines that copy value n into the output argument `out`."""
-        return [f"{out}[...] = {self.var(n)}"]
+        """Lines that copy value n into the output argument `out` (see gradc/runtime/copy_into.py)."""
+        return [f"copy_into({out}, {self.var(n)})"]
 
 
 BODY_CONST_LIMIT = 256   # the most values a non-uniform constant array in a scan body may have (written in)

@@ -51,6 +51,7 @@ from gradc.runtime.arena import Arena
 from gradc.runtime.blas import gemm_strided, matmul_into
 from gradc.runtime.conv_cores import (conv_on_cores, conv_weight_grad_on_cores, draws_on_cores, images_on_cores,
                                      parts_on_cores)
+from gradc.runtime.copy_into import copy_into
 from gradc.runtime.hessian import hessian_buffer, hessian_row_range, in_blocks, second_order_missing, symmetrize
 from gradc.runtime.kernel_cache import cached_kernel
 from gradc.runtime.parallel import no_one

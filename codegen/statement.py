@@ -64,6 +64,11 @@ class Statement:
                 break
         return None
 
+    def copy(self, dst, src):
+        """`dst[...] = src` for arrays of one shape: numpy's assignment in a plain entry, copy_into's
+        loops in a compiled function (gradc/runtime/copy_into.py: Numba's assignment compiles slowly)."""
+        return f"copy_into({dst}, {src})" if self.compiled else f"{dst}[...] = {src}"
+
     def operand_shape(self, j):
         return self.graph.shape(self.operands[j])
 

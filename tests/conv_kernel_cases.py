@@ -37,8 +37,7 @@ def worst_error(target, families=FAMILIES):
         deco = cuda.jit
     else:
         from numba import njit
-        from gradc.runtime.blas import gemm_strided
-        from gradc.runtime.simd import tap_dots, tap_sums
+        from gradc.runtime.kernel_cache import RUNTIME_KERNELS
         deco = njit(cache=False, error_model="numpy", nogil=True)
     ns = {"np": np, "math": math}
     if target == "cuda":
@@ -52,7 +51,7 @@ def worst_error(target, families=FAMILIES):
                   "ap": P.cuda_avg_pool_source, "agrad": P.cuda_avg_grad_source}
     else:   # the CPU's path by taps (unit strides, >= TAPS_MIN_CHANNELS channels a group), with a small
         # tile so that a few output rows make a band: several bands a image, the last one short
-        ns["gemm_strided"], ns["tap_sums"], ns["tap_dots"] = gemm_strided, tap_sums, tap_dots
+        ns.update(RUNTIME_KERNELS)   # gemm_strided, tap_sums, copy_into, ...: what the kernels call
         for ob in (1, 2, 4, 8):   # the direct kernels, for every block of output channels
             makers[f"conv_d{ob}"] = partial(CD.cpu_conv2d_direct_source, ob=ob)
             makers[f"dx_d{ob}"] = partial(CD.cpu_input_grad_direct_source, ob=ob)

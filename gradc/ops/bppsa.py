@@ -75,7 +75,7 @@ def bppsa_cpu_lines(body_kernel, attrs):
     L += ["for t in range(T):",
           f"    i = {order}",
           f"    {body_kernel}({', '.join(real + outs + ['work'])})"]
-    L += [f"    Vv[i, :, o{k}:o{k} + h{k}] = jo{k}.reshape(nR, h{k})" for k in range(F)]
+    L += [f"    copy_into(Vv[i, :, o{k}:o{k} + h{k}], jo{k}.reshape(nR, h{k}))" for k in range(F)]
     if st:   # f'(new carry) from the carry itself; no body call, so the steps run on every thread
         L += ["for t in prange(T):",
               f"    i = {order}",
@@ -92,7 +92,7 @@ def bppsa_cpu_lines(body_kernel, attrs):
             L += [f"    for p in range(h{k}):",
                   f"        ebv{k}[:, p] = 1.0",
                   f"        {body_kernel}({', '.join(basis + outs + ['work'])})"]
-            L += [f"        Mm[i, :, o{k} + p, o{j}:o{j} + h{j}] = jo{j}.reshape(nR, h{j})" for j in range(F)]
+            L += [f"        copy_into(Mm[i, :, o{k} + p, o{j}:o{j} + h{j}], jo{j}.reshape(nR, h{j}))" for j in range(F)]
             L += [f"        ebv{k}[:, p] = 0.0"]
     # the sweeps: the products of one level are independent, one (pair, row) an iteration on Numba's threads
     L += ["d = 1",                                     # up-sweep
@@ -101,10 +101,10 @@ def bppsa_cpu_lines(body_kernel, attrs):
           "        b = j % nR",
           "        l = (j // nR) * 2 * d + d - 1",
           "        r = l + d",
-          "        Vv[r, b] = Vv[l, b] @ Mm[r, b] + Vv[r, b]",
-          "        Mm[r, b] = Mm[l, b] @ Mm[r, b]",
+          "        copy_into(Vv[r, b], Vv[l, b] @ Mm[r, b] + Vv[r, b])",
+          "        copy_into(Mm[r, b], Mm[l, b] @ Mm[r, b])",
           "    d *= 2"]
-    L += [f"Vv[pP - 1, :, o{k}:o{k} + h{k}] = np.ascontiguousarray(a{k}).reshape(nR, h{k})" for k in range(F)]
+    L += [f"copy_into(Vv[pP - 1, :, o{k}:o{k} + h{k}], np.ascontiguousarray(a{k}).reshape(nR, h{k}))" for k in range(F)]
     L += ["d = pP // 2",                               # down-sweep: the final adjoints at the root
           "while d >= 1:",
           "    for j in prange((pP // (2 * d)) * nR):",
@@ -112,8 +112,8 @@ def bppsa_cpu_lines(body_kernel, attrs):
           "        l = (j // nR) * 2 * d + d - 1",
           "        r = l + d",
           "        tv = Vv[l, b].copy()",
-          "        Vv[l, b] = Vv[r, b]",
-          "        Vv[r, b] = Vv[r, b] @ Mm[l, b] + tv",
+          "        copy_into(Vv[l, b], Vv[r, b])",
+          "        copy_into(Vv[r, b], Vv[r, b] @ Mm[l, b] + tv)",
           "    d //= 2"]
     return ["    " + line for line in L]
 

@@ -74,7 +74,7 @@ def _parts(s):
 
 def _concat_cpu(s):
     """Each operand copied into its part of its buffer (an int value's is its own: passes/storage.in_arena)."""
-    return [s.alloc()] + [f"{s.out}[{where}] = {arg}{s.note}" for arg, where, _ in _parts(s)]
+    return [s.alloc()] + [s.copy(f"{s.out}[{where}]", arg) + s.note for arg, where, _ in _parts(s)]
 
 
 def _cuda_part_source(name, rank, axis):

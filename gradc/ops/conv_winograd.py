@@ -141,7 +141,7 @@ def _blocks_of_tiles(first):
         "                    h = 2 * r0 + r - top",
         "                    if 0 <= h < h_in:",
         "                        lo, hi = max(0, left), min(2 * tw + 2, w_in + left)",
-        f"                        band[s, r, lo:hi] = {first}[n, s, h, lo - left:hi - left]",
+        f"                        copy_into(band[s, r, lo:hi], {first}[n, s, h, lo - left:hi - left])",
         *_INPUT_TILES,
     ]
 

@@ -124,11 +124,11 @@ def index_src(index):
 
 def _slice_cpu(s):
     """A copy of the slice into its buffer (an int value's is its own: passes/storage.in_arena)."""
-    return [s.alloc(), f"{s.out}[:] = {s.args[0]}[{index_src(s.attrs['index'])}]{s.note}"]
+    return [s.alloc(), s.copy(s.out, f"{s.args[0]}[{index_src(s.attrs['index'])}]") + s.note]
 
 
 def _slice_grad_cpu(s):
-    return [s.alloc(), f"{s.out}[:] = 0.0", f"{s.out}[{index_src(s.attrs['index'])}] = {s.args[0]}{s.note}"]
+    return [s.alloc(), f"{s.out}[:] = 0.0", s.copy(f"{s.out}[{index_src(s.attrs['index'])}]", s.args[0]) + s.note]
 
 
 def _cuda_slice_source(name, index):

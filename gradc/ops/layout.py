@@ -55,7 +55,7 @@ register(Op("transpose", "layout", _transpose_infer,
             lambda attrs, in_shapes, out_shape: 0, vjp=_transpose_vjp, arity=1,
             rows=lambda graph, n, ins, fail: list(graph.attrs(n)["axes"]).index(ins[0]),
             batched=unary(axes=lambda axes, k: (0,) + shifted(axes)),
-            cpu=lambda s: [s.alloc(), f"{s.out}[:] = np.transpose({s.args[0]}, {tuple(s.attrs['axes'])}){s.note}"],
+            cpu=lambda s: [s.alloc(), s.copy(s.out, f"np.transpose({s.args[0]}, {tuple(s.attrs['axes'])})") + s.note],
             cuda=_transpose_cuda, simplify=_transpose_simplify))
 
 
@@ -132,7 +132,7 @@ def _transfer_cpu(s):
     """Devices are regions of one host arena: the copy is the transfer."""
     if s.shape == ():
         return [f"{s.out} = {s.args[0]}{_transfer_note(s)}"]
-    return [s.alloc(), f"{s.out}[:] = {s.args[0]}{_transfer_note(s)}"]
+    return [s.alloc(), s.copy(s.out, s.args[0]) + _transfer_note(s)]
 
 
 def _transfer_cuda(s):

@@ -7,7 +7,8 @@ it writes the new carries and the y_t into arrays the loop hands it, and its int
 views of `work`, a small per-step arena the loop allocates once per call (no reuse inside a step:
 a step's values are few). The loop kernel keeps the carry in two buffers that swap each step,
 copies it into the carry stacks when the entry reads them (the backward does), and writes each
-y_t into ys[t]. Code size and compile time do not depend on T, which may stay symbolic.
+y_t into ys[t]. Code size and compile time do not depend on T, which may stay symbolic. The loop
+copies carries with copy_into (gradc/runtime/copy_into.py); a scalar carry is (1,) in the loop.
 
 Under carry checkpoints (passes/scan_checkpoint.py) the forward loop copies only every k-th step's
 carry, and the backward loop walks the segments of k steps last to first: it runs the forward's
@@ -93,13 +94,13 @@ def _loop_source(name, body, attrs, present, bppsa=False, forward=None):
     loop = ["t = T - 1 - i" if attrs.get("reverse") else "t = i"]
     if bppsa:   # the carry adjoint each step gets is the scan's, not the previous step's output
         lines += bppsa_cpu_lines(body_kernel, attrs)
-        loop += [f"cur{k}.reshape(nR, h{k})[...] = Vv[i, :, o{k}:o{k} + h{k}]" for k in range(vjp_of(attrs)["carries"])]
+        loop += [f"copy_into(cur{k}.reshape(nR, h{k}), Vv[i, :, o{k}:o{k} + h{k}])" for k in range(vjp_of(attrs)["carries"])]
     every = attrs.get("checkpoint_every")
     for k in range(K):
         if index_of(attrs, STACK, k) in res:
-            loop.append(f"{res[index_of(attrs, STACK, k)]}[t] = cur{k}")
+            loop.append(f"copy_into({res[index_of(attrs, STACK, k)]}[t], cur{k})")
         if every and index_of(attrs, CHECKPOINT, k) in res:   # where the backward starts its segments from
-            loop += [f"if i % {every} == 0:", f"    {res[index_of(attrs, CHECKPOINT, k)]}[i // {every}] = cur{k}"]
+            loop += [f"if i % {every} == 0:", f"    copy_into({res[index_of(attrs, CHECKPOINT, k)]}[i // {every}], cur{k})"]
     read = {j: f"a{j}[t]" for j in range(K, K + X)}
     if forward:   # the carries of the segment, from the buffer the recomputation filled
         for (what, k), j in recompute_leaves(attrs).items():
@@ -111,7 +112,7 @@ def _loop_source(name, body, attrs, present, bppsa=False, forward=None):
     loop.append(f"{body_kernel}({', '.join(call + ['work'])})")
     for k in range(K):
         if index_of(attrs, OSTACK, k) in res:
-            loop.append(f"{res[index_of(attrs, OSTACK, k)]}[t] = nxt{k}")
+            loop.append(f"copy_into({res[index_of(attrs, OSTACK, k)]}[t], nxt{k})")
         loop.append(f"cur{k}, nxt{k} = nxt{k}, cur{k}")
     if forward:
         lines += _segment_lines(attrs, *forward, loop)
@@ -120,7 +121,7 @@ def _loop_source(name, body, attrs, present, bppsa=False, forward=None):
         lines += ["        " + line for line in loop]
     for k in range(K):
         if index_of(attrs, FINAL, k) in res:
-            lines.append(f"    {res[index_of(attrs, FINAL, k)]}[...] = cur{k}")
+            lines.append(f"    copy_into({res[index_of(attrs, FINAL, k)]}, cur{k})")
     doc = (f"{'BPPSA (Blelloch scan of the carry adjoints, then the steps) ' if bppsa else ''}"
            f"{'reverse ' if attrs.get('reverse') else ''}scan: {body_kernel} once per step over axis 0 of "
            f"{X} sequence(s), {K} carr{'y' if K == 1 else 'ies'}; writes " +
@@ -154,7 +155,7 @@ def _segment_lines(attrs, fkernel, fsizes, _dims, loop):
     L += ["for c in range(n_checkpoints - 1, -1, -1):",
           "    f0 = c * every",
           "    f1 = min(T, f0 + every)"]
-    L += [f"    sg{k}[0] = a{rc[(STACK + '_in', k)]}[c]" for k in range(KF)]
+    L += [f"    copy_into(sg{k}[0], a{rc[(STACK + '_in', k)]}[c])" for k in range(KF)]
     L += ["    for f in range(f0, f1):",
           f"        t = {ft}",
           f"        {fkernel}({', '.join(fcall)})",

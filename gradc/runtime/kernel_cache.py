@@ -47,6 +47,7 @@ from numba.core.caching import FunctionCache
 
 from gradc.files import import_path
 from gradc.runtime.blas import gemm_strided
+from gradc.runtime.copy_into import copy_into
 from gradc.runtime.cuda import load_cuda, simulated
 from gradc.runtime.simd import tap_dots, tap_sums
 from gradc.runtime.views import view
@@ -61,7 +62,8 @@ KERNELS = []   # (module name, kernel name, dispatcher, cache file or None), in 
 NOT_CACHED = {}   # (module name, kernel name) -> why it compiled outside the cache
 _LOCK = threading.Lock()
 _LINES = {}    # (path, inode, mtime_ns, size) -> the file's lines
-RUNTIME_KERNELS = {"gemm_strided": gemm_strided, "tap_dots": tap_dots, "tap_sums": tap_sums, "view": view}   # gradc's compiled helpers a kernel may call by name
+RUNTIME_KERNELS = {"copy_into": copy_into, "gemm_strided": gemm_strided, "tap_dots": tap_dots, "tap_sums": tap_sums,
+                   "view": view}   # gradc's compiled helpers a kernel may call by name (copy_into: an overload, no dispatcher)
 _FILE_OF = {}  # id(dispatcher) -> the cache file it was loaded from (the dispatchers live in KERNELS)
 
 
@@ -198,7 +200,7 @@ def canonical_text(func, target="cpu"):
                  "# Written by gradc/runtime/kernel_cache.py; Numba's cache of it is in __pycache__ beside it.\n"
                  f"import math\n\nimport numpy as np\nfrom numba import njit{', prange' if parallel else ''}\n\n"
                  + "".join(f"# {name}: {runtime_kernel_digest(name)}\n" for name in sorted(imports))
-                 + "".join(f"from {RUNTIME_KERNELS[name].py_func.__module__} import {name}\n" for name in sorted(imports))
+                 + "".join(f"from {_python_function(name).__module__} import {name}\n" for name in sorted(imports))
                  + ("from gradc.runtime.kernel_cache import kernel_in_file\n" if callees else "")
                  + ("\n" if imports or callees else "")
                  + "".join(f"{stem} = kernel_in_file(__file__, '{stem}.py')\n" for stem in sorted(set(callees.values())))
@@ -217,12 +219,18 @@ def canonical_text(func, target="cpu"):
 _DIGESTS = {}
 
 
+def _python_function(name):
+    """The Python function behind gradc's compiled helper `name` (a dispatcher's, or the function an overload compiles)."""
+    helper = RUNTIME_KERNELS[name]
+    return getattr(helper, "py_func", helper)
+
+
 def runtime_kernel_digest(name):
     """A hash of the source of the module that defines gradc's compiled helper `name` (the helper and
     what it calls): Numba's cache of a kernel holds the helper's machine code too, so a cache file
     names the helper's version in its header (a changed helper is a new file, compiled anew)."""
     if name not in _DIGESTS:
-        module = inspect.getmodule(RUNTIME_KERNELS[name].py_func)
+        module = inspect.getmodule(_python_function(name))
         _DIGESTS[name] = hashlib.sha256(inspect.getsource(module).encode()).hexdigest()[:16]
     return _DIGESTS[name]
 
