@@ -101,19 +101,12 @@ def worker_jax(layers, width, what):
     import jax.numpy as jnp
     import numpy as np
 
-    def loss_fn(p, x, y):
+    def mlp_loss(p, x, y):
         h = x
         for i in range(layers):
             h = jnp.tanh(h @ p[f"W{i}"] + p[f"b{i}"])
         logp = jax.nn.log_softmax(h)
         return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
-
-    def step(p, x, y):
-        loss, g = jax.value_and_grad(loss_fn)(p, x, y)
-        return jax.tree.map(lambda a, b: a - LR * b, p, g), loss
-
-    def hvp(p, v, x, y):
-        return jax.jvp(lambda q: jax.grad(loss_fn)(q, x, y), (p,), (v,))[1]
 
     def lstm_loss(p, x, y):
         def step(carry, x_t):
@@ -128,19 +121,26 @@ def worker_jax(layers, width, what):
         logp = jax.nn.log_softmax(h @ p["V"])
         return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
 
-    if layers == "lstm":
-        loss_fn = lstm_loss
+    loss_fn = lstm_loss if layers == "lstm" else mlp_loss
+
+    def step(p, x, y):
+        loss, g = jax.value_and_grad(loss_fn)(p, x, y)
+        return jax.tree.map(lambda a, b: a - LR * b, p, g), loss
+
+    def hvp(p, v, x, y):
+        return jax.jvp(lambda q: jax.grad(loss_fn)(q, x, y), (p,), (v,))[1]
+
     rng = np.random.default_rng(0)
-    p = {}
     if layers == "lstm":
         shapes = {"Wx": (LSTM_D, 4 * LSTM_H), "Wh": (LSTM_H, 4 * LSTM_H), "b": (4 * LSTM_H,), "V": (LSTM_H, LSTM_C)}
         p = {k: (rng.standard_normal(s) / np.sqrt(s[0])).astype(np.float32) for k, s in shapes.items()}
         x = rng.standard_normal((LSTM_T, BATCH, LSTM_D)).astype(np.float32)
         y = rng.integers(0, LSTM_C, BATCH).astype(np.int32)
-    for i in range(layers if layers != "lstm" else 0):
-        p[f"W{i}"] = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
-        p[f"b{i}"] = np.zeros(width, np.float32)
-    if layers != "lstm":
+    else:
+        p = {}
+        for i in range(layers):
+            p[f"W{i}"] = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
+            p[f"b{i}"] = np.zeros(width, np.float32)
         x = rng.standard_normal((BATCH, width)).astype(np.float32)
         y = rng.integers(0, width, BATCH).astype(np.int32)
     t = time.perf_counter()
