@@ -249,6 +249,11 @@ class KernelPrinter(PythonCodePrinter):
     def _print_Power(self, e):
         return self._print_Pow(sp.Pow(*e.args, evaluate=False))
 
+    # a real expression holds I only where sympy evaluated a function outside its real domain
+    # (d/dp (-2)**p has log(-2) = log(2) + I pi): the real value there is NaN, as numpy's and torch's
+    def _print_ImaginaryUnit(self, e):
+        return "math.nan"
+
     def _print_AbsF(self, e):
         return f"math.fabs({self._print(e.args[0])})"
 

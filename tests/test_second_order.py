@@ -265,6 +265,32 @@ def test_powers_at_a_zero_base_have_finite_gradients_and_hvps():
     np.testing.assert_allclose(out[graph.hvps["W"]], hv.numpy(), rtol=1e-13, atol=1e-13)
 
 
+def test_a_negative_base_to_a_param_power_compiles_and_follows_torch(tmp_path):
+    """d/dp (-2)**p is (-2)**p log(-2), which sympy evaluates to a complex log(2) + I pi: the kernel did not
+    compile (Numba: a complex into a float array). The real value there is NaN, as torch's; the loss
+    ((-2)**p at whole p) and the other gradients are as torch's."""
+    import torch
+    m = gc.Model("negative_base")
+    x = m.input("x", ("B", 3))
+    p, w = m.param("p", (3,)), m.param("w", (3,))
+    m.minimize(((-2.0) ** p * x).sum() + (w * x * x).sum())
+    rng = np.random.default_rng(2)
+    X = rng.normal(size=(4, 3))
+    P = {"p": np.array([2.0, 3.0, 1.0]), "w": rng.normal(size=3)}
+    mod = gc.compile(m, out=str(tmp_path / "build"), dtype="float64", order=1)
+    loss, grads = mod.loss_and_grad(P, x=X)
+    T = {k: torch.tensor(v, requires_grad=True) for k, v in P.items()}
+    want = ((-2.0) ** T["p"] * torch.tensor(X)).sum() + (T["w"] * torch.tensor(X) ** 2).sum()
+    want_p, want_w = torch.autograd.grad(want, [T["p"], T["w"]])
+    assert loss == pytest.approx(want.item(), rel=1e-13)
+    assert np.isnan(grads["p"]).all() and torch.isnan(want_p).all()
+    np.testing.assert_allclose(grads["w"], want_w.numpy(), rtol=1e-13)
+    graph = build_training_graph(m, "float64")
+    out = evaluate(graph, P, {"x": X}, [graph.grads["p"], graph.grads["w"]])
+    assert np.isnan(out[graph.grads["p"]]).all()
+    np.testing.assert_allclose(out[graph.grads["w"]], want_w.numpy(), rtol=1e-13)
+
+
 def test_a_varying_power_at_a_zero_base_follows_torch():
     """base ** exponent with both varying: d/d exponent was b**e * log(b), 0 * -inf = NaN at b = 0, and
     d/d base e * b**(e - 1), 0 * inf at b = e = 0 (a trial's learned exponent on relu's outputs, GeM

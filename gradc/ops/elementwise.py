@@ -68,6 +68,9 @@ class ExactFloatPrinter(NumPyPrinter):
     def _print_Or(self, expr):
         return reduce(lambda a, b: f"logical_or({a}, {b})", map(self._print, expr.args))
 
+    def _print_ImaginaryUnit(self, expr):   # NaN, as codegen's KernelPrinter says why
+        return self._module_format("numpy.nan")
+
 
 @lru_cache(maxsize=None)
 def numpy_function(expr, nargs):
