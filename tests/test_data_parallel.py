@@ -476,6 +476,21 @@ DISAGREE_SCRIPT = textwrap.dedent('''
         print(f"rank {rank}: save apart: accepted")
     except ValueError as e:
         print(f"rank {rank}: save apart: {e}")
+    try:   # rank 0 saves while rank 1 steps: each waited for the other in a collective the other never reached
+        tr.save(f"{sys.argv[1]}/ck.npz") if rank == 0 else tr.step(**batch)
+        print(f"rank {rank}: calls apart: accepted")
+    except ValueError as e:
+        print(f"rank {rank}: calls apart: {e}")
+    held = tr.params["W0"]
+    if rank == 1:
+        tr.params["W0"] = np.zeros((2, 2))   # refused by rank 1's own checks of the save
+    try:
+        tr.save(f"{sys.argv[1]}/ck.npz")
+        print(f"rank {rank}: save refused on one: accepted")
+    except ValueError as e:
+        print(f"rank {rank}: save refused on one: {e}")
+    tr.params["W0"] = held
+    attempt(tr, "after calls")
     try:   # a parameter server whose ranks differ (the servers ran on different shards until the timeout)
         with m.Trainer(m.init_params(0), parallel="ps", servers=1, staleness=rank, timeout=20) as ps:
             print(f"rank {rank}: ps: accepted")
@@ -509,7 +524,7 @@ def test_ranks_whose_trainers_differ_are_refused_not_left_to_drift_or_hang(tmp_p
         assert "params assigned into tr.params differ between the replicas (rank(s) 1 hold other values than " \
                "rank 0)" in said["assigned"], said
         assert said["assigned alike"] == "accepted", said
-        assert said["steps"] == "4", said
+        assert said["steps"] == "5", said
         assert "input 'y' holds 9 at [0], outside 0..3" in said["refused and set later"] if rank == 0 else \
             "lr: 0.5 on rank 0, 0.7 on rank 1" in said["refused and set later"], said
         assert ("input 'y' holds 9" if rank == 0 else "the inputs of rank(s) 0 were refused") in \
@@ -517,6 +532,11 @@ def test_ranks_whose_trainers_differ_are_refused_not_left_to_drift_or_hang(tmp_p
         assert said["after"] == "accepted" and said["frozen after"] == "accepted", said
         assert "params assigned into tr.params differ between the replicas (rank(s) 1" in said["frozen assigned"], said
         assert "Trainer.save: the ranks name different paths (rank 0: " in said["save apart"], said
+        assert "the ranks made different calls (Trainer.save on rank 0, Trainer.step on rank 1): every rank makes " \
+            "the same calls in the same order; nothing ran on any rank" in said["calls apart"], said
+        assert ("Trainer.save: rank(s) 1 refused the call; nothing ran on any rank" if rank == 0 else "W0") \
+            in said["save refused on one"], said
+        assert said["after calls"] == "accepted", said
         assert "Trainer(parallel='ps'): the ranks' trainers differ (staleness: 0 on rank 0, 1 on rank 1)" \
             in said["ps"], said
     assert not list((tmp_path / "b").glob("ck*.npz"))

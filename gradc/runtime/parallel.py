@@ -38,6 +38,7 @@ from .optim import CHECK, CHECKED_WRITE, WRITE, adam_update, clip_scale, sgd_upd
 from .pipeline import differing_settings, mpi_world, recorded_axes
 
 BUCKET_BYTES = 1 << 20   # PyTorch DDP takes 25 MiB; a smaller bucket starts sooner on small models
+CALL_KEYS = 6   # the length of each call's first reduction: MPI pairs the ranks' collectives by their order alone
 
 
 def no_one(names):
@@ -230,12 +231,12 @@ class DataParallel:
         # (Every rank reaches each collective below: the conditions are the same on every rank.)
         shapes = _beside_rows(tr, a) if error is None else None
         settings = self._settings()
-        counts = np.array([rows, error is not None, assigned], dtype=np.int64)
-        self.comm.Allreduce(MPI.IN_PLACE, counts)
         key = zlib.crc32(repr(shapes).encode()) if shapes is not None else NO_KEY
         same = zlib.crc32(repr(settings).encode())
-        keys = np.array([key, -key if shapes is not None else NO_KEY, same, -same], dtype=np.int64)
-        self.world.Allreduce(MPI.IN_PLACE, keys, op=MPI.MAX)
+        keys = same_call(self.world, self.MPI, tr.model_name, "Trainer.step",
+                         [key, -key if shapes is not None else NO_KEY, same, -same])
+        counts = np.array([rows, error is not None, assigned], dtype=np.int64)
+        self.comm.Allreduce(MPI.IN_PLACE, counts)
         found = []   # what differs between the ranks, in the order it is told
         if keys[0] != -keys[1]:
             found.append(_differing_shapes(tr, self.world.allgather(shapes)))
@@ -346,13 +347,48 @@ class DataParallel:
         return flags
 
     # ---- checkpoints -----------------------------------------------------------------------------
-    def save(self, path, write):
-        """Rank 0 writes (a pipeline's stages first send it their params and state); every rank
-        returns once the file is written, or raises the error rank 0 met. Every replica gathers its
-        stages, so that every rank holds every param current after a save, as one pipeline's do."""
+    def save(self, check, write):
+        """check() (this rank's checks: the path to write), then rank 0 writes (a pipeline's stages first
+        send it their params and state); every rank returns once the file is written, or raises the
+        error rank 0 met. A check refused on any rank is raised on every rank before anything is
+        written. Every replica gathers its stages, so that every rank holds every param current after
+        a save, as one pipeline's do."""
+        path = checked_on_every_rank(self.world, self.MPI, self.tr.model_name, "Trainer.save", check)
         if self.pipe_comm is not None:
             gather_stages(self.tr, self.pipe_comm, self.owned)
         write_on_rank_0(self.world, path, write, self.tr.model_name)
+
+
+def same_call(comm, MPI, model_name, what, keys=()):
+    """The first collective of every call the ranks make together (step, save): the MAX over every rank
+    of [call, -call, *keys], keys returned. A rank that saved while another stepped waited in a
+    collective the other never reached (a trial's two ranks hung); now every rank raises, and nothing
+    ran on any."""
+    code = zlib.crc32(what.encode())
+    reduced = np.zeros(CALL_KEYS, dtype=np.int64)
+    reduced[:2 + len(keys)] = [code, -code, *keys]
+    comm.Allreduce(MPI.IN_PLACE, reduced, op=MPI.MAX)
+    if reduced[0] != -reduced[1]:
+        made = ", ".join(f"{call} on rank {r}" for r, call in enumerate(comm.allgather(what)))
+        raise ValueError(f"{model_name}.{what}: the ranks made different calls ({made}): every rank makes the same "
+                         f"calls in the same order; nothing ran on any rank")
+    return reduced[2:2 + len(keys)]
+
+
+def checked_on_every_rank(comm, MPI, model_name, what, check):
+    """check() on every rank (a call's own checks, e.g. a checkpoint's path), after same_call: a refusal
+    on any rank is raised on every rank, before anything ran (the others would wait for it)."""
+    try:
+        result, error = check(), None
+    except Exception as e:   # raised on every rank below; this one says why
+        result, error = None, e
+    if same_call(comm, MPI, model_name, what, [error is not None])[0]:
+        refused = [r for r, bad in enumerate(comm.allgather(error is not None)) if bad]
+        if error is not None:
+            raise error
+        raise ValueError(f"{model_name}.{what}: rank(s) {', '.join(map(str, refused))} refused the call; nothing "
+                         f"ran on any rank")
+    return result
 
 
 def gather_stages(tr, comm, owned):
@@ -699,8 +735,9 @@ class ParameterServer:
             self.comm.Allgatherv(mine, [array, (counts, displs)])
         tr.steps = self.comm.bcast(tr.steps, root=0)
 
-    def save(self, path, write):
+    def save(self, check, write):
         if not self.finished:
             raise RuntimeError(f"{self.tr.model_name}.Trainer.save (parallel='ps'): call tr.finish() (or leave the "
                                f"with block) first: the params live in the servers' shards until then")
+        path = checked_on_every_rank(self.comm, self.MPI, self.tr.model_name, "Trainer.save", check)
         write_on_rank_0(self.comm, path, write, self.tr.model_name)

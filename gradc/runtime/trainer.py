@@ -459,7 +459,7 @@ class TrainerBase:
             return checked
 
         if self._parallel is not None:
-            return self._parallel.save(check(), self._write)
+            return self._parallel.save(check, self._write)
         path = self._agreed("Trainer.save", check)
         comm = self.pipeline.comm if self.pipeline is not None else None
         if comm is None:
