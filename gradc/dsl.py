@@ -131,10 +131,13 @@ class Model:
         """The node of a Tensor of this model, or a new const node for a number or array."""
         if isinstance(value, Tensor):
             if value.model is not self:
-                raise GradcError(f"{op}: a tensor of model {value.model.name!r} is used in model {self.name!r}", src)
+                raise GradcError(f"{op}: {value.model.graph.describe(value.node)} is a tensor of model "
+                                 f"{value.model.name!r}, used in model {self.name!r}: a model's ops take its own "
+                                 f"tensors, numbers and arrays", src)
             return value.node
         if isinstance(value, (bool, np.bool_)):
-            raise GradcError(f"{op}: a bool is not a tensor value", src)
+            raise GradcError(f"{op}: a bool is not a tensor value (t == u compares the Tensor objects; for a mask "
+                             f"write a gc.elementwise op with a sympy Piecewise or Heaviside: README, user ops)", src)
         if isinstance(value, numbers.Real):
             return self.graph.apply("const", attrs={"value": float(value), "shape": (), "dtype": "float"}, src=src)
         if isinstance(value, np.ndarray):
@@ -234,6 +237,14 @@ def _axes(op, x, axis, src):
 _NUMPY_OPERATORS = {np.add: "add", np.subtract: "sub", np.multiply: "mul", np.true_divide: "div", np.power: "pow",
                     np.maximum: "maximum", np.matmul: "matmul"}
 _NUMPY_NAMES = {"absolute": "abs"}
+# what to write instead of numpy's functions (not ufuncs) that have no gc function of their name
+_NUMPY_FUNCTIONS = {"dot": "a @ b", "matmul": "a @ b", "concatenate": "gc.concat(...)", "amax": "gc.max(...)",
+                    "where": "a gc.elementwise op with a sympy Piecewise (README, user ops)",
+                    "clip": "a gc.elementwise op with sympy's Max and Min (README, user ops)",
+                    "squeeze": "t.reshape(...)", "expand_dims": "t.reshape(...) or t[:, None]"}
+_COMPARISON = ("comparisons of Tensors ({}) are not ops of the model: for a mask or a select write a "
+               "gc.elementwise op with a sympy Piecewise or Heaviside (README, user ops); for the larger of two, "
+               "gc.maximum(a, b)")
 _IN_PLACE = {np.add: "+", np.subtract: "-", np.multiply: "*", np.true_divide: "/", np.power: "**", np.matmul: "@"}
 
 
@@ -257,6 +268,17 @@ class Tensor:
         name = _NUMPY_NAMES.get(ufunc.__name__, ufunc.__name__)
         use = f"gc.{name}(...)" if callable(globals().get(name)) else "gradc's ops (README, the DSL)"
         raise GradcError(f"numpy's {ufunc.__name__} cannot take a gradc Tensor: use {use}", src)
+
+    def __array_function__(self, func, types, args, kwargs):
+        """numpy's other functions (np.sum(t), np.stack([t, u])) are refused, naming what gradc has instead."""
+        name = func.__name__
+        use = _NUMPY_FUNCTIONS.get(name) or (f"gc.{name}(...)" if callable(globals().get(name)) else
+                                             "gradc's ops (README, the DSL)")
+        raise GradcError(f"numpy's np.{name} cannot take a gradc Tensor: use {use}", user_src())
+
+    def __array__(self, dtype=None, copy=None):
+        raise GradcError("a Tensor has no values while the model is being built: numpy cannot make an array of it "
+                         "(np.asarray(t), np.array([t, u])); use gradc's ops (README, the DSL)", user_src())
 
     def __init__(self, model, node):
         self.model = model
@@ -289,6 +311,12 @@ class Tensor:
 
     def __bool__(self):
         raise GradcError("a Tensor has no truth value while the model is being built", user_src())
+
+    # (== and != keep Python's identity: graphs, sets and `in` compare Tensors as objects)
+    def __lt__(self, o): raise GradcError(_COMPARISON.format("<"), user_src())
+    def __le__(self, o): raise GradcError(_COMPARISON.format("<="), user_src())
+    def __gt__(self, o): raise GradcError(_COMPARISON.format(">"), user_src())
+    def __ge__(self, o): raise GradcError(_COMPARISON.format(">="), user_src())
 
     def __add__(self, o): return _op("add", self, o)
     def __radd__(self, o): return _op("add", o, self)

@@ -54,7 +54,7 @@ def test_shape_mismatch_names_file_line_op_and_shapes():
     # an index of a named value is named as written, not "%5 (reshape)"
     (lambda m, x: gc.exp(m.input("ii", ("B", 2), dtype="int64")[:, 1]), r"\(operands: %\d+ ii\[:, 1\] \(B,\) int64\)"),
     (lambda m, x: x[:, 0:3] @ x[..., ::2], r"\(operands: %\d+ x\[:, 0:3\] \(B, 3\) float, %\d+ x\[..., ::2\] \(B, 2\)"),
-    (lambda m, x: x + gc.Model("other").input("x", (4,)), "a tensor of model 'other' is used in model 'e2'"),
+    (lambda m, x: x + gc.Model("other").input("x", (4,)), "'x' is a tensor of model 'other', used in model 'e2'"),
 ])
 def test_op_errors(build, match):
     m = gc.Model("e2")

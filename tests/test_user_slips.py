@@ -344,6 +344,35 @@ def test_numpy_operators_record_ops_and_other_ufuncs_name_gradcs():
         b -= x
 
 
+def test_numpy_functions_comparisons_and_arrays_of_tensors_are_refused_naming_what_to_write():
+    """np.sum(t) failed deep in numpy (Tensor.sum() got an unexpected keyword argument 'out'), np.dot(x, W)
+    blamed mul, np.asarray(t) and np.transpose(t) made object arrays and compiled, x > 0 gave Python's
+    TypeError and x == W a bool (a trial's findings)."""
+    m = gc.Model("slip_numpy_functions")
+    x, W = m.input("x", ("B", 3)), m.param("W", (3, 3))
+    line = inspect.currentframe().f_lineno + 2
+    with pytest.raises(gc.GradcError, match=rf"test_user_slips.py:{line}: numpy's np.sum cannot take a gradc Tensor: use gc.sum"):
+        np.sum(x)
+    for call, use in [(lambda: np.mean(x), r"gc.mean"), (lambda: np.dot(x, W), r"a @ b"),
+                      (lambda: np.stack([x, x]), r"gc.stack"), (lambda: np.concatenate([x, x]), r"gc.concat"),
+                      (lambda: np.transpose(x), r"gc.transpose"), (lambda: np.where(x, x, x), r"Piecewise"),
+                      (lambda: np.clip(x, 0, 1), r"Max and Min"), (lambda: np.cumsum(x), r"gradc's ops")]:
+        with pytest.raises(gc.GradcError, match=rf"numpy's np.\w+ cannot take a gradc Tensor: use .*{use}"):
+            call()
+    for call in (lambda: np.asarray(x), lambda: np.array([x, x]), lambda: np.ones(3) + [x, x, x]):
+        with pytest.raises(gc.GradcError, match=r"a Tensor has no values while the model is being built"):
+            call()
+    for call, sign in ((lambda: x > 0, ">"), (lambda: 0 < x, ">"), (lambda: x <= W, "<="), (lambda: max(x, W), ">")):
+        with pytest.raises(gc.GradcError, match=rf"comparisons of Tensors \({sign}\) are not ops .*gc.maximum"):
+            call()
+    with pytest.raises(gc.GradcError, match=r"mul: a bool is not a tensor value \(t == u compares the Tensor objects"):
+        (x == W) * x
+    other = gc.Model("slip_other")
+    with pytest.raises(gc.GradcError, match=r"matmul: 'W' is a tensor of model 'slip_numpy_functions', used in model "
+                                            r"'slip_other'"):
+        other.input("z", ("B", 3)) @ W
+
+
 def test_numbers_fusion_folds_beyond_float32_are_refused(tmp_path):
     """x * 1e20 * 1e20: each constant fits, the fused expression's 1e40 does not (it would be written into the
     kernel as inf)."""
