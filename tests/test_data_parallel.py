@@ -496,6 +496,12 @@ DISAGREE_SCRIPT = textwrap.dedent('''
             print(f"rank {rank}: ps: accepted")
     except ValueError as e:
         print(f"rank {rank}: ps: {e}")
+    with m.Trainer(m.init_params(0), parallel="ps", servers=1, timeout=20) as ps:
+        if ps.is_worker:   # rank 1: a NaN in its batch is named, as a serial step names it
+            try:
+                ps.step(**dict(batch, x=np.where(np.arange(6) == 2, np.nan, batch["x"])))
+            except FloatingPointError as e:
+                print(f"rank {rank}: ps nan: {e}")
     print(f"rank {rank}: steps: {tr.steps}")
 ''')
 
@@ -537,6 +543,9 @@ def test_ranks_whose_trainers_differ_are_refused_not_left_to_drift_or_hang(tmp_p
         assert ("Trainer.save: rank(s) 1 refused the call; nothing ran on any rank" if rank == 0 else "W0") \
             in said["save refused on one"], said
         assert said["after calls"] == "accepted", said
+        if rank == 1:
+            assert "the loss is nan (input 'x' holds nan at [0, 2], 4 non-finite value(s) in all); the servers " \
+                "changed no parameter" in said["ps nan"], said
         assert "Trainer(parallel='ps'): the ranks' trainers differ (staleness: 0 on rank 0, 1 on rank 1)" \
             in said["ps"], said
     assert not list((tmp_path / "b").glob("ck*.npz"))

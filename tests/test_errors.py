@@ -205,7 +205,8 @@ def test_runtime_input_errors(small):
         small.loss_and_grad(p, x=x[:0], y=y[:0])
     with pytest.raises(ValueError, match="dim B is 0"):
         small.Trainer(p).step(x=x[:0], y=y[:0])
-    with pytest.raises(ValueError, match="dim B is 4 in input 'x'"):
+    with pytest.raises(ValueError, match=r"dim B is 4 in input 'x' \(4, 3\), declared \(B, 3\), and 3 in input 'y' "
+                                         r"\(3,\), declared \(B,\): one of them has its axes in another order"):
         small.loss_and_grad(p, x=x, y=y[:3])
     with pytest.raises(ValueError, match=r"holds 4 at \[3\], outside 0..3"):
         small.loss_and_grad(p, x=x, y=np.array([0, 1, 2, 4]))

@@ -556,8 +556,8 @@ class ParameterServer:
                     2: "the update overflows (lr too large?)"}[status] if status in (1, 2) else "the step was refused"
             if self.staleness == 0 and status == 1 and math.isfinite(loss) and math.isfinite(sq):
                 what = "another worker's loss or gradient is not finite"
-            raise FloatingPointError(f"{tr.model_name}.Trainer.step {self.pushes} (worker {self.worker}): {what}; "
-                                     f"the servers changed no parameter for it")
+            raise FloatingPointError(f"{tr.model_name}.Trainer.step {self.pushes} (worker {self.worker}): {what}"
+                                     f"{tr._non_finite_inputs(a)}; the servers changed no parameter for it")
         tr.steps = self.pushes
         return float(replies[0][1]) if self.staleness == 0 else float(loss)
 

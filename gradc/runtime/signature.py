@@ -219,9 +219,12 @@ class Signature:
                     if seen[0] != actual and seen[1] == name:
                         raise ValueError(f"{self.model}.{entry}: input {name!r} has shape {_fmt(v.shape)}, expected "
                                          f"{_fmt(shape)}: dim {d} is {seen[0]} on one axis and {actual} on another")
-                    if seen[0] != actual:
-                        raise ValueError(f"{self.model}.{entry}: input {name!r} has shape {_fmt(v.shape)}, but dim {d} "
-                                         f"is {seen[0]} in input {seen[1]!r}")
+                    if seen[0] != actual:   # (either may be the wrong one: a trial's batch-major x blamed h0)
+                        first = seen[1]
+                        raise ValueError(f"{self.model}.{entry}: dim {d} is {seen[0]} in input {first!r} "
+                                         f"{_fmt(out[first].shape)}, declared {_fmt(self.inputs_spec[first][0])}, and "
+                                         f"{actual} in input {name!r} {_fmt(v.shape)}, declared {_fmt(shape)}: one of "
+                                         f"them has its axes in another order, or other rows")
                 elif d != actual:
                     raise ValueError(f"{self.model}.{entry}: input {name!r} has shape {_fmt(v.shape)}, expected "
                                      f"{_fmt(shape)}{self._bound_hint(name, shape, v.shape)}")

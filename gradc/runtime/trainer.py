@@ -401,15 +401,22 @@ class TrainerBase:
             if held:   # no step can mend them: say so, rather than only that they were left as they were
                 what += (f" (params {', '.join(map(repr, held))} hold non-finite values already: assign finite "
                          f"ones into tr.params, or load a checkpoint)")
-            for name, value in (inputs or {}).items():   # (a trial's NaN in a batch was named nowhere)
-                value = self._host(value) if name in self.loss_inputs else None
-                if value is not None and value.dtype.kind == "f" and not np.isfinite(value).all():
-                    where = tuple(int(i) for i in np.argwhere(~np.isfinite(value))[0])
-                    what += (f" (input {name!r} holds {value[where]} at {list(where)}, "
-                             f"{int(np.count_nonzero(~np.isfinite(value)))} non-finite value(s) in all)")
+            what += self._non_finite_inputs(inputs)
             raise FloatingPointError(f"{self.model_name}.Trainer.step {self.steps + 1}: {what}; parameters and "
                                      f"optimizer state are left as they were before this step")
         self.steps += 1
+
+    def _non_finite_inputs(self, inputs):
+        """' (input 'x' holds nan at [0, 2], ...)' for each float input of a refused step that holds a non-finite
+        value, else '' (a trial's NaN in a batch was named nowhere)."""
+        said = ""
+        for name, value in (inputs or {}).items():
+            value = self._host(value) if name in self.loss_inputs else None
+            if value is not None and value.dtype.kind == "f" and not np.isfinite(value).all():
+                where = tuple(int(i) for i in np.argwhere(~np.isfinite(value))[0])
+                said += (f" (input {name!r} holds {value[where]} at {list(where)}, "
+                         f"{int(np.count_nonzero(~np.isfinite(value)))} non-finite value(s) in all)")
+        return said
 
     # ---- checkpoints ---------------------------------------------------------------------
     def _settings(self):
