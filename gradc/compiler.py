@@ -1,5 +1,6 @@
 """`gradc compile`: model -> passes -> generated module, written atomically into OUT and warmed."""
 import copy
+import difflib
 import hashlib
 import numbers
 import os
@@ -34,9 +35,14 @@ SVG_MAX_NODES = 3000    # graphviz takes minutes on larger graphs; NAME.graph.do
 SVG_TIMEOUT_S = 5       # the SVG is a convenience: it may never hold up or fail a compile
 
 
+COMPILE_OPTIONS = ("out", "target", "dtype", "order", "bind", "warm", "memory_budget", "scan_backward") + DEVICE_OPTIONS
+
+
 def check_options(options, src):
     for key in options:
-        raise GradcError(f"compile: unknown option {key!r}", src)
+        near = difflib.get_close_matches(key, COMPILE_OPTIONS, n=1, cutoff=0.6)
+        raise GradcError(f"compile: unknown option {key!r}" + (f": did you mean {near[0]!r}?" if near else
+                                                               f" (options: {', '.join(COMPILE_OPTIONS)})"), src)
 
 
 def device_options(options, model, dims, memory_budget, src, options_src=None):

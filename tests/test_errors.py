@@ -729,6 +729,8 @@ def test_load_takes_settings_from_the_checkpoint_and_says_so(small, tmp_path):
     with pytest.raises(TypeError, match=r"Trainer.load: lr, seed come from the checkpoint \(load takes parallel= "
                                         r"and its options\); set them on the trainer it returns, e.g. tr.lr = ..."):
         small.Trainer.load(path, lr=0.5, seed=3)
+    with pytest.raises(TypeError, match=r"Trainer.load: lr comes from the checkpoint"):
+        small.Trainer.load(path, lr=0.5)
     tr = small.Trainer.load(path)
     tr.lr = 0.5
     assert tr.lr == 0.5

@@ -568,8 +568,12 @@ def test_inspect_help_documents_the_run_flag():
 def test_compile_documented_warm_keyword(tmp_path):
     mod = gc.compile(_tiny_model("r_warm"), out=str(tmp_path), warm=False, order=1)
     assert mod.MODEL_NAME == "r_warm" and not os.path.isdir(tmp_path / "__pycache__" / "r_warm")
-    with pytest.raises(GradcError, match="unknown option 'warmth'"):
+    with pytest.raises(GradcError, match="unknown option 'warmth': did you mean 'warm'"):
         gc.compile(_tiny_model("r_warm2"), out=str(tmp_path), warmth=False)
+    with pytest.raises(GradcError, match="unknown option 'bnd': did you mean 'bind'"):
+        gc.compile(_tiny_model("r_warm2"), out=str(tmp_path), bnd={"B": 2})
+    with pytest.raises(GradcError, match=r"unknown option 'zzz' \(options: out, target, dtype, order, bind, warm, "):
+        gc.compile(_tiny_model("r_warm2"), out=str(tmp_path), zzz=1)
 
 
 def test_compile_docstring_matches_the_code():

@@ -496,7 +496,8 @@ class TrainerBase:
         path = cls._checkpoint_path(path, "load")
         settings = [k for k in parallel_options if k in SETTINGS or k in cls._gradient_option_names]
         if settings:
-            raise TypeError(f"{cls.model_name}.Trainer.load: {', '.join(settings)} come from the checkpoint (load takes "
+            raise TypeError(f"{cls.model_name}.Trainer.load: {', '.join(settings)} {'comes' if len(settings) == 1 else 'come'} "
+                            f"from the checkpoint (load takes "
                             f"parallel= and its options); set them on the trainer it returns, e.g. tr.lr = ...")
         arrays = read_npz(path)
         meta = arrays.get("meta")
