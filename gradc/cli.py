@@ -6,6 +6,7 @@ import runpy
 import signal
 import sys
 import traceback
+import warnings
 
 from . import sizes
 from .errors import GradcError, _short
@@ -23,6 +24,14 @@ class Terminated(BaseException):
 
 def _raise_terminated(signum, frame):
     raise Terminated()
+
+
+def _warning_line(message, category, filename, lineno, file=None, line=None):
+    """A warning as one line on stderr, as errors and notes are (Python's own adds the source line)."""
+    where, text = f"{_short(filename)}:{lineno}: ", str(message)
+    text = text[len("gradc: "):] if text.startswith("gradc: ") else text
+    kind = "" if category is UserWarning else f"{category.__name__}: "
+    print(f"gradc: warning: {'' if text.startswith(where) else where}{kind}{text}", file=file or sys.stderr)
 
 
 def parse_size(text):
@@ -229,7 +238,9 @@ def main(argv=None):
     except ValueError:   # not the main thread: SIGTERM keeps its handler
         previous = None
     try:
-        return cmd_compile(args) if args.command == "compile" else cmd_inspect(args)
+        with warnings.catch_warnings():   # (restores Python's way of showing them on the way out)
+            warnings.showwarning = _warning_line
+            return cmd_compile(args) if args.command == "compile" else cmd_inspect(args)
     except (GradcError, UsageError) as e:
         if args.debug:   # the traceback, then the same line and exit status as without --debug
             traceback.print_exc()

@@ -285,3 +285,18 @@ def test_compile_says_when_its_kernels_could_not_be_cached(tmp_path):
                        cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr
     assert re.search(r"; \d+ kernels not cached \(every build compiles them again\): the cache folder could not be written or read \(", r.stdout), r.stdout
+
+
+def test_a_warning_is_one_line_as_errors_and_notes_are(tmp_path):
+    """Python showed the broadcast warning as two lines (the message, then the source line); the CLI's
+    diagnostics are one line each."""
+    (tmp_path / "warned_model.py").write_text(textwrap.dedent("""
+        import gradc as gc
+        m = gc.Model("warned")
+        x, t = m.input("x", ("B", 3)), m.input("t", ("B",))
+        m.minimize(((x @ m.param("W", (3, 1)) - t) ** 2).mean())
+    """))
+    r = gradc("compile", "warned_model.py", "-o", "out", "--order", "1", "--warm", "none", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    (line,) = r.stderr.splitlines()
+    assert line.startswith("gradc: warning: warned_model.py:5: sub: (B, 1) and (B,) broadcast to (B, B)"), r.stderr
