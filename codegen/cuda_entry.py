@@ -153,8 +153,8 @@ class CudaBodyWriter(BodyWriter, CudaEntryWriter):
             return f"scal[{k}:{k + 1}]"
         if not self.graph.dtype(n).startswith("float"):   # the work array holds floats (storage.in_arena)
             return self.fresh_array(_shape_src(shape, dims), dtype_src(self.graph.dtype(n)))
-        view, count = _device_view("work", "(" + (" + ".join(self.sizes) or "0") + ")", shape, dims)
-        self.sizes.append(f"({count})")
+        view, _ = _device_view("work", f"({self.sizes.source()})", shape, dims)
+        self.sizes.add(shape, dims)
         return view
 
     def statement(self, n, dims, step):

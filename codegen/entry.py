@@ -20,6 +20,7 @@ from gradc.passes.part_runs import is_view
 from gradc.runtime import conv_cores
 
 from .statement import Statement, dtype_src, shape_src as _shape_src
+from .work_sizes import WorkSizes
 
 
 COMPILED_ENTRY_MAX_STEPS = 120   # a larger hvp block function runs as plain Python too
@@ -345,7 +346,7 @@ class BodyWriter(EntryWriter):
         super().__init__(body, kernels, {n: f"l{i}" for i, n in enumerate(leaves)})
         self.leaves, self.outputs = leaves, outputs
         self.leaf_rank = {n: i for i, n in enumerate(leaves)}
-        self.sizes = []        # the size (source) of each work buffer, in order
+        self.sizes = WorkSizes()   # the work buffers laid out so far
         self.output_of = {}    # node -> the output argument it was written into
         self.skip = ()         # outputs left unwritten (the caller may hand any array for them)
 
@@ -369,9 +370,8 @@ class BodyWriter(EntryWriter):
             return out
         if not self.graph.dtype(n).startswith("float"):   # the work array holds floats (storage.in_arena)
             return self.fresh_array(_shape_src(shape, dims), dtype_src(self.graph.dtype(n)))
-        offset = " + ".join(self.sizes) or "0"
-        size = "*".join(dims[d] if isinstance(d, str) else str(d) for d in shape) or "1"
-        self.sizes.append(f"({size})")
+        offset = self.sizes.source()
+        self.sizes.add(shape, dims)
         return f"view(work, {offset}, {_shape_src(shape, dims)})"
 
     def write_body(self, fname, skip=()):

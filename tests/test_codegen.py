@@ -5,8 +5,10 @@ import re
 import numpy as np
 import pytest
 import sympy as sp
+import torch
 
 import gradc as gc
+from gradc.codegen.work_sizes import WorkSizes
 from gradc.codegen.entry import BODY_CONST_LIMIT, array_source
 from gradc.interpret import evaluate
 from gradc.ops import get_op
@@ -604,3 +606,40 @@ def test_a_constant_array_made_in_a_scan_body_has_its_values():
         np.testing.assert_array_equal(made, value.astype(np.float32))
     with pytest.raises(NotImplementedError, match="distinct values"):
         array_source(np.arange(BODY_CONST_LIMIT + 1.0), BODY_CONST_LIMIT)
+
+
+def test_a_scan_steps_work_offsets_are_summed_term_by_term(tmp_path, rng):
+    """A step's intermediates lie one after another in its work array; each view's offset is the sum
+    of the sizes before it, written term by term (`128*d_B + 6`), and no two views overlap."""
+    sizes = WorkSizes()
+    assert sizes.source() == "0"
+    for shape in [("B", 4), (2, 3), ("B", "T", 2), ("T", "B"), ("B", 1)]:
+        sizes.add(shape, {"B": "d_B", "T": "d_T"})
+    assert sizes.source() == "3*d_B*d_T + 5*d_B + 6"
+    m = gc.Model("cg_work")
+    x = m.input("x", ("T", "B", 3))
+    W, U = m.param("W", (3, 5)), m.param("U", (5, 5))
+    hT, hs = gc.scan(lambda h, x_t: (gc.tanh(x_t @ W + h @ U) * 2.0, h), m.input("h0", ("B", 5)), x)
+    m.minimize(gc.mse(hT, m.input("y", ("B", 5))))
+    mod = gc.compile(m, out=str(tmp_path), dtype="float64", warm=False)
+    source = (tmp_path / "cg_work.py").read_text()
+    assert "(d_B*" not in source
+    steps = source.split("one step of a scan")[1:]
+    assert steps
+    for step in steps:   # each view starts where the one before it ends (d_B and d_KB_lr set to 7)
+        views = re.findall(r"view\(work, ([^(]+), \(([^)]*)\)\)", step[:step.index("\n\n")])
+        ends = [(eval(o, {"d_B": 7, "d_KB_lr": 7}), math.prod(eval(f"({shape},)", {"d_B": 7, "d_KB_lr": 7})))
+                for o, shape in views]
+        assert ends and ends[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(ends, ends[1:])), views
+    p = mod.init_params(0)
+    inputs = {"x": rng.standard_normal((4, 2, 3)), "h0": rng.standard_normal((2, 5)), "y": rng.standard_normal((2, 5))}
+    loss, grads = mod.loss_and_grad(p, **inputs)
+    tW, tU = (torch.tensor(p[k], requires_grad=True) for k in ("W", "U"))
+    h = torch.tensor(inputs["h0"])
+    for x_t in torch.tensor(inputs["x"]):
+        h = torch.tanh(x_t @ tW + h @ tU) * 2.0
+    expected = ((h - torch.tensor(inputs["y"])) ** 2).mean()
+    expected.backward()
+    assert loss == pytest.approx(expected.item(), rel=1e-12)
+    np.testing.assert_allclose(grads["W"], tW.grad.numpy(), rtol=1e-10, atol=1e-13)
+    np.testing.assert_allclose(grads["U"], tU.grad.numpy(), rtol=1e-10, atol=1e-13)

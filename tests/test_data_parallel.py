@@ -491,6 +491,13 @@ DISAGREE_SCRIPT = textwrap.dedent('''
         print(f"rank {rank}: save refused on one: {e}")
     tr.params["W0"] = held
     attempt(tr, "after calls")
+    tr.save(f"{sys.argv[1]}/good.npz")
+    try:   # rank 1's file is missing: rank 0 waited for it in the constructor's collectives
+        m.Trainer.load(f"{sys.argv[1]}/good.npz" if rank == 0 else f"{sys.argv[1]}/gone.npz", parallel="data")
+        print(f"rank {rank}: load missing on one: accepted")
+    except (OSError, ValueError) as e:
+        print(f"rank {rank}: load missing on one: {e}")
+    attempt(m.Trainer.load(f"{sys.argv[1]}/good.npz", parallel="data"), "loaded")
     try:   # a parameter server whose ranks differ (the servers ran on different shards until the timeout)
         with m.Trainer(m.init_params(0), parallel="ps", servers=1, staleness=rank, timeout=20) as ps:
             print(f"rank {rank}: ps: accepted")
@@ -542,7 +549,9 @@ def test_ranks_whose_trainers_differ_are_refused_not_left_to_drift_or_hang(tmp_p
             "the same calls in the same order; nothing ran on any rank" in said["calls apart"], said
         assert ("Trainer.save: rank(s) 1 refused the call; nothing ran on any rank" if rank == 0 else "W0") \
             in said["save refused on one"], said
-        assert said["after calls"] == "accepted", said
+        assert said["after calls"] == "accepted" and said["loaded"] == "accepted", said
+        assert ("Trainer.load: rank(s) 1 refused the call; nothing ran on any rank" if rank == 0 else
+                "No such file or directory") in said["load missing on one"], said
         if rank == 1:
             assert "the loss is nan (input 'x' holds nan at [0, 2], 4 non-finite value(s) in all); the servers " \
                 "changed no parameter" in said["ps nan"], said

@@ -72,7 +72,7 @@ def _loop_source(name, body, attrs, present, bppsa=False, forward=None):
     backward scan that recomputes its carries."""
     body_kernel, sizes, dims = body
     body, leaves, outputs, K, X, C, M = parts(attrs)
-    work = " + ".join(sizes) or "1"
+    work = sizes.source()
     held = operand_leaves(attrs)   # leaf j's operand is the argument a{j}
     res = {index: f"r{i}" for i, index in enumerate(present)}
     lines = [f"def {name}({', '.join([f'a{j}' for j in held] + list(res.values()))}):"]
@@ -143,7 +143,7 @@ def _segment_lines(attrs, fkernel, fsizes, _dims, loop):
     fbody, _, fouts, KF, XF, CF, MF = parts(forward_attrs(attrs))
     L = [f"every = {every}",
          "n_checkpoints = (T + every - 1) // every",
-         f"work_f = np.empty(max({' + '.join(fsizes) or '1'}, 1), FLOAT)"]
+         f"work_f = np.empty(max({fsizes.source()}, 1), FLOAT)"]
     for k in range(KF):
         L.append(f"sg{k} = np.empty((every + 1,) + a{rc[(STACK + '_in', k)]}.shape[1:], FLOAT)")
     for m in range(MF):   # the forward's ys are not recomputed: its body leaves these untouched
@@ -184,7 +184,7 @@ def lower_scan_cuda(s):
     a = s.args
     v = f"s{n}_"   # this scan's locals in the entry function
     copy = lambda src, dst, rank: s.call(s.kernels.elementwise(OPERAND[0], [tuple(range(rank))], rank, "copy"), [src, dst])
-    lines.append(f"{v}work = temp_array(max({' + '.join(sizes) or '1'}, 1), FLOAT)")
+    lines.append(f"{v}work = temp_array(max({sizes.source()}, 1), FLOAT)")
     lines.append(f"{v}scal = temp_array({max(scalars, 1)}, FLOAT)")
     for k in range(K):
         rank = len(body.shape(leaves[k]))

@@ -391,6 +391,15 @@ def checked_on_every_rank(comm, MPI, model_name, what, check):
     return result
 
 
+def agreed_on_every_rank(trainer_class, options, what, check):
+    """checked_on_every_rank over the communicator a Trainer(**options) would run over, before it is made
+    (Trainer.load: a rank whose file is missing raises, and so does every other)."""
+    parallel = options.get("parallel")
+    MPI = _import_mpi(trainer_class, parallel)
+    comm = world(options.get("comm"), MPI, trainer_class, parallel)
+    return checked_on_every_rank(comm, MPI, trainer_class.model_name, what, check)
+
+
 def gather_stages(tr, comm, owned):
     """Every param and optimizer value onto each rank of `comm`, a pipeline's stages, one a rank: each
     rank updated only its own stage's (`owned`, param names)."""

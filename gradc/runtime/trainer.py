@@ -12,7 +12,7 @@ import numpy as np
 
 from ..files import read_npz, write_replacing
 from .optim import CHECK, CHECKED_WRITE, WRITE, adam_update, clip_scale, sgd_update, sum_squares
-from .parallel import gather_stages, write_on_rank_0
+from .parallel import agreed_on_every_rank, gather_stages, write_on_rank_0
 from .signature import number_as_array
 
 OPTIMIZERS = ("sgd", "adam")
@@ -499,6 +499,43 @@ class TrainerBase:
             raise TypeError(f"{cls.model_name}.Trainer.load: {', '.join(settings)} {'comes' if len(settings) == 1 else 'come'} "
                             f"from the checkpoint (load takes "
                             f"parallel= and its options); set them on the trainer it returns, e.g. tr.lr = ...")
+        if parallel_options.get("parallel") is not None:
+            # a rank that cannot read its file would leave the others waiting in the constructor's collectives
+            arrays, meta = agreed_on_every_rank(cls, parallel_options, "Trainer.load", lambda: cls._read_checkpoint(path))
+        else:
+            arrays, meta = cls._read_checkpoint(path)
+        steps, betas = meta["steps"], meta["betas"]
+        try:   # the constructor checks the hyperparameters and the params' shapes and dtypes
+            own = (dict(momentum=meta["momentum"]) if meta["optimizer"] == "sgd"   # (the other's may be set, unused)
+                   else dict(betas=tuple(betas), eps=meta["eps"]))
+            tr = cls({k: arrays[f"param/{k}"] for k in cls.param_order}, optimizer=meta["optimizer"], lr=meta["lr"],
+                     clip_norm=meta["clip_norm"], **own, **cls._gradient_options(meta), **parallel_options)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+        if tr._parallel is not None:
+            agreed_on_every_rank(cls, parallel_options, "Trainer.load", lambda: tr._saved_state(path, arrays))
+        for slot, saved in tr._saved_state(path, arrays).items():
+            tr._restore(slot, saved)
+        tr.steps = steps
+        return tr
+
+    def _saved_state(self, path, arrays):
+        """The optimizer's state in a checkpoint's arrays, each slot checked against this trainer's."""
+        state = {}
+        for slot, v in self.state.items():
+            saved = arrays.get(f"state/{slot}")
+            if saved is None:
+                raise ValueError(f"{path}: the checkpoint lacks state/{slot} (optimizer {self.optimizer})")
+            if saved.shape != v.shape or saved.dtype != self.signature.float:
+                raise ValueError(f"{path}: optimizer state {slot!r} is {saved.dtype} of shape {saved.shape}, expected "
+                                 f"{self.signature.float} of shape {v.shape}")
+            state[slot] = saved
+        return state
+
+    @classmethod
+    def _read_checkpoint(cls, path):
+        """(arrays, meta) of the checkpoint at `path`, checked against this model: ValueError naming the file
+        for another model's, or one damaged, incomplete or not a checkpoint."""
         arrays = read_npz(path)
         meta = arrays.get("meta")
         if meta is None:
@@ -532,23 +569,7 @@ class TrainerBase:
             raise ValueError(f"{path}: meta 'steps' must be an int >= 0, got {steps!r}")
         if not (isinstance(betas, list) and len(betas) == 2):
             raise ValueError(f"{path}: meta 'betas' must be a pair, got {betas!r}")
-        try:   # the constructor checks the hyperparameters and the params' shapes and dtypes
-            own = (dict(momentum=meta["momentum"]) if meta["optimizer"] == "sgd"   # (the other's may be set, unused)
-                   else dict(betas=tuple(betas), eps=meta["eps"]))
-            tr = cls({k: arrays[f"param/{k}"] for k in cls.param_order}, optimizer=meta["optimizer"], lr=meta["lr"],
-                     clip_norm=meta["clip_norm"], **own, **cls._gradient_options(meta), **parallel_options)
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
-        for slot, v in tr.state.items():
-            saved = arrays.get(f"state/{slot}")
-            if saved is None:
-                raise ValueError(f"{path}: the checkpoint lacks state/{slot} (optimizer {tr.optimizer})")
-            if saved.shape != v.shape or saved.dtype != tr.signature.float:
-                raise ValueError(f"{path}: optimizer state {slot!r} is {saved.dtype} of shape {saved.shape}, expected "
-                                 f"{tr.signature.float} of shape {v.shape}")
-            tr._restore(slot, saved)
-        tr.steps = steps
-        return tr
+        return arrays, meta
 
     _gradient_option_names = ()   # a subclass's gradient options (load takes them from the checkpoint)
 
