@@ -76,10 +76,11 @@ class Model:
             raise GradcError(f"param {name!r}: unknown init {init!r} (use one of {', '.join(INITS)} or an ndarray)", src)
         if decay is not None and not isinstance(decay, bool):
             raise GradcError(f"param {name!r}: decay must be None, True or False, not {decay!r}", src)
+        trainable = _flag(f"param {name!r}", "trainable", trainable, src)
         n = self.graph.apply("param", attrs={"shape": shape, "dtype": "float"}, src=src, name=name)
         self.graph.params[name] = n
         self.param_info[name] = {"init": init, "decay": len(shape) >= 2 if decay is None else decay,
-                                 "trainable": bool(trainable)}
+                                 "trainable": trainable}
         return Tensor(self, n)
 
     def output(self, name, tensor):
@@ -422,12 +423,19 @@ def reshape(x, shape, src=None):
     return _op("reshape", x, src=src, shape=tuple(shape))
 
 
+def _flag(op, name, value, src):
+    """A True/False option as a bool: a str such as "False" is refused (it is true), not taken."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise GradcError(f"{op}: {name} must be True or False, got {value!r}", src)
+    return bool(value)
+
+
 def _reduction(name):
     def f(x, axis=None, keepdims=False, src=None):
         src = src or user_src()
         if not isinstance(x, Tensor):
             raise GradcError(f"{name}: needs a gradc Tensor", src)
-        return _op(name, x, src=src, axes=_axes(name, x, axis, src), keepdims=bool(keepdims))
+        return _op(name, x, src=src, axes=_axes(name, x, axis, src), keepdims=_flag(name, "keepdims", keepdims, src))
     f.__name__ = f.__qualname__ = name   # (Python names a bad call by its qualname)
     return f
 
@@ -845,6 +853,7 @@ def scan(step, init, xs, reverse=False):
     src = user_src()
     if not callable(step):
         raise GradcError(f"scan: step must be a function step(carry, x) -> (carry, y), got {type(step).__name__}", src)
+    reverse = _flag("scan", "reverse", reverse, src)
     inits, init_many = _tensors("init", init, None, src)
     seqs, xs_many = _tensors("xs", xs, None, src)
     model = _model_of("scan", inits + seqs, src)
@@ -934,7 +943,7 @@ def scan(step, init, xs, reverse=False):
     # a scalar carry is (1,) in the loop (its leaf and result above): its init too
     operands = ([c.node if c.shape else g.apply("reshape", [c.node], {"shape": (1,)}, src=src) for c in inits]
                 + [x.node for x in seqs] + list(body.closed_over))
-    token = g.apply("scan", operands, {"body": bg, "carries": len(inits), "xs": len(seqs), "reverse": bool(reverse)},
+    token = g.apply("scan", operands, {"body": bg, "carries": len(inits), "xs": len(seqs), "reverse": reverse},
                     src=src)
     from .ops.scan import FINAL, YS, result
 

@@ -509,3 +509,22 @@ def test_a_dsl_function_called_with_a_keyword_it_lacks_is_named_as_the_user_wrot
         gc.max_pool2d(x, 2, dilation=2)
     with pytest.raises(TypeError, match=r"^avg_pool2d\(\) got an unexpected keyword argument 'groups'"):
         gc.avg_pool2d(x, 2, groups=1)
+
+
+def test_a_true_or_false_option_refuses_a_string_or_a_number():
+    """scan(..., reverse="False") ran the scan in reverse (a str is true; trial N), as keepdims="no" kept the
+    dims and trainable="no" trained the param."""
+    m = gc.Model("flags")
+    x, h0 = m.input("x", ("T", "B", 2)), m.input("h0", ("B", 2))
+    here = f"test_user_slips.py:{inspect.currentframe().f_lineno + 2}"
+    with pytest.raises(gc.GradcError, match=re.escape(f"{here}: scan: reverse must be True or False, got 'False'")):
+        gc.scan(lambda h, x_t: (h * 0.5 + x_t, None), h0, x, reverse="False")
+    with pytest.raises(gc.GradcError, match="sum: keepdims must be True or False, got 'no'"):
+        x.sum(axis=0, keepdims="no")
+    with pytest.raises(gc.GradcError, match="mean: keepdims must be True or False, got 1"):
+        gc.mean(x, axis=0, keepdims=1)
+    with pytest.raises(gc.GradcError, match="param 'W': trainable must be True or False, got 'no'"):
+        m.param("W", (2, 2), trainable="no")
+    assert m.param("V", (2, 2), trainable=np.bool_(False)).shape == (2, 2)   # numpy's bool is a bool
+    hT, _ = gc.scan(lambda h, x_t: (h * 0.5 + x_t, None), h0, x, reverse=np.False_)
+    assert hT.shape == ("B", 2)
