@@ -419,7 +419,9 @@ def _within_budget(graph, order, roots, dims, sizes, budget, store_all, total):
     plan = plan_entry(graph, "_loss_and_grad", steps, roots, dims)
     if not fits_budget(plan, total):
         plan = plan_entry(graph, "_loss_and_grad", steps, roots, dims, with_runs=False)
-    recompute = sum(flops_of(t["node"]) for t in plan["tensors"] if t["recomputed"])
+    # every computation the schedule runs again (a scan's values are its scan_out nodes, of no FLOPs
+    # of their own: counting the recomputed values left out a second run of the scan)
+    recompute = extra_work(steps)
     plan.update(store_all_peak_bytes=store_all["peak_bytes"], budget_bytes=budget, recompute_flops=int(recompute),
                 method=info["method"], retention=info,
                 lower_bound_bytes=min(store_all["lower_bound_bytes"], plan["lower_bound_bytes"]),

@@ -538,13 +538,15 @@ def test_memory_budgets_keep_a_scans_results_with_the_scan():
     minimum; in every plan each scan_out runs right after its scan (or another result of it), so no
     plan recomputes a result without running the scan that writes it."""
     import copy
+    from collections import Counter
+    from gradc.passes.analysis import node_flops
     from gradc.passes.checkpoint import BudgetError
     from gradc.passes.memory import plan_memory
     dims = {"T": 16, "B": 3}
     g = build_training_graph(_chained_scans(), "float64", dims, order=2)
     full = plan_memory(copy.deepcopy(g), dims, 2)["_loss_and_grad"]
     whole = full["peak_bytes"] + full["workspace_bytes"]
-    planned = refused = 0
+    planned = refused = scans_again = 0
     for budget in np.linspace(0.1 * whole, whole, 19).astype(int):
         g2 = copy.deepcopy(g)
         try:
@@ -554,6 +556,13 @@ def test_memory_budgets_keep_a_scans_results_with_the_scan():
             refused += 1
             continue
         planned += 1
+        # what the plan says it recomputes: every computation its schedule runs again (a scan run twice
+        # was left out: its results are scan_outs, of no FLOPs of their own), and the scans' segments
+        plan = plans["_loss_and_grad"]
+        again = [(n, k - 1) for n, k in Counter(plan["steps"]).items() if k > 1]
+        scans_again += any(g2.op(n) == "scan" for n, _ in again)
+        assert plan["recompute_flops"] == sum(node_flops(g2, n, dims) * k for n, k in again) + sum(
+            d["recompute_flops"] for d in plan.get("scan_checkpoints", [])), budget
         for fname, plan in plans.items():
             steps = plan["steps"]
             for t, n in enumerate(steps):
@@ -561,7 +570,7 @@ def test_memory_budgets_keep_a_scans_results_with_the_scan():
                     before = steps[t - 1]
                     assert before == g2.operands(n)[0] or (g2.op(before) == "scan_out" and
                                                            g2.operands(before) == g2.operands(n)), (fname, budget, t)
-    assert planned >= 5 and refused >= 3
+    assert planned >= 5 and refused >= 3 and scans_again
 
 
 # ---- --scan-backward bppsa (DESIGN.md §1.8) ---------------------------------------------------------
