@@ -128,8 +128,9 @@ def memory_report(base):
     lines.append(f"  kept for the backward: {len(kept)} values, {format_size(sum(t['bytes'] for t in kept))}; "
                  f"recomputed: {len(again)} computations, {format_size(sum(t['bytes'] for t in again))}"
                  + (" (besides the scans' segments above)" if plan.get("scan_checkpoints") else ""))
-    lines.append("  other entry points: " + "; ".join(
-        f"{e} peak {format_size(d['peak_bytes'])}" for e, d in plan["entries"].items() if d["peak_bytes"] is not None))
+    lines.append("  other entry points (peak of the arena, + the kernels' workspace): " + "; ".join(
+        f"{e} peak {format_size(d['peak_bytes'])}" + (f" + {format_size(d['workspace_bytes'])}" if d.get("workspace_bytes") else "")
+        for e, d in plan["entries"].items() if d["peak_bytes"] is not None))
     lines += _stage_lines(plan.get("stages", ()))
     png = _live_bytes_png(base, plan)
     lines.append(f"  live bytes over the schedule: {png}" if png else

@@ -116,9 +116,14 @@ def layers_report(base, data):
     entries = plan["entries"]
     inference = entries.get("forward") or entries.get("forward_loss")
     kept = sum(t["bytes"] for t in plan["tensors"] if t["retained"]) if plan["peak_bytes"] is not None else None
+    workspace = lambda d: f" + kernel workspace {_size(d['workspace_bytes'])}" if d.get("workspace_bytes") else ""
     lines += [f"  inference ({'forward' if 'forward' in entries else 'forward_loss'}) peak: "
-              f"{_size(inference['peak_bytes'])}: a layer's input is freed once the layer has read it",
-              f"  training (loss_and_grad) peak: {_size(plan['peak_bytes'])}; kept for the backward: {_size(kept)}",
+              f"{_size(inference['peak_bytes'])}{workspace(inference)}: a layer's input is freed once the layer has read it",
+              f"  training (loss_and_grad) peak: {_size(plan['peak_bytes'])}{workspace(plan)}; kept for the backward: "
+              f"{_size(kept)}",
+              "  (activations only: params, their gradients and optimizer state are held apart; the kernel workspace "
+              "is a scan's step buffers, a convolution's im2col tile, outside the plan's arena)"
+              if workspace(plan) or workspace(inference) else
               "  (activations only: params, their gradients and optimizer state are held apart)"]
     return lines
 

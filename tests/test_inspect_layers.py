@@ -7,7 +7,8 @@ import pytest
 
 import gradc as gc
 from gradc.inspect_build import _load, report
-from gradc.inspect_layers import layer_rows, layers_report
+from gradc.inspect_layers import _size, layer_rows, layers_report
+from gradc.sizes import format_size
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "vgg16.py"
 MIB = 2 ** 20
@@ -132,3 +133,26 @@ def test_a_scan_is_a_layer_with_the_weights_its_steps_read(tmp_path):
     gc.compile(m, out=str(tmp_path / "free"), order=1, warm=False)
     text = "\n".join(layers_report(str(tmp_path / "free" / m.name), _load(str(tmp_path / "free" / m.name))[1]))
     assert "(B, 4) + (T, B, 4)" in text and "dims B, T are symbolic" in text, text
+
+
+def test_the_peaks_name_the_kernel_workspace_beside_the_arena(tmp_path):
+    """An RNN's forward keeps nothing in the plan's arena (its step buffers are the scan kernel's own):
+    --layers said 'inference (forward) peak: 0 bytes' (trial N). The peaks now name the workspace too."""
+    import json
+    m = gc.Model("ws_rnn")
+    x, h0 = m.input("x", ("T", "B", 4)), m.input("h0", ("B", 8))
+    W, U, V = m.param("W", (4, 8)), m.param("U", (8, 8)), m.param("V", (8, 3))
+    _, logits = gc.scan(lambda h, x_t: (gc.tanh(x_t @ W + h @ U), gc.tanh(x_t @ W + h @ U) @ V), h0, x)
+    m.output("logits", logits)
+    m.minimize(gc.softmax_cross_entropy(logits, m.input("y", ("T", "B"), dtype="int64")))
+    gc.compile(m, out=str(tmp_path), bind={"T": 6, "B": 5}, order=1, warm=False)
+    base = str(tmp_path / "ws_rnn")
+    entries = json.loads((tmp_path / "ws_rnn.memplan.json").read_text())["entries"]
+    forward, train = entries["forward"]["workspace_bytes"], entries["loss_and_grad"]["workspace_bytes"]
+    assert forward > 0 and train > 0
+    text = report(base, memory=True, layers=True)
+    assert f"inference (forward) peak: {_size(entries['forward']['peak_bytes'])} + kernel workspace {_size(forward)}" \
+        in text, text
+    assert f"training (loss_and_grad) peak: {_size(entries['loss_and_grad']['peak_bytes'])} + kernel workspace " \
+           f"{_size(train)}" in text, text
+    assert f"forward peak {format_size(entries['forward']['peak_bytes'])} + {format_size(forward)}" in text, text
