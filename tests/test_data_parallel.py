@@ -481,6 +481,11 @@ DISAGREE_SCRIPT = textwrap.dedent('''
         print(f"rank {rank}: calls apart: accepted")
     except ValueError as e:
         print(f"rank {rank}: calls apart: {e}")
+    try:   # rank 1 makes a trainer while rank 0 steps: the constructor's Bcast met the step's Allreduce, and both hung
+        tr.step(**batch) if rank == 0 else m.Trainer(m.init_params(0), parallel="data")
+        print(f"rank {rank}: made apart: accepted")
+    except ValueError as e:
+        print(f"rank {rank}: made apart: {e}")
     held = tr.params["W0"]
     if rank == 1:
         tr.params["W0"] = np.zeros((2, 2))   # refused by rank 1's own checks of the save
@@ -491,6 +496,22 @@ DISAGREE_SCRIPT = textwrap.dedent('''
         print(f"rank {rank}: save refused on one: {e}")
     tr.params["W0"] = held
     attempt(tr, "after calls")
+    if rank == 1:   # then a save: it adopted the array, and the next step saw nothing assigned (the replicas drifted)
+        tr.params["W0"] = tr.params["W0"] + 1.0
+    try:
+        tr.save(f"{sys.argv[1]}/ck.npz")
+        print(f"rank {rank}: save assigned: accepted")
+    except ValueError as e:
+        print(f"rank {rank}: save assigned: {e}")
+    if rank == 1:   # then the ranks make different calls: the step after them still compares the params
+        tr.params["W0"] = tr.params["W0"] + 1.0
+    try:
+        tr.save(f"{sys.argv[1]}/ck.npz") if rank == 0 else tr.step(**batch)
+        print(f"rank {rank}: calls apart assigned: accepted")
+    except ValueError as e:
+        print(f"rank {rank}: calls apart assigned: {e}")
+    attempt(tr, "after calls apart assigned")
+    print(f"rank {rank}: W0b {float(tr.params['W0'].sum())!r}")
     tr.save(f"{sys.argv[1]}/good.npz")
     try:   # rank 1's file is missing: rank 0 waited for it in the constructor's collectives
         m.Trainer.load(f"{sys.argv[1]}/good.npz" if rank == 0 else f"{sys.argv[1]}/gone.npz", parallel="data")
@@ -550,6 +571,14 @@ def test_ranks_whose_trainers_differ_are_refused_not_left_to_drift_or_hang(tmp_p
         assert ("Trainer.save: rank(s) 1 refused the call; nothing ran on any rank" if rank == 0 else "W0") \
             in said["save refused on one"], said
         assert said["after calls"] == "accepted" and said["loaded"] == "accepted", said
+        assert "the ranks made different calls (Trainer.step on rank 0, Trainer(parallel='data') on rank 1)" in \
+            said["made apart"], said
+        assert "Trainer.save: params assigned into tr.params differ between the replicas (rank(s) 1 hold other " \
+            "values than rank 0): assign the same values on every rank; every rank now holds rank 0's params (with " \
+            "what rank 0 assigned, if it did), and nothing was written" in said["save assigned"], said
+        assert "the ranks made different calls" in said["calls apart assigned"], said
+        assert "params assigned into tr.params differ between the replicas (rank(s) 1" in \
+            said["after calls apart assigned"], said
         assert ("Trainer.load: rank(s) 1 refused the call; nothing ran on any rank" if rank == 0 else
                 "No such file or directory") in said["load missing on one"], said
         if rank == 1:
@@ -558,5 +587,6 @@ def test_ranks_whose_trainers_differ_are_refused_not_left_to_drift_or_hang(tmp_p
         assert "Trainer(parallel='ps'): the ranks' trainers differ (staleness: 0 on rank 0, 1 on rank 1)" \
             in said["ps"], said
     assert not list((tmp_path / "b").glob("ck*.npz"))
-    w0 = [line for line in out.stdout.splitlines() if " W0 " in line]
-    assert len(w0) == 2 and w0[0].split()[-1] == w0[1].split()[-1], w0   # rank 0's params on both
+    for name in ("W0", "W0b"):   # rank 0's params on both
+        w0 = [line for line in out.stdout.splitlines() if f" {name} " in line]
+        assert len(w0) == 2 and w0[0].split()[-1] == w0[1].split()[-1], w0

@@ -135,6 +135,7 @@ class DataParallel:
         self.tr = tr
         self.reduction = _weighting(tr, "data")
         comm = world(comm, self.MPI, tr, "data")
+        same_call(comm, self.MPI, tr.model_name, "Trainer(parallel='data')")
         self.world = comm
         if not isinstance(overlap, bool):
             raise ValueError(f"{tr.model_name}.Trainer: overlap must be True or False, got {overlap!r}")
@@ -185,6 +186,7 @@ class DataParallel:
         self.bucket_of = {name: i for i, (_, _, names) in enumerate(self.buckets) for name in names}
         self._same_params()
         self._frozen = {k: v for k, v in tr.params.items() if k not in tr._views}   # their arrays (_assigned)
+        self._unheard = False   # an assignment that no call has compared yet (_assigned)
 
     # ---- every replica starts from rank 0's params ---------------------------------------------
     def _same_params(self):
@@ -237,6 +239,7 @@ class DataParallel:
                          [key, -key if shapes is not None else NO_KEY, same, -same])
         counts = np.array([rows, error is not None, assigned], dtype=np.int64)
         self.comm.Allreduce(MPI.IN_PLACE, counts)
+        self._unheard = False
         found = []   # what differs between the ranks, in the order it is told
         if keys[0] != -keys[1]:
             found.append(_differing_shapes(tr, self.world.allgather(shapes)))
@@ -316,11 +319,15 @@ class DataParallel:
         assigned = any(tr.params.get(k) is not view for k, view in tr._views.items()) or \
             frozen.keys() != self._frozen.keys() or any(v is not self._frozen[k] for k, v in frozen.items())
         self._frozen = frozen   # (held: an object's id is not reused while it is)
+        # until the ranks have heard of it: a call refused before that (the ranks made different calls) has
+        # adopted the arrays, and the next call must still compare them
+        self._unheard = assigned = assigned or self._unheard
         return assigned
 
-    def _assigned_alike(self):
+    def _assigned_alike(self, what=None, outcome="this step trained nothing"):
         """After tr.params[k] = ... on some rank: None when every replica still holds the same params; else
-        every rank takes rank 0's params again and gets the ValueError that says so."""
+        every rank takes rank 0's params again and gets the ValueError that says so (`what` the call,
+        `outcome` what it did not do)."""
         tr = self.tr
         held = [tr._flat] + [v for k, v in sorted(tr.params.items()) if k not in tr._views]
         mine = 0
@@ -331,10 +338,10 @@ class DataParallel:
             return None
         differ = [r for r, c in enumerate(every) if c != every[0]]
         self._same_params()
-        return ValueError(f"{tr.model_name}.Trainer.step {tr.steps + 1}: params assigned into tr.params differ "
-                          f"between the replicas (rank(s) {', '.join(map(str, differ))} hold other values than "
+        return ValueError(f"{tr.model_name}.{what or f'Trainer.step {tr.steps + 1}'}: params assigned into tr.params "
+                          f"differ between the replicas (rank(s) {', '.join(map(str, differ))} hold other values than "
                           f"rank 0): assign the same values on every rank; every rank now holds rank 0's params "
-                          f"(with what rank 0 assigned, if it did), and this step trained nothing")
+                          f"(with what rank 0 assigned, if it did), and {outcome}")
 
     def pipe_sum(self, x):
         """x summed over this replica's stages (each holds its own params' gradients)."""
@@ -351,16 +358,26 @@ class DataParallel:
         """check() (this rank's checks: the path to write), then rank 0 writes (a pipeline's stages first
         send it their params and state); every rank returns once the file is written, or raises the
         error rank 0 met. A check refused on any rank is raised on every rank before anything is
-        written. Every replica gathers its stages, so that every rank holds every param current after
-        a save, as one pipeline's do."""
+        written. Params assigned into tr.params since the last call are compared between the replicas, as
+        a step compares them: if they differ, every rank takes rank 0's and nothing is written. Every
+        replica gathers its stages, so that every rank holds every param current after a save, as one
+        pipeline's do."""
+        assigned = self._assigned()   # (before check() adopts what was assigned: the next step would not see it)
         path = checked_on_every_rank(self.world, self.MPI, self.tr.model_name, "Trainer.save", check)
+        assigned = self.comm.allreduce(int(assigned), op=self.MPI.MAX)
+        self._unheard = False
+        differ = self._assigned_alike("Trainer.save", "nothing was written") if assigned else None
+        if self.world.allreduce(int(differ is not None), op=self.MPI.MAX):
+            raise differ or ValueError(f"{self.tr.model_name}.Trainer.save: params assigned into tr.params differ "
+                                       f"between the replicas of another stage; nothing was written")
         if self.pipe_comm is not None:
             gather_stages(self.tr, self.pipe_comm, self.owned)
         write_on_rank_0(self.world, path, write, self.tr.model_name)
 
 
 def same_call(comm, MPI, model_name, what, keys=()):
-    """The first collective of every call the ranks make together (step, save): the MAX over every rank
+    """The first collective of every call the ranks make together (a data-parallel or parameter-server
+    Trainer, its step, save, Trainer.load): the MAX over every rank
     of [call, -call, *keys], keys returned. A rank that saved while another stepped waited in a
     collective the other never reached (a trial's two ranks hung); now every rank raises, and nothing
     ran on any."""
@@ -376,8 +393,9 @@ def same_call(comm, MPI, model_name, what, keys=()):
 
 
 def checked_on_every_rank(comm, MPI, model_name, what, check):
-    """check() on every rank (a call's own checks, e.g. a checkpoint's path), after same_call: a refusal
-    on any rank is raised on every rank, before anything ran (the others would wait for it)."""
+    """check() on every rank (a call's own checks, e.g. a checkpoint's path), then same_call with whether it
+    passed: a refusal on any rank is raised on every rank, before any collective of the call (the others
+    would wait for it)."""
     try:
         result, error = check(), None
     except Exception as e:   # raised on every rank below; this one says why
@@ -494,6 +512,7 @@ class ParameterServer:
         if tr.pipeline is not None:
             tr.pipeline.attach(None)
         size = comm.Get_size()
+        same_call(comm, self.MPI, tr.model_name, "Trainer(parallel='ps')")
         # first, before a check that one rank could fail alone: every rank is made alike (servers that differ
         # ran the protocol on different shards until the timeout; a worker's own lr went unused)
         mine = {"servers": servers, "staleness": staleness, "timeout": timeout, **tr._settings()}
