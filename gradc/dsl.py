@@ -137,8 +137,9 @@ class Model:
                                  f"tensors, numbers and arrays", src)
             return value.node
         if isinstance(value, (bool, np.bool_)):
-            raise GradcError(f"{op}: a bool is not a tensor value (t == u compares the Tensor objects; for a mask "
-                             f"write a gc.elementwise op with a sympy Piecewise or Heaviside: README, user ops)", src)
+            raise GradcError(f"{op}: a bool ({value}) is not a tensor value: for a flag, branch in Python or write "
+                             f"1.0 or 0.0 (t == u is a bool too: it compares the Tensor objects; a mask is a "
+                             f"gc.elementwise op with a sympy Piecewise or Heaviside: README, user ops)", src)
         if isinstance(value, numbers.Real):
             return self.graph.apply("const", attrs={"value": float(value), "shape": (), "dtype": "float"}, src=src)
         if isinstance(value, np.ndarray):
@@ -239,13 +240,15 @@ _NUMPY_OPERATORS = {np.add: "add", np.subtract: "sub", np.multiply: "mul", np.tr
                     np.maximum: "maximum", np.matmul: "matmul"}
 _NUMPY_NAMES = {"absolute": "abs"}
 # what to write instead of numpy's functions (not ufuncs) that have no gc function of their name
-_NUMPY_FUNCTIONS = {"dot": "a @ b", "matmul": "a @ b", "concatenate": "gc.concat(...)", "amax": "gc.max(...)",
+_NUMPY_FUNCTIONS = {"dot": "a @ b", "concatenate": "gc.concat(...)", "amax": "gc.max(...)",
                     "where": "a gc.elementwise op with a sympy Piecewise (README, user ops)",
                     "clip": "a gc.elementwise op with sympy's Max and Min (README, user ops)",
                     "squeeze": "t.reshape(...)", "expand_dims": "t.reshape(...) or t[:, None]"}
-_COMPARISON = ("comparisons of Tensors ({}) are not ops of the model: for a mask or a select write a "
+# (one message for every comparison: Python runs `0 < t` as t > 0, numpy's scalars as np.less)
+_COMPARISON = ("comparisons of Tensors (<, <=, >, >=) are not ops of the model: for a mask or a select write a "
                "gc.elementwise op with a sympy Piecewise or Heaviside (README, user ops); for the larger of two, "
                "gc.maximum(a, b)")
+_NUMPY_COMPARISONS = (np.less, np.less_equal, np.greater, np.greater_equal)
 _IN_PLACE = {np.add: "+", np.subtract: "-", np.multiply: "*", np.true_divide: "/", np.power: "**", np.matmul: "@"}
 
 
@@ -266,6 +269,8 @@ class Tensor:
             instead = f"a = a {symbol} t" if symbol else f"a = np.{ufunc.__name__}(a, t)"
             raise GradcError(f"numpy's {ufunc.__name__} into an array ({f'a {symbol}= t' if symbol else 'out='}) "
                              f"cannot hold a gradc Tensor: write {instead}", src)
+        if ufunc in _NUMPY_COMPARISONS:   # np.float32(0.5) < t
+            raise GradcError(_COMPARISON, src)
         name = _NUMPY_NAMES.get(ufunc.__name__, ufunc.__name__)
         use = f"gc.{name}(...)" if callable(globals().get(name)) else "gradc's ops (README, the DSL)"
         raise GradcError(f"numpy's {ufunc.__name__} cannot take a gradc Tensor: use {use}", src)
@@ -275,7 +280,8 @@ class Tensor:
         name = func.__name__
         use = _NUMPY_FUNCTIONS.get(name) or (f"gc.{name}(...)" if callable(globals().get(name)) else
                                              "gradc's ops (README, the DSL)")
-        raise GradcError(f"numpy's np.{name} cannot take a gradc Tensor: use {use}", user_src())
+        where = "np" + func.__module__[len("numpy"):] if func.__module__.startswith("numpy") else func.__module__
+        raise GradcError(f"numpy's {where}.{name} cannot take a gradc Tensor: use {use}", user_src())
 
     def __array__(self, dtype=None, copy=None):
         raise GradcError("a Tensor has no values while the model is being built: numpy cannot make an array of it "
@@ -314,10 +320,10 @@ class Tensor:
         raise GradcError("a Tensor has no truth value while the model is being built", user_src())
 
     # (== and != keep Python's identity: graphs, sets and `in` compare Tensors as objects)
-    def __lt__(self, o): raise GradcError(_COMPARISON.format("<"), user_src())
-    def __le__(self, o): raise GradcError(_COMPARISON.format("<="), user_src())
-    def __gt__(self, o): raise GradcError(_COMPARISON.format(">"), user_src())
-    def __ge__(self, o): raise GradcError(_COMPARISON.format(">="), user_src())
+    def __lt__(self, o): raise GradcError(_COMPARISON, user_src())
+    def __le__(self, o): raise GradcError(_COMPARISON, user_src())
+    def __gt__(self, o): raise GradcError(_COMPARISON, user_src())
+    def __ge__(self, o): raise GradcError(_COMPARISON, user_src())
 
     def __add__(self, o): return _op("add", self, o)
     def __radd__(self, o): return _op("add", o, self)

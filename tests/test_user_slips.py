@@ -362,11 +362,17 @@ def test_numpy_functions_comparisons_and_arrays_of_tensors_are_refused_naming_wh
     for call in (lambda: np.asarray(x), lambda: np.array([x, x]), lambda: np.ones(3) + [x, x, x]):
         with pytest.raises(gc.GradcError, match=r"a Tensor has no values while the model is being built"):
             call()
-    for call, sign in ((lambda: x > 0, ">"), (lambda: 0 < x, ">"), (lambda: x <= W, "<="), (lambda: max(x, W), ">")):
-        with pytest.raises(gc.GradcError, match=rf"comparisons of Tensors \({sign}\) are not ops .*gc.maximum"):
+    for call in (lambda: x > 0, lambda: 0 < x, lambda: x <= W, lambda: max(x, W), lambda: np.float32(0.5) < x,
+                 lambda: np.ones(3) >= x):
+        with pytest.raises(gc.GradcError, match=r"comparisons of Tensors \(<, <=, >, >=\) are not ops .*gc.maximum"):
             call()
-    with pytest.raises(gc.GradcError, match=r"mul: a bool is not a tensor value \(t == u compares the Tensor objects"):
+    with pytest.raises(gc.GradcError, match=r"numpy's np.linalg.norm cannot take a gradc Tensor"):
+        np.linalg.norm(x)
+    with pytest.raises(gc.GradcError, match=r"mul: a bool \(False\) is not a tensor value: for a flag, branch in Python "
+                                            r"or write 1.0 or 0.0 \(t == u is a bool too"):
         (x == W) * x
+    with pytest.raises(gc.GradcError, match=r"mul: a bool \(True\) is not a tensor value"):
+        x * True
     other = gc.Model("slip_other")
     with pytest.raises(gc.GradcError, match=r"matmul: 'W' is a tensor of model 'slip_numpy_functions', used in model "
                                             r"'slip_other'"):

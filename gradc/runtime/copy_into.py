@@ -5,6 +5,10 @@ formatting) took 2-4 s for each rank a process met, in every cold build that com
 copying an array (an LSTM's warm-up: 4.5 s of 21 s). Codegen copies only between arrays of one
 shape, so plain loops do: they compile in a tenth of that and copy a strided view in half the
 time. Called from plain Python (an entry that is not compiled), it is numpy's assignment.
+
+It assumes what codegen gives it: `out` and `x` do not overlap (a copy always goes into a buffer
+of its own, so an element is never read after it was written), and their shapes are equal (no
+broadcast: a different shape is a codegen bug, and raises).
 """
 from numba import types
 from numba.extending import overload

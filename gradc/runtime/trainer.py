@@ -496,9 +496,9 @@ class TrainerBase:
         path = cls._checkpoint_path(path, "load")
         settings = [k for k in parallel_options if k in SETTINGS or k in cls._gradient_option_names]
         if settings:
-            raise TypeError(f"{cls.model_name}.Trainer.load: {', '.join(settings)} {'comes' if len(settings) == 1 else 'come'} "
-                            f"from the checkpoint (load takes "
-                            f"parallel= and its options); set them on the trainer it returns, e.g. tr.lr = ...")
+            verb = "comes" if len(settings) == 1 else "come"
+            raise TypeError(f"{cls.model_name}.Trainer.load: {', '.join(settings)} {verb} from the checkpoint (load "
+                            f"takes parallel= and its options); set them on the trainer it returns, e.g. tr.lr = ...")
         if parallel_options.get("parallel") is not None:
             # a rank that cannot read its file would leave the others waiting in the constructor's collectives
             arrays, meta = agreed_on_every_rank(cls, parallel_options, "Trainer.load", lambda: cls._read_checkpoint(path))
