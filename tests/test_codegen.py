@@ -643,3 +643,43 @@ def test_a_scan_steps_work_offsets_are_summed_term_by_term(tmp_path, rng):
     assert loss == pytest.approx(expected.item(), rel=1e-12)
     np.testing.assert_allclose(grads["W"], tW.grad.numpy(), rtol=1e-10, atol=1e-13)
     np.testing.assert_allclose(grads["U"], tU.grad.numpy(), rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_mask_added_as_a_large_number_keeps_the_values_it_masks(tmp_path, dtype, rng):
+    """x + (a - 1) * 1e9, attention's usual mask: sympy multiplied 1e9 into (a - 1) when fusion composed the
+    ops, and the kernel's x + 1e9*a - 1e9 lost x where a = 1 (float32: every softmax row uniform; trial O).
+    Each form keeps x exactly where the mask is 1, and the gradients are torch's."""
+    forms = {"plus": lambda x, a: x + (a - 1.0) * 1e9, "minus": lambda x, a: x - (1.0 - a) * 1e9,
+             "left": lambda x, a: x + 1e9 * (a - 1.0), "scaled": lambda x, a: x * a + (a - 1.0) * 1e9}
+    m = gc.Model(f"cg_mask_{dtype}")
+    x, a = m.input("x", ("N", 3)), m.input("a", ("N", 3))
+    W = m.param("W", (3, 3))
+    h = x @ W
+    loss = 0.0
+    for name, form in forms.items():
+        m.output(name, form(h, a))
+        loss = loss + (gc.softmax(form(h, a), axis=1) * x).sum()
+    m.minimize(loss)
+    mod = gc.compile(m, out=str(tmp_path), dtype=dtype, warm=False)
+    ft = np.dtype(dtype).type
+    params = {"W": rng.standard_normal((3, 3)).astype(ft)}
+    xv = rng.standard_normal((4, 3)).astype(ft)
+    av = np.ones((4, 3), ft)
+    av[1, 2] = av[3, 0] = 0.0
+    out = mod.forward(params, x=xv, a=av)
+    hv = xv @ params["W"]
+    for name in forms:
+        kept = av == 1
+        np.testing.assert_allclose(out[name][kept], (hv * av if name == "scaled" else hv)[kept],
+                                   rtol=1e-6 if dtype == "float32" else 1e-14, err_msg=name)
+        assert np.all(out[name][~kept] < -1e8), name
+    loss_value, grads = mod.loss_and_grad(params, x=xv, a=av)
+    tW = torch.tensor(params["W"].astype(np.float64), requires_grad=True)
+    tx, ta = torch.tensor(xv.astype(np.float64)), torch.tensor(av.astype(np.float64))
+    th = tx @ tW
+    expected = sum((torch.softmax(form(th, ta), dim=1) * tx).sum() for form in forms.values())
+    expected.backward()
+    tol = 1e-4 if dtype == "float32" else 1e-12
+    assert loss_value == pytest.approx(expected.item(), rel=tol)
+    np.testing.assert_allclose(grads["W"], tW.grad.numpy(), rtol=tol, atol=tol)
