@@ -561,6 +561,9 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
     lg_nodes = graph.ancestors(meta["entries"]["_loss_and_grad"]["roots"])
     fwd_nodes = graph.ancestors(meta["entries"]["_forward_loss"]["roots"])
     saved = saved_for_backward(graph, lg_nodes)
+    # the nodes only lr_grad's estimate computes (its copies of the forward: phase "forward", in no other entry)
+    others = set().union(*(graph.ancestors(e["roots"]) for f, e in meta["entries"].items() if f != "_lr_grad"))
+    lr_only = graph.ancestors(meta["entries"]["_lr_grad"]["roots"]) - others if "_lr_grad" in meta["entries"] else set()
     extra = {"model": name, "dtype": dtype, "gradc_version": __version__, "source": info["source"],
              "params": {p: {"shape": list(graph.shape(n)), "trainable": model.param_info[p]["trainable"],
                             "decay": model.param_info[p]["decay"]} for p, n in graph.params.items()},
@@ -572,7 +575,8 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
                                      "shape": [str(d) for d in graph.shape(n)], "bytes": expr_text(nbytes(graph, n)), "src": graph.node(n)["src"]} for n in saved],
              "pass_seconds": {k: round(v, 4) for k, v in timings.items()},
              "lr_grad": {"why": (graph.lr or {"why": "not built"})["why"],
-                         "sites": [f"{s['op']} at {s['src']}, pairs with: {s['pairs']}" for s in (graph.lr or {}).get("sites", ())]}}
+                         "sites": [f"{s['op']} at {s['src']}, pairs with: {s['pairs']}" for s in (graph.lr or {}).get("sites", ())],
+                         "nodes": sorted(lr_only)}}
     files = {f"{name}.py": text, f"{name}.graph.json": graph.to_json(extra), f"{name}.graph.dot": graph.to_dot(),
              f"{name}.memplan.json": json_text(memplan)}
     if partition is not None:

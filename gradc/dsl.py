@@ -716,7 +716,8 @@ def take(table, idx):
     if not isinstance(idx, Tensor) or not idx.dtype.startswith("int"):
         got = (f"{idx.model.graph.describe(idx.node)} of dtype {idx.dtype}" if isinstance(idx, Tensor)
                else type(idx).__name__)
-        hint = ("; a numpy array of positions is no index: add a param of the rows instead"
+        hint = ("; a numpy array of positions is no index: declare them as an int input, "
+                "m.input('idx', (K,), dtype='int64'), and pass the array at each call"
                 if isinstance(idx, np.ndarray) else "")
         raise GradcError(f"take: the indices must be an int gradc Tensor (an input with dtype='int64' or an int "
                          f"value made from one{hint}), got {got}", src)

@@ -40,8 +40,10 @@ def report(build, graph=False, memory=False, partition=False, kernels=False, ptx
         return ptx(base, ptx_of, meta["kernels"], run_module)
     nodes = {n["id"]: n for n in data["nodes"]}
     lines = [f"model {meta['model']} ({meta['dtype']}, gradc {meta['gradc_version']}) from {meta['source']}"]
-    phases = Counter(n["phase"] for n in nodes.values())
-    lines.append("nodes per phase: " + ", ".join(f"{p} {c}" for p, c in phases.items()))
+    lr_only = set(meta.get("lr_grad", {}).get("nodes", ()))   # lr_grad's copies of the forward, counted apart
+    phases = Counter(n["phase"] for i, n in nodes.items() if i not in lr_only)
+    lines.append("nodes per phase: " + ", ".join(f"{p} {c}" for p, c in phases.items())
+                 + (f"; lr_grad's estimate {len(lr_only & nodes.keys())} more" if lr_only else ""))
     params = meta["params"]
     total = sum(_numel(p["shape"]) for p in params.values())
     lines.append(f"params: {len(params)} arrays, {total:,} values, "

@@ -98,6 +98,13 @@ def test_inspect(compiled):
                    "model.py:", "kernels (", "def k0_", "backward (", "partition: one device",
                    "memory plan of loss_and_grad: dims are symbolic"):
         assert needle in text, needle
+    # lr_grad's copies of the forward are counted apart from the model's forward (a 12-op GCN said forward 73)
+    dump = json.loads((compiled / "out" / "tiny.graph.json").read_text())
+    lr_only = set(dump["graph"]["lr_grad"]["nodes"])
+    schedules = json.loads((compiled / "out" / "tiny.memplan.json").read_text())["entries"]
+    assert lr_only and not lr_only & set(schedules["forward_loss"]["schedule"] + schedules["loss_and_grad"]["schedule"])
+    forward = sum(n["phase"] == "forward" and n["id"] not in lr_only for n in dump["nodes"])
+    assert f"nodes per phase: forward {forward}, " in text and f"; lr_grad's estimate {len(lr_only)} more" in text, text
 
 
 def test_inspect_of_a_damaged_dump_exits_2_naming_it(compiled, tmp_path):

@@ -476,7 +476,8 @@ def test_second_trial_messages(self_named, tmp_path):
     x = m.input("x", ("B", 3))
     with pytest.raises(gc.GradcError, match=r"made from one\), got 'x' of dtype float"):
         gc.take(m.param("E", (5, 2)), x)
-    with pytest.raises(gc.GradcError, match=r"made from one; a numpy array of positions is no index"):
+    with pytest.raises(gc.GradcError, match=r"made from one; a numpy array of positions is no index: declare them as "
+                                            r"an int input, m.input\('idx', \(K,\), dtype='int64'\), and pass"):
         gc.take(m.param("F", (5, 2)), np.arange(3))
     with pytest.raises(AttributeError, match=r"no attribute 'tanhh': did you mean gc.tanh\?"):
         gc.tanhh(x)
