@@ -9,7 +9,6 @@ function.
 import re
 
 import numpy as np
-from sympy.core.parameters import distribute
 
 from gradc.ops.elementwise import X
 from gradc.passes.entries import by_fname, entries as entry_table
@@ -73,7 +72,6 @@ def _with_doc(source, doc):
     return f'{head}):\n    """{doc}"""\n{rest}'
 
 
-@distribute(False)   # as the passes do (passes/pipeline.py): a kernel's expression keeps the user's grouping
 def generate(graph, plans, info):
     """Source of the module, the arrays for NAME.data.npz, and facts for the dumps and `inspect`.
 

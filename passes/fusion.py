@@ -67,7 +67,10 @@ def _inline(graph, n, roots, draws=False):
                 continue
             graph.merge_into(u, n)   # u's value now lives inside n (its derivatives run where n does)
             outer = {X[j]: X[new.index(v)] for j, v in enumerate(operands) if j != i}
-            outer[X[i]] = piece.xreplace({X[m]: X[new.index(v)] for m, v in enumerate(pieces)})
+            piece = piece.xreplace({X[m]: X[new.index(v)] for m, v in enumerate(pieces)})
+            # a sum stays one value: sympy multiplies a number into a sum it meets (1e9*(a - 1) -> 1e9*a - 1e9),
+            # and float arithmetic then lost x in x + (a - 1)*1e9, a mask's usual form
+            outer[X[i]] = sp.UnevaluatedExpr(piece) if piece.is_Add else piece
             expr, operands = expr.xreplace(outer), new
             changed = progress = True
             break

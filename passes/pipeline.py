@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import sympy as sp
-from sympy.core.parameters import distribute
 
 from gradc.errors import GradcError
 from gradc.ir import FLOAT_DTYPES
@@ -177,9 +176,6 @@ class Build:
         return [p for p in self.trainable if self.model.param_info[p]["decay"]]
 
 
-# sympy multiplies a number into a sum it meets (1e9*(a - 1) -> 1e9*a - 1e9): composed into x + (a - 1)*1e9,
-# a mask's usual form, float arithmetic then lost x. The passes' expressions keep the user's grouping.
-@distribute(False)
 def build_training_graph(model, dtype="float32", dims=None, timings=None, order=1, target="cpu"):
     """Copy the model's graph and run every pass of PASSES over it; `timings` collects seconds
     per pass. order 2 adds the Hessian-vector product nodes (phase `second`)."""

@@ -683,3 +683,28 @@ def test_a_mask_added_as_a_large_number_keeps_the_values_it_masks(tmp_path, dtyp
     tol = 1e-4 if dtype == "float32" else 1e-12
     assert loss_value == pytest.approx(expected.item(), rel=tol)
     np.testing.assert_allclose(grads["W"], tW.grad.numpy(), rtol=tol, atol=tol)
+
+
+def test_functions_of_negated_sums_fuse_and_match_torch(tmp_path, rng):
+    """tanh(-(x @ W) - b), sin(-x - y), ...: sympy writes f(-u) as -f(u) where u 'could extract a minus
+    sign'; a composition that kept a number out of every sum made it loop forever (a review of the mask fix)."""
+    m = gc.Model("cg_negated")
+    x, y = m.input("x", ("N", 3)), m.input("y", ("N", 3))
+    W, b = m.param("W", (3, 3)), m.param("b", (3,))
+    forms = [lambda x, y, W, b, f: f["tanh"](-(x @ W) - b), lambda x, y, W, b, f: f["tanh"](x - y - 2.0),
+             lambda x, y, W, b, f: f["tanh"](1.0 - x @ W - y), lambda x, y, W, b, f: f["sin"](-(x @ W) - y),
+             lambda x, y, W, b, f: f["cos"](-(x @ W) - 1.0) * 3.0]
+    ours = {"tanh": gc.tanh, "sin": gc.sin, "cos": gc.cos}
+    m.minimize(sum((form(x, y, W, b, ours) ** 2).sum() for form in forms))
+    mod = gc.compile(m, out=str(tmp_path), dtype="float64", warm=False)
+    params = {"W": rng.standard_normal((3, 3)), "b": rng.standard_normal(3)}
+    inputs = {"x": rng.standard_normal((4, 3)), "y": rng.standard_normal((4, 3))}
+    loss, grads = mod.loss_and_grad(params, **inputs)
+    tp = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    tx, ty = torch.tensor(inputs["x"]), torch.tensor(inputs["y"])
+    theirs = {"tanh": torch.tanh, "sin": torch.sin, "cos": torch.cos}
+    expected = sum((form(tx, ty, tp["W"], tp["b"], theirs) ** 2).sum() for form in forms)
+    expected.backward()
+    assert loss == pytest.approx(expected.item(), rel=1e-13)
+    for k in params:
+        np.testing.assert_allclose(grads[k], tp[k].grad.numpy(), rtol=1e-11, atol=1e-13, err_msg=k)

@@ -519,6 +519,25 @@ DISAGREE_SCRIPT = textwrap.dedent('''
     except (OSError, ValueError) as e:
         print(f"rank {rank}: load missing on one: {e}")
     attempt(m.Trainer.load(f"{sys.argv[1]}/good.npz", parallel="data"), "loaded")
+    try:   # rank 1's own checks refuse its trainer: rank 0 waited for it in the first collective
+        m.Trainer(m.init_params(0), parallel="data", lr=0.1 if rank == 0 else -1.0)
+        print(f"rank {rank}: refused alone: accepted")
+    except ValueError as e:
+        print(f"rank {rank}: refused alone: {e}")
+    try:   # and so in a checkpoint: rank 1's says lr -1
+        import json, numpy
+        bad = dict(numpy.load(f"{sys.argv[1]}/good.npz"))
+        bad["meta"] = numpy.array(json.dumps(dict(json.loads(str(bad["meta"])), lr=-1.0)))
+        numpy.savez(f"{sys.argv[1]}/bad{rank}.npz", **bad)
+        m.Trainer.load(f"{sys.argv[1]}/good.npz" if rank == 0 else f"{sys.argv[1]}/bad1.npz", parallel="data")
+        print(f"rank {rank}: load refused on one: accepted")
+    except ValueError as e:
+        print(f"rank {rank}: load refused on one: {e}")
+    try:   # lr_grad's options, checked before the rest
+        m.Trainer(m.init_params(0), parallel="data", gradient="lr", samples=4 if rank == 0 else 3)
+        print(f"rank {rank}: lr refused alone: accepted")
+    except ValueError as e:
+        print(f"rank {rank}: lr refused alone: {e}")
     try:   # a parameter server whose ranks differ (the servers ran on different shards until the timeout)
         with m.Trainer(m.init_params(0), parallel="ps", servers=1, staleness=rank, timeout=20) as ps:
             print(f"rank {rank}: ps: accepted")
@@ -573,6 +592,10 @@ def test_ranks_whose_trainers_differ_are_refused_not_left_to_drift_or_hang(tmp_p
         assert said["after calls"] == "accepted" and said["loaded"] == "accepted", said
         assert "the ranks made different calls (Trainer.step on rank 0, Trainer(parallel='data') on rank 1)" in \
             said["made apart"], said
+        for what, why in (("refused alone", "lr must be a finite number"), ("load refused on one", "lr must be"),
+                          ("lr refused alone", "samples")):
+            assert ("Trainer(parallel='data'): rank(s) 1 refused their Trainer (their error says why); no rank made "
+                    "one" if rank == 0 else why) in said[what], (what, said[what])
         assert "Trainer.save: params assigned into tr.params differ between the replicas (rank(s) 1 hold other " \
             "values than rank 0): assign the same values on every rank; every rank now holds rank 0's params (with " \
             "what rank 0 assigned, if it did), and nothing was written" in said["save assigned"], said

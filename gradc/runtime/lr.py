@@ -13,6 +13,7 @@ from types import MappingProxyType
 import numpy as np
 
 from .host_memory import available_bytes
+from .parallel import refused_on_every_rank
 
 SIGMA = 1e-2      # lr_grad's default noise std: small enough for little bias, large enough for float32 losses
 SAMPLES = 64
@@ -176,24 +177,25 @@ class LRTrainer:
 
     def __init__(self, params, /, *args, gradient="backprop", samples=_UNSET, sigma=_UNSET, seed=_UNSET,
                  antithetic=_UNSET, layerwise=_UNSET, baseline=_UNSET, **kwargs):
-        if gradient not in ("backprop", "lr"):
-            raise ValueError(f"{self.model_name}.Trainer: gradient must be 'backprop' or 'lr', got {gradient!r}")
-        self._gradient = gradient
-        self._lr_options = self._lr_seed = None
-        given = {"samples": samples, "sigma": sigma, "seed": seed, "antithetic": antithetic, "layerwise": layerwise,
-                 "baseline": baseline}
-        named = [f"{k}={v!r}" for k, v in given.items() if v is not _UNSET]
-        if gradient == "backprop" and named:   # they would be ignored, even at their defaults (gradient="lr" forgotten)
-            raise ValueError(f"{self.model_name}.Trainer: {', '.join(named)}: option(s) of gradient='lr' (the "
-                             f"likelihood-ratio estimate), which a backprop trainer would ignore")
-        samples, sigma, seed, antithetic, layerwise, baseline = (
-            DEFAULTS[k] if v is _UNSET else v for k, v in given.items())
-        if gradient == "lr":
-            samples, sigma, seed, antithetic, layerwise, baseline = self._lr.check(
-                samples, sigma, seed, antithetic, layerwise, baseline, what="Trainer")
-            self._lr_seed = seed
-            self._lr_options = MappingProxyType({"samples": samples, "sigma": sigma, "antithetic": antithetic,
-                                                 "layerwise": layerwise, "baseline": baseline})
+        with refused_on_every_rank(self, kwargs.get("parallel"), kwargs):   # (the other ranks would wait for this one)
+            if gradient not in ("backprop", "lr"):
+                raise ValueError(f"{self.model_name}.Trainer: gradient must be 'backprop' or 'lr', got {gradient!r}")
+            self._gradient = gradient
+            self._lr_options = self._lr_seed = None
+            given = {"samples": samples, "sigma": sigma, "seed": seed, "antithetic": antithetic,
+                     "layerwise": layerwise, "baseline": baseline}
+            named = [f"{k}={v!r}" for k, v in given.items() if v is not _UNSET]
+            if gradient == "backprop" and named:   # they would be ignored, even at their defaults (gradient="lr" forgotten)
+                raise ValueError(f"{self.model_name}.Trainer: {', '.join(named)}: option(s) of gradient='lr' (the "
+                                 f"likelihood-ratio estimate), which a backprop trainer would ignore")
+            samples, sigma, seed, antithetic, layerwise, baseline = (
+                DEFAULTS[k] if v is _UNSET else v for k, v in given.items())
+            if gradient == "lr":
+                samples, sigma, seed, antithetic, layerwise, baseline = self._lr.check(
+                    samples, sigma, seed, antithetic, layerwise, baseline, what="Trainer")
+                self._lr_seed = seed
+                self._lr_options = MappingProxyType({"samples": samples, "sigma": sigma, "antithetic": antithetic,
+                                                     "layerwise": layerwise, "baseline": baseline})
         super().__init__(params, *args, **kwargs)
 
     # chosen when the trainer is made (a changed sigma would not be the run its checkpoint resumes): read-only

@@ -27,6 +27,7 @@ the R ranks that run that stage (`stage_ranks=1` runs each replica's K stages in
 
 `parallel="ps"`: see ParameterServer.
 """
+import contextlib
 import math
 import os
 import time
@@ -135,7 +136,7 @@ class DataParallel:
         self.tr = tr
         self.reduction = _weighting(tr, "data")
         comm = world(comm, self.MPI, tr, "data")
-        same_call(comm, self.MPI, tr.model_name, "Trainer(parallel='data')")
+        made_on_every_rank(comm, self.MPI, tr.model_name, "data")
         self.world = comm
         if not isinstance(overlap, bool):
             raise ValueError(f"{tr.model_name}.Trainer: overlap must be True or False, got {overlap!r}")
@@ -409,6 +410,36 @@ def checked_on_every_rank(comm, MPI, model_name, what, check):
     return result
 
 
+@contextlib.contextmanager
+def refused_on_every_rank(trainer, parallel, options):
+    """Around a Trainer(parallel=...)'s own checks: one that fails on this rank joins the ranks' first
+    collective (made_on_every_rank), saying so, before it raises here; the other ranks raise there. Without
+    it they waited for this rank in DataParallel's or ParameterServer's first collective."""
+    try:
+        yield
+    except Exception:
+        if parallel in ("data", "ps"):
+            try:
+                MPI = _import_mpi(trainer, parallel)
+                comm = world(options.get("comm"), MPI, trainer, parallel)
+            except Exception:   # (no MPI or a bad comm: the error raised here says enough)
+                comm = None
+            if comm is not None:
+                made_on_every_rank(comm, MPI, trainer.model_name, parallel, refused=True)
+        raise
+
+
+def made_on_every_rank(comm, MPI, model_name, parallel, refused=False):
+    """The first collective of a Trainer(parallel=...): every rank says whether its own checks refused the
+    trainer; if any did, every other rank raises too (nothing is made)."""
+    what = f"Trainer(parallel={parallel!r})"
+    if same_call(comm, MPI, model_name, what, [int(refused)])[0]:
+        ranks = [r for r, bad in enumerate(comm.allgather(refused)) if bad]
+        if not refused:
+            raise ValueError(f"{model_name}.{what}: rank(s) {', '.join(map(str, ranks))} refused their Trainer (their "
+                             f"error says why); no rank made one")
+
+
 def agreed_on_every_rank(trainer_class, options, what, check):
     """checked_on_every_rank over the communicator a Trainer(**options) would run over, before it is made
     (Trainer.load: a rank whose file is missing raises, and so does every other)."""
@@ -512,7 +543,7 @@ class ParameterServer:
         if tr.pipeline is not None:
             tr.pipeline.attach(None)
         size = comm.Get_size()
-        same_call(comm, self.MPI, tr.model_name, "Trainer(parallel='ps')")
+        made_on_every_rank(comm, self.MPI, tr.model_name, "ps")
         # first, before a check that one rank could fail alone: every rank is made alike (servers that differ
         # ran the protocol on different shards until the timeout; a worker's own lr went unused)
         mine = {"servers": servers, "staleness": staleness, "timeout": timeout, **tr._settings()}

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..files import read_npz, write_replacing
 from .optim import CHECK, CHECKED_WRITE, WRITE, adam_update, clip_scale, sgd_update, sum_squares
-from .parallel import agreed_on_every_rank, gather_stages, write_on_rank_0
+from .parallel import agreed_on_every_rank, gather_stages, refused_on_every_rank, write_on_rank_0
 from .signature import number_as_array
 
 OPTIMIZERS = ("sgd", "adam")
@@ -120,18 +120,21 @@ class TrainerBase:
 
     def __init__(self, params, /, optimizer="sgd", lr=0.01, momentum=0.0, betas=(0.9, 0.999), eps=1e-8,
                  clip_norm=None, parallel=None, **parallel_options):
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"{self.model_name}.Trainer: unknown optimizer {optimizer!r} (use 'sgd' or 'adam')")
-        self._optimizer = optimizer   # first: the hyperparameters it ignores are refused (Hyperparameter)
-        self._serial = threading.RLock()
-        self.lr, self.momentum, self.betas, self.eps, self.clip_norm = lr, momentum, betas, eps, clip_norm
-        checked = self.signature.params(params)
-        self.steps = 0
-        size = max((end for _, end in self.grad_slices.values()), default=0)
-        slots = ("momentum",) if optimizer == "sgd" else ("m", "v")
-        self._store(checked, size, slots)
-        if parallel is not None or parallel_options:
-            self._parallel = self._parallel_executor(parallel, parallel_options)
+        with refused_on_every_rank(self, parallel, parallel_options):   # (the other ranks would wait for this one)
+            if optimizer not in OPTIMIZERS:
+                raise ValueError(f"{self.model_name}.Trainer: unknown optimizer {optimizer!r} (use 'sgd' or 'adam')")
+            self._optimizer = optimizer   # first: the hyperparameters it ignores are refused (Hyperparameter)
+            self._serial = threading.RLock()
+            self.lr, self.momentum, self.betas, self.eps, self.clip_norm = lr, momentum, betas, eps, clip_norm
+            checked = self.signature.params(params)
+            self.steps = 0
+            size = max((end for _, end in self.grad_slices.values()), default=0)
+            slots = ("momentum",) if optimizer == "sgd" else ("m", "v")
+            self._store(checked, size, slots)
+            executor = self._parallel_executor(parallel, parallel_options) if parallel is not None or parallel_options \
+                else None
+        if executor is not None:
+            self._parallel = executor(self, **parallel_options)
         self._made = True
 
     def __setattr__(self, name, value):
@@ -181,7 +184,7 @@ class TrainerBase:
         if unknown:
             raise ValueError(f"{self.model_name}.Trainer(parallel={parallel!r}): unknown option(s) "
                              f"{', '.join(unknown)} (it takes {', '.join(known[parallel])})")
-        return (par.DataParallel if parallel == "data" else par.ParameterServer)(self, **options)
+        return par.DataParallel if parallel == "data" else par.ParameterServer
 
     # parallel="ps": which rank does what, and how training ends (ParameterServer's doc)
     @property
