@@ -502,11 +502,10 @@ class TrainerBase:
             verb = "comes" if len(settings) == 1 else "come"
             raise TypeError(f"{cls.model_name}.Trainer.load: {', '.join(settings)} {verb} from the checkpoint (load "
                             f"takes parallel= and its options); set them on the trainer it returns, e.g. tr.lr = ...")
-        if parallel_options.get("parallel") is not None:
-            # a rank that cannot read its file would leave the others waiting in the constructor's collectives
-            arrays, meta = agreed_on_every_rank(cls, parallel_options, "Trainer.load", lambda: cls._read_checkpoint(path))
-        else:
-            arrays, meta = cls._read_checkpoint(path)
+        read = lambda: cls._read_checkpoint(path)
+        # (parallel: a rank that cannot read its file would leave the others waiting in the constructor's collectives)
+        arrays, meta = agreed_on_every_rank(cls, parallel_options, "Trainer.load", read) \
+            if parallel_options.get("parallel") is not None else read()
         steps, betas = meta["steps"], meta["betas"]
         try:   # the constructor checks the hyperparameters and the params' shapes and dtypes
             own = (dict(momentum=meta["momentum"]) if meta["optimizer"] == "sgd"   # (the other's may be set, unused)
@@ -515,9 +514,10 @@ class TrainerBase:
                      clip_norm=meta["clip_norm"], **own, **cls._gradient_options(meta), **parallel_options)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
-        if tr._parallel is not None:
-            agreed_on_every_rank(cls, parallel_options, "Trainer.load", lambda: tr._saved_state(path, arrays))
-        for slot, saved in tr._saved_state(path, arrays).items():
+        saved_state = lambda: tr._saved_state(path, arrays)
+        state = agreed_on_every_rank(cls, parallel_options, "Trainer.load", saved_state) if tr._parallel is not None \
+            else saved_state()
+        for slot, saved in state.items():
             tr._restore(slot, saved)
         tr.steps = steps
         return tr
