@@ -708,3 +708,15 @@ def test_functions_of_negated_sums_fuse_and_match_torch(tmp_path, rng):
     assert loss == pytest.approx(expected.item(), rel=1e-13)
     for k in params:
         np.testing.assert_allclose(grads[k], tp[k].grad.numpy(), rtol=1e-11, atol=1e-13, err_msg=k)
+
+
+def test_a_sum_kept_whole_keeps_its_sign_for_the_float32_exp(tmp_path):
+    """A sum fusion keeps whole is still known real: exp(-(x*w - 1)**2) in float32 is the polynomial of a
+    nonpositive argument, not math.exp (sympy's UnevaluatedExpr forgot that its sum is real)."""
+    m = gc.Model("cg_kept_sign")
+    x = m.input("x", ("B", 4))
+    m.minimize(gc.exp(-gc.square(x * m.param("w", (4,)) - 1.0)).sum())
+    gc.compile(m, out=str(tmp_path), warm=False)
+    source = (tmp_path / "cg_kept_sign.py").read_text()
+    kernels = source[source.index("# ---- kernels"):]
+    assert "_exp_nonpositive(" in kernels and "math.exp(" not in kernels
