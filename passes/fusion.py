@@ -26,19 +26,6 @@ MAX_OPERANDS = 24   # a kernel with more arguments reads badly and gains nothing
 MAX_RECOMPUTED_OPS = 8   # a draw inlined into several readers: the draw times a few factors, no more
 
 
-class Grouped(sp.UnevaluatedExpr):
-    """A sum composed into a fused expression, kept one value (printed in parentheses): sympy multiplies
-    a number into a sum it meets (1e9*(a - 1) -> 1e9*a - 1e9), and float arithmetic then lost x in
-    x + (a - 1)*1e9, a mask's usual form. It holds its sum's assumptions (real, its sign), which
-    sympy's UnevaluatedExpr drops (a float32 exp of a nonpositive argument is a polynomial)."""
-    def _eval_is_extended_real(self): return self.args[0].is_extended_real
-    def _eval_is_finite(self): return self.args[0].is_finite
-    def _eval_is_extended_positive(self): return self.args[0].is_extended_positive
-    def _eval_is_extended_negative(self): return self.args[0].is_extended_negative
-    def _eval_is_zero(self): return self.args[0].is_zero
-    def _eval_is_integer(self): return self.args[0].is_integer
-
-
 def _elementwise(graph, n):
     return get_op(graph.op(n)).kind == "elementwise"
 
@@ -46,6 +33,19 @@ def _elementwise(graph, n):
 def _literal(value):
     value = float(value)
     return sp.Integer(int(value)) if value.is_integer() and abs(value) < 2**53 else sp.Float(value)
+
+
+def _distributes(expr, mapping):
+    """Whether expr.xreplace(mapping) would multiply a number other than +-1 into a sum: sympy does
+    (1e9*(a - 1) -> 1e9*a - 1e9), and float arithmetic then lost x in x + (a - 1)*1e9, a mask's
+    usual form (its float32 softmax rows came out uniform). Such a sum keeps a loop of its own."""
+    for m in expr.atoms(sp.Mul):
+        factors = [f.xreplace(mapping) for f in m.args]
+        product = sp.Mul(*factors)
+        # (a sum times 1 is that sum, and times -1 its exact negation)
+        if product.is_Add and product not in factors and -product not in factors:
+            return True
+    return False
 
 
 def _recomputed(graph, u, draws):
@@ -78,10 +78,11 @@ def _inline(graph, n, roots, draws=False):
             new = list(dict.fromkeys(rest + pieces))
             if len(new) > MAX_OPERANDS:
                 continue
-            graph.merge_into(u, n)   # u's value now lives inside n (its derivatives run where n does)
             outer = {X[j]: X[new.index(v)] for j, v in enumerate(operands) if j != i}
-            piece = piece.xreplace({X[m]: X[new.index(v)] for m, v in enumerate(pieces)})
-            outer[X[i]] = Grouped(piece) if piece.is_Add else piece
+            outer[X[i]] = piece.xreplace({X[m]: X[new.index(v)] for m, v in enumerate(pieces)})
+            if _distributes(expr, outer):
+                continue
+            graph.merge_into(u, n)   # u's value now lives inside n (its derivatives run where n does)
             expr, operands = expr.xreplace(outer), new
             changed = progress = True
             break

@@ -710,13 +710,32 @@ def test_functions_of_negated_sums_fuse_and_match_torch(tmp_path, rng):
         np.testing.assert_allclose(grads[k], tp[k].grad.numpy(), rtol=1e-11, atol=1e-13, err_msg=k)
 
 
-def test_a_sum_kept_whole_keeps_its_sign_for_the_float32_exp(tmp_path):
-    """A sum fusion keeps whole is still known real: exp(-(x*w - 1)**2) in float32 is the polynomial of a
-    nonpositive argument, not math.exp (sympy's UnevaluatedExpr forgot that its sum is real)."""
+def test_fused_sums_keep_their_signs_and_the_float32_exp_its_polynomial(tmp_path, rng):
+    """Keeping a sum whole with sympy's UnevaluatedExpr (a first fix of the mask) printed a + b - c + d as
+    x0 - (x1 + (x2 + x3)), broke hvp through tanh, and made exp(-(x*w - 1)**2) in float32 call math.exp (it
+    forgot that its sum is real; a fresh user's trial): fusion composes plain sympy expressions."""
+    m = gc.Model("cg_signs")
+    x = m.input("x", ("B", 3))
+    h = x @ m.param("W", (3, 4))
+    m.minimize((h ** 2).mean() + gc.tanh(h).sum(axis=1).mean() - gc.exp(h).mean() + h.sum())
+    mod = gc.compile(m, out=str(tmp_path / "signs"), dtype="float64", warm=False)
+    params, xv = {"W": rng.standard_normal((3, 4))}, rng.standard_normal((5, 3))
+    loss, grads = mod.loss_and_grad(params, x=xv)
+    tW = torch.tensor(params["W"], requires_grad=True)
+    th = torch.tensor(xv) @ tW
+    expected = (th ** 2).mean() + torch.tanh(th).sum(1).mean() - torch.exp(th).mean() + th.sum()
+    expected.backward()
+    assert loss == pytest.approx(expected.item(), rel=1e-13)
+    np.testing.assert_allclose(grads["W"], tW.grad.numpy(), rtol=1e-12, atol=1e-13)
+    v = {"W": rng.standard_normal((3, 4))}
+    hv = torch.autograd.functional.hvp(lambda w: ((torch.tensor(xv) @ w) ** 2).mean() + torch.tanh(torch.tensor(xv) @ w)
+                                       .sum(1).mean() - torch.exp(torch.tensor(xv) @ w).mean() + (torch.tensor(xv) @ w)
+                                       .sum(), torch.tensor(params["W"]), torch.tensor(v["W"]))[1]
+    np.testing.assert_allclose(mod.hvp(params, v, x=xv)["W"], hv.numpy(), rtol=1e-11, atol=1e-12)
     m = gc.Model("cg_kept_sign")
     x = m.input("x", ("B", 4))
     m.minimize(gc.exp(-gc.square(x * m.param("w", (4,)) - 1.0)).sum())
-    gc.compile(m, out=str(tmp_path), warm=False)
-    source = (tmp_path / "cg_kept_sign.py").read_text()
+    gc.compile(m, out=str(tmp_path / "exp"), warm=False)
+    source = (tmp_path / "exp" / "cg_kept_sign.py").read_text()
     kernels = source[source.index("# ---- kernels"):]
     assert "_exp_nonpositive(" in kernels and "math.exp(" not in kernels
