@@ -1,5 +1,6 @@
 """The `gradc` command: compile a model file; inspect what a compile wrote."""
 import argparse
+import difflib
 import os
 import re
 import runpy
@@ -164,7 +165,8 @@ def cmd_inspect(args):
 
 
 class _Parser(argparse.ArgumentParser):
-    argv = ()   # the command line being parsed (main sets it): what error() reads a flag's value from
+    argv = ()    # the command line being parsed (main sets it): what error() reads a flag's value from
+    flags = {}   # each command's flags (build_parser sets it): what error() suggests for a misspelt one
 
     def error(self, message):
         """A bad command line: one line and exit 2, like every other user error."""
@@ -173,7 +175,16 @@ class _Parser(argparse.ArgumentParser):
         if flag and any(a in flag.groups() and b.startswith("-") for a, b in zip(argv, argv[1:])):
             # argparse read the value, -5MiB, as another flag
             message += f" (a value that starts with '-' is written {flag.group(2) or flag.group(1)}=VALUE)"
-        self.exit(2, f"gradc: error: {message} ({self.prog} --help for usage)\n")
+        command = next((a for a in argv if a in _Parser.flags), None)
+        known = _Parser.flags.get(command, ())
+        unknown = [a.split("=")[0] for a in argv if a.startswith("--") and a.split("=")[0] not in known
+                   and a != "--debug"]
+        if command and unknown and not message.startswith("argument "):
+            # (a missing model file is reported when a flag was misspelt: `gradc compile --bogus`)
+            near = difflib.get_close_matches(unknown[0], known, n=1, cutoff=0.75)
+            message = f"unrecognized argument {unknown[0]}" + (f": did you mean {near[0]}?" if near else "")
+        prog = f"gradc {command}" if command else self.prog
+        self.exit(2, f"gradc: error: {message} ({prog} --help for usage)\n")
 
 
 def build_parser():
@@ -226,6 +237,8 @@ def build_parser():
     i.add_argument("--run-module", action="store_true", help="for --kernels/--ptx on a GPU: imports and runs the "
                    "build's code: only for builds you trust (otherwise inspect reads only the dumps)")
     i.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    _Parser.flags = {name: [f for action in p._actions for f in action.option_strings if f.startswith("--")]
+                     for name, p in (("compile", c), ("inspect", i))}
     return ap
 
 

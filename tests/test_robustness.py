@@ -626,6 +626,14 @@ def test_command_line_slips(tmp_path):
     line = one_error_line(gradc("--bogus", cwd=tmp_path))
     assert line.endswith("(gradc --help for usage)"), line
     assert one_error_line(gradc("compile", cwd=tmp_path)).endswith("(gradc compile --help for usage)")
+    # a misspelt flag is named, with the flag it was likely meant to be (a fresh user's trial: `--dtyp float64` was
+    # 'unrecognized arguments', `compile --bogus` said the model file was missing)
+    for argv, said in ((["compile", "tiny.py", "--dtyp", "float64"], "unrecognized argument --dtyp: did you mean "
+                                                                      "--dtype? (gradc compile --help for usage)"),
+                       (["compile", "--bogus"], "unrecognized argument --bogus (gradc compile --help for usage)"),
+                       (["inspect", "out/tiny", "--kernal"], "unrecognized argument --kernal: did you mean --kernels? "
+                                                             "(gradc inspect --help for usage)")):
+        assert one_error_line(gradc(*argv, cwd=tmp_path)) == f"gradc: error: {said}", argv
     for flags in (["--warm", "all", "--no-warm"], ["--no-warm", "--warm", "first"]):   # (both were taken: none warmed)
         line = one_error_line(gradc("compile", "tiny.py", "-o", "out", *flags, cwd=tmp_path))
         assert line == f"gradc: error: --no-warm and --warm {flags[flags.index('--warm') + 1]} ask for opposite " \
