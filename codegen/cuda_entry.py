@@ -11,18 +11,24 @@ import numpy as np
 import sympy as sp
 
 from gradc.ops import get_op
-from gradc.ops.elementwise import X
+from gradc.ops.elementwise import X, expr_of
+from gradc.passes.fusion import distributes
 
 from .entry import BODY_CONST_LIMIT, BodyWriter, EntryWriter, array_source
 from .statement import CudaStatement, dtype_src, shape_src as _shape_src
 
 
 def _fold_constants(expr, operands, is_scalar_const, value_of):
-    """expr over X[0..] with the scalar-constant operands substituted; the rest renumbered."""
+    """expr over X[0..] with the scalar-constant operands substituted; the rest renumbered. A constant
+    that sympy would multiply into a sum stays an operand (fusion's rule: passes/fusion.py)."""
+    literal = {j: sp.Float(value_of(u)) if not float(value_of(u)).is_integer() else sp.Integer(int(value_of(u)))
+               for j, u in enumerate(operands) if u is not None and is_scalar_const(u)}
+    while literal and distributes(expr, {X[j]: v for j, v in literal.items()}):
+        literal.pop(next((j for j, v in literal.items() if distributes(expr, {X[j]: v})), next(iter(literal))))
     kept, subs = [], {}
     for j, u in enumerate(operands):
-        if u is not None and is_scalar_const(u):
-            subs[X[j]] = sp.Float(value_of(u)) if not float(value_of(u)).is_integer() else sp.Integer(int(value_of(u)))
+        if j in literal:
+            subs[X[j]] = literal[j]
         else:
             subs[X[j]] = X[len(kept)]
             kept.append(u)
@@ -61,10 +67,15 @@ class CudaEntryWriter(EntryWriter):
         return self.names.get(n, f"t{n}")
 
     def const_argument(self, n, order):
-        """Array constants, and the scalar ones a kernel other than an elementwise one reads."""
+        """Array constants, and the scalar ones a kernel reads as an array: any but an elementwise one, and
+        an elementwise one that keeps it an operand (fold)."""
         g = self.graph
-        return np.ndim(g.attrs(n)["value"]) > 0 or any(
-            n in g.operands(m) and get_op(g.op(m)).kind != "elementwise" for m in order)
+        return np.ndim(g.attrs(n)["value"]) > 0 or any(n in g.operands(m) and self.reads_const(m, n) for m in order)
+
+    def reads_const(self, m, n):
+        """Whether node m's kernel reads scalar constant n as an array, not as a literal written in."""
+        g = self.graph
+        return get_op(g.op(m)).kind != "elementwise" or n in self.fold(expr_of(g, m), g.operands(m))[1]
 
     def new_array(self, n, dims, step):
         if self.graph.shape(n) != ():
@@ -160,7 +171,7 @@ class CudaBodyWriter(BodyWriter, CudaEntryWriter):
     def statement(self, n, dims, step):
         g = self.graph
         made = [u for u in g.operands(n) if g.op(u) == "const" and np.ndim(g.attrs(u)["value"]) == 0
-                and get_op(g.op(n)).kind != "elementwise" and u not in self.placed_consts]
+                and self.reads_const(n, u) and u not in self.placed_consts]
         self.placed_consts |= set(made)
         return [f"c{u} = cuda.to_device(np.full(1, {float(g.attrs(u)['value'])!r}, FLOAT), stream=stream)"
                 for u in made] + super().statement(n, dims, step)

@@ -35,7 +35,7 @@ def _literal(value):
     return sp.Integer(int(value)) if value.is_integer() and abs(value) < 2**53 else sp.Float(value)
 
 
-def _distributes(expr, mapping):
+def distributes(expr, mapping):
     """Whether expr.xreplace(mapping) would multiply a number other than +-1 into a sum: sympy does
     (1e9*(a - 1) -> 1e9*a - 1e9), and float arithmetic then lost x in x + (a - 1)*1e9, a mask's
     usual form (its float32 softmax rows came out uniform). Such a sum keeps a loop of its own."""
@@ -80,7 +80,7 @@ def _inline(graph, n, roots, draws=False):
                 continue
             outer = {X[j]: X[new.index(v)] for j, v in enumerate(operands) if j != i}
             outer[X[i]] = piece.xreplace({X[m]: X[new.index(v)] for m, v in enumerate(pieces)})
-            if _distributes(expr, outer):
+            if distributes(expr, outer):
                 continue
             graph.merge_into(u, n)   # u's value now lives inside n (its derivatives run where n does)
             expr, operands = expr.xreplace(outer), new

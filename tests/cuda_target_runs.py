@@ -98,7 +98,30 @@ def run_models(build):
         params, inputs = scans._data(build_training_graph(model, "float64", order=2), rng, T=3, B=2)
         errors[model.name] = entry_errors(model, dev, params, inputs, 2, rng)
         print(model.name, round(time.perf_counter() - t0, 1), file=sys.stderr)
+    errors["cg_mask"] = run_mask(build, rng)
     return errors
+
+
+def run_mask(build, rng):
+    """x + (a - 1) * 1e9, attention's mask, against the CPU target where a = 1: the CUDA kernel wrote the
+    1e9 in as a literal, sympy multiplied it into (a - 1), and x @ W came out rounded to 1e9's ulps."""
+    def masked():
+        m = gc.Model("cg_mask")
+        x, a = m.input("x", ("N", 3)), m.input("a", ("N", 3))
+        z = x @ m.param("W", (3, 3)) + (a - 1.0) * 1e9
+        m.output("z", z)
+        m.minimize((gc.softmax(z, axis=1) * x).sum())
+        return m
+
+    _, cpu, dev = both(masked, os.path.join(build, "mask"))
+    params = {"W": rng.standard_normal((3, 3))}
+    inputs = {"x": rng.standard_normal((4, 3)), "a": (np.arange(12).reshape(4, 3) % 4 != 1).astype(float)}
+    kept = inputs["a"] == 1
+    e = {"forward": err(cpu.forward(params, **inputs)["z"][kept], np.asarray(dev.forward(params, **inputs)["z"])[kept])}
+    (loss, grads), (dev_loss, dev_grads) = cpu.loss_and_grad(params, **inputs), dev.loss_and_grad(params, **inputs)
+    e["loss"], e["grads"] = err(loss, dev_loss), err(grads, dev_grads)
+    e["input_grads"] = err(cpu.input_grads(params, **inputs), dev.input_grads(params, **inputs))
+    return e
 
 
 def run_bppsa(build):

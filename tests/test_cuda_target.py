@@ -35,7 +35,7 @@ def results(tmp_path_factory):
 
 def test_every_entry_point_matches_the_cpu_target(results):
     models = results["models"]["zoo"]
-    assert {"cg_mlp", "cg_shared", "cg_reduce3", "cg_user", "cg_scalars", "cg_layout"} <= set(models)
+    assert {"cg_mlp", "cg_shared", "cg_reduce3", "cg_user", "cg_scalars", "cg_layout", "cg_mask"} <= set(models)
     # gc.scan: reverse=True, two carries, a scan over a scan's ys, a scan in a scan's step, a loss of (T, B, C) logits
     assert {"cg_scan_rnn", "cg_scan_gru", "cg_scan_stacked", "cg_scan_nested", "cg_scan_seq_loss"} <= set(models)
     assert all({"forward", "loss", "grads", "input_grads"} <= set(e) for e in models.values())
