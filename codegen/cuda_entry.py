@@ -8,11 +8,10 @@ for the device mid-step), or a fresh array for a value it returns. Scalar consta
 the elementwise kernels that read them.
 """
 import numpy as np
-import sympy as sp
 
 from gradc.ops import get_op
 from gradc.ops.elementwise import X, expr_of
-from gradc.passes.fusion import distributes
+from gradc.passes.fusion import distributes, literal
 
 from .entry import BODY_CONST_LIMIT, BodyWriter, EntryWriter, array_source
 from .statement import CudaStatement, dtype_src, shape_src as _shape_src
@@ -21,14 +20,13 @@ from .statement import CudaStatement, dtype_src, shape_src as _shape_src
 def _fold_constants(expr, operands, is_scalar_const, value_of):
     """expr over X[0..] with the scalar-constant operands substituted; the rest renumbered. A constant
     that sympy would multiply into a sum stays an operand (fusion's rule: passes/fusion.py)."""
-    literal = {j: sp.Float(value_of(u)) if not float(value_of(u)).is_integer() else sp.Integer(int(value_of(u)))
-               for j, u in enumerate(operands) if u is not None and is_scalar_const(u)}
-    while literal and distributes(expr, {X[j]: v for j, v in literal.items()}):
-        literal.pop(next((j for j, v in literal.items() if distributes(expr, {X[j]: v})), next(iter(literal))))
+    written = {j: literal(value_of(u)) for j, u in enumerate(operands) if u is not None and is_scalar_const(u)}
+    while written and distributes(expr, {X[j]: v for j, v in written.items()}):
+        written.pop(next((j for j, v in written.items() if distributes(expr, {X[j]: v})), next(iter(written))))
     kept, subs = [], {}
     for j, u in enumerate(operands):
-        if j in literal:
-            subs[X[j]] = literal[j]
+        if j in written:
+            subs[X[j]] = written[j]
         else:
             subs[X[j]] = X[len(kept)]
             kept.append(u)

@@ -177,8 +177,7 @@ class _Parser(argparse.ArgumentParser):
             message += f" (a value that starts with '-' is written {flag.group(2) or flag.group(1)}=VALUE)"
         command = next((a for a in argv if a in _Parser.flags), None)
         known = _Parser.flags.get(command, ())
-        unknown = [a.split("=")[0] for a in argv if a.startswith("--") and a.split("=")[0] not in known
-                   and a != "--debug"]
+        unknown = [a.split("=")[0] for a in argv if a.startswith("--") and a.split("=")[0] not in known]
         if command and unknown and not message.startswith("argument "):
             # (a missing model file is reported when a flag was misspelt: `gradc compile --bogus`)
             near = difflib.get_close_matches(unknown[0], known, n=1, cutoff=0.75)

@@ -30,7 +30,7 @@ def _elementwise(graph, n):
     return get_op(graph.op(n)).kind == "elementwise"
 
 
-def _literal(value):
+def literal(value):
     value = float(value)
     return sp.Integer(int(value)) if value.is_integer() and abs(value) < 2**53 else sp.Float(value)
 
@@ -65,7 +65,7 @@ def _inline(graph, n, roots, draws=False):
         for i, u in enumerate(operands):
             op = graph.op(u)
             if op == "const" and all(d == 1 for d in graph.shape(u)) and len(graph.shape(u)) <= len(graph.shape(n)):
-                piece, pieces = _literal(np.asarray(graph.attrs(u)["value"]).reshape(())), []
+                piece, pieces = literal(np.asarray(graph.attrs(u)["value"]).reshape(())), []
             elif _elementwise(graph, u) and u not in roots and u != n and (
                     graph.users(u) == [n] or not graph.operands(u) or _recomputed(graph, u, draws)) and (
                     graph.shape(u) == graph.shape(n) or not expr_of(graph, u).has(FLAT)):
