@@ -96,6 +96,10 @@ class Statement:
         """A sub-graph as one kernel of the module: (name, work sizes, dims); see EntryWriter.body_kernel."""
         return self._writer.body_kernel(body, skip, doc)
 
+    def body_inline(self, body, skip):
+        """A sub-graph as lines a loop kernel runs in place: see EntryWriter.body_inline."""
+        return self._writer.body_inline(body, skip)
+
     def into_out(self, kernel, args=None):
         """The node's buffer, then kernel(args..., out) writing it (args: the operands by default)."""
         return [self.alloc(), self.call(kernel, list(self.args if args is None else args) + [self.out]) + self.note]

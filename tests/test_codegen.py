@@ -624,7 +624,7 @@ def test_a_scan_steps_work_offsets_are_summed_term_by_term(tmp_path, rng):
     mod = gc.compile(m, out=str(tmp_path), dtype="float64", warm=False)
     source = (tmp_path / "cg_work.py").read_text()
     assert "(d_B*" not in source
-    steps = source.split("one step of a scan")[1:]
+    steps = source.split("# one step:")[1:]   # each step, written into its loop kernel
     assert steps
     for step in steps:   # each view starts where the one before it ends (d_B and d_KB_lr set to 7)
         views = re.findall(r"view\(work, ([^(]+), \(([^)]*)\)\)", step[:step.index("\n\n")])

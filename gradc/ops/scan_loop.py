@@ -1,14 +1,19 @@
-"""A scan's lowerings: on the CPU its body as one compiled function, called T times by one loop
-kernel; on CUDA (lower_scan_cuda, at the end) a host loop calling the step's launches.
+"""A scan's lowerings: on the CPU one loop kernel that runs its step T times; on CUDA
+(lower_scan_cuda, at the end) a host loop calling the step's launches.
 
-The body function is written once per distinct body (s.body_kernel: codegen/entry.py's BodyWriter,
-by the same statement lowerings as an entry point): its leaves are its arguments (carries, the slices x_t, the closed-over values),
-it writes the new carries and the y_t into arrays the loop hands it, and its intermediates are
-views of `work`, a small per-step arena the loop allocates once per call (no reuse inside a step:
-a step's values are few). The loop kernel keeps the carry in two buffers that swap each step,
-copies it into the carry stacks when the entry reads them (the backward does), and writes each
-y_t into ys[t]. Code size and compile time do not depend on T, which may stay symbolic. The loop
-copies carries with copy_into (gradc/runtime/copy_into.py); a scalar carry is (1,) in the loop.
+The step is written by the same statement lowerings as an entry point (codegen/entry.py's
+BodyWriter): its leaves are the carries, the slices x_t and the closed-over values, it writes the
+new carries and the y_t into arrays the loop hands it, and its intermediates are views of `work`,
+a small per-step arena the loop allocates once per call (no reuse inside a step: a step's values
+are few). The loop kernel keeps the carry in two buffers that swap each step, copies it into the
+carry stacks when the entry reads them (the backward does), and writes each y_t into ys[t]. Code
+size and compile time do not depend on T, which may stay symbolic. The loop copies carries with
+copy_into (gradc/runtime/copy_into.py); a scalar carry is (1,) in the loop.
+
+The step's lines are written into the loop (s.body_inline): Numba compiles a function a kernel
+calls once on its own and again inside every caller, so a step of its own compiled twice or more.
+A BPPSA loop, and a backward loop that recomputes carries, run a step from more than one place:
+they call it as a function of its own (s.body_kernel), written once per distinct body.
 
 Under carry checkpoints (passes/scan_checkpoint.py) the forward loop copies only every k-th step's
 carry, and the backward loop walks the segments of k steps last to first: it runs the forward's
@@ -32,10 +37,16 @@ def lower_scan(s):
     scalar_leaves = tuple(j for j, leaf in enumerate(leaves) if body.shape(leaf) == ())
     key = ("scan", repr(body), tuple(present), bool(attrs.get("reverse")), scalar_leaves)
     skip = tuple(K + m for m in range(M) if index_of(attrs, YS, m) not in present)
+    key += (skip, attrs.get("checkpoint_every"))
+    bppsa = attrs.get("backward") == "bppsa"
+    if not bppsa and not attrs.get("recompute_every"):   # the step written into the loop (s.body_inline)
+        kernel = s.kernel(key, "scan", lambda name: _loop_source(name, None, attrs, present,
+                                                                 inline=s.body_inline(body, skip)))
+        lines.append(s.call(kernel, list(s.args) + out_args) + s.note)
+        return lines
     body_kernel = s.body_kernel(body, skip, f"one step of a scan: {len(leaves)} leaves -> {len(outputs)} outputs, "
                                             f"intermediates in work")
-    key += (body_kernel[0], attrs.get("checkpoint_every"))
-    bppsa = attrs.get("backward") == "bppsa"
+    key += (body_kernel[0],)
     if bppsa:
         key += ("bppsa", repr(attrs["vjp"]))
     forward = None
@@ -67,21 +78,23 @@ def _result_buffers(s):
     return lines, res
 
 
-def _loop_source(name, body, attrs, present, bppsa=False, forward=None):
+def _loop_source(name, body, attrs, present, bppsa=False, forward=None, inline=None):
     """body: (kernel, work sizes, dims) of the step; forward: the same of the forward's step on a
-    backward scan that recomputes its carries."""
-    body_kernel, sizes, dims = body
+    backward scan that recomputes its carries; inline: (dim lines, lines, work sizes, dims) of the
+    step written into the loop instead (body is then None)."""
+    body_kernel, sizes, dims = body if inline is None else (None,) + inline[2:]
     body, leaves, outputs, K, X, C, M = parts(attrs)
     work = sizes.source()
     held = operand_leaves(attrs)   # leaf j's operand is the argument a{j}
     res = {index: f"r{i}" for i, index in enumerate(present)}
     lines = [f"def {name}({', '.join([f'a{j}' for j in held] + list(res.values()))}):"]
     # the body's dims, read off the operands (a slice's dims are its sequence's, one axis later)
-    seen = set()
+    seen, seen_dims = set(), set()
     for j in held:
         for axis, d in enumerate(body.shape(leaves[j])):
             if isinstance(d, str) and d not in seen:
                 seen.add(d)
+                seen_dims.add(dims.get(d, 'd_' + d))
                 lines.append(f"    {dims.get(d, 'd_' + d)} = a{j}.shape[{axis + (1 if K <= j < K + X else 0)}]")
     lines.append(f"    T = a{held[length_operand(attrs)]}.shape[0]")
     lines.append(f"    work = np.empty(max({work}, 1), FLOAT)")
@@ -89,7 +102,7 @@ def _loop_source(name, body, attrs, present, bppsa=False, forward=None):
         lines.append(f"    cur{k} = a{k}.copy()")
         lines.append(f"    nxt{k} = np.empty_like(a{k})")
     for m in range(M):
-        if bppsa or index_of(attrs, YS, m) not in res:
+        if bppsa or (index_of(attrs, YS, m) not in res and not inline):   # an output the step must be handed
             lines.append(f"    yb{m} = np.empty({shape_src(body.shape(outputs[K + m]), dims)}, FLOAT)")
     loop = ["t = T - 1 - i" if attrs.get("reverse") else "t = i"]
     if bppsa:   # the carry adjoint each step gets is the scan's, not the previous step's output
@@ -109,7 +122,16 @@ def _loop_source(name, body, attrs, present, bppsa=False, forward=None):
     call = [f"cur{k}" for k in range(K)] + [read[j] for j in range(K, K + X)] + [f"a{K + X + j}" for j in range(C)]
     call += [f"nxt{k}" for k in range(K)]
     call += [f"{res[index_of(attrs, YS, m)]}[t]" if index_of(attrs, YS, m) in res else f"yb{m}" for m in range(M)]
-    loop.append(f"{body_kernel}({', '.join(call + ['work'])})")
+    if inline:   # the step's leaves and outputs bound to the names its lines read and write
+        step_dims, step, _, _ = inline
+        skip = {K + m for m in range(M) if index_of(attrs, YS, m) not in res}
+        loop.append(f"# one step: {len(leaves)} leaves -> {len(outputs)} outputs, intermediates in work")
+        loop += [f"l{j} = {arg}" for j, arg in enumerate(call[:len(leaves)])]
+        loop += [f"o{o} = {arg}" for o, arg in enumerate(call[len(leaves):]) if o not in skip]
+        loop += [line for line in step_dims if line.split(" = ")[0] not in seen_dims]
+        loop += step
+    else:
+        loop.append(f"{body_kernel}({', '.join(call + ['work'])})")
     for k in range(K):
         if index_of(attrs, OSTACK, k) in res:
             loop.append(f"copy_into({res[index_of(attrs, OSTACK, k)]}[t], nxt{k})")
@@ -123,7 +145,7 @@ def _loop_source(name, body, attrs, present, bppsa=False, forward=None):
         if index_of(attrs, FINAL, k) in res:
             lines.append(f"    copy_into({res[index_of(attrs, FINAL, k)]}, cur{k})")
     doc = (f"{'BPPSA (Blelloch scan of the carry adjoints, then the steps) ' if bppsa else ''}"
-           f"{'reverse ' if attrs.get('reverse') else ''}scan: {body_kernel} once per step over axis 0 of "
+           f"{'reverse ' if attrs.get('reverse') else ''}scan: {body_kernel or 'the step written below,'} once per step over axis 0 of "
            f"{X} sequence(s), {K} carr{'y' if K == 1 else 'ies'}; writes " +
            ", ".join(f"{kind_of(attrs, i)[0]}{kind_of(attrs, i)[1]}" for i in present))
     if every and any(kind_of(attrs, i)[0] == CHECKPOINT for i in present):
