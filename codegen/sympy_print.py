@@ -198,6 +198,30 @@ class ExpNonpositive(sp.Function):
     nargs = 1
 
 
+class ErfcAsWritten(sp.Function):
+    """erfc of its argument as written: sympy turns erfc(-u) into 2 - erfc(u), which is 0 where
+    erfc(-u) is below 2's ulp (gelu's x erfc(-x/sqrt(2)) / 2 gave 0 for x < -8.3, where its value
+    is some 1e-17). _complements writes it back."""
+    nargs = 1
+
+
+def _complements(expr):
+    """expr with each sum k + c erfc(u), k = -2c, written -c erfc(-u), and k + c erf(u), k = +-c,
+    written c erfc(-u) or -c erfc(u): the same values, without the cancellation (gelu's 2 - erfc(u)
+    lost all its digits for u < -5.9; a user's 1 + erf(u) as much)."""
+    def complement(add):
+        k, terms = add.as_coeff_add()
+        for term in terms:
+            c, f = term.as_coeff_Mul()
+            if isinstance(f, sp.erfc) and k == -2 * c:
+                return sp.Add(*(t for t in terms if t is not term)) - c * ErfcAsWritten(-f.args[0])
+            if isinstance(f, sp.erf) and k in (c, -c):
+                rest = sp.Add(*(t for t in terms if t is not term))
+                return rest + (c * ErfcAsWritten(-f.args[0]) if k == c else -c * ErfcAsWritten(f.args[0]))
+        return add
+    return expr.replace(lambda e: isinstance(e, sp.Add) and e.as_coeff_add()[0] != 0, complement)
+
+
 class KernelPrinter(PythonCodePrinter):
     """Python source for one scalar expression; remembers which helpers it called.
 
@@ -226,6 +250,8 @@ class KernelPrinter(PythonCodePrinter):
     # a float32 build's erfc (gelu's), and exp of what sympy shows is <= 0 (print_block), vectorise
     def _print_erfc(self, e):
         return self._helper("_erfc_poly", e) if self.single else f"math.erfc({self._print(e.args[0])})"
+
+    _print_ErfcAsWritten = _print_erfc
 
     def _print_ExpNonpositive(self, e):
         return self._helper("_exp_nonpositive", e)
@@ -284,6 +310,7 @@ def print_block(expr, names, result, single=False):
     arithmetic (a float32 build's CPU kernels).
     """
     printer = KernelPrinter(single)
+    expr = _complements(expr)
     if single:   # (asked of the operands' real symbols, before they become the kernel's names)
         expr = expr.replace(lambda e: isinstance(e, sp.exp) and e.args[0].is_nonpositive,
                             lambda e: ExpNonpositive(e.args[0]))

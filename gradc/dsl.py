@@ -472,8 +472,11 @@ def softmax_cross_entropy(logits, labels):
     if not isinstance(logits, Tensor) or not isinstance(labels, Tensor):
         raise GradcError("softmax_cross_entropy: logits and labels must be gradc Tensors", src)
     if logits.ndim < 2 or labels.ndim != logits.ndim - 1:
+        hint = ("; labels are int class indices (an int input), one per row: for soft or one-hot targets write "
+                "-(targets * gc.log_softmax(logits, axis=-1)).sum(axis=-1).mean()"
+                if labels.ndim == logits.ndim and not labels.dtype.startswith("int") else "")
         raise GradcError(f"softmax_cross_entropy: needs logits (N, C) and labels (N,), or (..., C) and (...), got "
-                         f"{fmt(logits.shape)} and {fmt(labels.shape)}", src)
+                         f"{fmt(logits.shape)} and {fmt(labels.shape)}{hint}", src)
     if not labels.dtype.startswith("int"):
         raise GradcError(f"softmax_cross_entropy: labels must be an int input, got dtype {labels.dtype}", src)
     if tuple(logits.shape[:-1]) != tuple(labels.shape):

@@ -68,7 +68,7 @@ def report(build, graph=False, memory=False, partition=False, kernels=False, ptx
         lines.append(f"  {label:<24} {_shape(s['shape']):<16} {s['src']}")
     if graph:
         lines.append("")
-        lines += _graph_table(nodes)
+        lines += _graph_table(nodes, lr_only)
     if kernels:
         lines.append("")
         lines += kernel_listing(base, meta["kernels"], run_module)
@@ -196,13 +196,17 @@ def _numel(shape):
     return n
 
 
-def _graph_table(nodes):
+def _graph_table(nodes, lr_only):
+    """The nodes by phase, as the summary line counts them: lr_grad's copies of the forward under a heading
+    of their own (they were listed, and counted, as the forward: trial P)."""
     lines = []
-    for phase in ("forward", "backward", "second", "transfer", "update"):
-        members = [n for n in nodes.values() if n["phase"] == phase]
+    for phase in ("forward", "backward", "second", "transfer", "update", "lr_grad"):
+        members = [n for i, n in nodes.items() if (n["phase"] == phase and i not in lr_only)
+                   or (phase == "lr_grad" and i in lr_only)]
         if not members:
             continue
-        lines.append(f"{phase} ({len(members)} nodes):")
+        lines.append(f"{phase} ({len(members)} nodes):" if phase != "lr_grad" else
+                     f"lr_grad's estimate ({len(members)} nodes: the forward's noised copies and the estimate):")
         for n in sorted(members, key=lambda n: n["id"]):
             expr = n["attrs"].get("expr")
             what = n["op"] + (f" {n['name']}" if n.get("name") else "") + (f" = {expr}" if expr else "")

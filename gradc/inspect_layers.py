@@ -2,7 +2,8 @@
 inference and training peaks of the memory plan (seed 004's VGG-16 table, from a compiled graph).
 
 A layer is a forward product with weights or a pooling (an op of kind conv, matmul or pool); its
-weights are the params it reads and those its elementwise successors read (a bias); its output is
+weights are the params it reads and those its elementwise successors read (a bias; one that sums
+the products of several layers gives its params to the last of them); its output is
 its value (the activation after it has the same size). A scan is one layer (an RNN): its weights are
 the params its steps read, its output the results the model reads (the final carries, the ys).
 """
@@ -61,7 +62,10 @@ def layer_rows(data):
         if n not in model or _kind(node["op"]) not in LAYER_KINDS:
             continue
         sent = [n] + [u for u in users[n] if nodes[u]["op"] == "transfer"]   # its bias may be added on the next stage
-        readers = [u for v in sent for u in users[v] if u in model and _kind(nodes[u]["op"]) == "elementwise"]
+        # a sum of two layers' products and a bias (fused into one node) gives the bias to the later layer only:
+        # each counted it, and the weights' total counted it twice (trial P)
+        readers = [u for v in sent for u in users[v] if u in model and _kind(nodes[u]["op"]) == "elementwise"
+                   and _last_layer_read(u, nodes, operands) == n]
         weights = list(dict.fromkeys(w for m in [n] + readers for u in operands[m]
                                      if (w := _param_under(u, nodes, operands, param_of)) is not None))
         if weights:
@@ -72,6 +76,12 @@ def layer_rows(data):
         weight_bytes = sum(_bytes(nodes[u]["shape"], itemsize) for u in weights)
         rows.append((label, node["op"], [node["shape"]], weight_bytes, _bytes(node["shape"], itemsize)))
     return rows
+
+
+def _last_layer_read(u, nodes, operands):
+    """The last layer (in forward order) whose product node u reads, directly or sent from another stage."""
+    read = [operands[v][0] if nodes[v]["op"] == "transfer" and operands[v] else v for v in operands[u]]
+    return max(v for v in read if _kind(nodes[v]["op"]) in LAYER_KINDS)
 
 
 def _param_under(u, nodes, operands, param_of):

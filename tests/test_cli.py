@@ -105,6 +105,8 @@ def test_inspect(compiled):
     assert lr_only and not lr_only & set(schedules["forward_loss"]["schedule"] + schedules["loss_and_grad"]["schedule"])
     forward = sum(n["phase"] == "forward" and n["id"] not in lr_only for n in dump["nodes"])
     assert f"nodes per phase: forward {forward}, " in text and f"; lr_grad's estimate {len(lr_only)} more" in text, text
+    # --graph's headings count as that line does, lr_grad's nodes under their own (they were the forward's: trial P)
+    assert f"\nforward ({forward} nodes):" in text and f"\nlr_grad's estimate ({len(lr_only)} nodes" in text, text
 
 
 def test_inspect_of_a_damaged_dump_exits_2_naming_it(compiled, tmp_path):

@@ -48,6 +48,9 @@ def test_shape_mismatch_names_file_line_op_and_shapes():
     (lambda m, x: gc.softmax_cross_entropy(x, m.input("y3", ("B", 4), dtype="int64")),
      r"needs logits \(N, C\) and labels \(N,\), or \(\.\.\., C\) and \(\.\.\.\), got \(B, 4\) and \(B, 4\)"),
     (lambda m, x: gc.softmax_cross_entropy(x, m.input("y2", ("B",))), "labels must be an int input"),
+    # float targets shaped like the logits: one-hot or soft labels, which take log_softmax (trial P)
+    (lambda m, x: gc.softmax_cross_entropy(x, m.input("t4", ("B", 4))),
+     r"got \(B, 4\) and \(B, 4\); labels are int class indices .* gc\.log_softmax\(logits, axis=-1\)"),
     (lambda m, x: gc.exp(m.input("i", ("B",), dtype="int64")), "elementwise ops take float operands"),
     (lambda m, x: gc.matmul(m.input("x3", ("B", 2, 4)), m.param("w3", (3, 4, 2))), r"batch dims \(B,\) and \(3,\)"),
     (lambda m, x: x + "text", "cannot use a str as a tensor"),

@@ -116,6 +116,22 @@ def test_a_pipeline_builds_layers_keep_the_bias_added_on_the_next_stage(tmp_path
     assert rows(tmp_path / "two") == rows(one) == [(f"W{i}, b{i}", (64 + 8) * 4) for i in range(6)]
 
 
+def test_a_bias_summed_with_two_layers_products_counts_once(tmp_path):
+    """conv(x, wa) + conv(x, wb, bb) is one fused sum reading both products and bb: both rows listed bb,
+    and the weights' total counted it twice (trial P). It goes to the later layer, whose call named it."""
+    m = gc.Model("layers_two_products")
+    x = m.input("x", ("N", 4, 8, 8))
+    wa, wb, bb = m.param("wa", (8, 4, 3, 3)), m.param("wb", (8, 4, 1, 1)), m.param("bb", (8,), init="zeros")
+    h = gc.conv2d(x, wa, padding=1) + gc.conv2d(x, wb, bb)
+    m.minimize((h * h).mean())
+    gc.compile(m, out=str(tmp_path), bind={"N": 2}, order=1, warm=False)
+    base = str(tmp_path / m.name)
+    rows = layer_rows(_load(base)[1])
+    assert [(label, wb_) for label, _, _, wb_, _ in rows] == [("wa", 8 * 4 * 9 * 4), ("wb, bb", (8 * 4 + 8) * 4)]
+    total = next(line for line in layers_report(base, _load(base)[1]) if line.strip().startswith("total"))
+    assert _size((8 * 4 * 9 + 8 * 4 + 8) * 4) in total, total
+
+
 def test_a_scan_is_a_layer_with_the_weights_its_steps_read(tmp_path):
     """An RNN's scan was left out of the table, and its weights out of the total."""
     m = gc.Model("layers_rnn")

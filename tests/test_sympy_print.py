@@ -162,6 +162,37 @@ def test_float32_builds_erfc_is_relatively_close_to_erfc():
     assert lines == ["out = math.erfc(a0)"]
 
 
+@pytest.mark.parametrize("single", [True, False], ids=["float32", "float64"])
+def test_gelu_and_a_users_erf_form_keep_their_digits_far_into_the_left_tail(single):
+    """sympy writes gelu's x erfc(-x/sqrt(2)) / 2 as x (2 - erfc(x/sqrt(2))) / 2, and its derivative with
+    1 - erfc(u)/2: both were 0 for x < -8.3 (2 - erfc is 2 - 2), where gelu is -8e-17 and float32 holds
+    it (a new user's trial; 7% off at -8). The printer writes such sums back as erfc(-u), and a user's
+    1 + erf(u) as erfc(-u): gelu and its derivative are then relatively close to the true values
+    wherever the dtype holds them (mpmath's, to 40 digits)."""
+    import mpmath
+    from numba import njit
+    from gradc.ops.elementwise import BUILTINS
+    gelu = BUILTINS["gelu"][0]
+    users = x0 * (1 + sp.erf(x0 / sp.sqrt(2))) / 2
+    dtype = np.float32 if single else np.float64
+    xs = np.concatenate([np.linspace(-12.5 if single else -37.0, 4.0, 301), [-8.5, -6.0, 0.0]]).astype(dtype)
+    mpmath.mp.dps = 40
+    true = {"value": [float(x * mpmath.erfc(-x / mpmath.sqrt(2)) / 2) for x in map(mpmath.mpf, xs.tolist())],
+            "slope": [float(mpmath.erfc(-x / mpmath.sqrt(2)) / 2 + x * mpmath.npdf(x)) for x in map(mpmath.mpf, xs.tolist())]}
+    # the argument rounds to the dtype before erfc sees it: erfc's relative error grows as 2 z^2 eps
+    tolerance = (3e-6 if single else 1e-14) * (1 + xs.astype(np.float64) ** 2)
+    for form in (gelu, users):
+        for what, expr in (("value", form), ("slope", sp.diff(form, x0))):
+            lines, helpers = print_block(expr, {X[0]: sp.Symbol("a0", real=True)}, "out", single=single)
+            assert "2.0) - " not in "".join(lines) and "math.erf(" not in "".join(lines), lines
+            scope = _compiled_helpers(helpers, single=single)
+            scope["FLOAT"] = dtype
+            exec("def kernel(a0):\n" + "".join(f"    {line}\n" for line in lines) + "    return out\n", scope)
+            got = _over(njit(error_model="numpy")(scope["kernel"]), dtype)(xs).astype(np.float64)
+            want = np.array(true[what])
+            assert np.all(np.abs(got - want) <= tolerance * np.abs(want) + 1e-45), (str(form), what, lines)
+
+
 def test_float32_helpers_vanish_where_float32s_exp_does():
     """Below -104 _exp_nonpositive is 0, as float32's exp: it was exp(-104), and the kernel goes on in float64,
     so x * softplus(x)'s gradient at x = -3e38 came out 6e31 (a review; torch: -0)."""
