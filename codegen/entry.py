@@ -327,16 +327,17 @@ class EntryWriter:
         name = self.kernels._get(("scan_body", repr(body), tuple(skip)), "scan_body", make)
         return (name,) + layouts[name]
 
-    def body_inline(self, body, skip):
+    def body_inline(self, body, skip, optional=None):
         """A sub-graph (a scan's step) as lines a loop kernel runs in place of calling its body kernel:
         Numba compiles a kernel a loop calls on its own and then again inside the loop, so a step
         written in place compiles once (the LSTM of bench/compile_time.py: 1.8 s less of 11 s). The
         loop binds l0, l1, ... to the leaves and o0, o1, ... to the outputs it writes (those not in
-        `skip`) before these lines; intermediates are views of its `work`. Returns (the lines that read
-        the body's dims off its leaves, the lines of the step, the sizes of its work buffers, the
-        body's dim variables)."""
+        `skip`) before these lines; intermediates are views of its `work`. `optional`: {output: the
+        flag that says whether this call of the loop wants it} (see BodyWriter.statements). Returns
+        (the lines that read the body's dims off its leaves, the lines of the step, the sizes of its
+        work buffers, the body's dim variables)."""
         writer = BodyWriter(body, self.kernels)
-        dim_lines, lines, dims = writer.statements(skip)
+        dim_lines, lines, dims = writer.statements(skip, optional)
         return dim_lines, lines, writer.sizes, dims
 
     def statement(self, n, dims, step):
@@ -361,6 +362,9 @@ class BodyWriter(EntryWriter):
         self.sizes = WorkSizes()   # the work buffers laid out so far
         self.output_of = {}    # node -> the output argument it was written into
         self.skip = ()         # outputs left unwritten (the caller may hand any array for them)
+        self.optional = {}     # output -> the flag saying whether the caller wants it (statements)
+        self.guards = {}       # node -> the flags of the optional outputs that alone need it
+        self.emitting = None   # the node whose statement is being written
 
     def var(self, n):
         if n in self.names and self.graph.shape(n) == ():
@@ -371,6 +375,8 @@ class BodyWriter(EntryWriter):
         """`o{k}` when n is output k of the body (and written there), else None."""
         for o, out in enumerate(self.outputs):
             if out == n and o not in self.output_of.values() and n not in self.output_of and o not in self.skip:
+                if o in self.optional and self.guards.get(self.emitting) != {self.optional[o]}:
+                    continue   # o{o} is bound only when its flag is set: a statement run on other flags copies n there
                 self.output_of[n] = o
                 return f"o{o}"
         return None
@@ -394,12 +400,19 @@ class BodyWriter(EntryWriter):
         lines = [f"def {fname}({', '.join(args)}):"] + ["    " + b for b in dim_lines + body] + ["    return"]
         return "\n".join(lines), dims
 
-    def statements(self, skip=()):
+    def statements(self, skip=(), optional=None):
         """(the lines reading the dims off the leaves l0, l1, ..., the lines computing the outputs not
-        in `skip` into o0, o1, ..., the dim variables)."""
+        in `skip` into o0, o1, ..., the dim variables). `optional`: {output: a flag}: the lines that
+        only such outputs need run under `if flag:` (`if f1 or f2:` for what two of them need), so that
+        one loop kernel serves the entry points that want an output and those that do not."""
         g = self.graph
-        self.skip = tuple(skip)
+        self.skip, self.optional = tuple(skip), dict(optional or {})
         order = g.topo_order(g.ancestors([o for i, o in enumerate(self.outputs) if i not in skip]) | set(self.leaves))
+        needed = g.ancestors([o for i, o in enumerate(self.outputs) if i not in skip and i not in self.optional])
+        self.guards = {}
+        for i, flag in self.optional.items():
+            for n in g.ancestors([self.outputs[i]]) - needed - set(self.leaves):
+                self.guards.setdefault(n, set()).add(flag)
         self.plan_steps = order
         self.slot_of_step = {t: None for t in range(len(order))}   # every value gets a buffer: none is fresh
         self.flat, self.placed = {}, set()
@@ -410,10 +423,11 @@ class BodyWriter(EntryWriter):
         for step, n in enumerate(order):
             if g.op(n) in ("param", "input", "const"):
                 continue
-            body += self.statement(n, dims, step)
+            self.emitting = n   # (a scan's statement allocates its results: they are written where it runs)
+            body += _guarded(self.guards.get(n), self.statement(n, dims, step))
         for o, n in enumerate(self.outputs):
             if self.output_of.get(n) != o and o not in skip:
-                body += self.copy_into(f"o{o}", n)
+                body += _guarded({self.optional[o]} if o in self.optional else None, self.copy_into(f"o{o}", n))
         return dim_lines, body, dims
 
     def const_array(self, n):
@@ -425,6 +439,13 @@ class BodyWriter(EntryWriter):
     def copy_into(self, out, n):
         """Lines that copy value n into the output argument `out` (see gradc/runtime/copy_into.py)."""
         return [f"copy_into({out}, {self.var(n)})"]
+
+
+def _guarded(flags, lines):
+    """`lines` under `if flag1 or flag2 ...:`; as they are without flags."""
+    if not flags or not lines:
+        return lines
+    return [f"if {' or '.join(sorted(flags))}:"] + ["    " + line for line in lines]
 
 
 BODY_CONST_LIMIT = 256   # the most values a non-uniform constant array in a scan body may have (written in)

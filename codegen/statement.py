@@ -96,9 +96,9 @@ class Statement:
         """A sub-graph as one kernel of the module: (name, work sizes, dims); see EntryWriter.body_kernel."""
         return self._writer.body_kernel(body, skip, doc)
 
-    def body_inline(self, body, skip):
+    def body_inline(self, body, skip, optional=None):
         """A sub-graph as lines a loop kernel runs in place: see EntryWriter.body_inline."""
-        return self._writer.body_inline(body, skip)
+        return self._writer.body_inline(body, skip, optional)
 
     def into_out(self, kernel, args=None):
         """The node's buffer, then kernel(args..., out) writing it (args: the operands by default)."""

@@ -20,8 +20,9 @@ lines of the entry function that compute it. `s` (codegen/statement.py) offers:
   s.kernels (the target's shared kernels: elementwise, GEMM, fill),
   s.body_kernel(body, skip, doc) (a sub-graph as one function of its leaves, outputs and a work
   arena, a scan's step: (name, work sizes, dims) on the CPU, plus its scalar slots on CUDA),
-  s.body_inline(body, skip) (the same step as lines a CPU loop kernel runs in place of the call:
-  (dim lines, lines, work sizes, dims); the loop binds l0, l1, ... and o0, o1, ... first).
+  s.body_inline(body, skip, optional) (the same step as lines a CPU loop kernel runs in place of the
+  call: (dim lines, lines, work sizes, dims); the loop binds l0, l1, ... and o0, o1, ... first;
+  the lines only the outputs in `optional` need run under their flags).
 Kernel text helpers shared by the records are in gradc/ops/kernel_text.py.
 
 Rows: `rows(graph, n, ins, fail)` says on which axis of n the batch rows lie, given where they

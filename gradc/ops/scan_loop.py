@@ -20,7 +20,7 @@ carry, and the backward loop walks the segments of k steps last to first: it run
 body (a second body function, without the ys) from the segment's checkpoint into a buffer of k + 1
 carries, then the segment's backward steps read their carries from that buffer.
 """
-from gradc.codegen.statement import shape_src
+from gradc.codegen.statement import dtype_src, shape_src
 from gradc.ops.elementwise import X as OPERAND
 
 from .bppsa import bppsa_cpu_lines, bppsa_cuda_lines
@@ -35,18 +35,28 @@ def lower_scan(s):
     lines, res = _result_buffers(s)
     present, out_args = list(res), list(res.values())
     scalar_leaves = tuple(j for j, leaf in enumerate(leaves) if body.shape(leaf) == ())
-    key = ("scan", repr(body), tuple(present), bool(attrs.get("reverse")), scalar_leaves)
-    skip = tuple(K + m for m in range(M) if index_of(attrs, YS, m) not in present)
-    key += (skip, attrs.get("checkpoint_every"))
+    key = ("scan", repr(body), bool(attrs.get("reverse")), scalar_leaves, attrs.get("checkpoint_every"))
     bppsa = attrs.get("backward") == "bppsa"
-    if not bppsa and not attrs.get("recompute_every"):   # the step written into the loop (s.body_inline)
-        kernel = s.kernel(key, "scan", lambda name: _loop_source(name, None, attrs, present,
-                                                                 inline=s.body_inline(body, skip)))
-        lines.append(s.call(kernel, list(s.args) + out_args) + s.note)
+    if not bppsa and not attrs.get("recompute_every"):
+        # one loop kernel, the step written in (s.body_inline), for every entry point: it takes every result
+        # the graph has, and a call's `wants` says which it writes (forward's the final carries,
+        # loss_and_grad's the stacks too); an unwanted one is handed an empty array. (A compiled caller, a scan
+        # nested in a step or a small graph's hvp block, passes the flags as constants: Numba compiles the kernel
+        # for that pattern, its unwanted lines left out, as a kernel of its own was before.)
+        results = _every_result(s)
+        skip = tuple(K + m for m in range(M) if index_of(attrs, YS, m) not in results)
+        optional = {K + m: _flag(attrs, index_of(attrs, YS, m)) for m in range(M) if K + m not in skip}
+        kernel = s.kernel(key + (tuple(results),), "scan", lambda name: _loop_source(
+            name, None, attrs, list(results), inline=s.body_inline(body, skip, optional)))
+        unwanted = {i: f"np.empty({(0,) * len(s.graph.shape(u))}, {dtype_src(s.graph.dtype(u))})"
+                    for i, u in results.items()}
+        wants = tuple(i in res for i in results)
+        lines.append(s.call(kernel, list(s.args) + [res.get(i, unwanted[i]) for i in results] + [repr(wants)]) + s.note)
         return lines
+    skip = tuple(K + m for m in range(M) if index_of(attrs, YS, m) not in present)
     body_kernel = s.body_kernel(body, skip, f"one step of a scan: {len(leaves)} leaves -> {len(outputs)} outputs, "
                                             f"intermediates in work")
-    key += (body_kernel[0],)
+    key += (tuple(present), skip, body_kernel[0])
     if bppsa:
         key += ("bppsa", repr(attrs["vjp"]))
     forward = None
@@ -61,16 +71,27 @@ def lower_scan(s):
     return lines
 
 
+def _every_result(s):
+    """{result index: its node} for every result of the scan the graph has (some entry computes it), in order."""
+    g, results = s.graph, {}
+    for u in g.users(s.n):
+        if g.op(u) == "scan_out":
+            results.setdefault(g.attrs(u)["index"], u)
+    return dict(sorted(results.items()))
+
+
+def _flag(attrs, index):
+    """The loop kernel's name for whether a call wants result `index`."""
+    kind, i = kind_of(attrs, index)
+    return f"want_{kind}{i}"
+
+
 def _result_buffers(s):
     """The lines giving the scan's results their buffers, and {result index: its variable} for those
     the entry computes (in result order)."""
-    g, n = s.graph, s.n
-    results = {}
-    for u in g.users(n):
-        if g.op(u) == "scan_out":
-            results.setdefault(g.attrs(u)["index"], u)
+    results = _every_result(s)
     lines, res = [], {}
-    for index in sorted(results):
+    for index in results:
         alloc = s.alloc_for(results[index])
         if alloc is not None:
             lines.append(alloc)
@@ -81,13 +102,19 @@ def _result_buffers(s):
 def _loop_source(name, body, attrs, present, bppsa=False, forward=None, inline=None):
     """body: (kernel, work sizes, dims) of the step; forward: the same of the forward's step on a
     backward scan that recomputes its carries; inline: (dim lines, lines, work sizes, dims) of the
-    step written into the loop instead (body is then None)."""
+    step written into the loop instead (body is then None): `present` is then every result the graph
+    has, and the kernel's last argument `wants` says which of them a call writes."""
     body_kernel, sizes, dims = body if inline is None else (None,) + inline[2:]
     body, leaves, outputs, K, X, C, M = parts(attrs)
     work = sizes.source()
     held = operand_leaves(attrs)   # leaf j's operand is the argument a{j}
     res = {index: f"r{i}" for i, index in enumerate(present)}
-    lines = [f"def {name}({', '.join([f'a{j}' for j in held] + list(res.values()))}):"]
+    lines = [f"def {name}({', '.join([f'a{j}' for j in held] + list(res.values()) + (['wants'] if inline else []))}):"]
+    if inline:
+        lines.append(f"    {', '.join(_flag(attrs, i) for i in present)}{',' if len(present) == 1 else ''} = wants")
+
+    def wanted(index, line):   # a line that writes result `index`, under its flag where calls choose
+        return [f"if {_flag(attrs, index)}:", "    " + line] if inline else [line]
     # the body's dims, read off the operands (a slice's dims are its sequence's, one axis later)
     seen, seen_dims = set(), set()
     for j in held:
@@ -111,9 +138,11 @@ def _loop_source(name, body, attrs, present, bppsa=False, forward=None, inline=N
     every = attrs.get("checkpoint_every")
     for k in range(K):
         if index_of(attrs, STACK, k) in res:
-            loop.append(f"copy_into({res[index_of(attrs, STACK, k)]}[t], cur{k})")
+            loop += wanted(index_of(attrs, STACK, k), f"copy_into({res[index_of(attrs, STACK, k)]}[t], cur{k})")
         if every and index_of(attrs, CHECKPOINT, k) in res:   # where the backward starts its segments from
-            loop += [f"if i % {every} == 0:", f"    copy_into({res[index_of(attrs, CHECKPOINT, k)]}[i // {every}], cur{k})"]
+            at = f"i % {every} == 0"
+            loop += [f"if {_flag(attrs, index_of(attrs, CHECKPOINT, k)) + ' and ' if inline else ''}{at}:",
+                     f"    copy_into({res[index_of(attrs, CHECKPOINT, k)]}[i // {every}], cur{k})"]
     read = {j: f"a{j}[t]" for j in range(K, K + X)}
     if forward:   # the carries of the segment, from the buffer the recomputation filled
         for (what, k), j in recompute_leaves(attrs).items():
@@ -127,14 +156,17 @@ def _loop_source(name, body, attrs, present, bppsa=False, forward=None, inline=N
         skip = {K + m for m in range(M) if index_of(attrs, YS, m) not in res}
         loop.append(f"# one step: {len(leaves)} leaves -> {len(outputs)} outputs, intermediates in work")
         loop += [f"l{j} = {arg}" for j, arg in enumerate(call[:len(leaves)])]
-        loop += [f"o{o} = {arg}" for o, arg in enumerate(call[len(leaves):]) if o not in skip]
+        loop += [f"o{k} = nxt{k}" for k in range(K)]
+        for m in range(M):
+            if K + m not in skip:
+                loop += wanted(index_of(attrs, YS, m), f"o{K + m} = {res[index_of(attrs, YS, m)]}[t]")
         loop += [line for line in step_dims if line.split(" = ")[0] not in seen_dims]
         loop += step
     else:
         loop.append(f"{body_kernel}({', '.join(call + ['work'])})")
     for k in range(K):
         if index_of(attrs, OSTACK, k) in res:
-            loop.append(f"copy_into({res[index_of(attrs, OSTACK, k)]}[t], nxt{k})")
+            loop += wanted(index_of(attrs, OSTACK, k), f"copy_into({res[index_of(attrs, OSTACK, k)]}[t], nxt{k})")
         loop.append(f"cur{k}, nxt{k} = nxt{k}, cur{k}")
     if forward:
         lines += _segment_lines(attrs, *forward, loop)
@@ -143,10 +175,11 @@ def _loop_source(name, body, attrs, present, bppsa=False, forward=None, inline=N
         lines += ["        " + line for line in loop]
     for k in range(K):
         if index_of(attrs, FINAL, k) in res:
-            lines.append(f"    copy_into({res[index_of(attrs, FINAL, k)]}, cur{k})")
+            lines += ["    " + line for line in wanted(index_of(attrs, FINAL, k),
+                                                       f"copy_into({res[index_of(attrs, FINAL, k)]}, cur{k})")]
     doc = (f"{'BPPSA (Blelloch scan of the carry adjoints, then the steps) ' if bppsa else ''}"
            f"{'reverse ' if attrs.get('reverse') else ''}scan: {body_kernel or 'the step written below,'} once per step over axis 0 of "
-           f"{X} sequence(s), {K} carr{'y' if K == 1 else 'ies'}; writes " +
+           f"{X} sequence(s), {K} carr{'y' if K == 1 else 'ies'}; writes " + ("those its call wants of " if inline else "") +
            ", ".join(f"{kind_of(attrs, i)[0]}{kind_of(attrs, i)[1]}" for i in present))
     if every and any(kind_of(attrs, i)[0] == CHECKPOINT for i in present):
         doc += f" (the carry every {every}th step reads)"
