@@ -147,7 +147,11 @@ class Model:
                 raise GradcError(f"{op}: constant array of dtype {value.dtype} is not numeric", src)
             return self.graph.apply("const", attrs={"value": np.array(value, dtype=np.float64),
                                                     "shape": value.shape, "dtype": "float"}, src=src)
-        raise GradcError(f"{op}: cannot use a {type(value).__name__} as a tensor", src)
+        hint = ""
+        if isinstance(value, (tuple, list)) and _TRACING:   # (trial Q: gc.scan(step, [h0], x))
+            hint = ("; in a gc.scan step, a carry (or x_t) given as a tuple or list comes in as a tuple: unpack it "
+                    "(`(h,) = carry`), or give one Tensor")
+        raise GradcError(f"{op}: cannot use a {type(value).__name__} as a tensor{hint}", src)
 
     def _apply(self, op, operands, src, **attrs):
         nodes = [self._node(v, op, src) for v in operands]
@@ -787,6 +791,9 @@ def gaussian_noise(x, std, seed):
 
 
 # ---- recurrence: gc.scan (DESIGN.md §1.8) ------------------------------------------------------
+_TRACING = []   # the bodies of the gc.scan steps being traced, innermost last
+
+
 class _Body(Model):
     """The model a scan's step is traced in: a sub-graph whose leaves are the carries, the slices
     and the values of the models around it that the step reads (captured on first use)."""
@@ -904,9 +911,11 @@ def scan(step, init, xs, reverse=False):
         bg.node(leaf)["shown"] = f"{outer}[t]" if outer else f"(the step's slice of the scan's sequence {j})"   # not x{j}
         bg.inputs[f"x{j}"] = leaf
         x_args.append(Tensor(body, leaf))
+    _TRACING.append(body)
     try:
         out = step(tuple(carry_args) if init_many else carry_args[0], tuple(x_args) if xs_many else x_args[0])
     finally:
+        _TRACING.pop()
         body.done = True
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         raise GradcError(f"scan: the step ({step_src}) must return "

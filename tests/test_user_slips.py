@@ -535,3 +535,17 @@ def test_a_true_or_false_option_refuses_a_string_or_a_number():
     assert m.param("V", (2, 2), trainable=np.bool_(False)).shape == (2, 2)   # numpy's bool is a bool
     hT, _ = gc.scan(lambda h, x_t: (h * 0.5 + x_t, None), h0, x, reverse=np.False_)
     assert hT.shape == ("B", 2)
+
+
+def test_a_carry_given_as_a_list_is_named_when_the_step_uses_it_as_a_tensor():
+    """gc.scan(step, [h0], x) hands the step a tuple; `h @ W` then said only 'cannot use a tuple as a
+    tensor' (trial Q). Inside a step the message says how the carry comes in; outside, it stays short."""
+    m = gc.Model("list_carry")
+    x, h0, W = m.input("x", ("T", "B", 2)), m.input("h0", ("B", 2)), m.param("W", (2, 2))
+    with pytest.raises(gc.GradcError, match=r"matmul: cannot use a tuple as a tensor; in a gc\.scan step, a carry "
+                                            r"\(or x_t\) given as a tuple or list comes in as a tuple: unpack it"):
+        gc.scan(lambda h, x_t: (gc.tanh(h @ W + x_t), None), [h0], x)
+    with pytest.raises(gc.GradcError, match=r"matmul: cannot use a tuple as a tensor$"):
+        gc.matmul((h0,), W)
+    (hT,), _ = gc.scan(lambda c, x_t: ((gc.tanh(c[0] @ W + x_t),), None), [h0], x)   # unpacked, it builds
+    assert hT.shape == ("B", 2)
