@@ -423,7 +423,9 @@ class BodyWriter(EntryWriter):
         for step, n in enumerate(order):
             if g.op(n) in ("param", "input", "const"):
                 continue
-            self.emitting = n   # (a scan's statement allocates its results: they are written where it runs)
+            # (a nested scan's statement allocates its results, other nodes' values: they are written where
+            # it runs, so output_argument asks this node's guards, not theirs)
+            self.emitting = n
             body += _guarded(self.guards.get(n), self.statement(n, dims, step))
         for o, n in enumerate(self.outputs):
             if self.output_of.get(n) != o and o not in skip:

@@ -96,6 +96,10 @@ class Statement:
         """A sub-graph as one kernel of the module: (name, work sizes, dims); see EntryWriter.body_kernel."""
         return self._writer.body_kernel(body, skip, doc)
 
+    def guard_of(self, u):
+        """The flags under which a scan step being written needs value u (BodyWriter.statements), or None."""
+        return getattr(self._writer, "guards", {}).get(u)
+
     def body_inline(self, body, skip, optional=None):
         """A sub-graph as lines a loop kernel runs in place: see EntryWriter.body_inline."""
         return self._writer.body_inline(body, skip, optional)

@@ -208,18 +208,21 @@ class ErfcAsWritten(sp.Function):
 def _complements(expr):
     """expr with each sum k + c erfc(u), k = -2c, written -c erfc(-u), and k + c erf(u), k = +-c,
     written c erfc(-u) or -c erfc(u): the same values, without the cancellation (gelu's 2 - erfc(u)
-    lost all its digits for u < -5.9; a user's 1 + erf(u) as much)."""
+    lost all its digits for u < -5.9; a user's 0.5 + 0.5 erf(u) as much). k and c may be floats."""
     def complement(add):
-        k, terms = add.as_coeff_add()
+        k = next(a for a in add.args if a.is_Number)   # (sympy folds a sum's numbers into one)
+        terms = [a for a in add.args if a is not k]
         for term in terms:
             c, f = term.as_coeff_Mul()
-            if isinstance(f, sp.erfc) and k == -2 * c:
-                return sp.Add(*(t for t in terms if t is not term)) - c * ErfcAsWritten(-f.args[0])
-            if isinstance(f, sp.erf) and k in (c, -c):
-                rest = sp.Add(*(t for t in terms if t is not term))
-                return rest + (c * ErfcAsWritten(-f.args[0]) if k == c else -c * ErfcAsWritten(f.args[0]))
+            rest = sp.Add(*(t for t in terms if t is not term))
+            if isinstance(f, sp.erfc) and (k + 2 * c).is_zero:
+                return rest - c * ErfcAsWritten(-f.args[0])
+            if isinstance(f, sp.erf) and (k - c).is_zero:
+                return rest + c * ErfcAsWritten(-f.args[0])
+            if isinstance(f, sp.erf) and (k + c).is_zero:
+                return rest - c * ErfcAsWritten(f.args[0])
         return add
-    return expr.replace(lambda e: isinstance(e, sp.Add) and e.as_coeff_add()[0] != 0, complement)
+    return expr.replace(lambda e: isinstance(e, sp.Add) and any(a.is_Number for a in e.args), complement)
 
 
 class KernelPrinter(PythonCodePrinter):

@@ -41,8 +41,8 @@ def lower_scan(s):
         # one loop kernel, the step written in (s.body_inline), for every entry point: it takes every result
         # the graph has, and a call's `wants` says which it writes (forward's the final carries,
         # loss_and_grad's the stacks too); an unwanted one is handed an empty array. (A compiled caller, a scan
-        # nested in a step or a small graph's hvp block, passes the flags as constants: Numba compiles the kernel
-        # for that pattern, its unwanted lines left out, as a kernel of its own was before.)
+        # nested in a step or a small graph's hvp block, passes constant flags (typed as literals): Numba compiles
+        # the kernel for that pattern, its unwanted lines left out, as a kernel of its own was before.)
         results = _every_result(s)
         skip = tuple(K + m for m in range(M) if index_of(attrs, YS, m) not in results)
         optional = {K + m: _flag(attrs, index_of(attrs, YS, m)) for m in range(M) if K + m not in skip}
@@ -50,8 +50,9 @@ def lower_scan(s):
             name, None, attrs, list(results), inline=s.body_inline(body, skip, optional)))
         unwanted = {i: f"np.empty({(0,) * len(s.graph.shape(u))}, {dtype_src(s.graph.dtype(u))})"
                     for i, u in results.items()}
-        wants = tuple(i in res for i in results)
-        lines.append(s.call(kernel, list(s.args) + [res.get(i, unwanted[i]) for i in results] + [repr(wants)]) + s.note)
+        wants = [_wanted(s, u) if i in res else "False" for i, u in results.items()]
+        wants = f"({', '.join(wants)}{',' if len(wants) == 1 else ''})"
+        lines.append(s.call(kernel, list(s.args) + [res.get(i, unwanted[i]) for i in results] + [wants]) + s.note)
         return lines
     skip = tuple(K + m for m in range(M) if index_of(attrs, YS, m) not in present)
     body_kernel = s.body_kernel(body, skip, f"one step of a scan: {len(leaves)} leaves -> {len(outputs)} outputs, "
@@ -78,6 +79,16 @@ def _every_result(s):
         if g.op(u) == "scan_out":
             results.setdefault(g.attrs(u)["index"], u)
     return dict(sorted(results.items()))
+
+
+def _wanted(s, u):
+    """Whether this call wants result u: True, or in a scan nested in a step, the step's flags for the
+    outputs that alone need u (the nested scan runs whenever the step's carries need it, and its ys only
+    when those outputs are wanted)."""
+    flags, here = s.guard_of(u), s.guard_of(s.n)
+    if not flags or flags == here:
+        return "True"
+    return next(iter(flags)) if len(flags) == 1 else f"({' or '.join(sorted(flags))})"
 
 
 def _flag(attrs, index):
@@ -110,7 +121,7 @@ def _loop_source(name, body, attrs, present, bppsa=False, forward=None, inline=N
     held = operand_leaves(attrs)   # leaf j's operand is the argument a{j}
     res = {index: f"r{i}" for i, index in enumerate(present)}
     lines = [f"def {name}({', '.join([f'a{j}' for j in held] + list(res.values()) + (['wants'] if inline else []))}):"]
-    if inline:
+    if inline and present:
         lines.append(f"    {', '.join(_flag(attrs, i) for i in present)}{',' if len(present) == 1 else ''} = wants")
 
     def wanted(index, line):   # a line that writes result `index`, under its flag where calls choose
