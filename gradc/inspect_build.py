@@ -210,7 +210,8 @@ def _graph_table(nodes, lr_only):
         for n in sorted(members, key=lambda n: n["id"]):
             expr = n["attrs"].get("expr")
             what = n["op"] + (f" {n['name']}" if n.get("name") else "") + (f" = {expr}" if expr else "")
-            lines.append(f"  %{n['id']:<5} {what[:60]:<60} {_shape(n['shape']):<14} {n['src']}")
+            what = what if len(what) <= 60 else what[:59] + "…"   # (a cut expression says so: trial R)
+            lines.append(f"  %{n['id']:<5} {what:<60} {_shape(n['shape']):<14} {n['src']}")
     return lines
 
 

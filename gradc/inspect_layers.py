@@ -110,7 +110,10 @@ def layers_report(base, data):
              f"  {'layer (weights)':<22} {'op':<12} {'output shape':<22} {'weights':>12} {'output':>12}"]
     for label, op, shapes, wb, ob in rows:
         shape_text = " + ".join("(" + ", ".join(str(d) for d in shape) + ")" for shape in shapes)
-        lines.append(f"  {label[:22]:<22} {op:<12} {shape_text:<22} {_size(wb):>12} {_size(ob):>12}")
+        if len(label) > 22:   # every weight named (trial R: a GRU's nine lost three to the column), the row below it
+            lines.append(f"  {label}")
+            label = ""
+        lines.append(f"  {label:<22} {op:<12} {shape_text:<22} {_size(wb):>12} {_size(ob):>12}")
     outputs = [ob for *_, ob in rows]
     total_out = None if None in outputs else sum(outputs)
     lines.append(f"  {'total':<22} {'':<12} {'':<22} {_size(sum(r[3] for r in rows)):>12} {_size(total_out):>12}")

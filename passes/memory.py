@@ -44,7 +44,9 @@ def liveness(graph, steps, returned, loop_from=None):
             i = current.get(u)
             if i is not None:
                 tensors[i]["end"] = max(tensors[i]["end"], t)
-                tensors[i]["retained"] |= backward and graph.node(tensors[i]["node"])["phase"] == "forward"
+                # (a forward scan's stacks, which autodiff projects for the backward, are the forward's: trial R
+                # saw an RNN's kept states called temporary, and "kept for the backward" leave them out)
+                tensors[i]["retained"] |= backward and made_forward(graph, tensors[i]["node"])
         if base(graph, n) != n:
             i = current.get(graph.operands(n)[0])
             if i is not None:

@@ -1,4 +1,5 @@
 """Seed 004's VGG-16 memory table from a compiled graph, without running it (issue 15)."""
+import json
 import runpy
 import time
 from pathlib import Path
@@ -149,6 +150,23 @@ def test_a_scan_is_a_layer_with_the_weights_its_steps_read(tmp_path):
     gc.compile(m, out=str(tmp_path / "free"), order=1, warm=False)
     text = "\n".join(layers_report(str(tmp_path / "free" / m.name), _load(str(tmp_path / "free" / m.name))[1]))
     assert "(B, 4) + (T, B, 4)" in text and "dims B, T are symbolic" in text, text
+
+
+def test_a_forward_scans_stacks_are_kept_for_the_backward(tmp_path):
+    """An RNN's carry stacks (results autodiff adds to the forward scan, in the backward phase) were called
+    'temporary' by --memory, and left out of 'kept for the backward' (trial R)."""
+    m = gc.Model("layers_rnn_kept")
+    x, y, h0 = m.input("x", ("T", "B", 3)), m.input("y", ("B",), dtype="int64"), m.input("h0", ("B", 4))
+    W, U = m.param("input_weights", (3, 4)), m.param("hidden_weights", (4, 4))
+    hT, _ = gc.scan(lambda h, xt: (gc.tanh(xt @ W + h @ U), None), h0, x)
+    m.minimize(gc.softmax_cross_entropy(hT @ m.param("V", (4, 2)), y))
+    gc.compile(m, out=str(tmp_path), bind={"B": 5, "T": 7}, order=1, warm=False)
+    plan = json.loads((tmp_path / f"{m.name}.memplan.json").read_text())
+    stacks = [t for t in plan["tensors"] if t["op"] == "scan_out" and t["shape"] == [7, 5, 4]]
+    assert stacks and all(t["retained"] for t in stacks), stacks
+    # a layer of many weights names them all (a GRU's nine lost three to the column's 22 characters)
+    text = "\n".join(layers_report(str(tmp_path / m.name), _load(str(tmp_path / m.name))[1]))
+    assert "\n  input_weights, hidden_weights\n" in text, text
 
 
 def test_the_peaks_name_the_kernel_workspace_beside_the_arena(tmp_path):
