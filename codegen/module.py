@@ -449,10 +449,11 @@ LAUNCH_WORDS = {"flat": f"one thread per output element, {THREADS} a block",
 
 KERNEL_CACHE_NOTE = """\
 # Each kernel is compiled once per content, for every build of yours: @cached_kernel (CUDA:
-# @cached_cuda_kernel; gradc/runtime/kernel_cache.py) writes its source, with the helpers it calls, to
+# @cached_cuda_kernel; gradc/runtime/kernel_cache.py) writes its source to
 # ($GRADC_CACHE_DIR, else ~/.cache/gradc)/kernels/k_<hash of the text, dtype, gradc, Numba, CPU or CUDA>.py
 # and loads it from there; Numba keeps the machine code beside it. The code is what you read here, less
-# its comments, with a kernel it calls (a scan's step) named by that kernel's own file, k_<hash>."""
+# its comments, with a kernel it calls (a scan's step) named by that kernel's own file, k_<hash>. A scalar
+# helper it calls has a file of its own the same way (CUDA: it is written into the kernel's file)."""
 
 
 def _assemble(info, out, helper_src, kernel_src, body, api, kernels, g, entries, stored):

@@ -76,7 +76,9 @@ def test_second_model_with_the_same_layers_compiles_no_kernel(tmp_path):
     first = run(tmp_path, cache, "first_mlp", 2, tmp_path / "a", "compile")
     assert first["counts"]["compiled"] > 0 and first["counts"]["not_cached"] == 0
     files = kernel_files(cache)
-    assert len(files) == first["counts"]["kernels"] == first["stats"]["written"]
+    helpers = [f for f in files if "\ndef kernel(x):" in (cache / "kernels" / f).read_text()]
+    assert len(helpers) == 1   # the scalar helper _tanh, in a file of its own that every caller loads
+    assert len(files) - len(helpers) == first["counts"]["kernels"] and len(files) == first["stats"]["written"]
     second = run(tmp_path, cache, "second_mlp", 3, tmp_path / "b", "compile")   # another model, the same layers
     assert second["counts"]["kernels"] > 0
     assert second["counts"]["compiled"] == 0, second            # no Numba compile of any kernel
@@ -171,7 +173,7 @@ def test_module_keeps_kernel_sources_and_says_where_they_come_from(tmp_path):
     assert "compiled once per content" in text and "GRADC_CACHE_DIR" in text
     kernels = [line for line in text.splitlines() if line.startswith("def k")]
     assert kernels and text.count("@cached_kernel\ndef k") == len(kernels)
-    assert "_tanh(" in text and "@kernel\ndef _tanh" in text   # helpers stay compiled in the module
+    assert "_tanh(" in text and "@kernel\ndef _tanh" in text   # helpers stay written in the module
 
 
 def _import_source(folder, name, src):
@@ -256,9 +258,12 @@ def test_canonical_text_names_the_content_not_the_module(tmp_path, monkeypatch):
     ''')
     mod = _import_source(tmp_path, "two_names", src)
     assert mod.k0_double is mod.k7_twice                 # one content, one kernel, whatever its name
-    (file,) = kernel_files(tmp_path / "cache")
-    text = (tmp_path / "cache" / "kernels" / file).read_text()
-    assert "def kernel(x0, out):" in text and "def _helper(x):" in text and "float32" in text
+    texts = [(tmp_path / "cache" / "kernels" / f).read_text() for f in kernel_files(tmp_path / "cache")]
+    (text,) = [t for t in texts if "def kernel(x0, out):" in t]
+    (helper,) = [t for t in texts if "def kernel(x):" in t]   # the helper has a file of its own, by its content
+    assert "float32" in text and "float32" in helper and "return x * 2.0" in helper
+    stem = [f for f in kernel_files(tmp_path / "cache") if (tmp_path / "cache" / "kernels" / f).read_text() == helper][0]
+    assert f"_helper = kernel_in_file(__file__, '{stem}')" in text   # bound to its name: the body reads as written
     import numpy as np
     out = np.zeros(3)
     mod.k0_double(np.arange(3.0), out)
@@ -293,10 +298,11 @@ def test_a_kernel_that_loops_with_prange_is_compiled_parallel(tmp_path, monkeypa
                 out[i] = s
     ''')
     mod = _import_source(tmp_path, "parallel_kernel", src)
-    (file,) = kernel_files(tmp_path / "cache")
-    text = (tmp_path / "cache" / "kernels" / file).read_text()
-    assert "from numba import njit, prange" in text
-    assert "@_njit_parallel\ndef kernel(x0, out):" in text and "@_njit\ndef _square(x):" in text
+    texts = [(tmp_path / "cache" / "kernels" / f).read_text() for f in kernel_files(tmp_path / "cache")]
+    (text,) = [t for t in texts if "def kernel(x0, out):" in t]
+    (helper,) = [t for t in texts if "def kernel(x):" in t]   # the helper, in a file of its own
+    assert "from numba import njit, prange" in text and "@_njit_parallel\ndef kernel(x0, out):" in text
+    assert "prange" not in helper and "@_njit\ndef kernel(x):" in helper
     import numpy as np
     x = np.random.default_rng(0).normal(size=(37, 5))
     out = np.zeros(37)

@@ -132,7 +132,39 @@ def _gemm(one_zero, a, ta, b, tb, c, m, n, k):
 def matmul_into(a, b, ta, tb, out):
     """out = op(a) @ op(b), op transposing where ta / tb say; returns the BLAS threads it ran on.
     `out` is row-major, so BLAS (column-major) sees out.T and computes out.T = op(b).T @ op(a).T,
-    reading a.T and b.T without a copy. Operands whose rows are not contiguous are copied first."""
+    reading a.T and b.T without a copy. Operands whose rows are not contiguous are copied first
+    (by _matmul_copying: kept out of this function, which a scan's loop kernel inlines at each product)."""
+    m, n = out.shape
+    k = a.shape[0] if ta else a.shape[1]
+    if a.itemsize != out.itemsize or b.itemsize != out.itemsize or m == 0 or n == 0 or k == 0 \
+            or _rows_apart(a) < 0 or _rows_apart(b) < 0 or _rows_apart(out) < 0:
+        return _matmul_copying(a, b, ta, tb, out)
+    return _gemm_threads(a, ta, b, tb, out, m, n, k)
+
+
+@njit(nogil=True, error_model="numpy", cache=True)
+def _gemm_threads(a, ta, b, tb, out, m, n, k):
+    """_gemm on BLAS's threads in force, or on one where the product is small (SERIAL_BELOW)."""
+    in_force = _BLAS_GET_THREADS()   # (a limit the user set, threadpoolctl's say, stays)
+    serial = in_force > 1 and m * n * k < SERIAL_BELOW
+    if serial:
+        _BLAS_SET_THREADS(1)
+    ran_on = _BLAS_GET_THREADS()   # what BLAS runs this product on, read back (what a caller or test sees)
+    if out.itemsize == 4:
+        status = _gemm(_ONE_ZERO_F4, a, ta, b, tb, out, m, n, k)
+    else:
+        status = _gemm(_ONE_ZERO_F8, a, ta, b, tb, out, m, n, k)
+    if serial:
+        _BLAS_SET_THREADS(in_force)
+    if status != 0:
+        raise RuntimeError("matmul_into: Numba's BLAS (scipy.linalg.cython_blas) is not available")
+    return ran_on
+
+
+@njit(nogil=True, error_model="numpy", cache=True)
+def _matmul_copying(a, b, ta, tb, out):
+    """matmul_into's rare cases: mixed dtypes (refused), an empty product, operands whose rows are
+    not contiguous (copied first)."""
     m, n = out.shape
     k = a.shape[0] if ta else a.shape[1]
     if a.itemsize != out.itemsize or b.itemsize != out.itemsize:   # BLAS's kind follows out: no silent mix
@@ -146,21 +178,9 @@ def matmul_into(a, b, ta, tb, out):
         a = np.ascontiguousarray(a)
     if _rows_apart(b) < 0:
         b = np.ascontiguousarray(b)
-    in_place = _rows_apart(out) > 0
-    target = out if in_place else np.empty((m, n), out.dtype)
-    in_force = _BLAS_GET_THREADS()   # (a limit the user set, threadpoolctl's say, stays)
-    serial = in_force > 1 and m * n * k < SERIAL_BELOW
-    if serial:
-        _BLAS_SET_THREADS(1)
-    ran_on = _BLAS_GET_THREADS()   # what BLAS runs this product on, read back (what a caller or test sees)
-    if out.itemsize == 4:
-        status = _gemm(_ONE_ZERO_F4, a, ta, b, tb, target, m, n, k)
-    else:
-        status = _gemm(_ONE_ZERO_F8, a, ta, b, tb, target, m, n, k)
-    if serial:
-        _BLAS_SET_THREADS(in_force)
-    if status != 0:
-        raise RuntimeError("matmul_into: Numba's BLAS (scipy.linalg.cython_blas) is not available")
-    if not in_place:
-        out[...] = target
+    if _rows_apart(out) > 0:
+        return _gemm_threads(a, ta, b, tb, out, m, n, k)
+    target = np.empty((m, n), out.dtype)
+    ran_on = _gemm_threads(a, ta, b, tb, target, m, n, k)
+    out[...] = target
     return ran_on

@@ -4,7 +4,9 @@ Numba's own `out[...] = x` broadcasts, and compiling its shape-mismatch message 
 formatting) took 2-4 s for each rank a process met, in every cold build that compiles a kernel
 copying an array (an LSTM's warm-up: 4.5 s of 21 s). Codegen copies only between arrays of one
 shape, so plain loops do: they compile in a tenth of that and copy a strided view in half the
-time. Called from plain Python (an entry that is not compiled), it is numpy's assignment.
+time, and Numba caches them beside this file (jit_options' cache), so each compiles once per
+install, not in every process (an LSTM's warm-up compiled six of them, 0.9 s). Called from plain
+Python (an entry that is not compiled), it is numpy's assignment.
 
 It assumes what codegen gives it: `out` and `x` do not overlap (a copy always goes into a buffer
 of its own, so an element is never read after it was written), and their shapes are equal (no
@@ -18,7 +20,7 @@ def copy_into(out, x):
     out[...] = x
 
 
-@overload(copy_into, jit_options={"nogil": True})
+@overload(copy_into, jit_options={"nogil": True, "cache": True})
 def _copy_into_loops(out, x):
     """A loop over the first axis, copying row into row (a rank lower); C-contiguous arrays as one row.
     A number fills `out` (a scan step's scalar value is a local)."""

@@ -2,16 +2,18 @@
 
 A generated module writes its kernels out in full, each decorated `@cached_kernel`. At import,
 `cached_kernel` takes the kernel's source from the module file, gives the function a canonical
-name (`kernel`), adds the source of the scalar helpers it calls, and names the result by a hash
-of its content together with the build's dtype, the gradc and Numba versions and the CPU. That
+name (`kernel`), and names the result by a hash of its content together with the build's dtype,
+the gradc and Numba versions and the CPU. That
 text goes once into `<cache>/kernels/k_<hash>.py`, and the kernel is loaded from there with
 Numba's `cache=True`: Numba keeps the machine code beside it, in `<cache>/kernels/__pycache__`.
 The 30 identical layers of one model, and the same layers in the next model, are one file and one
 compile. A kernel may call gradc's own compiled helpers (RUNTIME_KERNELS, e.g. `gemm_strided`, `tap_sums`): its
 file imports them, and its header names a hash of the source that defines each, since Numba's
 cache of the kernel holds their machine code too. A kernel may call other cached kernels (a scan's
-step calls the step's kernels, its loop calls the step): its file loads each from that kernel's own
-cache file, named by its hash, so a changed callee is a new caller file too.
+loop calls the step's kernels) and the module's scalar helpers (`_tanh`, ...): its file loads each
+from that one's own cache file, named by its hash, so a changed callee is a new caller file too,
+and a helper that forty kernels call compiles once (CUDA kernels keep their helpers' source in
+their own file).
 A kernel that loops with `prange` (BPPSA's sweeps) is compiled with `parallel=True`: those loops'
 iterations run on Numba's threads (NUMBA_NUM_THREADS, every core by default).
 A `--target cuda` module's kernels (`@cached_cuda_kernel`) go the same way: their file imports
@@ -46,7 +48,7 @@ from numba import njit
 from numba.core.caching import FunctionCache
 
 from gradc.files import import_path
-from gradc.runtime.blas import gemm_strided
+from gradc.runtime.blas import gemm_strided, matmul_into
 from gradc.runtime.copy_into import copy_into
 from gradc.runtime.cuda import load_cuda, simulated
 from gradc.runtime.simd import tap_dots, tap_sums
@@ -62,8 +64,8 @@ KERNELS = []   # (module name, kernel name, dispatcher, cache file or None), in 
 NOT_CACHED = {}   # (module name, kernel name) -> why it compiled outside the cache
 _LOCK = threading.Lock()
 _LINES = {}    # (path, inode, mtime_ns, size) -> the file's lines
-RUNTIME_KERNELS = {"copy_into": copy_into, "gemm_strided": gemm_strided, "tap_dots": tap_dots, "tap_sums": tap_sums,
-                   "view": view}   # gradc's compiled helpers a kernel may call by name (copy_into: an overload, no dispatcher)
+RUNTIME_KERNELS = {"copy_into": copy_into, "gemm_strided": gemm_strided, "matmul_into": matmul_into,
+                   "tap_dots": tap_dots, "tap_sums": tap_sums, "view": view}   # gradc's compiled helpers a kernel may call by name (copy_into: an overload, no dispatcher)
 _FILE_OF = {}  # id(dispatcher) -> the cache file it was loaded from (the dispatchers live in KERNELS)
 
 
@@ -175,6 +177,8 @@ def canonical_text(func, target="cpu"):
                 continue
             elif target == "cpu" and id(value) in _FILE_OF:   # another cached kernel: loaded from its file
                 callees[name] = os.path.basename(_FILE_OF[id(value)])[:-3]
+            elif hasattr(value, "py_func") and name.startswith("_") and target == "cpu":
+                callees[name] = _helper_file(value.py_func)   # loaded from its own file, bound to its name
             elif hasattr(value, "py_func") and name.startswith("_"):
                 helpers[name] = _source(value.py_func)
                 todo.append(value.py_func)
@@ -184,10 +188,12 @@ def canonical_text(func, target="cpu"):
                 raise CallsOtherKernels(f"{func.__name__} reads the global {name!r}, not a cached kernel",
                                         "some read a global that is not a cached kernel")
     body = _without_comments(_source(func)).replace(f"def {func.__name__}(", "def kernel(", 1)
-    for name, stem in callees.items():   # a callee goes by its file's name: the module's numbering is not content
-        rename = re.compile(rf"\b{re.escape(name)}\b")
-        body = rename.sub(stem, body)
-        helpers = {h: rename.sub(stem, text) for h, text in helpers.items()}
+    for name, stem in list(callees.items()):   # a kernel goes by its file's name: the module's numbering is not content
+        if not name.startswith("_"):   # (a helper keeps its name, which is content)
+            rename = re.compile(rf"\b{re.escape(name)}\b")
+            body = rename.sub(stem, body)
+            helpers = {h: rename.sub(stem, text) for h, text in helpers.items()}
+            callees[stem] = callees.pop(name)
     if target == "cuda":
         parts = [f"# gradc kernel cache (format {FORMAT}): gradc {__version__}, {cuda_host()}, {dtype}\n"
                  "# Written by gradc/runtime/kernel_cache.py; numba-cuda's cache of it is in __pycache__ beside it.\n"
@@ -203,7 +209,7 @@ def canonical_text(func, target="cpu"):
                  + "".join(f"from {_python_function(name).__module__} import {name}\n" for name in sorted(imports))
                  + ("from gradc.runtime.kernel_cache import kernel_in_file\n" if callees else "")
                  + ("\n" if imports or callees else "")
-                 + "".join(f"{stem} = kernel_in_file(__file__, '{stem}.py')\n" for stem in sorted(set(callees.values())))
+                 + "".join(f"{name} = kernel_in_file(__file__, '{stem}.py')\n" for name, stem in sorted(callees.items()))
                  + ("\n" if callees else "")
                  + f"_njit = njit(cache=True, **{OPTIONS!r})\n"]
         if parallel:
@@ -214,6 +220,15 @@ def canonical_text(func, target="cpu"):
     parts += [f"\n\n@{helper_decorator}\n{helpers[h]}" for h in sorted(helpers)]
     parts.append(f"\n\n@{decorator}\n{body}")
     return "".join(parts)
+
+
+def _helper_file(func):
+    """The stem of a scalar helper's own cache file (`_tanh`, `_sigmoid_poly`, ...), written if missing:
+    every kernel that calls the helper loads it from there, so it compiles once, where a copy in each
+    caller's file compiled once per caller (an LSTM's warm-up: 10 compiles of 3 helpers, 1.2 s)."""
+    if "prange" in _globals(func):
+        raise ValueError(f"{func.__name__}: a helper loops with prange")
+    return os.path.basename(ensure_file(canonical_text(func)))[:-3]
 
 
 _DIGESTS = {}
