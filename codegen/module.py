@@ -59,8 +59,9 @@ from gradc.runtime.pipeline import HostMemory, Pipeline
 from gradc.runtime.simd import tap_dots, tap_sums
 from gradc.runtime.views import view
 
-# float errors give inf/nan as in numpy, never raise; nogil lets Hessian blocks run on every core
-kernel = njit(cache=True, error_model="numpy", nogil=True)
+# float errors give inf/nan as in numpy, never raise; nogil lets Hessian blocks run on every core;
+# no C-callback wrapper (nothing takes a kernel's address), which a compile would spend 10% on
+kernel = njit(cache=True, error_model="numpy", nogil=True, no_cfunc_wrapper=True)
 FLOAT = np.{dtype}
 '''
 

@@ -161,20 +161,22 @@ class Model:
 
 
 def _warn_of_a_table(graph, op, nodes, n):
-    """Warn where numpy's rule lines up operands of different ranks so that a symbolic dim meets a 1 made by
-    an op (a matmul's (B, 1), a keepdims sum) and the result holds that dim more often than any operand:
-    (B, 1) - (B,) is (B, B), most often meant as (B,). A 1 the user put there (x[:, None], a reshape) is meant:
-    x[:, None] - x is a table of pairs."""
+    """Warn where numpy's rule lines up operands of different ranks so that a dim (symbolic, or an int
+    above 1) meets a 1 that is not the user's new axis (a matmul's (B, 1), a keepdims sum, a param
+    declared (N, 1)) and the result holds that dim more often than any operand: (B, 1) - (B,) is (B, B),
+    most often meant as (B,); so is (64, 1) - (64,). A 1 the user put there (x[:, None], a reshape) is
+    meant: x[:, None] - x is a table of pairs."""
     shapes = [graph.shape(u) for u in nodes]
     if get_op(op).kind != "elementwise" or len({len(s) for s in shapes}) < 2:
         return
     out = graph.shape(n)
-    grown = {d for d in out if isinstance(d, str) and all(out.count(d) > s.count(d) for s in shapes)}
+    grown = {d for d in out if (isinstance(d, str) or d > 1) and all(out.count(d) > s.count(d) for s in shapes)}
     met = sorted({out[axis] for axis in range(len(out)) if out[axis] in grown for u, s in zip(nodes, shapes)
-                  if axis >= len(out) - len(s) and s[axis - len(out) + len(s)] == 1 and not _new_axes(graph, u)})
+                  if axis >= len(out) - len(s) and s[axis - len(out) + len(s)] == 1 and not _new_axes(graph, u)},
+                 key=str)
     if met:
         user_warning(f"{op}: {' and '.join(fmt(s) for s in shapes)} broadcast to {fmt(out)} (numpy's rule lines "
-                     f"them up from the right), which holds {', '.join(met)} on more axes than an operand: if one "
+                     f"them up from the right), which holds {', '.join(map(str, met))} on more axes than an operand: if one "
                      f"value per row was meant, reshape an operand to the other's rank (y[:, None]); if the table "
                      f"is meant, say so with a new axis (y[None, :]) and this warning goes")
 

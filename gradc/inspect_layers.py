@@ -53,11 +53,11 @@ def layer_rows(data):
         if n is not None and n not in model:
             model.add(n)
             stack.extend(operands[n])
-    rows, pools = [], 0
+    rows, pools, counted = [], 0, set()
     for n in sorted(nodes):
         node = nodes[n]
         if n in model and node["op"] == "scan":
-            rows.append(_scan_row(n, nodes, operands, users, model, param_of, itemsize))
+            rows.append(_scan_row(n, nodes, operands, users, model, param_of, itemsize, counted))
             continue
         if n not in model or _kind(node["op"]) not in LAYER_KINDS:
             continue
@@ -69,13 +69,26 @@ def layer_rows(data):
         weights = list(dict.fromkeys(w for m in [n] + readers for u in operands[m]
                                      if (w := _param_under(u, nodes, operands, param_of)) is not None))
         if weights:
-            label = ", ".join(param_of[u] for u in weights)
+            label = _weights_label(weights, param_of, counted)
         else:
             pools += 1
             label = f"{node['op']} {pools}"
-        weight_bytes = sum(_bytes(nodes[u]["shape"], itemsize) for u in weights)
+        weight_bytes = _new_weight_bytes(weights, nodes, itemsize, counted)
         rows.append((label, node["op"], [node["shape"]], weight_bytes, _bytes(node["shape"], itemsize)))
     return rows
+
+
+def _weights_label(weights, param_of, counted):
+    """The layer's params by name; one an earlier layer read (a tied weight: a decoder's W.T) says so."""
+    return ", ".join(param_of[u] + (" (tied)" if u in counted else "") for u in weights)
+
+
+def _new_weight_bytes(weights, nodes, itemsize, counted):
+    """The bytes of the params no earlier layer counted (a tied weight is counted once: trial S), and
+    marks them counted."""
+    new = [u for u in weights if u not in counted]
+    counted.update(new)
+    return sum(_bytes(nodes[u]["shape"], itemsize) for u in new)
 
 
 def _last_layer_read(u, nodes, operands):
@@ -92,14 +105,13 @@ def _param_under(u, nodes, operands, param_of):
     return u if u in param_of else None
 
 
-def _scan_row(n, nodes, operands, users, model, param_of, itemsize):
+def _scan_row(n, nodes, operands, users, model, param_of, itemsize, counted):
     weights = list(dict.fromkeys(w for u in operands[n] if (w := _param_under(u, nodes, operands, param_of))
                                  is not None))
     results = [u for u in users[n] if u in model]   # what the model reads, not the stacks the backward reads
     sizes = [_bytes(nodes[u]["shape"], itemsize) for u in results]
-    return (", ".join(param_of[u] for u in weights) or "scan", "scan", [nodes[u]["shape"] for u in results],
-            sum(_bytes(nodes[u]["shape"], itemsize) for u in weights),
-            None if None in sizes else sum(sizes))
+    return (_weights_label(weights, param_of, counted) or "scan", "scan", [nodes[u]["shape"] for u in results],
+            _new_weight_bytes(weights, nodes, itemsize, counted), None if None in sizes else sum(sizes))
 
 
 def layers_report(base, data):

@@ -112,6 +112,10 @@ def constants_in_dtype(graph, dtype):
     for n in graph.nx.nodes:
         expr = graph.attrs(n).get("expr")   # a fused expression: its numbers are written into the kernel
         if isinstance(expr, sp.Basic):
+            if expr.has(sp.zoo):   # sympy's 1/0 is an infinity of no sign: numpy's x / 0 is inf, -inf or nan by x
+                raise GradcError("the expression of this line divides by the constant 0 (or takes the log of 0): "
+                                 "sympy makes it an infinity of no sign, which no float holds; take the constant out "
+                                 "or give it as an input", graph.node(n)["src"])
             why = next(filter(None, (folded_unheld(a, dtype) for a in expr.atoms(sp.Number) if a.is_finite)), None)
             if why:
                 raise GradcError(f"the expression of this line folds to the number {why}", graph.node(n)["src"])

@@ -190,3 +190,19 @@ def test_the_peaks_name_the_kernel_workspace_beside_the_arena(tmp_path):
     assert f"training (loss_and_grad) peak: {_size(entries['loss_and_grad']['peak_bytes'])} + kernel workspace " \
            f"{_size(train)}" in text, text
     assert f"forward peak {format_size(entries['forward']['peak_bytes'])} + {format_size(forward)}" in text, text
+
+
+def test_a_tied_weight_is_counted_once(tmp_path):
+    """Trial S: an autoencoder whose decoder reads the encoder's W transposed listed W in both rows, and
+    the weights' total counted it twice. The second row marks it tied and counts only its own bias."""
+    m = gc.Model("layers_tied")
+    x = m.input("x", ("B", 64))
+    W, b1, b2 = m.param("W", (64, 16)), m.param("b1", (16,)), m.param("b2", (64,))
+    h = gc.tanh(x @ W + b1)
+    m.minimize(gc.mse(gc.sigmoid(h @ W.T + b2), x))
+    gc.compile(m, out=str(tmp_path), bind={"B": 100}, order=1, warm=False)
+    base = str(tmp_path / m.name)
+    rows = layer_rows(_load(base)[1])
+    assert [(label, wb_) for label, _, _, wb_, _ in rows] == [("W, b1", (64 * 16 + 16) * 4), ("W (tied), b2", 64 * 4)]
+    total = next(line for line in layers_report(base, _load(base)[1]) if line.strip().startswith("total"))
+    assert _size((64 * 16 + 16 + 64) * 4) in total, total

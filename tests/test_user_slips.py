@@ -300,6 +300,25 @@ def test_a_broadcast_that_makes_a_table_of_one_dim_warns_at_the_users_line():
         p * t[:, None] * t
 
 
+def test_a_broadcast_that_makes_a_table_of_an_int_dim_warns_too():
+    """Trial S: (64, 1) - (64,) with int dims is (64, 64) as silently as with B; so is a param declared
+    (8, 1) minus one of (8,). A bias, a square matrix's row, the user's new axis and dims of 1 stay quiet."""
+    m = gc.Model("slip_int_table")
+    x, t = m.input("x", (64, 8)), m.input("t", (64,))
+    p = x @ m.param("W", (8, 1))
+    u, v = m.param("u", (8, 1)), m.param("v", (8,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sq = m.input("sq", (64, 64))
+        quiet = [x + m.param("b", (8,)), sq + t, p - t[:, None], p - t[None, :], x[:, None] - x,
+                 m.param("c", (5, 1)) * m.param("d", (3,)), u - m.param("one", (1,))]
+    assert [q.shape for q in quiet] == [(64, 8), (64, 64), (64, 1), (64, 64), (64, 64, 8), (5, 3), (8, 1)]
+    with pytest.warns(UserWarning, match=r"sub: \(64, 1\) and \(64,\) broadcast to \(64, 64\) .* holds 64 on more axes"):
+        assert (p - t).shape == (64, 64)
+    with pytest.warns(UserWarning, match=r"sub: \(8, 1\) and \(8,\) broadcast to \(8, 8\)"):
+        u - v
+
+
 def test_call_time_dtype_messages_name_what_is_never_cast(self_named):
     p = self_named.init_params(0)
     data = {"self": np.ones((2, 3)), "params": np.ones((2, 2))}
@@ -549,3 +568,13 @@ def test_a_carry_given_as_a_list_is_named_when_the_step_uses_it_as_a_tensor():
         gc.matmul((h0,), W)
     (hT,), _ = gc.scan(lambda c, x_t: ((gc.tanh(c[0] @ W + x_t),), None), [h0], x)   # unpacked, it builds
     assert hT.shape == ("B", 2)
+
+
+def test_a_division_by_the_constant_zero_is_refused_at_the_users_line(tmp_path):
+    """Trial S: x / 0 folded to sympy's zoo, written as nan: every element nan, where numpy gives inf,
+    -inf or nan by x's sign. gradc refuses it (and log of a constant 0) at the user's line."""
+    (tmp_path / "div0.py").write_text("import gradc as gc\nm = gc.Model('div0')\nx = m.input('x', ('B', 3))\n"
+                                      "h = x @ m.param('W', (3, 3))\nm.minimize(gc.mean(h / 0))\n")
+    line = one_error_line(gradc("compile", "div0.py", "-o", "out", cwd=tmp_path))
+    assert line.startswith("gradc: error: div0.py:5: the expression of this line divides by the constant 0"), line
+    assert not (tmp_path / "out").exists()

@@ -56,7 +56,7 @@ from gradc.runtime.views import view
 from gradc.version import __version__
 
 ENV = "GRADC_CACHE_DIR"
-OPTIONS = {"error_model": "numpy", "nogil": True}   # as the module's own `kernel` decorator
+OPTIONS = {"error_model": "numpy", "nogil": True, "no_cfunc_wrapper": True}   # as the module's own `kernel` decorator
 FORMAT = 1   # bump when the layout of a cache file changes
 
 STATS = {"loaded": 0, "written": 0, "rewritten": 0, "fallback": 0, "bad_numba_cache": 0}
@@ -67,6 +67,7 @@ _LINES = {}    # (path, inode, mtime_ns, size) -> the file's lines
 RUNTIME_KERNELS = {"copy_into": copy_into, "gemm_strided": gemm_strided, "matmul_into": matmul_into,
                    "tap_dots": tap_dots, "tap_sums": tap_sums, "view": view}   # gradc's compiled helpers a kernel may call by name (copy_into: an overload, no dispatcher)
 _FILE_OF = {}  # id(dispatcher) -> the cache file it was loaded from (the dispatchers live in KERNELS)
+_FUNC_OF = {}  # id(dispatcher) -> the module's function it was made from
 
 
 def cache_dir():
@@ -150,10 +151,13 @@ class CallsOtherKernels(ValueError):
         self.reason = reason
 
 
-def canonical_text(func, target="cpu"):
+def canonical_text(func, target="cpu", inner=False):
     """The cache file of a kernel: a header naming what the machine code depends on, the scalar
     helpers it calls, and the kernel itself as `kernel`. Raises ValueError for a function that
-    reads a global this file cannot define."""
+    reads a global this file cannot define. `inner`: the variant that compiled code calls (a scan's
+    loop, a caller's helper), compiled without the Python entry that calling it from Python needs:
+    that entry is 30-40% of a small kernel's compile, and such a variant is reached only through the
+    cache file of its caller."""
     env = func.__globals__
     dtype = env.get("DTYPE") or np_name(env.get("FLOAT"))
     helpers, todo, uses_float, parallel, imports, callees = {}, [func], False, False, [], {}
@@ -176,9 +180,11 @@ def canonical_text(func, target="cpu"):
             elif name in helpers or name in callees or (name not in env and hasattr(builtins, name)):
                 continue
             elif target == "cpu" and id(value) in _FILE_OF:   # another cached kernel: loaded from its file
-                callees[name] = os.path.basename(_FILE_OF[id(value)])[:-3]
+                callees[name] = _inner_file(_FUNC_OF[id(value)])
             elif hasattr(value, "py_func") and name.startswith("_") and target == "cpu":
-                callees[name] = _helper_file(value.py_func)   # loaded from its own file, bound to its name
+                if "prange" in _globals(value.py_func):
+                    raise ValueError(f"{func.__name__}: a helper it calls loops with prange")
+                callees[name] = _inner_file(value.py_func)   # a scalar helper keeps its name, bound to its file
             elif hasattr(value, "py_func") and name.startswith("_"):
                 helpers[name] = _source(value.py_func)
                 todo.append(value.py_func)
@@ -194,6 +200,7 @@ def canonical_text(func, target="cpu"):
             body = rename.sub(stem, body)
             helpers = {h: rename.sub(stem, text) for h, text in helpers.items()}
             callees[stem] = callees.pop(name)
+    inner_flag = "no_cpython_wrapper=True, " if inner else ""   # (Python cannot call it: only its callers' files load it)
     if target == "cuda":
         parts = [f"# gradc kernel cache (format {FORMAT}): gradc {__version__}, {cuda_host()}, {dtype}\n"
                  "# Written by gradc/runtime/kernel_cache.py; numba-cuda's cache of it is in __pycache__ beside it.\n"
@@ -211,9 +218,9 @@ def canonical_text(func, target="cpu"):
                  + ("\n" if imports or callees else "")
                  + "".join(f"{name} = kernel_in_file(__file__, '{stem}.py')\n" for name, stem in sorted(callees.items()))
                  + ("\n" if callees else "")
-                 + f"_njit = njit(cache=True, **{OPTIONS!r})\n"]
+                 + f"_njit = njit(cache=True, {inner_flag}**{OPTIONS!r})\n"]
         if parallel:
-            parts.append(f"_njit_parallel = njit(cache=True, parallel=True, **{OPTIONS!r})\n")
+            parts.append(f"_njit_parallel = njit(cache=True, parallel=True, {inner_flag}**{OPTIONS!r})\n")
         helper_decorator, decorator = "_njit", "_njit_parallel" if parallel else "_njit"
     if uses_float:
         parts.append(f"FLOAT = np.{dtype}\n")
@@ -222,13 +229,12 @@ def canonical_text(func, target="cpu"):
     return "".join(parts)
 
 
-def _helper_file(func):
-    """The stem of a scalar helper's own cache file (`_tanh`, `_sigmoid_poly`, ...), written if missing:
-    every kernel that calls the helper loads it from there, so it compiles once, where a copy in each
-    caller's file compiled once per caller (an LSTM's warm-up: 10 compiles of 3 helpers, 1.2 s)."""
-    if "prange" in _globals(func):
-        raise ValueError(f"{func.__name__}: a helper loops with prange")
-    return os.path.basename(ensure_file(canonical_text(func)))[:-3]
+def _inner_file(func):
+    """The stem of the cache file of a kernel or scalar helper (`_tanh`, ...) as compiled code calls
+    it (canonical_text's `inner`), written if missing. A helper in a file of its own compiles once
+    for all its callers, where a copy in each caller's file compiled once per caller (an LSTM's
+    warm-up: 10 compiles of 3 helpers, 1.2 s)."""
+    return os.path.basename(ensure_file(canonical_text(func, inner=True)))[:-3]
 
 
 _DIGESTS = {}
@@ -374,6 +380,7 @@ def _cached(func, target):
             path = ensure_file(canonical_text(func, target))   # a corrupted file is written again here
             disp = _load(path)
             _FILE_OF[id(disp)] = path
+            _FUNC_OF[id(disp)] = func
             STATS["loaded"] += 1
         except Exception as e:   # compile it here, and say why
             NOT_CACHED[(func.__module__, func.__name__)] = _why_not_cached(e)
@@ -407,10 +414,26 @@ def any_parallel():
     return any(getattr(disp, "targetoptions", {}).get("parallel") for _, _, disp, _ in KERNELS)
 
 
+def _with_callees(disps):
+    """{id: dispatcher} of `disps` and the kernels and helpers their cache files load (canonical_text's
+    inner variants), recursively: a scan's step compiles through its loop's file."""
+    todo, seen = list(disps.values()), {}
+    while todo:
+        disp = todo.pop()
+        if id(disp) in seen:
+            continue
+        seen[id(disp)] = disp
+        module = sys.modules.get(getattr(getattr(disp, "py_func", None), "__module__", None) or "")
+        if module is not None and module.__name__.startswith("gradc_kernel_cache."):
+            todo += [v for k, v in vars(module).items() if k != "kernel" and hasattr(v, "py_func")
+                     and (getattr(v.py_func, "__module__", None) or "").startswith("gradc_kernel_cache.")]
+    return seen
+
+
 def compile_counts(module_name=None):
     """{"kernels": distinct kernels, "compiled": signatures Numba compiled for them (cache misses),
-    "from_cache": signatures loaded from a cache, "not_cached": kernels compiled outside the kernel
-    cache, "not_cached_why": the reasons (a caller's of an uncached kernel only where no other is given),
+    "from_cache": signatures loaded from a cache (both counting the kernels and helpers their cache files
+    load), "not_cached": kernels compiled outside the kernel cache, "not_cached_why": the reasons (a caller's of an uncached kernel only where no other is given),
     "cache": the folder} over the kernels loaded so far (of the module of that name)."""
     names, disps, uncached = set(), {}, {}
     for mod, name, disp, path in KERNELS:
@@ -419,7 +442,7 @@ def compile_counts(module_name=None):
             disps[id(disp)] = disp
             if path is None:
                 uncached[(mod, name)] = NOT_CACHED.get((mod, name), "not recorded")
-    stats = [d.stats for d in disps.values() if hasattr(d, "stats")]   # CUDA dispatchers keep none
+    stats = [d.stats for d in _with_callees(disps).values() if hasattr(d, "stats")]   # CUDA dispatchers keep none
     why = set(uncached.values())
     if len(why) > 1:   # a caller is left out because its callee is: the callee's own reason says why
         why.discard(CALLS_UNCACHED)
