@@ -189,6 +189,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser():
     ap = _Parser(prog="gradc", description="Symbolic graph compiler for training code.", allow_abbrev=False)
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
+    ap.add_argument("--version", action="version", version=f"gradc {__version__}")
     # no abbreviations: `--dtyp` is a typo to report, not an option to guess
     sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
     c = sub.add_parser("compile", help="compile a model file into a Python module", allow_abbrev=False)

@@ -2,12 +2,15 @@
 import copy
 import difflib
 import hashlib
+import importlib.util
 import numbers
 import os
 import shutil
 import signal
+import site
 import subprocess
 import sys
+import sysconfig
 import time
 from collections.abc import Mapping
 
@@ -156,6 +159,9 @@ def unreached_notes(model):
              for name, n in g.params.items() if n not in loss_reads and model.param_info[name]["trainable"]]
     notes += [f"{g.node(n)['src']}: input {name!r} is read by neither the loss nor an output"
               for name, n in g.inputs.items() if n not in read]
+    if not any(info["trainable"] for info in model.param_info.values()):   # (trial S: Trainer.step ran, changing nothing)
+        notes.append(f"{model._minimize_src}: the model has no trainable param: loss_and_grad's grads are empty "
+                     f"and a Trainer has nothing to update (input_grads still works)")
     return notes
 
 
@@ -295,11 +301,41 @@ def import_file(path, name):
 
 
 def check_module_name(name, src=None):
-    """A build imports under the model's name: no other imported module may hold it."""
+    """A build imports under the model's name: no other imported module may hold it, and no installed
+    package or standard module either (with the build first on sys.path, `import torch` would find the
+    model, or the model's import the package: trial S). A module of the user's own folder may (a model
+    file named as its model)."""
     current = sys.modules.get(name)
     if current is not None and not hasattr(current, "GRADC_VERSION"):
         raise GradcError(f"model name {name!r} is also the name of an imported module ({getattr(current, '__file__', current)}); "
                          f"give the Model another name", src)
+    installed = _installed_module(name)
+    if installed:
+        raise GradcError(f"model name {name!r} is also the name of {installed}: with the build on sys.path, "
+                         f"`import {name}` would find one or the other; give the Model another name", src)
+
+
+def _installed_module(name):
+    """Where `name` is a module of Python's or an installed package (its folder), else None."""
+    if name in sys.builtin_module_names:
+        return "a module built into Python"
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    origin = spec and (spec.origin if spec.origin not in (None, "built-in", "frozen") else
+                       next(iter(spec.submodule_search_locations or []), None))
+    if spec is not None and spec.origin in ("built-in", "frozen"):
+        return "a module built into Python"
+    if not origin:
+        return None
+    where = os.path.realpath(origin)
+    roots = {os.path.realpath(p) for key in ("stdlib", "platstdlib", "purelib", "platlib")
+             if (p := sysconfig.get_paths().get(key))} | {os.path.realpath(p) for p in site.getsitepackages()}
+    for root in roots:
+        if where == root or where.startswith(root + os.sep):
+            return f"an installed module ({where})"
+    return None
 
 
 def resolve_budget(graph, memory_budget, src, dims=()):

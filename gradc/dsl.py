@@ -64,6 +64,9 @@ class Model:
         shape = _shape_or_fail("param", shape, src)
         if any(isinstance(d, str) for d in shape):
             raise GradcError(f"param {name!r}: shape {fmt(shape)} has a symbolic dim; params need int dims", src)
+        if 0 in shape:   # (trial S: it compiled, and the loss was nan with no word of why)
+            raise GradcError(f"param {name!r}: shape {fmt(shape)} holds no element (a dim of 0); a param needs at "
+                             f"least one", src)
         if init is None:
             init = "glorot_uniform" if len(shape) >= 2 else "zeros"
         if isinstance(init, np.ndarray):
@@ -503,6 +506,11 @@ def mse(pred, target):
     shapes = [v.shape if isinstance(v, Tensor) else np.shape(v) for v in (pred, target)]
     if tuple(shapes[0]) != tuple(shapes[1]):
         raise GradcError(f"mse: pred {fmt(shapes[0])} and target {fmt(shapes[1])} must have the same shape", src)
+    for what, v in (("pred", pred), ("target", target)):   # (trial S: the error named the `sub` inside)
+        dtype = v.dtype if isinstance(v, Tensor) else np.asarray(v).dtype.name
+        if not str(dtype).startswith("float"):
+            raise GradcError(f"mse: {what} {fmt(shapes[0])} has dtype {dtype}; mse takes float values (declare "
+                             f"the input with dtype float, the default: gradc never casts)", src)
     diff = model._apply("sub", (pred, target), src)
     sq = model._apply("square", (diff,), src)
     return model._apply("mean", (sq,), src, axes=tuple(range(len(shapes[0]))), keepdims=False)

@@ -9,6 +9,8 @@ import textwrap
 
 import pytest
 
+from gradc.version import __version__
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -129,6 +131,10 @@ def test_inspect_of_a_damaged_dump_exits_2_naming_it(compiled, tmp_path):
      [], "model.py:4: matmul: inner dims differ: (B, 3) @ (4, 2) (3 != 4) (operands: 'x' (B, 3)"),
     ("import gradc as gc\nm = gc.Model('numpy')\nm.minimize(m.input('x', ('B',)).sum())\n", [],
      "model.py:2: model name 'numpy' is also the name of an imported module"),
+    ("import gradc as gc\nm = gc.Model('torch')\nm.minimize(m.input('x', ('B',)).sum())\n", [],
+     "model.py:2: model name 'torch' is also the name of an installed module ("),   # (not imported: trial S)
+    ("import gradc as gc\nm = gc.Model('json')\nm.minimize(m.input('x', ('B',)).sum())\n", [],
+     "model.py:2: model name 'json' is also the name of "),
     ("import gradc as gc\nm = gc.Model('b2')\nx = m.input('x', ('B', 3))\nm.minimize(x * 2)\n",
      [], "model.py:4: minimize: the loss must be a scalar"),
     ("import gradc as gc\nm = gc.Model('b3')\nm.output('o', m.input('x', (3,)) * 2)\n", [], "has no minimize"),
@@ -309,3 +315,9 @@ def test_a_warning_is_one_line_as_errors_and_notes_are(tmp_path):
     assert r.returncode == 0, r.stderr
     (line,) = r.stderr.splitlines()
     assert line.startswith("gradc: warning: warned_model.py:5: sub: (B, 1) and (B,) broadcast to (B, B)"), r.stderr
+
+
+def test_version_flag(tmp_path):
+    """Trial S: `gradc --version` said a command is required."""
+    r = gradc("--version", cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == f"gradc {__version__}", (r.stdout, r.stderr)

@@ -336,8 +336,11 @@ def test_hyperparameters_the_dtype_cannot_hold_are_refused(small):
         small.Trainer(p, lr=1e39)
     with pytest.raises(ValueError, match="eps must be a finite number > 0 in float32"):
         small.Trainer(p, optimizer="adam", eps=1e-50)   # 0 in float32
-    with pytest.raises(ValueError, match=r"betas\[1\] must be a number in \[0, 1\) in float32"):
+    with pytest.raises(ValueError, match=r"betas\[1\] must be a number in \[0, 1\) in float32, got 0.999999999, "
+                                         r"which float32 rounds to 1$"):
         small.Trainer(p, optimizer="adam", betas=(0.9, 0.999999999))   # rounds to 1 in float32
+    with pytest.raises(ValueError, match=r"momentum must be a number in \[0, 1\) in float32, got 1.5$"):
+        small.Trainer(p, momentum=1.5)
     tr = small.Trainer(p, lr=0.1)
     with pytest.raises(ValueError, match="lr must be a finite number >= 0"):
         tr.lr = 1e39           # checked when set, not only at construction

@@ -578,3 +578,39 @@ def test_a_division_by_the_constant_zero_is_refused_at_the_users_line(tmp_path):
     line = one_error_line(gradc("compile", "div0.py", "-o", "out", cwd=tmp_path))
     assert line.startswith("gradc: error: div0.py:5: the expression of this line divides by the constant 0"), line
     assert not (tmp_path / "out").exists()
+
+
+def test_a_param_of_no_elements_is_refused():
+    """Trial S: m.param("W", (8, 0)) compiled; loss_and_grad gave nan and Trainer.step said only so."""
+    m = gc.Model("slip_empty_param")
+    line = inspect.currentframe().f_lineno + 2
+    with pytest.raises(gc.GradcError, match=r"param 'W': shape \(8, 0\) holds no element") as e:
+        m.param("W", (8, 0))
+    assert f"test_user_slips.py:{line}" in str(e.value)
+
+
+def test_a_masked_array_is_refused_not_read_without_its_mask(self_named):
+    """Trial S: x=np.ma.masked_array(X, mask=X > 1) gave the loss of X itself: the mask was dropped."""
+    p = self_named.init_params(0)
+    x, y = np.random.default_rng(5).normal(size=(4, 3)), np.ones((4, 2))
+    with pytest.raises(ValueError, match=r"input 'self' is a masked array: .* np\.ma\.filled"):
+        self_named.loss_and_grad(p, **{"self": np.ma.masked_array(x, mask=x > 1), "params": y})
+    with pytest.raises(ValueError, match=r"param 'W' is a masked array"):
+        self_named.loss_and_grad({"W": np.ma.masked_array(p["W"])}, **{"self": x, "params": y})
+
+
+def test_mse_of_an_int_target_names_mse_not_its_inner_sub():
+    """Trial S: gc.mse(pred, y) with an int y said `sub: operand of dtype int64 ... %5 (reshape)`."""
+    m = gc.Model("slip_mse_int")
+    x, y = m.input("x", ("B", 3)), m.input("y", ("B",), dtype="int64")
+    with pytest.raises(gc.GradcError, match=r"mse: target \(B,\) has dtype int64; mse takes float values"):
+        gc.mse((x @ m.param("W", (3, 2)))[:, 0], y)
+
+
+def test_a_model_with_no_trainable_param_gets_a_note(tmp_path):
+    """Trial S: every param frozen (or none declared) compiled silently, and Trainer.step changed nothing."""
+    m = gc.Model("slip_frozen")
+    x = m.input("x", ("B", 3))
+    m.minimize(gc.mean(gc.tanh(x @ m.param("W", (3, 2), trainable=False))))
+    with pytest.warns(UserWarning, match=r"test_user_slips.py:\d+: the model has no trainable param"):
+        gc.compile(m, out=str(tmp_path), order=1, warm=False)

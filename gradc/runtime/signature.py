@@ -69,6 +69,13 @@ def dtype_hint(given_as, dtype, expected, value=None, what="inputs"):
     return f"{_with_article(given_as)} becomes {_with_article(dtype)} array: pass np.asarray(..., dtype={expected})"
 
 
+def _refuse_masked(what, v):
+    """A masked array's mask would be dropped silently (the kernels read its data): trial S."""
+    if isinstance(v, np.ma.MaskedArray):
+        raise ValueError(f"{what} is a masked array: the kernels would read its data and drop its mask; pass "
+                         f"np.ma.filled(x, value) (the masked elements set to a value you choose) or x.data")
+
+
 def _fmt(shape):
     inner = ", ".join(str(d) for d in shape)
     return f"({inner},)" if len(shape) == 1 else f"({inner})"
@@ -165,6 +172,7 @@ class Signature:
             if not isinstance(v, np.ndarray):
                 raise ValueError(f"{what} must be a numpy array{' or a CUDA array' if self.devices else ''}, "
                                  f"got {given_as}")
+        _refuse_masked(what, v)
         if v.shape != shape:
             raise ValueError(f"{what} has shape {_fmt(v.shape)}, expected {_fmt(shape)}")
         if v.dtype != self.float:
@@ -205,6 +213,7 @@ class Signature:
             given_as = None
             if not device:
                 v, given_as = as_array(v)
+                _refuse_masked(f"{self.model}.{entry}: input {name!r}", v)
             if array_dtype(v) != np.dtype(dtype):
                 raise ValueError(f"{self.model}.{entry}: input {name!r} has dtype {array_dtype(v)}, expected {dtype} "
                                  f"({dtype_hint(given_as, array_dtype(v), dtype, v)})")

@@ -601,8 +601,10 @@ class TrainerBase:
     def _fraction(self, name, value):
         """A number in [0, 1) that stays below 1 in the params' dtype (float32 rounds 0.99999999 to 1)."""
         if not (_is_number(value) and 0 <= value < 1 and self._in_dtype(value) < 1):
-            raise ValueError(f"{self.model_name}.Trainer: {name} must be a number in [0, 1) in "
-                             f"{np.dtype(self.signature.float).name}, got {value!r}")
+            dtype = np.dtype(self.signature.float).name
+            held_as = f", which {dtype} rounds to 1" if _is_number(value) and 0 <= value < 1 else ""
+            raise ValueError(f"{self.model_name}.Trainer: {name} must be a number in [0, 1) in {dtype}, "
+                             f"got {value!r}{held_as}")
         return float(value)
 
     @classmethod
