@@ -96,8 +96,21 @@ def _concat_batched(graph, n, operands, lifted, emit):
     return emit("concat", every_copy(graph, operands, lifted, emit), axis=graph.attrs(n)["axis"] + 1)
 
 
+def _concat_simplify(graph, n):
+    """A concat of one operand is that operand; an operand that is a concat along the same axis, read only
+    here, gives its operands in its place (one copy of each piece, not two)."""
+    ins, axis = graph.operands(n), graph.attrs(n)["axis"]
+    if len(ins) == 1:
+        return ins[0]
+    inner = [graph.op(u) == "concat" and graph.attrs(u)["axis"] == axis and len(graph.users(u)) == 1 for u in ins]
+    if not any(inner):
+        return None
+    graph.set_operands(n, [w for u, flat in zip(ins, inner) for w in (graph.operands(u) if flat else [u])])
+    return n
+
+
 register(Op("concat", "layout", _concat_infer,
             lambda attrs, values, out_shape, dims: np.concatenate(values, axis=attrs["axis"]),
             lambda attrs, in_shapes, out_shape: 0, vjp=_concat_vjp, arity=None, rows=concat_rows,
-            cpu=_concat_cpu, cuda=_concat_cuda, batched=_concat_batched,
+            cpu=_concat_cpu, cuda=_concat_cuda, batched=_concat_batched, simplify=_concat_simplify,
             doc="operands joined along attrs axis"))

@@ -14,6 +14,7 @@ from sympy.printing.numpy import NumPyPrinter
 
 from . import Op, REGISTRY, register
 from .batched import copies_dim, right_aligned
+from .index import merge_adjacent_slice_grads
 from .scalar import (AbsF, Max2, NUMPY_FUNCTIONS, Power, Relu, Sigmoid, Softplus, to_differentiable,
                      unsupported_parts)
 from ..errors import ShapeError
@@ -265,7 +266,13 @@ BUILTINS = {
     "gelu": (x0 * sp.erfc(-x0 / sp.sqrt(2)) / 2, 1), "sin": (sp.sin(x0), 1), "cos": (sp.cos(x0), 1),
     "sqrt": (sp.sqrt(x0), 1), "square": (x0 ** 2, 1), "abs": (AbsF(x0), 1), "maximum": (Max2(x0, x1), 2),
 }
-SIMPLIFY = {"neg": _double_negation, "add": _units((1, 0.0), (0, 0.0)), "sub": _units((1, 0.0)),
+def _add_simplify(graph, n):
+    """x + 0 is x; adjacent slices' adjoints join (index.merge_adjacent_slice_grads)."""
+    target = _units((1, 0.0), (0, 0.0))(graph, n)
+    return target if target is not None else merge_adjacent_slice_grads(graph, n)
+
+
+SIMPLIFY = {"neg": _double_negation, "add": _add_simplify, "sub": _units((1, 0.0)),
             "mul": _units((1, 1.0), (0, 1.0)), "div": _units((1, 1.0))}
 for _name, (_expr, _arity) in BUILTINS.items():
     register(make(_name, _expr, _arity, simplify=SIMPLIFY.get(_name)))

@@ -104,6 +104,70 @@ register(Op("slice_grad", "layout", _slice_grad_infer, _slice_grad_evaluate,
             doc="zeros of attrs shape with g written at the slice attrs index: slice's adjoint"))
 
 
+def _one_range(index):
+    """(axis, start, stop) when the index takes a unit-step range of one axis and every other whole, else None."""
+    ranged = [(a, e) for a, e in enumerate(index) if e is not None]
+    if len(ranged) != 1 or ranged[0][1][2] != 1:
+        return None
+    axis, (start, stop, _) = ranged[0]
+    return axis, start, stop
+
+
+def merge_adjacent_slice_grads(graph, n):
+    """In a sum of adjoints (a tree of adds read once each, n its root), slice_grads whose unit-step ranges
+    of one axis touch join into one slice_grad of their concat, or the concat itself where they cover the
+    axis: the adjoint of the slices an LSTM takes of its gates' pre-activation, z[:, 0:H] ... z[:, 3H:4H],
+    was four zeroed (B, 4H) buffers summed, and is one concat now, in whatever order the sum adds them.
+    n is rewritten in place (or the one value it sums to returned); None where nothing joins."""
+    shape, users = graph.shape(n), graph.users(n)
+    if len(users) == 1 and graph.op(users[0]) == "add" and graph.shape(users[0]) == shape:
+        return None   # not the root: the root's visit joins the whole tree
+    leaves, stack = [], list(reversed(graph.operands(n)))
+    while stack:
+        v = stack.pop()
+        if graph.op(v) == "add" and graph.shape(v) == shape and len(graph.users(v)) == 1:
+            stack.extend(reversed(graph.operands(v)))
+        else:
+            leaves.append(v)
+    ranges = {}   # axis -> [(start, stop, slice_grad)]
+    for v in leaves:
+        r = (_one_range(tuple(graph.attrs(v)["index"])) if graph.op(v) == "slice_grad" and graph.shape(v) == shape
+             and graph.dtype(v) == graph.dtype(n) and leaves.count(v) == 1 and len(graph.users(v)) == 1 else None)
+        if r is not None:
+            ranges.setdefault(r[0], []).append((r[1], r[2], v))
+    runs = []   # (axis, [(start, stop, slice_grad), ...]) of two or more touching ranges
+    for axis, pieces in ranges.items():
+        pieces.sort(key=lambda p: p[:2])
+        run = [pieces[0]]
+        for piece in pieces[1:]:
+            if piece[0] == run[-1][1]:
+                run.append(piece)
+                continue
+            runs += [(axis, run)] if len(run) > 1 else []
+            run = [piece]
+        runs += [(axis, run)] if len(run) > 1 else []
+    if not runs:
+        return None
+    node = graph.node(n)
+    made = lambda op, ins, attrs: graph.apply(op, ins, attrs, phase=node["phase"], src=node["src"])
+    joined = {v for _, run in runs for *_, v in run}
+    terms = [v for v in leaves if v not in joined]
+    for axis, run in runs:
+        whole = made("concat", [graph.operands(v)[0] for *_, v in run], {"axis": axis})
+        start, stop = run[0][0], run[-1][1]
+        if (start, stop) != (0, shape[axis]):
+            index = tuple((start, stop, 1) if k == axis else None for k in range(len(shape)))
+            whole = made("slice_grad", [whole], {"index": index, "shape": tuple(shape)})
+        terms.append(whole)
+    if len(terms) == 1:
+        return terms[0]
+    total = terms[0]
+    for v in terms[1:-1]:
+        total = made("add", [total, v], {})
+    graph.set_operands(n, [total, terms[-1]])
+    return n
+
+
 # ---- lowering -------------------------------------------------------------------------------------
 def index_src(index):
     """The index expression of attrs["index"] in generated code (numpy's slicing, which Numba compiles)."""
