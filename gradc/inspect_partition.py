@@ -35,32 +35,39 @@ def partition_report(base, graph):
         lines.append(f"  {s['stage']:<6}{s['device']:<9}{len(s['nodes']):>6}{s['forward_flops']:>14,}"
                      f"{s['backward_flops']:>14,}{short(s['memory_bytes']):>14}{short(s['sent_bytes']):>14}"
                      f"{short(s['received_bytes']):>14}  {', '.join(s['params']) or '-'}")
-    moved = plan["transfers"]
+    moved = [t for t in plan["transfers"] if t.get("carries") != "second"]   # a training step's
+    hvps = [t for t in plan["transfers"] if t.get("carries") == "second"]
     lines.append(f"  transfers: {len(moved)} nodes, {format_size(sum(t['bytes'] for t in moved))} per step"
-                 + (f" (e.g. %{moved[0]['value']} {moved[0]['from']} -> {moved[0]['to']})" if moved else ""))
+                 + (f" (e.g. %{moved[0]['value']} {moved[0]['from']} -> {moved[0]['to']})" if moved else "")
+                 + (f"; hvp's own: {len(hvps)} more, {format_size(sum(t['bytes'] for t in hvps)).split(' (')[0]} "
+                    f"per call" if hvps else ""))
     if plan["device_memory"] is not None:
         lines.append(f"  device memory limit {format_size(plan['device_memory'])}: params, their gradients, and the "
                      f"kept activations of the microbatches in flight")
     lines.append(f"  schedule ({plan['makespan_s'] * 1e3:.3g} ms modelled; idle {100 * plan['bubble']:.1f}% of "
                  f"stage time; GPipe's (K-1)/(M+K-1) = {100 * plan['bubble_formula']:.1f}%):")
     lines += ["    " + row for row in gantt(plan["timeline"], K, plan["makespan_s"])]
-    lines.append("    digits: forward of microbatch 0-9, letters: backward of microbatch a=0, b=1, ...; '.' idle")
+    lines.append("    digits: forward of microbatch 0-9, letters: backward of microbatch a=0, b=1, ...; '*' two or "
+                 "more in one column; '.' idle")
     png = _gantt_png(base, plan)
     lines.append(f"  chart: {png}" if png else "  (install the viz extra for a PNG of the schedule)")
     return lines
 
 
 def gantt(rows, K, makespan):
-    """One text row per stage: each op fills the columns of its time span."""
-    chart = [["."] * WIDTH for _ in range(K)]
+    """One text row per stage: each op fills the columns of its time span; a column that two or more ops
+    share shows '*' (a fast stage's ops are shorter than a column: one overwrote another, trial T)."""
+    cells = [[set() for _ in range(WIDTH)] for _ in range(K)]
     scale = WIDTH / makespan if makespan > 0 else 0.0
     for r in rows:
         mark = str(r["microbatch"] % 10) if r["op"] == "F" else chr(ord("a") + r["microbatch"] % 26)
-        lo = int(r["start"] * scale)
+        lo = min(int(r["start"] * scale), WIDTH - 1)
         hi = max(lo + 1, int(round(r["end"] * scale)))
         for c in range(lo, min(hi, WIDTH)):
-            chart[r["stage"]][c] = mark
-    return [f"stage {k} |{''.join(row)}|" for k, row in enumerate(chart)]
+            cells[r["stage"]][c].add(mark)
+    width = len(str(K - 1))   # (stage 10 lines up under stage 9)
+    return [f"stage {k:>{width}} |{''.join('.' if not c else c.pop() if len(c) == 1 else '*' for c in row)}|"
+            for k, row in enumerate(cells)]
 
 
 def _gantt_png(base, plan):

@@ -125,6 +125,8 @@ def plan_devices(graph, order, dims, K, target="cpu", device_memory=None, schedu
     for n in forward:
         readers = set()
         for u in graph.users(n):
+            if graph.node(u)["phase"] == "second":   # (hvp's reads: the cut is of the training step)
+                continue
             h = u if u in at else homes.get(u)
             if h in at and at[h] != at[n]:
                 readers.add(at[h])
@@ -177,14 +179,15 @@ def _document(graph, problem, bounds, stage, transfers, costs, dims, target, K, 
         fwd = sum(costs[n]["flops"] for n in nodes if n in costs and graph.node(n)["phase"] == "forward")
         bwd = sum(costs[n]["flops"] for n in nodes if n in costs and graph.node(n)["phase"] == "backward")
         second = sum(costs[n]["flops"] for n in nodes if n in costs and graph.node(n)["phase"] == "second")
+        step = [n for n in nodes if graph.node(n)["phase"] != "second"]   # a training step's (hvp's apart)
         a, b = bounds[k], bounds[k + 1]
         kept = float(sum(problem.kept[a:b]))
         params = sorted(name for name, p in graph.params.items() if stage[p] == k)
         param_bytes = sum(value_bytes(graph, graph.params[p], dims) for p in params)
         stages.append({"stage": k, "device": device_name(target, k, K), "nodes": nodes, "params": params,
                        "forward_flops": int(fwd), "backward_flops": int(bwd), "second_order_flops": int(second),
-                       "bytes_read": int(sum(costs[n]["read"] for n in nodes if n in costs)),
-                       "bytes_written": int(sum(costs[n]["written"] for n in nodes if n in costs)),
+                       "bytes_read": int(sum(costs[n]["read"] for n in step if n in costs)),
+                       "bytes_written": int(sum(costs[n]["written"] for n in step if n in costs)),
                        "kept_bytes_per_microbatch": int(kept), "in_flight": flight[k],
                        "workspace_bytes": int(max(problem.workspace[a:b])),
                        "model_memory_bytes": int(kept * flight[k] + 2 * param_bytes + max(problem.workspace[a:b])),
@@ -192,17 +195,18 @@ def _document(graph, problem, bounds, stage, transfers, costs, dims, target, K, 
     moves = []
     for t, u, src, dst in transfers:
         nbytes = value_bytes(graph, t, dims)
-        stages[src]["sent_bytes"] += nbytes
-        stages[dst]["received_bytes"] += nbytes
         carries = graph.node(u)["phase"] if graph.op(u) != "param" else "param"
+        if carries != "second":   # a training step's traffic (trial T: hvp's was counted in it)
+            stages[src]["sent_bytes"] += nbytes
+            stages[dst]["received_bytes"] += nbytes
         moves.append({"node": t, "value": u, "from": device_name(target, src, K), "to": device_name(target, dst, K),
                       "bytes": nbytes, "carries": carries})
     # per microbatch: work over the rate; a boundary moves what crosses it, both ways
     per_mb = 1.0 / M
     fwd_s = [s["forward_flops"] / rate * per_mb for s in stages]
     bwd_s = [s["backward_flops"] / rate * per_mb for s in stages]
-    cross = [sum(m["bytes"] for m in moves if m["from"] == stages[k]["device"] and m["to"] == stages[k + 1]["device"])
-             / link * per_mb for k in range(K - 1)] + [0.0]
+    cross = [sum(m["bytes"] for m in moves if m["from"] == stages[k]["device"] and m["to"] == stages[k + 1]["device"]
+                 and m["carries"] != "second") / link * per_mb for k in range(K - 1)] + [0.0]
     rows, makespan = simulate(schedule, fwd_s, bwd_s, cross, M)
     return {"stages": K, "target": target, "schedule": schedule, "microbatches": M, "order": forward,
             "cost_model": {"flop_rate": rate, "link_bytes_per_s": link, "slowest_stage_s": slowest},

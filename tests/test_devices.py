@@ -322,3 +322,35 @@ def test_a_batch_of_another_size_is_told_how_a_devices_build_takes_any(tmp_path)
     with pytest.raises(ValueError, match=r"B=4 was bound when this --devices build was compiled: compile it again "
                                          r"with --bind B=5, or for any batch size with --microbatches M > 1"):
         mod.loss_and_grad(mod.init_params(0), x=np.ones((5, 4), np.float32))
+
+
+def test_partition_counts_a_training_steps_traffic_and_the_chart_shows_every_op(tmp_path):
+    """Trial T: an --order 2 build's partition dump counted hvp's transfers in each stage's sent and
+    received bytes, the per-step total and the modelled schedule (241 KiB where --order 1 said 96 KiB);
+    and the Gantt chart let one op's mark overwrite another's in a column, and put stage 10 a column right."""
+    from gradc.inspect_partition import gantt, partition_report
+    (tmp_path / "model.py").write_text(CLI_MODEL)
+    run = lambda *a: subprocess.run([sys.executable, "-m", "gradc.cli", *a], cwd=tmp_path, capture_output=True, text=True)
+    docs = {}
+    for order in ("1", "2"):
+        r = run("compile", "model.py", "-o", f"o{order}", "--bind", "B=16", "--devices", "2", "--schedule", "1f1b",
+                "--microbatches", "4", "--order", order, "--no-warm")
+        assert r.returncode == 0, r.stderr
+        docs[order] = json.loads((tmp_path / f"o{order}" / "chain.partition.json").read_text())
+    one, two = docs["1"], docs["2"]
+    assert any(t["carries"] == "second" for t in two["transfers"])
+    for key in ("sent_bytes", "received_bytes"):
+        assert [s[key] for s in two["stage"]] == [s[key] for s in one["stage"]], key
+    np.testing.assert_allclose(two["makespan_s"], one["makespan_s"], rtol=0.01)
+    graph = json.loads((tmp_path / "o2" / "chain.graph.json").read_text())
+    line = next(x for x in partition_report(str(tmp_path / "o2" / "chain"), graph) if "transfers:" in x)
+    assert "hvp's own:" in line and line.split("transfers: ")[1].split(" per step")[0] == \
+        next(x for x in partition_report(str(tmp_path / "o1" / "chain"), graph) if "transfers:" in x) \
+        .split("transfers: ")[1].split(" per step")[0]
+    # a fast stage's ops share columns: '*' says so; 11 stages' rows line up
+    rows = [{"stage": 10, "op": "F", "microbatch": 0, "start": 0.0, "end": 1e-9},
+            {"stage": 10, "op": "B", "microbatch": 0, "start": 1e-9, "end": 2e-9},
+            {"stage": 0, "op": "F", "microbatch": 1, "start": 0.0, "end": 1.0}]
+    chart = gantt(rows, 11, 1.0)
+    assert chart[10].startswith("stage 10 |*") and chart[0].startswith("stage  0 |1111")
+    assert len({len(r) for r in chart}) == 1

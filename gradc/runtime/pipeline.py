@@ -334,8 +334,8 @@ class Pipeline:
                              f"must have the same number of rows, got {sorted(rows)}")
         B = rows.pop()
         if B < self.M:
-            raise ValueError(f"{self.model}: a batch of {B} rows cannot make {self.M} microbatches (this build's "
-                             f"--microbatches): give at least {self.M} rows")
+            raise ValueError(f"{self.model}: a batch of {B} row{'s' if B != 1 else ''} cannot make {self.M} "
+                             f"microbatches (this build's --microbatches): give at least {self.M} rows")
         return B
 
     def split(self, inputs):
