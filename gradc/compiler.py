@@ -582,7 +582,7 @@ def compile_model(model, out="build", target="cpu", dtype="float32", order=2, bi
                 if e.workspace else "")
         raise GradcError(f"budget {format_size(budget)} is below the minimum {format_size(e.minimum)} for this model "
                          f"(loss_and_grad, its arena and its kernels' workspace; keeping every activation needs "
-                         f"{format_size(e.store_all)}{work})", model.src) from None
+                         f"{format_size(e.store_all)}{work})", options_src or model.src) from None
     timings["memory"] = time.perf_counter() - t
     memplan = memplan_document(graph, plans)
     info["memory_plan"] = summary(memplan)

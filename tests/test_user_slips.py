@@ -614,3 +614,14 @@ def test_a_model_with_no_trainable_param_gets_a_note(tmp_path):
     m.minimize(gc.mean(gc.tanh(x @ m.param("W", (3, 2), trainable=False))))
     with pytest.warns(UserWarning, match=r"test_user_slips.py:\d+: the model has no trainable param"):
         gc.compile(m, out=str(tmp_path), order=1, warm=False)
+
+
+def test_a_budget_below_the_minimum_names_the_gc_compile_line(tmp_path):
+    """Trial S: gc.compile(..., memory_budget=...) too small named the gc.Model line; the budget is the call's."""
+    m = gc.Model("slip_budget_line")
+    x = m.input("x", ("B", 8))
+    m.minimize(gc.mean(gc.tanh(x @ m.param("W", (8, 8)))))
+    line = inspect.currentframe().f_lineno + 2
+    with pytest.raises(gc.GradcError, match=r"budget 64 bytes is below the minimum") as e:
+        gc.compile(m, out=str(tmp_path), bind={"B": 4}, memory_budget=64, warm=False)
+    assert f"test_user_slips.py:{line}:" in str(e.value)
