@@ -6,7 +6,10 @@ entry points warmed) into a fresh folder; JAX times `jax.jit(step).lower(...).co
 measurement runs in a fresh subprocess (Numba's and JAX's in-process caches would lie) and times
 the compile call only, after the imports, with Python's .pyc files written as usual (one untimed
 compile of a tiny model first); the kernel cache is pointed at a temp folder
-(GRADC_CACHE_DIR), empty unless the case says what warmed it. Cases:
+(GRADC_CACHE_DIR), empty unless the case says what warmed it. gradc's own compiled runtime
+(matmul_into, copy_into, view, ...) is not a model's: Numba caches it beside the installed package,
+once per install and machine, as JAX's XLA ships compiled, so the cases load it (the first run
+after an install compiles it once too). Cases:
 
   (a) 30-layer width-256 MLP, empty kernel cache             goal: at most 5x JAX
   (b) the same, the cache warm from a 20-layer width-256 MLP  goal: at most 2x JAX
