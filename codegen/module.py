@@ -48,7 +48,7 @@ from numba import njit, prange
 
 from gradc.runtime import Signature, TrainerBase, init_from, load_data
 from gradc.runtime.arena import Arena
-from gradc.runtime.blas import gemm_strided, matmul_into
+from gradc.runtime.blas import gemm_strided, matmul_in_kernel, matmul_into
 from gradc.runtime.conv_cores import (conv_on_cores, conv_weight_grad_on_cores, draws_on_cores, images_on_cores,
                                      parts_on_cores)
 from gradc.runtime.copy_into import copy_into
@@ -453,8 +453,9 @@ KERNEL_CACHE_NOTE = """\
 # @cached_cuda_kernel; gradc/runtime/kernel_cache.py) writes its source to
 # ($GRADC_CACHE_DIR, else ~/.cache/gradc)/kernels/k_<hash of the text, dtype, gradc, Numba, CPU or CUDA>.py
 # and loads it from there; Numba keeps the machine code beside it. The code is what you read here, less
-# its comments, with a kernel it calls (a scan's step) named by that kernel's own file, k_<hash>. A scalar
-# helper it calls has a file of its own the same way (CUDA: it is written into the kernel's file)."""
+# its comments, with a kernel it calls (a scan's step) named by the file of that kernel as compiled code
+# calls it (k_<hash>: without the Python entry, a file of its own). A scalar helper it calls has such a
+# file the same way (CUDA: the helper is written into the kernel's file)."""
 
 
 def _assemble(info, out, helper_src, kernel_src, body, api, kernels, g, entries, stored):

@@ -331,7 +331,8 @@ def _installed_module(name):
         return None
     where = os.path.realpath(origin)
     roots = {os.path.realpath(p) for key in ("stdlib", "platstdlib", "purelib", "platlib")
-             if (p := sysconfig.get_paths().get(key))} | {os.path.realpath(p) for p in site.getsitepackages()}
+             if (p := sysconfig.get_paths().get(key))} | {os.path.realpath(p) for p in site.getsitepackages()
+                                                             + [site.getusersitepackages()]}
     for root in roots:
         if where == root or where.startswith(root + os.sep):
             return f"an installed module ({where})"

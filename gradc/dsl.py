@@ -507,9 +507,8 @@ def mse(pred, target):
     if tuple(shapes[0]) != tuple(shapes[1]):
         raise GradcError(f"mse: pred {fmt(shapes[0])} and target {fmt(shapes[1])} must have the same shape", src)
     for what, v in (("pred", pred), ("target", target)):   # (trial S: the error named the `sub` inside)
-        dtype = v.dtype if isinstance(v, Tensor) else np.asarray(v).dtype.name
-        if not str(dtype).startswith("float"):
-            raise GradcError(f"mse: {what} {fmt(shapes[0])} has dtype {dtype}; mse takes float values (declare "
+        if isinstance(v, Tensor) and not v.dtype.startswith("float"):   # (a constant becomes a float one)
+            raise GradcError(f"mse: {what} {fmt(shapes[0])} has dtype {v.dtype}; mse takes float values (declare "
                              f"the input with dtype float, the default: gradc never casts)", src)
     diff = model._apply("sub", (pred, target), src)
     sq = model._apply("square", (diff,), src)

@@ -107,8 +107,8 @@ register(Op("slice_grad", "layout", _slice_grad_infer, _slice_grad_evaluate,
 def _one_range(index):
     """(axis, start, stop) when the index takes a unit-step range of one axis and every other whole, else None."""
     ranged = [(a, e) for a, e in enumerate(index) if e is not None]
-    if len(ranged) != 1 or ranged[0][1][2] != 1:
-        return None
+    if len(ranged) != 1 or ranged[0][1][2] != 1 or ranged[0][1][1] <= ranged[0][1][0]:
+        return None   # (an empty range, 5:2 included, joins nothing)
     axis, (start, stop, _) = ranged[0]
     return axis, start, stop
 
@@ -149,7 +149,7 @@ def merge_adjacent_slice_grads(graph, n):
     if not runs:
         return None
     node = graph.node(n)
-    made = lambda op, ins, attrs: graph.apply(op, ins, attrs, phase=node["phase"], src=node["src"])
+    made = lambda op, ins, attrs: graph.apply(op, ins, attrs, phase=node["phase"], src=node["src"], of=node.get("of"))
     joined = {v for _, run in runs for *_, v in run}
     terms = [v for v in leaves if v not in joined]
     for axis, run in runs:

@@ -63,12 +63,13 @@ def _matmul_rows(graph, n, ins, fail):
 
 
 def _matmul_cpu(s):
-    """gradc's runtime `matmul_into`, in a plain-Python entry and in compiled code (a scan's step, a
-    small hvp block) alike: it is compiled once per install, not per model (gradc/runtime/blas.py
-    says why), where a Numba kernel around np.dot cost a cold build about 0.9 s of compile, and its
-    products run on one BLAS with the kernels'."""
+    """gradc's runtime `matmul_into` in a plain-Python entry, `matmul_in_kernel` in compiled code (a scan's
+    step, a small hvp block): both compiled once per install, not per model (gradc/runtime/blas.py says
+    why), where a Numba kernel around np.dot cost a cold build about 0.9 s of compile; all products run
+    on one BLAS with the kernels'. Only an entry's sets BLAS's thread count for a small product."""
     ta, tb = bool(s.attrs.get("transpose_a")), bool(s.attrs.get("transpose_b"))
-    return [s.alloc(), f"matmul_into({', '.join(list(s.args) + [str(ta), str(tb), s.out])}){s.note}"]
+    product = "matmul_in_kernel" if s.compiled else "matmul_into"
+    return [s.alloc(), f"{product}({', '.join(list(s.args) + [str(ta), str(tb), s.out])}){s.note}"]
 
 
 def _gemm_cuda(s):

@@ -204,8 +204,20 @@ def _over_no_axes(graph, n):
     return graph.operands(n)[0] if not graph.attrs(n)["axes"] else None
 
 
+def _infer_of(name):
+    """The shape rule; a mean or max over no element (an axis of 0, an empty slice's) is refused: the one
+    is nan whatever the model's values, the other has no value (a sum over nothing is 0)."""
+    def infer(attrs, shapes, dtypes):
+        out = _reduce_infer(attrs, shapes, dtypes)
+        if name != "sum" and any(shapes[0][a] == 0 for a in attrs["axes"]):
+            raise ShapeError(f"axes {tuple(attrs['axes'])} of the operand hold no element (a dim of 0): a {name} "
+                             f"over nothing is {'nan' if name == 'mean' else 'undefined'}")
+        return out
+    return infer
+
+
 def _reduction(name, fn, vjp):
-    return Op(name, "reduce", _reduce_infer, _np_reduce(fn), _reduce_flops, vjp=vjp, arity=1, rows=_reduce_rows, parts="rows",
+    return Op(name, "reduce", _infer_of(name), _np_reduce(fn), _reduce_flops, vjp=vjp, arity=1, rows=_reduce_rows, parts="rows",
               simplify=_over_no_axes, batched=unary(axes=lambda axes, k: shifted(axes)),
               cpu=_reduction_cpu, cuda=_reduction_cuda)
 

@@ -1,10 +1,11 @@
-"""Matrix products by the BLAS that Numba's kernels link: from plain-Python entry points, and with
-explicit strides from inside kernels.
+"""Matrix products by the BLAS that Numba's kernels link: from plain-Python entry points, from
+compiled code, and with explicit strides from inside kernels.
 
-A plain entry (codegen/entry.py) calls `matmul_into`, one Numba function of this package for every
-module: compiled once per install for each dtype and array layout it meets (Numba's cache beside
-this file; a few seconds the first time), not per model, so it costs a build nothing, where a
-kernel around np.dot per module cost about 0.6 s of compile on an empty cache. It calls scipy's
+A plain entry (codegen/entry.py) calls `matmul_into`, and compiled code (a scan's loop, an hvp block)
+`matmul_in_kernel`, Numba functions of this package for every module: compiled once per install for
+each dtype and array layout they meet (Numba's cache beside this file; a few seconds the first
+time), not per model, so they cost a build nothing, where a kernel around np.dot per module cost
+0.6-0.9 s of compile on an empty cache. It calls scipy's
 BLAS, not numpy's, because the conv and scan kernels call scipy's OpenBLAS from inside Numba, and
 numpy ships an OpenBLAS of its own: two BLAS thread pools spinning on the same cores made a LeNet
 step 5x slower. It runs without the GIL, as the kernels do, so threaded Hessian rows still run side
@@ -132,24 +133,40 @@ def _gemm(one_zero, a, ta, b, tb, c, m, n, k):
 def matmul_into(a, b, ta, tb, out):
     """out = op(a) @ op(b), op transposing where ta / tb say; returns the BLAS threads it ran on.
     `out` is row-major, so BLAS (column-major) sees out.T and computes out.T = op(b).T @ op(a).T,
-    reading a.T and b.T without a copy. Operands whose rows are not contiguous are copied first
-    (by _matmul_copying: kept out of this function, which a scan's loop kernel inlines at each product)."""
+    reading a.T and b.T without a copy. Operands whose rows are not contiguous are copied first.
+    A product below SERIAL_BELOW runs on one BLAS thread (the module docstring says why)."""
+    return _product(a, b, ta, tb, out, True)
+
+
+@njit(nogil=True, error_model="numpy", cache=True)
+def matmul_in_kernel(a, b, ta, tb, out):
+    """matmul_into for compiled code (a scan's step, BPPSA's parallel sweeps, an hvp block): BLAS's
+    thread count is left as it is. Setting it is process-wide and costs microseconds: a step's small
+    products paid it each, and BPPSA's Numba threads setting it at once ran 20x slower (bench/rnn.py)."""
+    _product(a, b, ta, tb, out, False)
+
+
+@njit(nogil=True, error_model="numpy", cache=True)
+def _product(a, b, ta, tb, out, serial_when_small):
+    """The product, and the BLAS threads it ran on; the common case (one dtype, every operand's rows
+    contiguous) in a few lines, which a compiled caller inlines at each product."""
     m, n = out.shape
     k = a.shape[0] if ta else a.shape[1]
     if a.itemsize != out.itemsize or b.itemsize != out.itemsize or m == 0 or n == 0 or k == 0 \
             or _rows_apart(a) < 0 or _rows_apart(b) < 0 or _rows_apart(out) < 0:
-        return _matmul_copying(a, b, ta, tb, out)
-    return _gemm_threads(a, ta, b, tb, out, m, n, k)
+        return _matmul_copying(a, b, ta, tb, out, serial_when_small)
+    return _gemm_threads(a, ta, b, tb, out, m, n, k, serial_when_small)
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
-def _gemm_threads(a, ta, b, tb, out, m, n, k):
-    """_gemm on BLAS's threads in force, or on one where the product is small (SERIAL_BELOW)."""
+def _gemm_threads(a, ta, b, tb, out, m, n, k, serial_when_small):
+    """_gemm on BLAS's threads in force, or on one where the product is small (SERIAL_BELOW) and
+    the caller asks for that."""
     in_force = _BLAS_GET_THREADS()   # (a limit the user set, threadpoolctl's say, stays)
-    serial = in_force > 1 and m * n * k < SERIAL_BELOW
+    serial = serial_when_small and in_force > 1 and m * n * k < SERIAL_BELOW
     if serial:
         _BLAS_SET_THREADS(1)
-    ran_on = _BLAS_GET_THREADS()   # what BLAS runs this product on, read back (what a caller or test sees)
+    ran_on = _BLAS_GET_THREADS() if serial_when_small else in_force   # what BLAS runs this product on
     if out.itemsize == 4:
         status = _gemm(_ONE_ZERO_F4, a, ta, b, tb, out, m, n, k)
     else:
@@ -162,9 +179,9 @@ def _gemm_threads(a, ta, b, tb, out, m, n, k):
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
-def _matmul_copying(a, b, ta, tb, out):
-    """matmul_into's rare cases: mixed dtypes (refused), an empty product, operands whose rows are
-    not contiguous (copied first)."""
+def _matmul_copying(a, b, ta, tb, out, serial_when_small):
+    """The rare cases: mixed dtypes (refused), an empty product, operands whose rows are not
+    contiguous (copied first)."""
     m, n = out.shape
     k = a.shape[0] if ta else a.shape[1]
     if a.itemsize != out.itemsize or b.itemsize != out.itemsize:   # BLAS's kind follows out: no silent mix
@@ -179,8 +196,8 @@ def _matmul_copying(a, b, ta, tb, out):
     if _rows_apart(b) < 0:
         b = np.ascontiguousarray(b)
     if _rows_apart(out) > 0:
-        return _gemm_threads(a, ta, b, tb, out, m, n, k)
+        return _gemm_threads(a, ta, b, tb, out, m, n, k, serial_when_small)
     target = np.empty((m, n), out.dtype)
-    ran_on = _gemm_threads(a, ta, b, tb, target, m, n, k)
+    ran_on = _gemm_threads(a, ta, b, tb, target, m, n, k, serial_when_small)
     out[...] = target
     return ran_on

@@ -48,7 +48,7 @@ from numba import njit
 from numba.core.caching import FunctionCache
 
 from gradc.files import import_path
-from gradc.runtime.blas import gemm_strided, matmul_into
+from gradc.runtime.blas import gemm_strided, matmul_in_kernel
 from gradc.runtime.copy_into import copy_into
 from gradc.runtime.cuda import load_cuda, simulated
 from gradc.runtime.simd import tap_dots, tap_sums
@@ -64,7 +64,7 @@ KERNELS = []   # (module name, kernel name, dispatcher, cache file or None), in 
 NOT_CACHED = {}   # (module name, kernel name) -> why it compiled outside the cache
 _LOCK = threading.Lock()
 _LINES = {}    # (path, inode, mtime_ns, size) -> the file's lines
-RUNTIME_KERNELS = {"copy_into": copy_into, "gemm_strided": gemm_strided, "matmul_into": matmul_into,
+RUNTIME_KERNELS = {"copy_into": copy_into, "gemm_strided": gemm_strided, "matmul_in_kernel": matmul_in_kernel,
                    "tap_dots": tap_dots, "tap_sums": tap_sums, "view": view}   # gradc's compiled helpers a kernel may call by name (copy_into: an overload, no dispatcher)
 _FILE_OF = {}  # id(dispatcher) -> the cache file it was loaded from (the dispatchers live in KERNELS)
 _FUNC_OF = {}  # id(dispatcher) -> the module's function it was made from
@@ -152,8 +152,9 @@ class CallsOtherKernels(ValueError):
 
 
 def canonical_text(func, target="cpu", inner=False):
-    """The cache file of a kernel: a header naming what the machine code depends on, the scalar
-    helpers it calls, and the kernel itself as `kernel`. Raises ValueError for a function that
+    """The cache file of a kernel: a header naming what the machine code depends on, the kernels and
+    scalar helpers it calls (loaded from their own files; CUDA: the helpers' source written in), and
+    the kernel itself as `kernel`. Raises ValueError for a function that
     reads a global this file cannot define. `inner`: the variant that compiled code calls (a scan's
     loop, a caller's helper), compiled without the Python entry that calling it from Python needs:
     that entry is 30-40% of a small kernel's compile, and such a variant is reached only through the

@@ -69,11 +69,16 @@ def dtype_hint(given_as, dtype, expected, value=None, what="inputs"):
     return f"{_with_article(given_as)} becomes {_with_article(dtype)} array: pass np.asarray(..., dtype={expected})"
 
 
-def _refuse_masked(what, v):
-    """A masked array's mask would be dropped silently (the kernels read its data): trial S."""
-    if isinstance(v, np.ma.MaskedArray):
-        raise ValueError(f"{what} is a masked array: the kernels would read its data and drop its mask; pass "
-                         f"np.ma.filled(x, value) (the masked elements set to a value you choose) or x.data")
+def _unmasked(what, v):
+    """The data of a masked array that masks nothing; one that masks an element is refused: the kernels
+    would read its data and drop the mask silently (trial S)."""
+    if not isinstance(v, np.ma.MaskedArray):
+        return v
+    if np.ma.is_masked(v):
+        raise ValueError(f"{what} is a masked array with masked elements: the kernels would read its data and "
+                         f"drop its mask; pass np.ma.filled(x, value) (the masked elements set to a value you "
+                         f"choose) or x.data")
+    return np.ma.getdata(v)
 
 
 def _fmt(shape):
@@ -172,7 +177,7 @@ class Signature:
             if not isinstance(v, np.ndarray):
                 raise ValueError(f"{what} must be a numpy array{' or a CUDA array' if self.devices else ''}, "
                                  f"got {given_as}")
-        _refuse_masked(what, v)
+        v = _unmasked(what, v)
         if v.shape != shape:
             raise ValueError(f"{what} has shape {_fmt(v.shape)}, expected {_fmt(shape)}")
         if v.dtype != self.float:
@@ -213,7 +218,7 @@ class Signature:
             given_as = None
             if not device:
                 v, given_as = as_array(v)
-                _refuse_masked(f"{self.model}.{entry}: input {name!r}", v)
+                v = _unmasked(f"{self.model}.{entry}: input {name!r}", v)
             if array_dtype(v) != np.dtype(dtype):
                 raise ValueError(f"{self.model}.{entry}: input {name!r} has dtype {array_dtype(v)}, expected {dtype} "
                                  f"({dtype_hint(given_as, array_dtype(v), dtype, v)})")
