@@ -6,11 +6,12 @@ user's own line, and every node keeps that `file:line`.
 import contextlib
 import keyword
 import numbers
+import sys
 import weakref
 
 import numpy as np
 
-from .errors import GradcError, ShapeError, user_src, user_warning
+from .errors import GradcError, ShapeError, src_of, user_src, user_warning
 from .ir import FLOAT_DTYPES, INT_DTYPES, Graph
 from .ops import get_op
 from .ops.elementwise import ElementwiseDefinitionError, define_user_op
@@ -184,6 +185,19 @@ def _warn_of_a_table(graph, op, nodes, n):
                      f"is meant, say so with a new axis (y[None, :]) and this warning goes")
 
 
+def _caller_of_scipy_sparse():
+    """'file:line' of the code that called scipy.sparse where it is on the stack (a sparse matrix's operator
+    asked numpy for a Tensor's values), else None."""
+    frame, seen = sys._getframe(1), False
+    while frame is not None:
+        inside = (frame.f_globals.get("__name__") or "").startswith("scipy.sparse")
+        if seen and not inside:
+            return src_of(frame)
+        seen |= inside
+        frame = frame.f_back
+    return None
+
+
 def _new_axes(graph, u):
     """Whether u's 1s are the user's: u a reshape (x[:, None]), or an elementwise op whose operands of its
     shape all have them (gc.exp(x[:, None]) * 2.0). (A loop, not recursion: a chain may be long.)"""
@@ -293,6 +307,10 @@ class Tensor:
         raise GradcError(f"numpy's {where}.{name} cannot take a gradc Tensor: use {use}", user_src())
 
     def __array__(self, dtype=None, copy=None):
+        sparse_caller = _caller_of_scipy_sparse()   # (trial U: `csr @ t` named scipy's line, never said sparse)
+        if sparse_caller:
+            raise GradcError("a scipy sparse matrix cannot take a gradc Tensor: gradc's constants are dense arrays; "
+                             "write A.toarray() @ t, or make the matrix an input of the model", sparse_caller)
         raise GradcError("a Tensor has no values while the model is being built: numpy cannot make an array of it "
                          "(np.asarray(t), np.array([t, u])); use gradc's ops (README, the DSL)", user_src())
 

@@ -29,7 +29,12 @@ def _user_frame():
 def user_src():
     """'file:line' of the innermost frame outside gradc: the line of the user's model source."""
     frame = _user_frame()
-    return "<gradc>" if frame is None else f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
+    return "<gradc>" if frame is None else src_of(frame)
+
+
+def src_of(frame):
+    """'file:line' of a frame (the file relative to the working folder where it lies below it)."""
+    return f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
 def user_warning(message):

@@ -732,14 +732,23 @@ def test_load_takes_settings_from_the_checkpoint_and_says_so(small, tmp_path):
     """Found by a new-user trial: Trainer.load(path, lr=0.5) raised "got multiple values for keyword 'lr'"."""
     path = str(tmp_path / "ckpt.npz")
     small.Trainer(small.init_params(0), lr=0.1).save(path)
+    with pytest.raises(TypeError, match=r"Trainer.load: lr, optimizer come from the checkpoint \(load takes "
+                                        r"parallel= and its options\); set them on the trainer it returns, e.g. tr.lr = ...$"):
+        small.Trainer.load(path, lr=0.5, optimizer="adam")
     with pytest.raises(TypeError, match=r"Trainer.load: lr, seed come from the checkpoint \(load takes parallel= "
-                                        r"and its options\); set them on the trainer it returns, e.g. tr.lr = ..."):
+                                        r"and its options\); set it on the trainer it returns, e.g. tr.lr = ...; for "
+                                        r"other gradient options a new Trainer starts from the loaded params"):
         small.Trainer.load(path, lr=0.5, seed=3)
     with pytest.raises(TypeError, match=r"Trainer.load: lr comes from the checkpoint"):
         small.Trainer.load(path, lr=0.5)
     tr = small.Trainer.load(path)
     tr.lr = 0.5
     assert tr.lr == 0.5
+    # (trial U: the hint said to set gradient= on the trainer, which cannot be set)
+    with pytest.raises(TypeError, match=r"gradient comes from the checkpoint \(load takes parallel= and its options\); "
+                                        r"for other gradient options a new Trainer starts from the loaded params: "
+                                        r"\w+\.Trainer\(tr\.params, gradient=\.\.\.\)$"):
+        small.Trainer.load(path, gradient="lr")
 
 
 def test_cli_refuses_an_abbreviated_option(capsys):

@@ -292,6 +292,8 @@ def test_bad_arguments_are_refused_by_name():
     for bad, match in [(dict(samples=0), "samples must be an int >= 1"), (dict(samples=2.0), "samples must be an int"),
                        (dict(sigma=0.0), "sigma must be a finite number > 0"), (dict(sigma=-1), "sigma"),
                        (dict(sigma=float("nan")), "sigma"), (dict(sigma=1e-30), "out of float32's range"),
+                       (dict(sigma=1e-20), "out of float32's range"),   # (sigma**2 subnormal: nan estimates, trial U)
+                       (dict(sigma=1e19), "out of float32's range"),    # (1 / sigma**2 subnormal)
                        (dict(samples=5), "samples=5 is odd"), (dict(seed=1.5), "seed must be an int"),
                        (dict(seed=2**63), r"seed must be an int in int64's range"), (dict(seed=-2**63 - 1), "range"),
                        (dict(layerwise="yes"), "layerwise must be True or False")]:
@@ -299,6 +301,10 @@ def test_bad_arguments_are_refused_by_name():
             lr.check(**(good | bad))
     assert lr.check(**(good | dict(samples=5, antithetic=False)))[0] == 5
     assert lr.check(**(good | dict(seed=2**63 - 1)))[2] == 2**63 - 1
+    assert lr.check(**(good | dict(sigma=1.1e-19)))[1] == 1.1e-19   # sigma**2 just above float32's tiny
+    wide = LikelihoodRatio("lrmlp", np.float64, lr_info(graph))
+    with pytest.raises(ValueError, match="out of float64's range"):
+        wide.check(**(good | dict(sigma=1e-160)))
 
 
 def test_an_input_named_as_an_option_is_named(tmp_path):

@@ -633,3 +633,14 @@ def test_a_budget_below_the_minimum_names_the_gc_compile_line(tmp_path):
     with pytest.raises(gc.GradcError, match=r"budget 64 bytes is below the minimum") as e:
         gc.compile(m, out=str(tmp_path), bind={"B": 4}, memory_budget=64, warm=False)
     assert f"test_user_slips.py:{line}:" in str(e.value)
+
+
+def test_a_scipy_sparse_constant_is_named_at_the_users_line():
+    """Trial U: csr_matrix(A) @ X named a line of scipy's and said nothing of sparse matrices."""
+    sps = pytest.importorskip("scipy.sparse")
+    m = gc.Model("slip_sparse")
+    X = m.input("X", (4, 3))
+    line = inspect.currentframe().f_lineno + 2
+    with pytest.raises(gc.GradcError, match=r"a scipy sparse matrix cannot take a gradc Tensor: .* A\.toarray\(\)") as e:
+        sps.csr_matrix(np.eye(4)) @ X
+    assert str(e.value).startswith(f"{os.path.relpath(__file__)}:{line}:") or f"test_user_slips.py:{line}:" in str(e.value)

@@ -53,9 +53,12 @@ class LikelihoodRatio:
             raise ValueError(f"{name}: sigma must be a finite number > 0, got {sigma!r}")
         with np.errstate(over="ignore", under="ignore"):
             s = self.float.type(sigma)
-            if not (0 < s < math.inf and 0 < s * s < math.inf):
+            # (a subnormal sigma**2 passed, and 1 / sigma**2 made every gradient nan, or 0: trial U)
+            tiny = np.finfo(self.float).tiny
+            if not (0 < s < math.inf and tiny <= s * s < math.inf and tiny <= 1 / (s * s) < math.inf):
                 raise ValueError(f"{name}: sigma {sigma!r} is out of {np.dtype(self.float).name}'s range (sigma**2 "
-                                 f"must be a positive finite number there)")
+                                 f"and 1 / sigma**2 must be normal finite numbers there: sigma from "
+                                 f"{float(np.sqrt(tiny)):.2g} to {float(1 / np.sqrt(tiny)):.2g})")
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -2**63 <= seed < 2**63:
             raise ValueError(f"{name}: seed must be an int in int64's range [-2**63, 2**63), got {seed!r}")
         for flag, value in (("antithetic", antithetic), ("layerwise", layerwise), ("baseline", baseline)):
