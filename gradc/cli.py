@@ -267,7 +267,13 @@ def main(argv=None):
         interrupted = isinstance(e, KeyboardInterrupt)
         written = f" after the new build was in place ({e.written} is it)" if getattr(e, "written", None) else ""
         print(f"gradc: {'interrupted' if interrupted else 'terminated'}{written}", file=sys.stderr)
-        return 128 + (signal.SIGINT if interrupted else signal.SIGTERM)
+        status = 128 + (signal.SIGINT if interrupted else signal.SIGTERM)
+        checkmate = sys.modules.get("gradc.passes.checkmate")
+        if checkmate is not None and checkmate.solves_running():   # exit now, past C++'s statics (checkmate.py)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+        return status
     except BrokenPipeError:   # `gradc inspect ... | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

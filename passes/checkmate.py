@@ -25,6 +25,7 @@ is tighter than one aggregated constraint). Buffers internal to a coarse node ar
 which is why the caller checks every plan's true peak by liveness. HiGHS solves it under a time limit; the best plan found
 and its optimality gap are returned.
 """
+import atexit
 import os
 import sys
 import threading
@@ -180,7 +181,7 @@ class _Program:
         a trial found); waiting in short joins, this thread raises KeyboardInterrupt at once (the solve,
         a daemon thread, ends with the process)."""
         A = coo_array((self.vals, (self.rows, self.cols)), shape=(len(self.row_lb), len(self.lb))).tocsr()
-        outcome = {}
+        outcome, done = {}, threading.Event()
 
         def run():
             try:
@@ -190,14 +191,38 @@ class _Program:
                                          options={"time_limit": max(seconds, 0.1), "disp": False})
             except BaseException as e:   # raised again on the caller's thread
                 outcome["error"] = e
+            finally:
+                done.set()
         with _stdout_silenced():
             solver = threading.Thread(target=run, name="gradc-milp", daemon=True)
-            solver.start()
-            while solver.is_alive():
-                solver.join(0.05)
+            try:
+                solver.start()
+                while not done.wait(0.05):
+                    pass
+            except BaseException:   # Ctrl-C: the caller goes on at once; the solve ends by its time limit
+                # (an event, not the thread's is_alive: a join a signal interrupts marks the thread stopped)
+                _ABANDONED.append((done, time.monotonic() + max(seconds, 0.1)))
+                raise
         if "error" in outcome:
             raise outcome["error"]
         return outcome["result"]
+
+
+_ABANDONED = []   # (done event, deadline) of the solves a signal left running
+
+
+def solves_running():
+    """Whether a solve that a signal left running still runs. The process must not exit while HiGHS runs:
+    C++'s statics are destroyed under it, and the process aborted ("terminate called without an active
+    exception", status 134) after a Ctrl-C during a --memory-budget compile."""
+    return any(not done.is_set() for done, _ in _ABANDONED)
+
+
+@atexit.register
+def _wait_for_abandoned_solves():
+    """At exit, wait for those solves (each ends by its time limit, at most seconds away)."""
+    for done, deadline in _ABANDONED:
+        done.wait(max(0.0, deadline - time.monotonic()) + 1.0)
 
 
 def solve_stages(coarse, budget, seconds):

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -723,3 +724,40 @@ def test_a_signal_during_a_milp_solve_is_taken_at_once():
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert time.perf_counter() - start < 1.5
+
+
+def test_exiting_after_a_signal_during_a_milp_solve_does_not_abort(tmp_path):
+    """The solve a signal leaves running (above) ran on when the process exited, and C++'s statics were
+    destroyed under HiGHS: "terminate called without an active exception", status 134 (a Ctrl-C during a
+    --memory-budget compile; the test above, when it ran last). Exit waits for it now; the CLI exits at once."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(textwrap.dedent("""
+        import signal, time
+        import numpy as np
+        from gradc.passes import checkmate
+
+        class Alarm(Exception):
+            pass
+
+        def ring(signum, frame):
+            raise Alarm()
+        rng = np.random.default_rng(0)
+        program, n = checkmate._Program(), 300   # the knapsack above: HiGHS works on it past its limit
+        for i in range(n):
+            program.var(i, cost=-rng.random())
+        weights = rng.random((40, n))
+        for r in range(40):
+            program.row([(i, weights[r, i]) for i in range(n)], ub=weights[r].sum() * 0.3)
+        signal.signal(signal.SIGALRM, ring)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        start = time.perf_counter()
+        try:
+            program.solve(2.0)
+        except Alarm:
+            print(checkmate.solves_running(), time.perf_counter() - start < 1.5)
+    """))
+    start = time.perf_counter()
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["True", "True"], (r.stdout, r.stderr[-500:])   # exiting while HiGHS runs
+    assert r.returncode == 0 and "terminate called" not in r.stderr, (r.returncode, r.stderr[-500:])
+    assert time.perf_counter() - start > 1.5   # (it waited for the solve's time limit)
