@@ -306,6 +306,10 @@ class Tensor:
         where = "np" + func.__module__[len("numpy"):] if func.__module__.startswith("numpy") else func.__module__
         raise GradcError(f"numpy's {where}.{name} cannot take a gradc Tensor: use {use}", user_src())
 
+    def __float__(self):   # (trial V: math.exp(t) said only "must be real number, not Tensor")
+        raise GradcError("a Tensor has no value while the model is being built: Python's math functions and float() "
+                         "need a number; use gradc's ops (gc.exp, gc.log, gc.sqrt, ...; README, the DSL)", user_src())
+
     def __array__(self, dtype=None, copy=None):
         sparse_caller = _caller_of_scipy_sparse()   # (trial U: `csr @ t` named scipy's line, never said sparse)
         if sparse_caller:

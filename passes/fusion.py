@@ -82,8 +82,12 @@ def _inline(graph, n, roots, draws=False):
             outer[X[i]] = piece.xreplace({X[m]: X[new.index(v)] for m, v in enumerate(pieces)})
             if distributes(expr, outer):
                 continue
+            composed = expr.xreplace(outer)
+            kept = set().union(*(outer[x].free_symbols for x in expr.free_symbols if x in outer))
+            if not kept <= composed.free_symbols:
+                continue   # sympy dropped an operand (0 * log(x) is 0; x * (1/x) is 1): numpy's nan stays (trial V)
             graph.merge_into(u, n)   # u's value now lives inside n (its derivatives run where n does)
-            expr, operands = expr.xreplace(outer), new
+            expr, operands = composed, new
             changed = progress = True
             break
     if changed:

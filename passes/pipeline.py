@@ -116,7 +116,10 @@ def constants_in_dtype(graph, dtype):
                 raise GradcError("the expression of this line divides by the constant 0 (or takes the log of 0): "
                                  "sympy makes it an infinity of no sign, which no float holds; take the constant out "
                                  "or give it as an input", graph.node(n)["src"])
-            why = next(filter(None, (folded_unheld(a, dtype) for a in expr.atoms(sp.Number) if a.is_finite)), None)
+            # a number, or a constant a function makes of one (sp.exp(100) in a user op: trial V)
+            constants = [a for a in expr.atoms(sp.Number) if a.is_finite] + \
+                [a for a in expr.atoms(sp.Function, sp.Pow) if not a.free_symbols]
+            why = next(filter(None, (folded_unheld(a, dtype) for a in constants)), None)
             if why:
                 raise GradcError(f"the expression of this line folds to the number {why}", graph.node(n)["src"])
         if graph.op(n) != "const" or np.ndim(graph.attrs(n)["value"]) == 0:

@@ -644,3 +644,39 @@ def test_a_scipy_sparse_constant_is_named_at_the_users_line():
     with pytest.raises(gc.GradcError, match=r"a scipy sparse matrix cannot take a gradc Tensor: .* A\.toarray\(\)") as e:
         sps.csr_matrix(np.eye(4)) @ X
     assert str(e.value).startswith(f"{os.path.relpath(__file__)}:{line}:") or f"test_user_slips.py:{line}:" in str(e.value)
+
+
+def test_a_zero_factor_keeps_numpys_nan(tmp_path):
+    """Trial V: log(x) * 0.0 fused to `out = 0` (sympy's 0 * anything is 0): the nan of log(-1) and the
+    inf * 0 of exp(1000) were lost from the value and the gradient; numpy and torch give nan."""
+    torch = pytest.importorskip("torch")
+    m = gc.Model("slip_zero_factor")
+    x, w = m.input("x", (4,)), m.param("w", (4,))
+    m.minimize(gc.sum(gc.log(x * w) * 0.0 + 0 * gc.exp(x) + x * w))
+    mod = gc.compile(m, out=str(tmp_path), dtype="float64", order=1, warm=False)
+    xv = np.array([-1.0, 0.5, 1000.0, np.inf])
+    loss, grads = mod.loss_and_grad({"w": np.ones(4)}, x=xv)
+    tx, tw = torch.tensor(xv), torch.ones(4, dtype=torch.float64, requires_grad=True)
+    tl = (torch.log(tx * tw) * 0.0 + 0 * torch.exp(tx) + tx * tw).sum()
+    tl.backward()
+    assert np.isnan(loss) and np.isnan(tl.item())
+    np.testing.assert_array_equal(grads["w"], tw.grad.numpy())   # nan where torch's is, the same numbers elsewhere
+
+
+def test_a_symbolic_constant_float32_cannot_hold_is_refused(tmp_path):
+    """Trial V: u * sp.exp(100) in a user op compiled in float32 (inf, a nan loss): only numbers were checked."""
+    import sympy as sp
+    m = gc.Model("slip_symbolic_constant")
+    u = m.input("u", (3,))
+    big = gc.elementwise("times_e100", lambda t: t * sp.exp(100))
+    m.minimize(gc.sum(big(u) * m.param("p", (3,))))
+    with pytest.raises(gc.GradcError, match=r"folds to the number 2.688\d*e\+43, which float32 holds as inf"):
+        gc.compile(m, out=str(tmp_path), order=1, warm=False)
+
+
+def test_math_functions_of_a_tensor_name_gradcs():
+    import math
+    m = gc.Model("slip_math_exp")
+    x = m.input("x", (3,))
+    with pytest.raises(gc.GradcError, match=r"Python's math functions and float\(\) need a number; use gradc's ops \(gc.exp"):
+        math.exp(x)
