@@ -680,3 +680,14 @@ def test_math_functions_of_a_tensor_name_gradcs():
     x = m.input("x", (3,))
     with pytest.raises(gc.GradcError, match=r"Python's math functions and float\(\) need a number; use gradc's ops \(gc.exp"):
         math.exp(x)
+
+
+def test_a_user_op_written_with_math_or_an_if_says_what_to_write():
+    """Trial V: math.exp or an `if` inside a user op said only "Cannot convert expression to float" or
+    "cannot determine truth value of Relational"."""
+    import math
+    with pytest.raises(gc.GradcError, match=r"fn failed on sympy symbols: .*; write sympy's functions \(sp.exp"):
+        gc.elementwise("slip_math_op", lambda u: math.exp(u))
+    with pytest.raises(gc.GradcError, match=r"truth value of Relational.*; a branch \(`if`, `max`, `min`\) is a sympy "
+                                            r"Piecewise"):
+        gc.elementwise("slip_if_op", lambda u: u if u > 0 else 0)

@@ -305,8 +305,13 @@ def define_user_op(name, fn):
         raise ElementwiseDefinitionError(f"elementwise {name!r}: fn takes {arity} operands; 1 to 8 are supported")
     try:
         expr = sp.sympify(fn(*X[:arity]))
-    except Exception as e:
-        raise ElementwiseDefinitionError(f"elementwise {name!r}: fn failed on sympy symbols: {e}") from None
+    except Exception as e:   # (trial V: what to write instead, for the two slips a new user makes)
+        text = str(e)
+        hint = ("; a branch (`if`, `max`, `min`) is a sympy Piecewise(...), Max or Min of the operands"
+                if "truth value of Relational" in text else
+                "; write sympy's functions (sp.exp, sp.log, ...), not math's or numpy's"
+                if "convert expression to float" in text or "ufunc" in text else "")
+        raise ElementwiseDefinitionError(f"elementwise {name!r}: fn failed on sympy symbols: {e}{hint}") from None
     if not isinstance(expr, sp.Expr):
         raise ElementwiseDefinitionError(f"elementwise {name!r}: fn returned {type(expr).__name__}, not a sympy expression")
     expr = to_differentiable(expr)
