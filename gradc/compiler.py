@@ -323,19 +323,19 @@ def _installed_module(name):
         spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
         return None
-    origin = spec and (spec.origin if spec.origin not in (None, "built-in", "frozen") else
-                       next(iter(spec.submodule_search_locations or []), None))
-    if spec is not None and spec.origin in ("built-in", "frozen"):
+    if spec is None:
+        return None
+    if spec.origin in ("built-in", "frozen"):
         return "a module built into Python"
+    origin = spec.origin or next(iter(spec.submodule_search_locations or []), None)   # (a namespace package: its folder)
     if not origin:
         return None
     where = os.path.realpath(origin)
     roots = {os.path.realpath(p) for key in ("stdlib", "platstdlib", "purelib", "platlib")
-             if (p := sysconfig.get_paths().get(key))} | {os.path.realpath(p) for p in site.getsitepackages()
-                                                             + [site.getusersitepackages()]}
-    for root in roots:
-        if where == root or where.startswith(root + os.sep):
-            return f"an installed module ({where})"
+             if (p := sysconfig.get_paths().get(key))}
+    roots |= {os.path.realpath(p) for p in site.getsitepackages() + [site.getusersitepackages()]}
+    if any(where == root or where.startswith(root + os.sep) for root in roots):
+        return f"an installed module ({where})"
     return None
 
 

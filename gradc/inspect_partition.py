@@ -30,8 +30,8 @@ def partition_report(base, graph):
              f"{format_size(int(cost['link_bytes_per_s'])).split(' (')[0]}/s between devices",
              f"  {'stage':<6}{'device':<9}{'nodes':>6}{'fwd FLOPs':>14}{'bwd FLOPs':>14}{'memory':>14}"
              f"{'sent':>14}{'received':>14}  params"]
+    short = lambda b: format_size(b).split(" (")[0]
     for s in plan["stage"]:
-        short = lambda b: format_size(b).split(" (")[0]
         lines.append(f"  {s['stage']:<6}{s['device']:<9}{len(s['nodes']):>6}{s['forward_flops']:>14,}"
                      f"{s['backward_flops']:>14,}{short(s['memory_bytes']):>14}{short(s['sent_bytes']):>14}"
                      f"{short(s['received_bytes']):>14}  {', '.join(s['params']) or '-'}")
@@ -39,8 +39,7 @@ def partition_report(base, graph):
     hvps = [t for t in plan["transfers"] if t.get("carries") == "second"]
     lines.append(f"  transfers: {len(moved)} nodes, {format_size(sum(t['bytes'] for t in moved))} per step"
                  + (f" (e.g. %{moved[0]['value']} {moved[0]['from']} -> {moved[0]['to']})" if moved else "")
-                 + (f"; hvp's own: {len(hvps)} more, {format_size(sum(t['bytes'] for t in hvps)).split(' (')[0]} "
-                    f"per call" if hvps else ""))
+                 + (f"; hvp's own: {len(hvps)} more, {short(sum(t['bytes'] for t in hvps))} per call" if hvps else ""))
     if plan["device_memory"] is not None:
         lines.append(f"  device memory limit {format_size(plan['device_memory'])}: params, their gradients, and the "
                      f"kept activations of the microbatches in flight")

@@ -266,9 +266,12 @@ BUILTINS = {
     "gelu": (x0 * sp.erfc(-x0 / sp.sqrt(2)) / 2, 1), "sin": (sp.sin(x0), 1), "cos": (sp.cos(x0), 1),
     "sqrt": (sp.sqrt(x0), 1), "square": (x0 ** 2, 1), "abs": (AbsF(x0), 1), "maximum": (Max2(x0, x1), 2),
 }
+_plus_zero = _units((1, 0.0), (0, 0.0))
+
+
 def _add_simplify(graph, n):
     """x + 0 is x; adjacent slices' adjoints join (index.merge_adjacent_slice_grads)."""
-    target = _units((1, 0.0), (0, 0.0))(graph, n)
+    target = _plus_zero(graph, n)
     return target if target is not None else merge_adjacent_slice_grads(graph, n)
 
 

@@ -42,6 +42,7 @@ import sys
 import tempfile
 import threading
 import tokenize
+import weakref
 
 import numba
 from numba import njit
@@ -66,8 +67,8 @@ _LOCK = threading.Lock()
 _LINES = {}    # (path, inode, mtime_ns, size) -> the file's lines
 RUNTIME_KERNELS = {"copy_into": copy_into, "gemm_strided": gemm_strided, "matmul_in_kernel": matmul_in_kernel,
                    "tap_dots": tap_dots, "tap_sums": tap_sums, "view": view}   # gradc's compiled helpers a kernel may call by name (copy_into: an overload, no dispatcher)
-_FILE_OF = {}  # id(dispatcher) -> the cache file it was loaded from (the dispatchers live in KERNELS)
-_FUNC_OF = {}  # id(dispatcher) -> the module's function it was made from
+_FUNC_OF = {}  # id(dispatcher) -> the module's function its cache file was made from (the dispatchers live in KERNELS)
+_INNER = weakref.WeakKeyDictionary()   # function -> {kernel folder: the stem of its inner file} (_inner_file)
 
 
 def cache_dir():
@@ -180,7 +181,7 @@ def canonical_text(func, target="cpu", inner=False):
                     imports.append(name)
             elif name in helpers or name in callees or (name not in env and hasattr(builtins, name)):
                 continue
-            elif target == "cpu" and id(value) in _FILE_OF:   # another cached kernel: loaded from its file
+            elif target == "cpu" and id(value) in _FUNC_OF:   # another cached kernel: loaded from its file
                 callees[name] = _inner_file(_FUNC_OF[id(value)])
             elif hasattr(value, "py_func") and name.startswith("_") and target == "cpu":
                 if "prange" in _globals(value.py_func):
@@ -197,9 +198,7 @@ def canonical_text(func, target="cpu", inner=False):
     body = _without_comments(_source(func)).replace(f"def {func.__name__}(", "def kernel(", 1)
     for name, stem in list(callees.items()):   # a kernel goes by its file's name: the module's numbering is not content
         if not name.startswith("_"):   # (a helper keeps its name, which is content)
-            rename = re.compile(rf"\b{re.escape(name)}\b")
-            body = rename.sub(stem, body)
-            helpers = {h: rename.sub(stem, text) for h, text in helpers.items()}
+            body = re.sub(rf"\b{re.escape(name)}\b", stem, body)
             callees[stem] = callees.pop(name)
     inner_flag = "no_cpython_wrapper=True, " if inner else ""   # (Python cannot call it: only its callers' files load it)
     if target == "cuda":
@@ -234,8 +233,13 @@ def _inner_file(func):
     """The stem of the cache file of a kernel or scalar helper (`_tanh`, ...) as compiled code calls
     it (canonical_text's `inner`), written if missing. A helper in a file of its own compiles once
     for all its callers, where a copy in each caller's file compiled once per caller (an LSTM's
-    warm-up: 10 compiles of 3 helpers, 1.2 s)."""
-    return os.path.basename(ensure_file(canonical_text(func, inner=True)))[:-3]
+    warm-up: 10 compiles of 3 helpers, 1.2 s). Made once per function and cache folder: forty
+    kernels call one helper, and making its text each time took half of a module's import."""
+    made = _INNER.setdefault(func, {})
+    folder = kernel_dir()
+    if folder not in made:
+        made[folder] = os.path.basename(ensure_file(canonical_text(func, inner=True)))[:-3]
+    return made[folder]
 
 
 _DIGESTS = {}
@@ -380,7 +384,6 @@ def _cached(func, target):
         try:
             path = ensure_file(canonical_text(func, target))   # a corrupted file is written again here
             disp = _load(path)
-            _FILE_OF[id(disp)] = path
             _FUNC_OF[id(disp)] = func
             STATS["loaded"] += 1
         except Exception as e:   # compile it here, and say why

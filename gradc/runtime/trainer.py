@@ -501,11 +501,13 @@ class TrainerBase:
         if settings:
             verb = "comes" if len(settings) == 1 else "come"
             gradient = [k for k in settings if k in cls._gradient_option_names]
-            # (trial U: the hint said to set gradient= on the trainer, which has no setter for it)
-            how = "; ".join(([f"set {'them' if len(settings) > len(gradient) + 1 else 'it'} on the trainer it "
-                              f"returns, e.g. tr.lr = ..."] if len(gradient) < len(settings) else []) +
-                            ([f"for other gradient options a new Trainer starts from the loaded params: "
-                              f"{cls.model_name}.Trainer(tr.params, {gradient[0]}=...)"] if gradient else []))
+            others = [k for k in settings if k not in gradient]
+            hints = [f"set {'them' if len(others) > 1 else 'it'} on the trainer it returns, e.g. tr.lr = ..."] \
+                if others else []
+            if gradient:   # (trial U: the hint said to set gradient= on the trainer, which has no setter for it)
+                hints.append(f"for other gradient options a new Trainer starts from the loaded params: "
+                             f"{cls.model_name}.Trainer(tr.params, {gradient[0]}=...)")
+            how = "; ".join(hints)
             raise TypeError(f"{cls.model_name}.Trainer.load: {', '.join(settings)} {verb} from the checkpoint (load "
                             f"takes parallel= and its options); {how}")
         read = lambda: cls._read_checkpoint(path)
