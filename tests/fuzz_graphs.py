@@ -11,7 +11,8 @@ refuses shows up as a failure instead of being avoided.
 Besides dense ops the programs use the ops of DESIGN.md §1.7: images (N, C, H, W) come from an
 input ("B", C, H, W) or a reshape of a (B, k) value (H, W <= 8, C <= 4) and go through conv2d
 (stride, padding, dilation, groups, bias), max_pool2d (no ties in a window) and avg_pool2d; basic
-indexing (ints, slices, steps, negatives, `...`, None), concat and stack, take (an embedding of
+indexing (ints, slices, steps, negatives, `...`, None), a value split into adjacent pieces each read
+by an op of its own (an LSTM's gates: their adjoints join into a concat), concat and stack, take (an embedding of
 an int64 input: the labels or an `ids` input), softmax_cross_entropy of (B, C) logits or of (B, k, C)
 with labels (B, k), matmul with an operand of rank >= 3, and dropout /
 gaussian_noise seeded by an int64 () input, and gc.scan (DESIGN.md §1.8) over a random recurrent
@@ -868,6 +869,21 @@ class _Generator:
             tags.add("negative")
         return self.emit("index", [v], tuple(shape), tag=f"index[{', '.join(sorted(tags))}]", key=key)
 
+    def split(self):
+        """A value cut into adjacent pieces along an int axis, read in any order, each through an op of its own
+        (an LSTM's gates): the pieces' adjoints join into a concat (gradc/ops/index.py)."""
+        rng = self.rng
+        v = self.pick(self.floats(lambda s: any(isinstance(d, int) and d >= 2 for d in s)))
+        s = self.shapes[v]
+        axis = int(rng.choice([a for a, d in enumerate(s) if isinstance(d, int) and d >= 2]))
+        k = int(rng.integers(2, min(4, s[axis]) + 1))
+        bounds = [0, *sorted(int(c) for c in rng.choice(np.arange(1, s[axis]), k - 1, replace=False)), s[axis]]
+        for i in rng.permutation(k)[:k - int(rng.random() < 0.3)]:   # (now and then a piece is left unread)
+            key = (slice(None),) * axis + (slice(bounds[i], bounds[i + 1]),)
+            piece = self.emit("index", [v], s[:axis] + (bounds[i + 1] - bounds[i],) + s[axis + 1:],
+                              tag="split[piece]", key=key)
+            self.unary(piece)
+
     def join(self):
         rng = self.rng
         op = "stack" if rng.random() < 0.35 else "concat"
@@ -1238,8 +1254,11 @@ def _generate(seed, small=False, nested=True):
                        ([0.2, 0.14, 0.1, 0.05, 0.05, 0.06, 0.05] if vision else [0.0, 0.0, 0.1, 0.05, 0.05, 0.04, 0.05]))
     for _ in range(int(rng.integers(3, 7) if small else rng.integers(8, 18))):
         g.attempt(moves[rng.choice(len(moves), p=weights / weights.sum())])
-    # scans draw from a stream of their own: every other move of a seed stays what it was
-    g.rng, main = np.random.default_rng([seed, 7]), rng
+    # a split and scans draw from streams of their own: every other move of a seed stays what it was
+    g.rng, main = np.random.default_rng([seed, 17]), rng
+    if g.rng.random() < 0.3:
+        g.attempt(g.split)
+    g.rng = np.random.default_rng([seed, 7])
     g.nest_rng = np.random.default_rng([seed, 11])   # (whether a scan's step holds a scan: a stream of its own too)
     g.nest_chance = 0.3 if nested else 0.0
     for chance in (0.3, 0.4):
