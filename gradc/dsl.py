@@ -397,7 +397,10 @@ class Tensor:
 
 # ---- functions ---------------------------------------------------------------------------
 def _unary(name):
-    def f(x):
+    def f(x, *more):
+        if more:   # (gc.log(x, 2): math.log's base is not an operand)
+            hint = ": for a log to base b write gc.log(x) / math.log(b)" if name == "log" else ""
+            raise GradcError(f"{name} takes one operand, got {1 + len(more)}{hint}", user_src())
         return _op(name, x)
     f.__name__ = f.__qualname__ = name   # (Python names a bad call by its qualname)
     f.__doc__ = f"Elementwise {name}; derivatives by sympy."

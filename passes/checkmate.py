@@ -95,7 +95,7 @@ def coarsen(graph, order, sizes, flops_of, returned, peak_of):
     """The forward of `order` as chain layers split in two (what later layers read, the rest),
     then the backward in runs of about equal work. A backward node written by a forward node's statement
     (autodiff's added results of a forward scan; a view) joins that node's piece."""
-    chain = build_chain(graph, order, sizes, flops_of, max_layers=MILP_LAYERS, even_work=True)
+    chain = build_chain(graph, order, sizes, flops_of, returned, max_layers=MILP_LAYERS, even_work=True)
     nodes = [chain.prelude] if chain.prelude else []
     for j, members in enumerate(chain.layers):
         # a scan's results go where the scan goes: recomputing one means running the scan

@@ -124,12 +124,16 @@ def _shifted(row, by):
 
 
 # ---- from the graph to a chain ---------------------------------------------------------------
-def build_chain(graph, order, sizes, flops_of, max_layers=MAX_LAYERS, even_work=False):
+def build_chain(graph, order, sizes, flops_of, returned=(), max_layers=MAX_LAYERS, even_work=False):
     """Cut the forward part of `order` (a store-all schedule) into layers and group the backward.
 
     Boundaries are the cheapest cuts (fewest crossing bytes); with `even_work`, the cheapest cut
-    near each of max_layers - 1 points that split the forward work evenly (a coarse graph)."""
+    near each of max_layers - 1 points that split the forward work evenly (a coarse graph). A value
+    in `returned` (the entry's results: the params' gradients) is written into its caller's buffer,
+    so it costs the plan nothing."""
     nodes = set(order)
+    returned = set(returned)
+    held = lambda v: owns_buffer(graph, v) and v not in returned   # a value the plan's memory holds
     prelude = _prelude(graph, order)
     first = set(prelude)
     forward = [n for n in order if graph.node(n)["phase"] == "forward" and graph.op(n) not in LEAVES
@@ -152,7 +156,7 @@ def build_chain(graph, order, sizes, flops_of, max_layers=MAX_LAYERS, even_work=
     # bytes crossing each boundary p (between forward positions p-1 and p)
     crossing = np.zeros(len(forward) + 1, dtype=np.int64)
     for v in forward:
-        if owns_buffer(graph, v) and last_read.get(v, -1) > pos[v]:
+        if held(v) and last_read.get(v, -1) > pos[v]:
             crossing[pos[v] + 1:last_read[v] + 1] += sizes[v]
     cum_flops = np.concatenate([[0], np.cumsum([flops_of(n) for n in forward])])
     choose = _even_work_boundaries if even_work else _choose_boundaries
@@ -177,8 +181,8 @@ def build_chain(graph, order, sizes, flops_of, max_layers=MAX_LAYERS, even_work=
     for j, members in enumerate(layers):
         crosses = {v for v in members if last_fwd.get(v, -1) >= bounds[j + 1]}   # read by later layers
         kept = {base(graph, v) for v in crosses} | {v for v in members if v in bwd_readers}
-        keep.append(sum(sizes[v] for v in kept if owns_buffer(graph, v)))
-        transient.append(sum(sizes.get(n, 0) for n in groups[j]))
+        keep.append(sum(sizes[v] for v in kept if held(v)))
+        transient.append(sum(sizes.get(n, 0) for n in groups[j] if held(n)))
         needed.append(_ancestors_within(graph, crosses, set(members)))
     # a value smaller than the DP's memory unit (a weight-decay term, a scalar loss) cannot change its
     # plan: it counts as a skip only from a unit up (the unit is 1/MEMORY_UNITS of store-all's peak,

@@ -387,7 +387,7 @@ def _within_budget(graph, order, roots, dims, sizes, budget, store_all, total):
         return (live if live > budget else arena_bytes(graph, s, returned, dims)), live
 
     extra_work = lambda s: sum(map(flops_of, s)) - sum(map(flops_of, set(s)))
-    chain = build_chain(graph, order, sizes, flops_of)
+    chain = build_chain(graph, order, sizes, flops_of, roots)
     candidates, refusal = [], None
     try:
         steps, info = plan_retention(graph, chain, order, budget, dp_peak_of, arena_total(store_all))

@@ -188,7 +188,8 @@ def _recompute(graph, order, K, trainable, k, budget, flight, dims, record):
     if count(backward) <= budget:   # part runs go before any value is recomputed
         return backward, dict(record, method="store-all without part runs", part_runs=False)
     sequence = float_to_readers(graph, forward + backward, set(forward))
-    chain = build_chain(graph, sequence, sizes, flops_of)
+    returned = stage_pair(graph, k, forward, backward, *context)[1]["roots"]   # its gradients sent or returned
+    chain = build_chain(graph, sequence, sizes, flops_of, returned)
     unit = max(1, -(-peak_bytes(graph, sequence, [], dims) // MEMORY_UNITS))   # one microbatch's pass: the DP's scale
     units = lambda xs: [-(-int(x) // unit) for x in xs]
     solution = Solution(chain.flops, units(chain.cut), units(chain.keep), units(chain.transient), 2 * MEMORY_UNITS)

@@ -93,6 +93,9 @@ def test_declaration_errors():
     with pytest.raises(GradcError, match="param name 'class' is a Python keyword: pick another name"):
         m.param("class", (3,))
     assert m.graph.op(abs(m.input("a", (3,))).node) == "abs"   # Python's abs() is gc.abs
+    with pytest.raises(GradcError, match=r"test_errors.py:\d+: log takes one operand, got 2: for a log to base b "
+                                         r"write gc.log\(x\) / math.log\(b\)"):
+        gc.log(m.input("l", (3,)), 2)   # (math.log's base: trial V)
     t = m.input("t", (3,))
     m.output("o", t)
     with pytest.raises(GradcError, match="duplicate output name 'o'"):

@@ -302,6 +302,10 @@ def test_bad_arguments_are_refused_by_name():
     assert lr.check(**(good | dict(samples=5, antithetic=False)))[0] == 5
     assert lr.check(**(good | dict(seed=2**63 - 1)))[2] == 2**63 - 1
     assert lr.check(**(good | dict(sigma=1.1e-19)))[1] == 1.1e-19   # sigma**2 just above float32's tiny
+    # 0-d arrays are their numbers, as numpy scalars are (trial U); a 0-d bool is no number
+    assert lr.check(**(good | dict(samples=np.array(6), sigma=np.array(0.01), seed=np.array(3))))[:3] == (6, 0.01, 3)
+    with pytest.raises(ValueError, match="sigma must be a finite number"):
+        lr.check(**(good | dict(sigma=np.array(True))))
     wide = LikelihoodRatio("lrmlp", np.float64, lr_info(graph))
     with pytest.raises(ValueError, match="out of float64's range"):
         wide.check(**(good | dict(sigma=1e-160)))

@@ -47,6 +47,9 @@ class LikelihoodRatio:
             raise ValueError(f"{name}: the model has input(s) named {', '.join(map(repr, self.taken))}, as lr_grad's "
                              f"option(s), so a call cannot give both: rename the input(s) in the model "
                              f"(Trainer(gradient='lr') takes them: its options are given to the Trainer)")
+        # a 0-d array (np.array(0.01)) is its number, as a numpy scalar is
+        samples, sigma, seed = (v.item() if isinstance(v, np.ndarray) and v.shape == () and v.dtype.kind in "iuf"
+                                else v for v in (samples, sigma, seed))
         if isinstance(samples, bool) or not isinstance(samples, numbers.Integral) or samples < 1:
             raise ValueError(f"{name}: samples must be an int >= 1, got {samples!r}")
         if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real) or not math.isfinite(sigma) or sigma <= 0:
