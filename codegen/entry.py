@@ -261,16 +261,29 @@ class EntryWriter:
         return "\n".join(lines), leaves, consts
 
     def _start_plan(self, plan):
-        """Which step creates which arena buffer (the k-th tensor of the plan reads offs[k])."""
+        """Which step creates which arena buffer (the k-th tensor of the plan reads offs[k]), and which
+        steps write over their operand's buffer (passes/in_place.py)."""
         self.slot_of_step = {t.get("made", t["start"]): k for k, t in enumerate(plan["tensors"])}
         self.plan_steps = plan["steps"]
+        self.over = {reader: operand for operand, reader in plan.get("in_place", ())}
+        into = {operand: reader for operand, reader in plan.get("in_place", ())}
+        self.last_reader = {}   # an operand's step -> the step of the last in-place reader of its chain
+        for operand, reader in into.items():
+            while reader in into:
+                reader = into[reader]
+            self.last_reader[operand] = reader
 
     def new_array(self, n, dims, step):
-        """Where node n's kernel writes: its slot in `grads`, its arena buffer, or (a returned value) a new array."""
+        """Where node n's kernel writes: its slot in `grads`, its arena buffer, or (a returned value) a new
+        array; in place, its operand's buffer (and the operand writes where its last in-place reader's
+        value goes: that reader's slot in `grads`, when it has one)."""
         shape = self.graph.shape(n)
-        if n in self.flat and shape != ():
-            self.placed.add(n)
-            start, size = self.flat[n]
+        if step in self.over:
+            return self.var(self.plan_steps[self.over[step]])
+        last = self.plan_steps[self.last_reader[step]] if step in self.last_reader else n
+        if last in self.flat and shape != ():
+            self.placed.add(last)
+            start, size = self.flat[last]
             return f"grads[{start}:{start + size}].reshape({_shape_src(shape, dims)})"
         k = self.slot_of_step.get(step)
         if k is not None:

@@ -275,6 +275,22 @@ _NUMPY_COMPARISONS = (np.less, np.less_equal, np.greater, np.greater_equal)
 _IN_PLACE = {np.add: "+", np.subtract: "-", np.multiply: "*", np.true_divide: "/", np.power: "**", np.matmul: "@"}
 
 
+_TORCH_METHODS = {"transpose": "gc.transpose(x, axes) or x.T", "permute": "gc.transpose(x, axes)",
+                  "view": "x.reshape(shape)", "flatten": 'x.reshape(("B", -1))', "squeeze": "x.reshape(shape)",
+                  "unsqueeze": "x[:, None] (None indexes a new axis)",
+                  "exp": "gc.exp(x)", "log": "gc.log(x)", "tanh": "gc.tanh(x)", "sigmoid": "gc.sigmoid(x)",
+                  "relu": "gc.relu(x)", "sqrt": "gc.sqrt(x)", "abs": "abs(x) or gc.abs(x)", "pow": "x ** p",
+                  "matmul": "x @ y", "mm": "x @ y", "softmax": "gc.softmax(x, axis)"}   # (not size or dim: libraries probe those)
+_TORCH_KEYWORDS = {"keepdim": "keepdims", "dim": "axis"}
+
+
+def _refuse_torch_keywords(op, given):
+    """Tensor.sum(keepdim=True): the keyword gradc takes (numpy's), or the one not known."""
+    for k in given:
+        hint = f": write {_TORCH_KEYWORDS[k]}= (numpy's keywords)" if k in _TORCH_KEYWORDS else ""
+        raise GradcError(f"{op}() got an unexpected keyword {k!r}{hint}", user_src())
+
+
 class Tensor:
     """A value in a model's graph. Arithmetic records ops; numpy arrays and numbers are constants."""
     __slots__ = ("model", "node")
@@ -375,14 +391,23 @@ class Tensor:
     def T(self):
         return transpose(self, src=user_src())
 
-    def sum(self, axis=None, keepdims=False):
+    def sum(self, axis=None, keepdims=False, **torch_style):
+        _refuse_torch_keywords("sum", torch_style)
         return sum(self, axis, keepdims, src=user_src())
 
-    def mean(self, axis=None, keepdims=False):
+    def mean(self, axis=None, keepdims=False, **torch_style):
+        _refuse_torch_keywords("mean", torch_style)
         return mean(self, axis, keepdims, src=user_src())
 
-    def max(self, axis=None, keepdims=False):
+    def max(self, axis=None, keepdims=False, **torch_style):
+        _refuse_torch_keywords("max", torch_style)
         return max(self, axis, keepdims, src=user_src())
+
+    def __getattr__(self, name):
+        """PyTorch's spellings say gradc's (trial X: x.transpose(...) was a bare AttributeError)."""
+        if name in _TORCH_METHODS:
+            raise GradcError(f"a Tensor has no .{name} (PyTorch's): write {_TORCH_METHODS[name]}", user_src())
+        raise AttributeError(f"'Tensor' object has no attribute {name!r}")
 
     def reshape(self, *shape):
         return reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape,

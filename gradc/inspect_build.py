@@ -120,6 +120,9 @@ def memory_report(base):
         lines.append(f"  scan %{ck['scan']} ({ck['src']}): {ck['steps']} steps, keeps the carry every {ck['every']} "
                      f"steps ({ck['checkpoints']} checkpoints); its backward %{ck['backward']} recomputes each segment "
                      f"({ck['recompute_flops']:,} FLOPs)")
+    if plan.get("in_place"):
+        lines.append(f"  in place: {len(plan['in_place'])} elementwise steps write over the operand they alone read, "
+                     f"one buffer for both")
     live = [t for t in plan["tensors"] if t["start"] <= at <= t["end"]]
     lines.append(f"  largest values live at the peak ({len(live)} in all):")
     for t in sorted(live, key=lambda t: -t["bytes"])[:8]:

@@ -42,6 +42,7 @@ from .storage import LEAVES, base, owns_buffer, written_with_operand
 
 MILP_LAYERS = 12          # chain layers before the split: at most 3 x 12 coarse nodes
 TIME_LIMIT_S = 20.0       # for all solves of one plan
+LEAST_SHARE = 0.75        # of it, for the solves under the budget (the rest: the plan of least memory)
 STATUS = {0: "optimal", 1: "time limit", 2: "infeasible"}
 MAX_SOLVES = 4            # the model budget follows the true peak's distance from the budget
 
@@ -304,10 +305,13 @@ def plan(graph, order, sizes, flops_of, budget, peak_of, returned):
     info = {"coarse_nodes": len(coarse), "layers": coarse.layers, "solves": []}
     # the model and liveness differ by about the same share at every budget: start from that share
     target = int(budget * coarse.store_all_bytes() / peak_of(order, returned))
-    deadline, best, tried = time.perf_counter() + TIME_LIMIT_S, None, set()
+    start, best, tried = time.perf_counter(), None, set()
+    # the solves for the budget leave a quarter of the time to the plan of least memory: a budget just
+    # below the least took it all, and the refusal named the chain DP's larger least (trial W)
+    deadline = start + LEAST_SHARE * TIME_LIMIT_S
 
-    def attempt(model_budget):
-        stages, report = solve_stages(coarse, model_budget, deadline - time.perf_counter())
+    def attempt(model_budget, until):
+        stages, report = solve_stages(coarse, model_budget, until - time.perf_counter())
         report["model_budget"] = None if model_budget is None else int(model_budget)
         info["solves"].append(report)
         if stages is None:
@@ -320,15 +324,15 @@ def plan(graph, order, sizes, flops_of, budget, peak_of, returned):
         if deadline <= time.perf_counter() or target <= 0 or target in tried:
             break
         tried.add(target)
-        steps, peak = attempt(target)
+        steps, peak = attempt(target, deadline)
         if steps is None:
             break
         if peak <= budget and (best is None or info["solves"][-1]["objective"] < best[0]["objective"]):
             best = (info["solves"][-1], steps)
         target += budget - peak
     least = None
-    if best is None and deadline > time.perf_counter():
-        least, peak = attempt(None)
+    if best is None and start + TIME_LIMIT_S > time.perf_counter():
+        least, peak = attempt(None, start + TIME_LIMIT_S)
         if least is not None:
             info["least_peak"] = peak
             if peak <= budget:

@@ -98,6 +98,31 @@ def _inline(graph, n, roots, draws=False):
     return changed
 
 
+FUSED_REDUCTIONS = {"sum": "fused_sum", "mean": "fused_mean", "max": "fused_max"}
+
+
+def fuse_reduction_prologues(graph):
+    """A sum, mean or max whose operand is an elementwise value that it alone reads, of operands all of that
+    value's shape (floats, no draw), becomes one loop over them (gradc/ops/fused_reduce.py): the weight
+    decay's squares and a loss's squared errors get no buffer. CPU builds; outside scan steps."""
+    roots = set(graph.roots())
+    for n in graph.topo_order():
+        if n not in graph or graph.op(n) not in FUSED_REDUCTIONS:
+            continue
+        (u,) = graph.operands(n)
+        if not _elementwise(graph, u) or u in roots or graph.users(u) != [n] or graph.shape(u) == ():
+            continue
+        expr, operands = expr_of(graph, u), list(graph.operands(u))
+        if (expr.has(FLAT) or not operands or len(operands) > MAX_OPERANDS
+                or any(graph.shape(v) != graph.shape(u) or not graph.dtype(v).startswith("float") for v in operands)):
+            continue
+        graph.merge_into(u, n)
+        node = graph.node(n)
+        node["op"] = FUSED_REDUCTIONS[node["op"]]
+        node["attrs"] = dict(node["attrs"], expr=expr)
+        graph.set_operands(n, operands)
+
+
 def split_second_order_uses(graph):
     """An elementwise value that first-order code and second-order code both read is computed twice:
     once for each. Otherwise the second-order reader keeps it from fusing into its first-order

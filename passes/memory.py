@@ -24,6 +24,7 @@ from gradc.runtime.arena import ALIGN_BYTES, layout_by_device
 from .analysis import node_flops
 from .checkpoint import BudgetError, build_chain, plan_retention
 from .entries import by_fname, entries
+from .in_place import share_in_place
 from .part_runs import extend_over_runs, part_runs
 from .scan_checkpoint import checkpoint_scans, pairs
 from .schedule import memory_order
@@ -32,10 +33,12 @@ from .storage import base, buffer_bytes, in_arena, owns_buffer
 
 
 def liveness(graph, steps, returned, loop_from=None):
-    """Tensors [{"node", "start", "end", "recomputed", "retained"}] in the order the steps create them;
-    `retained`: a forward value the backward reads."""
+    """(tensors, in_place): tensors [{"node", "start", "end", "recomputed", "retained"}] in the order the
+    steps create them, `retained`: a forward value the backward reads; in_place: the (operand's step,
+    reader's step) pairs whose elementwise reader writes over its operand (passes/in_place.py), one
+    tensor for both (its "over": the operands' nodes)."""
     current = {}   # value -> index of the tensor holding its latest computation
-    tensors, computed = [], set()
+    tensors, computed, reads = [], set(), {}   # reads: tensor -> the (step, operand) pairs reading it
     last_step = {}  # value -> the step of its latest computation
     for t, n in enumerate(steps):
         last_step[n] = t
@@ -43,6 +46,7 @@ def liveness(graph, steps, returned, loop_from=None):
         for u in graph.operands(n):
             i = current.get(u)
             if i is not None:
+                reads.setdefault(i, []).append((t, u))
                 tensors[i]["end"] = max(tensors[i]["end"], t)
                 # (a forward scan's stacks, which autodiff projects for the backward, are the forward's: trial R
                 # saw an RNN's kept states called temporary, and "kept for the backward" leave them out)
@@ -68,7 +72,7 @@ def liveness(graph, steps, returned, loop_from=None):
         for tensor in tensors:
             if tensor["start"] < loop_from <= tensor["end"]:
                 tensor["end"] = last
-    return tensors
+    return share_in_place(graph, steps, tensors, reads, returned)
 
 
 # the sizes an unbound dim is given when part runs are checked against the peak: the bytes of a value
@@ -152,7 +156,7 @@ def step_floor(graph, steps, tensors):
 
 def peak_bytes(graph, steps, returned, dims):
     """The true peak of `steps` (what the arena cannot go below; part runs never raise it)."""
-    tensors = liveness(graph, steps, set(returned))
+    tensors, _ = liveness(graph, steps, set(returned))
     for t in tensors:
         t["bytes"] = buffer_bytes(graph, t["node"], dims)
     return int(live_bytes(tensors, steps).max())
@@ -211,7 +215,7 @@ def _layout(tensors, itemsize):
 
 def arena_bytes(graph, steps, returned, dims):
     """The bytes `steps` lay out to in the arena (all devices), without part runs."""
-    tensors = liveness(graph, steps, set(returned))
+    tensors, _ = liveness(graph, steps, set(returned))
     for t in tensors:
         t["bytes"] = buffer_bytes(graph, t["node"], dims)
         t["device"] = graph.node(t["node"])["device"]
@@ -226,7 +230,7 @@ def plan_entry(graph, entry, steps, returned, dims, loop_from=None, with_runs=Tr
 
     With a symbolic dim left unbound, byte counts are expressions (strings) and offsets are laid
     out by the module on its first call with each shape."""
-    tensors = liveness(graph, steps, set(returned), loop_from)
+    tensors, in_place = liveness(graph, steps, set(returned), loop_from)
     runs = []
     if with_runs and loop_from is None:
         runs = part_runs(graph, steps, dims, keeps_the_peak(graph, steps, tensors, dims))
@@ -240,7 +244,8 @@ def plan_entry(graph, entry, steps, returned, dims, loop_from=None, with_runs=Tr
         t["shape"] = bind_dims(graph.shape(n), dims)
         t["device"] = graph.node(n)["device"]
     devices = sorted({graph.node(n)["device"] for n in steps})
-    plan = {"entry": entry, "steps": list(steps), "tensors": tensors, "loop_from": loop_from, "part_runs": runs}
+    plan = {"entry": entry, "steps": list(steps), "tensors": tensors, "loop_from": loop_from, "part_runs": runs,
+            "in_place": in_place}
     if all(isinstance(t["bytes"], int) for t in tensors):
         itemsize = np.dtype(dtypes.pop()).itemsize if dtypes else 1
         offsets, regions = _layout(tensors, itemsize)
@@ -449,6 +454,9 @@ def _entry_document(graph, plan, name=None):
                 "bytes": t["bytes"], "start": t["start"], "end": t["end"], "device": t["device"], "offset": t["offset"],
                 "retained": t["retained"] and not t["recomputed"], "recomputed": t["recomputed"], "src": graph.node(t["node"])["src"]}
                for t in plan["tensors"]]
+    for doc_t, t in zip(tensors, plan["tensors"]):
+        if t.get("over"):   # the operands an elementwise step wrote over: their buffer is this one
+            doc_t["over"] = list(t["over"])
     doc = {"entry": name or by_fname(plan["entry"]).public, "schedule": plan["steps"], "peak_bytes": plan["peak_bytes"],
            "peak_step": plan["peak_step"], "store_all_peak_bytes": plan.get("store_all_peak_bytes", plan["peak_bytes"]),
            "lower_bound_bytes": plan.get("lower_bound_bytes"), "budget_bytes": plan.get("budget_bytes"),
@@ -457,6 +465,8 @@ def _entry_document(graph, plan, name=None):
            "live_bytes": plan["live_bytes"], "tensors": tensors}
     if plan["loop_from"] is not None:
         doc["loop_from"] = plan["loop_from"]
+    if plan.get("in_place"):   # (operand's step, reader's step): the reader wrote over the operand (passes/in_place.py)
+        doc["in_place"] = [list(pair) for pair in plan["in_place"]]
     if plan.get("part_runs"):   # steps run over parts of the batch at once (passes/part_runs.py)
         doc["part_runs"] = [{"first": r["first"], "last": r["last"], "nodes": r["nodes"], "summed": r["summed"]}
                             for r in plan["part_runs"]]

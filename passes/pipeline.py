@@ -13,7 +13,7 @@ from gradc.shapes import bind_dims
 
 from .autodiff import build_backward
 from .forward_outputs import lean_forward_outputs, lean_scans
-from .fusion import fuse_elementwise, split_second_order_uses
+from .fusion import fuse_elementwise, fuse_reduction_prologues, split_second_order_uses
 from .gemm_fusion import fuse_gemms
 from .likelihood_ratio import build_lr
 from .objective import add_objective
@@ -156,6 +156,8 @@ PASSES = (
     ("fusion", lambda g, b: split_second_order_uses(g), lambda b: b.order == 2),
     # CUDA: normal draws computed in the kernels that read them (passes/fusion.py says why)
     ("fusion", lambda g, b: fuse_elementwise(g, draws=b.target == "cuda"), None),
+    # CPU: a sum of squares (the weight decay's, a loss's) is one loop, with no buffer of the squares
+    ("fusion", lambda g, b: fuse_reduction_prologues(g), lambda b: b.target == "cpu"),
     ("simplify", lambda g, b: simplify(g), None),
     ("constants", lambda g, b: constants_in_dtype(g, b.dtype), None),
     ("validate", lambda g, b: g.validate(), None),

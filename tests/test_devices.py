@@ -304,7 +304,7 @@ def test_weight_decay_is_summed_where_each_param_lives(tmp_path, order):
     squares = 0
     for link in graph["links"]:   # ||p||^2 is computed on p's device
         u, v = nodes[link["source"]], nodes[link["target"]]
-        if u["op"] == "param" and v["op"] == "square" and v["phase"] == "forward":
+        if u["op"] == "param" and v["op"] == "fused_sum" and v["phase"] == "forward":   # (its square in its sum's loop)
             assert v["device"] == u["device"], (u, v)
             squares += 1   # W0..W3, Wo, b0 and b2
     assert squares == 5 + 2 and len({s["stage"] for s in plan["stage"] if s["params"]}) == 3

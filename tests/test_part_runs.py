@@ -73,7 +73,7 @@ def test_a_conv_nets_chains_run_in_parts(two_cores):
     assert not any("matmul" in r for r in ops)
     # the same steps make the same runs when asked again
     again = part_runs(graph, plan["steps"], {}, keeps_the_peak(graph, plan["steps"], liveness(
-        graph, plan["steps"], set(plan["roots"])), {}))
+        graph, plan["steps"], set(plan["roots"]))[0], {}))
     assert [r["nodes"] for r in again] == [r["nodes"] for r in runs]
 
 
@@ -94,7 +94,7 @@ def test_the_peak_check_grows_with_its_run_and_skips_models_without_convs(two_co
     answers as a fresh count does, on LeNet's runs; a model without a conv never asks it."""
     graph = build_training_graph(_lenet(), "float32", {"B": 8}, order=1)
     plan = plan_memory(graph, {"B": 8}, 1, None)["_loss_and_grad"]
-    tensors = liveness(graph, plan["steps"], set(plan["roots"]))
+    tensors, _ = liveness(graph, plan["steps"], set(plan["roots"]))
     fits = keeps_the_peak(graph, plan["steps"], tensors, {"B": 8})
     size_of = {t["node"]: buffer_bytes(graph, t["node"], {"B": 8}) for t in tensors}
     live = np.zeros(len(plan["steps"]), dtype=np.int64)

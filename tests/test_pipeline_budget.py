@@ -30,7 +30,7 @@ def _stages(out, name):
 
 def _least(model, out, batch=BATCH, **options):
     """The least budget every stage fits, as the error for a 1-byte budget names it (with the stage)."""
-    with pytest.raises(GradcError, match=r"--memory-budget 1 bytes is below the least stage (\d+) can be planned to") as e:
+    with pytest.raises(GradcError, match=r"--memory-budget 1 byte is below the least stage (\d+) can be planned to") as e:
         compile_model(model, out=str(out), order=1, bind={"B": batch}, warm_cache=False, dtype="float64",
                       memory_budget=1, **options)
     return int(re.search(r"planned to, (?:[^(,]*\()?([\d,]+) bytes", str(e.value)).group(1).replace(",", ""))

@@ -103,6 +103,12 @@ def test_parse_size_accepts_sizes():
     assert sizes.parse_size("1.5GiB") == 3 * 2**29 and sizes.parse_size("200MB") == 200 * 10**6
     assert sizes.parse_size(0) == 0 and sizes.parse_size("auto") == "auto" and sizes.parse_size("1e3") == 1000
     assert sizes.parse_size("1.3KiB") == 1331   # 1331.2: whole bytes, rounded down
+    # as messages print them (trial W): any case of auto, a count with its commas, and "bytes"
+    assert sizes.parse_size(" AUTO ") == "auto" and sizes.parse_size("1,130,816 bytes") == 1130816
+    assert sizes.parse_size("1,048,576") == 2**20 and sizes.parse_size("1 byte") == 1 and sizes.format_size(1) == "1 byte"
+    for slip in ("1,13", "12,3456", "2KiB bytes", "bytes"):
+        with pytest.raises(ValueError, match="is not a size"):
+            sizes.parse_size(slip)
     assert sizes.parse_size(1000.0) == sizes.parse_size("1000B") == 1000
     for fraction in ("1000.7", 1000.7, "12.5B"):   # a count of bytes with a fraction is a slip (trial H), never floored
         with pytest.raises(ValueError, match="a count of bytes is a whole number"):

@@ -1,0 +1,66 @@
+"""In-place elementwise steps: an elementwise kernel writes its result over the operand it alone reads.
+
+An elementwise kernel reads element i of each full-shape operand and then writes element i of its
+result, and no other element, so its result can live where such an operand lived when nothing reads
+that operand afterwards. The operand's statement then writes straight into the reader's buffer: its
+arena slot, or, when the reader is a value the entry returns, the array handed back (a weight's
+gradient in `grads`, which the matmul writes before the weight decay's term is added to it in place).
+A layer's pre-activation and its activation share one buffer, and a decayed weight's gradient needs
+no temporary of the weight's size.
+
+A pair (operand u made at step s, elementwise reader n at step t) shares a buffer when:
+  both run on a CPU device (the CUDA target fuses a matmul's epilogue instead: passes/gemm_fusion.py);
+  u owns its buffer and is written by its own statement (not a view, not a scan's result), by an op
+  that never runs in a part run (passes/part_runs.py keeps what a run touches live over all of it,
+  by the tensors' nodes);
+  n has u's shape and dtype, reads u itself (not a view of it), and this computation of u is read
+  at step t alone and not kept beyond it (a value made before an hvp block's loop and read in it is
+  read on every row, and its interval reaches the end).
+"""
+from gradc.ops import get_op
+
+
+def _on_cpu(graph, n):
+    return graph.node(n)["device"].startswith("cpu")
+
+
+def _writes_over(graph, steps, tensor, reads, returned):
+    """The step of the elementwise reader that may write over `tensor` (a computation of u), or None."""
+    u = tensor["node"]
+    record = get_op(graph.op(u))
+    if not _on_cpu(graph, u) or record.kind == "project" or record.parts is not None or not reads:
+        return None
+    t = reads[0][0]
+    if any(step != t or operand != u for step, operand in reads) or tensor["end"] != t:
+        return None
+    n = steps[t]
+    if (get_op(graph.op(n)).kind != "elementwise" or not _on_cpu(graph, n)
+            or graph.shape(n) != graph.shape(u) or graph.dtype(n) != graph.dtype(u)):
+        return None
+    return t
+
+
+def share_in_place(graph, steps, tensors, reads, returned):
+    """Merge each operand's tensor into its in-place reader's (`reads`: tensor index -> the (step,
+    operand) pairs that read it). Returns the tensors left, in the order they are made, and the
+    pairs (operand's step, reader's step); a reader the entry returns has no tensor, its operand none."""
+    made = {tensor["made"]: i for i, tensor in enumerate(tensors)}
+    own = [tensor["made"] for tensor in tensors]   # the step of each tensor's own node (a merge moves "made")
+    gone, pairs, taken = set(), [], set()
+    for i, tensor in enumerate(tensors):   # in the order they are made: a chain u -> n -> m folds into m
+        t = _writes_over(graph, steps, tensor, reads.get(i, ()), returned)
+        if t is None or t in taken:   # (one operand per reader: a sum's others are read as it writes)
+            continue
+        taken.add(t)
+        n = steps[t]
+        j = made.get(t)
+        if n not in returned and (j is None or tensors[j]["node"] != n):
+            continue   # (n keeps no tensor of its own here: leave u's)
+        pairs.append((own[i], t))
+        gone.add(i)
+        if j is not None and n not in returned:
+            reader = tensors[j]
+            reader.update(start=tensor["start"], made=tensor["made"],
+                          retained=reader["retained"] or tensor["retained"])
+            reader["over"] = tensor.get("over", []) + [tensor["node"]]
+    return [tensor for i, tensor in enumerate(tensors) if i not in gone], pairs
