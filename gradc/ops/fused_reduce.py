@@ -14,7 +14,7 @@ import numpy as np
 import sympy as sp
 
 from . import Op, register
-from .elementwise import X, evaluate_expression
+from .elementwise import evaluate_expression
 from .kernel_text import dims_line, index, loops
 from ..errors import ShapeError
 from ..shapes import reduced, size
@@ -64,34 +64,47 @@ def _rows(graph, n, ins, fail):
 
 def cpu_source(name, op, rank, axes, keepdims, element):
     """The kernel x0, x1, ... -> out (or a returned number: every axis reduced); `element(idx)`: the lines
-    computing `v`, the element at index text idx."""
+    computing `v`, the element at index text idx. The sums take the plain reductions' paths: the last axis
+    and others reduced, into a float64 row of partial sums (it vectorises); the last alone, in four running
+    sums (one would wait for each add); the last axis kept, into out in memory order."""
     scalar = len(axes) == rank and not keepdims
     kept = [d for d in range(rank) if d not in axes]
+    last = rank - 1
     count = " * ".join(f"n{d}" for d in axes)
     arity = element.arity
     lines = [f"def {name}({', '.join([f'x{j}' for j in range(arity)] + ([] if scalar else ['out']))}):"]
     lines += dims_line("x0", rank)
-    at = element(index([f"i{d}" for d in range(rank)]))
+    at = lambda shift="": element(index([f"i{d}" for d in range(last)] + [f"i{last}{shift}"]))
     out_idx = index(["0" if d in axes else f"i{d}" for d in range(rank)] if keepdims else [f"i{d}" for d in kept])
     mean = f" / ({count})" if op == "mean" else ""
     if op == "max":   # NaN wins, as in numpy and PyTorch
-        update = at + ["if v > m or v != v:", "    m = v"]
+        update = at() + ["if v > m or v != v:", "    m = v"]
         if scalar:
             return "\n".join(lines + ["    m = -math.inf"] + loops(range(rank), update) + ["    return m"])
         lines += loops(kept, ["m = -math.inf"])
         lines += loops(sorted(axes), update, indent=1 + len(kept))
         return "\n".join(lines + ["    " * (1 + len(kept)) + f"out[{out_idx}] = m"])
-    if scalar or rank - 1 in axes:   # one float64 running sum per result, along memory order
-        body = ["acc = 0.0"] + loops(sorted(axes), at + ["acc += v"], indent=0)
-        if scalar:
-            return "\n".join(lines + ["    " + b for b in body] + [f"    return acc{mean}"])
-        return "\n".join(lines + loops(kept, body + [f"out[{out_idx}] = acc{mean}"]))
-    # the last axis kept: memory order, into out (a float64 buffer would be an allocation per call)
-    lines.append("    out[:] = 0.0")
-    lines += loops(range(rank), at + [f"out[{out_idx}] += v"])
-    if op == "mean":
-        lines.append(f"    out *= 1.0 / ({count})")
-    return "\n".join(lines)
+    if last not in axes:   # memory order, into out (a float64 buffer would be an allocation per call)
+        lines.append("    out[:] = 0.0")
+        lines += loops(range(rank), at() + [f"out[{out_idx}] += v"])
+        if op == "mean":
+            lines.append(f"    out *= 1.0 / ({count})")
+        return "\n".join(lines)
+    if len(axes) >= 2:
+        outer = sorted(d for d in axes if d != last)
+        lines.append(f"    row = np.empty(n{last}, dtype=np.float64)")
+        body = ["row[:] = 0.0"] + loops(outer + [last], at() + [f"row[i{last}] += v"], indent=0)
+        body += ["acc = 0.0", f"for i{last} in range(n{last}):", f"    acc += row[i{last}]"]
+    else:
+        # (lanes named apart from the element's loads a0, a1, ... and its shared terms s0, s1, ...)
+        body = ["sum0 = sum1 = sum2 = sum3 = 0.0", f"stop = n{last} - n{last} % 4", f"for i{last} in range(0, stop, 4):"]
+        for k in range(4):
+            body += ["    " + b for b in at(f" + {k}" if k else "") + [f"sum{k} += v"]]
+        body += [f"for i{last} in range(stop, n{last}):", *("    " + b for b in at() + ["sum0 += v"]),
+                 "acc = (sum0 + sum1) + (sum2 + sum3)"]
+    if scalar:
+        return "\n".join(lines + ["    " + b for b in body] + [f"    return acc{mean}"])
+    return "\n".join(lines + loops(kept, body + [f"out[{out_idx}] = acc{mean}"]))
 
 
 def _what(expr):
