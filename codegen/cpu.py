@@ -36,14 +36,18 @@ class Kernels:
         return self._by_key[key]
 
     # ---- elementwise ----------------------------------------------------------------------
-    def elementwise(self, expr, patterns, out_rank, hint):
+    def elementwise(self, expr, patterns, out_rank, hint, into=None):
         """patterns[j]: None for a scalar operand, else per operand dim the out dim it runs along
-        (or -1 where the operand has size 1 and is broadcast)."""
-        key = ("ew", expr, tuple(patterns), out_rank)   # sympy expressions hash and compare by structure
-        return self._get(key, hint, lambda name: self._elementwise_source(name, expr, patterns, out_rank))
+        (or -1 where the operand has size 1 and is broadcast). `into`: the operand j whose buffer the
+        result is written over (passes/in_place.py); the kernel then takes no `out`, since an `out` that
+        is an operand's own array fails LLVM's overlap check, and the loop runs without SIMD (5x slower)."""
+        key = ("ew", expr, tuple(patterns), out_rank, into)   # sympy expressions hash and compare by structure
+        name = hint if into is None else f"{hint}_in_place"
+        return self._get(key, name, lambda kname: self._elementwise_source(kname, expr, patterns, out_rank, into))
 
-    def _elementwise_source(self, name, expr, patterns, out_rank):
+    def _elementwise_source(self, name, expr, patterns, out_rank, into=None):
         args = [f"x{j}" for j in range(len(patterns))]
+        out = "out" if into is None else f"x{into}"
         loads, names = [], {}
         for j, pat in enumerate(patterns):
             if pat is None:
@@ -53,12 +57,12 @@ class Kernels:
                 loads.append(f"a{j} = x{j}[{idx}]" if pat else f"a{j} = x{j}[()]")
                 names[X[j]] = sp.Symbol(f"a{j}", real=True)
         out_idx = index([f"i{d}" for d in range(out_rank)])
-        block, helpers = print_block(expr, names, f"out[{out_idx}]", self.single)
+        block, helpers = print_block(expr, names, f"{out}[{out_idx}]", self.single)
         self.helpers |= helpers
-        lines = [f"def {name}({', '.join(args + ['out'])}):"]
-        lines += dims_line("out", out_rank)
+        lines = [f"def {name}({', '.join(args + (['out'] if into is None else []))}):"]
+        lines += dims_line(out, out_rank)
         lines += loops(range(out_rank), loads + block)
-        return "\n".join(lines), f"out = {expr}"
+        return "\n".join(lines), f"{out} = {expr}"
 
     def scalar(self, expr, count, hint):
         """A kernel returning the scalar expr of its `count` scalar operands x0, x1, ...: a plain-Python

@@ -46,6 +46,9 @@ class Statement:
         self.split_batch = not writer.compiled and step not in writer.run_steps
         self.allocated = []   # the lines alloc() gave: a part run makes the buffers before its function
         self._writer, self._dims, self._step = writer, dims, step
+        # the operand whose buffer this node writes over (passes/in_place.py), or None
+        over = getattr(writer, "over", {}).get(step)
+        self.written_over = None if over is None else self.operands.index(writer.plan_steps[over])
 
     def alloc(self):
         """`out = <its buffer>`: only a statement that writes a buffer asks (asking places a flat root)."""
@@ -109,9 +112,12 @@ class Statement:
         return [self.alloc(), self.call(kernel, list(self.args if args is None else args) + [self.out]) + self.note]
 
     def elementwise(self, expr, operands, hint):
-        """An elementwise kernel computing expr (over X[j] = operands[j]) into out; (kernel, args)."""
+        """An elementwise kernel computing expr (over X[j] = operands[j]) into out, or over its operand
+        `written_over`; (kernel, args: the out argument is the caller's to add, unless written over)."""
         patterns = [None if self.graph.shape(u) == () else self.pattern(u) for u in operands]
-        return self.kernels.elementwise(expr, patterns, len(self.shape), hint), [self.var(u) for u in operands]
+        into = None if self.written_over is None else list(operands).index(self.operands[self.written_over])
+        return (self.kernels.elementwise(expr, patterns, len(self.shape), hint, **({} if into is None else {"into": into})),
+                [self.var(u) for u in operands])
 
 
 class CudaStatement(Statement):

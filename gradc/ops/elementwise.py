@@ -169,7 +169,7 @@ def lower(s):
         lines = s.kernels.scalar_expression(expr, s.args, s.out)
         return lines[:-1] + [lines[-1] + s.note]
     kernel, args = s.elementwise(expr, s.operands, kernel_name(s.graph, s.n))
-    return [s.alloc(), s.call(kernel, args + [s.out]) + s.note]
+    return [s.alloc(), s.call(kernel, args + ([s.out] if s.written_over is None else [])) + s.note]
 
 
 def rows(graph, n, ins, fail):
