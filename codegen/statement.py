@@ -39,7 +39,6 @@ class Statement:
         self.out = f"t{n}"
         self.note = f"  # {node['op']} {node['src']}"
         self.kernels = writer.kernels
-        self.fresh = step not in writer.slot_of_step and n not in writer.flat
         self.compiled = writer.compiled   # in one compiled function, or in a plain-Python entry
         # a plain entry's conv may cut the batch over the cores itself (gradc/runtime/conv_cores.py),
         # except in a part run, whose function already runs on a part of it (passes/part_runs.py)

@@ -275,7 +275,12 @@ _NUMPY_COMPARISONS = (np.less, np.less_equal, np.greater, np.greater_equal)
 _IN_PLACE = {np.add: "+", np.subtract: "-", np.multiply: "*", np.true_divide: "/", np.power: "**", np.matmul: "@"}
 
 
-_TORCH_METHODS = {"transpose": "gc.transpose(x, axes) or x.T", "permute": "gc.transpose(x, axes)",
+class TorchSpelling(GradcError, AttributeError):
+    """A PyTorch method name on a Tensor: the error says gradc's spelling; hasattr() still answers False."""
+
+
+_TORCH_METHODS = {"transpose": "gc.transpose(x, axes), every axis in its new place (x.T reverses them all)",
+                  "permute": "gc.transpose(x, axes)",
                   "view": "x.reshape(shape)", "flatten": 'x.reshape(("B", -1))', "squeeze": "x.reshape(shape)",
                   "unsqueeze": "x[:, None] (None indexes a new axis)",
                   "exp": "gc.exp(x)", "log": "gc.log(x)", "tanh": "gc.tanh(x)", "sigmoid": "gc.sigmoid(x)",
@@ -406,7 +411,7 @@ class Tensor:
     def __getattr__(self, name):
         """PyTorch's spellings say gradc's (trial X: x.transpose(...) was a bare AttributeError)."""
         if name in _TORCH_METHODS:
-            raise GradcError(f"a Tensor has no .{name} (PyTorch's): write {_TORCH_METHODS[name]}", user_src())
+            raise TorchSpelling(f"a Tensor has no .{name} (PyTorch's): write {_TORCH_METHODS[name]}", user_src())
         raise AttributeError(f"'Tensor' object has no attribute {name!r}")
 
     def reshape(self, *shape):

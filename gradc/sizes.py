@@ -7,8 +7,8 @@ MAX_BYTES = 2**63 - 1   # what an int64 byte count holds; the planners and numpy
 
 
 def parse_size(text):
-    """'auto' (any case), an int, or text like '512', '1,048,576', '1.5GiB', '200MB' -> 'auto' or whole bytes (a unit's fraction rounded
-    down); ValueError otherwise (also for negative, non-finite, over-int64 sizes, those between 0 and 1 byte and
+    """'auto' (any case), an int, or text like '512', '1,048,576', '1.5GiB', '200MB' -> 'auto' or whole
+    bytes (a unit's fraction rounded down); ValueError otherwise (also for negative, non-finite, over-int64 sizes, those between 0 and 1 byte and
     a fraction of a byte written without a unit, '1000.7')."""
     usage = f"{text!r} is not a size (bytes, or with KiB/MiB/GiB or KB/MB/GB)"
     if isinstance(text, bool):
@@ -23,7 +23,7 @@ def parse_size(text):
         t = t[:len(t) - len(word)]
         num = t.rstrip("KMGIB")
         unit = t[len(num):] if not word else "?" if t != num else ""
-        if re.fullmatch(r"\d{1,3}(,\d{3})+(\.\d*)?", num):   # (as messages print counts: 1,130,816 bytes)
+        if re.fullmatch(r"[1-9]\d{0,2}(,\d{3})+(\.\d*)?", num):   # (as messages print counts: 1,130,816 bytes)
             num = num.replace(",", "")
         try:
             value = float(num) * UNITS[unit]

@@ -5,17 +5,19 @@ result, and no other element, so its result can live where such an operand lived
 that operand afterwards. The operand's statement then writes straight into the reader's buffer: its
 arena slot, or, when the reader is a value the entry returns, the array handed back (a weight's
 gradient in `grads`, which the matmul writes before the weight decay's term is added to it in place).
-A layer's pre-activation and its activation share one buffer, and a decayed weight's gradient needs
-no temporary of the weight's size.
+A layer's pre-activation (a matmul's, a conv's) and its activation share one buffer, and a decayed
+weight's gradient needs no temporary of the weight's size.
 
 A pair (operand u made at step s, elementwise reader n at step t) shares a buffer when:
   both run on a CPU device (the CUDA target fuses a matmul's epilogue instead: passes/gemm_fusion.py);
-  u owns its buffer and is written by its own statement (not a view, not a scan's result), by an op
-  that never runs in a part run (passes/part_runs.py keeps what a run touches live over all of it,
-  by the tensors' nodes);
+  u owns its buffer and is written by its own statement (not a view, not a scan's result), and is not
+  a sum over a part run's images (each part sums into a buffer of its own: passes/part_runs.py);
   n has u's shape and dtype, reads u itself (not a view of it), and this computation of u is read
   at step t alone and not kept beyond it (a value made before an hvp block's loop and read in it is
   read on every row, and its interval reaches the end).
+In a part run the reader writes the rows of its part over the same rows of u. The tensor both share
+names u under "over", so a run that touches u keeps it live over the run as it would keep u's own.
+A chain u -> n -> m (fusion left n and m apart: too many operands) is one buffer.
 """
 from gradc.ops import get_op
 
@@ -24,11 +26,11 @@ def _on_cpu(graph, n):
     return graph.node(n)["device"].startswith("cpu")
 
 
-def _writes_over(graph, steps, tensor, reads, returned):
+def _writes_over(graph, steps, tensor, reads):
     """The step of the elementwise reader that may write over `tensor` (a computation of u), or None."""
     u = tensor["node"]
     record = get_op(graph.op(u))
-    if not _on_cpu(graph, u) or record.kind == "project" or record.parts is not None or not reads:
+    if not _on_cpu(graph, u) or record.kind == "project" or record.parts == "sums" or not reads:
         return None
     t = reads[0][0]
     if any(step != t or operand != u for step, operand in reads) or tensor["end"] != t:
@@ -48,7 +50,7 @@ def share_in_place(graph, steps, tensors, reads, returned):
     own = [tensor["made"] for tensor in tensors]   # the step of each tensor's own node (a merge moves "made")
     gone, pairs, taken = set(), [], set()
     for i, tensor in enumerate(tensors):   # in the order they are made: a chain u -> n -> m folds into m
-        t = _writes_over(graph, steps, tensor, reads.get(i, ()), returned)
+        t = _writes_over(graph, steps, tensor, reads.get(i, ()))
         if t is None or t in taken:   # (one operand per reader: a sum's others are read as it writes)
             continue
         taken.add(t)

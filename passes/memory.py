@@ -87,9 +87,10 @@ def keeps_the_peak(graph, steps, tensors, dims):
     there: the arena's peak is what it would be without runs (an inference chain keeps two layers'
     values, not every value of the run). The live bytes are counted on the first call (most entries
     never ask)."""
-    held = {}
+    held = {}   # value -> the tensors holding it (an in-place reader's holds its operands' too: passes/in_place.py)
     for t in tensors:
-        held.setdefault(t["node"], []).append(t)
+        for v in [t["node"], *t.get("over", ())]:
+            held.setdefault(v, []).append(t)
     profiles = []   # (bytes of each value, live bytes per step, peak), at each size
 
     def count():
@@ -108,15 +109,19 @@ def keeps_the_peak(graph, steps, tensors, dims):
         if not profiles:
             count()
         if run["first"] != first or nodes[:len(run["nodes"])] != run["nodes"]:
-            run.update(first=first, nodes=[], touched=set(), start=[], end=[], sizes=[[] for _ in profiles])
+            run.update(first=first, nodes=[], touched=set(), counted=set(), start=[], end=[],
+                       sizes=[[] for _ in profiles])
         for n in nodes[len(run["nodes"]):]:
             for u in {base(graph, v) for v in list(graph.operands(n)) + [n]} - run["touched"]:
                 run["touched"].add(u)
                 for t in held.get(u, ()):
+                    if id(t) in run["counted"]:   # (one buffer for an operand and its in-place reader)
+                        continue
+                    run["counted"].add(id(t))
                     run["start"].append(t["start"])
                     run["end"].append(t["end"])
                     for sizes, (size_of, _, _) in zip(run["sizes"], profiles):
-                        sizes.append(size_of[u])
+                        sizes.append(size_of[t["node"]])
         run["nodes"] = list(nodes)
         start, end = np.array(run["start"], dtype=np.int64), np.array(run["end"], dtype=np.int64)
         kept = (start <= last) & (end >= first)   # each kept over first..last, not only over its own steps
@@ -145,7 +150,8 @@ def step_floor(graph, steps, tensors):
     """The most bytes one step needs at once: its output and the buffers it reads. No plan of these
     steps, with any recomputation, can have a smaller peak."""
     made = {t.get("made", t["start"]): t for t in tensors}
-    owner_bytes = {t["node"]: t["bytes"] for t in tensors}
+    # (an in-place reader's tensor is its operands' buffer: reading them counts it, writing it adds nothing)
+    owner_bytes = {v: t["bytes"] for t in tensors for v in [t["node"], *t.get("over", ())]}
     floor = 0
     for t, n in enumerate(steps):
         reads = {base(graph, u) for u in graph.operands(n)}

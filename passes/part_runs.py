@@ -180,5 +180,6 @@ def extend_over_runs(graph, tensors, runs):
     for run in runs:
         touched = {base(graph, u) for n in run["nodes"] for u in list(graph.operands(n)) + [n]}
         for t in tensors:
-            if t["node"] in touched and t["start"] <= run["last"] and t["end"] >= run["first"]:
+            # (a tensor an in-place reader shares with its operands holds them too: passes/in_place.py)
+            if touched & {t["node"], *t.get("over", ())} and t["start"] <= run["last"] and t["end"] >= run["first"]:
                 t["start"], t["end"] = min(t["start"], run["first"]), max(t["end"], run["last"])

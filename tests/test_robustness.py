@@ -106,7 +106,7 @@ def test_parse_size_accepts_sizes():
     # as messages print them (trial W): any case of auto, a count with its commas, and "bytes"
     assert sizes.parse_size(" AUTO ") == "auto" and sizes.parse_size("1,130,816 bytes") == 1130816
     assert sizes.parse_size("1,048,576") == 2**20 and sizes.parse_size("1 byte") == 1 and sizes.format_size(1) == "1 byte"
-    for slip in ("1,13", "12,3456", "2KiB bytes", "bytes"):
+    for slip in ("1,13", "12,3456", "0,001", "2KiB bytes", "bytes"):
         with pytest.raises(ValueError, match="is not a size"):
             sizes.parse_size(slip)
     assert sizes.parse_size(1000.0) == sizes.parse_size("1000B") == 1000

@@ -12,7 +12,6 @@ lines of the entry function that compute it. `s` (codegen/statement.py) offers:
   s.graph, s.n, s.attrs, s.shape, s.operands (node ids), s.args (their variable names),
   s.out (the node's variable), s.note (a trailing comment naming the op and the user's line),
   s.alloc() (the line that gives s.out its planned buffer; only a statement that writes one asks),
-  s.fresh (no planned buffer: the value is returned, so numpy may allocate it),
   s.written_over (the operand whose buffer an elementwise node writes its result over, or None),
   s.dim(d), s.shape_src(shape) (the source of a dim and of a shape at run time),
   s.kernel(key, name, make) (one kernel per distinct key per module; make(kname) returns

@@ -4,7 +4,9 @@ passes/fusion.py folds an elementwise value that only a reduction reads into tha
 the weight decay's sum of squares of a weight, a loss's mean of (y - t)**2, read each element of their
 operands once and keep no buffer of the operand's size (a decayed 4096 x 4096 weight's square was a
 64 MiB temporary). attrs: `expr` over X[0..k-1], the operands, which all have the reduced value's shape,
-and the reduction's `axes` and `keepdims`. They are made after differentiation, so they have no VJP.
+and the reduction's `axes` and `keepdims`. They are made after differentiation, lr_grad's copies and
+simplification, on the CPU only, so they have no VJP, `batched`, `simplify` or CUDA lowering; nor `parts`:
+a part run of a conv net ends before one (the plain sum it replaced could run inside).
 
 A sum into a number or over the last axis runs in float64, as the plain reductions' do
 (gradc/ops/reduce.py); the expression is computed in the build's float type, as its elementwise kernel
