@@ -38,6 +38,7 @@ from scipy.optimize import LinearConstraint, milp
 from scipy.sparse import coo_array
 
 from .checkpoint import build_chain
+from .in_place import written_into_results
 from .storage import LEAVES, base, owns_buffer, written_with_operand
 
 MILP_LAYERS = 12          # chain layers before the split: at most 3 x 12 coarse nodes
@@ -96,6 +97,7 @@ def coarsen(graph, order, sizes, flops_of, returned, peak_of):
     """The forward of `order` as chain layers split in two (what later layers read, the rest),
     then the backward in runs of about equal work. A backward node written by a forward node's statement
     (autodiff's added results of a forward scan; a view) joins that node's piece."""
+    returned = set(returned) | written_into_results(graph, returned)   # (what lives in a result's array: nothing)
     chain = build_chain(graph, order, sizes, flops_of, returned, max_layers=MILP_LAYERS, even_work=True)
     nodes = [chain.prelude] if chain.prelude else []
     for j, members in enumerate(chain.layers):

@@ -25,6 +25,7 @@ import numpy as np
 
 from gradc.ops import get_op
 
+from .in_place import written_into_results
 from .storage import LEAVES, base, owns_buffer, written_with_operand
 
 MAX_LAYERS = 128
@@ -132,7 +133,7 @@ def build_chain(graph, order, sizes, flops_of, returned=(), max_layers=MAX_LAYER
     in `returned` (the entry's results: the params' gradients) is written into its caller's buffer,
     so it costs the plan nothing."""
     nodes = set(order)
-    returned = set(returned)
+    returned = set(returned) | written_into_results(graph, returned)
     held = lambda v: owns_buffer(graph, v) and v not in returned   # a value the plan's memory holds
     prelude = _prelude(graph, order)
     first = set(prelude)

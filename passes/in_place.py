@@ -42,6 +42,25 @@ def _writes_over(graph, steps, tensor, reads):
     return t
 
 
+def written_into_results(graph, returned):
+    """Values that, by the rules above, live in the array of a result the entry returns (a decayed weight's
+    product, written into `grads`): the memory planners' byte models count them as the result (nothing),
+    as liveness will. One per result (share_in_place takes one operand per reader), the rest are not
+    guessed: a model may only overcount."""
+    out = set()
+    for r in returned:
+        if r not in graph or get_op(graph.op(r)).kind != "elementwise" or not _on_cpu(graph, r):
+            continue
+        for u in graph.operands(r):
+            record = get_op(graph.op(u))
+            if (graph.users(u) == [r] and u not in returned and _on_cpu(graph, u) and record.kind not in ("project", "leaf")
+                    and record.parts != "sums" and not record.view and graph.shape(u) == graph.shape(r) != ()
+                    and graph.dtype(u) == graph.dtype(r)):
+                out.add(u)
+                break
+    return out
+
+
 def share_in_place(graph, steps, tensors, reads, returned):
     """Merge each operand's tensor into its in-place reader's (`reads`: tensor index -> the (step,
     operand) pairs that read it). Returns the tensors left, in the order they are made, and the

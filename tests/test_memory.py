@@ -369,12 +369,20 @@ def test_the_least_budget_named_for_a_dag_compiles(tmp_path):
                   memory_budget=least)
 
 
-def test_weights_larger_than_activations_do_not_hide_the_recompute_plans(tmp_path):
+@pytest.mark.parametrize("decay", [0.0, 0.1])
+def test_weights_larger_than_activations_do_not_hide_the_recompute_plans(tmp_path, decay):
     """A batch of 2 through 64-wide layers: each weight's gradient (32 KiB) is larger than an activation
     (1 KiB). The DP counted those gradients, which the entry writes into its caller's arrays, among each
     layer's backward bytes, so every schedule but store-all seemed not to fit and no budget below it
-    compiled (a new 8-layer 4096-wide MLP at batch 64 was refused below 9 MiB; 5 MiB fits)."""
-    m = _mlp(layers=8, width=64)
+    compiled (a new 8-layer 4096-wide MLP at batch 64 was refused below 9 MiB; 5 MiB fits). With weight
+    decay the product h^T g is written into `grads` and the decay's term added there in place
+    (passes/in_place.py): the DP counts it as the gradient, nothing (trial W: a decay made store-all the least)."""
+    m = gc.Model("wide_mlp")
+    x, y = m.input("x", ("B", 64)), m.input("y", ("B",), dtype="int64")
+    h = x
+    for i in range(8):
+        h = gc.tanh(h @ m.param(f"W{i}", (64, 64)) + m.param(f"b{i}", (64,)))
+    m.minimize(gc.softmax_cross_entropy(h @ m.param("Wo", (64, 5)), y), weight_decay=decay)
     build = dict(order=1, dtype="float64", bind={"B": 2}, warm_cache=False)
     full = compile_model(m, out=str(tmp_path / "full"), **build)
     store_all = sum(full.MEMORY_PLAN["arena_bytes"].values())
