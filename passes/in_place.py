@@ -26,7 +26,7 @@ def _on_cpu(graph, n):
     return graph.node(n)["device"].startswith("cpu")
 
 
-def _writes_over(graph, steps, tensor, reads):
+def _writes_over(graph, steps, tensor, reads, loop_from):
     """The step of the elementwise reader that may write over `tensor` (a computation of u), or None."""
     u = tensor["node"]
     record = get_op(graph.op(u))
@@ -35,6 +35,8 @@ def _writes_over(graph, steps, tensor, reads):
     t = reads[0][0]
     if any(step != t or operand != u for step, operand in reads) or tensor["end"] != t:
         return None
+    if loop_from is not None and tensor["start"] < loop_from <= t:   # (read on every row; its interval reaches the
+        return None                                                  # end, where a reader at the last step is)
     n = steps[t]
     if (get_op(graph.op(n)).kind != "elementwise" or not _on_cpu(graph, n)
             or graph.shape(n) != graph.shape(u) or graph.dtype(n) != graph.dtype(u)):
@@ -61,15 +63,16 @@ def written_into_results(graph, returned):
     return out
 
 
-def share_in_place(graph, steps, tensors, reads, returned):
+def share_in_place(graph, steps, tensors, reads, returned, loop_from=None):
     """Merge each operand's tensor into its in-place reader's (`reads`: tensor index -> the (step,
-    operand) pairs that read it). Returns the tensors left, in the order they are made, and the
-    pairs (operand's step, reader's step); a reader the entry returns has no tensor, its operand none."""
+    operand) pairs that read it; `loop_from`: an hvp block's first step run per tangent row). Returns the
+    tensors left, in the order they are made, and the pairs (operand's step, reader's step); a reader
+    the entry returns has no tensor, its operand none."""
     made = {tensor["made"]: i for i, tensor in enumerate(tensors)}
     own = [tensor["made"] for tensor in tensors]   # the step of each tensor's own node (a merge moves "made")
     gone, pairs, taken = set(), [], set()
     for i, tensor in enumerate(tensors):   # in the order they are made: a chain u -> n -> m folds into m
-        t = _writes_over(graph, steps, tensor, reads.get(i, ()))
+        t = _writes_over(graph, steps, tensor, reads.get(i, ()), loop_from)
         if t is None or t in taken:   # (one operand per reader: a sum's others are read as it writes)
             continue
         taken.add(t)

@@ -72,7 +72,7 @@ def liveness(graph, steps, returned, loop_from=None):
         for tensor in tensors:
             if tensor["start"] < loop_from <= tensor["end"]:
                 tensor["end"] = last
-    return share_in_place(graph, steps, tensors, reads, returned)
+    return share_in_place(graph, steps, tensors, reads, returned, loop_from)
 
 
 # the sizes an unbound dim is given when part runs are checked against the peak: the bytes of a value

@@ -433,7 +433,7 @@ def test_an_elementwise_step_writes_over_the_operand_it_alone_reads(tmp_path, mo
     assert loss == pytest.approx(expected.item(), rel=1e-12)
     for k in params:
         np.testing.assert_allclose(grads[k], tp[k].grad.numpy(), rtol=1e-11, atol=1e-13, err_msg=k)
-    monkeypatch.setattr(memory, "share_in_place", lambda graph, steps, tensors, reads, returned: (tensors, []))
+    monkeypatch.setattr(memory, "share_in_place", lambda graph, steps, tensors, reads, returned, loop_from: (tensors, []))
     apart = compile_model(m, out=str(tmp_path / "apart"), **build)
     with open(tmp_path / "apart" / "in_place.memplan.json") as f:
         assert "in_place" not in json.load(f)

@@ -38,8 +38,19 @@ def _transpose_cuda(s):
 
 
 def _transpose_simplify(graph, n):
-    """transpose(transpose(x)) -> one transpose of x; the identity permutation -> x."""
+    """transpose(transpose(x)) -> one transpose of x; the identity permutation -> x; the transpose of a
+    product only it reads -> the product the other way round, (A B)^T = B^T A^T, by transpose flags (the
+    gradient of a weight used as W.T was a product, then a copy of the weight's size)."""
     (u,) = graph.operands(n)
+    if graph.op(u) == "matmul" and tuple(graph.attrs(n)["axes"]) == (1, 0) and graph.users(u) == [n]:
+        a, b = graph.operands(u)
+        attrs = graph.attrs(u)
+        node = graph.node(n)
+        node["op"] = "matmul"
+        node["attrs"] = {"transpose_a": not attrs.get("transpose_b", False),
+                         "transpose_b": not attrs.get("transpose_a", False)}
+        graph.set_operands(n, [b, a])
+        return n
     rewritten = graph.op(u) == "transpose"
     if rewritten:
         inner, outer = graph.attrs(u)["axes"], graph.attrs(n)["axes"]

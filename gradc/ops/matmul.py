@@ -94,8 +94,23 @@ def _matmul_batched(graph, n, operands, lifted, emit):
                 transpose_b=bool(attrs.get("transpose_b")), reduce_batch=False)
 
 
+def _transposes_as_flags(graph, n):
+    """matmul(x.T, y) -> x with its transpose flag flipped, and so for y: PyTorch's (out, in) weights
+    (`h @ W.T`) and a tied decoder's W.T made a transposed copy of the weight at every step (trial Y)."""
+    operands, rewritten = list(graph.operands(n)), False
+    for j, flag in ((0, "transpose_a"), (1, "transpose_b")):
+        u = operands[j]
+        if graph.op(u) == "transpose" and tuple(graph.attrs(u)["axes"]) == (1, 0):
+            operands[j] = graph.operands(u)[0]
+            graph.attrs(n)[flag] = not graph.attrs(n).get(flag, False)
+            rewritten = True
+    if rewritten:
+        graph.set_operands(n, operands)
+    return n if rewritten else None
+
+
 register(Op("matmul", "matmul", _matmul_infer, _matmul_evaluate, _matmul_flops, vjp=_matmul_vjp, arity=2,
-            rows=_matmul_rows, batched=_matmul_batched, cpu=_matmul_cpu, cuda=_gemm_cuda,
+            rows=_matmul_rows, batched=_matmul_batched, cpu=_matmul_cpu, cuda=_gemm_cuda, simplify=_transposes_as_flags,
             doc="2-D matrix product; attrs transpose_a / transpose_b"))
 
 
