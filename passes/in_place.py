@@ -10,8 +10,8 @@ weight's gradient needs no temporary of the weight's size.
 
 A pair (operand u made at step s, elementwise reader n at step t) shares a buffer when:
   both run on a CPU device (the CUDA target fuses a matmul's epilogue instead: passes/gemm_fusion.py);
-  u owns its buffer and is written by its own statement (not a view, not a scan's result), and is not
-  a sum over a part run's images (each part sums into a buffer of its own: passes/part_runs.py);
+  u owns its buffer and is written by its own statement (not a view, not a scan's result; a sum over a
+  part run's images is added into it after the run, from the parts' own buffers: passes/part_runs.py);
   n has u's shape and dtype, reads u itself (not a view of it), and this computation of u is read
   at step t alone and not kept beyond it (a value made before an hvp block's loop and read in it is
   read on every row, and its interval reaches the end).
@@ -30,7 +30,7 @@ def _writes_over(graph, steps, tensor, reads, loop_from):
     """The step of the elementwise reader that may write over `tensor` (a computation of u), or None."""
     u = tensor["node"]
     record = get_op(graph.op(u))
-    if not _on_cpu(graph, u) or record.kind == "project" or record.parts == "sums" or not reads:
+    if not _on_cpu(graph, u) or record.kind == "project" or not reads:
         return None
     t = reads[0][0]
     if any(step != t or operand != u for step, operand in reads) or tensor["end"] != t:
@@ -56,7 +56,7 @@ def written_into_results(graph, returned):
         for u in graph.operands(r):
             record = get_op(graph.op(u))
             if (graph.users(u) == [r] and u not in returned and _on_cpu(graph, u) and record.kind not in ("project", "leaf")
-                    and record.parts != "sums" and not record.view and graph.shape(u) == graph.shape(r) != ()
+                    and not record.view and graph.shape(u) == graph.shape(r) != ()
                     and graph.dtype(u) == graph.dtype(r)):
                 out.add(u)
                 break

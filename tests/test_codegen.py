@@ -739,3 +739,30 @@ def test_fused_sums_keep_their_signs_and_the_float32_exp_its_polynomial(tmp_path
     source = (tmp_path / "exp" / "cg_kept_sign.py").read_text()
     kernels = source[source.index("# ---- kernels"):]
     assert "_exp_nonpositive(" in kernels and "math.exp(" not in kernels
+
+
+def test_a_transposed_weight_is_a_transpose_flag_not_a_copy(tmp_path, rng):
+    """`h @ W.T` (PyTorch's (out, in) layout) and a tied decoder made a transposed copy of the weight every
+    step, and W.T's gradient a product then its transposed copy (trial Y): both are transpose flags now."""
+    m = gc.Model("cg_wt")
+    x, y = m.input("x", ("B", 32)), m.input("y", ("B",), dtype="int64")
+    W0, W1 = m.param("W0", (64, 32)), m.param("W1", (10, 64))
+    logits = gc.tanh(x @ W0.T) @ W1.T
+    z = gc.tanh(logits @ W1)                 # the tied decoder
+    m.minimize(gc.softmax_cross_entropy(logits, y) + gc.mean(z * z), weight_decay=0.01)
+    mod = gc.compile(m, out=str(tmp_path), dtype="float64", order=1, warm=False)
+    source = (tmp_path / "cg_wt.py").read_text()
+    step = source[source.index("def _loss_and_grad("):source.index("def ", source.index("def _loss_and_grad(") + 4)]
+    assert "transpose" not in step, step
+    p = {"W0": rng.standard_normal((64, 32)), "W1": rng.standard_normal((10, 64))}
+    xs, ys = rng.standard_normal((5, 32)), rng.integers(0, 10, 5)
+    loss, grads = mod.loss_and_grad(p, x=xs, y=ys)
+    tp = {k: torch.tensor(v, requires_grad=True) for k, v in p.items()}
+    lg = torch.tanh(torch.tensor(xs) @ tp["W0"].T) @ tp["W1"].T
+    zt = torch.tanh(lg @ tp["W1"])
+    expected = (torch.nn.functional.cross_entropy(lg, torch.tensor(ys)) + (zt * zt).mean()
+                + 0.005 * sum((v ** 2).sum() for v in tp.values()))
+    expected.backward()
+    assert loss == pytest.approx(expected.item(), rel=1e-13)
+    for k in p:
+        np.testing.assert_allclose(grads[k], tp[k].grad.numpy(), rtol=1e-11, atol=1e-13, err_msg=k)

@@ -442,6 +442,40 @@ def test_an_elementwise_step_writes_over_the_operand_it_alone_reads(tmp_path, mo
     assert loss1 == loss and all(np.array_equal(grads1[k], grads[k]) for k in grads)
 
 
+def test_a_decayed_conv_weight_keeps_no_buffer_of_its_own(tmp_path):
+    """The decay's term goes into a conv's weight gradient in place, in `grads` (its parts summed there
+    after a part run): a decayed conv net's arena is the undecayed one's (trial Y: three weight-sized
+    temporaries), and its gradients are torch's."""
+    torch = pytest.importorskip("torch")
+
+    def net(decay):
+        m = gc.Model(f"convdecay{int(decay > 0)}")
+        x, t = m.input("x", ("B", 16, 8, 8)), m.input("t", ("B", 16, 8, 8))
+        h = x
+        for i in range(3):
+            h = gc.relu(gc.conv2d(h, m.param(f"w{i}", (16, 16, 3, 3), init="he_normal"), m.param(f"b{i}", (16,)),
+                                  padding=1))
+        m.minimize(gc.mse(h, t), weight_decay=decay)
+        return m
+
+    build = dict(order=1, bind={"B": 2}, warm_cache=False, dtype="float64")
+    plain, decayed = (compile_model(net(d), out=str(tmp_path / str(d)), **build) for d in (0.0, 0.1))
+    assert decayed.MEMORY_PLAN["arena_bytes"] == plain.MEMORY_PLAN["arena_bytes"]
+    rng = np.random.default_rng(2)
+    params = {k: 0.2 * rng.standard_normal(v.shape) for k, v in decayed.init_params(0).items()}
+    inputs = {k: rng.standard_normal((2, 16, 8, 8)) for k in ("x", "t")}
+    loss, grads = decayed.loss_and_grad(params, **inputs)
+    tp = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    h = torch.tensor(inputs["x"])
+    for i in range(3):
+        h = torch.relu(torch.nn.functional.conv2d(h, tp[f"w{i}"], tp[f"b{i}"], padding=1))
+    expected = ((h - torch.tensor(inputs["t"])) ** 2).mean() + 0.05 * sum((tp[f"w{i}"] ** 2).sum() for i in range(3))
+    expected.backward()
+    assert loss == pytest.approx(expected.item(), rel=1e-12)
+    for k in params:
+        np.testing.assert_allclose(grads[k], tp[k].grad.numpy(), rtol=1e-10, atol=1e-12, err_msg=k)
+
+
 def _named_minimum(m, tmp_path, budget, build):
     """The minimum a refusal of `budget` names, in bytes."""
     with pytest.raises(gc.GradcError, match=r"is below the minimum") as e:
