@@ -49,7 +49,8 @@ def report(build, graph=False, memory=False, partition=False, kernels=False, ptx
     lines.append(f"params: {len(params)} arrays, {total:,} values, "
                  f"{sum(p['trainable'] for p in params.values())} trainable; weight_decay {meta['weight_decay']}")
     for name, p in params.items():
-        flags = ("trainable" if p["trainable"] else "frozen") + (", decay" if p["decay"] else "")
+        # (a frozen param is never decayed, whatever its decay flag says: trial Y)
+        flags = ("trainable" if p["trainable"] else "frozen") + (", decay" if p["decay"] and p["trainable"] else "")
         lines.append(f"  {name:<16} {_shape(p['shape']):<16} {flags}")
     lines.append("inputs: " + ", ".join(f"{k} {_shape(nodes[v]['shape'])} {nodes[v]['dtype']}"
                                          for k, v in meta["inputs"].items()))

@@ -515,7 +515,7 @@ def stage_documents(graph, plans, pipeline):
 def summary(doc):
     """MEMORY_PLAN in the module: the numbers of the plan, without the per-tensor tables."""
     keys = ("entry", "peak_bytes", "store_all_peak_bytes", "lower_bound_bytes", "budget_bytes", "recompute_flops",
-            "method", "arena_bytes")
+            "method", "arena_bytes", "workspace_bytes")   # (a budget counts the arena and the workspace: trial Y)
     out = {k: doc[k] for k in keys}
     out["retained"] = sorted({t["node"] for t in doc["tensors"] if t["retained"]})
     out["recomputed"] = sorted({t["node"] for t in doc["tensors"] if t["recomputed"]})

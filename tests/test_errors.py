@@ -584,6 +584,12 @@ def test_a_hyperparameter_the_optimizer_does_not_use_is_refused(small):
     with pytest.raises(AttributeError, match=r"Trainer: the optimizer is chosen when the Trainer is made"):
         adam.optimizer = "sgd"
     assert (tr.eps, adam.momentum, adam.optimizer) == (1e-8, 0.0, "adam")
+    # PyTorch's optimizers take a weight decay: gradc's is the model's (trial Y)
+    with pytest.raises(ValueError, match=r"Trainer: weight decay is part of the model's objective: m.minimize\(loss, "
+                                         r"weight_decay=...\)"):
+        small.Trainer(p, weight_decay=1e-4)
+    with pytest.raises(AttributeError, match=r"Trainer: weight decay is part of the model's objective"):
+        tr.weight_decay = 1e-4
 
 
 def test_checkpoint_of_another_model_is_refused(small, tmp_path):

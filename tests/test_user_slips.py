@@ -691,3 +691,19 @@ def test_a_user_op_written_with_math_or_an_if_says_what_to_write():
     with pytest.raises(gc.GradcError, match=r"truth value of Relational.*; a branch \(`if`, `max`, `min`\) is a sympy "
                                             r"Piecewise"):
         gc.elementwise("slip_if_op", lambda u: u if u > 0 else 0)
+
+
+def test_inspect_calls_a_frozen_param_undecayed(tmp_path):
+    """A frozen 2-D param keeps decay=True from its rank's default, but nothing decays it: inspect said
+    `frozen, decay` (trial Y)."""
+    (tmp_path / "model.py").write_text(textwrap.dedent("""\
+        import gradc as gc
+        m = gc.Model("slip_frozen")
+        x = m.input("x", ("B", 4))
+        h = x @ m.param("F", (4, 4), trainable=False) @ m.param("W", (4, 3))
+        m.minimize(h.mean(), weight_decay=0.1)
+        """))
+    assert gradc("compile", "model.py", "-o", "build", "--bind", "B=4", "--warm", "none", "--order", "1",
+                 cwd=tmp_path).returncode == 0
+    r = gradc("inspect", "build/slip_frozen", cwd=tmp_path)
+    assert re.search(r"^  F +\(4, 4\) +frozen$", r.stdout, re.M) and re.search(r"^  W .* trainable, decay$", r.stdout, re.M), r.stdout

@@ -17,6 +17,9 @@ from .signature import number_as_array
 
 OPTIMIZERS = ("sgd", "adam")
 
+DECAY_IS_THE_MODELS = ("weight decay is part of the model's objective: m.minimize(loss, weight_decay=...) (and "
+                       "decay=False on a param), so every entry point and optimizer sees the same gradient")
+
 
 def one_at_a_time(method):
     """A Trainer's steps and saves run one after another when threads share it: they read and write its
@@ -121,6 +124,8 @@ class TrainerBase:
     def __init__(self, params, /, optimizer="sgd", lr=0.01, momentum=0.0, betas=(0.9, 0.999), eps=1e-8,
                  clip_norm=None, parallel=None, **parallel_options):
         with refused_on_every_rank(self, parallel, parallel_options):   # (the other ranks would wait for this one)
+            if "weight_decay" in parallel_options:   # (PyTorch's optimizers take it: trial Y)
+                raise ValueError(f"{self.model_name}.Trainer: {DECAY_IS_THE_MODELS}")
             if optimizer not in OPTIMIZERS:
                 raise ValueError(f"{self.model_name}.Trainer: unknown optimizer {optimizer!r} (use 'sgd' or 'adam')")
             self._optimizer = optimizer   # first: the hyperparameters it ignores are refused (Hyperparameter)
@@ -145,6 +150,8 @@ class TrainerBase:
         if self.__dict__.get("_made") and name == "state":
             raise AttributeError(f"{self.model_name}.Trainer: tr.state holds the optimizer's own buffers: write their "
                                  f"values in place (tr.state['m'][...] = ...), not tr.state itself")
+        if self.__dict__.get("_made") and name == "weight_decay":
+            raise AttributeError(f"{self.model_name}.Trainer: {DECAY_IS_THE_MODELS}")
         if self.__dict__.get("_made") and not name.startswith("_") and name not in self.__dict__ \
                 and not hasattr(type(self), name):
             settable = (*OWN[self._optimizer], "clip_norm")
