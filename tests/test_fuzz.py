@@ -81,6 +81,7 @@ def test_compiled_lr_grad_of_row_wise_programs_matches_the_interpreter(seed, tmp
     check_lr_compiled(lr_case(seed), str(tmp_path))
 
 
+@pytest.mark.slow
 def test_the_lr_check_finds_a_biased_estimate(monkeypatch):
     """The check can fail: with every site's part negated, a bias's parts alone 1.5x, or a bias's parts left
     out (found by review: the first version of the check compared only the parts given, over all of them)."""

@@ -369,7 +369,7 @@ def test_the_least_budget_named_for_a_dag_compiles(tmp_path):
                   memory_budget=least)
 
 
-@pytest.mark.parametrize("decay", [0.0, 0.1])
+@pytest.mark.parametrize("decay", [pytest.param(0.0, marks=pytest.mark.slow), 0.1])   # (0.1: both causes)
 def test_weights_larger_than_activations_do_not_hide_the_recompute_plans(tmp_path, decay):
     """A batch of 2 through 64-wide layers: each weight's gradient (32 KiB) is larger than an activation
     (1 KiB). The DP counted those gradients, which the entry writes into its caller's arrays, among each
@@ -552,6 +552,7 @@ def test_a_plan_fits_the_budget_by_its_arena_not_its_live_peak(tmp_path, monkeyp
     assert gapped["recompute_flops"] > plain["recompute_flops"]
 
 
+@pytest.mark.slow
 def test_a_refusal_names_the_milps_least_plan_where_the_chain_has_none(tmp_path):
     """A U-Net's long skips leave the chain DP nothing to cut, so its least is keeping everything; the MILP
     plans the DAG below that. The refusal named keeping everything as the minimum while the MILP's plan of
@@ -604,6 +605,7 @@ def _lstm_and_reverse_rnn():
     return m
 
 
+@pytest.mark.slow
 def test_the_milp_plans_results_autodiff_adds_to_a_forward_scan(tmp_path):
     """Autodiff adds results to a forward scan (what its backward reads), made in the backward phase; the MILP's
     coarse graph cut them into a backward piece without their scan, and measuring that piece failed (KeyError,

@@ -211,6 +211,7 @@ def test_inspect_refuses_a_dump_whose_shape_was_edited(tmp_path):
             f"a shape is {shape!r}, not a list of sizes" in line, line
 
 
+@pytest.mark.slow
 def test_inspect_refuses_a_partition_dump_that_was_edited(tmp_path):
     """A partition.json edited to schedule "zigzag" and -3 microbatches was printed as it was (a trial)."""
     (tmp_path / "model.py").write_text("import gradc as gc\nm = gc.Model('slip_part')\nh = m.input('x', ('B', 3))\n"
