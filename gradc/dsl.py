@@ -4,6 +4,7 @@ Every call adds a node to the model's graph at once, so shape errors are raised 
 user's own line, and every node keeps that `file:line`.
 """
 import contextlib
+import difflib
 import keyword
 import numbers
 import sys
@@ -49,7 +50,8 @@ class Model:
         if name in self.graph.inputs or name in self.graph.params:
             raise GradcError(f"duplicate name {name!r}: already an input or param of model {self.name!r}", src)
 
-    def input(self, name, shape, dtype=None):
+    def input(self, name, shape, dtype=None, **unknown):
+        _refuse_keywords("input", unknown, ("dtype",))
         src = user_src()
         self._claim("input", name, src)
         shape = _shape_or_fail("input", shape, src)
@@ -59,7 +61,8 @@ class Model:
         self.graph.inputs[name] = n
         return Tensor(self, n)
 
-    def param(self, name, shape, init=None, decay=None, trainable=True):
+    def param(self, name, shape, init=None, decay=None, trainable=True, **unknown):
+        _refuse_keywords("param", unknown, ("init", "decay", "trainable"))
         src = user_src()
         self._claim("param", name, src)
         shape = _shape_or_fail("param", shape, src)
@@ -97,7 +100,8 @@ class Model:
                              f"is a value the model computes from its inputs and params)", src)
         self.graph.outputs[name] = self._node(tensor, "output", src)
 
-    def minimize(self, loss, weight_decay=0.0):
+    def minimize(self, loss, weight_decay=0.0, **unknown):
+        _refuse_keywords("minimize", unknown, ("weight_decay",))
         src = user_src()
         if self.loss_tensor is not None:
             raise GradcError(f"minimize() was already called for model {self.name!r} at {self._minimize_src}", src)
@@ -285,14 +289,20 @@ _TORCH_METHODS = {"transpose": "gc.transpose(x, axes), every axis in its new pla
                   "unsqueeze": "x[:, None] (None indexes a new axis)",
                   "exp": "gc.exp(x)", "log": "gc.log(x)", "tanh": "gc.tanh(x)", "sigmoid": "gc.sigmoid(x)",
                   "relu": "gc.relu(x)", "sqrt": "gc.sqrt(x)", "abs": "abs(x) or gc.abs(x)", "pow": "x ** p",
-                  "matmul": "x @ y", "mm": "x @ y", "softmax": "gc.softmax(x, axis)"}   # (not size or dim: libraries probe those)
+                  "matmul": "x @ y", "mm": "x @ y", "softmax": "gc.softmax(x, axis)",
+                  "amax": "x.max(axis, keepdims)", "clamp": "gc.maximum(x, lo), and -gc.maximum(-x, -hi) for a top"}   # (not size or dim: libraries probe those)
 _TORCH_KEYWORDS = {"keepdim": "keepdims", "dim": "axis"}
 
 
-def _refuse_torch_keywords(op, given):
-    """Tensor.sum(keepdim=True): the keyword gradc takes (numpy's), or the one not known."""
+def _refuse_keywords(op, given, known):
+    """A keyword the call does not take, at the user's line: PyTorch's name for one gradc takes (keepdim=),
+    or the nearest it takes (m.minimize(weightdecay=): trial Y had Python's bare TypeError)."""
     for k in given:
-        hint = f": write {_TORCH_KEYWORDS[k]}= (numpy's keywords)" if k in _TORCH_KEYWORDS else ""
+        if k in _TORCH_KEYWORDS and _TORCH_KEYWORDS[k] in known:
+            hint = f": write {_TORCH_KEYWORDS[k]}= (numpy's keywords)"
+        else:
+            close = difflib.get_close_matches(k, known, n=1)
+            hint = f": did you mean {close[0]!r}?" if close else f" (it takes {', '.join(known)})"
         raise GradcError(f"{op}() got an unexpected keyword {k!r}{hint}", user_src())
 
 
@@ -397,15 +407,15 @@ class Tensor:
         return transpose(self, src=user_src())
 
     def sum(self, axis=None, keepdims=False, **torch_style):
-        _refuse_torch_keywords("sum", torch_style)
+        _refuse_keywords("sum", torch_style, ("axis", "keepdims"))
         return sum(self, axis, keepdims, src=user_src())
 
     def mean(self, axis=None, keepdims=False, **torch_style):
-        _refuse_torch_keywords("mean", torch_style)
+        _refuse_keywords("mean", torch_style, ("axis", "keepdims"))
         return mean(self, axis, keepdims, src=user_src())
 
     def max(self, axis=None, keepdims=False, **torch_style):
-        _refuse_torch_keywords("max", torch_style)
+        _refuse_keywords("max", torch_style, ("axis", "keepdims"))
         return max(self, axis, keepdims, src=user_src())
 
     def __getattr__(self, name):
@@ -514,7 +524,8 @@ sum, mean, max = _reduction("sum"), _reduction("mean"), _reduction("max")
 
 
 def _axis_op(name):
-    def f(x, axis=-1):
+    def f(x, axis=-1, **torch_style):
+        _refuse_keywords(name, torch_style, ("axis",))
         src = user_src()
         if not isinstance(x, Tensor):
             raise GradcError(f"{name}: needs a gradc Tensor", src)

@@ -75,11 +75,11 @@ def share_in_place(graph, steps, tensors, reads, returned, loop_from=None):
         t = _writes_over(graph, steps, tensor, reads.get(i, ()), loop_from)
         if t is None or t in taken:   # (one operand per reader: a sum's others are read as it writes)
             continue
-        taken.add(t)
         n = steps[t]
         j = made.get(t)
         if n not in returned and (j is None or tensors[j]["node"] != n):
             continue   # (n keeps no tensor of its own here: leave u's)
+        taken.add(t)
         pairs.append((own[i], t))
         gone.add(i)
         if j is not None and n not in returned:

@@ -102,8 +102,20 @@ def test_declaration_errors():
         t3.transpose((0, 2, 1))
     with pytest.raises(GradcError, match=r"sum\(\) got an unexpected keyword 'keepdim': write keepdims="):
         t3.sum(axis=1, keepdim=True)
-    with pytest.raises(GradcError, match=r"mean\(\) got an unexpected keyword 'out'$"):
+    with pytest.raises(GradcError, match=r"mean\(\) got an unexpected keyword 'out' \(it takes axis, keepdims\)$"):
         t3.mean(out=None)
+    with pytest.raises(GradcError, match=r"softmax\(\) got an unexpected keyword 'dim': write axis="):
+        gc.softmax(t3, dim=1)
+    with pytest.raises(GradcError, match=r"a Tensor has no .amax \(PyTorch's\): write x.max\(axis, keepdims\)"):
+        t3.amax(1)
+    with pytest.raises(GradcError, match=r"test_errors.py:\d+: param\(\) got an unexpected keyword 'decays': "
+                                         r"did you mean 'decay'\?"):
+        m.param("pd", (3,), decays=False)
+    with pytest.raises(GradcError, match=r"minimize\(\) got an unexpected keyword 'weightdecay': did you mean "
+                                         r"'weight_decay'\?"):
+        m.minimize(t3.sum(), weightdecay=0.1)
+    with pytest.raises(GradcError, match=r"input\(\) got an unexpected keyword 'shape2' \(it takes dtype\)"):
+        m.input("i2", (3,), shape2=(3,))
     assert not hasattr(t3, "size") and not hasattr(t3, "exp")   # (probes see an AttributeError)
     t = m.input("t", (3,))
     m.output("o", t)
