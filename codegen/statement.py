@@ -47,7 +47,7 @@ class Statement:
         self._writer, self._dims, self._step = writer, dims, step
         # the operand whose buffer this node writes over (passes/in_place.py), or None
         over = getattr(writer, "over", {}).get(step)
-        self.written_over = None if over is None else self.operands.index(writer.plan_steps[over])
+        self.written_over = None if over is None else writer.plan_steps[over]
 
     def alloc(self):
         """`out = <its buffer>`: only a statement that writes a buffer asks (asking places a flat root)."""
@@ -114,7 +114,7 @@ class Statement:
         """An elementwise kernel computing expr (over X[j] = operands[j]) into out, or over its operand
         `written_over`; (kernel, args: the out argument is the caller's to add, unless written over)."""
         patterns = [None if self.graph.shape(u) == () else self.pattern(u) for u in operands]
-        into = None if self.written_over is None else list(operands).index(self.operands[self.written_over])
+        into = None if self.written_over is None else list(operands).index(self.written_over)
         return (self.kernels.elementwise(expr, patterns, len(self.shape), hint, **({} if into is None else {"into": into})),
                 [self.var(u) for u in operands])
 

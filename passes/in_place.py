@@ -21,27 +21,27 @@ A chain u -> n -> m (fusion left n and m apart: too many operands) is one buffer
 """
 from gradc.ops import get_op
 
+from .storage import owns_buffer
 
-def _on_cpu(graph, n):
-    return graph.node(n)["device"].startswith("cpu")
+
+def _may_share(graph, u, n):
+    """The rules above that the graph alone decides: u's buffer may hold elementwise reader n's value."""
+    on_cpu = lambda v: graph.node(v)["device"].startswith("cpu")
+    return (on_cpu(u) and on_cpu(n) and owns_buffer(graph, u) and get_op(graph.op(u)).kind != "project"
+            and get_op(graph.op(n)).kind == "elementwise"
+            and graph.shape(n) == graph.shape(u) and graph.dtype(n) == graph.dtype(u))
 
 
 def _writes_over(graph, steps, tensor, reads, loop_from):
     """The step of the elementwise reader that may write over `tensor` (a computation of u), or None."""
-    u = tensor["node"]
-    record = get_op(graph.op(u))
-    if not _on_cpu(graph, u) or record.kind == "project" or not reads:
+    if not reads:
         return None
-    t = reads[0][0]
+    u, t = tensor["node"], reads[0][0]
     if any(step != t or operand != u for step, operand in reads) or tensor["end"] != t:
         return None
     if loop_from is not None and tensor["start"] < loop_from <= t:   # (read on every row; its interval reaches the
         return None                                                  # end, where a reader at the last step is)
-    n = steps[t]
-    if (get_op(graph.op(n)).kind != "elementwise" or not _on_cpu(graph, n)
-            or graph.shape(n) != graph.shape(u) or graph.dtype(n) != graph.dtype(u)):
-        return None
-    return t
+    return t if _may_share(graph, u, steps[t]) else None
 
 
 def written_into_results(graph, returned):
@@ -51,15 +51,10 @@ def written_into_results(graph, returned):
     guessed: a model may only overcount."""
     out = set()
     for r in returned:
-        if r not in graph or get_op(graph.op(r)).kind != "elementwise" or not _on_cpu(graph, r):
-            continue
-        for u in graph.operands(r):
-            record = get_op(graph.op(u))
-            if (graph.users(u) == [r] and u not in returned and _on_cpu(graph, u) and record.kind not in ("project", "leaf")
-                    and not record.view and graph.shape(u) == graph.shape(r) != ()
-                    and graph.dtype(u) == graph.dtype(r)):
-                out.add(u)
-                break
+        u = next((u for u in graph.operands(r) if graph.users(u) == [r] and u not in returned and _may_share(graph, u, r)),
+                 None) if r in graph else None
+        if u is not None:
+            out.add(u)
     return out
 
 

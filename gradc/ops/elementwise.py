@@ -144,15 +144,19 @@ def elementwise_vjp(ctx, n, g):
     return grads
 
 
+def expression_name(expr):
+    """What an expression computes, for a kernel's name: its functions, or its arithmetic."""
+    functions = sorted({type(f).__name__.lower() for f in expr.atoms(sp.Function)})
+    arithmetic = [name for kind, name in ((sp.Mul, "mul"), (sp.Add, "add"), (sp.Pow, "pow")) if expr.atoms(kind)]
+    return "_".join(functions[:2] or arithmetic) or "copy"
+
+
 def kernel_name(graph, n):
-    """What an elementwise kernel computes, for its name: the op, or a fused chain's functions (or
-    its arithmetic), with `_grad` when it is part of a backward and `_hvp` of a second-order pass."""
+    """What an elementwise kernel computes, for its name: the op, or a fused chain's expression_name,
+    with `_grad` when it is part of a backward and `_hvp` of a second-order pass."""
     op = graph.op(n)
     if op == "fused":
-        expr = graph.attrs(n)["expr"]
-        functions = sorted({type(f).__name__.lower() for f in expr.atoms(sp.Function)})
-        arithmetic = [name for kind, name in ((sp.Mul, "mul"), (sp.Add, "add"), (sp.Pow, "pow")) if expr.atoms(kind)]
-        op = "_".join(functions[:2] or arithmetic) or "copy"
+        op = expression_name(graph.attrs(n)["expr"])
     return op + {"backward": "_grad", "second": "_hvp"}.get(graph.node(n)["phase"], "")
 
 

@@ -13,10 +13,10 @@ A sum into a number or over the last axis runs in float64, as the plain reductio
 computed it.
 """
 import numpy as np
-import sympy as sp
 
 from . import Op, register
-from .elementwise import evaluate_expression
+from .elementwise import evaluate_expression, expression_name
+from .reduce import reduce_rows
 from .kernel_text import dims_line, index, loops
 from ..errors import ShapeError
 from ..shapes import reduced, size
@@ -54,14 +54,7 @@ def _rows(graph, n, ins, fail):
     batch = {a for a in ins if a is not None}
     if len(batch) > 1:
         fail("reads operands whose rows lie on different axes")
-    if not batch:
-        return None
-    a, axes, op = batch.pop(), tuple(graph.attrs(n)["axes"]), BASE[graph.op(n)]
-    if a in axes:
-        if op == "max":
-            fail("takes a max over rows")
-        return ("reduced", op)
-    return a if graph.attrs(n).get("keepdims") else a - sum(1 for x in axes if x < a)
+    return reduce_rows(graph, n, (batch.pop(),), fail, BASE[graph.op(n)]) if batch else None
 
 
 def cpu_source(name, op, rank, axes, keepdims, element):
@@ -109,13 +102,6 @@ def cpu_source(name, op, rank, axes, keepdims, element):
     return "\n".join(lines + loops(kept, body + [f"out[{out_idx}] = acc{mean}"]))
 
 
-def _what(expr):
-    """The expression's functions, or its arithmetic, for the kernel's name (sum_of_pow: a sum of squares)."""
-    functions = sorted({type(f).__name__.lower() for f in expr.atoms(sp.Function)})
-    arithmetic = [name for kind, name in ((sp.Pow, "pow"), (sp.Mul, "mul"), (sp.Add, "add")) if expr.atoms(kind)]
-    return "_".join(functions[:2] or arithmetic[:2]) or "copy"
-
-
 def _cpu(s):
     expr, rank = s.attrs["expr"], len(s.operand_shape(0))
     axes, keepdims, op = tuple(s.attrs["axes"]), s.attrs.get("keepdims", False), BASE[s.op]
@@ -129,7 +115,7 @@ def _cpu(s):
         return cpu_source(kname, op, rank, axes, keepdims, element), f"{op} over axes {axes} of {expr}"
 
     key = ("fused_reduce", op, rank, axes, keepdims, expr, arity)
-    kernel = s.kernel(key, f"{op}_of_{_what(expr)}", make)
+    kernel = s.kernel(key, f"{op}_of_{expression_name(expr)}", make)   # (sum_of_pow: a sum of squares)
     if s.shape == ():
         return [f"{s.out} = {s.call(kernel, s.args)}{s.note}"]
     return s.into_out(kernel)

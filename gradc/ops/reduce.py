@@ -58,13 +58,14 @@ def _np_reduce(fn):
         fn(values[0], axis=tuple(attrs["axes"]), keepdims=attrs.get("keepdims", False)))
 
 
-def _reduce_rows(graph, n, ins, fail):
-    """Reducing over the rows ends them (the loss's reduction); over other axes they stay."""
-    axes, (a,) = tuple(graph.attrs(n)["axes"]), ins
+def reduce_rows(graph, n, ins, fail, op=None):
+    """Reducing over the rows ends them (the loss's reduction); over other axes they stay. `op`: the
+    reduction n is (a fused one's plain sum, mean or max), n's own op by default."""
+    axes, (a,), op = tuple(graph.attrs(n)["axes"]), ins, op or graph.op(n)
     if a in axes:
-        if graph.op(n) == "max":
+        if op == "max":
             fail("takes a max over rows")
-        return ("reduced", graph.op(n))
+        return ("reduced", op)
     return a if graph.attrs(n).get("keepdims") else a - sum(1 for x in axes if x < a)
 
 
@@ -217,7 +218,7 @@ def _infer_of(name):
 
 
 def _reduction(name, fn, vjp):
-    return Op(name, "reduce", _infer_of(name), _np_reduce(fn), _reduce_flops, vjp=vjp, arity=1, rows=_reduce_rows, parts="rows",
+    return Op(name, "reduce", _infer_of(name), _np_reduce(fn), _reduce_flops, vjp=vjp, arity=1, rows=reduce_rows, parts="rows",
               simplify=_over_no_axes, batched=unary(axes=lambda axes, k: shifted(axes)),
               cpu=_reduction_cpu, cuda=_reduction_cuda)
 
